@@ -1,0 +1,57 @@
+"""Reference trainer: versioned backward graphs and logical-rank training in plain PyTorch.
+
+The public API (contract §2-§9) is re-exported here; ``import reference_trainer as rt``.
+This package imports nothing of the harness (``validation``, ``canaries``, ...).
+"""
+
+from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
+from .corrections import CorrectionStats
+from .errors import (
+    CheckpointBusyError,
+    CheckpointReplacedError,
+    ConfigError,
+    GradientCommitError,
+    MemoryAdmissionError,
+    StaleGradientError,
+    TrainerError,
+    UnsupportedSavedStateError,
+)
+from .graphs import ForwardInput, ForwardOutput, PlacementDecision
+from .lora import LoRAAdapter, LoRAConfig
+from .model import DecoderLM, ModelConfig, token_logprobs
+from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
+from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer
+
+__all__ = [
+    "BASE",
+    "AdamWConfig",
+    "BackwardReport",
+    "Checkpoint",
+    "CheckpointBusyError",
+    "CheckpointReplacedError",
+    "CheckpointStep",
+    "CheckpointVersion",
+    "ConfigError",
+    "CorrectionStats",
+    "DecoderLM",
+    "ForwardInput",
+    "ForwardOptions",
+    "ForwardOutput",
+    "GradientCommitError",
+    "ImportanceCorrection",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "MemoryAdmissionError",
+    "ModelConfig",
+    "PlacementDecision",
+    "RecordReport",
+    "ResolvedOptions",
+    "StaleGradientError",
+    "StepReport",
+    "Trainer",
+    "TrainerError",
+    "UNSET",
+    "UnsupportedSavedStateError",
+    "resolve_options",
+    "token_logprobs",
+]

@@ -1,0 +1,289 @@
+"""Checkpoints own their trainable state and count its versions.
+
+NOTE [Weight captures]
+  1. A forward never differentiates the live parameters. It runs on a
+     *capture*: one leaf tensor per trainable parameter that aliases the live
+     storage but has its own autograd version counter (``param.data``), tagged
+     with the :class:`CheckpointVersion` it was taken at. Captures of one
+     version are shared by every forward at that version.
+  2. Copy on write: before the trainer mutates a live parameter in place
+     (optimizer step, load), it moves the live parameter to a fresh copy of its
+     storage if a capture of the current version is still alive. The capture
+     keeps the old storage, so old graphs still see exactly the forward's
+     weights, at the cost of one copy per live revision and nothing at all
+     when no graph outlives the step.
+  3. Ledger: a capture records each parameter's version counter when taken.
+     If a capture still aliases its live parameter at backward and that
+     counter moved, the weights were written in place behind the trainer's
+     back; the backward refuses instead of computing a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, GradientCommitError
+from .lora import LoRAAdapter, LoRAConfig
+from .model import DecoderLM
+
+__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "WeightCapture", "BASE"]
+
+
+class _Base:
+    def __repr__(self) -> str:
+        return "BASE"
+
+    def __reduce__(self) -> str:
+        return "BASE"
+
+
+BASE: Any = _Base()
+"""Pass as ``checkpoint=`` to run the frozen base model with no grad."""
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointVersion:
+    """The exact weights a forward used: checkpoint name, generation, revision."""
+
+    name: str
+    generation: int
+    revision: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig:
+    """AdamW settings; defaults are ``torch.optim.AdamW``'s."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"AdamWConfig.{name}", value, "a finite number >= 0")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ConfigError("AdamWConfig.betas", self.betas, "two numbers in [0, 1)")
+        object.__setattr__(self, "betas", betas)
+
+
+@dataclass(eq=False)
+class WeightCapture:
+    """Immutable leaves standing for a checkpoint's weights at one version (NOTE [Weight captures])."""
+
+    version: CheckpointVersion
+    tensors: dict[str, torch.Tensor]
+    stamps: dict[str, int]
+    targets: dict[str, nn.Parameter] = field(repr=False)
+
+    @property
+    def nbytes_if_detached(self) -> int:
+        """Bytes this capture holds of its own once the live weights move on."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def check_ledger(self) -> None:
+        """Raise if a live parameter that still shares storage was written in place (Rule 3)."""
+        for name, tensor in self.tensors.items():
+            live = self.targets[name]
+            shares = tensor.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+            if shares and live._version != self.stamps[name]:
+                raise GradientCommitError(
+                    f"checkpoint {self.version.name!r}: parameter {name!r} was modified in place "
+                    f"outside the trainer after the forward (version counter {self.stamps[name]} "
+                    f"at forward, {live._version} now); expected weight changes only through "
+                    "optim_step or load_checkpoint. Forward again."
+                )
+
+
+class Checkpoint:
+    """A named set of trainable parameters with its AdamW state and version counters.
+
+    ``revision`` counts successful optimizer steps; ``generation`` changes when
+    the checkpoint is loaded over. Low-precision parameters step through FP32
+    master copies; FP32 parameters step in place.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: DecoderLM,
+        *,
+        lora: LoRAConfig | None,
+        full: bool,
+        optimizer: AdamWConfig,
+        generation: int,
+        seed: int | None = None,
+    ) -> None:
+        self.name = name
+        self.lora_config = lora
+        self.optimizer_config = optimizer
+        self.generation = generation
+        self.revision = 0
+        if lora is not None:
+            self.adapter: LoRAAdapter | None = LoRAAdapter(model, lora, seed=seed)
+            params = dict(self.adapter.named_parameters())
+        else:
+            self.adapter = None
+            params = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+        self._params: dict[str, nn.Parameter] = params
+        self._masters = {
+            n: p.detach().float().clone().requires_grad_(True)
+            for n, p in params.items()
+            if p.dtype != torch.float32
+        }
+        stepped = [self._masters.get(n, p) for n, p in params.items()]
+        self._optimizer = torch.optim.AdamW(
+            stepped,
+            lr=optimizer.lr,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+        )
+        self._capture_ref: weakref.ref[WeightCapture] | None = None
+        # (forward version, staleness bound) of every committed gradient.
+        self.origins: set[tuple[CheckpointVersion, int]] = set()
+
+    @property
+    def is_full(self) -> bool:
+        return self.adapter is None
+
+    @property
+    def version(self) -> CheckpointVersion:
+        return CheckpointVersion(self.name, self.generation, self.revision)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The live trainable parameters; ``.grad`` holds committed gradients."""
+        yield from self._params.items()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        yield from self._params.values()
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self._params.values())
+
+    def trainable_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params.values())
+
+    # --- captures (NOTE [Weight captures]) -------------------------------------------
+
+    def capture(self) -> WeightCapture:
+        """The capture of the current version, shared while any forward holds it (Rule 1)."""
+        current = self._capture_ref() if self._capture_ref is not None else None
+        if current is not None and current.version == self.version:
+            return current
+        tensors = {n: p.data.requires_grad_(True) for n, p in self._params.items()}
+        capture = WeightCapture(
+            version=self.version,
+            tensors=tensors,
+            stamps={n: p._version for n, p in self._params.items()},
+            targets=dict(self._params),
+        )
+        self._capture_ref = weakref.ref(capture)
+        return capture
+
+    def _copy_on_write(self) -> None:
+        """Give live parameters fresh storage if a capture still aliases it (Rule 2)."""
+        current = self._capture_ref() if self._capture_ref is not None else None
+        if current is not None:
+            for name, param in self._params.items():
+                if current.tensors[name].untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+                    param.data = param.data.clone()
+        self._capture_ref = None
+
+    # --- optimizer ------------------------------------------------------------------
+
+    def grad_list(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params.values() if p.grad is not None]
+
+    def clear_gradients(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        for master in self._masters.values():
+            master.grad = None
+        self.origins.clear()
+
+    def apply_step(self, lr: float | None) -> None:
+        """One AdamW step on the current ``.grad`` values; revision + 1."""
+        self._copy_on_write()
+        for name, master in self._masters.items():
+            grad = self._params[name].grad
+            master.grad = None if grad is None else grad.float()
+        group = self._optimizer.param_groups[0]
+        saved_lr = group["lr"]
+        if lr is not None:
+            group["lr"] = lr
+        try:
+            self._optimizer.step()
+        finally:
+            group["lr"] = saved_lr
+        with torch.no_grad():
+            for name, master in self._masters.items():
+                self._params[name].copy_(master)
+        self.revision += 1
+
+    # --- persistence ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"parameters", "optimizer", "revision"}`` (+ ``"master_parameters"`` for low precision)."""
+        state: dict[str, Any] = {
+            "parameters": {n: p.detach().clone() for n, p in self._params.items()},
+            "optimizer": _clone_nested(self._optimizer.state_dict()),
+            "revision": self.revision,
+        }
+        if self._masters:
+            state["master_parameters"] = {n: m.detach().clone() for n, m in self._masters.items()}
+        return state
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ConfigError`` unless ``state`` fits this checkpoint exactly."""
+        missing = {"parameters", "optimizer", "revision"} - set(state)
+        if missing:
+            raise ConfigError("state_dict", sorted(state), f"keys parameters, optimizer, revision (missing {sorted(missing)})")
+        params = state["parameters"]
+        if set(params) != set(self._params):
+            raise ConfigError(
+                "state_dict['parameters']",
+                sorted(set(params) ^ set(self._params)),
+                "exactly this checkpoint's parameter names (listed: the difference)",
+            )
+        for name, value in params.items():
+            live = self._params[name]
+            if tuple(value.shape) != tuple(live.shape):
+                raise ConfigError(f"state_dict['parameters'][{name!r}]", tuple(value.shape), f"shape {tuple(live.shape)}")
+        revision = state["revision"]
+        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+            raise ConfigError("state_dict['revision']", revision, "an int >= 0")
+
+    def load(self, state: Mapping[str, Any], generation: int) -> None:
+        """Copy ``state`` in (already checked) and take ``generation``."""
+        self._copy_on_write()
+        self.clear_gradients()
+        masters = state.get("master_parameters", {})
+        with torch.no_grad():
+            for name, param in self._params.items():
+                param.copy_(state["parameters"][name])
+                if name in self._masters:
+                    self._masters[name].copy_(masters.get(name, state["parameters"][name]))
+        self._optimizer.load_state_dict(_clone_nested(state["optimizer"]))
+        self.revision = state["revision"]
+        self.generation = generation
+
+
+def _clone_nested(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone_nested(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone_nested(v) for v in value]
+    return value

@@ -1,0 +1,190 @@
+"""Transactional gradient commit: all or nothing.
+
+NOTE [Gradient commit]
+  1. Stage: each record's model backward returns gradients for its capture's
+     leaves; they are summed per target parameter in record order, in the
+     parameter's dtype. Nothing visible changes while staging.
+  2. Validate all: every origin's age and generation (NOTE [Staleness] in
+     ``staleness.py``), target identity (the parameter is still the
+     checkpoint's), shape, dtype, device, finiteness. One failure fails all.
+  3. Publish: build every new gradient (existing + staged, out of place) first,
+     then assign them in a fixed order. If an assignment fails, the ones
+     already made are put back to the previous tensor objects.
+  4. On any failure, staging is freed and the error is raised as a
+     ``GradientCommitError``; existing gradients keep their values and objects.
+  5. Where gradients go is a *sink*: the live ``.grad`` fields by default, or a
+     logical rank's own buffer (contract §8), so staging is written once.
+  6. With peers (logical ranks on several processes), a coordinator agrees
+     once per backward: after local publication on success, or with the error
+     on failure. A peer's failure rolls the local publication back, so every
+     rank commits or none does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from . import testing
+from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
+from .errors import GradientCommitError
+from .staleness import check_age
+
+__all__ = ["Coordinator", "GradientSink", "LiveGradSink", "BufferGradSink", "GradientTransaction"]
+
+
+class GradientSink(Protocol):
+    """Where committed gradients live (Rule 5)."""
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None: ...
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None: ...
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None: ...
+
+
+class Coordinator(Protocol):
+    """Agreement across ranks: every rank commits a backward or none does."""
+
+    def agree(self, error: BaseException | None) -> None:
+        """Share this rank's outcome; raise the common error if any rank failed."""
+        ...
+
+
+class LiveGradSink:
+    """Commit into each live parameter's ``.grad``."""
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
+        return checkpoint._params[name].grad
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
+        checkpoint._params[name].grad = value
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None:
+        checkpoint.origins |= origins
+
+
+@dataclass
+class BufferGradSink:
+    """Commit into a private buffer (one per logical rank), summed into ``.grad`` later."""
+
+    grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    origins: dict[str, set[tuple[CheckpointVersion, int]]] = field(default_factory=dict)
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
+        return self.grads.get((checkpoint.name, name))
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
+        key = (checkpoint.name, name)
+        if value is None:
+            self.grads.pop(key, None)
+        else:
+            self.grads[key] = value
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None:
+        self.origins.setdefault(checkpoint.name, set()).update(origins)
+
+    def clear(self, checkpoint_name: str | None = None) -> None:
+        for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:
+            del self.grads[key]
+        for name in [n for n in self.origins if checkpoint_name in (None, n)]:
+            del self.origins[name]
+
+
+@dataclass
+class _Staged:
+    checkpoint: Checkpoint
+    name: str
+    target: nn.Parameter
+    value: torch.Tensor
+
+
+class GradientTransaction:
+    """Stage → validate → publish, per NOTE [Gradient commit]."""
+
+    def __init__(self, sink: GradientSink, checkpoints: Callable[[str], Checkpoint]) -> None:
+        self._sink = sink
+        self._checkpoints = checkpoints
+        self._staged: dict[tuple[str, str], _Staged] = {}
+        self._origins: dict[str, set[tuple[CheckpointVersion, int]]] = {}
+
+    @property
+    def staged_nbytes(self) -> int:
+        return sum(s.value.numel() * s.value.element_size() for s in self._staged.values())
+
+    def stage(self, capture: WeightCapture, grads: dict[str, torch.Tensor], bound: int) -> None:
+        """Add one record's gradients (Rule 1)."""
+        checkpoint = self._checkpoints(capture.version.name)
+        for name, grad in grads.items():
+            key = (checkpoint.name, name)
+            staged = self._staged.get(key)
+            if staged is None:
+                self._staged[key] = _Staged(checkpoint, name, capture.targets[name], grad)
+            else:
+                staged.value = staged.value + grad
+        self._origins.setdefault(checkpoint.name, set()).add((capture.version, bound))
+
+    def validate(self) -> None:
+        """Check everything before anything is written (Rule 2)."""
+        testing.maybe_fail("validate")
+        for name, origins in self._origins.items():
+            checkpoint = self._checkpoints(name)
+            for version, bound in sorted(origins, key=lambda o: o[0].revision):
+                check_age(checkpoint, version, bound)
+        for (ckpt_name, name), staged in self._staged.items():
+            live = staged.checkpoint._params.get(name)
+            where = f"checkpoint {ckpt_name!r} parameter {name!r}"
+            if live is not staged.target or self._checkpoints(ckpt_name) is not staged.checkpoint:
+                raise GradientCommitError(
+                    f"{where}: gradient target was replaced after the forward; expected the "
+                    "same parameter object, found a different one. Forward again."
+                )
+            value = staged.value
+            for what, found, expected in (
+                ("shape", tuple(value.shape), tuple(live.shape)),
+                ("dtype", value.dtype, live.dtype),
+                ("device", value.device, live.device),
+            ):
+                if found != expected:
+                    raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
+            if not bool(torch.isfinite(value).all()):
+                raise GradientCommitError(
+                    f"{where}: expected a finite gradient, found non-finite values; "
+                    "check the loss and its cotangents (nothing was committed)"
+                )
+
+    def publish(self, confirm: Callable[[], None] | None = None) -> None:
+        """Assign every new gradient or none (Rule 3).
+
+        ``confirm`` runs after the last assignment; if it raises, every
+        assignment is rolled back (peers use it to agree, Rule 6).
+        """
+        plan = []
+        for staged in self._staged.values():
+            old = self._sink.current(staged.checkpoint, staged.name)
+            new = staged.value if old is None else old + staged.value
+            plan.append((staged, old, new))
+        done: list[tuple[_Staged, torch.Tensor | None]] = []
+        try:
+            for index, (staged, old, new) in enumerate(plan):
+                testing.maybe_fail("publish", index)
+                self._sink.assign(staged.checkpoint, staged.name, new)
+                done.append((staged, old))
+            if confirm is not None:
+                confirm()
+        except BaseException:
+            for staged, old in reversed(done):
+                self._sink.assign(staged.checkpoint, staged.name, old)
+            raise
+        for name, origins in self._origins.items():
+            self._sink.record_origins(self._checkpoints(name), origins)
+        self.discard()
+
+    def discard(self) -> None:
+        """Free staging (Rule 4)."""
+        self._staged.clear()
+        self._origins.clear()

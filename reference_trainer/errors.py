@@ -1,0 +1,125 @@
+"""The one exception hierarchy of the reference trainer.
+
+Every public error subclasses :class:`TrainerError`. Messages say what was
+expected, what was found and what to do; the facts a program needs are also
+attributes, so callers never parse messages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TrainerError",
+    "ConfigError",
+    "CheckpointBusyError",
+    "GradientCommitError",
+    "StaleGradientError",
+    "CheckpointReplacedError",
+    "MemoryAdmissionError",
+    "UnsupportedSavedStateError",
+]
+
+
+class TrainerError(Exception):
+    """Base of every error the trainer raises on purpose."""
+
+
+class ConfigError(TrainerError, ValueError):
+    """A configuration or argument is invalid.
+
+    Raised at construction (options, configs) or at the call that received the
+    bad value; nothing has changed. Fix the named field and retry.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str, hint: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        message = f"{field}: expected {allowed}, found {value!r}"
+        super().__init__(message + (f"; {hint}" if hint else ""))
+
+
+class CheckpointBusyError(TrainerError):
+    """A checkpoint cannot be loaded over while graphs or gradients are pending.
+
+    Backpropagate or drop the pending outputs and call ``zero_grad()`` first, or
+    pass ``discard_graphs=True`` to drop them.
+    """
+
+    def __init__(self, checkpoint: str, live_graphs: int, pending_gradients: int) -> None:
+        self.checkpoint = checkpoint
+        self.live_graphs = live_graphs
+        self.pending_gradients = pending_gradients
+        super().__init__(
+            f"checkpoint {checkpoint!r}: expected no live graphs and no pending gradients "
+            f"before load_checkpoint, found {live_graphs} live graph(s) and "
+            f"{pending_gradients} parameter(s) with gradients; finish or drop them and "
+            "call zero_grad(), or pass discard_graphs=True"
+        )
+
+
+class GradientCommitError(TrainerError):
+    """A backward or optimizer step committed nothing.
+
+    Every existing ``.grad`` value and object is untouched and staging is freed.
+    A record that failed before its model backward ran may be backpropagated
+    again (``record_retryable`` is True); otherwise it was released.
+    """
+
+    def __init__(self, message: str, *, record_retryable: bool = False) -> None:
+        self.record_retryable = record_retryable
+        super().__init__(message)
+
+
+class StaleGradientError(GradientCommitError):
+    """A forward is older than its ``max_gradient_staleness`` allows."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        staleness: int,
+        bound: int,
+        forward_revision: int,
+        current_revision: int,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.staleness = staleness
+        self.bound = bound
+        self.forward_revision = forward_revision
+        self.current_revision = current_revision
+        super().__init__(
+            f"checkpoint {checkpoint!r}: gradient staleness {staleness} exceeds "
+            f"max_gradient_staleness={bound} (forward revision {forward_revision}, "
+            f"current revision {current_revision}); expected 0 <= staleness <= {bound}. "
+            "Run backward sooner, raise max_gradient_staleness, or forward again"
+        )
+
+
+class CheckpointReplacedError(GradientCommitError):
+    """The checkpoint was loaded over (new generation) after the forward."""
+
+    def __init__(self, checkpoint: str, forward_generation: int, current_generation: int) -> None:
+        self.checkpoint = checkpoint
+        self.forward_generation = forward_generation
+        self.current_generation = current_generation
+        super().__init__(
+            f"checkpoint {checkpoint!r} was replaced after the forward: expected "
+            f"generation {forward_generation}, found {current_generation}; "
+            "forward again on the loaded checkpoint"
+        )
+
+
+class MemoryAdmissionError(TrainerError):
+    """No placement of a forward fits the memory limit; nothing was allocated."""
+
+    def __init__(self, predicted_peak_bytes: int, limit_bytes: int, suggestion: str) -> None:
+        self.predicted_peak_bytes = predicted_peak_bytes
+        self.limit_bytes = limit_bytes
+        self.suggestion = suggestion
+        super().__init__(
+            f"predicted peak {predicted_peak_bytes} bytes exceeds the memory limit of "
+            f"{limit_bytes} bytes; {suggestion}"
+        )
+
+
+class UnsupportedSavedStateError(TrainerError):
+    """Saved state cannot be kept or restored exactly (quantized / float8)."""

@@ -1,0 +1,206 @@
+"""Forward inputs, outputs and the records that keep a forward's graph.
+
+NOTE [Forward records]
+  1. One ``trainer.forward`` call is one record per group of inputs with the
+     same resolved options (usually one): its inputs run as one right-padded
+     batch. The record owns a snapshot of the inputs, the weight capture, the
+     RNG and autocast state of the forward, the resolved options and the
+     graph root: the padded ``(B, T)`` FP32 target log-probs.
+  2. The caller gets detached FP32 leaves (one per input); its loss never
+     touches the model graph. Each leaf carries its record id.
+  3. A backward consumes whole records: outputs its loss does not reach get a
+     zero cotangent.
+  4. A record is released (graph, capture and inputs dropped) after a
+     successful backward without ``retain_graph``, after a failure past its
+     model backward, or when the caller has dropped all of its outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
+from .errors import ConfigError
+from .lora import attach_lora
+from .model import DecoderLM, token_logprobs
+from .options import ForwardOptions, ResolvedOptions
+
+__all__ = ["ForwardInput", "ForwardOutput", "ForwardRecord", "PaddedBatch", "flatten_inputs", "run_model"]
+
+_record_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    """One sequence: 1-D ``input_tokens`` and same-length ``target_tokens``.
+
+    ``target_logprobs[t] = log p(target_tokens[t] | input_tokens[:t+1])``; a
+    negative target masks position ``t`` (log-prob 0, no gradient). With
+    ``target_tokens=None`` the targets are the inputs shifted left by one, the
+    last position masked. ``options`` override the call's and trainer's.
+    """
+
+    input_tokens: torch.Tensor
+    target_tokens: torch.Tensor | None = None
+    options: ForwardOptions | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.input_tokens
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0:
+            raise ConfigError("input_tokens", _describe(tokens), "a non-empty 1-D integer tensor")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise ConfigError("input_tokens", tokens.dtype, "an integer dtype")
+        targets = self.target_tokens
+        if targets is not None and (
+            not isinstance(targets, torch.Tensor)
+            or tuple(targets.shape) != tuple(tokens.shape)
+            or targets.dtype.is_floating_point
+            or targets.dtype == torch.bool
+        ):
+            raise ConfigError(
+                "target_tokens", _describe(targets), f"None or an integer tensor of shape {tuple(tokens.shape)}"
+            )
+        if self.options is not None and not isinstance(self.options, ForwardOptions):
+            raise ConfigError("options", self.options, "None or a ForwardOptions")
+
+    def targets(self) -> torch.Tensor:
+        if self.target_tokens is not None:
+            return self.target_tokens
+        shifted = torch.full_like(self.input_tokens, -1)
+        shifted[:-1] = self.input_tokens[1:]
+        return shifted
+
+
+def _describe(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return value
+
+
+@dataclass(frozen=True)
+class PlacementDecision:
+    """Where a forward keeps what its backward needs, and why."""
+
+    placement: str
+    predicted_bytes: int
+    reason: str
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward returns for one input.
+
+    ``target_logprobs``: FP32 leaf with ``requires_grad=True`` (plain tensor for
+    ``checkpoint=BASE``). ``version``: the weights used (``None`` for BASE).
+    ``placement`` and ``decision``: the planner's choice for the record.
+    """
+
+    target_logprobs: torch.Tensor
+    version: CheckpointVersion | None
+    placement: str
+    decision: PlacementDecision | None = None
+    record_id: int | None = None
+
+
+@dataclass
+class PaddedBatch:
+    """Right-padded ``(B, T)`` ids, real-token mask and targets (pads target -1)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    targets: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def build(cls, inputs: Sequence[ForwardInput], device: torch.device) -> PaddedBatch:
+        lengths = [int(i.input_tokens.numel()) for i in inputs]
+        width = max(lengths)
+        ids = torch.zeros(len(inputs), width, dtype=torch.long, device=device)
+        targets = torch.full((len(inputs), width), -1, dtype=torch.long, device=device)
+        for row, item in enumerate(inputs):
+            ids[row, : lengths[row]] = item.input_tokens
+            targets[row, : lengths[row]] = item.targets()
+        mask = None
+        if min(lengths) < width:
+            mask = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
+        return cls(ids, mask, targets, lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.input_ids, self.targets))
+
+
+@dataclass(eq=False)
+class ForwardRecord:
+    """A forward's graph and everything needed to backpropagate it (NOTE [Forward records])."""
+
+    checkpoint: Checkpoint
+    capture: WeightCapture
+    options: ResolvedOptions
+    batch: PaddedBatch
+    rng_state: dict[str, Any]
+    decision: PlacementDecision
+    root: torch.Tensor | None = None
+    forward_logprobs: torch.Tensor | None = None
+    id: int = field(default_factory=lambda: next(_record_ids))
+    live_outputs: int = 0
+    released: bool = False
+    residency: Any = None
+
+    @property
+    def version(self) -> CheckpointVersion:
+        return self.capture.version
+
+    def release(self) -> None:
+        self.root = None
+        self.residency = None
+        self.capture = None  # type: ignore[assignment]
+        self.batch = None  # type: ignore[assignment]
+        self.forward_logprobs = None
+        self.released = True
+
+
+def run_model(model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCapture | None, batch: PaddedBatch) -> torch.Tensor:
+    """Padded ``(B, T)`` FP32 target log-probs of ``batch`` under ``capture``'s weights (base if None)."""
+    args = (batch.input_ids,)
+    kwargs = {"attention_mask": batch.attention_mask}
+    if checkpoint is None:
+        logits = model(*args, **kwargs)
+    elif checkpoint.is_full:
+        logits = functional_call(model, capture.tensors, args, kwargs)
+    else:
+        with attach_lora(model, checkpoint.lora_config, capture.tensors):
+            logits = model(*args, **kwargs)
+    return token_logprobs(logits, batch.targets)
+
+
+def flatten_inputs(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:
+    """Flatten a (nested) list of ``ForwardInput`` and return a function that rebuilds the shape."""
+    flat, rebuild = _flatten(inputs)
+    if not flat:
+        raise ConfigError("inputs", inputs, "at least one ForwardInput")
+    return flat, rebuild
+
+
+def _flatten(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:
+    if isinstance(inputs, ForwardInput):
+        return [inputs], lambda flat: flat[0]
+    if not isinstance(inputs, (list, tuple)):
+        raise ConfigError("inputs", type(inputs).__name__, "a ForwardInput or a (nested) list of them")
+    flat: list[ForwardInput] = []
+    parts = []
+    for item in inputs:
+        sub, rebuild = _flatten(item)
+        parts.append((len(flat), len(sub), rebuild))
+        flat.extend(sub)
+
+    def rebuild_all(values: list[Any]) -> list[Any]:
+        return [rebuild(values[start : start + count]) for start, count, rebuild in parts]
+
+    return flat, rebuild_all

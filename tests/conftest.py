@@ -1,0 +1,52 @@
+"""Suite-wide settings: thread caps per xdist worker, markers, hypothesis profiles.
+
+Markers: ``gpu`` (needs CUDA; skipped without it), ``dist`` (spawns
+torch.distributed processes), ``slow`` (deep variants; run with ``--runslow`` or
+``RTV_SLOW=1``, as the nightly job does). Hypothesis profile: ``ci`` (default,
+seconds) or ``nightly`` (minutes), chosen by ``RTV_HYPOTHESIS_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "nightly", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("RTV_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cap_threads() -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_cap_threads()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", help="run tests marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
+    config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_slow = config.getoption("--runslow") or os.environ.get("RTV_SLOW") == "1"
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow or RTV_SLOW=1 (nightly)")
+    skip_gpu = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
