@@ -220,6 +220,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def residual_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout whose keep-mask is always drawn in FP32.
+
+    ``F.dropout`` draws different masks for FP32 and FP64 inputs from the same
+    RNG state; drawing in FP32 makes the masks identical whatever the compute
+    dtype, so BF16/FP32 runs can be checked against FP64 recomputations.
+    """
+    if not training or p == 0.0:
+        return x
+    keep = torch.empty(x.shape, dtype=torch.float32, device=x.device).bernoulli_(1.0 - p)
+    return x * (keep * (1.0 / (1.0 - p))).to(x.dtype)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -233,9 +246,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin)
-        x = x + F.dropout(h, self.dropout, self.training)
+        x = x + residual_dropout(h, self.dropout, self.training)
         h = self.mlp(self.post_attention_layernorm(x))
-        return x + F.dropout(h, self.dropout, self.training)
+        return x + residual_dropout(h, self.dropout, self.training)
 
 
 class TransformerBody(nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import traceback
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -292,9 +293,9 @@ class Trainer:
         rank's error or ``None`` after local publication, and raises if any
         peer failed, so every rank commits or none does.
         """
-        agreed = False
         transaction = GradientTransaction(sink or self._sink, self.checkpoint)
         started: list[ForwardRecord] = []
+        agreed = False
 
         def confirm() -> None:
             nonlocal agreed
@@ -303,42 +304,58 @@ class Trainer:
                 coordinator.agree(None)
 
         try:
-            leaves, records = self._consumed_records(loss)
-            cotangents = self._user_autograd(loss, leaves, retain_graph)
-            for record in records:
-                try:
-                    check_age(record.checkpoint, record.version, record.options.max_gradient_staleness)
-                except GradientCommitError:
-                    self._release(record)
-                    raise
-            per_record: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {r.id: [] for r in records}
-            for leaf, cotangent in zip(leaves, cotangents):
-                per_record[leaf._rt_record_id].append((leaf, cotangent))
-            reports = []
-            for record in records:
-                cotangent = self._record_cotangent(record, per_record[record.id])
-                cotangent, stats = self._correct(record, cotangent)
-                started.append(record)
-                testing.maybe_fail("model_backward")
-                grads = self._model_backward(record, cotangent, retain_graph)
-                transaction.stage(record.capture, grads, record.options.max_gradient_staleness)
-                age = staleness(record.checkpoint, record.version)
-                reports.append(RecordReport(record.id, record.version, age, record.decision.placement, stats))
+            records, reports = self._stage_records(loss, retain_graph, transaction, started)
             transaction.validate()
             transaction.publish(confirm=confirm)
         except BaseException as exc:
             transaction.discard()
             for record in started:
                 self._release(record)
+            # Staged tensors must not outlive the failure through the traceback's frames.
+            traceback.clear_frames(exc.__traceback__)
             if coordinator is not None and not agreed:
                 coordinator.agree(exc)
-            if isinstance(exc, GradientCommitError) or not isinstance(exc, Exception):
+            if isinstance(exc, (GradientCommitError, ConfigError)) or not isinstance(exc, Exception):
                 raise
             raise GradientCommitError(f"backward failed and committed nothing: {exc}") from exc
         if not retain_graph:
             for record in records:
                 self._release(record)
         return BackwardReport(reports)
+
+    def _stage_records(
+        self,
+        loss: torch.Tensor,
+        retain_graph: bool,
+        transaction: GradientTransaction,
+        started: list[ForwardRecord],
+    ) -> tuple[list[ForwardRecord], list[RecordReport]]:
+        """Collect cotangents, check ages, run each record's model backward into staging.
+
+        Records whose model backward has started are appended to ``started``
+        (released on failure); the others stay retryable.
+        """
+        leaves, records = self._consumed_records(loss)
+        cotangents = self._user_autograd(loss, leaves, retain_graph)
+        for record in records:
+            try:
+                check_age(record.checkpoint, record.version, record.options.max_gradient_staleness)
+            except GradientCommitError:
+                self._release(record)
+                raise
+        per_record: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {r.id: [] for r in records}
+        for leaf, cotangent in zip(leaves, cotangents):
+            per_record[leaf._rt_record_id].append((leaf, cotangent))
+        reports = []
+        for record in records:
+            cotangent, stats = self._correct(record, self._record_cotangent(record, per_record[record.id]))
+            started.append(record)
+            testing.maybe_fail("model_backward")
+            grads = self._model_backward(record, cotangent, retain_graph)
+            transaction.stage(record.capture, grads, record.options.max_gradient_staleness)
+            age = staleness(record.checkpoint, record.version)
+            reports.append(RecordReport(record.id, record.version, age, record.decision.placement, stats))
+        return records, reports
 
     @staticmethod
     def _user_autograd(loss: torch.Tensor, leaves: list[torch.Tensor], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

@@ -1,0 +1,1 @@
+"""Runnable validation suites (canaries) and the ``rtv`` command line that fronts them."""

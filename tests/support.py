@@ -1,0 +1,61 @@
+"""Small builders shared by the trainer tests (not part of any package API)."""
+
+from __future__ import annotations
+
+import torch
+
+import reference_trainer as rt
+
+NO_CORRECTION = rt.ForwardOptions(corrections=())
+
+
+def make_trainer(kind: str, *, dropout: float = 0.1, lr: float = 5e-2, seed: int = 0, **trainer_kw) -> rt.Trainer:
+    """A tiny trainer with one checkpoint ``"policy"`` of ``kind`` ``"lora"`` or ``"full"``."""
+    config = rt.ModelConfig.tiny(dropout=dropout)
+    trainer = rt.Trainer(rt.DecoderLM(config, seed=seed), **trainer_kw)
+    optimizer = rt.AdamWConfig(lr=lr)
+    if kind == "lora":
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=seed + 1)
+    else:
+        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
+    return trainer
+
+
+def sequence(seed: int, length: int = 9, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic (input_tokens, target_tokens) with the inputs shifted as targets."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (length + 1,), generator=g)
+    return tokens[:-1].clone(), tokens[1:].clone()
+
+
+def advantages(seed: int, length: int = 9) -> torch.Tensor:
+    return torch.randn(length, generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(trainer: rt.Trainer, seed: int) -> None:
+    """One fresh forward/backward/step on other data, so the live weights move."""
+    ids, tgt = sequence(seed)
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION)
+    trainer.backward(-(out.target_logprobs * advantages(seed)).sum())
+    trainer.optim_step()
+    trainer.zero_grad()
+
+
+def grads_of(trainer: rt.Trainer, name: str = "policy") -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in trainer.checkpoint(name).named_parameters()}
+
+
+def grad_snapshot(trainer: rt.Trainer, name: str = "policy") -> dict[str, tuple[object, torch.Tensor | None]]:
+    """(object identity, value copy) of every ``.grad``, to prove nothing changed."""
+    return {
+        n: (p.grad, None if p.grad is None else p.grad.clone())
+        for n, p in trainer.checkpoint(name).named_parameters()
+    }
+
+
+def assert_grads_unchanged(trainer: rt.Trainer, before: dict, name: str = "policy") -> None:
+    for n, p in trainer.checkpoint(name).named_parameters():
+        obj, value = before[n]
+        assert p.grad is obj, f"{n}: .grad object changed"
+        if value is not None:
+            assert torch.equal(p.grad, value), f"{n}: .grad value changed"

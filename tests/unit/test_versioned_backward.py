@@ -1,0 +1,146 @@
+"""Stale-but-exact gradients and the staleness bound (contract §4, NOTE [Staleness])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from tests.support import (
+    NO_CORRECTION,
+    advantages,
+    assert_grads_unchanged,
+    grad_snapshot,
+    make_trainer,
+    sequence,
+    train_step,
+)
+from validation.oracle import plain_gradients, relative_error, snapshot_weights
+
+
+def _move_lora_b_off_zero(trainer: rt.Trainer) -> None:
+    train_step(trainer, seed=100)
+    b = [p for n, p in trainer.checkpoint("policy").named_parameters() if "lora_B" in n]
+    assert all(bool(p.abs().sum() > 0) for p in b)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_stale_gradient_is_exact_gradient_of_forward_weights(kind: str, k: int) -> None:
+    trainer = make_trainer(kind, dropout=0.1)
+    if kind == "lora":
+        _move_lora_b_off_zero(trainer)
+    config = trainer.model.config
+    ids, tgt = sequence(1)
+    original_ids, original_tgt = ids.clone(), tgt.clone()
+    adv = advantages(1)
+    weights = snapshot_weights(trainer, "policy")
+
+    torch.manual_seed(1234)
+    rng_state = torch.get_rng_state()
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION)
+    ids.fill_(0)  # the caller overwrites its inputs...
+    tgt.fill_(3)
+    torch.manual_seed(999)  # ...and reseeds the global RNG
+    for step in range(k):
+        train_step(trainer, seed=200 + step)
+    assert trainer.checkpoint("policy").revision == out.version.revision + k
+
+    report = trainer.backward(-(out.target_logprobs * adv).sum())
+    assert report.records[0].staleness == k
+    committed = {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
+
+    def loss(outs: list[torch.Tensor]) -> torch.Tensor:
+        return -(outs[0] * adv).sum()
+
+    seqs = [(original_ids, original_tgt)]
+    ref32 = plain_gradients(config, weights, seqs, loss, rng_state)
+    ref64 = plain_gradients(config, weights, seqs, loss, rng_state, dtype=torch.float64)
+    for name, grad in committed.items():
+        assert grad is not None, name
+        assert torch.equal(grad, ref32[name]), f"{name}: not bitwise equal to plain FP32 autograd"
+        assert float(ref64[name].abs().max()) > 0, f"{name}: vacuous (zero) reference"
+        baseline_error = relative_error(ref32[name], ref64[name])
+        assert relative_error(grad, ref64[name]) <= 2 * baseline_error + 1e-12
+
+    if k > 0:  # non-vacuous: the live weights moved, and their gradient is different
+        live = snapshot_weights(trainer, "policy")
+        moved = max(float((live.trainable[n] - weights.trainable[n]).abs().max()) for n in committed)
+        assert moved > 1e-3
+        at_live = plain_gradients(config, live, seqs, loss, rng_state)
+        worst = max(relative_error(at_live[n], ref32[n]) for n in committed)
+        assert worst > 1e-3, "the gradient at the live weights should differ far beyond FP32 noise"
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_staleness_beyond_bound_raises_and_changes_nothing(bound: int) -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    ids, tgt = sequence(2)
+    options = rt.ForwardOptions(max_gradient_staleness=bound, corrections=())
+    old = trainer.forward(rt.ForwardInput(ids, tgt), options=options)
+    for step in range(bound + 1):
+        train_step(trainer, seed=300 + step)
+    # Leave committed gradients in place so "unchanged" is a real check.
+    fresh = trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION)
+    trainer.backward(-fresh.target_logprobs.sum())
+    before = grad_snapshot(trainer)
+    with pytest.raises(rt.StaleGradientError) as info:
+        trainer.backward(-old.target_logprobs.sum())
+    error = info.value
+    assert isinstance(error, rt.GradientCommitError)
+    assert (error.checkpoint, error.staleness, error.bound) == ("policy", bound + 1, bound)
+    assert (error.forward_revision, error.current_revision) == (1 - 1, bound + 1)
+    for fact in ("'policy'", f"staleness {bound + 1}", f"max_gradient_staleness={bound}", "forward revision 0", f"current revision {bound + 1}"):
+        assert fact in str(error)
+    assert_grads_unchanged(trainer, before)
+    assert trainer.live_records() == 0, "the stale record is released"
+
+
+def test_default_bound_is_two() -> None:
+    trainer = make_trainer("lora", dropout=0.0)
+    ids, tgt = sequence(3)
+    outs = [trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION) for _ in range(2)]
+    for step in range(2):
+        train_step(trainer, seed=400 + step)
+    trainer.backward(-outs[0].target_logprobs.sum())  # staleness 2: allowed
+    train_step(trainer, seed=402)
+    with pytest.raises(rt.StaleGradientError):
+        trainer.backward(-outs[1].target_logprobs.sum())  # staleness 3: refused
+
+
+def test_strict_bound_rejects_any_step_in_between() -> None:
+    trainer = make_trainer("lora", dropout=0.0, options=rt.ForwardOptions(max_gradient_staleness=0, corrections=()))
+    ids, tgt = sequence(4)
+    out = trainer.forward(rt.ForwardInput(ids, tgt))
+    train_step(trainer, seed=500)
+    before = grad_snapshot(trainer)
+    with pytest.raises(rt.StaleGradientError) as info:
+        trainer.backward(-out.target_logprobs.sum())
+    assert info.value.staleness == 1 and info.value.bound == 0
+    assert_grads_unchanged(trainer, before)
+
+
+def test_optim_step_rechecks_accumulated_origins() -> None:
+    """A gradient committed fresh under bound 0 may not be applied after another step."""
+    trainer = make_trainer("full", dropout=0.0)
+    ids, tgt = sequence(5)
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(max_gradient_staleness=0, corrections=()))
+    trainer.backward(-out.target_logprobs.sum())
+    trainer.optim_step()  # applies it: fine
+    params = {n: p.detach().clone() for n, p in trainer.checkpoint("policy").named_parameters()}
+    with pytest.raises(rt.StaleGradientError):
+        trainer.optim_step()  # the same gradient again, now one revision old
+    for n, p in trainer.checkpoint("policy").named_parameters():
+        assert torch.equal(p, params[n])
+    assert trainer.checkpoint("policy").revision == 1
+
+
+def test_ledger_refuses_weights_written_behind_the_trainers_back() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    ids, tgt = sequence(6)
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION)
+    with torch.no_grad():
+        next(iter(trainer.checkpoint("policy").parameters())).add_(1.0)
+    with pytest.raises(rt.GradientCommitError, match="modified in place outside the trainer"):
+        trainer.backward(-out.target_logprobs.sum())
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())

@@ -1,0 +1,1 @@
+"""Reusable validation machinery: oracles, comparators, censuses, statistics, evidence."""
