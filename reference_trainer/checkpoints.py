@@ -245,27 +245,75 @@ class Checkpoint:
         return state
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Raise ``ConfigError`` unless ``state`` fits this checkpoint exactly."""
+        """Raise ``ConfigError`` unless ``state`` fits this checkpoint exactly.
+
+        Everything ``load`` touches is checked here, so a refused state changes nothing.
+        """
+        if not isinstance(state, Mapping):
+            raise ConfigError("state_dict", type(state).__name__, "a mapping from Checkpoint.state_dict()")
         missing = {"parameters", "optimizer", "revision"} - set(state)
         if missing:
             raise ConfigError("state_dict", sorted(state), f"keys parameters, optimizer, revision (missing {sorted(missing)})")
         params = state["parameters"]
-        if set(params) != set(self._params):
+        if not isinstance(params, Mapping) or set(params) != set(self._params):
+            found = sorted(set(params) ^ set(self._params)) if isinstance(params, Mapping) else type(params).__name__
             raise ConfigError(
                 "state_dict['parameters']",
-                sorted(set(params) ^ set(self._params)),
+                found,
                 "exactly this checkpoint's parameter names (listed: the difference)",
             )
-        for name, value in params.items():
-            live = self._params[name]
-            if tuple(value.shape) != tuple(live.shape):
-                raise ConfigError(f"state_dict['parameters'][{name!r}]", tuple(value.shape), f"shape {tuple(live.shape)}")
+        self._check_tensors("parameters", params)
+        masters = state.get("master_parameters", {})
+        if not isinstance(masters, Mapping) or not set(masters) <= set(self._params):
+            found = sorted(set(masters) - set(self._params)) if isinstance(masters, Mapping) else type(masters).__name__
+            raise ConfigError("state_dict['master_parameters']", found, "a subset of this checkpoint's parameter names")
+        self._check_tensors("master_parameters", masters)
+        self._check_optimizer_state(state["optimizer"])
         revision = state["revision"]
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
             raise ConfigError("state_dict['revision']", revision, "an int >= 0")
 
+    def _check_tensors(self, key: str, tensors: Mapping[str, Any]) -> None:
+        for name, value in tensors.items():
+            shape = tuple(self._params[name].shape)
+            where = f"state_dict[{key!r}][{name!r}]"
+            if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+                found = f"{type(value).__name__} of dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ConfigError(where, found, "a floating-point tensor")
+            if tuple(value.shape) != shape:
+                raise ConfigError(where, tuple(value.shape), f"shape {shape}")
+
+    def _check_optimizer_state(self, optimizer: Any) -> None:
+        """The AdamW state must hold one group over exactly these parameters, slots shaped like them."""
+        where = "state_dict['optimizer']"
+        if not isinstance(optimizer, Mapping) or not {"state", "param_groups"} <= set(optimizer):
+            found = sorted(optimizer) if isinstance(optimizer, Mapping) else type(optimizer).__name__
+            raise ConfigError(where, found, "an AdamW state dict with keys 'state' and 'param_groups'")
+        groups = optimizer["param_groups"]
+        count = len(self._params)
+        if (
+            not isinstance(groups, (list, tuple))
+            or len(groups) != 1
+            or not isinstance(groups[0], Mapping)
+            or len(groups[0].get("params", ())) != count
+        ):
+            raise ConfigError(f"{where}['param_groups']", groups, f"one group holding {count} parameter ids")
+        shapes = dict(zip(groups[0]["params"], (tuple(p.shape) for p in self._params.values())))
+        slots = optimizer["state"]
+        if not isinstance(slots, Mapping) or not set(slots) <= set(shapes):
+            found = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
+            raise ConfigError(f"{where}['state']", found, f"a mapping keyed by the group's parameter ids {sorted(shapes)}")
+        for key, entry in slots.items():
+            if not isinstance(entry, Mapping):
+                raise ConfigError(f"{where}['state'][{key!r}]", type(entry).__name__, "a mapping of AdamW slots")
+            for slot, value in entry.items():
+                # "step" is a scalar; exp_avg / exp_avg_sq are shaped like their parameter.
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[key]:
+                    raise ConfigError(f"{where}['state'][{key!r}][{slot!r}]", tuple(value.shape), f"shape {shapes[key]}")
+
     def load(self, state: Mapping[str, Any], generation: int) -> None:
         """Copy ``state`` in (already checked) and take ``generation``."""
+        self._optimizer.load_state_dict(_clone_nested(state["optimizer"]))
         self._copy_on_write()
         self.clear_gradients()
         masters = state.get("master_parameters", {})
@@ -274,7 +322,6 @@ class Checkpoint:
                 param.copy_(state["parameters"][name])
                 if name in self._masters:
                     self._masters[name].copy_(masters.get(name, state["parameters"][name]))
-        self._optimizer.load_state_dict(_clone_nested(state["optimizer"]))
         self.revision = state["revision"]
         self.generation = generation
 

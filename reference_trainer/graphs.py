@@ -151,7 +151,8 @@ class ForwardRecord:
     id: int = field(default_factory=lambda: next(_record_ids))
     live_outputs: int = 0
     released: bool = False
-    residency: Any = None
+    residency: Any = None  # SavedStateLedger (retain/offload) or None (replay)
+    usage: Any = None  # admission.RecordUsage: what the record holds
 
     @property
     def version(self) -> CheckpointVersion:
@@ -159,6 +160,8 @@ class ForwardRecord:
 
     def release(self) -> None:
         self.root = None
+        if self.residency is not None:
+            self.residency.release()
         self.residency = None
         self.capture = None  # type: ignore[assignment]
         self.batch = None  # type: ignore[assignment]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -22,19 +23,21 @@ from . import testing
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
 from .commit import Coordinator, GradientSink, GradientTransaction, LiveGradSink
 from .corrections import CorrectionStats, correct_cotangent
-from .errors import CheckpointBusyError, ConfigError, GradientCommitError
+from .admission import Admission
+from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, UnsupportedSavedStateError
 from .graphs import (
     ForwardInput,
     ForwardOutput,
     ForwardRecord,
     PaddedBatch,
-    PlacementDecision,
     flatten_inputs,
     run_model,
 )
 from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
+from .planner import Placement
+from .residency import SavedStateLedger, is_quantized_module, weight_storages
 from .rng import capture_forward_state, restored_forward_state
 from .staleness import check_age, staleness
 
@@ -118,6 +121,7 @@ class Trainer:
         self._generations = itertools.count()
         self._records: dict[int, ForwardRecord] = {}
         self._sink: GradientSink = LiveGradSink()
+        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes)
         # Called first by optim_step / zero_grad (logical ranks flush or clear their buffers).
         self.before_step_hooks: list[Callable[[Trainer, list[str]], None]] = []
         self.zero_grad_hooks: list[Callable[[Trainer, list[str]], None]] = []
@@ -236,17 +240,41 @@ class Trainer:
             for row, length in enumerate(batch.lengths)
         ]
 
-    def _plan(self, checkpoint: Checkpoint, batch: PaddedBatch, options: ResolvedOptions) -> PlacementDecision:
-        return PlacementDecision("retain", 0, f"{options.backward_state}: retain (the only placement so far)")
-
     def _submit(self, checkpoint: Checkpoint, items: list[ForwardInput], options: ResolvedOptions) -> list[ForwardOutput]:
+        quantized = any(is_quantized_module(m) for m in self.model.modules())
+        lengths = [int(i.input_tokens.numel()) for i in items]
+        # Admission first: a refusal happens before anything is allocated.
+        decision, cost = self._admission.decide(checkpoint, lengths, options, self._records.values(), quantized=quantized)
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
-        decision = self._plan(checkpoint, batch, options)
         state = capture_forward_state(self.device)
         capture = checkpoint.capture()
-        with torch.enable_grad():
-            root = run_model(self.model, checkpoint, capture, batch)
-        record = ForwardRecord(checkpoint, capture, options, batch, state, decision, root=root, forward_logprobs=root.detach())
+        placement = Placement(decision.placement)
+        ledger = None
+        started = time.perf_counter()
+        if placement is Placement.REPLAY:
+            with torch.no_grad():
+                root = run_model(self.model, checkpoint, capture, batch)
+        else:
+            weights = itertools.chain(capture.tensors.values(), self.model.parameters())
+            ledger = SavedStateLedger(placement, weight_storages(weights), pin_memory=self.device.type == "cuda")
+            if quantized:
+                ledger.note_unsupported("a module marked with mark_quantized_saved_state")
+            with torch.enable_grad(), ledger.hooks():
+                root = run_model(self.model, checkpoint, capture, batch)
+            ledger.end_forward()
+        seconds = time.perf_counter() - started
+        record = ForwardRecord(
+            checkpoint,
+            capture,
+            options,
+            batch,
+            state,
+            decision,
+            root=root if ledger is not None else None,
+            forward_logprobs=root.detach(),
+            residency=ledger,
+        )
+        record.usage = self._admission.observe(record, cost, seconds)
         self._remember_logprobs(record)
         outputs = []
         for row, length in enumerate(batch.lengths):
@@ -315,7 +343,7 @@ class Trainer:
             traceback.clear_frames(exc.__traceback__)
             if coordinator is not None and not agreed:
                 coordinator.agree(exc)
-            if isinstance(exc, (GradientCommitError, ConfigError)) or not isinstance(exc, Exception):
+            if isinstance(exc, TrainerError) or not isinstance(exc, Exception):
                 raise
             raise GradientCommitError(f"backward failed and committed nothing: {exc}") from exc
         if not retain_graph:
@@ -343,6 +371,15 @@ class Trainer:
             except GradientCommitError:
                 self._release(record)
                 raise
+        for record in records:
+            if record.residency is not None and record.residency.unsupported is not None:
+                self._release(record)
+                raise UnsupportedSavedStateError(
+                    f"forward record {record.id} ({record.decision.placement}) saved state the trainer "
+                    f"cannot keep or restore exactly: {record.residency.unsupported}; expected "
+                    "unquantized saved tensors. Use backward_state='replay' (exact re-run) or run "
+                    "these layers unquantized; the record was released and nothing was committed"
+                )
         per_record: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {r.id: [] for r in records}
         for leaf, cotangent in zip(leaves, cotangents):
             per_record[leaf._rt_record_id].append((leaf, cotangent))
@@ -433,11 +470,27 @@ class Trainer:
     def _model_backward(self, record: ForwardRecord, cotangent: torch.Tensor, retain_graph: bool) -> dict[str, torch.Tensor]:
         capture = record.capture
         capture.check_ledger()
+        root = record.root if record.root is not None else self._replay(record)
+        if retain_graph:
+            record.root = root
         names = list(capture.tensors)
         grads = torch.autograd.grad(
-            record.root, [capture.tensors[n] for n in names], cotangent, retain_graph=retain_graph, allow_unused=True
+            root, [capture.tensors[n] for n in names], cotangent, retain_graph=retain_graph, allow_unused=True
         )
         return {n: g for n, g in zip(names, grads) if g is not None}
+
+    def _replay(self, record: ForwardRecord) -> torch.Tensor:
+        """Re-run a replay record's forward on its own weight snapshot, RNG and autocast restored."""
+        with torch.enable_grad(), restored_forward_state(record.rng_state):
+            root = run_model(self.model, record.checkpoint, record.capture, record.batch)
+        if not torch.equal(root.detach(), record.forward_logprobs):
+            worst = float((root.detach() - record.forward_logprobs).abs().max())
+            raise GradientCommitError(
+                f"replay of forward record {record.id} did not reproduce the outputs the caller saw "
+                f"(max abs difference {worst:.3e}); expected bitwise-equal log-probs. The model or its "
+                "inputs changed outside the trainer, or a kernel is not deterministic: use retain or offload"
+            )
+        return root
 
     # --- optimizer ----------------------------------------------------------------
 

@@ -1,17 +1,16 @@
-"""Weakref lifetime census: which saved tensors and graphs are still alive.
+"""Weakref lifetime census: which tensors made by a forward are still alive.
 
-``SavedTensorCensus`` is installed by a test or canary *around a forward*: its
-own saved-tensor hooks keep a weak reference to every tensor autograd saves
-(weights excluded), independently of the trainer's accounting. After a
-backward, or after the caller drops an output, ``alive()`` must be empty. A
-deliberately kept reference shows up (the negative control).
+``TensorCensus`` is a block around a forward (or any trainer call): on exit it
+keeps a weak reference to every tensor object created inside the block and
+still alive, found through the garbage collector, so it does not depend on
+the trainer's own accounting or hooks (saved tensors, copies, snapshots and
+graph roots are all Python tensor objects there). After a backward, or after
+the caller drops an output, ``alive(ignore=...)`` must be empty apart from
+what the caller itself keeps; a deliberately kept reference shows up (the
+negative control).
 
-Note: while the census is installed, the forward's saved tensors pass through
-a hook that stores a detached alias (same storage, same version counter); the
-trainer's own offload/replay hooks, when used, nest inside and win.
-
-``live_tensors_like(shape)`` counts every live tensor of a shape through the
-garbage collector: a witness for staging that must be freed after a failure.
+``live_tensors_like(shape)`` counts every live tensor of a shape: a witness
+for staging that must be freed after a failure.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ import gc
 import warnings
 import weakref
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SavedTensorCensus", "live_tensors_like", "CensusEntry"]
+__all__ = ["TensorCensus", "CensusEntry", "live_tensors", "live_tensors_like"]
 
 
 @dataclass
@@ -36,44 +34,39 @@ class CensusEntry:
     nbytes: int
 
 
-@dataclass
-class SavedTensorCensus(AbstractContextManager):
-    """Weak references to every non-weight tensor saved for backward inside the block."""
+def live_tensors() -> list[torch.Tensor]:
+    """Every live tensor object the garbage collector can see (collected first)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some lazy torch objects warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
 
-    exclude: Iterable[torch.Tensor] = ()
+
+@dataclass
+class TensorCensus:
+    """Weak references to the tensors created inside the block and alive at its end."""
+
     entries: list[CensusEntry] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in self.exclude}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # A detached alias, not the tensor itself: packing a node's own output
-        # strongly would make a reference cycle (output -> node -> output) that
-        # keeps the graph alive and fools the census.
-        packed = tensor.detach()
-        if tensor.untyped_storage().data_ptr() not in self._excluded:
-            self.entries.append(
-                CensusEntry(weakref.ref(packed), tuple(tensor.shape), tensor.dtype, tensor.untyped_storage().nbytes())
-            )
-        return packed
-
-    def __enter__(self) -> SavedTensorCensus:
-        self._hooks.__enter__()
+    def __enter__(self) -> TensorCensus:
+        self._before = {id(t): weakref.ref(t) for t in live_tensors()}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        for tensor in live_tensors():
+            known = self._before.get(id(tensor))
+            if known is None or known() is not tensor:
+                nbytes = tensor.untyped_storage().nbytes() if tensor.device.type != "meta" else 0
+                self.entries.append(CensusEntry(weakref.ref(tensor), tuple(tensor.shape), tensor.dtype, nbytes))
+        del self._before
 
-    def alive(self) -> list[CensusEntry]:
-        """Entries whose tensor is still alive (after a garbage collection)."""
+    def alive(self, ignore: Iterable[torch.Tensor] = ()) -> list[CensusEntry]:
+        """Entries still alive (after a garbage collection), except the ``ignore`` tensors."""
         gc.collect()
-        return [e for e in self.entries if e.ref() is not None]
+        ignored = {id(t) for t in ignore}
+        return [e for e in self.entries if e.ref() is not None and id(e.ref()) not in ignored]
 
 
 def live_tensors_like(shape: tuple[int, ...]) -> int:
     """How many live tensor objects have exactly ``shape`` (garbage collected first)."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some lazy torch objects warns
-        warnings.simplefilter("ignore")
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and tuple(obj.shape) == shape)
+    return sum(1 for tensor in live_tensors() if tuple(tensor.shape) == shape)

@@ -1,0 +1,121 @@
+"""Memory admission for one trainer: what pending records hold, and the next forward's plan.
+
+The stateful half of planning (the pure half is ``planner.py``, NOTE [Memory
+admission]): it sums what pending records actually hold (measured by their
+saved-state ledgers), learns the model's saved bytes and forward speed from
+forwards that ran, and asks :func:`plan_placement` for the next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .checkpoints import Checkpoint
+from .graphs import ForwardRecord, PlacementDecision
+from .model import ModelConfig
+from .options import ResolvedOptions
+from .planner import (
+    ForwardCost,
+    PendingUsage,
+    Placement,
+    PlanRequest,
+    analytic_saved_bytes,
+    estimate_forward_cost,
+    plan_placement,
+)
+
+__all__ = ["Admission", "RecordUsage"]
+
+# Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
+_DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
+
+
+@dataclass
+class RecordUsage:
+    """What one pending record holds: on the device, on the host, and needs at backward."""
+
+    device_bytes: int
+    host_bytes: int
+    workspace_bytes: int
+
+
+class Admission:
+    """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
+
+    def __init__(self, config: ModelConfig, device_limit: int | None, host_limit: int | None) -> None:
+        self.config = config
+        self.device_limit = device_limit
+        self.host_limit = host_limit
+        self._saved_scale: float | None = None  # measured / analytic saved bytes
+        self._seconds_per_token: float | None = None
+
+    def decide(
+        self,
+        checkpoint: Checkpoint,
+        lengths: list[int],
+        options: ResolvedOptions,
+        pending: Iterable[ForwardRecord],
+        *,
+        quantized: bool,
+    ) -> tuple[PlacementDecision, ForwardCost]:
+        pending = list(pending)
+        version = checkpoint.version
+        shares_snapshot = any(r.version == version for r in pending)
+        involved = {r.checkpoint.name: r.checkpoint for r in pending} | {checkpoint.name: checkpoint}
+        cost = self._cost(
+            len(lengths),
+            max(lengths),
+            snapshot_bytes=0 if shares_snapshot else checkpoint.trainable_nbytes(),
+            staging_bytes=sum(c.trainable_nbytes() for c in involved.values()),
+        )
+        usage = [r.usage for r in pending if r.usage is not None]
+        request = PlanRequest(
+            cost=cost,
+            pending=PendingUsage(
+                device_persistent=sum(u.device_bytes for u in usage),
+                host_bytes=sum(u.host_bytes for u in usage),
+                max_workspace=max((u.workspace_bytes for u in usage), default=0),
+            ),
+            requested=options.backward_state,
+            # Quantized saved state can only be rebuilt, never kept (NOTE [Saved-state lifetime] 6).
+            allow_offload=options.allow_offload and not quantized,
+            allow_replay=options.allow_replay,
+            device_limit=self.device_limit,
+            host_limit=self.host_limit,
+        )
+        if quantized and options.backward_state == "auto" and options.allow_replay:
+            request = PlanRequest(**{**request.__dict__, "requested": "replay"})
+        result = plan_placement(request)
+        return PlacementDecision(result.placement.value, result.predicted_peak_bytes, result.reason), cost
+
+    def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
+        return estimate_forward_cost(
+            self.config,
+            batch=batch,
+            seq_len=seq_len,
+            snapshot_bytes=snapshot_bytes,
+            staging_bytes=staging_bytes,
+            saved_scale=self._saved_scale,
+            measured_seconds_per_token=self._seconds_per_token,
+            transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
+        )
+
+    def observe(self, record: ForwardRecord, cost: ForwardCost, seconds: float) -> RecordUsage:
+        """Learn from a forward that ran; returns what its record now holds."""
+        batch, seq_len = record.batch.input_ids.shape
+        per_token = seconds / (batch * seq_len)
+        self._seconds_per_token = per_token if self._seconds_per_token is None else 0.5 * (self._seconds_per_token + per_token)
+        saved = cost.saved_bytes
+        ledger = record.residency
+        if ledger is not None:  # measured: keep the largest measured/analytic ratio (conservative)
+            saved = ledger.device_bytes + ledger.host_bytes
+            scale = saved / analytic_saved_bytes(self.config, batch, seq_len)
+            self._saved_scale = max(scale, self._saved_scale or 0.0)
+        placement = Placement(record.decision.placement)
+        kept = saved if placement is Placement.RETAIN else 0
+        return RecordUsage(
+            device_bytes=kept + cost.snapshot_bytes + cost.input_bytes,
+            host_bytes=saved if placement is Placement.OFFLOAD else 0,
+            workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
+        )

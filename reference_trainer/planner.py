@@ -1,0 +1,214 @@
+"""Where a forward keeps what its backward needs: a pure function of sizes and costs.
+
+NOTE [Memory admission]
+  1. The device budget covers everything the trainer holds plus the transient
+     peak of the work being run:
+       persistent  = for every pending record: retained saved bytes (retain),
+                     its weight snapshot, its input snapshot;
+       staging     = one copy of each involved checkpoint's trainable bytes
+                     (gradient staging at backward);
+       workspace   = the largest transient need of any pending or new record:
+                     its forward/backward transient, plus its saved bytes for an
+                     offloaded or replayed record (restored or rebuilt at
+                     backward, one record at a time).
+     predicted peak = persistent + staging + workspace.
+  2. Offloaded saved bytes count against the separate host budget instead.
+  3. ``auto`` keeps a forward's saved state in place (retain) if that fits;
+     otherwise it prices offload (bytes moved both ways) against replay (one
+     more forward) and takes the cheaper that fits, within ``allow_offload``
+     and ``allow_replay``. A forced placement is honoured or refused.
+  4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes,
+     suggestion)``, raised before the forward allocates anything.
+  5. Sizes come from a conservative analytic estimate of the model's saved
+     activations, replaced by the measured bytes per token once a forward of
+     the same shape class has run; times come from measurements when there are
+     any (a default transfer bandwidth and forward speed otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import MemoryAdmissionError
+from .model import ModelConfig
+
+__all__ = [
+    "Placement",
+    "ForwardCost",
+    "PendingUsage",
+    "PlanRequest",
+    "PlanResult",
+    "plan_placement",
+    "estimate_forward_cost",
+    "analytic_saved_bytes",
+]
+
+
+class Placement(str, Enum):
+    RETAIN = "retain"
+    OFFLOAD = "offload"
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Bytes and seconds of one forward (and its backward) under each placement."""
+
+    saved_bytes: int
+    transient_bytes: int
+    snapshot_bytes: int
+    input_bytes: int
+    staging_bytes: int
+    forward_seconds: float
+    transfer_seconds: float
+
+    def persistent(self, placement: Placement) -> int:
+        kept = self.saved_bytes if placement is Placement.RETAIN else 0
+        return kept + self.snapshot_bytes + self.input_bytes
+
+    def workspace(self, placement: Placement) -> int:
+        rebuilt = 0 if placement is Placement.RETAIN else self.saved_bytes
+        return self.transient_bytes + rebuilt
+
+    def host_bytes(self, placement: Placement) -> int:
+        return self.saved_bytes if placement is Placement.OFFLOAD else 0
+
+    def extra_seconds(self, placement: Placement) -> float:
+        if placement is Placement.OFFLOAD:
+            return 2 * self.transfer_seconds
+        if placement is Placement.REPLAY:
+            return self.forward_seconds
+        return 0.0
+
+
+@dataclass(frozen=True)
+class PendingUsage:
+    """What pending records already hold (Rule 1)."""
+
+    device_persistent: int = 0
+    host_bytes: int = 0
+    max_workspace: int = 0
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    cost: ForwardCost
+    pending: PendingUsage
+    requested: str  # "auto" | "retain" | "offload" | "replay"
+    allow_offload: bool
+    allow_replay: bool
+    device_limit: int | None
+    host_limit: int | None
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    placement: Placement
+    predicted_peak_bytes: int
+    host_bytes: int
+    reason: str
+
+
+def _peak(request: PlanRequest, placement: Placement) -> int:
+    cost, pending = request.cost, request.pending
+    workspace = max(pending.max_workspace, cost.workspace(placement))
+    return pending.device_persistent + cost.persistent(placement) + cost.staging_bytes + workspace
+
+
+def _fits(request: PlanRequest, placement: Placement) -> tuple[bool, int, int]:
+    peak = _peak(request, placement)
+    host = request.pending.host_bytes + request.cost.host_bytes(placement)
+    device_ok = request.device_limit is None or peak <= request.device_limit
+    host_ok = request.host_limit is None or host <= request.host_limit
+    return device_ok and host_ok, peak, host
+
+
+def plan_placement(request: PlanRequest) -> PlanResult:
+    """Choose a placement per NOTE [Memory admission], or raise ``MemoryAdmissionError``."""
+    if request.requested != "auto":
+        forced = Placement(request.requested)
+        ok, peak, host = _fits(request, forced)
+        if not ok:
+            raise _refusal(request, peak, host, f"forced backward_state={forced.value!r} does not fit")
+        return PlanResult(forced, peak, host, f"forced {forced.value}")
+    ok, peak, host = _fits(request, Placement.RETAIN)
+    if ok:
+        return PlanResult(Placement.RETAIN, peak, host, "auto: retain fits the memory limit")
+    candidates = [Placement.OFFLOAD] * request.allow_offload + [Placement.REPLAY] * request.allow_replay
+    fitting = [(request.cost.extra_seconds(p), p) for p in candidates if _fits(request, p)[0]]
+    if not fitting:
+        allowed = ", ".join(p.value for p in [Placement.RETAIN, *candidates])
+        raise _refusal(request, peak, host, f"no allowed placement ({allowed}) fits")
+    seconds, choice = min(fitting, key=lambda item: item[0])
+    _, peak, host = _fits(request, choice)
+    others = ", ".join(f"{p.value} {s * 1e3:.2f} ms" for s, p in fitting)
+    return PlanResult(choice, peak, host, f"auto: retain does not fit; cheapest that fits ({others})")
+
+
+def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdmissionError:
+    limit = request.device_limit if request.device_limit is not None else 0
+    if request.device_limit is not None and peak > request.device_limit:
+        suggestion = (
+            f"{what}: backpropagate or drop pending outputs, use smaller batches, allow offload/replay, "
+            f"or raise memory_limit_bytes to at least {peak}"
+        )
+        return MemoryAdmissionError(peak, request.device_limit, suggestion)
+    suggestion = f"{what}: offloaded bytes {host} exceed host_memory_limit_bytes; backpropagate pending outputs or allow replay"
+    return MemoryAdmissionError(host, request.host_limit if request.host_limit is not None else limit, suggestion)
+
+
+# --- sizes and times (Rule 5) -----------------------------------------------------
+
+
+def analytic_saved_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
+    """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward."""
+    tokens = batch * seq_len
+    elem = _element_size(config)
+    c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
+    # Attention probabilities and their dropout mask (math attention saves them).
+    per_layer_square = 2 * config.num_attention_heads * batch * seq_len * seq_len
+    per_layers = config.num_hidden_layers * (per_layer_token * tokens + per_layer_square) * elem
+    return per_layers + tokens * (4 * c * elem + 3 * v * 4 + 16)  # final norm, logits, FP32 log-softmax, ids
+
+
+def estimate_forward_cost(
+    config: ModelConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    snapshot_bytes: int,
+    staging_bytes: int,
+    saved_scale: float | None,
+    measured_seconds_per_token: float | None,
+    transfer_bytes_per_second: float,
+) -> ForwardCost:
+    """The cost of one ``(batch, seq_len)`` forward of ``config``.
+
+    ``saved_scale`` (measured / analytic saved bytes, from forwards that ran)
+    replaces the analytic estimate's slack once known, with a 5% margin.
+    """
+    tokens = batch * seq_len
+    elem = _element_size(config)
+    saved = analytic_saved_bytes(config, batch, seq_len)
+    if saved_scale is not None:
+        saved = int(saved * saved_scale * 1.05) + 4096
+    c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    square = config.num_attention_heads * batch * seq_len * seq_len
+    transient = tokens * v * 4 * 4 + tokens * (3 * i + 4 * c) * elem * 2 + square * elem * 4
+    seconds_per_token = measured_seconds_per_token if measured_seconds_per_token is not None else 2e-5
+    return ForwardCost(
+        saved_bytes=saved,
+        transient_bytes=int(transient),
+        snapshot_bytes=snapshot_bytes,
+        input_bytes=tokens * 16,
+        staging_bytes=staging_bytes,
+        forward_seconds=seconds_per_token * tokens,
+        transfer_seconds=saved / transfer_bytes_per_second,
+    )
+
+
+def _element_size(config: ModelConfig) -> int:
+    return {2: 2, 4: 4, 8: 8}.get(config.dtype.itemsize, 4)

@@ -1,0 +1,161 @@
+"""Saved-tensor hooks that keep, copy or drop a forward's saved state, with a ledger.
+
+NOTE [Saved-state lifetime]
+  1. Any saved-tensors hook switches off autograd's own in-place check, so
+     every packed tensor carries a stamp: the tensor's version counter at pack
+     time (and, through its record, the checkpoint version). Unpacking a
+     tensor whose counter moved raises instead of computing a wrong gradient.
+  2. Weights (the capture's leaves, the frozen base parameters) are never
+     copied: they are kept as detached aliases and stamped like the rest.
+  3. ``retain`` keeps a detached alias of each saved tensor (an alias, not the
+     tensor: packing a node's own output strongly would make a reference cycle
+     that keeps the graph alive).
+  4. ``offload`` copies (never aliases) each saved storage once, shared
+     storages once, to host memory (pinned on CUDA), and unpacks views of the
+     copy, restored to the device once per storage per backward. Storages are
+     recognised by address, so the originals are held until the forward ends
+     (an address cannot be reused meanwhile). The copies are freed with the
+     graph.
+  5. ``replay`` saves nothing: the forward runs without a graph and is re-run
+     at backward (see ``Trainer._replay``).
+  6. Saved state that cannot be kept or restored exactly — float8 tensors, or
+     modules marked with :func:`mark_quantized_saved_state` — is noted when
+     packed; the backward refuses such a record before any destructive step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import GradientCommitError
+from .planner import Placement
+
+__all__ = ["SavedStateLedger", "mark_quantized_saved_state", "is_quantized_module", "FLOAT8_DTYPES"]
+
+FLOAT8_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+
+_QUANTIZED_ATTR = "_rt_quantized_saved_state"
+
+
+def mark_quantized_saved_state(module: nn.Module) -> nn.Module:
+    """Mark ``module`` as saving state the trainer cannot keep exactly (like TE FP8 layers)."""
+    setattr(module, _QUANTIZED_ATTR, True)
+    return module
+
+
+def is_quantized_module(module: nn.Module) -> bool:
+    return bool(getattr(module, _QUANTIZED_ATTR, False))
+
+
+@dataclass(eq=False)
+class _Packed:
+    alias: torch.Tensor | None  # weights and retained tensors
+    storage_key: int | None  # offloaded: key into the ledger's copies
+    offset: int = 0
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    stamp: int = 0
+
+
+@dataclass(eq=False)
+class SavedStateLedger:
+    """Pack/unpack hooks for one record under one placement (NOTE [Saved-state lifetime])."""
+
+    placement: Placement
+    weight_storages: set[int]
+    pin_memory: bool = False
+    unsupported: str | None = None
+    device_bytes: int = 0
+    host_bytes: int = 0
+    _copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    _restored: dict[int, torch.Tensor] = field(default_factory=dict)
+    _counted: set[int] = field(default_factory=set)
+    # Originals of copied storages, held until the forward ends so that their
+    # addresses (the dedup keys) cannot be reused by a new storage meanwhile.
+    _originals: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def note_unsupported(self, reason: str) -> None:
+        if self.unsupported is None:
+            self.unsupported = reason
+
+    def _pack(self, tensor: torch.Tensor) -> _Packed:
+        if tensor.dtype in FLOAT8_DTYPES:
+            self.note_unsupported(f"a saved tensor of dtype {tensor.dtype}")
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.weight_storages or self.placement is Placement.RETAIN:
+            if key not in self.weight_storages and key not in self._counted:
+                self._counted.add(key)
+                self.device_bytes += storage.nbytes()
+            return _Packed(tensor.detach(), None, stamp=tensor._version)
+        if key not in self._copies:
+            self._copies[key] = self._copy_storage(tensor)
+            self._originals[key] = storage
+            self.host_bytes += storage.nbytes()
+        copy = self._copies[key]
+        return _Packed(
+            None,
+            key,
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.device,
+            stamp=copy._version,
+        )
+
+    def _copy_storage(self, tensor: torch.Tensor) -> torch.Tensor:
+        raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+        host.copy_(raw)
+        return host
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        if packed.alias is not None:
+            if packed.alias._version != packed.stamp:
+                raise _tampered(packed.stamp, packed.alias._version)
+            return packed.alias
+        copy = self._copies[packed.storage_key]
+        if copy._version != packed.stamp:
+            raise _tampered(packed.stamp, copy._version)
+        restored = self._restored.get(packed.storage_key)
+        if restored is None:
+            restored = copy if packed.device.type == "cpu" else copy.to(packed.device, non_blocking=True)
+            self._restored[packed.storage_key] = restored
+        view = torch.empty(0, dtype=packed.dtype, device=restored.device)
+        return view.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    def end_forward(self) -> None:
+        """The forward is over: let the copied originals go."""
+        self._originals.clear()
+
+    def release(self) -> None:
+        self._originals.clear()
+        self._copies.clear()
+        self._restored.clear()
+
+
+def _tampered(stamp: int, found: int) -> GradientCommitError:
+    return GradientCommitError(
+        f"a tensor saved for backward was modified in place after the forward (version "
+        f"{stamp} at forward, {found} now); expected saved state to stay untouched. "
+        "Do not write in place to activations a pending forward saved; forward again"
+    )
+
+
+def weight_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """Storage keys of tensors that must never be copied (Rule 2)."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
