@@ -19,6 +19,7 @@ from .errors import (
 from .graphs import ForwardInput, ForwardOutput, PlacementDecision
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
+from .residency import mark_quantized_saved_state
 from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
 from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer
 
@@ -52,6 +53,7 @@ __all__ = [
     "TrainerError",
     "UNSET",
     "UnsupportedSavedStateError",
+    "mark_quantized_saved_state",
     "resolve_options",
     "token_logprobs",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .checkpoints import Checkpoint
 from .graphs import ForwardRecord, PlacementDecision
+from .errors import MemoryAdmissionError
 from .model import ModelConfig
 from .options import ResolvedOptions
 from .planner import (
@@ -31,13 +32,23 @@ __all__ = ["Admission", "RecordUsage"]
 _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecordUsage:
     """What one pending record holds: on the device, on the host, and needs at backward."""
 
+    saved_bytes: int
     device_bytes: int
     host_bytes: int
     workspace_bytes: int
+
+    def demoted(self) -> RecordUsage:
+        """The same record once its retained saved bytes moved to host copies."""
+        return RecordUsage(
+            self.saved_bytes,
+            self.device_bytes - self.saved_bytes,
+            self.host_bytes + self.saved_bytes,
+            self.workspace_bytes + self.saved_bytes,
+        )
 
 
 class Admission:
@@ -58,10 +69,15 @@ class Admission:
         pending: Iterable[ForwardRecord],
         *,
         quantized: bool,
-    ) -> tuple[PlacementDecision, ForwardCost]:
+    ) -> tuple[PlacementDecision, ForwardCost, list[ForwardRecord]]:
+        """Plan the next forward; returns its decision, its cost and the records to demote first.
+
+        When nothing fits an ``auto`` forward, pending retained records are
+        demoted to host copies, oldest first, as few as make it fit (NOTE
+        [Memory admission] Rule 6); a forced placement is honoured or refused.
+        """
         pending = list(pending)
-        version = checkpoint.version
-        shares_snapshot = any(r.version == version for r in pending)
+        shares_snapshot = any(r.version == checkpoint.version for r in pending)
         involved = {r.checkpoint.name: r.checkpoint for r in pending} | {checkpoint.name: checkpoint}
         cost = self._cost(
             len(lengths),
@@ -69,25 +85,39 @@ class Admission:
             snapshot_bytes=0 if shares_snapshot else checkpoint.trainable_nbytes(),
             staging_bytes=sum(c.trainable_nbytes() for c in involved.values()),
         )
-        usage = [r.usage for r in pending if r.usage is not None]
-        request = PlanRequest(
-            cost=cost,
-            pending=PendingUsage(
-                device_persistent=sum(u.device_bytes for u in usage),
-                host_bytes=sum(u.host_bytes for u in usage),
-                max_workspace=max((u.workspace_bytes for u in usage), default=0),
-            ),
-            requested=options.backward_state,
-            # Quantized saved state can only be rebuilt, never kept (NOTE [Saved-state lifetime] 6).
-            allow_offload=options.allow_offload and not quantized,
-            allow_replay=options.allow_replay,
-            device_limit=self.device_limit,
-            host_limit=self.host_limit,
-        )
-        if quantized and options.backward_state == "auto" and options.allow_replay:
-            request = PlanRequest(**{**request.__dict__, "requested": "replay"})
-        result = plan_placement(request)
-        return PlacementDecision(result.placement.value, result.predicted_peak_bytes, result.reason), cost
+        requested = options.backward_state
+        if quantized and requested == "auto" and options.allow_replay:
+            requested = "replay"  # quantized saved state can only be rebuilt (NOTE [Saved-state lifetime] 6)
+        demotable = [
+            r for r in pending if r.residency is not None and r.residency.placement is Placement.RETAIN
+        ]
+        reclaim = requested == "auto" and options.allow_offload
+        refusal: MemoryAdmissionError | None = None
+        for count in range(len(demotable) + 1 if reclaim else 1):
+            demoted = {id(r) for r in demotable[:count]}
+            usage = [r.usage.demoted() if id(r) in demoted else r.usage for r in pending if r.usage is not None]
+            request = PlanRequest(
+                cost=cost,
+                pending=PendingUsage(
+                    device_persistent=sum(u.device_bytes for u in usage),
+                    host_bytes=sum(u.host_bytes for u in usage),
+                    max_workspace=max((u.workspace_bytes for u in usage), default=0),
+                ),
+                requested=requested,
+                allow_offload=options.allow_offload and not quantized,
+                allow_replay=options.allow_replay,
+                device_limit=self.device_limit,
+                host_limit=self.host_limit,
+            )
+            try:
+                result = plan_placement(request)
+            except MemoryAdmissionError as error:
+                refusal = refusal or error
+                continue
+            reason = result.reason + (f"; demoted {count} pending retained record(s) to host" if count else "")
+            decision = PlacementDecision(result.placement.value, result.predicted_peak_bytes, reason)
+            return decision, cost, demotable[:count]
+        raise refusal
 
     def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
         return estimate_forward_cost(
@@ -115,6 +145,7 @@ class Admission:
         placement = Placement(record.decision.placement)
         kept = saved if placement is Placement.RETAIN else 0
         return RecordUsage(
+            saved_bytes=saved,
             device_bytes=kept + cost.snapshot_bytes + cost.input_bytes,
             host_bytes=saved if placement is Placement.OFFLOAD else 0,
             workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),

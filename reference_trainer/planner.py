@@ -23,6 +23,9 @@ NOTE [Memory admission]
      activations, replaced by the measured bytes per token once a forward of
      the same shape class has run; times come from measurements when there are
      any (a default transfer bandwidth and forward speed otherwise).
+  6. Reclamation (``auto`` only): when nothing fits, pending retained records
+     are demoted to host copies (as offload would have made them), oldest
+     first, as few as make the new forward fit; only then is it refused.
 """
 
 from __future__ import annotations

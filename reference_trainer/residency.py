@@ -13,9 +13,10 @@ NOTE [Saved-state lifetime]
   4. ``offload`` copies (never aliases) each saved storage once, shared
      storages once, to host memory (pinned on CUDA), and unpacks views of the
      copy, restored to the device once per storage per backward. Storages are
-     recognised by address, so the originals are held until the forward ends
-     (an address cannot be reused meanwhile). The copies are freed with the
-     graph.
+     recognised by address and version (a storage written in place between two
+     saves is copied in each state); the originals are held until the forward
+     ends, so an address cannot be reused meanwhile. The copies are freed with
+     the graph.
   5. ``replay`` saves nothing: the forward runs without a graph and is re-run
      at backward (see ``Trainer._replay``).
   6. Saved state that cannot be kept or restored exactly — float8 tensors, or
@@ -58,7 +59,7 @@ def is_quantized_module(module: nn.Module) -> bool:
 @dataclass(eq=False)
 class _Packed:
     alias: torch.Tensor | None  # weights and retained tensors
-    storage_key: int | None  # offloaded: key into the ledger's copies
+    storage_key: tuple[int, int] | None  # offloaded: (address, version) of the copied storage
     offset: int = 0
     size: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
@@ -77,12 +78,13 @@ class SavedStateLedger:
     unsupported: str | None = None
     device_bytes: int = 0
     host_bytes: int = 0
-    _copies: dict[int, torch.Tensor] = field(default_factory=dict)
-    _restored: dict[int, torch.Tensor] = field(default_factory=dict)
+    _copies: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _restored: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _counted: set[int] = field(default_factory=set)
     # Originals of copied storages, held until the forward ends so that their
     # addresses (the dedup keys) cannot be reused by a new storage meanwhile.
     _originals: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+    _retained: list[_Packed] = field(default_factory=list)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -97,25 +99,44 @@ class SavedStateLedger:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self.weight_storages or self.placement is Placement.RETAIN:
-            if key not in self.weight_storages and key not in self._counted:
-                self._counted.add(key)
-                self.device_bytes += storage.nbytes()
-            return _Packed(tensor.detach(), None, stamp=tensor._version)
+            packed = _Packed(tensor.detach(), None, stamp=tensor._version)
+            if key not in self.weight_storages:
+                self._retained.append(packed)
+                if key not in self._counted:
+                    self._counted.add(key)
+                    self.device_bytes += storage.nbytes()
+            return packed
+        packed = _Packed(None, None)
+        self._offload(packed, tensor)
+        return packed
+
+    def _offload(self, packed: _Packed, tensor: torch.Tensor) -> None:
+        """Point ``packed`` at a host copy of ``tensor``'s storage (made once per storage)."""
+        storage = tensor.untyped_storage()
+        # The version is part of the key: a storage written in place between two
+        # saves (legal inside one forward) needs a copy of each state.
+        key = (storage.data_ptr(), tensor._version)
         if key not in self._copies:
             self._copies[key] = self._copy_storage(tensor)
-            self._originals[key] = storage
+            self._originals[key[0]] = storage
             self.host_bytes += storage.nbytes()
-        copy = self._copies[key]
-        return _Packed(
-            None,
-            key,
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-            tensor.device,
-            stamp=copy._version,
-        )
+        packed.alias, packed.storage_key = None, key
+        packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+        packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
+
+    def demote(self) -> None:
+        """Move a retained record's saved tensors to host copies (NOTE [Memory admission] Rule 6).
+
+        A tensor already modified in place keeps its alias, so its backward
+        still refuses (Rule 1).
+        """
+        for packed in self._retained:
+            if packed.alias is not None and packed.alias._version == packed.stamp:
+                self._offload(packed, packed.alias)
+        self._retained.clear()
+        self._originals.clear()
+        self.device_bytes = 0
+        self.placement = Placement.OFFLOAD
 
     def _copy_storage(self, tensor: torch.Tensor) -> torch.Tensor:
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
@@ -143,6 +164,7 @@ class SavedStateLedger:
         self._originals.clear()
 
     def release(self) -> None:
+        self._retained.clear()
         self._originals.clear()
         self._copies.clear()
         self._restored.clear()

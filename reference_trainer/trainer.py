@@ -244,7 +244,12 @@ class Trainer:
         quantized = any(is_quantized_module(m) for m in self.model.modules())
         lengths = [int(i.input_tokens.numel()) for i in items]
         # Admission first: a refusal happens before anything is allocated.
-        decision, cost = self._admission.decide(checkpoint, lengths, options, self._records.values(), quantized=quantized)
+        decision, cost, demote = self._admission.decide(
+            checkpoint, lengths, options, self._records.values(), quantized=quantized
+        )
+        for pending in demote:
+            pending.residency.demote()
+            pending.usage = pending.usage.demoted()
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
         state = capture_forward_state(self.device)
         capture = checkpoint.capture()
@@ -373,13 +378,14 @@ class Trainer:
                 raise
         for record in records:
             if record.residency is not None and record.residency.unsupported is not None:
-                self._release(record)
-                raise UnsupportedSavedStateError(
+                error = UnsupportedSavedStateError(
                     f"forward record {record.id} ({record.decision.placement}) saved state the trainer "
                     f"cannot keep or restore exactly: {record.residency.unsupported}; expected "
                     "unquantized saved tensors. Use backward_state='replay' (exact re-run) or run "
                     "these layers unquantized; the record was released and nothing was committed"
                 )
+                self._release(record)
+                raise error
         per_record: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {r.id: [] for r in records}
         for leaf, cotangent in zip(leaves, cotangents):
             per_record[leaf._rt_record_id].append((leaf, cotangent))

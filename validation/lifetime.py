@@ -16,7 +16,6 @@ for staging that must be freed after a failure.
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,12 +33,14 @@ class CensusEntry:
     nbytes: int
 
 
-def live_tensors() -> list[torch.Tensor]:
-    """Every live tensor object the garbage collector can see (collected first)."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some lazy torch objects warns
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+def live_tensors(*, collect: bool = True) -> list[torch.Tensor]:
+    """Every live tensor object the garbage collector can see (collected first unless told not to)."""
+    if collect:
+        gc.collect()
+    return [obj for obj in gc.get_objects() if type(obj) in _TENSOR_TYPES]
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass

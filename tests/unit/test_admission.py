@@ -1,0 +1,137 @@
+"""Memory admission under a small budget, checked by an independent storage census (contract §6)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
+from tests.support import NO_CORRECTION, make_trainer, sequence
+from validation.lifetime import live_tensors
+
+DEVICE_LIMIT = 700_000
+HOST_LIMIT = 600_000
+
+
+class StorageCensus:
+    """Bytes of live storages created since construction, split into the two pools.
+
+    On CPU the trainer's host copies are raw byte (uint8) storages; everything
+    else the trainer holds models the device pool.
+    """
+
+    def __init__(self) -> None:
+        self.baseline = {t.untyped_storage().data_ptr() for t in live_tensors()}
+        self.peak_device = 0
+        self.peak_host = 0
+
+    def measure(self, collect: bool = True) -> None:
+        pools = {True: {}, False: {}}
+        for tensor in live_tensors(collect=collect):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.baseline:
+                pools[tensor.dtype == torch.uint8][storage.data_ptr()] = storage.nbytes()
+        self.peak_device = max(self.peak_device, sum(pools[False].values()))
+        self.peak_host = max(self.peak_host, sum(pools[True].values()))
+
+
+def _forward(trainer: rt.Trainer, seed: int, **options) -> list[rt.ForwardOutput]:
+    torch.manual_seed(seed)
+    inputs = [rt.ForwardInput(*sequence(seed * 10 + k, length=16)) for k in range(2)]
+    return trainer.forward(inputs, options=rt.ForwardOptions(corrections=(), **options))
+
+
+def _run(trainer: rt.Trainer, census: StorageCensus | None) -> list[str]:
+    outs = [_forward(trainer, seed) for seed in range(5)]
+    placements = [o[0].placement for o in outs]
+    if census is not None:
+        census.measure()
+    for seed, out in enumerate(outs):
+        trainer.backward(-sum((o.target_logprobs * (seed + 1)).sum() for o in out))
+        if census is not None:
+            census.measure()
+    return placements
+
+
+def test_small_budget_auto_offloads_or_replays_what_no_longer_fits_and_stays_under_it() -> None:
+    reference = make_trainer("lora", dropout=0.1)
+    assert set(_run(reference, None)) == {"retain"}
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    census = StorageCensus()
+    # Independent in-flight witness: a census at the last decoder layer of every forward and replay.
+    trainer.model.model.layers[-1].register_forward_hook(lambda *a: census.measure(collect=False))
+    placements = _run(trainer, census)
+    assert placements[0] == "retain" and set(placements[1:]) & {"offload", "replay"}, placements
+    assert 0 < census.peak_device <= DEVICE_LIMIT, census.peak_device
+    assert census.peak_host <= HOST_LIMIT
+    for (name, expected), param in zip(
+        reference.checkpoint("policy").named_parameters(), trainer.checkpoint("policy").parameters()
+    ):
+        assert torch.equal(param.grad, expected.grad), name
+
+
+def test_forced_retain_that_cannot_fit_is_refused_before_allocating() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    pending = [_forward(trainer, seed) for seed in range(2)]
+    gc.collect()
+    before = len(live_tensors())
+    with pytest.raises(rt.MemoryAdmissionError) as info:
+        _forward(trainer, 9, backward_state="retain")
+    error = info.value
+    assert error.limit_bytes == DEVICE_LIMIT and error.predicted_peak_bytes > DEVICE_LIMIT
+    assert "memory_limit_bytes" in error.suggestion and str(error.predicted_peak_bytes) in str(error)
+    del info, error
+    assert len(live_tensors()) == before, "nothing may be allocated before the refusal"
+    assert trainer.live_records() == len(pending)
+    auto = _forward(trainer, 9)
+    assert auto[0].placement in {"offload", "replay"}
+    assert auto[0].decision.predicted_bytes <= DEVICE_LIMIT and auto[0].decision.reason
+
+
+def test_nothing_fits_raises_with_all_three_fields() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=10_000)
+    with pytest.raises(rt.MemoryAdmissionError) as info:
+        _forward(trainer, 0)
+    assert info.value.predicted_peak_bytes > info.value.limit_bytes == 10_000
+    assert info.value.suggestion
+    assert trainer.live_records() == 0
+
+
+def _cost(**changes) -> ForwardCost:
+    fields = dict(saved_bytes=100, transient_bytes=10, snapshot_bytes=0, input_bytes=0, staging_bytes=0,
+                  forward_seconds=1.0, transfer_seconds=0.1)
+    return ForwardCost(**{**fields, **changes})
+
+
+def _request(cost: ForwardCost, **changes) -> PlanRequest:
+    fields = dict(cost=cost, pending=PendingUsage(), requested="auto", allow_offload=True, allow_replay=True,
+                  device_limit=None, host_limit=None)
+    return PlanRequest(**{**fields, **changes})
+
+
+def test_planner_is_a_pure_function_of_sizes_and_costs() -> None:
+    assert plan_placement(_request(_cost())).placement is Placement.RETAIN
+    # A pending offloaded record already reserves a 110-byte backward workspace: retaining
+    # 100 more bytes (peak 10 + 100 + 110) does not fit in 150, rebuilding them later (10 + 110) does.
+    busy = dict(device_limit=150, pending=PendingUsage(device_persistent=10, max_workspace=110))
+    assert plan_placement(_request(_cost(), **busy)).placement is Placement.OFFLOAD  # 2 x 0.1 s < 1 s
+    assert plan_placement(_request(_cost(transfer_seconds=5.0), **busy)).placement is Placement.REPLAY
+    assert plan_placement(_request(_cost(), allow_offload=False, **busy)).placement is Placement.REPLAY
+    assert plan_placement(_request(_cost(), host_limit=50, **busy)).placement is Placement.REPLAY
+    assert plan_placement(_request(_cost(), requested="replay", **busy)).placement is Placement.REPLAY
+    with pytest.raises(rt.MemoryAdmissionError):
+        plan_placement(_request(_cost(), requested="retain", **busy))
+    with pytest.raises(rt.MemoryAdmissionError):
+        plan_placement(_request(_cost(), allow_offload=False, allow_replay=False, **busy))
+    with pytest.raises(rt.MemoryAdmissionError):
+        plan_placement(_request(_cost(), device_limit=50))
+
+
+def test_every_forward_reports_placement_bytes_and_why() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    out = trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION)
+    assert out.placement == out.decision.placement == "retain"
+    assert out.decision.predicted_bytes > 0 and "retain" in out.decision.reason

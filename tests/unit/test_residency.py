@@ -1,0 +1,139 @@
+"""Offload copies, replay, the saved-state ledger and quantized-state refusal (contract §6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.planner import Placement
+from reference_trainer.residency import FLOAT8_DTYPES, SavedStateLedger
+from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
+from validation.lifetime import TensorCensus
+
+
+def _options(placement: str) -> rt.ForwardOptions:
+    return rt.ForwardOptions(backward_state=placement, corrections=())
+
+
+def _stash_activation(trainer: rt.Trainer) -> list[torch.Tensor]:
+    """Keep the first MLP up-projection output, which SwiGLU's product saves for backward."""
+    stash: list[torch.Tensor] = []
+    trainer.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: stash.append(o))
+    return stash
+
+
+def _gradient(placement: str, tamper: bool) -> dict[str, torch.Tensor]:
+    trainer = make_trainer("full", dropout=0.0)
+    stash = _stash_activation(trainer)
+    out = trainer.forward(rt.ForwardInput(*sequence(1)), options=_options(placement))
+    if tamper:
+        with torch.no_grad():
+            stash[0].mul_(3.0)
+    trainer.backward(-(out.target_logprobs * advantages(1)).sum())
+    return {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
+
+
+def test_offload_copies_so_in_place_changes_to_originals_do_not_change_the_gradient() -> None:
+    clean = _gradient("retain", tamper=False)
+    for placement in ("offload", "replay"):
+        tampered = _gradient(placement, tamper=True)
+        for name, grad in clean.items():
+            assert torch.equal(tampered[name], grad), f"{placement}: {name}"
+
+
+def test_ledger_refuses_a_retained_tensor_modified_in_place() -> None:
+    with pytest.raises(rt.GradientCommitError, match="modified in place after the forward"):
+        _gradient("retain", tamper=True)
+
+
+def test_ledger_catches_a_tampered_offloaded_copy_and_commits_nothing() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    out = trainer.forward(rt.ForwardInput(*sequence(2)), options=_options("offload"))
+    ledger = trainer._records[out.record_id].residency
+    assert ledger.host_bytes > 0 and ledger.device_bytes == 0
+    copy = next(iter(ledger._copies.values()))
+    copy.add_(1)
+    with pytest.raises(rt.GradientCommitError, match="modified in place"):
+        trainer.backward(out.target_logprobs.sum())
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+
+
+def test_offload_copies_each_shared_storage_once() -> None:
+    ledger = SavedStateLedger(Placement.OFFLOAD, weight_storages=set())
+    base = torch.randn(8, 4)
+    with ledger.hooks():
+        x = base.clone().requires_grad_(True)
+        y = (x[:4] * x[4:]).sum()  # both views of one storage are saved
+    ledger.end_forward()
+    assert len(ledger._copies) == 1 and ledger.host_bytes == x.untyped_storage().nbytes()
+    (grad,) = torch.autograd.grad(y, x)
+    assert torch.equal(grad, torch.cat([base[4:], base[:4]]))
+
+
+def test_replay_runs_the_forward_exactly_once_more_and_leaves_the_callers_rng_alone() -> None:
+    trainer = make_trainer("lora", dropout=0.2)
+    calls = []
+    trainer.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    out = trainer.forward(rt.ForwardInput(*sequence(3)), options=_options("replay"))
+    assert out.placement == "replay" and len(calls) == 1
+    torch.manual_seed(42)
+    rng_before = torch.get_rng_state()
+    trainer.backward(out.target_logprobs.sum())
+    assert len(calls) == 2, "replay re-runs the forward exactly once"
+    assert torch.equal(torch.get_rng_state(), rng_before), "the caller's RNG state is untouched"
+
+
+def test_replay_without_rng_restore_would_differ() -> None:
+    """Non-vacuous dropout: a forward with another RNG state gives other log-probs."""
+    trainer = make_trainer("lora", dropout=0.2)
+    ids, tgt = sequence(4)
+    torch.manual_seed(1)
+    a = trainer.forward(rt.ForwardInput(ids, tgt), options=_options("replay")).target_logprobs
+    torch.manual_seed(2)
+    b = trainer.forward(rt.ForwardInput(ids, tgt), options=_options("replay")).target_logprobs
+    assert not torch.equal(a, b)
+
+
+def test_a_replay_whose_outputs_differ_raises_and_commits_nothing() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    first = trainer.forward(rt.ForwardInput(*sequence(5)), options=NO_CORRECTION)
+    trainer.backward(first.target_logprobs.sum())
+    before = grad_snapshot(trainer)
+    out = trainer.forward(rt.ForwardInput(*sequence(6)), options=_options("replay"))
+    trainer.model.lm_head.register_forward_hook(lambda m, i, o: o * 1.01)  # the model changes behind our back
+    with pytest.raises(rt.GradientCommitError, match="did not reproduce"):
+        trainer.backward(out.target_logprobs.sum())
+    assert_grads_unchanged(trainer, before)
+    assert trainer.live_records() == 0
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_quantized_saved_state_is_refused_before_backward_and_released(placement: str) -> None:
+    trainer = make_trainer("lora", dropout=0.0)
+    rt.mark_quantized_saved_state(trainer.model.model.layers[0].mlp)
+    with TensorCensus() as census:
+        out = trainer.forward(rt.ForwardInput(*sequence(7)), options=_options(placement))
+    calls = []
+    trainer.model.register_full_backward_hook(lambda *a: calls.append(1))
+    with pytest.raises(rt.UnsupportedSavedStateError, match="mark_quantized_saved_state"):
+        trainer.backward(out.target_logprobs.sum())
+    assert calls == []
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+    assert census.alive(ignore=[out.target_logprobs]) == [], "the graph is gone"
+
+
+def test_quantized_module_under_auto_is_replayed_exactly() -> None:
+    trainer = make_trainer("lora", dropout=0.0)
+    rt.mark_quantized_saved_state(trainer.model.model.layers[0].mlp)
+    out = trainer.forward(rt.ForwardInput(*sequence(8)), options=NO_CORRECTION)
+    assert out.placement == "replay"
+    trainer.backward(out.target_logprobs.sum())
+    assert all(p.grad is not None for p in trainer.checkpoint("policy").parameters())
+
+
+@pytest.mark.parametrize("dtype", sorted(FLOAT8_DTYPES, key=str))
+def test_float8_saved_tensors_are_noted_as_unsupported(dtype: torch.dtype) -> None:
+    ledger = SavedStateLedger(Placement.RETAIN, weight_storages=set())
+    ledger._pack(torch.zeros(4).to(dtype))
+    assert ledger.unsupported is not None and str(dtype) in ledger.unsupported
