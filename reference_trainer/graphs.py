@@ -98,7 +98,8 @@ class ForwardOutput:
 
     ``target_logprobs``: FP32 leaf with ``requires_grad=True`` (plain tensor for
     ``checkpoint=BASE``). ``version``: the weights used (``None`` for BASE).
-    ``placement`` and ``decision``: the planner's choice for the record.
+    ``placement`` and ``decision``: the planner's choice for the record;
+    ``usage``: the bytes the record holds (device, host) and needs at backward.
     """
 
     target_logprobs: torch.Tensor
@@ -106,6 +107,7 @@ class ForwardOutput:
     placement: str
     decision: PlacementDecision | None = None
     record_id: int | None = None
+    usage: Any = None
 
 
 @dataclass

@@ -322,11 +322,11 @@ def check_right_padded(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> 
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log p(targets[..., t])`` under ``logits[..., t, :]``, in FP32.
+    """``log p(targets[..., t])`` under ``logits[..., t, :]``, in FP32 (FP64 for FP64 logits).
 
     A negative target masks its position: its log-prob is 0 and it gets no
     gradient. Shapes: logits ``(..., T, V)``, targets ``(..., T)``.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     picked = logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return picked.masked_fill(targets < 0, 0.0)

@@ -286,7 +286,7 @@ class Trainer:
             leaf = root[row, :length].detach().clone().requires_grad_(True)
             leaf._rt_record_id, leaf._rt_row = record.id, row
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
-            outputs.append(ForwardOutput(leaf, capture.version, decision.placement, decision, record.id))
+            outputs.append(ForwardOutput(leaf, capture.version, decision.placement, decision, record.id, record.usage))
         record.live_outputs = len(outputs)
         self._records[record.id] = record
         return outputs
