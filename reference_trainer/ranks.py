@@ -8,7 +8,9 @@ NOTE [Logical ranks]
      while it holds the process's baton, so hosted ranks run one at a time in
      logical order between collective points. Each draws from its own RNG
      stream (seeded by rank 0's seed and the logical rank), so what a logical
-     rank computes does not depend on which process hosts it.
+     rank computes does not depend on which process hosts it. A view's
+     outputs belong to its logical rank: backpropagate them through the view
+     of that logical rank (in a later ``run_logical`` call if need be).
   3. Rounds: at a collective point (``reduce``, a backward's agreement, the
      end of ``fn``) every process runs its fibers to their next point, then
      all processes exchange what each logical rank asked for and act
@@ -17,7 +19,13 @@ NOTE [Logical ranks]
   4. Fixed order: a sum over logical ranks gathers every logical rank's
      contribution to every process and adds them left to right in
      logical-rank order, ``((x0 + x1) + x2) + ...``, so the bits do not depend
-     on ``W``.
+     on ``W``. What is bitwise equal, then: the same job for every ``W``
+     dividing ``L``; and zero mode, rank mode (per-rank losses summing to the
+     global one) and a plain ``Trainer`` that makes one forward call per
+     logical rank's chunk, in logical order, and one backward of the global
+     loss per optimizer step. With k backwards per step the plain trainer
+     associates ``sum_b (sum_r g[b][r])`` and logical ranks
+     ``sum_r (sum_b g[b][r])``: equal in exact arithmetic only.
   5. Gradients: in a logical mode a backward commits into its logical rank's
      own buffer (NOTE [Gradient commit] Rule 5) and agrees with every other
      logical rank (Rule 6): all commit or none. ``optim_step``, called on
@@ -36,11 +44,15 @@ NOTE [Logical ranks]
      output. ``backward`` computes every output's cotangent on rank 0 and
      each logical rank backpropagates ``sum((leaf * cotangent).sum())`` over
      its outputs, whose cotangents are then exactly the sent ones: the
-     gradient is bitwise that of the direct path.
+     gradient is bitwise that of the direct path. A copy rank 0 drops frees
+     the hosted output (and its graph) at the next command, before it runs.
+     A command's error is raised on every process; rank 0's ``fn`` may catch
+     it and go on, and the servers follow.
   8. Control messages go through rank 0 (a star), so a silent peer is named;
      tensors travel by collectives (gloo on CPU, NCCL on GPU). A data
-     collective starts only after a control exchange in which every process
-     reported success.
+     collective starts only when every process has received the command that
+     needs it or has reported success in a control exchange, so a local
+     failure never leaves a peer waiting in a collective.
 """
 
 from __future__ import annotations
@@ -80,6 +92,7 @@ __all__ = [
 
 _DEFAULT_TIMEOUT_S = 300.0
 _DEFAULT_IDLE_TIMEOUT_S = 3600.0
+_BUCKET_NUMEL = 1 << 24  # elements per gradient gather: bounds the L/W-fold staging copy
 
 
 class PeerError(TrainerError):
@@ -270,7 +283,8 @@ class _Comm:
             if "nccl" in str(dist.get_backend()):
                 self.device = torch.device("cuda", torch.cuda.current_device())
             # A gloo group of its own: control messages never interleave with data collectives.
-            self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, idle_timeout_s)))
+            timeout = datetime.timedelta(seconds=max(timeout_s, idle_timeout_s))
+            self.control = dist.new_group(backend="gloo", timeout=timeout)
 
     # objects ---------------------------------------------------------------------------
 
@@ -281,21 +295,27 @@ class _Comm:
         if self.rank != 0:
             self._send((label, obj), 0, label)
             return self._expect(0, label, self.timeout_s)
-        parts = [obj]
+        # Hear every peer out even after one failed: a live peer blocks in its send until
+        # rank 0 receives it, and only then can it take the abort.
+        parts, dead, failure = [obj], set(), None
         for peer in range(1, self.world_size):
             try:
                 their_label, value = self._recv(peer, label, self.timeout_s)
-                if their_label != label:
-                    raise PeerError(
-                        f"{label}: physical rank {peer} is at {their_label!r}, expected {label!r}; every "
-                        "process must make the same calls in the same order",
-                        command=label,
-                        peer=peer,
-                    )
             except PeerError as exc:
-                self._abort(exc, skip=peer)
-                raise
+                dead.add(peer)
+                failure = failure or exc
+                continue
+            if their_label != label and failure is None:
+                failure = PeerError(
+                    f"{label}: physical rank {peer} is at {their_label!r}, expected {label!r}; every "
+                    "process must make the same calls in the same order",
+                    command=label,
+                    peer=peer,
+                )
             parts.append(value)
+        if failure is not None:
+            self._abort(failure, skip=dead)
+            raise failure
         self._fan_out((label, parts), label)
         return parts
 
@@ -304,14 +324,15 @@ class _Comm:
         self._fan_out((header["label"], header), header["label"])
 
     def next_command(self, after: str) -> dict:
-        return self._expect(0, f"waiting for rank 0's next command (after {after})", self.idle_timeout_s, any_label=True)
+        label = f"waiting for rank 0's next command (after {after})"
+        return self._expect(0, label, self.idle_timeout_s, any_label=True)
 
     def _fan_out(self, message: Any, label: str) -> None:
         for peer in range(1, self.world_size):
             try:
                 self._send(message, peer, label)
             except PeerError as exc:
-                self._abort(exc, skip=peer)
+                self._abort(exc, skip={peer})
                 raise
 
     def _expect(self, peer: int, label: str, timeout_s: float, any_label: bool = False) -> Any:
@@ -327,11 +348,11 @@ class _Comm:
             )
         return value
 
-    def _abort(self, exc: PeerError, skip: int) -> None:
-        """Rank 0 tells every other live peer why the job stops, so none waits for a dead one."""
+    def _abort(self, exc: PeerError, skip: set[int]) -> None:
+        """Rank 0 tells every live peer why the job stops, so none waits for a dead one."""
         failure = _Failure.of(exc, f"physical rank {self.rank}")
         for peer in range(1, self.world_size):
-            if peer != skip:
+            if peer not in skip:
                 try:
                     self._send(("abort", _Abort(failure)), peer, exc.command, timeout_s=min(self.timeout_s, 5.0))
                 except PeerError:
@@ -360,8 +381,8 @@ class _Comm:
             dist.irecv(data, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise PeerError(
-                f"{label}: no answer from physical rank {peer} within {timeout_s:g} s; it died, hung "
-                f"or ran other code (check its log): {exc}",
+                f"{label}: lost physical rank {peer} (its connection closed, or no answer within "
+                f"{timeout_s:g} s): it died, hung or ran other code; check its log. {exc}",
                 command=label,
                 peer=peer,
             ) from exc
@@ -425,6 +446,14 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _seeded_state(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RNG state ``manual_seed(seed)`` would give, without touching the live generators."""
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    if device.type != "cuda":
+        return cpu, None
+    return cpu, torch.Generator(device=device).manual_seed(seed).get_state()
+
+
 def _stream_seed(seed: int, logical_rank: int) -> int:
     digest = hashlib.sha256(f"{seed}/{logical_rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -438,13 +467,9 @@ class _LogicalState:
         self.comm = comm
         self.device = device
         self.buffers = {lr: BufferGradSink() for lr in layout.hosted}
-        self.rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        caller = _rng_state(device)
-        for lr in layout.hosted:
-            torch.manual_seed(_stream_seed(seed, lr))
-            self.rng[lr] = _rng_state(device)
-        _set_rng_state(caller, device)
+        self.rng = {lr: _seeded_state(_stream_seed(seed, lr), device) for lr in layout.hosted}
         self.commands = 0
+        self.leading = False  # rank 0 is inside a zero-mode fn
         # Zero mode: the outputs hosted here by handle; on rank 0 also the caller's copies,
         # their logical ranks and the handles of copies the caller dropped (sent with the next command).
         self.outputs: dict[int, tuple[int, torch.Tensor]] = {}
@@ -465,8 +490,8 @@ _STATES: weakref.WeakKeyDictionary[Trainer, _LogicalState] = weakref.WeakKeyDict
 
 
 def _state_for(trainer: Trainer, logical_dp: int, timeout_s: float, idle_timeout_s: float) -> _LogicalState:
-    distributed = dist.is_initialized()
-    layout = LogicalLayout(logical_dp, dist.get_world_size() if distributed else 1, dist.get_rank() if distributed else 0)
+    world = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    layout = LogicalLayout(logical_dp, *world)
     state = _STATES.get(trainer)
     if state is not None and state.layout == layout:
         state.comm.timeout_s, state.comm.idle_timeout_s = timeout_s, idle_timeout_s
@@ -503,11 +528,11 @@ def logical_gradients(trainer: Trainer) -> dict[int, dict[tuple[str, str], torch
 # --- optimizer hooks (Rule 5) --------------------------------------------------------
 
 
-def _outside_fibers(call: str) -> None:
+def _outside_fibers(state: _LogicalState, call: str) -> None:
     if _current_fiber() is not None:
-        raise ConfigError(
-            call, "a call inside run_logical's fn", "a call after run_logical returns, once per process"
-        )
+        raise ConfigError(call, "a call inside run_logical's fn", "a call after run_logical returns, once per process")
+    if state.leading:
+        raise ConfigError(call, f"trainer.{call}() inside a zero-mode fn", f"zero.{call}(), which runs it on every process")
 
 
 def _flush_buffers(trainer: Trainer, names: list[str]) -> None:
@@ -515,7 +540,7 @@ def _flush_buffers(trainer: Trainer, names: list[str]) -> None:
     state = _STATES.get(trainer)
     if state is None:
         return
-    _outside_fibers("optim_step")
+    _outside_fibers(state, "optim_step")
     layout, comm = state.layout, state.comm
     local = {
         lr: {name: ({k[1] for k in sink.grads if k[0] == name}, set(sink.origins.get(name, ()))) for name in names}
@@ -528,18 +553,25 @@ def _flush_buffers(trainer: Trainer, names: list[str]) -> None:
     for name in names:  # the same check optim_step makes next, but before .grad changes
         for version, bound in sorted(origins[name], key=lambda o: o[0].revision):
             check_age(trainer.checkpoint(name), version, bound)
+    entries = [
+        (trainer.checkpoint(name), pname, param, present)
+        for name in names
+        for pname, param in trainer.checkpoint(name).named_parameters()
+        if (present := [lr for lr in range(layout.logical_dp) if pname in meta[lr][name][0]])
+    ]
     totals = []
-    for name in names:
-        checkpoint = trainer.checkpoint(name)
-        for pname, param in checkpoint.named_parameters():
-            present = [lr for lr in range(layout.logical_dp) if pname in meta[lr][name][0]]
-            if not present:
-                continue
-            mine = torch.stack(
-                [state.buffers[lr].grads.get((name, pname), torch.zeros_like(param)) for lr in layout.hosted]
-            )  # (L/W, *param.shape)
-            everyone = comm.all_gather(mine, f"optim_step: gradient of {name}.{pname}")  # (L, *param.shape)
-            totals.append((checkpoint, pname, ordered_sum([everyone[lr] for lr in present]).to(param.device)))
+    for bucket in _buckets(entries):
+        rows = []
+        for lr in layout.hosted:
+            grads = state.buffers[lr].grads
+            rows.append(torch.cat([grads.get((c.name, n), torch.zeros_like(p)).reshape(-1) for c, n, p, _ in bucket]))
+        mine = torch.stack(rows)  # (L/W, bucket numel)
+        everyone = comm.all_gather(mine, f"optim_step: logical gradients of {len(bucket)} parameters")  # (L, numel)
+        offset = 0
+        for checkpoint, pname, param, present in bucket:
+            parts = [everyone[lr, offset : offset + param.numel()].view_as(param) for lr in present]
+            totals.append((checkpoint, pname, ordered_sum(parts).to(param.device)))
+            offset += param.numel()
     live = LiveGradSink()
     for checkpoint, pname, total in totals:
         old = live.current(checkpoint, pname)
@@ -551,11 +583,25 @@ def _flush_buffers(trainer: Trainer, names: list[str]) -> None:
             sink.clear(name)
 
 
+def _buckets(entries: list[tuple]) -> list[list[tuple]]:
+    """Consecutive parameters of one dtype, up to ``_BUCKET_NUMEL`` elements each: one collective per bucket."""
+    buckets: list[list[tuple]] = []
+    numel = 0
+    for entry in entries:
+        param = entry[2]
+        if not buckets or buckets[-1][0][2].dtype != param.dtype or numel + param.numel() > _BUCKET_NUMEL:
+            buckets.append([])
+            numel = 0
+        buckets[-1].append(entry)
+        numel += param.numel()
+    return [b for b in buckets if b]
+
+
 def _clear_buffers(trainer: Trainer, names: list[str]) -> None:
     state = _STATES.get(trainer)
     if state is None:
         return
-    _outside_fibers("zero_grad")
+    _outside_fibers(state, "zero_grad")
     for sink in state.buffers.values():
         for name in names:
             sink.clear(name)
@@ -700,8 +746,8 @@ def _decide(state: _LogicalState, label: str, statuses: list[_Status], fibers: l
             total = ordered_sum(list(state.comm.all_gather(mine, label)))
             return {f.logical_rank: total.to(f.request.tensor.device).clone() for f in fibers}
         found = ", ".join(f"logical rank {s.logical_rank}: {s.detail[0]} {s.detail[1]}" for s in statuses)
-        error = PeerError(f"{label}: reduce expects one shape and dtype on every logical rank, found {found}", command=label)
-        return {f.logical_rank: _Raise(error) for f in fibers}
+        message = f"{label}: reduce expects one shape and dtype on every logical rank, found {found}"
+        return {f.logical_rank: _Raise(PeerError(message, command=label)) for f in fibers}
     if kinds == {"agree"}:
         failed = [s for s in statuses if s.detail is not None]
         common = min(failed, key=lambda s: (s.detail.from_peer, s.logical_rank)) if failed else None
@@ -721,11 +767,14 @@ def _decide(state: _LogicalState, label: str, statuses: list[_Status], fibers: l
         if root is not None:
             cause = f"logical rank {root.logical_rank} raised {root.detail.name}: {root.detail.text}"
         else:
-            cause = "logical ranks diverged: " + ", ".join(f"logical rank {s.logical_rank} {_doing(s.kind)}" for s in statuses)
+            doings = ", ".join(f"logical rank {s.logical_rank} {_doing(s.kind)}" for s in statuses)
+            cause = f"logical ranks diverged: {doings}"
             cause += "; every logical rank must call reduce and backward the same number of times, in the same order"
         doing = _doing(fiber.request.kind)
         if fiber.request.kind == "agree":
-            error: BaseException = GradientCommitError(f"{label}: backward committed nothing: {cause} while this one {doing}")
+            error: BaseException = GradientCommitError(
+                f"{label}: backward committed nothing: {cause} while this one {doing}"
+            )
         else:
             error = PeerError(f"{label}: {cause} while logical rank {fiber.logical_rank} {doing}", command=label)
         replies[fiber.logical_rank] = _Raise(_from_peer(error) if root is not None else error)
@@ -761,13 +810,13 @@ def _finish(statuses: list[_Status], fibers: list[_Fiber], share: bool) -> list[
 
 def _unwind(fibers: list[_Fiber], exc: BaseException, label: str) -> None:
     """Let every paused fiber raise, so its backward rolls back and its thread ends."""
-    error = _from_peer(PeerError(f"{label}: stopped because {type(exc).__name__}: {exc}", command=label))
+    message = f"{label}: stopped because {type(exc).__name__}: {exc}"
     for _ in range(16):
-        waiting = [f for f in fibers if f.done is False and f._started]
+        waiting = [f for f in fibers if not f.done and f._started]
         if not waiting:
             return
         for fiber in waiting:
-            fiber.step(_Raise(error))
+            fiber.step(_Raise(_from_peer(PeerError(message, command=label))))
 
 
 # --- rank mode -------------------------------------------------------------------------
@@ -786,7 +835,9 @@ class LogicalRank:
         fiber = _current_fiber()
         if fiber is None or fiber.logical_rank != self.logical_rank:
             raise ConfigError(
-                call, "a call outside this logical rank's fn", f"a call from fn(view) of logical rank {self.logical_rank}"
+                call,
+                "a call outside this logical rank's fn",
+                f"a call from fn(view) of logical rank {self.logical_rank}",
             )
         return fiber
 
@@ -798,9 +849,8 @@ class LogicalRank:
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> BackwardReport:
         """``Trainer.backward`` into this logical rank's buffer; every logical rank commits or none (Rule 5)."""
         self._fiber("backward")
-        return self.trainer.backward(
-            loss, retain_graph=retain_graph, sink=self._state.buffers[self.logical_rank], coordinator=_FiberCoordinator()
-        )
+        sink = self._state.buffers[self.logical_rank]
+        return self.trainer.backward(loss, retain_graph=retain_graph, sink=sink, coordinator=_FiberCoordinator())
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over every logical rank, in logical order (Rule 4); not differentiable."""
@@ -839,7 +889,7 @@ def run_logical(
     zero-mode server waits for rank 0's next command (``RT_DIST_IDLE_TIMEOUT_S``,
     default 3600).
     """
-    if _current_fiber() is not None:
+    if _current_fiber() is not None or any(s.leading for s in list(_STATES.values())):
         raise ConfigError("run_logical", "a call inside run_logical's fn", "a call from the process's own code")
     if mode not in ("rank", "zero"):
         raise ConfigError("mode", mode, "'rank' or 'zero'")
@@ -914,6 +964,7 @@ class _ZeroSession:
     # rank 0 --------------------------------------------------------------------------
 
     def lead(self, fn: Callable[[RankZero], Any]) -> Any:
+        self.state.leading = True
         try:
             result = fn(RankZero(self))
         except BaseException as exc:
@@ -922,6 +973,8 @@ class _ZeroSession:
             except PeerError:
                 pass
             raise
+        finally:
+            self.state.leading = False
         self.run({"cmd": "exit", "error": None})
         return result
 
@@ -931,7 +984,11 @@ class _ZeroSession:
         header["release"] = self.state.dropped[:]
         del self.state.dropped[: len(header["release"])]  # the same list: proxies' finalizers append to it
         self.comm.broadcast_command(header)
-        return self.execute(header, payload)
+        leading, self.state.leading = self.state.leading, False  # the trainer calls below are this command's own
+        try:
+            return self.execute(header, payload)
+        finally:
+            self.state.leading = leading
 
     def forward(self, inputs: Any, checkpoint: Any, options: Any) -> Any:
         flat, rebuild = flatten_inputs(inputs)
@@ -1062,11 +1119,15 @@ class _ZeroSession:
         made = self._agreed(label, work)
         for handle, lr, out in made:
             state.outputs[handle] = (lr, out.target_logprobs)
-        sizes = [sum(lengths[i] for lr in range(state.layout.logical_dp) if state.layout.owner(lr) == p for i in chunks[lr])
-                 for p in range(self.comm.world_size)]
+        per_process = state.layout.per_process
+        sizes = [  # output elements each process hosts
+            sum(lengths[i] for lr in range(p * per_process, (p + 1) * per_process) for i in chunks[lr])
+            for p in range(self.comm.world_size)
+        ]
         local = torch.cat([out.target_logprobs.detach().reshape(-1) for _, _, out in made]) if made else torch.zeros(0)
         gathered = self.comm.gather(local.to(self.comm.device), sizes, label)
-        metas = self.comm.exchange([(h, out.version, out.placement, out.decision) for h, _, out in made], f"{label}: outputs")
+        described = [(h, out.version, out.placement, out.decision) for h, _, out in made]
+        metas = self.comm.exchange(described, f"{label}: outputs")
         if gathered is None:
             return None
         values = torch.cat([g.to(state.device) for g in gathered])

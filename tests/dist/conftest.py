@@ -1,0 +1,59 @@
+"""Fixtures of the distributed tests: one two-process spawn per test run, and one intra-op thread.
+
+The spawn is the expensive part (about a second of start-up, then every
+scenario in :mod:`dist_scenarios`), so it runs once per test run: under
+pytest-xdist the first worker that needs it runs it and the others read its
+pickled results, behind a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import dist_scenarios
+import pytest
+import torch
+
+from validation.spawn import spawn_ranks
+
+
+def _run_suite() -> dict[str, Any]:
+    outcomes = spawn_ranks(dist_scenarios.two_process_suite, 2, timeout_s=240.0, check=False)
+    rank0, rank1 = outcomes
+    # Rank 1 is killed on purpose by the last scenario; rank 0 must report everything.
+    if not rank0.ok or rank1.exitcode != 17:
+        return {"failed": f"rank 0: exit {rank0.exitcode}\n{rank0.error}\nrank 1: exit {rank1.exitcode}\n{rank1.error}"}
+    return rank0.value
+
+
+@pytest.fixture(scope="session")
+def two_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Rank 0's report of the two-process suite: ``{"ranks": [r0, r1], "peers": {...}}``."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        results = _run_suite()
+    else:
+        path = tmp_path_factory.getbasetemp().parent / f"two-process-suite-{run}.pkl"
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                results = pickle.loads(path.read_bytes())
+            else:
+                results = _run_suite()
+                path.write_bytes(pickle.dumps(results))
+    if "failed" in results:
+        pytest.fail(f"the two-process suite did not complete:\n{results['failed']}")
+    return results
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Bitwise comparisons with the spawned ranks need their kernel schedule: one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,180 @@
+"""Run one function on W gloo processes on this machine: the harness's launcher for distributed tests.
+
+``spawn_ranks(fn, W, *args)`` starts W processes from a fork server that has
+already imported torch (start-up is a fork, not an import), joins them into
+one gloo process group on 127.0.0.1 (a TCPStore hosted by the caller, on a
+port the OS picked, so there is no port race) and runs ``fn(*args)`` in each
+with the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) and one intra-op thread. Each rank's result
+comes back through its own pipe as plain Python objects, tensors turned into
+numpy arrays: a tensor sent by a process that then exits would be lost
+(design-notes, "Distributed tests"). Start-up costs about a second, so run
+several scenarios per spawn and return all their results.
+
+``fn`` must be importable by module and name (a module-level function).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["RankOutcome", "SpawnError", "spawn_ranks", "to_plain"]
+
+# torch.optim imports torch._dynamo at the first optimizer (about 2 s): do it once, in the fork server.
+_PRELOAD = ["torch", "torch._dynamo", "numpy", "reference_trainer"]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank did: its ``value``, or the ``error`` it raised, and how its process ended."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised, died or outlived the timeout; the message holds every rank's story."""
+
+    def __init__(self, outcomes: list[RankOutcome], reason: str) -> None:
+        self.outcomes = outcomes
+        lines = [reason]
+        for o in outcomes:
+            lines.append(f"--- rank {o.rank}: exit code {o.exitcode}" + (f"\n{o.error}" if o.error else ""))
+        super().__init__("\n".join(lines))
+
+
+def to_plain(value: Any) -> Any:
+    """``value`` with every tensor (also inside dicts, lists, tuples) replaced by a numpy copy."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return tensor.numpy().copy()
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_plain(v) for v in value)
+    return value
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    dist_timeout_s: float = 30.0,
+    check: bool = True,
+) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` gloo processes; each rank's value, by rank.
+
+    ``check=False`` returns a :class:`RankOutcome` per rank instead of raising
+    :class:`SpawnError` when a rank raises or dies (for tests that kill one).
+    Processes still running after ``timeout_s`` are killed.
+    """
+    import torch.distributed as dist
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    # The caller hosts the rendezvous: it survives any rank, and port 0 lets the OS pick a free one.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    readers: dict[Connection, int] = {}
+    processes = []
+    for rank in range(world_size):
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_worker,
+            args=(rank, world_size, store.port, dist_timeout_s, writer, fn, args),
+            name=f"rank-{rank}",
+            daemon=True,
+        )
+        process.start()
+        writer.close()
+        readers[reader] = rank
+        processes.append(process)
+    values: dict[int, tuple[Any, str | None]] = {}
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    while readers:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        for reader in wait(list(readers), timeout=remaining):
+            rank = readers.pop(reader)
+            try:
+                values[rank] = reader.recv()
+            except EOFError:
+                pass  # it died before reporting: its exit code tells
+            reader.close()
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+        if process.is_alive():
+            timed_out = True
+            process.kill()
+            process.join()
+    outcomes = [
+        RankOutcome(rank, *values.get(rank, (None, "no result (the process died or hung)")), processes[rank].exitcode)
+        for rank in range(world_size)
+    ]
+    del store
+    if not check:
+        return outcomes
+    if timed_out:
+        raise SpawnError(outcomes, f"spawn_ranks: ranks still running after {timeout_s:g} s were killed")
+    if not all(o.ok for o in outcomes):
+        raise SpawnError(outcomes, "spawn_ranks: a rank failed")
+    return [o.value for o in outcomes]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    dist_timeout_s: float,
+    pipe: Connection,
+    fn: Callable[..., Any],
+    args: tuple,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        timeout = datetime.timedelta(seconds=dist_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        message = (to_plain(fn(*args)), None)
+    except BaseException:
+        message = (None, traceback.format_exc())
+    try:  # let every peer read its last message before this process goes away
+        dist.barrier()
+    except Exception:
+        pass  # a dead or broken peer: nothing left to wait for
+    pipe.send(message)
+    pipe.close()
+    # Skip interpreter and process-group teardown: with a dead peer it can block.
+    os._exit(0)
