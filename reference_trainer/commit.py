@@ -7,8 +7,8 @@ NOTE [Gradient commit]
   2. Validate all: every origin's age and generation (NOTE [Staleness] in
      ``staleness.py``), target identity (the parameter is still the
      checkpoint's), shape, dtype, device, finiteness. One failure fails all.
-  3. Publish: build every new gradient (existing + staged, out of place) first,
-     then assign them in a fixed order. If an assignment fails, the ones
+  3. Publish: build every new gradient (existing + staged, out of place) first
+     and check the sums are still finite, then assign them in a fixed order. If an assignment fails, the ones
      already made are put back to the previous tensor objects.
   4. On any failure, staging is freed and the error is raised as a
      ``GradientCommitError``; existing gradients keep their values and objects.
@@ -103,6 +103,16 @@ class _Staged:
     value: torch.Tensor
 
 
+def _all_finite(value: torch.Tensor) -> bool:
+    """True iff every element is finite.
+
+    A finite sum proves it (NaN and infinities propagate through a sum) at a
+    fraction of the cost of an elementwise check, which runs only when the
+    sum is not finite (it may overflow while every element is finite).
+    """
+    return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
+
+
 class GradientTransaction:
     """Stage → validate → publish, per NOTE [Gradient commit]."""
 
@@ -151,7 +161,7 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
-            if not bool(torch.isfinite(value).all()):
+            if not _all_finite(value):
                 raise GradientCommitError(
                     f"{where}: expected a finite gradient, found non-finite values; "
                     "check the loss and its cotangents (nothing was committed)"
@@ -167,6 +177,12 @@ class GradientTransaction:
         for staged in self._staged.values():
             old = self._sink.current(staged.checkpoint, staged.name)
             new = staged.value if old is None else old + staged.value
+            if old is not None and not _all_finite(new):
+                raise GradientCommitError(
+                    f"checkpoint {staged.checkpoint.name!r} parameter {staged.name!r}: the accumulated "
+                    "gradient overflows to non-finite values; expected a finite sum. Step or zero_grad "
+                    "before accumulating more (nothing was committed)"
+                )
             plan.append((staged, old, new))
         done: list[tuple[_Staged, torch.Tensor | None]] = []
         try:

@@ -514,7 +514,7 @@ class Trainer:
                 or (label == "max_grad_norm" and value == 0)
             ):
                 raise ConfigError(label, value, allowed)
-        selected = [self.checkpoint(n) for n in (checkpoints if checkpoints is not None else self._checkpoints)]
+        selected = [self.checkpoint(n) for n in _names(checkpoints, self._checkpoints)]
         for hook in self.before_step_hooks:
             hook(self, [c.name for c in selected])
         for checkpoint in selected:
@@ -541,12 +541,19 @@ class Trainer:
 
     def zero_grad(self, *, checkpoints: Iterable[str] | None = None) -> None:
         """Drop committed gradients (``.grad = None``) and their recorded origins."""
-        names = list(checkpoints) if checkpoints is not None else list(self._checkpoints)
+        names = _names(checkpoints, self._checkpoints)
         selected = [self.checkpoint(name) for name in names]
         for hook in self.zero_grad_hooks:
             hook(self, names)
         for checkpoint in selected:
             checkpoint.clear_gradients()
+
+
+def _names(checkpoints: Iterable[str] | str | None, every: Iterable[str]) -> list[str]:
+    """Checkpoint names from a ``checkpoints=`` argument (a single name is one name)."""
+    if checkpoints is None:
+        return list(every)
+    return [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
 
 
 def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,100 @@
+"""Canary presets: what a canary runs on, for the CPU suite and for GPU CI.
+
+A preset names the model shape, the checkpoint kind, the dtype, the device and
+the process layout. Every canary takes one. ``cpu`` runs in the test suite in
+seconds; ``gpu`` is what GPU CI runs on 2 or 8 H200s (``small`` and
+``qwen3_8b`` shapes with LoRA, BF16). ``Preset.on_this_machine()`` keeps a GPU
+preset's code path but swaps the device for the CPU and the model for a small
+shape when no GPU is present, so the GPU path runs end to end here; the checks
+that need CUDA then report themselves as skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from reference_trainer import LoRAConfig, ModelConfig
+
+__all__ = ["Preset", "PRESETS", "preset"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model: ModelConfig
+    lora: LoRAConfig | None
+    device: str
+    processes: int
+    logical_dp: int
+    sequences: int
+    seq_len: int
+    memory_limit_bytes: int | None = None
+    swapped: bool = False  # a GPU preset running on CPU with a small shape
+
+    @property
+    def cuda_checks(self) -> bool:
+        """Whether CUDA-only checks (allocator statistics, pinned memory) apply."""
+        return self.device == "cuda" and torch.cuda.is_available()
+
+    def on_this_machine(self) -> Preset:
+        """This preset, or its CPU stand-in when it asks for CUDA and none is present."""
+        if self.device != "cuda" or torch.cuda.is_available():
+            return self
+        return dataclasses.replace(
+            self,
+            model=ModelConfig.tiny(dtype=self.model.dtype, dropout=self.model.dropout),
+            device="cpu",
+            sequences=min(self.sequences, 4),
+            seq_len=min(self.seq_len, 16),
+            memory_limit_bytes=None,
+            swapped=True,
+        )
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "model": {f.name: str(getattr(self.model, f.name)) for f in dataclasses.fields(self.model)},
+            "lora": None if self.lora is None else dataclasses.asdict(self.lora),
+            "device": self.device,
+            "processes": self.processes,
+            "logical_dp": self.logical_dp,
+            "sequences": self.sequences,
+            "seq_len": self.seq_len,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "swapped_for_cpu": self.swapped,
+        }
+
+
+PRESETS: dict[str, Preset] = {
+    "cpu": Preset("cpu", ModelConfig.tiny(dropout=0.1), LoRAConfig(rank=4), "cpu", 1, 1, 3, 9),
+    "gpu": Preset(
+        "gpu",
+        ModelConfig.small(dtype=torch.bfloat16, dropout=0.0),
+        LoRAConfig(rank=16),
+        "cuda",
+        processes=2,
+        logical_dp=2,
+        sequences=4,
+        seq_len=256,
+    ),
+    "gpu-8b": Preset(
+        "gpu-8b",
+        ModelConfig.qwen3_8b(dtype=torch.bfloat16),
+        LoRAConfig(rank=16),
+        "cuda",
+        processes=8,
+        logical_dp=8,
+        sequences=4,
+        seq_len=1024,
+    ),
+}
+
+
+def preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
