@@ -200,6 +200,32 @@ class Trainer:
             )
         return next(iter(self._checkpoints.values()))
 
+    def policy(self, checkpoint: Any = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], CheckpointVersion | None]:
+        """A no-grad ``logits_fn(input_ids (B, T)) -> logits (B, T, V)`` at the current weights, and their version.
+
+        For sampling (``reference_trainer.sampling.sample``): record the version
+        with each sample. The function runs the model in eval mode (no dropout)
+        on the live weights of ``checkpoint`` (``BASE``: the frozen base) as they
+        are when it is called; the version returned is the one at this call.
+        """
+        selected = None if checkpoint is BASE else self._select_checkpoint(checkpoint)
+
+        def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
+            training = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    if selected is None:
+                        return self.model(input_ids)
+                    if selected.is_full:
+                        return torch.func.functional_call(self.model, dict(selected.named_parameters()), (input_ids,))
+                    with selected.adapter.attached(self.model):
+                        return self.model(input_ids)
+            finally:
+                self.model.train(training)
+
+        return logits_fn, None if selected is None else selected.version
+
     # --- forward ------------------------------------------------------------------
 
     def forward(self, inputs: Any, *, checkpoint: Any = None, options: ForwardOptions | None = None) -> Any:
