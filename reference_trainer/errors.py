@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointReplacedError",
     "MemoryAdmissionError",
     "UnsupportedSavedStateError",
+    "PeerError",
 ]
 
 
@@ -123,3 +124,19 @@ class MemoryAdmissionError(TrainerError):
 
 class UnsupportedSavedStateError(TrainerError):
     """Saved state cannot be kept or restored exactly (quantized / float8)."""
+
+
+class PeerError(TrainerError):
+    """Another process or logical rank did not take part in a collective step.
+
+    It died, hung past the timeout, made different calls (logical ranks must
+    call ``reduce`` and ``backward`` the same number of times, in the same
+    order), or failed while this one waited. ``command`` names the step and
+    ``peer`` the physical rank (``None`` when unknown). After a dead or silent
+    peer the process group is unusable: read that peer's log and restart.
+    """
+
+    def __init__(self, message: str, *, command: str, peer: int | None = None) -> None:
+        self.command = command
+        self.peer = peer
+        super().__init__(message)

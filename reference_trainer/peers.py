@@ -1,0 +1,294 @@
+"""Processes of a logical-rank job reaching each other: joining the job, control messages, collectives, errors.
+
+``init_distributed`` joins the job a launcher describes and ``_timeout``
+bounds every collective step. ``_Comm`` sends control messages through rank 0
+(a star, so a silent peer is named) and tensors through collectives
+(NOTE [Logical ranks] Rule 8, in ``ranks.py``); ``_Failure`` carries an
+exception to another process, which raises the same type (Rule 6). A peer
+that dies, hangs or answers out of turn makes ``_Comm`` raise ``PeerError``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, PeerError
+
+__all__ = ["init_distributed"]
+
+_DEFAULT_TIMEOUT_S = 300.0
+_DEFAULT_IDLE_TIMEOUT_S = 3600.0
+
+
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the job a launcher (``torchrun``) describes in the environment; return ``(rank, world_size)``.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (env://);
+    gloo on CPU, NCCL when CUDA is available. Without a launcher (no ``RANK``)
+    it does nothing and returns ``(0, 1)``: one process hosts every logical rank.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            return 0, 1
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=_timeout(timeout_s, "RT_DIST_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _timeout(value: float | None, env: str, default: float) -> float:
+    value = float(os.environ.get(env, default)) if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError("timeout_s", value, "None or a number of seconds > 0")
+    return float(value)
+
+
+# --- errors across processes (Rule 6) ------------------------------------------------
+
+
+def _picklable(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Enough of an exception to raise the same type on another process."""
+
+    module: str
+    qualname: str
+    args: tuple
+    attrs: dict
+    text: str
+    where: str
+    logical_rank: int | None
+    traceback: str
+    from_peer: bool
+
+    @classmethod
+    def of(cls, exc: BaseException, where: str, logical_rank: int | None = None) -> _Failure:
+        attrs = {k: v for k, v in vars(exc).items() if not k.startswith("_rt_") and _picklable(v)}
+        return cls(
+            type(exc).__module__,
+            type(exc).__qualname__,
+            exc.args if _picklable(exc.args) else (str(exc),),
+            attrs,
+            str(exc),
+            where,
+            logical_rank,
+            "".join(traceback.format_exception(exc)),
+            bool(getattr(exc, "_rt_from_peer", False)),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+    def rebuild(self) -> BaseException:
+        try:
+            cls: Any = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                cls = getattr(cls, part)
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                raise TypeError(cls)
+            # The constructor may take other arguments than ``args``; never call it.
+            exc = cls.__new__(cls, *self.args)
+            exc.args = self.args
+            vars(exc).update(self.attrs)
+        except Exception:
+            exc = PeerError(f"{self.where} raised {self.qualname}: {self.text}", command="?")
+        exc._rt_from_peer = self.from_peer
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"raised on {self.where}; its traceback there:\n{self.traceback}")
+        return exc
+
+
+def _from_peer(exc: BaseException) -> BaseException:
+    exc._rt_from_peer = True
+    return exc
+
+
+# --- transport (Rule 8) --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Abort:
+    failure: _Failure
+
+
+class _Comm:
+    """Objects through rank 0 (a silent peer is named), tensors through collectives."""
+
+    def __init__(self, timeout_s: float, idle_timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device("cpu")
+        if self.distributed:
+            if "nccl" in str(dist.get_backend()):
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # A gloo group of its own: control messages never interleave with data collectives.
+            timeout = datetime.timedelta(seconds=max(timeout_s, idle_timeout_s))
+            self.control = dist.new_group(backend="gloo", timeout=timeout)
+
+    # objects ---------------------------------------------------------------------------
+
+    def exchange(self, obj: Any, label: str) -> list[Any]:
+        """Every process's ``obj``, by physical rank; raises ``PeerError`` if a peer does not answer in kind."""
+        if not self.distributed:
+            return [obj]
+        if self.rank != 0:
+            self._send((label, obj), 0, label)
+            return self._expect(0, label, self.timeout_s)
+        # Hear every peer out even after one failed: a live peer blocks in its send until
+        # rank 0 receives it, and only then can it take the abort.
+        parts, dead, failure = [obj], set(), None
+        for peer in range(1, self.world_size):
+            try:
+                their_label, value = self._recv(peer, label, self.timeout_s)
+            except PeerError as exc:
+                dead.add(peer)
+                failure = failure or exc
+                continue
+            if their_label != label and failure is None:
+                failure = PeerError(
+                    f"{label}: physical rank {peer} is at {their_label!r}, expected {label!r}; every "
+                    "process must make the same calls in the same order",
+                    command=label,
+                    peer=peer,
+                )
+            parts.append(value)
+        if failure is not None:
+            self._abort(failure, skip=dead)
+            raise failure
+        self._fan_out((label, parts), label)
+        return parts
+
+    def broadcast_command(self, header: dict) -> None:
+        """Rank 0 sends a zero-mode command to every other process."""
+        self._fan_out((header["label"], header), header["label"])
+
+    def next_command(self, after: str) -> dict:
+        label = f"waiting for rank 0's next command (after {after})"
+        return self._expect(0, label, self.idle_timeout_s, any_label=True)
+
+    def _fan_out(self, message: Any, label: str) -> None:
+        for peer in range(1, self.world_size):
+            try:
+                self._send(message, peer, label)
+            except PeerError as exc:
+                self._abort(exc, skip={peer})
+                raise
+
+    def _expect(self, peer: int, label: str, timeout_s: float, any_label: bool = False) -> Any:
+        their_label, value = self._recv(peer, label, timeout_s)
+        if their_label == "abort":
+            raise value.failure.rebuild()
+        if not any_label and their_label != label:
+            raise PeerError(
+                f"{label}: physical rank {peer} sent {their_label!r}, expected {label!r}; every process "
+                "must make the same calls in the same order",
+                command=label,
+                peer=peer,
+            )
+        return value
+
+    def _abort(self, exc: PeerError, skip: set[int]) -> None:
+        """Rank 0 tells every live peer why the job stops, so none waits for a dead one."""
+        failure = _Failure.of(exc, f"physical rank {self.rank}")
+        for peer in range(1, self.world_size):
+            if peer not in skip:
+                try:
+                    self._send(("abort", _Abort(failure)), peer, exc.command, timeout_s=min(self.timeout_s, 5.0))
+                except PeerError:
+                    pass
+
+    def _send(self, obj: Any, peer: int, label: str, timeout_s: float | None = None) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            for tensor in (size, data):
+                dist.isend(tensor, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise PeerError(
+                f"{label}: could not send to physical rank {peer} within {timeout_s:g} s; it died or "
+                f"hung (check its log): {exc}",
+                command=label,
+                peer=peer,
+            ) from exc
+
+    def _recv(self, peer: int, label: str, timeout_s: float) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        try:
+            dist.irecv(size, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.irecv(data, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise PeerError(
+                f"{label}: lost physical rank {peer} (its connection closed, or no answer within "
+                f"{timeout_s:g} s): it died, hung or ran other code; check its log. {exc}",
+                command=label,
+                peer=peer,
+            ) from exc
+        return pickle.loads(data.numpy().tobytes())
+
+    # tensors -----------------------------------------------------------------------------
+
+    def all_gather(self, local: torch.Tensor, label: str) -> torch.Tensor:
+        """``(k, ...)`` on every process -> ``(W*k, ...)`` in physical-rank order, on every process."""
+        if not self.distributed:
+            return local
+        local = local.to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(parts, local, async_op=True), label)
+        return torch.cat(parts)
+
+    def broadcast(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every process (others pass a buffer of the right shape)."""
+        if not self.distributed:
+            return tensor
+        tensor = tensor.to(self.device).contiguous()
+        self._wait(dist.broadcast(tensor, 0, async_op=True), label)
+        return tensor
+
+    def gather(self, local: torch.Tensor, sizes: list[int], label: str) -> list[torch.Tensor] | None:
+        """Each process's 1-D ``local`` (``sizes[p]`` elements) on rank 0, by physical rank."""
+        if not self.distributed:
+            return [local]
+        width = max(max(sizes), 1)
+        padded = torch.zeros(width, dtype=local.dtype, device=self.device)
+        padded[: local.numel()] = local
+        parts = [torch.empty_like(padded) for _ in sizes] if self.rank == 0 else None
+        self._wait(dist.gather(padded, parts, dst=0, async_op=True), label)
+        return None if parts is None else [part[:size] for part, size in zip(parts, sizes)]
+
+    def _wait(self, work: Any, label: str) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            peer = others[0] if len(others) == 1 else None
+            raise PeerError(
+                f"{label}: a collective with physical ranks {others} failed within {self.timeout_s:g} s; "
+                f"a peer died or hung (check their logs): {exc}",
+                command=label,
+                peer=peer,
+            ) from exc
+

@@ -1,0 +1,285 @@
+"""Zero mode: rank 0's ``fn`` drives every logical rank; the other processes serve its commands.
+
+NOTE [Logical ranks] Rule 7, in ``ranks.py``: rank 0 sends each command to
+every process and all of them execute it. ``forward`` spreads the inputs over
+the logical ranks and gives rank 0 leaf copies of every output; ``backward``
+computes the outputs' cotangents on rank 0 and each logical rank
+backpropagates the ones of the outputs it hosts. A command's error is raised
+on every process (Rule 6).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, GradientCommitError, PeerError
+from .fibers import _drive, _FiberCoordinator, _LogicalState, _rng_state, _set_rng_state
+from .graphs import ForwardInput, ForwardOutput, flatten_inputs
+from .layout import spread
+from .peers import _Failure
+from .trainer import BackwardReport, StepReport, Trainer
+
+__all__ = ["RankZero"]
+
+
+class RankZero:
+    """What ``fn`` gets in zero mode, on global rank 0 only: it drives every logical rank.
+
+    There is no ``reduce``: the loss lives here and already sees every output.
+    """
+
+    def __init__(self, session: _ZeroSession) -> None:
+        self._session = session
+        self.trainer = session.trainer
+        self.logical_world_size = session.state.layout.logical_dp
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "reduce":
+            raise AttributeError(
+                "zero mode has no reduce: the loss is computed on rank 0 from every logical rank's "
+                "outputs; use run_logical(mode='rank') for per-rank reductions"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def forward(self, inputs: Any, *, checkpoint: Any = None, options: Any = None) -> Any:
+        """Spread ``inputs`` (a list) over logical ranks in contiguous chunks; outputs in source order."""
+        return self._session.forward(inputs, checkpoint, options)
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> BackwardReport:
+        """Backpropagate ``loss`` on every logical rank; all commit or none (Rules 5-7)."""
+        return self._session.backward(loss, retain_graph)
+
+    def optim_step(self, **kwargs: Any) -> StepReport:
+        """``trainer.optim_step(**kwargs)`` on every process."""
+        return self._session.run({"cmd": "optim_step", "kwargs": kwargs})
+
+    def zero_grad(self, **kwargs: Any) -> None:
+        """``trainer.zero_grad(**kwargs)`` on every process."""
+        self._session.run({"cmd": "zero_grad", "kwargs": kwargs})
+
+
+class _ZeroSession:
+    """Zero-mode commands: rank 0 sends a header and every process executes it."""
+
+    def __init__(self, state: _LogicalState, trainer: Trainer) -> None:
+        self.state = state
+        self.trainer = trainer
+        self.comm = state.comm
+        self.last = "run_logical"
+
+    # rank 0 --------------------------------------------------------------------------
+
+    def lead(self, fn: Callable[[RankZero], Any]) -> Any:
+        self.state.leading = True
+        try:
+            result = fn(RankZero(self))
+        except BaseException as exc:
+            try:
+                self.run({"cmd": "exit", "error": _Failure.of(exc, "rank 0's fn")})
+            except PeerError:
+                pass
+            raise
+        finally:
+            self.state.leading = False
+        self.run({"cmd": "exit", "error": None})
+        return result
+
+    def run(self, header: dict, payload: torch.Tensor | None = None) -> Any:
+        header["label"] = self.state.label(f"zero.{header['cmd']}")
+        header["seq"] = self.state.commands
+        header["release"] = self.state.dropped[:]
+        del self.state.dropped[: len(header["release"])]  # the same list: proxies' finalizers append to it
+        self.comm.broadcast_command(header)
+        leading, self.state.leading = self.state.leading, False  # the trainer calls below are this command's own
+        try:
+            return self.execute(header, payload)
+        finally:
+            self.state.leading = leading
+
+    def forward(self, inputs: Any, checkpoint: Any, options: Any) -> Any:
+        flat, rebuild = flatten_inputs(inputs)
+        tokens = torch.cat(
+            [t.reshape(-1).long().cpu() for item in flat for t in (item.input_tokens, item.targets())]
+        )
+        first = self.state.next_handle
+        self.state.next_handle += len(flat)
+        header = {
+            "cmd": "forward",
+            "lengths": [int(item.input_tokens.numel()) for item in flat],
+            "options": [item.options for item in flat],
+            "checkpoint": checkpoint,
+            "call_options": options,
+            "first": first,
+        }
+        return rebuild(self.run(header, tokens))
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool) -> BackwardReport:
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise ConfigError("loss", type(loss).__name__, "a tensor that depends on zero.forward outputs")
+        live = [(h, p) for h, ref in self.state.proxies.items() if (p := ref()) is not None and p.requires_grad]
+        if not live:
+            raise ConfigError("loss", "no live zero.forward outputs", "a loss built from zero.forward outputs")
+        try:
+            cotangents = torch.autograd.grad(loss, [p for _, p in live], retain_graph=retain_graph, allow_unused=True)
+        except Exception as exc:
+            raise GradientCommitError(
+                f"the loss's own autograd failed ({exc}); nothing was committed and the outputs "
+                "can be backpropagated again",
+                record_retryable=True,
+            ) from exc
+        used = [(h, c) for (h, _), c in zip(live, cotangents) if c is not None]
+        if not used:
+            raise ConfigError("loss", "a loss that reaches no zero.forward output", "a loss built from them")
+        header = {
+            "cmd": "backward",
+            "used": [(h, self.state.owners[h], c.numel()) for h, c in used],
+            "retain_graph": retain_graph,
+        }
+        return self.run(header, torch.cat([c.reshape(-1) for _, c in used]))
+
+    # every process ---------------------------------------------------------------------
+
+    def serve(self, label: str) -> None:
+        """Execute rank 0's commands until it exits; a command's common error is rank 0's to handle."""
+        while True:
+            header = self.comm.next_command(self.last)
+            self.last, self.state.commands = header["label"], header["seq"]
+            if header["cmd"] == "exit":
+                self._release(header["release"])
+                if header["error"] is not None:
+                    raise header["error"].rebuild()
+                return None
+            try:
+                self.execute(header, None)
+            except PeerError:
+                raise
+            except Exception:
+                continue  # every process raised it at this command; rank 0's fn decides what follows
+
+    def execute(self, header: dict, payload: torch.Tensor | None) -> Any:
+        self._release(header["release"])
+        cmd = header["cmd"]
+        if cmd == "forward":
+            return self._forward(header, payload)
+        if cmd == "backward":
+            return self._backward(header, payload)
+        if cmd == "exit":
+            return None
+        call = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}[cmd]
+        return self._agreed(header["label"], lambda: call(**header["kwargs"]))
+
+    def _agreed(self, label: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` here, then make every process raise the same error if any failed."""
+        error: Exception | None = None
+        try:
+            result = work()
+        except Exception as exc:
+            error, result = exc, None
+        failure = None if error is None else _Failure.of(error, f"physical rank {self.comm.rank}")
+        failures = self.comm.exchange(failure, f"{label}: outcome")
+        first = next((rank for rank, f in enumerate(failures) if f is not None), None)
+        if first is None:
+            return result
+        if first == self.comm.rank:
+            raise error
+        raise failures[first].rebuild()
+
+    def _release(self, handles: list[int]) -> None:
+        for handle in handles:
+            self.state.outputs.pop(handle, None)
+            self.state.proxies.pop(handle, None)
+            self.state.owners.pop(handle, None)
+
+    def _forward(self, header: dict, tokens: torch.Tensor | None) -> Any:
+        state, label = self.state, header["label"]
+        lengths = header["lengths"]
+        if tokens is None:
+            tokens = torch.empty(2 * sum(lengths), dtype=torch.long)
+        tokens = self.comm.broadcast(tokens, label).cpu()
+        chunks = spread(len(lengths), state.layout.logical_dp)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + 2 * n)
+
+        def item(i: int) -> ForwardInput:
+            ids = tokens[offsets[i] : offsets[i + 1]].view(2, -1)
+            return ForwardInput(ids[0].to(state.device), ids[1].to(state.device), header["options"][i])
+
+        def work() -> list[tuple[int, int, ForwardOutput]]:
+            made = []
+            caller = _rng_state(state.device)
+            try:
+                for lr in state.layout.hosted:
+                    if not chunks[lr]:
+                        continue
+                    _set_rng_state(state.rng[lr], state.device)
+                    outputs = self.trainer.forward(
+                        [item(i) for i in chunks[lr]], checkpoint=header["checkpoint"], options=header["call_options"]
+                    )
+                    state.rng[lr] = _rng_state(state.device)
+                    made.extend((header["first"] + i, lr, out) for i, out in zip(chunks[lr], outputs))
+            finally:
+                _set_rng_state(caller, state.device)
+            return made
+
+        made = self._agreed(label, work)
+        for handle, lr, out in made:
+            state.outputs[handle] = (lr, out.target_logprobs)
+        per_process = state.layout.per_process
+        sizes = [  # output elements each process hosts
+            sum(lengths[i] for lr in range(p * per_process, (p + 1) * per_process) for i in chunks[lr])
+            for p in range(self.comm.world_size)
+        ]
+        local = torch.cat([out.target_logprobs.detach().reshape(-1) for _, _, out in made]) if made else torch.zeros(0)
+        gathered = self.comm.gather(local.to(self.comm.device), sizes, label)
+        described = [(h, out.version, out.placement, out.decision) for h, _, out in made]
+        metas = self.comm.exchange(described, f"{label}: outputs")
+        if gathered is None:
+            return None
+        values = torch.cat([g.to(state.device) for g in gathered])
+        results, offset = [], 0
+        for (handle, version, placement, decision) in (m for part in metas for m in part):
+            n = lengths[handle - header["first"]]
+            proxy = values[offset : offset + n].clone().requires_grad_(version is not None)
+            offset += n
+            state.proxies[handle] = weakref.ref(proxy)
+            state.owners[handle] = next(lr for lr, c in enumerate(chunks) if handle - header["first"] in c)
+            weakref.finalize(proxy, state.dropped.append, handle)
+            results.append(ForwardOutput(proxy, version, placement, decision))
+        return results
+
+    def _backward(self, header: dict, cotangents: torch.Tensor | None) -> BackwardReport | None:
+        state, label = self.state, header["label"]
+        used = header["used"]
+        if cotangents is None:
+            cotangents = torch.empty(sum(n for _, _, n in used), dtype=torch.float32)
+        cotangents = self.comm.broadcast(cotangents, label).to(state.device)
+        per_rank: dict[int, list[tuple[int, torch.Tensor]]] = {lr: [] for lr in state.layout.hosted}
+        offset = 0
+        for handle, lr, n in used:
+            if lr in per_rank:
+                per_rank[lr].append((handle, cotangents[offset : offset + n]))
+            offset += n
+
+        def body(lr: int) -> BackwardReport:
+            pairs = per_rank[lr]
+            if not pairs:
+                _FiberCoordinator().agree(None)  # nothing to commit, but this rank still takes part
+                return BackwardReport([])
+            terms = []
+            for handle, cotangent in pairs:
+                if handle not in state.outputs:
+                    raise GradientCommitError(f"zero-mode output {handle} was already released; forward again")
+                leaf = state.outputs[handle][1]
+                terms.append((leaf * cotangent.view_as(leaf)).sum())
+            surrogate = torch.stack(terms).sum() if len(terms) > 1 else terms[0]
+            return self.trainer.backward(
+                surrogate, retain_graph=header["retain_graph"], sink=state.buffers[lr], coordinator=_FiberCoordinator()
+            )
+
+        reports = _drive(state, label, {lr: (lambda lr=lr: body(lr)) for lr in state.layout.hosted}, share=True)
+        return BackwardReport([r for report in reports for r in report.records])
