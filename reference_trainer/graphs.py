@@ -26,12 +26,22 @@ import torch
 from torch.func import functional_call
 
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
-from .errors import ConfigError
+from . import testing
+from .errors import ConfigError, GradientCommitError
 from .lora import attach_lora
 from .model import DecoderLM, token_logprobs
 from .options import ForwardOptions, ResolvedOptions
 
-__all__ = ["ForwardInput", "ForwardOutput", "ForwardRecord", "PaddedBatch", "flatten_inputs", "run_model"]
+__all__ = [
+    "ForwardInput",
+    "ForwardOutput",
+    "ForwardRecord",
+    "PaddedBatch",
+    "PlacementDecision",
+    "flatten_inputs",
+    "output_cotangents",
+    "run_model",
+]
 
 _record_ids = itertools.count()
 
@@ -183,6 +193,25 @@ def run_model(model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCa
         with attach_lora(model, checkpoint.lora_config, capture.tensors):
             logits = model(*args, **kwargs)
     return token_logprobs(logits, batch.targets)
+
+
+def output_cotangents(
+    loss: torch.Tensor, outputs: list[torch.Tensor], retain_graph: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The caller's autograd: ``d loss / d output`` for each output leaf (``None`` if unused).
+
+    A failure here happens before any model backward, so it leaves every
+    record retryable (stage ``"user_autograd"`` of NOTE [Gradient commit]).
+    """
+    try:
+        testing.maybe_fail("user_autograd")
+        return torch.autograd.grad(loss, outputs, retain_graph=retain_graph, allow_unused=True)
+    except Exception as exc:
+        raise GradientCommitError(
+            f"the loss's own autograd failed ({exc}); nothing was committed and the outputs "
+            "can be backpropagated again",
+            record_retryable=True,
+        ) from exc
 
 
 def flatten_inputs(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:

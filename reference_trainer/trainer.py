@@ -31,6 +31,7 @@ from .graphs import (
     ForwardRecord,
     PaddedBatch,
     flatten_inputs,
+    output_cotangents,
     run_model,
 )
 from .lora import LoRAConfig, freeze
@@ -395,7 +396,7 @@ class Trainer:
         (released on failure); the others stay retryable.
         """
         leaves, records = self._consumed_records(loss)
-        cotangents = self._user_autograd(loss, leaves, retain_graph)
+        cotangents = output_cotangents(loss, leaves, retain_graph)
         for record in records:
             try:
                 check_age(record.checkpoint, record.version, record.options.max_gradient_staleness)
@@ -425,19 +426,6 @@ class Trainer:
             age = staleness(record.checkpoint, record.version)
             reports.append(RecordReport(record.id, record.version, age, record.decision.placement, stats))
         return records, reports
-
-    @staticmethod
-    def _user_autograd(loss: torch.Tensor, leaves: list[torch.Tensor], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
-        """Cotangents of the outputs; a failure here leaves every record retryable."""
-        try:
-            testing.maybe_fail("user_autograd")
-            return torch.autograd.grad(loss, leaves, retain_graph=retain_graph, allow_unused=True)
-        except Exception as exc:
-            raise GradientCommitError(
-                f"the loss's own autograd failed ({exc}); nothing was committed and the outputs "
-                "can be backpropagated again",
-                record_retryable=True,
-            ) from exc
 
     def _consumed_records(self, loss: torch.Tensor) -> tuple[list[torch.Tensor], list[ForwardRecord]]:
         """The trainer outputs ``loss`` reaches, and their records in submission order."""

@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConfigError, GradientCommitError, PeerError
 from .fibers import _drive, _FiberCoordinator, _LogicalState, _rng_state, _set_rng_state
-from .graphs import ForwardInput, ForwardOutput, flatten_inputs
+from .graphs import ForwardInput, ForwardOutput, flatten_inputs, output_cotangents
 from .layout import spread
 from .peers import _Failure
 from .trainer import BackwardReport, StepReport, Trainer
@@ -123,14 +123,7 @@ class _ZeroSession:
         live = [(h, p) for h, ref in self.state.proxies.items() if (p := ref()) is not None and p.requires_grad]
         if not live:
             raise ConfigError("loss", "no live zero.forward outputs", "a loss built from zero.forward outputs")
-        try:
-            cotangents = torch.autograd.grad(loss, [p for _, p in live], retain_graph=retain_graph, allow_unused=True)
-        except Exception as exc:
-            raise GradientCommitError(
-                f"the loss's own autograd failed ({exc}); nothing was committed and the outputs "
-                "can be backpropagated again",
-                record_retryable=True,
-            ) from exc
+        cotangents = output_cotangents(loss, [p for _, p in live], retain_graph)
         used = [(h, c) for (h, _), c in zip(live, cotangents) if c is not None]
         if not used:
             raise ConfigError("loss", "a loss that reaches no zero.forward output", "a loss built from them")
