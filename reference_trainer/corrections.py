@@ -8,9 +8,11 @@ NOTE [Importance correction]
      ``w = clip(exp(lp_current - lp_forward), clip_low, clip_high)``, computed
      detached, in log space (the log-ratio is clipped to
      ``[log clip_low, log clip_high]`` before ``exp``), so no ratio overflows.
-     Inactive tokens are never read.
-  3. Weights are FP32, or FP64 for FP64 inputs and for bounds FP32 cannot
-     represent (e.g. 1e-300 or 1e300).
+     A clipped token's weight is the bound itself (``exp(log b)`` need not be
+     ``b``). Inactive tokens are never read.
+  3. Weights are FP32, or FP64 for FP64 inputs and when either bound is not a
+     normal FP32 number (above FP32's max or positive below its smallest
+     normal, e.g. 1e300 or 1e-300).
   4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be
      ``-inf`` (weight ``clip_low``) but not NaN or ``+inf``: those raise.
   5. The backward still differentiates the forward's weights; only the
@@ -46,7 +48,8 @@ class CorrectionStats:
 
 
 def _weight_dtype(reference: torch.Tensor, correction: ImportanceCorrection) -> torch.dtype:
-    extreme = correction.clip_high > _F32.max or 0.0 < correction.clip_low < _F32.tiny
+    bounds = (correction.clip_low, correction.clip_high)
+    extreme = any(b > _F32.max or 0.0 < b < _F32.tiny for b in bounds)
     return torch.float64 if reference.dtype == torch.float64 or extreme else torch.float32
 
 
@@ -69,6 +72,7 @@ def correction_weights(
     log_ratio = current - forward
     clipped = (log_ratio < log_low) | (log_ratio > log_high)
     weights = torch.exp(log_ratio.clamp(min=log_low, max=log_high)).clamp(min=low, max=high)
+    weights = weights.masked_fill(log_ratio >= log_high, high).masked_fill(log_ratio <= log_low, low)
     return weights, clipped
 
 
@@ -85,11 +89,13 @@ def correct_cotangent(
     corrected = cotangent.clone()
     corrected[active] = (cotangent[active].to(weights.dtype) * weights).to(cotangent.dtype)
     count = int(weights.numel())
-    total = float(weights.sum()) if count else 0.0
-    squares = float((weights * weights).sum()) if count else 0.0
+    peak = float(weights.max()) if count else 0.0
+    # Scaled by the largest weight, so bounds like 1e300 or 1e-300 neither overflow nor underflow.
+    scaled = weights.double() / peak if peak > 0 else torch.zeros_like(weights, dtype=torch.float64)
+    total, squares = float(scaled.sum()), float((scaled * scaled).sum())
     stats = CorrectionStats(
-        mean=total / count if count else 0.0,
-        max=float(weights.max()) if count else 0.0,
+        mean=peak * (total / count) if count else 0.0,
+        max=peak,
         fraction_clipped=float(clipped.double().mean()) if count else 0.0,
         effective_sample_size=total * total / squares if squares > 0 else 0.0,
         tokens=count,

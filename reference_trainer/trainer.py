@@ -327,7 +327,8 @@ class Trainer:
             return
         known = self._known_logprobs.setdefault(name, {})
         for row in range(len(record.batch.lengths)):
-            known[_token_key(record.batch, row)] = (record.version, record.forward_logprobs[row])
+            length = record.batch.lengths[row]
+            known[_token_key(record.batch, row)] = (record.version, record.forward_logprobs[row, :length])
 
     def _release(self, record: ForwardRecord) -> None:
         record.release()
@@ -452,6 +453,8 @@ class Trainer:
         for leaf, grad in pairs:
             if grad is not None:
                 cotangent[leaf._rt_row, : grad.numel()] = grad
+        # Masked targets carry no gradient; zeroing their cotangent keeps them out of corrections.
+        cotangent.masked_fill_(record.batch.targets < 0, 0.0)
         return cotangent
 
     def _correct(self, record: ForwardRecord, cotangent: torch.Tensor) -> tuple[torch.Tensor, CorrectionStats | None]:
@@ -470,7 +473,7 @@ class Trainer:
             for row in range(len(record.batch.lengths)):
                 entry = known.get(_token_key(record.batch, row))
                 if entry is not None and entry[0] == record.checkpoint.version:
-                    current[row] = entry[1]
+                    current[row, : record.batch.lengths[row]] = entry[1]
                     rows.append(row)
             if not rows:
                 return cotangent, None

@@ -1,0 +1,314 @@
+"""Importance correction inside the trainer (contract §7, NOTE [Importance correction]).
+
+FP64 models throughout, so ``target_logprobs`` are FP64 and every expected
+gradient is recomputed independently (``validation.oracle.plain_gradients``) to
+1e-12 relative: the gradient at the *forward's* weights of a loss whose
+per-token cotangent is multiplied by ``clip(exp(lp_current - lp_forward))``,
+with ``lp_current`` from a plain forward at the current weights. The bounds
+(0.85, 1.25) clip some tokens and leave others, so both branches are exercised;
+bounds that exclude 1 prove that fresh records are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+import reference_trainer as rt
+from tests.support import sequence, train_step
+from validation.oracle import WeightsAt, plain_gradients, relative_error, snapshot_weights
+
+F64 = torch.float64
+LOW, HIGH = 0.85, 1.25
+TOLERANCE = 1e-12
+
+
+def _trainer(kind: str, *, dropout: float = 0.0) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=F64, dropout=dropout), seed=0))
+    optimizer = rt.AdamWConfig(lr=5e-2)
+    if kind == "lora":
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=1)
+        train_step(trainer, seed=100)  # lora_B starts at 0, where lora_A has no gradient
+    else:
+        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
+    return trainer
+
+
+def _options(policy: str | None, low: float = LOW, high: float = HIGH) -> rt.ForwardOptions:
+    """Forced ``retain``, so a backward runs no forward of its own except a correction's."""
+    corrections = () if policy is None else (rt.ImportanceCorrection(clip_low=low, clip_high=high, policy=policy),)
+    return rt.ForwardOptions(corrections=corrections, backward_state="retain")
+
+
+def _advantages(seed: int) -> torch.Tensor:
+    return torch.randn(9, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+@contextmanager
+def _count_forwards(trainer: rt.Trainer) -> Iterator[list[bool]]:
+    """Each model forward appends whether grad mode was on."""
+    calls: list[bool] = []
+    handle = trainer.model.register_forward_pre_hook(lambda module, args: calls.append(torch.is_grad_enabled()))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def _grads(trainer: rt.Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in trainer.checkpoint("policy").named_parameters()}
+
+
+def _plain_logprobs(trainer: rt.Trainer, weights: WeightsAt, seq, rng_state: torch.Tensor) -> torch.Tensor:
+    """Token log-probs of ``seq`` at ``weights`` from a fresh FP64 model (plain autograd path)."""
+    seen: list[torch.Tensor] = []
+
+    def loss(outs: list[torch.Tensor]) -> torch.Tensor:
+        seen.append(outs[0].detach())
+        return outs[0].sum()
+
+    plain_gradients(trainer.model.config, weights, [seq], loss, rng_state, dtype=F64)
+    return seen[0]
+
+
+def _expected(trainer, old_weights, lp_current, seq, adv, lp_forward, rng_state):
+    """(gradient of the reweighted loss at the forward's weights, the unweighted one, the ratios)."""
+    ratios = (lp_current - lp_forward).exp()
+    weights = ratios.clamp(LOW, HIGH)
+    config = trainer.model.config
+
+    def corrected(outs):
+        return -(outs[0] * adv * weights).sum()
+
+    def plain(outs):
+        return -(outs[0] * adv).sum()
+
+    expected = plain_gradients(config, old_weights, [seq], corrected, rng_state, dtype=F64)
+    uncorrected = plain_gradients(config, old_weights, [seq], plain, rng_state, dtype=F64)
+    return expected, uncorrected, ratios
+
+
+def _assert_matches(committed, expected, uncorrected) -> None:
+    for name, grad in committed.items():
+        assert relative_error(grad, expected[name]) <= TOLERANCE, name
+    # Non-vacuous: the weights changed the gradient far beyond the tolerance.
+    assert max(relative_error(committed[n], uncorrected[n]) for n in committed) > 1e-3
+
+
+def _assert_stats(stats: rt.CorrectionStats, ratios: torch.Tensor, staleness: int) -> None:
+    ratio = ratios.numpy()
+    w = np.clip(ratio, LOW, HIGH)
+    assert stats.tokens == w.size and stats.staleness == staleness
+    assert stats.mean == pytest.approx(float(np.mean(w)), rel=TOLERANCE)
+    assert stats.max == pytest.approx(float(np.max(w)), rel=TOLERANCE)
+    assert stats.effective_sample_size == pytest.approx(float(np.sum(w) ** 2 / np.sum(w * w)), rel=TOLERANCE)
+    clipped = int(np.count_nonzero((ratio < LOW) | (ratio > HIGH)))
+    assert 0 < clipped < w.size, "choose bounds that clip some tokens and not others"
+    assert stats.fraction_clipped == clipped / w.size
+
+
+# --- fresh records --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("policy", ["when_available", "always"])
+def test_fresh_records_are_never_corrected(kind: str, policy: str) -> None:
+    # Bounds [2, 3] exclude the fresh ratio 1: a correction applied by mistake would
+    # at least double the gradient. A stale record of the same tokens is kept alive,
+    # so when_available even has "current" log-probs it must not use.
+    ids, tgt = sequence(1)
+    adv = _advantages(1)
+    grads = {}
+    for label, options in (("corrected", _options(policy, 2.0, 3.0)), ("plain", _options(None))):
+        trainer = _trainer(kind)
+        stale = trainer.forward(rt.ForwardInput(ids, tgt), options=options)
+        train_step(trainer, seed=200)
+        fresh = trainer.forward(rt.ForwardInput(ids, tgt), options=options)
+        with _count_forwards(trainer) as forwards:
+            report = trainer.backward(-(fresh.target_logprobs * adv).sum())
+        assert forwards == [], f"{label}: a fresh backward ran a forward"
+        assert [r.staleness for r in report.records] == [0]
+        assert report.records[0].correction is None and report.corrected == []
+        grads[label] = _grads(trainer)
+        del stale
+    for name, grad in grads["corrected"].items():
+        assert torch.equal(grad, grads["plain"][name]), f"{name}: a fresh gradient was reweighted"
+
+
+# --- when_available -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_when_available_corrects_with_a_later_forwards_logprobs(kind: str) -> None:
+    trainer = _trainer(kind)
+    seq = sequence(1)
+    adv = _advantages(1)
+    rng_state = torch.get_rng_state()
+    old_weights = snapshot_weights(trainer, "policy")
+    old = trainer.forward(rt.ForwardInput(*seq), options=_options("when_available"))
+    train_step(trainer, seed=200)
+    cur_weights = snapshot_weights(trainer, "policy")
+    new = trainer.forward(rt.ForwardInput(*seq), options=_options("when_available"))
+
+    with _count_forwards(trainer) as forwards:
+        report = trainer.backward(-(old.target_logprobs * adv).sum())
+
+    assert forwards == [], "when_available never adds a forward"
+    (record,) = report.records
+    assert report.corrected == [record] and record.staleness == 1
+    lp_forward = old.target_logprobs.detach()
+    lp_current = _plain_logprobs(trainer, cur_weights, seq, rng_state)
+    # The later forward's log-probs, which the trainer used, are the plain current ones.
+    torch.testing.assert_close(new.target_logprobs.detach(), lp_current, rtol=TOLERANCE, atol=TOLERANCE)
+    expected, uncorrected, ratios = _expected(trainer, old_weights, lp_current, seq, adv, lp_forward, rng_state)
+    _assert_matches(_grads(trainer), expected, uncorrected)
+    _assert_stats(record.correction, ratios, staleness=1)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_when_available_without_a_later_forward_is_the_uncorrected_gradient(kind: str) -> None:
+    # The later forward here is of *other* tokens: nothing is known about these ones.
+    seq, other = sequence(1), sequence(2)
+    adv = _advantages(1)
+    grads = {}
+    for label, options in (("when_available", _options("when_available")), ("plain", _options(None))):
+        trainer = _trainer(kind)
+        old = trainer.forward(rt.ForwardInput(*seq), options=options)
+        train_step(trainer, seed=200)
+        later = trainer.forward(rt.ForwardInput(*other), options=options)
+        with _count_forwards(trainer) as forwards:
+            report = trainer.backward(-(old.target_logprobs * adv).sum())
+        assert forwards == []
+        assert report.records[0].staleness == 1
+        assert report.records[0].correction is None and report.corrected == []
+        grads[label] = _grads(trainer)
+        del later
+    for name, grad in grads["when_available"].items():
+        assert torch.equal(grad, grads["plain"][name]), name
+
+
+def test_when_available_ignores_logprobs_of_a_revision_that_is_no_longer_current() -> None:
+    # Revision 0 forward, step, the same tokens at revision 1, step again: at revision 2
+    # the revision-1 log-probs are not current, so nothing is corrected.
+    seq = sequence(1)
+    grads = {}
+    for label, options in (("when_available", _options("when_available")), ("plain", _options(None))):
+        trainer = _trainer("full")
+        old = trainer.forward(rt.ForwardInput(*seq), options=options)
+        train_step(trainer, seed=200)
+        middle = trainer.forward(rt.ForwardInput(*seq), options=options)
+        train_step(trainer, seed=201)
+        report = trainer.backward(-(old.target_logprobs * _advantages(1)).sum())
+        assert report.records[0].staleness == 2 and report.corrected == []
+        grads[label] = _grads(trainer)
+        del middle
+    for name, grad in grads["when_available"].items():
+        assert torch.equal(grad, grads["plain"][name]), name
+
+
+# --- always -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_always_corrects_with_exactly_one_no_grad_forward(kind: str) -> None:
+    trainer = _trainer(kind)
+    seq = sequence(1)
+    adv = _advantages(1)
+    rng_state = torch.get_rng_state()
+    old_weights = snapshot_weights(trainer, "policy")
+    old = trainer.forward(rt.ForwardInput(*seq), options=_options("always"))
+    train_step(trainer, seed=200)
+    cur_weights = snapshot_weights(trainer, "policy")
+
+    with _count_forwards(trainer) as forwards:
+        report = trainer.backward(-(old.target_logprobs * adv).sum())
+
+    assert forwards == [False], "expected exactly one forward, under no_grad"
+    (record,) = report.records
+    assert report.corrected == [record] and record.staleness == 1
+    lp_forward = old.target_logprobs.detach()
+    lp_current = _plain_logprobs(trainer, cur_weights, seq, rng_state)
+    expected, uncorrected, ratios = _expected(trainer, old_weights, lp_current, seq, adv, lp_forward, rng_state)
+    _assert_matches(_grads(trainer), expected, uncorrected)
+    _assert_stats(record.correction, ratios, staleness=1)
+
+
+def _dropout_run(policy: str, later_seed: int | None):
+    """Forward (seed 7) at revision 0, one step, optionally a later forward (``later_seed``), backward."""
+    trainer = _trainer("full", dropout=0.1)
+    seq = sequence(1)
+    torch.manual_seed(7)
+    rng_state = torch.get_rng_state()
+    old_weights = snapshot_weights(trainer, "policy")
+    old = trainer.forward(rt.ForwardInput(*seq), options=_options(policy))
+    train_step(trainer, seed=200)
+    cur_weights = snapshot_weights(trainer, "policy")
+    later = None
+    if later_seed is not None:
+        torch.manual_seed(later_seed)
+        before = torch.get_rng_state()
+        later = trainer.forward(rt.ForwardInput(*seq), options=_options(policy))
+        assert not torch.equal(torch.get_rng_state(), before), "dropout forwards draw from the RNG"
+    torch.manual_seed(12345)
+    ambient = torch.get_rng_state()
+    report = trainer.backward(-(old.target_logprobs * _advantages(1)).sum())
+    assert torch.equal(torch.get_rng_state(), ambient), "the backward changed the caller's RNG"
+    del later
+    return trainer, report, old, (old_weights, cur_weights, seq, rng_state)
+
+
+def test_always_uses_the_forwards_dropout_masks_and_leaves_the_rng_alone() -> None:
+    trainer, report, old, (old_weights, cur_weights, seq, rng_state) = _dropout_run("always", None)
+    always, always_stats = _grads(trainer), report.records[0].correction
+    assert report.corrected == report.records
+    # Independent: plain forwards at both weights, both with the forward's dropout masks.
+    lp_forward = old.target_logprobs.detach()
+    lp_current = _plain_logprobs(trainer, cur_weights, seq, rng_state)
+    expected, uncorrected, ratios = _expected(trainer, old_weights, lp_current, seq, _advantages(1), lp_forward, rng_state)
+    _assert_matches(always, expected, uncorrected)
+    _assert_stats(always_stats, ratios, staleness=1)
+
+    # when_available with a later forward drawn from the same seed: the same masks, the same result.
+    trainer, report, _, _ = _dropout_run("when_available", 7)
+    same_masks, same_stats = _grads(trainer), report.records[0].correction
+    for name, grad in always.items():
+        assert relative_error(grad, same_masks[name]) <= TOLERANCE, name
+    assert same_stats.mean == pytest.approx(always_stats.mean, rel=TOLERANCE)
+    assert same_stats.fraction_clipped == always_stats.fraction_clipped
+    # Control: other masks give another gradient, so the equality above is not vacuous.
+    trainer, _, _, _ = _dropout_run("when_available", 8)
+    other_masks = _grads(trainer)
+    assert max(relative_error(other_masks[n], always[n]) for n in always) > 1e-6
+
+
+# --- regressions -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("later", ["wider", "narrower"])
+def test_when_available_matches_tokens_across_batch_widths(later: str) -> None:
+    trainer = _trainer("full")
+    seq, long_seq = sequence(1), sequence(2, length=12)
+    adv = _advantages(1)
+    old_batch = [rt.ForwardInput(*seq)] + ([rt.ForwardInput(*long_seq)] if later == "narrower" else [])
+    new_batch = [rt.ForwardInput(*seq)] + ([rt.ForwardInput(*long_seq)] if later == "wider" else [])
+    old = trainer.forward(old_batch, options=_options("when_available"))
+    train_step(trainer, seed=200)
+    new = trainer.forward(new_batch, options=_options("when_available"))
+    report = trainer.backward(-(old[0].target_logprobs * adv).sum())
+    assert report.corrected == report.records
+    expected_weights = (new[0].target_logprobs - old[0].target_logprobs).detach().exp().clamp(LOW, HIGH)
+    assert report.records[0].correction.mean == pytest.approx(float(expected_weights.mean()), rel=TOLERANCE)
+
+
+def test_masked_target_positions_are_not_corrected_tokens() -> None:
+    trainer = _trainer("full")
+    ids, _ = sequence(1)
+    out = trainer.forward(rt.ForwardInput(ids), options=_options("always", 2.0, 3.0))  # last target masked
+    train_step(trainer, seed=200)
+    report = trainer.backward(-(out.target_logprobs * _advantages(1)).sum())
+    stats = report.records[0].correction
+    assert stats.tokens == ids.numel() - 1
