@@ -1,34 +1,233 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
-Exit status: 0 when every check passed, 1 when a check failed, 2 for usage
-errors and subcommands that are not implemented yet.
+    rtv run [--out DIR]                   the main job: smoke, every CPU canary, a report
+    rtv canary derivative|memory|mutations [--preset P] [--profile ci|nightly] [--out DIR]
+    rtv bench placements [--presets ...] [--blocks N] [--out DIR]
+    rtv report [--in DIR] [--out FILE]
+
+Every command writes write-once JSON evidence (``validation.evidence``) and
+prints where it is. Canary modules are imported inside the commands, so the
+command line works before a canary lands (it then says the canary is not
+available). This is the only module that may import every package.
+
+Exit status: 0 when every check passed, 1 when a check failed or a step
+raised, 2 for usage errors and subcommands that are not available.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import importlib.util
 import os
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .smoke import Check
 
-__all__ = ["main"]
+__all__ = ["main", "Step", "cpu_steps", "INJECT_ENV", "PRESET_NAMES"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
+PRESET_NAMES = ("cpu", "gpu", "gpu-8b")  # canaries.presets.PRESETS, without importing torch for --help
+CANARIES = ("derivative", "memory", "mutations")
+DEFAULT_OUT = Path("rtv-out")
 
 # Subcommands still to come: name -> help line.
 PLANNED = {
     "learn": "matched-schedule learning comparison",
-    "bench": "ABBA throughput benchmark",
-    "report": "render evidence into a Markdown/HTML report",
     "ci": "launch the GPU CI jobs through SkyPilot",
 }
+
+
+class Unavailable(RuntimeError):
+    """A canary module that has not landed yet."""
+
+
+def _available(name: str) -> bool:
+    """Whether ``canaries.<name>`` exists in this checkout (without importing it)."""
+    return importlib.util.find_spec(f"canaries.{name}") is not None
+
+
+def _module(name: str) -> ModuleType:
+    """``canaries.<name>``, imported now; :class:`Unavailable` if it does not exist."""
+    if not _available(name):
+        raise Unavailable(f"canaries.{name} is not available in this checkout")
+    return importlib.import_module(f"canaries.{name}")
+
+
+def _canary(name: str, preset: str, profile: str, out: Path) -> Path:
+    """Run one canary suite; returns its evidence path."""
+    if name == "derivative":
+        return _module("derivative").run(preset, profile=profile, out_dir=out)
+    if name == "memory":
+        return _module("memory").run(preset, out_dir=out)
+    if name == "mutations":
+        return _module("mutations").run_mutations(preset, out_dir=out)
+    raise ValueError(f"unknown canary {name!r}; expected one of {CANARIES}")
+
+
+def _smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
+    from validation.evidence import write_once
+
+    from .smoke import run_smoke  # imports torch: keep `rtv --help` instant
+
+    def show(check: Check) -> None:
+        print(f"{'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}", flush=True)
+
+    result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = write_once(out / f"smoke-{stamp}-{os.getpid()}.json", result.record())
+    failed = sum(not check.passed for check in result.checks)
+    print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def _passed(path: Path) -> bool:
+    from validation.evidence import verify
+
+    return bool(verify(path)["passed"])
+
+
+# --- rtv run ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of ``rtv run``: ``run(out_dir)`` returns an evidence path; ``needs`` a canaries module."""
+
+    label: str
+    run: Callable[[Path], Path]
+    needs: str | None = None
+
+
+def cpu_steps(*, seed: int = 0, inject_failure: bool = False) -> list[Step]:
+    """What ``rtv run`` runs, in order: the smoke, then every CPU canary (a step whose module is missing is skipped)."""
+    return [
+        Step("smoke", lambda out: _smoke(out, seed=seed, inject_failure=inject_failure)),
+        Step("canary derivative (ci)", lambda out: _canary("derivative", "cpu", "ci", out), needs="derivative"),
+        Step("canary memory", lambda out: _canary("memory", "cpu", "ci", out), needs="memory"),
+        Step("canary mutations", lambda out: _canary("mutations", "cpu", "ci", out), needs="mutations"),
+    ]
+
+
+@contextmanager
+def _threads(threads: int) -> Iterator[None]:
+    """Torch CPU threads for the block (restored after, for in-process callers).
+
+    The CPU canaries' tiny shapes gain nothing from more threads and lose a
+    lot to contention on a busy machine (``rtv run`` took 180 s instead of 20 s
+    with 2 threads on 2 loaded cores).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace) -> int:
+    with _threads(args.threads):
+        return _run_steps(args)
+
+
+def _run_steps(args: argparse.Namespace) -> int:
+    run_dir = args.out / f"run-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    print(f"rtv run: evidence goes to {run_dir}", flush=True)
+    started = time.perf_counter()
+    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SKIP, label, where or why)
+    for step in cpu_steps(seed=args.seed, inject_failure=args.inject_failure):
+        if step.needs is not None and not _available(step.needs):
+            outcomes.append(("SKIP", step.label, f"canaries.{step.needs} is not available"))
+            continue
+        print(f"\n== {step.label} ==", flush=True)
+        try:
+            path = step.run(run_dir)
+            outcomes.append(("PASS" if _passed(path) else "FAIL", step.label, str(path)))
+        except Exception as error:  # noqa: BLE001 - one broken step must not hide the others
+            traceback.print_exc()
+            outcomes.append(("FAIL", step.label, f"raised {type(error).__name__}: {error}"))
+    print("\n== report ==", flush=True)
+    report = None
+    try:
+        from reports import render_report
+
+        report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run {run_dir.name}")
+        if not report.passed and all(state != "FAIL" for state, _, _ in outcomes):
+            outcomes.append(("FAIL", "report", "the report found failed or invalid records"))
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc()
+        outcomes.append(("FAIL", "report", f"raised {type(error).__name__}: {error}"))
+    seconds = time.perf_counter() - started
+    print(f"\nrtv run summary ({seconds:.1f} s):")
+    for state, label, where in outcomes:
+        print(f"  {state}  {label:24} {where}")
+    if report is not None:
+        print(f"  report: {report.markdown} (and {report.html.name}, {len(report.plots)} plots)")
+    failed = [label for state, label, _ in outcomes if state == "FAIL"]
+    print(f"rtv run: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}; everything is in {run_dir}")
+    return 0 if not failed else 1
+
+
+# --- rtv canary / bench / report ---------------------------------------------------------
+
+
+def _canary_command(args: argparse.Namespace) -> int:
+    try:
+        with _threads(args.threads):
+            path = _canary(args.suite, args.preset, args.profile, args.out)
+    except Unavailable as error:
+        print(f"rtv canary {args.suite}: {error}", file=sys.stderr)
+        return 2
+    passed = _passed(path)
+    print(f"rtv canary {args.suite}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
+    return 0 if passed else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import placements
+
+    argv = ["--out", str(args.out), "--blocks", str(args.blocks)]
+    if args.presets:
+        argv += ["--presets", *args.presets]
+    return placements.main(argv)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from reports import render_report
+
+    source = args.in_dir
+    if not source.is_dir():
+        print(f"rtv report: {source} is not a folder of evidence; pass --in DIR", file=sys.stderr)
+        return 2
+    report = render_report(source, args.out_file)
+    print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
+    print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
+    return 0 if report.passed else 1
+
+
+def _not_implemented(args: argparse.Namespace) -> int:
+    print(f"rtv {args.command}: not implemented yet", file=sys.stderr)
+    return 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
+    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,54 +239,48 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="the main job (for now: a CPU smoke of model + LoRA + AdamW)",
-        description="Run the CPU checks and write a JSON record. For now: a smoke of the tiny "
-        "model with a LoRA adapter (forward, loss, backward, one AdamW step).",
+        help="the main job: smoke, every CPU canary, a report",
+        description="Run the CPU smoke, the CPU canaries (derivative ci, memory, mutations: those present) "
+        "and render a report, all in a new folder under --out. Exits 1 if anything failed.",
     )
-    run.add_argument("--out", type=Path, default=Path("rtv-out"), help="output folder (default: ./rtv-out)")
-    run.add_argument("--seed", type=int, default=0, help="seed for weights, adapter and tokens (default: 0)")
+    run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./rtv-out)")
+    run.add_argument("--seed", type=int, default=0, help="seed for the smoke's weights and tokens (default: 0)")
     run.add_argument(
         "--inject-failure",
         action="store_true",
         default=os.environ.get(INJECT_ENV) == "1",
-        help=f"negative control: make a check fail on purpose (also {INJECT_ENV}=1)",
+        help=f"negative control: make a smoke check fail on purpose (also {INJECT_ENV}=1)",
     )
+    run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     run.set_defaults(handler=_run)
 
-    canary = sub.add_parser("canary", help="run one canary suite (derivative | memory)")
-    canary.add_argument("suite", choices=("derivative", "memory"))
-    canary.set_defaults(handler=_not_implemented)
+    canary = sub.add_parser("canary", help="run one canary suite (derivative | memory | mutations)")
+    canary.add_argument("suite", choices=CANARIES)
+    canary.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                        help="cpu, or a GPU preset (on a machine without CUDA it runs on CPU with a small shape)")
+    canary.add_argument("--profile", choices=("ci", "nightly"), default="ci",
+                        help="derivative only: exploration depth (default: ci)")
+    canary.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
+    canary.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    canary.set_defaults(handler=_canary_command)
+
+    bench = sub.add_parser("bench", help="benchmarks (placements: step time per placement, ABBA)")
+    bench.add_argument("suite", choices=("placements",))
+    bench.add_argument("--presets", nargs="+", choices=("tiny", "small"), help="model shapes (default: all)")
+    bench.add_argument("--blocks", type=int, default=10, help="measured ABBA blocks (default: 10)")
+    bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
+    bench.set_defaults(handler=_bench)
+
+    report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
+    report.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT,
+                        help="folder of evidence JSON, searched recursively (default: ./rtv-out)")
+    report.add_argument("--out", dest="out_file", type=Path, default=None,
+                        help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
+    report.set_defaults(handler=_report)
 
     for name, help_line in PLANNED.items():
         sub.add_parser(name, help=help_line).set_defaults(handler=_not_implemented)
     return parser
-
-
-def _run(args: argparse.Namespace) -> int:
-    from .smoke import run_smoke  # imports torch: keep `rtv --help` instant
-
-    def show(check: Check) -> None:
-        print(f"{'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}", flush=True)
-
-    result = run_smoke(seed=args.seed, inject_failure=args.inject_failure, on_check=show)
-    record = result.record()
-    record["created_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = args.out / f"smoke-{stamp}-{os.getpid()}.json"
-    with path.open("x") as f:  # evidence is write-once
-        json.dump(record, f, indent=2)
-        f.write("\n")
-    failed = sum(not check.passed for check in result.checks)
-    print(f"wrote {path}")
-    print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
-    return 0 if not failed else 1
-
-
-def _not_implemented(args: argparse.Namespace) -> int:
-    what = " ".join(filter(None, (args.command, getattr(args, "suite", None))))
-    print(f"rtv {what}: not implemented yet", file=sys.stderr)
-    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Builds ``DecoderLM(ModelConfig.tiny())`` from a seed, attaches a LoRA adapter,
 runs forward, loss (mean negative token log-prob), backward and one AdamW step
-on synthetic tokens, and checks each step. The result is a JSON-ready record.
+on synthetic tokens, and checks each step. ``SmokeResult.record()`` is an
+evidence record (``validation.evidence.make_record``, kind ``"smoke"``): check
+name -> passed, with each check's detail under ``measurements.details``.
 
 Negative control: ``inject_failure=True`` (``rtv run --inject-failure`` or
 ``RTV_SMOKE_INJECT_FAILURE=1``) leaves ``lm_head`` trainable, so the check that
@@ -12,19 +14,19 @@ the frozen base gets no gradient must fail.
 from __future__ import annotations
 
 import math
-import platform
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from reference_trainer.lora import LoRAAdapter, LoRAConfig, freeze
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
+from validation.evidence import SCHEMA_VERSION, make_record
 
-__all__ = ["Check", "SmokeResult", "run_smoke", "SCHEMA_VERSION"]
+__all__ = ["Check", "SmokeResult", "run_smoke", "SCHEMA_VERSION", "KIND"]
 
-SCHEMA_VERSION = 1
+KIND = "smoke"
 
 
 @dataclass(frozen=True)
@@ -43,20 +45,14 @@ class SmokeResult:
     def passed(self) -> bool:
         return all(check.passed for check in self.checks)
 
-    def record(self) -> dict[str, object]:
-        """The JSON evidence record: checks, verdict, environment and config."""
-        return {
-            "kind": "rtv-smoke",
-            "schema_version": SCHEMA_VERSION,
-            "passed": self.passed,
-            "checks": [asdict(check) for check in self.checks],
-            "config": self.config,
-            "environment": {
-                "torch": torch.__version__,
-                "python": sys.version.split()[0],
-                "platform": platform.platform(),
-            },
-        }
+    def record(self) -> dict[str, Any]:
+        """The evidence record: checks, verdict, details, config, environment and source fingerprints."""
+        return make_record(
+            KIND,
+            config=self.config,
+            checks={check.name: check.passed for check in self.checks},
+            measurements={"details": {check.name: check.detail for check in self.checks}},
+        )
 
 
 def run_smoke(

@@ -177,6 +177,7 @@ class ForwardRecord:
         self.residency = None
         self.capture = None  # type: ignore[assignment]
         self.batch = None  # type: ignore[assignment]
+        self.rng_state = None  # type: ignore[assignment]
         self.forward_logprobs = None
         self.released = True
 

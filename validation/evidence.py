@@ -4,8 +4,10 @@ A record says what ran, with which configuration, on which environment and
 source (fingerprints), each check's pass/fail and the measured values. It is
 written once: to a temporary file in the same folder, fsynced, then renamed
 into place. Writing the same content again is a no-op; writing different
-content over an existing record is an error (evidence is never edited).
-``verify`` re-reads a record, checks its schema and its content digest, so a
+content over an existing record is an error (evidence is never edited),
+and so is writing a record that would not verify (wrong field types, a
+digest that does not match its content). ``verify`` re-reads a record,
+checks its schema (fields and their types) and its content digest, so a
 tampered file is detected.
 """
 
@@ -35,6 +37,8 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 _REQUIRED = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed", "measurements", "digest"}
+_TYPES = {"schema_version": int, "kind": str, "created": str, "config": dict, "environment": dict, "source": dict,
+          "checks": dict, "passed": bool, "measurements": dict, "digest": str}
 _PACKAGES = ("reference_trainer", "validation", "canaries")
 
 
@@ -104,9 +108,18 @@ def make_record(
 
 
 def write_once(path: Path, record: Mapping[str, Any]) -> Path:
-    """Write ``record`` to ``path`` atomically, once (see module docstring)."""
+    """Write ``record`` to ``path`` atomically, once (see module docstring).
+
+    The record must pass the checks :func:`verify` makes (build it with
+    :func:`make_record`); raises :class:`EvidenceError` otherwise, or when a
+    different record already has this name. Nothing is left behind on failure.
+    """
     path = Path(path)
-    text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+    _check(dict(record), path)
+    try:
+        text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as error:
+        raise EvidenceError(f"{path}: the record is not plain JSON ({error}); build it with make_record") from error
     if path.exists():
         if path.read_text() == text:
             return path
@@ -118,6 +131,7 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; evidence is for others to read
         # link() refuses to replace, so two writers racing for one name cannot both win.
         os.link(tmp, path)
     except FileExistsError:
@@ -125,22 +139,55 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
             raise EvidenceError(f"{path}: a different record was written concurrently") from None
     finally:
         os.unlink(tmp)
+    _fsync_dir(path.parent)
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the new name durable too (a crash after link must not lose it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _check(record: Any, where: object) -> dict[str, Any]:
+    """Schema (fields and types), version, digest and verdict; raises :class:`EvidenceError`."""
+    if not isinstance(record, dict):
+        raise EvidenceError(f"{where}: expected a JSON object with fields {sorted(_REQUIRED)}, found {type(record).__name__}")
+    missing = _REQUIRED - set(record)
+    if missing:
+        raise EvidenceError(f"{where}: expected fields {sorted(_REQUIRED)}, missing {sorted(missing)}")
+    wrong = {
+        name: type(record[name]).__name__
+        for name, kind in _TYPES.items()
+        if not isinstance(record[name], kind) or (kind is int and isinstance(record[name], bool))
+    }
+    if wrong:
+        expected = {name: _TYPES[name].__name__ for name in wrong}
+        raise EvidenceError(f"{where}: fields of the wrong type: expected {expected}, found {wrong}")
+    if record["schema_version"] != SCHEMA_VERSION:
+        raise EvidenceError(f"{where}: expected schema_version {SCHEMA_VERSION}, found {record['schema_version']!r}")
+    bad_checks = {name: type(ok).__name__ for name, ok in record["checks"].items() if not isinstance(ok, bool)}
+    if bad_checks:
+        raise EvidenceError(f"{where}: every check must be true or false; found {bad_checks}")
+    if record["digest"] != _digest(record):
+        raise EvidenceError(f"{where}: content digest mismatch; the record was modified after it was made")
+    if record["passed"] != (bool(record["checks"]) and all(record["checks"].values())):
+        raise EvidenceError(f"{where}: 'passed' disagrees with its checks")
+    return record
 
 
 def verify(path: Path) -> dict[str, Any]:
     """Load a record and check its schema and digest; raises :class:`EvidenceError`."""
     try:
         record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise EvidenceError(f"{path}: not a readable JSON record ({error})") from error
-    missing = _REQUIRED - set(record) if isinstance(record, dict) else _REQUIRED
-    if missing:
-        raise EvidenceError(f"{path}: expected fields {sorted(_REQUIRED)}, missing {sorted(missing)}")
-    if record["schema_version"] != SCHEMA_VERSION:
-        raise EvidenceError(f"{path}: expected schema_version {SCHEMA_VERSION}, found {record['schema_version']!r}")
-    if record["digest"] != _digest(record):
-        raise EvidenceError(f"{path}: content digest mismatch; the record was modified after it was written")
-    if record["passed"] != (bool(record["checks"]) and all(record["checks"].values())):
-        raise EvidenceError(f"{path}: 'passed' disagrees with its checks")
-    return record
+    return _check(record, path)

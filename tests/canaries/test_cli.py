@@ -1,67 +1,206 @@
-"""The ``rtv`` command line: ``run`` passes and writes evidence, its negative control fails it."""
+"""The ``rtv`` command line, in process: ``run`` (the main job), ``canary``, ``bench``, ``report``.
+
+Canaries are replaced by fakes that write real evidence, so these tests check
+the wiring; each canary has its own tests (the memory canary also runs here,
+for real, on a GPU preset). One subprocess check runs the installed script.
+"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from canaries import cli
 from canaries.cli import main
+from validation.evidence import make_record, verify, write_once
 
-SUBCOMMANDS = ("run", "canary", "learn", "bench", "report", "ci")
-
-
-def only_record(out: Path) -> dict:
-    (path,) = out.glob("*.json")
-    return json.loads(path.read_text())
+SUBCOMMANDS = ("run", "canary", "bench", "report", "learn", "ci")
 
 
-def test_run_passes_and_writes_a_json_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+class FakeCanaries:
+    """Stand-ins for canary modules: each call writes one record (passing unless told) and is remembered."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, real: tuple[str, ...] = ()) -> None:
+        self.calls: list[tuple] = []
+        self.threads: list[int] = []  # torch CPU threads each canary ran with
+        self.failing: set[str] = set()
+        self.raising: set[str] = set()
+        self.missing: set[str] = set()
+        original_module, original_available = cli._module, cli._available
+
+        def module(name: str):
+            if name in real:
+                return original_module(name)
+            if name in self.missing:
+                raise cli.Unavailable(f"canaries.{name} is not available in this checkout")
+
+            def run(preset: str, **kwargs) -> Path:
+                self.calls.append((name, preset, kwargs))
+                self.threads.append(torch.get_num_threads())
+                if name in self.raising:
+                    raise RuntimeError(f"{name} blew up")
+                record = make_record(f"{name}-fake", config={"preset": preset},
+                                     checks={f"{name} ok": name not in self.failing}, measurements={})
+                return write_once(kwargs["out_dir"] / f"{name}-fake.json", record)
+
+            return SimpleNamespace(run=run, run_mutations=run)
+
+        monkeypatch.setattr(cli, "_module", module)
+        monkeypatch.setattr(cli, "_available", lambda name: name not in self.missing and original_available(name))
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeCanaries:
+    return FakeCanaries(monkeypatch)
+
+
+@pytest.fixture
+def quick_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A smoke stand-in (the real one runs in test_run_writes_every_record_and_a_report_and_passes)."""
+
+    def smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
+        record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": True}, measurements={})
+        return write_once(out / "smoke-fake.json", record)
+
+    monkeypatch.setattr(cli, "_smoke", smoke)
+
+
+def only_run_dir(out: Path) -> Path:
+    (run_dir,) = out.glob("run-*")
+    return run_dir
+
+
+def test_run_writes_every_record_and_a_report_and_passes(
+    tmp_path: Path, fakes: FakeCanaries, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["run", "--out", str(tmp_path)]) == 0
 
-    record = only_record(tmp_path)
+    run_dir = only_run_dir(tmp_path)
+    records = {path.name.split("-")[0]: verify(path) for path in run_dir.glob("*.json")}
+    assert set(records) == {"smoke", "derivative", "memory", "mutations"}
+    assert all(record["passed"] for record in records.values())
+    assert records["smoke"]["kind"] == "smoke" and records["smoke"]["config"]["model"]["vocab_size"] == 64
+    assert [(name, preset, kw.get("profile")) for name, preset, kw in fakes.calls] == [
+        ("derivative", "cpu", "ci"), ("memory", "cpu", None), ("mutations", "cpu", None)]
+    assert all(kw["out_dir"] == run_dir for _, _, kw in fakes.calls) and fakes.threads == [1, 1, 1]
     stdout = capsys.readouterr().out
-    assert record["passed"] is True
-    assert record["checks"] and all(check["passed"] for check in record["checks"])
-    assert record["environment"]["torch"]
-    assert record["config"]["model"]["vocab_size"] == 64
-    for check in record["checks"]:
-        assert f"PASS  {check['name']}" in stdout
-    assert f"wrote {next(tmp_path.glob('*.json'))}" in stdout
+    for label in ("smoke", "canary derivative (ci)", "canary memory", "canary mutations"):
+        assert f"PASS  {label}" in stdout
+    for check in records["smoke"]["checks"]:
+        assert f"PASS  {check}" in stdout
+    report = run_dir / "report" / "index.md"
+    assert "**PASSED**: 4 records" in report.read_text() and (run_dir / "report" / "index.html").exists()
+    assert f"report: {report}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
+
+
+def test_canary_memory_on_a_gpu_preset_runs_here(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rtv canary memory --preset gpu``: the real canary, end to end on whatever this machine has."""
+    assert main(["canary", "memory", "--preset", "gpu", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("memory-gpu-*.json")
+    record = verify(path)
+    assert record["passed"] is True and record["config"]["name"] == "gpu"
+    assert f"rtv canary memory: PASSED; evidence: {path}" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert record["config"]["swapped_for_cpu"] is True and record["config"]["device"] == "cpu"
+        skipped = record["measurements"]["skipped_checks"]
+        assert len(skipped) == 5 and all("swapped for the CPU" in why for why in skipped.values())
+        assert not any(name.startswith("cuda") for name in record["checks"])
+    else:
+        assert any(name.startswith("cuda") for name in record["checks"])
+
+
+@pytest.mark.parametrize("how", ["failing", "raising"])
+def test_run_fails_when_a_canary_fails_or_raises(
+    how: str, tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    getattr(fakes, how).add("derivative")
+    assert main(["run", "--out", str(tmp_path)]) == 1
+
+    stdout = capsys.readouterr().out
+    assert "FAIL  canary derivative (ci)" in stdout and "PASS  canary mutations" in stdout, "later steps still run"
+    assert "rtv run: FAILED: canary derivative (ci)" in stdout
+    if how == "raising":
+        assert "raised RuntimeError: derivative blew up" in stdout
+    else:
+        assert "## derivative-fake: FAILED" in (only_run_dir(tmp_path) / "report" / "index.md").read_text()
+
+
+def test_run_skips_canaries_that_have_not_landed(
+    tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakes.missing |= {"derivative", "mutations"}
+    assert main(["run", "--out", str(tmp_path)]) == 0
+    stdout = capsys.readouterr().out
+    assert "SKIP  canary derivative (ci)   canaries.derivative is not available" in stdout
+    assert "SKIP  canary mutations" in stdout and "PASS  canary memory" in stdout
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_injected_failure_fails_the_run(
-    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    how: str, tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["run", "--out", str(tmp_path)]
     if how == "flag":
         argv.append("--inject-failure")
     else:
-        monkeypatch.setenv("RTV_SMOKE_INJECT_FAILURE", "1")
+        monkeypatch.setenv(cli.INJECT_ENV, "1")
 
-    assert main(argv) != 0
+    assert main(argv) == 1
 
-    record = only_record(tmp_path)
-    failed = [check["name"] for check in record["checks"] if not check["passed"]]
-    assert record["passed"] is False and failed == ["frozen base gets no gradient"]
-    assert "FAIL  frozen base gets no gradient" in capsys.readouterr().out
+    (smoke,) = only_run_dir(tmp_path).glob("smoke-*.json")
+    record = verify(smoke)
+    assert record["passed"] is False and [n for n, ok in record["checks"].items() if not ok] == ["frozen base gets no gradient"]
+    stdout = capsys.readouterr().out
+    assert "FAIL  frozen base gets no gradient" in stdout and "FAIL  smoke" in stdout
 
 
-def test_installed_rtv_script_writes_to_rtv_out_by_default(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("rtv")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "canaries.cli"]
+@pytest.mark.parametrize("failing", [False, True])
+def test_canary_command_passes_preset_profile_and_out_through(
+    failing: bool, tmp_path: Path, fakes: FakeCanaries, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if failing:
+        fakes.failing.add("derivative")
+    threads = torch.get_num_threads()
+    argv = ["canary", "derivative", "--preset", "gpu", "--profile", "nightly", "--out", str(tmp_path), "--threads", "3"]
+    assert main(argv) == (1 if failing else 0)
+    assert fakes.calls == [("derivative", "gpu", {"profile": "nightly", "out_dir": tmp_path})]
+    assert fakes.threads == [3] and torch.get_num_threads() == threads, "threads set for the canary, then restored"
+    assert f"evidence: {tmp_path / 'derivative-fake.json'}" in capsys.readouterr().out
 
-    done = subprocess.run(
-        [*command, "run"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
 
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert only_record(tmp_path / "rtv-out")["passed"] is True
-    assert "wrote rtv-out" in done.stdout
+def test_canary_command_says_when_a_canary_is_not_available(
+    fakes: FakeCanaries, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakes.missing.add("mutations")
+    assert main(["canary", "mutations"]) == 2
+    assert "canaries.mutations is not available" in capsys.readouterr().err
+
+
+def test_report_command_renders_a_folder_and_refuses_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_once(tmp_path / "ev" / "a.json", make_record("k", config={}, checks={"ok": True}, measurements={"x": 1}))
+    page = tmp_path / "out" / "index.md"
+    assert main(["report", "--in", str(tmp_path / "ev"), "--out", str(page)]) == 0
+    assert page.exists() and page.with_suffix(".html").exists()
+    assert f"wrote {page}" in capsys.readouterr().out
+    assert main(["report", "--in", str(tmp_path / "nowhere")]) == 2
+
+
+def test_bench_placements_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import canaries
+
+    seen: list[list[str]] = []
+    fake = SimpleNamespace(main=lambda argv: seen.append(argv) or 0)  # the real one imports scipy and times
+    monkeypatch.setitem(sys.modules, "canaries.placements", fake)
+    monkeypatch.setattr(canaries, "placements", fake, raising=False)
+    assert main(["bench", "placements", "--presets", "tiny", "--blocks", "3", "--out", str(tmp_path)]) == 0
+    assert seen == [["--out", str(tmp_path), "--blocks", "3", "--presets", "tiny"]]
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,12 +213,31 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
 
     with pytest.raises(SystemExit):
         main(["canary", "--help"])
-    assert "{derivative,memory}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "{derivative,memory,mutations}" in text and "{cpu,gpu,gpu-8b}" in text and "{ci,nightly}" in text
 
 
-@pytest.mark.parametrize(
-    "argv", [["canary", "derivative"], ["canary", "memory"], ["learn"], ["bench"], ["report"], ["ci"]]
-)
+@pytest.mark.parametrize("argv", [["learn"], ["ci"]])
 def test_planned_subcommands_say_not_implemented(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert f"rtv {' '.join(argv)}: not implemented yet" in capsys.readouterr().err
+
+
+def test_installed_rtv_script_reports_rtv_out_by_default(tmp_path: Path) -> None:
+    """The one subprocess check: the console script, with its default folders."""
+    script = Path(sys.executable).with_name("rtv")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "canaries.cli"]
+    write_once(tmp_path / "rtv-out" / "a.json", make_record("k", config={}, checks={"ok": True}, measurements={}))
+
+    done = subprocess.run([*command, "report"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "wrote rtv-out/report/index.md" in done.stdout
+    assert "## a: PASSED" in (tmp_path / "rtv-out" / "report" / "index.md").read_text()
+
+
+def test_preset_choices_match_the_presets() -> None:
+    """``rtv --help`` stays instant by not importing torch; the names it offers must still be the real ones."""
+    from canaries.presets import PRESETS
+
+    assert set(cli.PRESET_NAMES) == set(PRESETS)

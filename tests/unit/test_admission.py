@@ -11,31 +11,10 @@ import reference_trainer as rt
 from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
+from validation.memory import StorageCensus
 
 DEVICE_LIMIT = 700_000
 HOST_LIMIT = 600_000
-
-
-class StorageCensus:
-    """Bytes of live storages created since construction, split into the two pools.
-
-    On CPU the trainer's host copies are raw byte (uint8) storages; everything
-    else the trainer holds models the device pool.
-    """
-
-    def __init__(self) -> None:
-        self.baseline = {t.untyped_storage().data_ptr() for t in live_tensors()}
-        self.peak_device = 0
-        self.peak_host = 0
-
-    def measure(self, collect: bool = True) -> None:
-        pools = {True: {}, False: {}}
-        for tensor in live_tensors(collect=collect):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.baseline:
-                pools[tensor.dtype == torch.uint8][storage.data_ptr()] = storage.nbytes()
-        self.peak_device = max(self.peak_device, sum(pools[False].values()))
-        self.peak_host = max(self.peak_host, sum(pools[True].values()))
 
 
 def _forward(trainer: rt.Trainer, seed: int, **options) -> list[rt.ForwardOutput]:
@@ -62,7 +41,7 @@ def test_small_budget_auto_offloads_or_replays_what_no_longer_fits_and_stays_und
     trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
     census = StorageCensus()
     # Independent in-flight witness: a census at the last decoder layer of every forward and replay.
-    trainer.model.model.layers[-1].register_forward_hook(lambda *a: census.measure(collect=False))
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())
     placements = _run(trainer, census)
     assert placements[0] == "retain" and set(placements[1:]) & {"offload", "replay"}, placements
     assert 0 < census.peak_device <= DEVICE_LIMIT, census.peak_device

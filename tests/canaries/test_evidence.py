@@ -1,0 +1,142 @@
+"""Write-once evidence (validation.evidence): schema, tamper detection, idempotence, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from validation import evidence
+from validation.evidence import SCHEMA_VERSION, EvidenceError, make_record, verify, write_once
+
+
+def _record(**measurements) -> dict:
+    return make_record(
+        "test-kind",
+        config={"preset": "cpu", "seed": 0},
+        checks={"bytes freed": True, "peak within limit": True},
+        measurements={"peak_bytes": 1234, "series": [1, 2, 3], **measurements},
+    )
+
+
+def _rewrite(path: Path, change) -> None:
+    """Edit a written record the way a careless hand would (the digest is left as it was)."""
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def test_a_written_record_verifies_against_its_schema(tmp_path: Path) -> None:
+    path = write_once(tmp_path / "r.json", _record())
+    record = verify(path)
+    assert record["schema_version"] == SCHEMA_VERSION and record["kind"] == "test-kind"
+    assert record["passed"] is True and record["measurements"]["peak_bytes"] == 1234
+    assert {"sha256", "git_commit"} <= set(record["source"]) and record["environment"]["torch"]
+
+
+def test_passed_needs_at_least_one_check_and_all_of_them() -> None:
+    assert make_record("k", config={}, checks={}, measurements={})["passed"] is False
+    assert make_record("k", config={}, checks={"a": True, "b": False}, measurements={})["passed"] is False
+
+
+@pytest.mark.parametrize(
+    "what,change",
+    [
+        ("a measured value", lambda r: r["measurements"].__setitem__("peak_bytes", 1)),
+        ("a check's verdict", lambda r: r["checks"].__setitem__("bytes freed", False)),
+        ("the verdict alone", lambda r: r.__setitem__("passed", False)),
+        ("a config value", lambda r: r["config"].__setitem__("seed", 1)),
+        ("a dropped measurement", lambda r: r["measurements"].pop("series")),
+        ("an added field", lambda r: r.__setitem__("note", "looks fine")),
+    ],
+)
+def test_tampering_is_detected(tmp_path: Path, what: str, change) -> None:
+    path = write_once(tmp_path / "r.json", _record())
+    _rewrite(path, change)
+    with pytest.raises(EvidenceError, match="digest|disagrees"):
+        verify(path)
+
+
+@pytest.mark.parametrize("field", ["checks", "digest", "source", "schema_version"])
+def test_a_dropped_field_is_detected_and_named(tmp_path: Path, field: str) -> None:
+    path = write_once(tmp_path / "r.json", _record())
+    _rewrite(path, lambda r: r.pop(field))
+    with pytest.raises(EvidenceError, match=f"missing \\['{field}'\\]"):
+        verify(path)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("checks", [["bytes freed", True]]), ("passed", "yes"), ("schema_version", True), ("config", None)]
+)
+def test_a_field_of_the_wrong_type_is_a_typed_error(tmp_path: Path, field: str, value) -> None:
+    path = write_once(tmp_path / "r.json", _record())
+    _rewrite(path, lambda r: r.__setitem__(field, value))
+    with pytest.raises(EvidenceError, match=f"wrong type.*{field}"):
+        verify(path)
+
+
+def test_a_file_that_is_not_json_is_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text('{"kind": "half a rec')
+    with pytest.raises(EvidenceError, match="not a readable JSON record"):
+        verify(path)
+
+
+def test_same_content_again_is_a_no_op(tmp_path: Path) -> None:
+    record = _record()
+    path = write_once(tmp_path / "r.json", record)
+    before = path.stat()
+    assert write_once(tmp_path / "r.json", record) == path
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_different_content_over_an_existing_record_is_refused(tmp_path: Path) -> None:
+    path = write_once(tmp_path / "r.json", _record())
+    original = path.read_text()
+    with pytest.raises(EvidenceError, match="already exists"):
+        write_once(path, _record(peak_bytes=99))
+    assert path.read_text() == original
+
+
+def test_a_record_that_would_not_verify_is_never_written(tmp_path: Path) -> None:
+    edited = {**_record(), "passed": False}  # digest no longer matches
+    with pytest.raises(EvidenceError, match="digest"):
+        write_once(tmp_path / "r.json", edited)
+    with pytest.raises(EvidenceError, match="missing"):
+        write_once(tmp_path / "s.json", {"kind": "x"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_that_cannot_be_serialised_leaves_nothing_behind(tmp_path: Path) -> None:
+    record = _record()
+    record["measurements"]["handle"] = object()
+    record["digest"] = evidence._digest(record)  # a digest that matches: only serialisation can fail
+    with pytest.raises(EvidenceError, match="not plain JSON"):
+        write_once(tmp_path / "r.json", record)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_halfway_leaves_no_partial_file(tmp_path: Path) -> None:
+    with mock.patch.object(evidence.os, "fsync", side_effect=OSError("disk full")), pytest.raises(OSError):
+        write_once(tmp_path / "r.json", _record())
+    assert list(tmp_path.iterdir()) == [], "neither the record nor its temporary file may remain"
+    write_once(tmp_path / "r.json", _record())  # and the name is still free
+
+
+def test_a_concurrent_writer_that_wins_with_other_content_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    mine, theirs = _record(), _record(peak_bytes=7)
+    real_link = os.link
+
+    def racing_link(src, dst):  # the other writer lands its record between our check and our link
+        Path(dst).write_text(json.dumps(theirs, indent=2, sort_keys=True) + "\n")
+        return real_link(src, dst)
+
+    with mock.patch.object(evidence.os, "link", racing_link), pytest.raises(EvidenceError, match="concurrently"):
+        write_once(path, mine)
+    assert verify(path)["measurements"]["peak_bytes"] == 7
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
