@@ -212,12 +212,17 @@ class Checkpoint:
             master.grad = None
         self.origins.clear()
 
-    def apply_step(self, lr: float | None) -> None:
-        """One AdamW step on the current ``.grad`` values; revision + 1."""
-        self._copy_on_write()
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """The tensors AdamW steps, each with its ``.grad`` set: FP32 parameters as they are,
+        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32."""
         for name, master in self._masters.items():
             grad = self._params[name].grad
             master.grad = None if grad is None else grad.float()
+        return [self._masters.get(n, p) for n, p in self._params.items() if self._params[n].grad is not None]
+
+    def apply_step(self, lr: float | None) -> None:
+        """One AdamW step on the gradients of :meth:`stepped_tensors`; revision + 1."""
+        self._copy_on_write()
         group = self._optimizer.param_groups[0]
         saved_lr = group["lr"]
         if lr is not None:

@@ -544,7 +544,7 @@ class Trainer:
     def _step_one(checkpoint: Checkpoint, lr: float | None, max_grad_norm: float | None) -> CheckpointStep:
         if not checkpoint.has_gradients():
             return CheckpointStep(False, "no gradients", None, False, checkpoint.revision)
-        params = [p for p in checkpoint.parameters() if p.grad is not None]
+        params = checkpoint.stepped_tensors()  # FP32: the live parameters; else FP32 masters
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not bool(torch.isfinite(norm)):
             checkpoint.clear_gradients()

@@ -283,3 +283,26 @@ def test_zero_grad_sets_every_grad_to_none() -> None:
     for name in ("a", "b"):
         assert all(p.grad is None for p in trainer.checkpoint(name).parameters()), name
     assert not any(report.stepped for report in trainer.optim_step().checkpoints.values())
+
+
+def test_bf16_norm_and_clipping_run_in_fp32_on_the_masters() -> None:
+    trainer = _trainer("full", dtype=torch.bfloat16)
+    _commit(trainer, seed=51)
+    names = [n for n, _ in trainer.checkpoint("policy").named_parameters()]
+    grads = [p.grad.clone() for p in trainer.checkpoint("policy").parameters()]
+    masters = trainer.checkpoint("policy").state_dict()["master_parameters"]
+    fp32_norm = torch.nn.utils.get_total_norm([g.float() for g in grads])
+    assert float(fp32_norm) != float(torch.nn.utils.get_total_norm(grads)), "non-vacuous: BF16 rounds the norm"
+    max_norm = float(fp32_norm) / 4
+    step = trainer.optim_step(max_grad_norm=max_norm)["policy"]
+    assert step.grad_norm == float(fp32_norm) and step.clipped
+    # Independent FP32 replica: clip the upcast gradients, step AdamW on the masters.
+    replica = [masters[n].clone().requires_grad_(True) for n in names]
+    for tensor, grad in zip(replica, grads):
+        tensor.grad = grad.float()
+    torch.nn.utils.clip_grad_norm_(replica, max_norm)
+    optimizer = torch.optim.AdamW(replica, lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    optimizer.step()
+    after = trainer.checkpoint("policy").state_dict()["master_parameters"]
+    for name, tensor in zip(names, replica):
+        assert torch.equal(after[name], tensor.detach()), name
