@@ -220,6 +220,14 @@ class Checkpoint:
             master.grad = None if grad is None else grad.float()
         return [self._masters.get(n, p) for n, p in self._params.items() if self._params[n].grad is not None]
 
+    def copy_back_clipped_gradients(self) -> None:
+        """After clipping the masters' gradients, leave ``.grad`` clipped too, as for FP32 parameters."""
+        with torch.no_grad():
+            for name, master in self._masters.items():
+                grad = self._params[name].grad
+                if grad is not None:
+                    grad.copy_(master.grad)
+
     def apply_step(self, lr: float | None) -> None:
         """One AdamW step on the gradients of :meth:`stepped_tensors`; revision + 1."""
         self._copy_on_write()

@@ -552,6 +552,7 @@ class Trainer:
         clipped = False
         if max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+            checkpoint.copy_back_clipped_gradients()
             clipped = bool(norm > max_grad_norm)
         checkpoint.apply_step(lr)
         return CheckpointStep(True, None, float(norm), clipped, checkpoint.revision)
