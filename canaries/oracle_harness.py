@@ -1,0 +1,560 @@
+"""The oracle harness: a real trainer and the FP64 oracle driven side by side, checked op by op.
+
+:class:`DerivativeHarness` owns one ``Trainer`` (built from a canary
+preset) and one :class:`~validation.oracle.OracleTrainer`; each public method
+is one op (forward, backward, step, zero_grad, save, load, drop) that runs on
+both and raises :class:`CanaryFailure` the moment they disagree, naming what
+was expected, what was found and the ops that led there. ``check`` is the
+invariant run after every op. The drivers (fixed scenarios and the hypothesis
+state machine) live in ``canaries.derivative``.
+
+NOTE [Derivative canary]
+  1. Forward: outputs carry the current version; forced placements are
+     honoured; log-probs match the oracle's FP64 recomputation. The caller then
+     overwrites its input tensors, which must not matter.
+  2. Backward: the oracle predicts success or the exact error type and facts.
+     On success every record's report (staleness, placement, correction
+     present iff stale and a correction applies, weight statistics) and the
+     gradient each backward adds match; on failure no ``.grad`` value or object
+     changed. Either way the caller's RNG is untouched.
+  3. Optimizer step: both start from the same point (the trainer's weights,
+     AdamW state and gradients); the master-weight change must match the
+     oracle's FP64 AdamW, then the oracle adopts the trainer's result.
+  4. After every op (the invariant): revision, generation (renumbered: a new
+     trainer generation exactly when the oracle's changes), live records,
+     which parameters hold gradients and their values, and the live weights
+     (exactly) agree.
+  5. Tolerances are relative L2 against FP64, scaled by plain autograd's own
+     error in the model's dtype (:data:`TOLERANCES`); every backward's
+     reference must be non-zero (``validation.compare``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import reference_trainer as rt
+from reference_trainer.testing import inject_fault
+from validation.compare import ComparisonError, compare_gradients, relative_l2
+from validation.oracle import OracleTrainer
+
+from .presets import Preset
+
+__all__ = [
+    "NAME",
+    "PLACEMENTS",
+    "FAULTS",
+    "CORRECTION",
+    "LR",
+    "CanaryFailure",
+    "Tolerances",
+    "TOLERANCES",
+    "OutputRef",
+    "SavedRef",
+    "Measurements",
+    "DerivativeHarness",
+    "sequences",
+    "build_trainer",
+    "judge_gradients",
+]
+
+NAME = "policy"
+PLACEMENTS = ("retain", "offload", "replay", "auto")
+FAULTS = ("user_autograd", "model_backward", "validate", "publish@0", "publish@1", "publish@last")
+CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always")
+LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance
+
+
+class CanaryFailure(AssertionError):
+    """The trainer disagreed with the oracle; the message says expected and found."""
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Relative L2 bounds against FP64 (NOTE Rule 5, ``validation.compare`` Rules 4-6).
+
+    Gradients: each threshold is ``max(gradient, baseline_factor x the error
+    of plain autograd in the model's dtype)``, capped at ``max_gradient``;
+    a parameter's error is relative to at least ``floor`` (1%) of the pooled
+    gradient norm, so a gradient that is zero in exact arithmetic and noise
+    in FP64 is not judged by its own noise (``validation.compare`` 5-6).
+    FP32: plain FP32 is ~1e-7 to 1e-6 off FP64 on the tiny model, so 1e-4
+    holds with a wide margin, while a gradient of the wrong weights (one
+    step at lr 1e-2), dropout mask or token scale is off by 1e-2 or more.
+    After many steps on the same data the predictions sharpen, the
+    log-softmax gradient cancels and plain FP32 itself drifts to ~1e-4 (seen
+    in nightly runs): the baseline lets the threshold follow, up to 1e-2.
+    BF16: the forward rounds at 2^-8; plain BF16 is ~1e-2 to 1e-1 off FP64,
+    so BF16 runs catch gross errors only and the FP32 preset is the sharp
+    instrument. The optimizer step is judged from identical inputs, so it
+    keeps FP32 accuracy (master weights) either way.
+    """
+
+    gradient: float
+    gradient_global: float
+    floor: float
+    baseline_factor: float
+    max_gradient: float
+    logprobs: float
+    step: float
+    weight_mean: float
+
+
+TOLERANCES = {
+    torch.float32: Tolerances(gradient=1e-4, gradient_global=1e-4, floor=1e-2, baseline_factor=4.0, max_gradient=1e-2,
+                              logprobs=1e-5, step=1e-4, weight_mean=1e-4),
+    torch.bfloat16: Tolerances(gradient=5e-2, gradient_global=5e-2, floor=1e-2, baseline_factor=4.0, max_gradient=0.5,
+                               logprobs=1e-2, step=1e-3, weight_mean=5e-2),
+}
+
+# --- building blocks -----------------------------------------------------------------
+
+
+class OutputRef:
+    """A handle on one pending output (what the bundles hold; never the tensor itself)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"out{self.number}"
+
+
+class SavedRef:
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"saved{self.number}"
+
+
+@dataclass
+class _Output:
+    leaf: torch.Tensor
+    advantages: torch.Tensor  # on the trainer's device, FP32
+    trainer_record: int
+    oracle_record: int
+    row: int
+    placement: str
+
+
+def sequences(seed: int, lengths: Sequence[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Deterministic ``(input ids, targets, advantages)`` per length; about 1 in 5 targets masked, never all."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        targets = torch.randint(0, vocab, (length,), generator=g)
+        masked = torch.rand(length, generator=g) < 0.2
+        masked[int(torch.randint(0, length, (1,), generator=g))] = False
+        targets[masked] = -1
+        out.append((ids, targets, torch.randn(length, generator=g)))
+    return out
+
+
+def build_trainer(config: Preset) -> tuple[rt.Trainer, OracleTrainer]:
+    """A trainer with one checkpoint (LoRA B moved off zero, so no gradient is vacuous) and its oracle."""
+    device = torch.device(config.device)
+    model = rt.DecoderLM(config.model, seed=0).to(device)
+    trainer = rt.Trainer(model, memory_limit_bytes=config.memory_limit_bytes)
+    optimizer = rt.AdamWConfig(lr=LR)
+    checkpoint = trainer.add_checkpoint(NAME, lora=config.lora, full=config.lora is None, optimizer=optimizer, seed=1)
+    if config.lora is not None:
+        state = checkpoint.state_dict()
+        g = torch.Generator().manual_seed(2)
+        for name, value in state["parameters"].items():
+            if "lora_B" in name:
+                value.copy_(torch.randn(value.shape, generator=g) * 0.05)
+                if name in state.get("master_parameters", {}):
+                    state["master_parameters"][name].copy_(value)
+        trainer.load_checkpoint(NAME, state)
+    oracle = OracleTrainer(
+        config.model, model.state_dict(), device=device, training=model.training, baseline_dtype=config.model.dtype
+    )
+    oracle.add_checkpoint(NAME, checkpoint.state_dict(), lora=config.lora, optimizer=optimizer)
+    return trainer, oracle
+
+
+def judge_gradients(found: dict, reference: dict, baseline: dict, tol: Tolerances, dtypes: dict | None) -> Any:
+    """``validation.compare.compare_gradients`` with the canary's tolerances (exact zeros allowed per parameter)."""
+    return compare_gradients(
+        found, reference, tolerance=tol.gradient, global_tolerance=tol.gradient_global, dtypes=dtypes,
+        allow_zero=True, floor=tol.floor, baseline=baseline, baseline_factor=tol.baseline_factor, max_tolerance=tol.max_gradient,
+    )
+
+
+def _error_facts(error: BaseException) -> dict[str, Any]:
+    names = ("checkpoint", "staleness", "bound", "forward_revision", "current_revision", "live_graphs",
+             "pending_gradients", "record_retryable")
+    return {n: getattr(error, n) for n in names if hasattr(error, n)}
+
+
+def _describe_error(error: BaseException | None) -> str:
+    if error is None:
+        return "success"
+    return f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
+
+
+@contextmanager
+def _caught() -> Iterator[list[BaseException]]:
+    """Collect a trainer or oracle exception instead of raising it (tracebacks dropped: they pin tensors)."""
+    box: list[BaseException] = []
+    try:
+        yield box
+    except CanaryFailure:
+        raise
+    except Exception as error:  # noqa: BLE001 - any exception is an outcome to compare
+        error.__traceback__ = None
+        box.append(error)
+
+
+# --- the harness (NOTE Rules 1-5) ------------------------------------------------------
+
+
+@dataclass
+class Measurements:
+    ops: int = 0
+    backwards: int = 0
+    steps: int = 0
+    errors_predicted: int = 0
+    stale_records: int = 0
+    corrected_records: int = 0
+    worst_gradient_error: float = 0.0
+    worst_gradient_margin: float = 0.0  # error / its threshold (1 = at the limit)
+    worst_logprob_error: float = 0.0
+    worst_step_error: float = 0.0
+    min_reference_norm: float = math.inf
+
+    def merge(self, other: Measurements) -> None:
+        for name in ("ops", "backwards", "steps", "errors_predicted", "stale_records", "corrected_records"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("worst_gradient_error", "worst_gradient_margin", "worst_logprob_error", "worst_step_error"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+        self.min_reference_norm = min(self.min_reference_norm, other.min_reference_norm)
+
+
+class DerivativeHarness:
+    """One trainer and its oracle, driven op by op; every op is checked (NOTE [Derivative canary]).
+
+    Each public method is one op; it raises :class:`CanaryFailure` (with the
+    ops so far in ``log``) when the trainer and the oracle disagree.
+    """
+
+    def __init__(self, config: Preset) -> None:
+        self.config = config
+        self.tol = TOLERANCES[config.model.dtype]
+        self.trainer, self.oracle = build_trainer(config)
+        self.checkpoint = self.trainer.checkpoint(NAME)
+        self.device = torch.device(config.device)
+        self.outputs: dict[int, _Output] = {}
+        self.saved: dict[int, tuple[dict, Any]] = {}
+        self.generations: dict[int, int] = {}  # oracle generation -> trainer generation
+        self.log: list[str] = []
+        self.measured = Measurements()
+        self.failed = False
+        self._counter = 0
+        self.check()
+
+    # --- ops ---------------------------------------------------------------------------
+
+    def forward(self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int) -> list[OutputRef]:
+        self._note(f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, seed={seed})")
+        options = rt.ForwardOptions(
+            backward_state=placement, max_gradient_staleness=bound, corrections=(CORRECTION,) if correct else ()
+        )
+        data = sequences(seed, lengths, self.config.model.vocab_size)
+        inputs = [rt.ForwardInput(ids.clone(), targets.clone()) for ids, targets, _ in data]
+        torch.manual_seed(seed)
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        outs = self.trainer.forward(inputs, checkpoint=NAME, options=options)
+        for item in inputs:  # the caller reuses its buffers (Rule 1)
+            item.input_tokens.fill_(0)
+            item.target_tokens.fill_(1)
+        record = self.oracle.forward(
+            NAME, [(ids, t) for ids, t, _ in data], rng_state=rng, cuda_rng_state=cuda_rng,
+            bound=bound, correction=CORRECTION if correct else None,
+        )
+        expected_version = rt.CheckpointVersion(NAME, self._generation(), self.oracle.revision(NAME))
+        refs = []
+        for row, (out, reference) in enumerate(zip(outs, self.oracle.logprobs(record))):
+            self._expect(out.version == expected_version, "forward version", expected_version, out.version)
+            self._expect(placement == "auto" or out.placement == placement, "placement", placement, out.placement)
+            leaf = out.target_logprobs
+            self._expect(leaf.dtype == torch.float32 and leaf.requires_grad and leaf.is_leaf, "output",
+                         "an FP32 leaf that requires grad", f"{leaf.dtype}, requires_grad={leaf.requires_grad}")
+            error = self._relative("log-probs", leaf, reference)
+            self.measured.worst_logprob_error = max(self.measured.worst_logprob_error, error)
+            self._expect(error <= self.tol.logprobs, "log-prob relative L2", f"<= {self.tol.logprobs}", error)
+            self._counter += 1
+            advantages = data[row][2].to(self.device)
+            self.outputs[self._counter] = _Output(leaf, advantages, out.record_id, record, row, out.placement)
+            refs.append(OutputRef(self._counter))
+        return refs
+
+    def backward(self, chosen: Sequence[OutputRef], *, retain_graph: bool = False, fault: str | None = None) -> None:
+        chosen = list(dict.fromkeys(r.number for r in chosen))
+        self._note(f"backward(outputs={chosen}, retain_graph={retain_graph}, fault={fault!r})")
+        self.measured.backwards += 1
+        outs = [self.outputs[n] for n in chosen]
+        stage, index = self._fault(fault)
+        before = self._grads()
+        totals_before = {n: None if g is None else g.detach().clone() for n, g in before.items()}
+        with _caught() as predicted:
+            expected = self.oracle.backward(
+                [(o.oracle_record, o.row, o.advantages) for o in outs],
+                retain_graph=retain_graph,
+                fault=None if stage is None else (stage, index),
+            )
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.config.cuda_checks else None
+        loss = sum((o.leaf * o.advantages).sum() for o in outs)
+        with _caught() as raised:
+            with inject_fault(stage, index=index) if stage is not None else nullcontext():
+                report = self.trainer.backward(loss, retain_graph=retain_graph)
+        del loss
+        self._expect(torch.equal(torch.get_rng_state(), rng), "caller's CPU RNG after backward", "unchanged", "changed")
+        if cuda_rng is not None:
+            self._expect(torch.equal(torch.cuda.get_rng_state(self.device), cuda_rng), "CUDA RNG after backward",
+                         "unchanged", "changed")
+        self._same_outcome("backward", predicted, raised)
+        if predicted:
+            self.measured.errors_predicted += 1
+            self._unchanged(before, totals_before, "a failed backward")
+            return
+        self._check_reports(report, expected.records)
+        after = self._grads()
+        found = {n: after[n].double() - (0.0 if totals_before[n] is None else totals_before[n].double())
+                 for n in after if after[n] is not None}
+        self._compare("gradient added by the backward", found, expected.increments[NAME], expected.baselines[NAME])
+
+    def faulty_backward(self, chosen: Sequence[OutputRef], fault: str) -> None:
+        self.backward(chosen, fault=fault)
+
+    def train_step(self, seed: int) -> None:
+        """Move the weights on with other data (forward, backward, step, zero_grad), all checked."""
+        refs = self.forward("retain", 0, False, [4], seed)
+        self.backward(refs)
+        self.step()
+        self.zero_grad()
+        for ref in refs:
+            self.drop(ref)
+
+    def step(self, lr: float | None = None, max_grad_norm: float | None = None) -> None:
+        self._note(f"step(lr={lr}, max_grad_norm={max_grad_norm})")
+        self.measured.steps += 1
+        start = self.checkpoint.state_dict()
+        grads = self._grads()
+        snapshot = {n: None if g is None else g.detach().clone() for n, g in grads.items()}
+        with _caught() as predicted:
+            expected = self.oracle.optim_step(lr=lr, max_grad_norm=max_grad_norm, grads={NAME: snapshot})[NAME]
+        with _caught() as raised:
+            report = self.trainer.optim_step(lr=lr, max_grad_norm=max_grad_norm)[NAME]
+        self._same_outcome("optim_step", predicted, raised)
+        if predicted:
+            self.measured.errors_predicted += 1
+            self._unchanged(grads, snapshot, "a refused optim_step")
+            self._weights_equal(self.oracle.weights(NAME), "weights after a refused optim_step")
+            return
+        self._expect(report.stepped == expected.stepped, "stepped", expected.stepped, report.stepped)
+        self._expect(report.revision == self.oracle.revision(NAME), "revision after optim_step",
+                     self.oracle.revision(NAME), report.revision)
+        if not expected.stepped:
+            self._weights_equal(self.oracle.weights(NAME), "weights after a skipped optim_step")
+            return
+        # The norm of the very gradients stepped (their values were judged at each backward), in FP32.
+        norm_error = abs(report.grad_norm - expected.grad_norm) / expected.grad_norm
+        self._expect(norm_error <= 1e-5, "grad norm of the stepped gradients", expected.grad_norm, report.grad_norm)
+        if max_grad_norm is not None and abs(expected.grad_norm - max_grad_norm) > 1e-3 * max_grad_norm:
+            self._expect(report.clipped == expected.clipped, "clipped", expected.clipped, report.clipped)
+        after = self.checkpoint.state_dict()
+        masters_before = start.get("master_parameters", start["parameters"])
+        masters_after = after.get("master_parameters", after["parameters"])
+        self._check_update(masters_before, masters_after, expected.masters)
+        for n, value in after["parameters"].items():
+            self._expect(torch.equal(value, masters_after[n].to(value.dtype)), f"live {n!r}",
+                         "its master weight rounded to the parameter dtype", "something else")
+        self.oracle.sync(NAME, after)
+
+    def _check_update(self, before: dict, after: dict, predicted: dict) -> None:
+        """The master-weight change matches the oracle's (Rule 3), per parameter and pooled.
+
+        Per parameter the bound is ``step * ||predicted change|| + 8 eps ||weights||``:
+        a parameter without gradient only decays (a change ~1e-4 of the weights),
+        which its own storage dtype rounds at ``eps``; a wrong update rule moves
+        far more. Pooled over parameters, the relative L2 must be within ``step``.
+        """
+        diff_sq = ref_sq = 0.0
+        for n, value in after.items():
+            start = before[n].double()
+            found, reference = value.double() - start, predicted[n] - start
+            diff = float(torch.linalg.vector_norm(found - reference))
+            scale = float(torch.linalg.vector_norm(reference))
+            slack = 8 * torch.finfo(value.dtype).eps * float(torch.linalg.vector_norm(value.double()))
+            self._expect(diff <= self.tol.step * scale + slack, f"AdamW change of {n!r} from the same starting point",
+                         f"within {self.tol.step:.0e} x {scale:.3e} + {slack:.3e}", f"a difference of {diff:.3e}")
+            diff_sq, ref_sq = diff_sq + diff * diff, ref_sq + scale * scale
+        self._expect(ref_sq > 0, "AdamW change", "a non-zero predicted change", "none")
+        error = math.sqrt(diff_sq / ref_sq)
+        self.measured.worst_step_error = max(self.measured.worst_step_error, error)
+        self._expect(error <= self.tol.step, "AdamW change from the same starting point (relative L2)",
+                     f"<= {self.tol.step}", error)
+
+    def zero_grad(self) -> None:
+        self._note("zero_grad()")
+        self.trainer.zero_grad()
+        self.oracle.zero_grad()
+
+    def save(self) -> SavedRef:
+        self._note("save()")
+        state = self.checkpoint.state_dict()
+        self._counter += 1
+        self.saved[self._counter] = (state, self.oracle.save(NAME))
+        return SavedRef(self._counter)
+
+    def load(self, saved: SavedRef, *, discard_graphs: bool) -> None:
+        self._note(f"load({saved!r}, discard_graphs={discard_graphs})")
+        state, oracle_state = self.saved[saved.number]
+        grads = self._grads()
+        snapshot = {n: None if g is None else g.detach().clone() for n, g in grads.items()}
+        with _caught() as predicted:
+            self.oracle.load(NAME, oracle_state, discard_graphs=discard_graphs)
+        with _caught() as raised:
+            self.trainer.load_checkpoint(NAME, state, discard_graphs=discard_graphs)
+        self._same_outcome("load_checkpoint", predicted, raised)
+        if predicted:
+            self.measured.errors_predicted += 1
+            self._unchanged(grads, snapshot, "a refused load_checkpoint")
+        self._weights_equal(self.oracle.weights(NAME), "weights after load_checkpoint")
+
+    def drop(self, ref: OutputRef) -> None:
+        self._note(f"drop({ref!r})")
+        out = self.outputs.pop(ref.number)
+        self.oracle.drop(out.oracle_record)
+        del out  # the last reference to the leaf: the trainer sees it dropped now
+
+    # --- the invariant (Rule 4) ------------------------------------------------------------
+
+    def check(self) -> None:
+        """Revision, generation, live records, gradients and weights agree with the oracle."""
+        ckpt = self.checkpoint
+        self._expect(ckpt.revision == self.oracle.revision(NAME), "revision", self.oracle.revision(NAME), ckpt.revision)
+        self._generation()
+        self._expect(self.trainer.live_records(NAME) == self.oracle.live_records(NAME), "live records",
+                     self.oracle.live_records(NAME), self.trainer.live_records(NAME))
+        found, expected = self._grads(), self.oracle.grads(NAME)
+        holding = sorted(n for n, g in found.items() if g is not None)
+        self._expect(holding == sorted(n for n, g in expected.items() if g is not None), "parameters holding .grad",
+                     f"{sum(g is not None for g in expected.values())}", f"{len(holding)}")
+        if holding:
+            dtypes = {n: p.dtype for n, p in ckpt.named_parameters()}
+            self._compare("accumulated .grad", found, expected, self.oracle.grads(NAME, baseline=True), dtypes)
+        self._weights_equal(self.oracle.weights(NAME), "live weights")
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def has_gradients(self) -> bool:
+        return self.checkpoint.has_gradients()
+
+    def pending_outputs(self) -> int:
+        """Outputs whose record is still alive (in the oracle's view)."""
+        return sum(1 for o in self.outputs.values() if self.oracle.is_live(o.oracle_record))
+
+    def _note(self, op: str) -> None:
+        self.measured.ops += 1
+        self.log.append(op)
+
+    def _expect(self, ok: bool, what: str, expected: object, found: object) -> None:
+        if not ok:
+            self.failed = True
+            ops = "\n  ".join(self.log[-20:])
+            raise CanaryFailure(f"{what}: expected {expected}, found {found}\n  after ops:\n  {ops}")
+
+    def _generation(self) -> int:
+        """The trainer's current generation, checked against the oracle's (renumbered one to one)."""
+        oracle_generation, trainer_generation = self.oracle.generation(NAME), self.checkpoint.generation
+        known = self.generations.setdefault(oracle_generation, trainer_generation)
+        self._expect(known == trainer_generation, "generation", f"{known} (no load since)", trainer_generation)
+        reused = [o for o, t in self.generations.items() if t == trainer_generation and o != oracle_generation]
+        self._expect(not reused, "generation", "a new generation after each load", f"{trainer_generation} reused")
+        return trainer_generation
+
+    def _fault(self, fault: str | None) -> tuple[str | None, int | None]:
+        if fault is None or not fault.startswith("publish@"):
+            return fault, None
+        index = fault.split("@")[1]
+        return "publish", len(list(self.checkpoint.parameters())) - 1 if index == "last" else int(index)
+
+    def _grads(self) -> dict[str, torch.Tensor | None]:
+        return {n: p.grad for n, p in self.checkpoint.named_parameters()}
+
+    def _relative(self, what: str, found: torch.Tensor, reference: torch.Tensor) -> float:
+        try:
+            return relative_l2(found, reference)
+        except ComparisonError as error:
+            raise CanaryFailure(f"{what}: {error}") from None
+
+    def _compare(self, what: str, found: dict, reference: dict, baseline: dict, dtypes: dict | None = None) -> None:
+        try:
+            comparison = judge_gradients(found, reference, baseline, self.tol, dtypes)
+        except ComparisonError as error:
+            self._expect(False, what, "comparable gradients", error)
+        name, error = comparison.worst
+        self.measured.worst_gradient_error = max(self.measured.worst_gradient_error, error)
+        self.measured.worst_gradient_margin = max(self.measured.worst_gradient_margin, error / comparison.thresholds[name])
+        self.measured.min_reference_norm = min(self.measured.min_reference_norm, comparison.reference_norm)
+        self._expect(comparison.passed, what, "agreement with the FP64 oracle", comparison.describe())
+
+    def _same_outcome(self, op: str, predicted: list[BaseException], raised: list[BaseException]) -> None:
+        expected = predicted[0] if predicted else None
+        found = raised[0] if raised else None
+        if expected is None and found is None:
+            return
+        if expected is None or found is None or type(found) is not type(expected):
+            detail = "" if found is None else f": {found}"
+            self._expect(False, op, _describe_error(expected), _describe_error(found) + detail)
+        self._expect(_error_facts(found) == _error_facts(expected), f"{op} error facts",
+                     _describe_error(expected), _describe_error(found))
+        if isinstance(expected, rt.CheckpointReplacedError):
+            mapped = self.generations.get(expected.forward_generation)
+            self._expect(found.forward_generation == mapped, "replaced forward generation", mapped,
+                         found.forward_generation)
+
+    def _unchanged(self, before: dict, values: dict, what: str) -> None:
+        for n, p in self.checkpoint.named_parameters():
+            self._expect(p.grad is before[n], f"{what}: .grad object of {n!r}", "unchanged", "replaced")
+            if values[n] is not None:
+                self._expect(torch.equal(p.grad, values[n]), f"{what}: .grad value of {n!r}", "unchanged", "changed")
+
+    def _weights_equal(self, expected: dict[str, torch.Tensor], what: str) -> None:
+        for n, p in self.checkpoint.named_parameters():
+            self._expect(torch.equal(p.detach().double().to(expected[n].device), expected[n]), f"{what} {n!r}",
+                         "exactly the oracle's", "different values")
+
+    def _check_reports(self, report: rt.BackwardReport, expected: Sequence) -> None:
+        by_trainer = {o.trainer_record: o for o in self.outputs.values()}
+        self._expect(len(report.records) == len(expected), "records in the report", len(expected), len(report.records))
+        for found, predicted in zip(report.records, expected):
+            out = by_trainer.get(found.record_id)
+            self._expect(out is not None and out.oracle_record == predicted.record, "reported record",
+                         f"the oracle's record {predicted.record}", f"trainer record {found.record_id}")
+            self._expect(found.staleness == predicted.staleness, "staleness", predicted.staleness, found.staleness)
+            self.measured.stale_records += found.staleness > 0
+            self._expect(found.placement == out.placement, "report placement", out.placement, found.placement)
+            corrected = found.correction is not None
+            self._expect(corrected == predicted.corrected, f"record {found.record_id} corrected (staleness "
+                         f"{predicted.staleness})", predicted.corrected, corrected)
+            if corrected:
+                self.measured.corrected_records += 1
+                stats = found.correction
+                self._expect(stats.tokens == predicted.tokens, "corrected tokens", predicted.tokens, stats.tokens)
+                self._expect(stats.staleness == predicted.staleness, "correction staleness", predicted.staleness,
+                             stats.staleness)
+                self._expect(abs(stats.mean - predicted.weight_mean) <= self.tol.weight_mean, "mean weight",
+                             predicted.weight_mean, stats.mean)

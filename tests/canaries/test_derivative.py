@@ -1,0 +1,190 @@
+"""The derivative canary and its FP64 oracle (NOTE [Derivative canary], NOTE [Oracle trainer]).
+
+The ``ci`` profile runs here (``RTV_HYPOTHESIS_PROFILE=nightly`` for the deep
+one); a deliberately broken trainer must fail it with a shrunk, named op
+sequence; the oracle is checked against the plain-autograd reference of
+``validation.oracle`` so the two judges do not share a mistake.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from canaries import derivative
+from canaries.oracle_harness import FAULTS, TOLERANCES, build_trainer, sequences
+from canaries.presets import preset
+from reference_trainer.trainer import Trainer
+from validation.evidence import verify
+from validation.oracle import OracleTrainer, plain_gradients, relative_error, snapshot_weights
+
+PROFILE = os.environ.get("RTV_HYPOTHESIS_PROFILE", "ci")
+
+
+def test_ci_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = derivative.run("cpu", profile=PROFILE, out_dir=tmp_path)
+
+    record = verify(path)
+    assert record["kind"] == "derivative-canary" and record["passed"] is True
+    assert set(record["checks"]) == {*(f"scenario:{n}" for n in derivative.SCENARIOS), "logical_global_normalisation",
+                                     "state_machine"}
+    m = record["measurements"]
+    # Non-vacuous: the run compared real gradients, stale ones, corrected ones, and predicted errors.
+    assert m["examples"] >= 10 and m["backwards"] >= 50 and m["optimizer_steps"] >= 20
+    assert m["stale_records_backpropagated"] > 0 and m["corrected_records"] > 0 and m["errors_predicted_and_matched"] > 0
+    assert 0 < m["worst_gradient_relative_l2"] <= TOLERANCES[torch.float32].gradient
+    assert 0 < m["worst_logprob_relative_l2"] <= TOLERANCES[torch.float32].logprobs
+    assert m["min_reference_norm"] > 0
+    assert m["skipped_checks"] == {"cuda_rng_unchanged_by_backward": "CPU preset"}
+    out = capsys.readouterr().out
+    assert "scenario stale_exact  PASS" in out and re.search(r"example +1: ", out)
+    assert f"derivative canary PASSED: {path}" in out
+
+
+def _gradients_off_by_a_tenth_of_a_percent():
+    original = Trainer._model_backward
+
+    def model_backward(self, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
+        return {n: g * 1.001 for n, g in original(self, record, cotangent, retain_graph).items()}
+
+    return mock.patch.object(Trainer, "_model_backward", model_backward)
+
+
+def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:
+    config = preset("cpu").on_this_machine()
+    with _gradients_off_by_a_tenth_of_a_percent():
+        result = derivative.judge(config, profile="ci")
+
+    assert not result.passed and result.checks["state_machine"] is False
+    report = result.failures["state_machine"]
+    assert report.startswith("CanaryFailure: ") and "agreement with the FP64 oracle" in report
+    assert "state = DerivativeMachine()" in report
+    ops = [line for line in report.splitlines() if line.startswith("state.") and "agrees_with_oracle" not in line]
+    ops = [op for op in ops if op != "state.teardown()"]
+    first = [line for line in report.splitlines() if "state.first_forward(" in line]
+    assert first and re.search(r"placement='\w+', bound=\d, correct=(True|False), lengths=\[[\d, ]+\], seed=\d+", first[0])
+    assert any(op.startswith(("state.backward(", "state.train_step(")) for op in ops), report
+    assert len(ops) <= 3, f"not shrunk to a minimal sequence:\n{report}"
+    # The scenarios catch it too, naming the ops that led there.
+    assert "after ops:" in result.failures["scenario:stale_exact"]
+
+
+@pytest.mark.parametrize("name", list(derivative.SCENARIOS))
+def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
+    measured = derivative.run_scenario(preset("cpu").on_this_machine(), name)
+    claims = {
+        "stale_exact": measured.stale_records >= 3 and measured.errors_predicted == 2,
+        "bounds": measured.errors_predicted == 4,
+        "corrections": measured.corrected_records == 1 and measured.stale_records == 2,
+        "faults": measured.errors_predicted == 2 * len(FAULTS) - 1,  # one retry succeeds
+        "save_load": measured.errors_predicted == 2,
+        "drops": measured.backwards == 1,
+    }
+    assert claims[name], measured
+
+
+def test_logical_ranks_normalise_by_the_global_token_count() -> None:
+    error = derivative.check_logical_normalisation(preset("cpu").on_this_machine())
+    assert 0 < error <= TOLERANCES[torch.float32].gradient
+
+
+def test_unknown_profile_and_preset_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown profile 'weekly'"):
+        derivative.judge(preset("cpu"), profile="weekly")
+    with pytest.raises(ValueError, match="unknown preset"):
+        derivative.run("tpu", out_dir=tmp_path)
+
+
+def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the gpu preset is not swapped")
+    path = derivative.run("gpu", profile="scenarios", out_dir=tmp_path)
+    record = verify(path)
+    assert record["config"]["preset"]["swapped_for_cpu"] is True
+    assert record["config"]["preset"]["model"]["dtype"] == "torch.bfloat16"
+    assert record["measurements"]["skipped_checks"] == {
+        "cuda_rng_unchanged_by_backward": "preset swapped to CPU (no CUDA device)"
+    }
+    assert record["passed"], record["measurements"]["failures"]
+
+
+# --- the oracle itself ---------------------------------------------------------------------
+
+
+def _trainer_and_oracle() -> tuple[rt.Trainer, OracleTrainer]:
+    return build_trainer(preset("cpu").on_this_machine())
+
+
+def test_oracle_gradient_matches_the_plain_fp64_reference() -> None:
+    trainer, oracle = _trainer_and_oracle()
+    data = sequences(5, [6, 3], trainer.model.config.vocab_size)
+    seqs = [(ids, t) for ids, t, _ in data]
+    torch.manual_seed(11)
+    rng = torch.get_rng_state()
+    record = oracle.forward("policy", seqs, rng_state=rng, bound=2, correction=None)
+    found = oracle.backward([(record, row, a) for row, (_, _, a) in enumerate(data)]).increments["policy"]
+
+    def loss(outs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((o * a.double()).sum() for o, (_, _, a) in zip(outs, data))
+
+    reference = plain_gradients(trainer.model.config, snapshot_weights(trainer, "policy"), seqs, loss, rng,
+                                dtype=torch.float64)
+    for name, grad in reference.items():
+        assert float(grad.abs().max()) > 0, name
+        assert relative_error(found[name], grad) < 1e-12, name
+
+
+def test_oracle_predicts_staleness_and_changes_nothing() -> None:
+    _, oracle = _trainer_and_oracle()
+    data = sequences(6, [4], 64)
+    rng = torch.get_rng_state()
+    fresh = oracle.forward("policy", [(data[0][0], data[0][1])], rng_state=rng, bound=0, correction=None)
+    stale = oracle.forward("policy", [(data[0][0], data[0][1])], rng_state=rng, bound=0, correction=None)
+    oracle.backward([(fresh, 0, data[0][2])])
+    assert oracle.optim_step()["policy"].stepped and oracle.revision("policy") == 1
+    before = oracle.grads("policy")
+    with pytest.raises(rt.StaleGradientError) as info:
+        oracle.backward([(stale, 0, data[0][2])])
+    assert (info.value.staleness, info.value.bound, info.value.forward_revision) == (1, 0, 0)
+    assert all(torch.equal(before[n], g) for n, g in oracle.grads("policy").items())
+    assert not oracle.is_live(stale)
+    with pytest.raises(rt.StaleGradientError):
+        oracle.optim_step()  # the bound-0 gradient is one revision old now
+
+
+def test_oracle_corrects_only_stale_records_with_the_contract_weights() -> None:
+    _, oracle = _trainer_and_oracle()
+    (ids, targets, adv), = sequences(7, [5], 64)
+    rng = torch.get_rng_state()
+    correction = rt.ImportanceCorrection(clip_low=0.5, clip_high=1.5, policy="always")
+    records = [oracle.forward("policy", [(ids, targets)], rng_state=rng, bound=2, correction=correction) for _ in range(2)]
+    forward_logprobs = oracle.logprobs(records[1])[0]
+    fresh = oracle.backward([(records[0], 0, adv)])
+    assert not fresh.records[0].corrected
+    oracle.optim_step()
+    current = oracle.forward("policy", [(ids, targets)], rng_state=rng, bound=2, correction=None)
+    expected = torch.exp(oracle.logprobs(current)[0] - forward_logprobs).clamp(0.5, 1.5)[targets >= 0]
+    stale = oracle.backward([(records[1], 0, adv)]).records[0]
+    assert stale.corrected and stale.staleness == 1 and stale.tokens == int((targets >= 0).sum())
+    assert stale.weight_mean == pytest.approx(float(expected.mean()), rel=1e-12)
+    assert float((expected - 1).abs().max()) > 1e-3, "non-vacuous: the weights moved away from 1"
+
+
+def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> None:
+    """Was a bug found by this canary (BF16 clipped only the master copies); the oracle models torch's rule."""
+    ratios = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+        trainer.add_checkpoint("policy", full=True)
+        out = trainer.forward(rt.ForwardInput(torch.arange(1, 9)), options=rt.ForwardOptions(corrections=()))
+        trainer.backward(-out.target_logprobs.sum())
+        before = {n: p.grad.float().norm() for n, p in trainer.checkpoint("policy").named_parameters()}
+        assert trainer.optim_step(max_grad_norm=1e-3)["policy"].clipped
+        ratios[dtype] = max(float(p.grad.float().norm() / before[n]) for n, p in trainer.checkpoint("policy").named_parameters())
+    assert ratios[torch.float32] == pytest.approx(ratios[torch.bfloat16], rel=1e-2), ratios
