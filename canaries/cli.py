@@ -2,7 +2,7 @@
 
     rtv run [--out DIR]                   the main job: smoke, every CPU canary, a report
     rtv canary derivative|memory|mutations [--preset P] [--profile ci|nightly] [--out DIR]
-    rtv bench placements [--presets ...] [--blocks N] [--out DIR]
+    rtv bench placements|throughput [--presets ...] [--blocks N] [--out DIR]
     rtv report [--in DIR] [--out FILE]
 
 Every command writes write-once JSON evidence (``validation.evidence``) and
@@ -197,9 +197,13 @@ def _canary_command(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    argv = ["--out", str(args.out), "--blocks", str(args.blocks)]
+    if args.suite == "throughput":
+        from . import throughput
+
+        return throughput.main(argv)
     from . import placements
 
-    argv = ["--out", str(args.out), "--blocks", str(args.blocks)]
     if args.presets:
         argv += ["--presets", *args.presets]
     return placements.main(argv)
@@ -264,9 +268,11 @@ def _build_parser() -> argparse.ArgumentParser:
     canary.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     canary.set_defaults(handler=_canary_command)
 
-    bench = sub.add_parser("bench", help="benchmarks (placements: step time per placement, ABBA)")
-    bench.add_argument("suite", choices=("placements",))
-    bench.add_argument("--presets", nargs="+", choices=("tiny", "small"), help="model shapes (default: all)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks, ABBA (placements: step time per placement; throughput: versioned vs plain step)"
+    )
+    bench.add_argument("suite", choices=("placements", "throughput"))
+    bench.add_argument("--presets", nargs="+", choices=("tiny", "small"), help="placements: model shapes (default: all)")
     bench.add_argument("--blocks", type=int, default=10, help="measured ABBA blocks (default: 10)")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
     bench.set_defaults(handler=_bench)

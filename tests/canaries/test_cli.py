@@ -241,3 +241,12 @@ def test_preset_choices_match_the_presets() -> None:
     from canaries.presets import PRESETS
 
     assert set(cli.PRESET_NAMES) == set(PRESETS)
+
+
+def test_bench_throughput_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from canaries import throughput
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(throughput, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert main(["bench", "throughput", "--blocks", "4", "--out", str(tmp_path)]) == 0
+    assert seen == [["--out", str(tmp_path), "--blocks", "4"]]
