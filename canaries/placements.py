@@ -11,7 +11,6 @@ Not a test: timings are measurements. Run ``python -m canaries.placements``.
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 

@@ -20,15 +20,6 @@ from tests.support import (
 from validation.oracle import plain_gradients, snapshot_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add barrier waits, which stall badly on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _forward(trainer: rt.Trainer, seed: int, checkpoint: str | None = None) -> rt.ForwardOutput:
     ids, tgt = sequence(seed)
     return trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=checkpoint, options=NO_CORRECTION)

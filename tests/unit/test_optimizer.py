@@ -14,15 +14,6 @@ from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, gra
 ADAMW = rt.AdamWConfig(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add barrier waits, which stall badly on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _trainer(kind: str = "full", *, dtype: torch.dtype = torch.float32, name: str = "policy") -> rt.Trainer:
     trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
     _add(trainer, name, kind)

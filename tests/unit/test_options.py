@@ -8,7 +8,6 @@ import math
 import pickle
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,15 +31,6 @@ VALUES = {
     "allow_replay": st.booleans(),
 }
 LEVELS = ("input", "call", "trainer")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads only add barrier waits, which stall badly on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite
