@@ -114,6 +114,7 @@ class Trainer:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ConfigError(name, value, "None or an int >= 0")
         self.model = freeze(model)
+        self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
         self.options = options
         self.memory_limit_bytes = memory_limit_bytes
         self.host_memory_limit_bytes = host_memory_limit_bytes
@@ -287,8 +288,8 @@ class Trainer:
             with torch.no_grad():
                 root = run_model(self.model, checkpoint, capture, batch)
         else:
-            weights = itertools.chain(capture.tensors.values(), self.model.parameters())
-            ledger = SavedStateLedger(placement, weight_storages(weights), pin_memory=self.device.type == "cuda")
+            weights = self._base_storages | weight_storages(capture.tensors.values())
+            ledger = SavedStateLedger(placement, weights, pin_memory=self.device.type == "cuda")
             if quantized:
                 ledger.note_unsupported("a module marked with mark_quantized_saved_state")
             with torch.enable_grad(), ledger.hooks():
