@@ -6,9 +6,9 @@
     rtv report [--in DIR] [--out FILE]
 
 Every command writes write-once JSON evidence (``validation.evidence``) and
-prints where it is. Canary modules are imported inside the commands, so the
-command line works before a canary lands (it then says the canary is not
-available). This is the only module that may import every package.
+prints where it is. Canary modules are imported inside the commands, so
+``rtv --help`` stays instant. This is the only module that may import every
+package.
 
 Exit status: 0 when every check passed, 1 when a check failed or a step
 raised, 2 for usage errors and subcommands that are not available.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 import time
@@ -47,19 +46,8 @@ PLANNED = {
 }
 
 
-class Unavailable(RuntimeError):
-    """A canary module that has not landed yet."""
-
-
-def _available(name: str) -> bool:
-    """Whether ``canaries.<name>`` exists in this checkout (without importing it)."""
-    return importlib.util.find_spec(f"canaries.{name}") is not None
-
-
 def _module(name: str) -> ModuleType:
-    """``canaries.<name>``, imported now; :class:`Unavailable` if it does not exist."""
-    if not _available(name):
-        raise Unavailable(f"canaries.{name} is not available in this checkout")
+    """``canaries.<name>``, imported when a command needs it."""
     return importlib.import_module(f"canaries.{name}")
 
 
@@ -102,20 +90,19 @@ def _passed(path: Path) -> bool:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of ``rtv run``: ``run(out_dir)`` returns an evidence path; ``needs`` a canaries module."""
+    """One step of ``rtv run``: ``run(out_dir)`` returns an evidence path."""
 
     label: str
     run: Callable[[Path], Path]
-    needs: str | None = None
 
 
 def cpu_steps(*, seed: int = 0, inject_failure: bool = False) -> list[Step]:
-    """What ``rtv run`` runs, in order: the smoke, then every CPU canary (a step whose module is missing is skipped)."""
+    """What ``rtv run`` runs, in order: the smoke, then every CPU canary."""
     return [
         Step("smoke", lambda out: _smoke(out, seed=seed, inject_failure=inject_failure)),
-        Step("canary derivative (ci)", lambda out: _canary("derivative", "cpu", "ci", out), needs="derivative"),
-        Step("canary memory", lambda out: _canary("memory", "cpu", "ci", out), needs="memory"),
-        Step("canary mutations", lambda out: _canary("mutations", "cpu", "ci", out), needs="mutations"),
+        Step("canary derivative (ci)", lambda out: _canary("derivative", "cpu", "ci", out)),
+        Step("canary memory", lambda out: _canary("memory", "cpu", "ci", out)),
+        Step("canary mutations", lambda out: _canary("mutations", "cpu", "ci", out)),
     ]
 
 
@@ -147,11 +134,8 @@ def _run_steps(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=False)
     print(f"rtv run: evidence goes to {run_dir}", flush=True)
     started = time.perf_counter()
-    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SKIP, label, where or why)
+    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL, label, where or why)
     for step in cpu_steps(seed=args.seed, inject_failure=args.inject_failure):
-        if step.needs is not None and not _available(step.needs):
-            outcomes.append(("SKIP", step.label, f"canaries.{step.needs} is not available"))
-            continue
         print(f"\n== {step.label} ==", flush=True)
         try:
             path = step.run(run_dir)
@@ -185,12 +169,8 @@ def _run_steps(args: argparse.Namespace) -> int:
 
 
 def _canary_command(args: argparse.Namespace) -> int:
-    try:
-        with _threads(args.threads):
-            path = _canary(args.suite, args.preset, args.profile, args.out)
-    except Unavailable as error:
-        print(f"rtv canary {args.suite}: {error}", file=sys.stderr)
-        return 2
+    with _threads(args.threads):
+        path = _canary(args.suite, args.preset, args.profile, args.out)
     passed = _passed(path)
     print(f"rtv canary {args.suite}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
     return 0 if passed else 1
@@ -244,7 +224,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="the main job: smoke, every CPU canary, a report",
-        description="Run the CPU smoke, the CPU canaries (derivative ci, memory, mutations: those present) "
+        description="Run the CPU smoke, the CPU canaries (derivative ci, memory, mutations) "
         "and render a report, all in a new folder under --out. Exits 1 if anything failed.",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./rtv-out)")

@@ -30,15 +30,11 @@ class FakeCanaries:
         self.threads: list[int] = []  # torch CPU threads each canary ran with
         self.failing: set[str] = set()
         self.raising: set[str] = set()
-        self.missing: set[str] = set()
-        original_module, original_available = cli._module, cli._available
+        original_module = cli._module
 
         def module(name: str):
             if name in real:
                 return original_module(name)
-            if name in self.missing:
-                raise cli.Unavailable(f"canaries.{name} is not available in this checkout")
-
             def run(preset: str, **kwargs) -> Path:
                 self.calls.append((name, preset, kwargs))
                 self.threads.append(torch.get_num_threads())
@@ -51,7 +47,6 @@ class FakeCanaries:
             return SimpleNamespace(run=run, run_mutations=run)
 
         monkeypatch.setattr(cli, "_module", module)
-        monkeypatch.setattr(cli, "_available", lambda name: name not in self.missing and original_available(name))
 
 
 @pytest.fixture
@@ -130,16 +125,6 @@ def test_run_fails_when_a_canary_fails_or_raises(
         assert "## derivative-fake: FAILED" in (only_run_dir(tmp_path) / "report" / "index.md").read_text()
 
 
-def test_run_skips_canaries_that_have_not_landed(
-    tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    fakes.missing |= {"derivative", "mutations"}
-    assert main(["run", "--out", str(tmp_path)]) == 0
-    stdout = capsys.readouterr().out
-    assert "SKIP  canary derivative (ci)   canaries.derivative is not available" in stdout
-    assert "SKIP  canary mutations" in stdout and "PASS  canary memory" in stdout
-
-
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_injected_failure_fails_the_run(
     how: str, tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -171,14 +156,6 @@ def test_canary_command_passes_preset_profile_and_out_through(
     assert fakes.calls == [("derivative", "gpu", {"profile": "nightly", "out_dir": tmp_path})]
     assert fakes.threads == [3] and torch.get_num_threads() == threads, "threads set for the canary, then restored"
     assert f"evidence: {tmp_path / 'derivative-fake.json'}" in capsys.readouterr().out
-
-
-def test_canary_command_says_when_a_canary_is_not_available(
-    fakes: FakeCanaries, capsys: pytest.CaptureFixture[str]
-) -> None:
-    fakes.missing.add("mutations")
-    assert main(["canary", "mutations"]) == 2
-    assert "canaries.mutations is not available" in capsys.readouterr().err
 
 
 def test_report_command_renders_a_folder_and_refuses_a_missing_one(
