@@ -34,9 +34,14 @@ _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
 @dataclass(frozen=True)
 class RecordUsage:
-    """What one pending record holds: on the device, on the host, and needs at backward."""
+    """What one pending record holds: on the device, on the host, and needs at backward.
+
+    ``device_bytes`` includes the weight snapshot of the record's version
+    (``snapshot_bytes``); admission counts each pending version's snapshot once.
+    """
 
     saved_bytes: int
+    snapshot_bytes: int
     device_bytes: int
     host_bytes: int
     workspace_bytes: int
@@ -45,6 +50,7 @@ class RecordUsage:
         """The same record once its retained saved bytes moved to host copies."""
         return RecordUsage(
             self.saved_bytes,
+            self.snapshot_bytes,
             self.device_bytes - self.saved_bytes,
             self.host_bytes + self.saved_bytes,
             self.workspace_bytes + self.saved_bytes,
@@ -79,6 +85,8 @@ class Admission:
         pending = list(pending)
         shares_snapshot = any(r.version == checkpoint.version for r in pending)
         involved = {r.checkpoint.name: r.checkpoint for r in pending} | {checkpoint.name: checkpoint}
+        # Weight snapshots are shared by every record of a version: counted once per pending version.
+        snapshots = sum({r.version: r.checkpoint.trainable_nbytes() for r in pending}.values())
         cost = self._cost(
             len(lengths),
             max(lengths),
@@ -99,7 +107,7 @@ class Admission:
             request = PlanRequest(
                 cost=cost,
                 pending=PendingUsage(
-                    device_persistent=sum(u.device_bytes for u in usage),
+                    device_persistent=sum(u.device_bytes - u.snapshot_bytes for u in usage) + snapshots,
                     host_bytes=sum(u.host_bytes for u in usage),
                     max_workspace=max((u.workspace_bytes for u in usage), default=0),
                 ),
@@ -146,7 +154,8 @@ class Admission:
         kept = saved if placement is Placement.RETAIN else 0
         return RecordUsage(
             saved_bytes=saved,
-            device_bytes=kept + cost.snapshot_bytes + cost.input_bytes,
+            snapshot_bytes=record.checkpoint.trainable_nbytes(),
+            device_bytes=kept + cost.input_bytes + record.checkpoint.trainable_nbytes(),
             host_bytes=saved if placement is Placement.OFFLOAD else 0,
             workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
         )

@@ -159,6 +159,10 @@ class SavedStateLedger:
         view = torch.empty(0, dtype=packed.dtype, device=restored.device)
         return view.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
 
+    def end_backward(self) -> None:
+        """A backward is over: drop the device copies restored for it (a retained graph restores again)."""
+        self._restored.clear()
+
     def end_forward(self) -> None:
         """The forward is over: let the copied originals go."""
         self._originals.clear()

@@ -243,9 +243,16 @@ class Trainer:
         for index, item in enumerate(flat):
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
         outputs: list[ForwardOutput | None] = [None] * len(flat)
-        for resolved, indices in groups.items():
-            for index, output in zip(indices, self._submit(selected, [flat[i] for i in indices], resolved)):
-                outputs[index] = output
+        try:
+            for resolved, indices in groups.items():
+                for index, output in zip(indices, self._submit(selected, [flat[i] for i in indices], resolved)):
+                    outputs[index] = output
+        except BaseException:
+            # One call is all or nothing: release the groups that already ran.
+            for output in outputs:
+                if output is not None and output.record_id in self._records:
+                    self._release(self._records[output.record_id])
+            raise
         return rebuild(outputs)
 
     def _check_token_range(self, flat: list[ForwardInput]) -> None:
@@ -260,9 +267,15 @@ class Trainer:
                 )
 
     def _forward_base(self, flat: list[ForwardInput]) -> list[ForwardOutput]:
+        """Reference log-probs of the frozen base: no grad, no dropout, no RNG drawn."""
         batch = PaddedBatch.build(flat, self.device)
-        with torch.no_grad():
-            logprobs = run_model(self.model, None, None, batch)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logprobs = run_model(self.model, None, None, batch)
+        finally:
+            self.model.train(training)
         return [
             ForwardOutput(logprobs[row, :length].clone(), None, "none")
             for row, length in enumerate(batch.lengths)
@@ -494,13 +507,14 @@ class Trainer:
     def _model_backward(self, record: ForwardRecord, cotangent: torch.Tensor, retain_graph: bool) -> dict[str, torch.Tensor]:
         capture = record.capture
         capture.check_ledger()
+        # A replay record keeps nothing between backwards, even with retain_graph: it replays again.
         root = record.root if record.root is not None else self._replay(record)
-        if retain_graph:
-            record.root = root
         names = list(capture.tensors)
         grads = torch.autograd.grad(
             root, [capture.tensors[n] for n in names], cotangent, retain_graph=retain_graph, allow_unused=True
         )
+        if record.residency is not None:
+            record.residency.end_backward()
         return {n: g for n, g in zip(names, grads) if g is not None}
 
     def _replay(self, record: ForwardRecord) -> torch.Tensor:

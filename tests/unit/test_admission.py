@@ -114,3 +114,31 @@ def test_every_forward_reports_placement_bytes_and_why() -> None:
     out = trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION)
     assert out.placement == out.decision.placement == "retain"
     assert out.decision.predicted_bytes > 0 and "retain" in out.decision.reason
+
+
+def _prediction_after_step(first_forward_shares_the_version: bool) -> int:
+    """The next forward's predicted peak when one pending record outlives an optimizer step."""
+    trainer = make_trainer("full", dropout=0.0)
+    first = trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION) if first_forward_shares_the_version else None
+    pending = trainer.forward(rt.ForwardInput(*sequence(2)), options=NO_CORRECTION)
+    other = first if first is not None else trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION)
+    trainer.backward(other.target_logprobs.sum())
+    del first, other
+    trainer.optim_step()  # the pending record's snapshot is now a copy of its own
+    assert trainer.live_records() == 1 and pending.version.revision == 0
+    return trainer.forward(rt.ForwardInput(*sequence(3)), options=NO_CORRECTION).decision.predicted_bytes
+
+
+def test_a_shared_weight_snapshot_is_counted_while_any_record_of_its_version_lives() -> None:
+    """The snapshot one record paid for must not vanish from the budget when that record goes."""
+    assert _prediction_after_step(True) == _prediction_after_step(False)
+
+
+def test_a_refused_forward_call_leaves_no_record_of_its_earlier_groups() -> None:
+    trainer = make_trainer("lora", dropout=0.0, host_memory_limit_bytes=0)
+    fits = rt.ForwardInput(*sequence(1))
+    refused = rt.ForwardInput(*sequence(2), options=rt.ForwardOptions(backward_state="offload"))
+    with pytest.raises(rt.MemoryAdmissionError) as info:
+        trainer.forward([fits, refused], options=NO_CORRECTION)
+    assert trainer.live_records() == 0, "one call is all or nothing, even while the error is held"
+    del info

@@ -137,3 +137,28 @@ def test_float8_saved_tensors_are_noted_as_unsupported(dtype: torch.dtype) -> No
     ledger = SavedStateLedger(Placement.RETAIN, weight_storages=set())
     ledger._pack(torch.zeros(4).to(dtype))
     assert ledger.unsupported is not None and str(dtype) in ledger.unsupported
+
+
+def test_a_retained_backward_of_a_replay_record_keeps_no_graph_and_replays_again() -> None:
+    trainer = make_trainer("full", dropout=0.1)
+    calls = []
+    trainer.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    out = trainer.forward(rt.ForwardInput(*sequence(9)), options=_options("replay"))
+    trainer.backward(out.target_logprobs.sum(), retain_graph=True)
+    first = {n: p.grad.clone() for n, p in trainer.checkpoint("policy").named_parameters()}
+    assert trainer._records[out.record_id].root is None, "a replay record holds no graph between backwards"
+    trainer.zero_grad()
+    trainer.backward(out.target_logprobs.sum())
+    assert len(calls) == 3, "the forward, then one replay per backward"
+    for name, param in trainer.checkpoint("policy").named_parameters():
+        assert torch.equal(param.grad, first[name]), name
+
+
+def test_base_forwards_are_deterministic_reference_log_probs() -> None:
+    trainer = make_trainer("lora", dropout=0.5)
+    ids, tgt = sequence(10)
+    rng = torch.get_rng_state()
+    a = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE).target_logprobs
+    b = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE).target_logprobs
+    assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), rng)
+    assert trainer.model.training, "the model's mode is restored"
