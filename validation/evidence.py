@@ -25,9 +25,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .errors import CheckFailed
+
 __all__ = [
     "SCHEMA_VERSION",
     "EvidenceError",
+    "evidence_path",
     "environment_fingerprint",
     "source_fingerprint",
     "make_record",
@@ -42,8 +45,23 @@ _TYPES = {"schema_version": int, "kind": str, "created": str, "config": dict, "e
 _PACKAGES = ("reference_trainer", "validation", "canaries")
 
 
-class EvidenceError(RuntimeError):
+class EvidenceError(CheckFailed):
     """An evidence record is invalid, tampered with, or would be overwritten."""
+
+    def __init__(self, cause: str, *, fix: str = "re-run the command that wrote it; evidence is never edited") -> None:
+        super().__init__(cause, fix=fix)
+
+
+def evidence_path(out_dir: Path, kind: str) -> Path:
+    """Where a new record of ``kind`` goes: ``out_dir/<kind>-<UTC time>-<pid>.json``.
+
+    The one place evidence file names are made. The time has microseconds
+    and the pid is added, so two records written by one run, or by two
+    processes at once, never share a name. ``kind`` may carry a suffix that
+    tells records apart (``"derivative-cpu-offload_alias"``).
+    """
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return Path(out_dir) / f"{kind}-{stamp}-{os.getpid()}.json"
 
 
 def source_fingerprint(root: Path | None = None) -> dict[str, str]:

@@ -1,0 +1,77 @@
+"""The canary spine: one interface, one registry.
+
+A canary is a module ``canaries.<name>`` with one entry point::
+
+    def run(preset: str, profile: str, out_dir: Path) -> Path
+
+``preset`` is one of :data:`PRESETS` (a GPU preset on a machine without CUDA
+either runs its CPU stand-in and says so in the evidence, or raises
+``validation.errors.SetupError`` when it cannot); ``profile`` is one of
+:data:`PROFILES` (``quick`` for ``rtv run`` and the test suite, ``default``
+for ``rtv canary NAME``, ``nightly`` for deep runs). It writes one
+write-once evidence record (``validation.evidence.make_record`` at
+``validation.evidence.evidence_path``) and returns its path; a failed check
+is a ``passed: false`` record, never an exception.
+
+Adding a canary is one module plus one line in :data:`CANARIES`. Modules are
+imported only when a canary runs, so ``rtv --help`` stays instant.
+``rtv canary``, ``rtv run`` and the mutation suite all go through here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from validation.errors import SetupError
+
+__all__ = ["Canary", "CANARIES", "PRESETS", "PROFILES", "canary"]
+
+PRESETS = ("cpu", "gpu", "gpu-8b")
+PROFILES = ("quick", "default", "nightly")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Canary:
+    """A registered canary: its CLI name, its module, a one-line summary.
+
+    ``enforced``: whether ``rtv run`` fails (exit 1) when this canary's
+    evidence says failed. Correctness canaries are enforced; comparisons
+    whose verdicts are shown rather than gated (throughput) are not, unless
+    the user asks with ``--gate``.
+    """
+
+    name: str
+    module: str
+    summary: str
+    enforced: bool = True
+
+    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
+        """Run the canary; returns its evidence path (see the module docstring)."""
+        if preset not in PRESETS:
+            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESETS)}")
+        if profile not in PROFILES:
+            raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
+        return importlib.import_module(self.module).run(preset, profile, Path(out_dir))
+
+
+CANARIES: dict[str, Canary] = {
+    c.name: c
+    for c in (
+        Canary(name="derivative", module="canaries.derivative",
+               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)"),
+        Canary(name="memory", module="canaries.memory",
+               summary="no saved state, graph or staging outlives its backward; admission stays under the limit"),
+        Canary(name="mutations", module="canaries.mutations",
+               summary="every deliberately injected bug is caught by the canaries"),
+    )
+}
+
+
+def canary(name: str) -> Canary:
+    """The registered canary ``name``; :class:`SetupError` naming the registered ones otherwise."""
+    try:
+        return CANARIES[name]
+    except KeyError:
+        raise SetupError(f"unknown canary {name!r}", fix=f"use one of {', '.join(CANARIES)}") from None
