@@ -1,0 +1,138 @@
+"""A rendered HTML page, checked in a real headless Chromium: what a person would see.
+
+:func:`check_page` opens a local HTML file in Debian's ``chromium`` through
+``chromedriver`` (Selenium), waits for it to load, and reads from the live
+DOM: that each required element is present and shown, that each expected
+table rendered with at least one data row, and that every image decoded
+(``naturalWidth > 0``). It saves a screenshot beside the caller's output,
+so a person can look at what was checked.
+
+The browser runs with no network (background services, sync and QUIC off;
+this machine reaches only package registries) and a fresh profile folder.
+:func:`find_browser` says where Chromium and its driver are, or why the
+check cannot run (a :class:`~validation.errors.SetupError` with the fix).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SetupError
+
+__all__ = ["Browser", "PageCheck", "find_browser", "check_page"]
+
+_FLAGS = (
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--hide-scrollbars", "--window-size=1280,900",
+)
+# One round trip: the facts the checks need, read from the rendered DOM.
+_READ_DOM = """
+const shown = el => !!el && el.getClientRects().length > 0 && getComputedStyle(el).visibility !== 'hidden';
+return {
+  ids: Object.fromEntries(arguments[0].map(id => [id, shown(document.getElementById(id))])),
+  tables: Object.fromEntries(arguments[1].map(id => {
+    const el = document.getElementById(id);
+    const table = el && (el.tagName === 'TABLE' ? el : el.querySelector('table'));
+    return [id, table && shown(table) ? Array.from(table.rows).filter(row => row.querySelector('td')).length : -1];
+  })),
+  images: Array.from(document.images).map(img => [img.getAttribute('alt') || img.src.slice(0, 80),
+                                                   img.complete ? img.naturalWidth : 0]),
+};
+"""
+
+
+@dataclass(frozen=True)
+class Browser:
+    """Paths of the Chromium binary and the matching chromedriver."""
+
+    chromium: Path
+    driver: Path
+
+
+@dataclass(frozen=True)
+class PageCheck:
+    """What :func:`check_page` saw. ``failures`` is empty when the page rendered as expected."""
+
+    page: Path
+    screenshot: Path
+    shown_ids: dict[str, bool]
+    table_rows: dict[str, int]  # -1: no such table on the page
+    images: list[tuple[str, int]]  # (alt or src, naturalWidth)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def find_browser() -> Browser:
+    """Chromium and chromedriver on PATH; :class:`SetupError` saying how to install them otherwise."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        missing = [name for name, path in (("chromium", chromium), ("chromedriver", driver)) if path is None]
+        raise SetupError(f"no headless browser: {' and '.join(missing)} not found on PATH",
+                         fix="apt-get install chromium chromium-driver (Debian's packages)")
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        raise SetupError("the browser check needs selenium, which is not installed",
+                         fix="pip install -e '.[test]'") from None
+    return Browser(Path(chromium), Path(driver))
+
+
+def _failures(shown: dict[str, bool], rows: dict[str, int], images: list[tuple[str, int]]) -> list[str]:
+    failures = [f"element #{name} expected on the page, not shown" for name, ok in shown.items() if not ok]
+    for name, count in rows.items():
+        if count < 0:
+            failures.append(f"table #{name} expected, not rendered")
+        elif count == 0:
+            failures.append(f"table #{name} rendered with no data rows")
+    failures += [f"image {name!r} did not load (naturalWidth 0)" for name, width in images if width <= 0]
+    return failures
+
+
+def check_page(
+    page: Path,
+    *,
+    required_ids: Sequence[str] = (),
+    tables: Sequence[str] = (),
+    screenshot: Path,
+    browser: Browser | None = None,
+    timeout_s: float = 30.0,
+) -> PageCheck:
+    """Load ``page`` (a local HTML file) headless and check it; writes ``screenshot`` (PNG).
+
+    ``required_ids``: ids of elements that must be present and shown;
+    ``tables``: ids of tables (or of elements holding one) that must render
+    with at least one data row. Every ``<img>`` must decode. Raises
+    :class:`SetupError` when no browser is installed; a page that renders
+    wrongly is not an error: read ``failures``.
+    """
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    browser = browser or find_browser()
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(browser.chromium)
+    with tempfile.TemporaryDirectory(prefix="rtv-chromium-") as profile:
+        for flag in (*_FLAGS, f"--user-data-dir={profile}"):
+            options.add_argument(flag)
+        driver = webdriver.Chrome(options=options, service=Service(str(browser.driver)))
+        try:
+            driver.set_page_load_timeout(timeout_s)
+            driver.get(Path(page).resolve().as_uri())
+            facts = driver.execute_script(_READ_DOM, list(required_ids), list(tables))
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            driver.save_screenshot(str(screenshot))
+        finally:
+            driver.quit()
+    images = [(str(name), int(width)) for name, width in facts["images"]]
+    shown = {k: bool(v) for k, v in facts["ids"].items()}
+    rows = {k: int(v) for k, v in facts["tables"].items()}
+    return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images))
