@@ -9,10 +9,11 @@ NOTE [Derivative canary] (continued)
   8. Profiles (``canaries.registry``): every profile runs the fixed scenarios
      and the logical check; the exploration follows
      ``validation.profiles.EXPLORATION[profile]`` (``quick``: seconds, for
-     ``rtv run`` and the suite; ``default``; ``nightly``: minutes). It runs
-     only when the fixed checks passed: a failing scenario already names a
-     short op sequence, and shrinking a second failure would cost minutes.
-  9. Coverage is a check: every cell of :func:`claimed_cells` (staleness 1
+     ``rtv run`` and the suite; ``default``; ``nightly``: minutes). The run
+     stops at the first failed check: a failing scenario already names a
+     short op sequence, and shrinking a second failure would cost minutes
+     (the mutation suite runs the canary once per injected bug).
+  9. Coverage is a check (made once the others passed): every cell of :func:`claimed_cells` (staleness 1
      and 2 x retain/offload/replay x corrected or not x each checkpoint kind
      of the preset) must hold at least one judged record, and when the
      exploration runs at least :data:`MIN_BACKPROPAGATING` of its examples
@@ -40,7 +41,7 @@ from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from . import presets
 from .presets import Preset
 
-__all__ = ["KIND", "MIN_BACKPROPAGATING", "CanaryResult", "claimed_cells", "judge", "run"]
+__all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "CanaryResult", "claimed_cells", "judge", "run"]
 
 KIND = "derivative-canary"
 MIN_BACKPROPAGATING = 0.9
@@ -104,22 +105,28 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
                disable=not progress, leave=False)
     for check, scenario, kind in fixed:
         measured = result.record_check(check, lambda: run_scenario(config, scenario, kind=kind, bound_cap=bound_cap))
-        if measured is not None:
-            result.measured.merge(measured)
         bar.update()
-    error = result.record_check("logical_global_normalisation",
-                                lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
-    result.worst_logical_error = error or 0.0
-    bar.update()
+        if measured is None:
+            break
+        result.measured.merge(measured)
+    if result.passed:
+        error = result.record_check("logical_global_normalisation",
+                                    lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
+        result.worst_logical_error = error or 0.0
+        bar.update()
     if result.passed:
         _explore(config, profile, result, bound_cap, bar)
     bar.close()
-    cells = result.measured.cells
-    empty = [cell for cell in claimed_cells(config) if not cells[cell]]
+    if result.passed:
+        _check_coverage(config, result)
+    return result
+
+
+def _check_coverage(config: Preset, result: CanaryResult) -> None:
+    empty = [cell for cell in claimed_cells(config) if not result.measured.cells[cell]]
     result.checks[COVERAGE_CHECK] = not empty
     if empty:
         result.failures[COVERAGE_CHECK] = f"expected a judged record in each claimed cell, found none in {empty}"
-    return result
 
 
 def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int, bar: tqdm) -> None:
