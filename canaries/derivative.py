@@ -103,17 +103,17 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
     fixed = _fixed_checks(config)
     bar = tqdm(total=len(fixed) + 1 + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
                disable=not progress, leave=False)
+    error = result.record_check("logical_global_normalisation",
+                                lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
+    result.worst_logical_error = error or 0.0
+    bar.update()
     for check, scenario, kind in fixed:
+        if not result.passed:
+            break
         measured = result.record_check(check, lambda: run_scenario(config, scenario, kind=kind, bound_cap=bound_cap))
         bar.update()
-        if measured is None:
-            break
-        result.measured.merge(measured)
-    if result.passed:
-        error = result.record_check("logical_global_normalisation",
-                                    lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
-        result.worst_logical_error = error or 0.0
-        bar.update()
+        if measured is not None:
+            result.measured.merge(measured)
     if result.passed:
         _explore(config, profile, result, bound_cap, bar)
     bar.close()

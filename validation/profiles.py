@@ -36,7 +36,7 @@ def _exploration(examples: int, steps: int, *, derandomize: bool) -> settings:
 
 
 EXPLORATION = {
-    "quick": _exploration(3, 8, derandomize=True),
+    "quick": _exploration(3, 6, derandomize=True),
     "default": _exploration(40, 15, derandomize=True),
     "nightly": _exploration(300, 30, derandomize=False),
 }
