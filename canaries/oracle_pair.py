@@ -19,6 +19,7 @@ import torch
 
 import reference_trainer as rt
 from validation.compare import compare_gradients
+from validation.errors import CheckFailed
 from validation.oracle import OracleTrainer
 
 from .presets import Preset
@@ -47,8 +48,11 @@ CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always
 LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance
 
 
-class CanaryFailure(AssertionError):
-    """The trainer disagreed with the oracle; the message says expected and found."""
+class CanaryFailure(CheckFailed):
+    """The trainer disagreed with the oracle; the cause says expected and found, and the ops that led there."""
+
+    def __init__(self, cause: str, *, fix: str = "replay the ops listed in the cause against the trainer") -> None:
+        super().__init__(cause, fix=fix)
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,18 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from canaries.mutations import MUTATIONS, Mutation, judge_mutation, mutation, run_suite
 from canaries.registry import CANARIES, canary
 from validation.errors import SetupError
 from validation.evidence import verify
+from validation.profiles import EXPLORATION
 
 
-def test_the_whole_suite_catches_every_mutation_on_the_cpu_preset(tmp_path: Path) -> None:
+def test_the_whole_suite_catches_every_mutation_on_the_cpu_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Verdicts, not exploration depth, are under test: one explored example keeps the unmutated baseline cheap.
+    monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))
     record = verify(canary("mutations").run("cpu", "quick", tmp_path))
 
     assert record["kind"] == "mutation-suite" and record["passed"] is True, record["measurements"]
