@@ -1,23 +1,25 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
-    rtv run [--out DIR]                   the main job: smoke, every CPU canary, a report
-    rtv canary derivative|memory|mutations [--preset P] [--profile ci|nightly] [--out DIR]
+    rtv run [--out DIR]                   the main job: smoke, every registered canary (quick), a report
+    rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench placements|throughput [--presets ...] [--blocks N] [--out DIR]
     rtv report [--in DIR] [--out FILE]
 
-Every command writes write-once JSON evidence (``validation.evidence``) and
+Canaries come from ``canaries.registry`` (one registration per canary);
+every command writes write-once JSON evidence (``validation.evidence``) and
 prints where it is. Canary modules are imported inside the commands, so
 ``rtv --help`` stays instant. This is the only module that may import every
 package.
 
-Exit status: 0 when every check passed, 1 when a check failed or a step
-raised, 2 for usage errors and subcommands that are not available.
+Exit status (contract §11): 0 when every check passed, 1 when a check failed
+or a step raised, 2 for usage and setup errors. A
+``validation.errors.HarnessError`` is printed as its cause and its fix, and
+exits with its ``exit_code``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -26,53 +28,34 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from validation.errors import HarnessError, SetupError
+
+from .registry import CANARIES, PRESETS, PROFILES, canary
 
 if TYPE_CHECKING:
     from .smoke import Check
 
-__all__ = ["main", "Step", "cpu_steps", "INJECT_ENV", "PRESET_NAMES"]
+__all__ = ["main", "Step", "cpu_steps", "INJECT_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
-PRESET_NAMES = ("cpu", "gpu", "gpu-8b")  # canaries.presets.PRESETS, without importing torch for --help
-CANARIES = ("derivative", "memory", "mutations")
 DEFAULT_OUT = Path("rtv-out")
-
-# Subcommands still to come: name -> help line.
-PLANNED = {
-    "learn": "matched-schedule learning comparison",
-    "ci": "launch the GPU CI jobs through SkyPilot",
-}
-
-
-def _module(name: str) -> ModuleType:
-    """``canaries.<name>``, imported when a command needs it."""
-    return importlib.import_module(f"canaries.{name}")
-
-
-def _canary(name: str, preset: str, profile: str, out: Path) -> Path:
-    """Run one canary suite; returns its evidence path."""
-    if name == "derivative":
-        return _module("derivative").run(preset, profile=profile, out_dir=out)
-    if name == "memory":
-        return _module("memory").run(preset, out_dir=out)
-    if name == "mutations":
-        return _module("mutations").run_mutations(preset, out_dir=out)
-    raise ValueError(f"unknown canary {name!r}; expected one of {CANARIES}")
+RUN_PROFILE = "quick"
 
 
 def _smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
-    from validation.evidence import write_once
+    from validation.evidence import evidence_path, write_once
 
-    from .smoke import run_smoke  # imports torch: keep `rtv --help` instant
+    from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
 
     def show(check: Check) -> None:
-        print(f"{'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}", flush=True)
+        tqdm.write(f"{'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}")
 
     result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = write_once(out / f"smoke-{stamp}-{os.getpid()}.json", result.record())
+    path = write_once(evidence_path(out, KIND), result.record())
     failed = sum(not check.passed for check in result.checks)
     print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
     print(f"wrote {path}", flush=True)
@@ -97,13 +80,12 @@ class Step:
 
 
 def cpu_steps(*, seed: int = 0, inject_failure: bool = False) -> list[Step]:
-    """What ``rtv run`` runs, in order: the smoke, then every CPU canary."""
-    return [
-        Step("smoke", lambda out: _smoke(out, seed=seed, inject_failure=inject_failure)),
-        Step("canary derivative (ci)", lambda out: _canary("derivative", "cpu", "ci", out)),
-        Step("canary memory", lambda out: _canary("memory", "cpu", "ci", out)),
-        Step("canary mutations", lambda out: _canary("mutations", "cpu", "ci", out)),
-    ]
+    """What ``rtv run`` runs, in order: the smoke, then every registered canary on the cpu preset, quick."""
+    steps = [Step("smoke", lambda out: _smoke(out, seed=seed, inject_failure=inject_failure))]
+    for entry in CANARIES.values():
+        steps.append(Step(f"canary {entry.name} ({RUN_PROFILE})",
+                          lambda out, entry=entry: entry.run("cpu", RUN_PROFILE, out)))
+    return steps
 
 
 @contextmanager
@@ -130,17 +112,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_steps(args: argparse.Namespace) -> int:
-    run_dir = args.out / f"run-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+    from validation.evidence import evidence_path
+
+    run_dir = evidence_path(args.out, "run").with_suffix("")  # named like the records it holds
     run_dir.mkdir(parents=True, exist_ok=False)
     print(f"rtv run: evidence goes to {run_dir}", flush=True)
     started = time.perf_counter()
     outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL, label, where or why)
-    for step in cpu_steps(seed=args.seed, inject_failure=args.inject_failure):
-        print(f"\n== {step.label} ==", flush=True)
+    for step in tqdm(cpu_steps(seed=args.seed, inject_failure=args.inject_failure), desc="rtv run", unit="step"):
+        tqdm.write(f"\n== {step.label} ==")
         try:
             path = step.run(run_dir)
             outcomes.append(("PASS" if _passed(path) else "FAIL", step.label, str(path)))
-        except Exception as error:  # noqa: BLE001 - one broken step must not hide the others
+        except Exception as error:  # noqa: BLE001 - one broken step must not hide the others (HarnessError too)
             traceback.print_exc()
             outcomes.append(("FAIL", step.label, f"raised {type(error).__name__}: {error}"))
     print("\n== report ==", flush=True)
@@ -170,9 +154,9 @@ def _run_steps(args: argparse.Namespace) -> int:
 
 def _canary_command(args: argparse.Namespace) -> int:
     with _threads(args.threads):
-        path = _canary(args.suite, args.preset, args.profile, args.out)
+        path = canary(args.name).run(args.preset, args.profile, args.out)
     passed = _passed(path)
-    print(f"rtv canary {args.suite}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
+    print(f"rtv canary {args.name}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
     return 0 if passed else 1
 
 
@@ -194,17 +178,11 @@ def _report(args: argparse.Namespace) -> int:
 
     source = args.in_dir
     if not source.is_dir():
-        print(f"rtv report: {source} is not a folder of evidence; pass --in DIR", file=sys.stderr)
-        return 2
+        raise SetupError(f"{source} is not a folder of evidence", fix="pass --in DIR, a folder of records")
     report = render_report(source, args.out_file)
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
     print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
     return 0 if report.passed else 1
-
-
-def _not_implemented(args: argparse.Namespace) -> int:
-    print(f"rtv {args.command}: not implemented yet", file=sys.stderr)
-    return 2
 
 
 def _positive(text: str) -> int:
@@ -224,8 +202,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="the main job: smoke, every CPU canary, a report",
-        description="Run the CPU smoke, the CPU canaries (derivative ci, memory, mutations) "
-        "and render a report, all in a new folder under --out. Exits 1 if anything failed.",
+        description=f"Run the CPU smoke, every registered canary ({', '.join(CANARIES)}) on the cpu preset "
+        f"and its {RUN_PROFILE} profile, and render a report, all in a new folder under --out. "
+        "Exits 1 if anything failed.",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./rtv-out)")
     run.add_argument("--seed", type=int, default=0, help="seed for the smoke's weights and tokens (default: 0)")
@@ -238,15 +217,19 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     run.set_defaults(handler=_run)
 
-    canary = sub.add_parser("canary", help="run one canary suite (derivative | memory | mutations)")
-    canary.add_argument("suite", choices=CANARIES)
-    canary.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
-                        help="cpu, or a GPU preset (on a machine without CUDA it runs on CPU with a small shape)")
-    canary.add_argument("--profile", choices=("ci", "nightly"), default="ci",
-                        help="derivative only: exploration depth (default: ci)")
-    canary.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
-    canary.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
-    canary.set_defaults(handler=_canary_command)
+    listing = "\n".join(f"  {c.name:12} {c.summary}" for c in CANARIES.values())
+    canary_parser = sub.add_parser(
+        "canary", help=f"run one canary ({' | '.join(CANARIES)})", epilog=f"registered canaries:\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    canary_parser.add_argument("name", choices=list(CANARIES), metavar="NAME", help="a registered canary (below)")
+    canary_parser.add_argument("--preset", choices=PRESETS, default="cpu",
+                               help="cpu, or a GPU preset (without CUDA it runs on CPU with a small shape)")
+    canary_parser.add_argument("--profile", choices=PROFILES, default="default",
+                               help="depth: quick (seconds), default, nightly (minutes)")
+    canary_parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
+    canary_parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    canary_parser.set_defaults(handler=_canary_command)
 
     bench = sub.add_parser(
         "bench", help="benchmarks, ABBA (placements: step time per placement; throughput: versioned vs plain step)"
@@ -263,15 +246,17 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", dest="out_file", type=Path, default=None,
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
     report.set_defaults(handler=_report)
-
-    for name, help_line in PLANNED.items():
-        sub.add_parser(name, help=help_line).set_defaults(handler=_not_implemented)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the command; a :class:`HarnessError` becomes its reason, its fix and its exit code."""
     args = _build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except HarnessError as error:
+        print(f"rtv {args.command}: {error.cause}\nfix: {error.fix}", file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":

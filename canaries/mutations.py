@@ -1,19 +1,19 @@
 """Sensitivity suite: deliberately injected trainer bugs that the canaries must catch.
 
-Each :class:`Mutation` monkeypatches the trainer in this process for the
-duration of a ``with mutation.apply():`` block (``unittest.mock.patch``), so
-nothing outside the block is affected. :func:`run_mutations` runs the
-unmutated canary (it must pass), then the canary once per mutation (each must
-fail), and writes evidence listing what ran, what was caught, and what did not
-apply to the preset.
+Every injected bug is declared AND implemented here: each :class:`Mutation`
+monkeypatches the trainer in this process for the duration of a
+``with mutation.apply():`` block (``unittest.mock.patch``), so nothing outside
+the block is affected. :func:`run` (the registry's entry point) runs each
+catching canary unmutated (it must pass), then, through the registry, the
+catching canary once per mutation (it must fail), and writes evidence listing
+what ran, what was caught, and what did not apply to the preset.
 
 NOTE [Mutation verdicts]
-  1. A mutation is caught when the canary named by ``caught_by`` fails under
-     it. ``"derivative"`` mutations run the derivative canary's fixed
-     scenarios and its logical-rank check (``profile="scenarios"``), judged by
-     the same comparisons as every other run; ``"memory"`` mutations are
-     applied by the memory canary itself (``canaries.memory.run(...,
-     mutation=name)``), coordinated only through that entry point and the name.
+  1. A mutation is caught when the canary named by ``caught_by`` (a name in
+     ``canaries.registry.CANARIES``) writes a failed record while the bug is
+     active. The mutated canaries run on the ``quick`` profile whatever the
+     suite's profile, and their records go to a scratch folder: they are
+     failures by design, summarised in the suite's own record.
   2. A mutation that passes fails the suite, and so does an unmutated canary
      that fails (it would "catch" every mutation vacuously).
   3. A mutation whose bug cannot show on the preset (replay without RNG
@@ -23,46 +23,50 @@ NOTE [Mutation verdicts]
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
+from tqdm import tqdm
 
 import reference_trainer as rt
+from reference_trainer import staleness as staleness_module
+from reference_trainer import testing
 from reference_trainer import trainer as trainer_module
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.ranks import LogicalRank
-from reference_trainer import staleness as staleness_module
-from reference_trainer import testing
-from validation.evidence import make_record, verify, write_once
+from reference_trainer.residency import SavedStateLedger
+from validation.errors import SetupError
+from validation.evidence import evidence_path, make_record, verify, write_once
 
-from .presets import Preset, preset
+from . import presets
+from .presets import Preset
+from .registry import canary
 
-__all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "run_mutations"]
+__all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "run_suite", "run"]
+
+MUTATED_PROFILE = "quick"
 
 
 @dataclass(frozen=True)
 class Mutation:
-    """A known bug: what it breaks, which canary must catch it, and how to inject it."""
+    """A known bug: what it breaks, which registered canary must catch it, and how to inject it."""
 
     name: str
     description: str
-    caught_by: str  # "derivative" or "memory"
-    inject: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    caught_by: str
+    inject: Callable[[], contextlib.AbstractContextManager[Any]]
     needs_dropout: bool = False
 
     def apply(self) -> contextlib.AbstractContextManager[Any]:
-        """The bug, active inside the returned context (derivative mutations only)."""
-        if self.inject is None:
-            raise ValueError(f"mutation {self.name!r} is injected by canaries.{self.caught_by}, not here")
+        """The bug, active inside the returned context."""
         return self.inject()
 
     def applies_to(self, config: Preset) -> bool:
@@ -153,6 +157,18 @@ def _per_rank_normalisation() -> Iterator[None]:
         yield
 
 
+def _aliasing_copy(self: SavedStateLedger, tensor: torch.Tensor) -> torch.Tensor:
+    """A byte view of the original storage instead of a host copy."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+@contextlib.contextmanager
+def _offload_alias() -> Iterator[None]:
+    """Offload keeps an alias of the saved storage: the saved-state ledger's host "copy" is a view."""
+    with mock.patch.object(SavedStateLedger, "_copy_storage", _aliasing_copy):
+        yield
+
+
 MUTATIONS: dict[str, Mutation] = {
     m.name: m
     for m in (
@@ -165,18 +181,21 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("staleness_off_by_one", "the staleness check admits bound + 1", "derivative", _staleness_off_by_one),
         Mutation("correct_fresh_records", "the importance correction is applied to fresh records", "derivative",
                  _correct_fresh_records),
-        Mutation("offload_alias", "offload keeps an alias of the saved storage instead of a host copy", "memory"),
+        Mutation("offload_alias", "offload keeps an alias of the saved storage instead of a host copy", "memory",
+                 _offload_alias),
         Mutation("per_rank_normalisation", "each logical rank normalises its loss by its own token count",
                  "derivative", _per_rank_normalisation),
     )
 }
 
 
+
 def mutation(name: str) -> Mutation:
+    """The mutation ``name``; :class:`SetupError` naming the known ones otherwise."""
     try:
         return MUTATIONS[name]
     except KeyError:
-        raise ValueError(f"unknown mutation {name!r}; expected one of {sorted(MUTATIONS)}") from None
+        raise SetupError(f"unknown mutation {name!r}", fix=f"use one of {', '.join(MUTATIONS)}") from None
 
 
 # --- the suite (NOTE Rules 1-3) --------------------------------------------------------------
@@ -193,57 +212,50 @@ class MutationOutcome:
     seconds: float
 
 
-def judge_mutation(mutation_: Mutation, preset_name: str, *, out_dir: Path) -> MutationOutcome:
+def _failures(record: dict) -> tuple[tuple[str, ...], str]:
+    failed = tuple(name for name, ok in record["checks"].items() if not ok)  # sorted by name in the file
+    notes = record["measurements"].get("failures") or record["measurements"].get("details") or {}
+    first = next((str(notes[name]) for name in failed if name in notes), failed[0] if failed else "")
+    return failed, first[:2000]
+
+
+def judge_mutation(mutation_: Mutation, preset: str, *, scratch: Path) -> MutationOutcome:
     """Run the canary that must catch ``mutation_`` with the bug injected (NOTE Rule 1)."""
-    from . import derivative
-
-    config = preset(preset_name).on_this_machine()
-    started = time.perf_counter()
-    if not mutation_.applies_to(config):
+    if not mutation_.applies_to(presets.preset(preset).on_this_machine()):
         return MutationOutcome(mutation_.name, mutation_.caught_by, False, False, (), "", 0.0)
-    if mutation_.caught_by == "memory":
-        from . import memory
-
-        record = verify(memory.run(preset_name, out_dir=out_dir, mutation=mutation_.name))
-        failed = tuple(name for name, ok in record["checks"].items() if not ok)
-        first = failed[0] if failed else ""
-    else:
-        with mutation_.apply():
-            result = derivative.judge(config, profile="scenarios", stop_early=True)
-        failed = tuple(name for name, ok in result.checks.items() if not ok)
-        first = next(iter(result.failures.values()), "")
-    return MutationOutcome(mutation_.name, mutation_.caught_by, True, bool(failed), failed, first[:2000],
+    started = time.perf_counter()
+    with mutation_.apply(), contextlib.redirect_stdout(None):
+        record = verify(canary(mutation_.caught_by).run(preset, MUTATED_PROFILE, scratch))
+    failed, first = _failures(record)
+    return MutationOutcome(mutation_.name, mutation_.caught_by, True, bool(failed), failed, first,
                            time.perf_counter() - started)
 
 
-def run_mutations(preset_name: str = "cpu", *, out_dir: Path, names: Sequence[str] | None = None) -> Path:
-    """Unmutated canaries (must pass), then every mutation (each must be caught); returns the evidence path."""
-    from . import derivative
-
-    out_dir = Path(out_dir)
-    config = preset(preset_name).on_this_machine()
+def run_suite(preset: str, profile: str, out_dir: Path, *, names: Sequence[str] | None = None) -> Path:
+    """Unmutated canaries (must pass), then every selected mutation (each must be caught); the evidence path."""
+    config = presets.preset(preset).on_this_machine()
     selected = [mutation(n) for n in (names if names is not None else MUTATIONS)]
     checks: dict[str, bool] = {}
-    baseline = derivative.judge(config, profile="scenarios")
-    checks["unmutated:derivative passes"] = baseline.passed
-    print(f"unmutated derivative canary: {'PASS' if baseline.passed else 'FAIL'}", flush=True)
-    if any(m.caught_by == "memory" for m in selected):
-        from . import memory
-
-        passed = verify(memory.run(preset_name, out_dir=out_dir))["passed"]
-        checks["unmutated:memory passes"] = passed
-        print(f"unmutated memory canary: {'PASS' if passed else 'FAIL'}", flush=True)
+    unmutated: dict[str, str] = {}
     outcomes = []
-    for m in selected:
-        outcome = judge_mutation(m, preset_name, out_dir=out_dir)
-        outcomes.append(outcome)
-        if outcome.applicable:
-            checks[f"caught:{m.name}"] = outcome.caught
-        verdict = "inapplicable" if not outcome.applicable else "caught" if outcome.caught else "NOT CAUGHT"
-        print(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rtv-mutations-") as scratch:
+        for name in dict.fromkeys(m.caught_by for m in selected):
+            with contextlib.redirect_stdout(None):
+                record = verify(canary(name).run(preset, MUTATED_PROFILE, Path(scratch)))
+            checks[f"unmutated:{name} passes"] = record["passed"]
+            unmutated[name] = _failures(record)[1]
+            print(f"unmutated {name} canary: {'PASS' if record['passed'] else 'FAIL'}", flush=True)
+        for m in tqdm(selected, desc="mutations", unit="mutation", leave=False):
+            outcome = judge_mutation(m, preset, scratch=Path(scratch))
+            outcomes.append(outcome)
+            if outcome.applicable:
+                checks[f"caught:{m.name}"] = outcome.caught
+            verdict = "inapplicable" if not outcome.applicable else "caught" if outcome.caught else "NOT CAUGHT"
+            tqdm.write(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}")
     record = make_record(
         "mutation-suite",
-        config={"preset": config.describe(), "mutations": [m.name for m in selected]},
+        config={"preset": config.describe(), "profile": profile, "mutated_profile": MUTATED_PROFILE,
+                "mutations": [m.name for m in selected]},
         checks=checks,
         measurements={
             "mutations": {
@@ -261,14 +273,14 @@ def run_mutations(preset_name: str = "cpu", *, out_dir: Path, names: Sequence[st
             "run": [o.name for o in outcomes if o.applicable],
             "caught": [o.name for o in outcomes if o.caught],
             "inapplicable": [o.name for o in outcomes if not o.applicable],
-            "unmutated_failures": baseline.failures,
+            "unmutated_failures": {name: text for name, text in unmutated.items() if text},
         },
     )
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-    path = write_once(out_dir / f"mutations-{config.name}-{stamp}-{os.getpid()}.json", record)
+    path = write_once(evidence_path(out_dir, f"mutations-{config.name}"), record)
     print(f"mutation suite {'PASSED' if record['passed'] else 'FAILED'}: {path}", flush=True)
     return path
 
 
-if __name__ == "__main__":  # python -m canaries.mutations [preset]
-    run_mutations(sys.argv[1] if len(sys.argv) > 1 else "cpu", out_dir=Path("rtv-out"))
+def run(preset: str, profile: str, out_dir: Path) -> Path:
+    """The registry's entry point: every mutation in :data:`MUTATIONS` (see :func:`run_suite`)."""
+    return run_suite(preset, profile, out_dir)

@@ -5,8 +5,9 @@ preset) and one :class:`~validation.oracle.OracleTrainer`; each public method
 is one op (forward, backward, step, zero_grad, save, load, drop) that runs on
 both and raises :class:`CanaryFailure` the moment they disagree, naming what
 was expected, what was found and the ops that led there. ``check`` is the
-invariant run after every op. The drivers (fixed scenarios and the hypothesis
-state machine) live in ``canaries.derivative``.
+invariant run after every op. What it is built from (tolerances, data, the trainer/oracle pair,
+measurements) is ``canaries.oracle_pair``; the drivers are
+``canaries.derivative_scenarios`` and ``canaries.derivative_machine``.
 
 NOTE [Derivative canary]
   1. Forward: outputs carry the current version; forced placements are
@@ -27,6 +28,10 @@ NOTE [Derivative canary]
   5. Tolerances are relative L2 against FP64, scaled by plain autograd's own
      error in the model's dtype (:data:`TOLERANCES`); every backward's
      reference must be non-zero (``validation.compare``).
+  6. Coverage: every record whose gradient is judged is counted in its cell
+     (staleness, placement, corrected, checkpoint kind); ``bound_cap`` lowers
+     every forward's staleness bound (0: no stale backward can succeed), the
+     negative control of the coverage check.
 """
 
 from __future__ import annotations
@@ -41,77 +46,21 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.testing import inject_fault
-from validation.compare import ComparisonError, compare_gradients, relative_l2
-from validation.oracle import OracleTrainer
+from validation.compare import ComparisonError, relative_l2
 
+from .oracle_pair import (
+    CORRECTION,
+    NAME,
+    TOLERANCES,
+    CanaryFailure,
+    Measurements,
+    build_trainer,
+    judge_gradients,
+    sequences,
+)
 from .presets import Preset
 
-__all__ = [
-    "NAME",
-    "PLACEMENTS",
-    "FAULTS",
-    "CORRECTION",
-    "LR",
-    "CanaryFailure",
-    "Tolerances",
-    "TOLERANCES",
-    "OutputRef",
-    "SavedRef",
-    "Measurements",
-    "DerivativeHarness",
-    "sequences",
-    "build_trainer",
-    "judge_gradients",
-]
-
-NAME = "policy"
-PLACEMENTS = ("retain", "offload", "replay", "auto")
-FAULTS = ("user_autograd", "model_backward", "validate", "publish@0", "publish@1", "publish@last")
-CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always")
-LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance
-
-
-class CanaryFailure(AssertionError):
-    """The trainer disagreed with the oracle; the message says expected and found."""
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    """Relative L2 bounds against FP64 (NOTE Rule 5, ``validation.compare`` Rules 4-6).
-
-    Gradients: each threshold is ``max(gradient, baseline_factor x the error
-    of plain autograd in the model's dtype)``, capped at ``max_gradient``;
-    a parameter's error is relative to at least ``floor`` (1%) of the pooled
-    gradient norm, so a gradient that is zero in exact arithmetic and noise
-    in FP64 is not judged by its own noise (``validation.compare`` 5-6).
-    FP32: plain FP32 is ~1e-7 to 1e-6 off FP64 on the tiny model, so 1e-4
-    holds with a wide margin, while a gradient of the wrong weights (one
-    step at lr 1e-2), dropout mask or token scale is off by 1e-2 or more.
-    After many steps on the same data the predictions sharpen, the
-    log-softmax gradient cancels and plain FP32 itself drifts to ~1e-4 (seen
-    in nightly runs): the baseline lets the threshold follow, up to 1e-2.
-    BF16: the forward rounds at 2^-8; plain BF16 is ~1e-2 to 1e-1 off FP64,
-    so BF16 runs catch gross errors only and the FP32 preset is the sharp
-    instrument. The optimizer step is judged from identical inputs, so it
-    keeps FP32 accuracy (master weights) either way.
-    """
-
-    gradient: float
-    gradient_global: float
-    floor: float
-    baseline_factor: float
-    max_gradient: float
-    logprobs: float
-    step: float
-    weight_mean: float
-
-
-TOLERANCES = {
-    torch.float32: Tolerances(gradient=1e-4, gradient_global=1e-4, floor=1e-2, baseline_factor=4.0, max_gradient=1e-2,
-                              logprobs=1e-5, step=1e-4, weight_mean=1e-4),
-    torch.bfloat16: Tolerances(gradient=5e-2, gradient_global=5e-2, floor=1e-2, baseline_factor=4.0, max_gradient=0.5,
-                               logprobs=1e-2, step=1e-3, weight_mean=5e-2),
-}
+__all__ = ["OutputRef", "SavedRef", "DerivativeHarness"]
 
 # --- building blocks -----------------------------------------------------------------
 
@@ -144,51 +93,6 @@ class _Output:
     placement: str
 
 
-def sequences(seed: int, lengths: Sequence[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Deterministic ``(input ids, targets, advantages)`` per length; about 1 in 5 targets masked, never all."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for length in lengths:
-        ids = torch.randint(0, vocab, (length,), generator=g)
-        targets = torch.randint(0, vocab, (length,), generator=g)
-        masked = torch.rand(length, generator=g) < 0.2
-        masked[int(torch.randint(0, length, (1,), generator=g))] = False
-        targets[masked] = -1
-        out.append((ids, targets, torch.randn(length, generator=g)))
-    return out
-
-
-def build_trainer(config: Preset) -> tuple[rt.Trainer, OracleTrainer]:
-    """A trainer with one checkpoint (LoRA B moved off zero, so no gradient is vacuous) and its oracle."""
-    device = torch.device(config.device)
-    model = rt.DecoderLM(config.model, seed=0).to(device)
-    trainer = rt.Trainer(model, memory_limit_bytes=config.memory_limit_bytes)
-    optimizer = rt.AdamWConfig(lr=LR)
-    checkpoint = trainer.add_checkpoint(NAME, lora=config.lora, full=config.lora is None, optimizer=optimizer, seed=1)
-    if config.lora is not None:
-        state = checkpoint.state_dict()
-        g = torch.Generator().manual_seed(2)
-        for name, value in state["parameters"].items():
-            if "lora_B" in name:
-                value.copy_(torch.randn(value.shape, generator=g) * 0.05)
-                if name in state.get("master_parameters", {}):
-                    state["master_parameters"][name].copy_(value)
-        trainer.load_checkpoint(NAME, state)
-    oracle = OracleTrainer(
-        config.model, model.state_dict(), device=device, training=model.training, baseline_dtype=config.model.dtype
-    )
-    oracle.add_checkpoint(NAME, checkpoint.state_dict(), lora=config.lora, optimizer=optimizer)
-    return trainer, oracle
-
-
-def judge_gradients(found: dict, reference: dict, baseline: dict, tol: Tolerances, dtypes: dict | None) -> Any:
-    """``validation.compare.compare_gradients`` with the canary's tolerances (exact zeros allowed per parameter)."""
-    return compare_gradients(
-        found, reference, tolerance=tol.gradient, global_tolerance=tol.gradient_global, dtypes=dtypes,
-        allow_zero=True, floor=tol.floor, baseline=baseline, baseline_factor=tol.baseline_factor, max_tolerance=tol.max_gradient,
-    )
-
-
 def _error_facts(error: BaseException) -> dict[str, Any]:
     names = ("checkpoint", "staleness", "bound", "forward_revision", "current_revision", "live_graphs",
              "pending_gradients", "record_retryable")
@@ -214,31 +118,6 @@ def _caught() -> Iterator[list[BaseException]]:
         box.append(error)
 
 
-# --- the harness (NOTE Rules 1-5) ------------------------------------------------------
-
-
-@dataclass
-class Measurements:
-    ops: int = 0
-    backwards: int = 0
-    steps: int = 0
-    errors_predicted: int = 0
-    stale_records: int = 0
-    corrected_records: int = 0
-    worst_gradient_error: float = 0.0
-    worst_gradient_margin: float = 0.0  # error / its threshold (1 = at the limit)
-    worst_logprob_error: float = 0.0
-    worst_step_error: float = 0.0
-    min_reference_norm: float = math.inf
-
-    def merge(self, other: Measurements) -> None:
-        for name in ("ops", "backwards", "steps", "errors_predicted", "stale_records", "corrected_records"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("worst_gradient_error", "worst_gradient_margin", "worst_logprob_error", "worst_step_error"):
-            setattr(self, name, max(getattr(self, name), getattr(other, name)))
-        self.min_reference_norm = min(self.min_reference_norm, other.min_reference_norm)
-
-
 class DerivativeHarness:
     """One trainer and its oracle, driven op by op; every op is checked (NOTE [Derivative canary]).
 
@@ -246,10 +125,12 @@ class DerivativeHarness:
     ops so far in ``log``) when the trainer and the oracle disagree.
     """
 
-    def __init__(self, config: Preset) -> None:
+    def __init__(self, config: Preset, *, kind: str = "lora", bound_cap: int = 2) -> None:
         self.config = config
+        self.kind = kind
+        self.bound_cap = bound_cap
         self.tol = TOLERANCES[config.model.dtype]
-        self.trainer, self.oracle = build_trainer(config)
+        self.trainer, self.oracle = build_trainer(config, kind)
         self.checkpoint = self.trainer.checkpoint(NAME)
         self.device = torch.device(config.device)
         self.outputs: dict[int, _Output] = {}
@@ -265,6 +146,7 @@ class DerivativeHarness:
 
     def forward(self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int) -> list[OutputRef]:
         self._note(f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, seed={seed})")
+        bound = min(bound, self.bound_cap)
         options = rt.ForwardOptions(
             backward_state=placement, max_gradient_staleness=bound, corrections=(CORRECTION,) if correct else ()
         )
@@ -548,6 +430,7 @@ class DerivativeHarness:
             self.measured.stale_records += found.staleness > 0
             self._expect(found.placement == out.placement, "report placement", out.placement, found.placement)
             corrected = found.correction is not None
+            self.measured.cells[(found.staleness, found.placement, corrected, self.kind)] += 1
             self._expect(corrected == predicted.corrected, f"record {found.record_id} corrected (staleness "
                          f"{predicted.staleness})", predicted.corrected, corrected)
             if corrected:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_trainer import LoRAConfig, ModelConfig
+from validation.errors import SetupError
 
 __all__ = ["Preset", "PRESETS", "preset"]
 
@@ -97,4 +98,4 @@ def preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+        raise SetupError(f"unknown preset {name!r}", fix=f"use one of {', '.join(PRESETS)}") from None

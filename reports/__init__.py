@@ -1,29 +1,13 @@
-"""Reports: evidence JSON files in, tables (pandas), plots (matplotlib, Agg) and a page per run out.
+"""Reports: evidence JSON files in, one Markdown and one HTML page per run out (pandas tables, matplotlib plots).
 
 Reads files only: it imports neither ``reference_trainer`` nor ``canaries``
-(``validation.evidence`` is used to check each record's schema and digest).
-Entry point: :func:`render_report`; ``rtv report`` fronts it.
+(``validation.evidence`` checks each record's schema and digest). Entry
+point: :func:`render_report`; ``rtv report`` fronts it. A new evidence kind
+gets its view with one line in ``reports.kinds`` (and, if it needs more than
+checks and declared measurements, a section builder module).
 """
 
-from .render import ReportPaths, render_report
-from .tables import (
-    LoadedRecord,
-    checks_table,
-    lifecycle_table,
-    load_records,
-    measurements_table,
-    ratio_table,
-    records_table,
-)
+from .records import LoadedRecord, load_records
+from .render import ReportPaths, build_context, render_report
 
-__all__ = [
-    "LoadedRecord",
-    "ReportPaths",
-    "checks_table",
-    "lifecycle_table",
-    "load_records",
-    "measurements_table",
-    "ratio_table",
-    "records_table",
-    "render_report",
-]
+__all__ = ["LoadedRecord", "ReportPaths", "build_context", "load_records", "render_report"]

@@ -2,10 +2,8 @@
 
 - :func:`plot_lifecycle`: bytes held at each lifecycle point, one bar per
   placement, one panel per pool (device, host): the memory canary's series.
-- :func:`plot_ratios`: ratios with their 95% confidence intervals as error
-  bars around a line at 1 (benchmarks: arm / baseline time).
 
-Each takes a table from :mod:`reports.tables` and returns the written path.
+Each takes a pandas table (built by a section builder) and returns the written path.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["plot_lifecycle", "plot_ratios", "make_plots"]
+__all__ = ["plot_lifecycle"]
 
 _DPI = 100
 
@@ -52,39 +50,3 @@ def plot_lifecycle(table: pd.DataFrame, path: Path, *, title: str = "") -> Path:
     if title:
         figure.suptitle(title, fontsize=9)
     return _save(figure, path)
-
-
-def plot_ratios(table: pd.DataFrame, path: Path, *, title: str = "") -> Path:
-    """Median ratios with CI error bars, one row per ``label``; a line at 1 marks "no change"."""
-    if table.empty:
-        raise ValueError("plot_ratios: expected rows of (label, median_ratio, ci_low, ci_high), found none")
-    labels = [f"{r.record}: {r.label}" if table["record"].nunique() > 1 else r.label for r in table.itertuples()]
-    figure = Figure(figsize=(6.5, 0.5 * len(table) + 1.4), layout="constrained")
-    axes = figure.add_subplot(1, 1, 1)
-    y = list(range(len(table)))
-    medians = table["median_ratio"].to_numpy()
-    errors = [medians - table["ci_low"].to_numpy(), table["ci_high"].to_numpy() - medians]
-    axes.errorbar(medians, y, xerr=errors, fmt="o", capsize=4)
-    axes.axvline(1.0, color="grey", linestyle="--", linewidth=1)
-    axes.set_yticks(y)
-    axes.set_yticklabels(labels, fontsize=7)
-    axes.set_xlabel("ratio to baseline (median, 95% CI)")
-    if title:
-        axes.set_title(title, fontsize=9)
-    return _save(figure, path)
-
-
-def make_plots(lifecycle: pd.DataFrame, ratios: pd.DataFrame, folder: Path) -> dict[str, list[Path]]:
-    """Every plot the tables allow, under ``folder``; returns record name -> its plot paths."""
-    plots: dict[str, list[Path]] = {}
-    for record, rows in lifecycle.groupby("record", sort=False):
-        path = folder / f"{_slug(record)}-lifecycle.png"
-        plots.setdefault(record, []).append(plot_lifecycle(rows, path, title=f"{record}: bytes held"))
-    for record, rows in ratios.groupby("record", sort=False):
-        path = folder / f"{_slug(record)}-ratios.png"
-        plots.setdefault(record, []).append(plot_ratios(rows, path, title=f"{record}: ratios"))
-    return plots
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)

@@ -3,7 +3,8 @@
 Markers: ``gpu`` (needs CUDA; skipped without it), ``dist`` (spawns
 torch.distributed processes), ``slow`` (deep variants; run with ``--runslow`` or
 ``RTV_SLOW=1``, as the nightly job does). Hypothesis profile: ``ci`` (default,
-seconds) or ``nightly`` (minutes), chosen by ``RTV_HYPOTHESIS_PROFILE``.
+seconds) or ``nightly`` (minutes), chosen by ``RTV_HYPOTHESIS_PROFILE``
+(``validation.profiles``, the one home of hypothesis settings).
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "nightly", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.load_profile(os.environ.get("RTV_HYPOTHESIS_PROFILE", "ci"))
+from validation.profiles import load_test_profile
+
+load_test_profile()
 
 
 def _cap_threads() -> None:

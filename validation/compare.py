@@ -41,16 +41,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import CheckFailed
+
 __all__ = ["ComparisonError", "GradientComparison", "relative_l2", "compare_gradients"]
 
 
-class ComparisonError(AssertionError):
-    """Two gradient sets cannot be compared meaningfully (NOTE Rules 2-3).
+class ComparisonError(CheckFailed):
+    """Two gradient sets cannot be compared meaningfully (NOTE Rules 2-3); the check they serve fails (exit 1).
 
     Cause: different keys or shapes, a ``None`` on one side only, a wrong
     dtype, or a vacuous (all-zero) reference. Fix the producer of the
     mismatching side; a tolerance cannot excuse it.
     """
+
+    def __init__(self, cause: str, *, fix: str = "fix the producer of the mismatching side; a tolerance cannot excuse it") -> None:
+        super().__init__(cause, fix=fix)
 
 
 def relative_l2(found: torch.Tensor, reference: torch.Tensor, *, allow_zero: bool = False) -> float:

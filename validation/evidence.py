@@ -34,6 +34,7 @@ __all__ = [
     "environment_fingerprint",
     "source_fingerprint",
     "make_record",
+    "content_digest",
     "write_once",
     "verify",
 ]
@@ -96,7 +97,8 @@ def environment_fingerprint() -> dict[str, Any]:
     }
 
 
-def _digest(record: Mapping[str, Any]) -> str:
+def content_digest(record: Mapping[str, Any]) -> str:
+    """SHA-256 of the record's content without its ``digest`` field (what ``verify`` recomputes)."""
     body = {k: v for k, v in record.items() if k != "digest"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -121,7 +123,7 @@ def make_record(
         "measurements": dict(measurements),
     }
     record = json.loads(json.dumps(record, default=str))  # plain JSON types only
-    record["digest"] = _digest(record)
+    record["digest"] = content_digest(record)
     return record
 
 
@@ -195,7 +197,7 @@ def _check(record: Any, where: object) -> dict[str, Any]:
     bad_checks = {name: type(ok).__name__ for name, ok in record["checks"].items() if not isinstance(ok, bool)}
     if bad_checks:
         raise EvidenceError(f"{where}: every check must be true or false; found {bad_checks}")
-    if record["digest"] != _digest(record):
+    if record["digest"] != content_digest(record):
         raise EvidenceError(f"{where}: content digest mismatch; the record was modified after it was made")
     if record["passed"] != (bool(record["checks"]) and all(record["checks"].values())):
         raise EvidenceError(f"{where}: 'passed' disagrees with its checks")

@@ -1,25 +1,16 @@
-"""Independent recomputation of the gradients a trainer forward should produce.
+"""The FP64 oracle trainer: an independent model of a Trainer's contract for whole op sequences.
 
-Deliberately simple: a fresh ``DecoderLM`` built in the requested dtype, the
-weights of the forward's version loaded into it, the forward's RNG state set,
-one plain autograd pass. It shares only the model definition (and the
-documented log-prob formula) with the trainer, so it can judge it.
-
-``snapshot_weights`` records what defines a version's weights;
-``plain_gradients`` recomputes a loss's gradient at those weights in FP32
-(bitwise reference on CPU) or FP64 (accuracy reference).
-
-``OracleTrainer`` is the same idea for whole op sequences (NOTE [Oracle
-trainer] below): it keeps every weight version, predicts each op's error or
-gradients, steps its own FP64 AdamW, and never looks inside the trainer.
+``OracleTrainer`` (NOTE [Oracle trainer] below) keeps every weight version,
+predicts each op's error or gradients, steps its own FP64 AdamW, and never
+looks inside the trainer. The single-forward reference it builds on is
+``validation.reference`` (re-exported here for existing callers).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,106 +18,37 @@ import torch
 from reference_trainer import (
     AdamWConfig,
     CheckpointBusyError,
-    CheckpointReplacedError,
     DecoderLM,
     GradientCommitError,
     ImportanceCorrection,
     LoRAConfig,
-    StaleGradientError,
-    Trainer,
     token_logprobs,
 )
 from reference_trainer.lora import attach_lora
 
+from .oracle_state import (
+    OracleBackward,
+    OracleCheckpoint,
+    OracleRecord,
+    OracleRecordReport,
+    OracleState,
+    OracleStep,
+    check_age,
+)
+from .reference import WeightsAt, pad_sequences, plain_gradients, relative_error, snapshot_weights
+
 __all__ = [
-    "WeightsAt",
-    "snapshot_weights",
-    "plain_gradients",
-    "relative_error",
     "OracleTrainer",
     "OracleState",
     "OracleBackward",
     "OracleRecordReport",
     "OracleStep",
+    # validation.reference, re-exported while tests/unit still import them from here
+    "WeightsAt",
+    "snapshot_weights",
+    "plain_gradients",
+    "relative_error",
 ]
-
-
-@dataclass(frozen=True)
-class WeightsAt:
-    """The base weights, one checkpoint's trainable weights and its LoRA shape (None: full)."""
-
-    base_state: dict[str, torch.Tensor]
-    trainable: dict[str, torch.Tensor]
-    lora: LoRAConfig | None
-
-
-def snapshot_weights(trainer: Trainer, checkpoint: str) -> WeightsAt:
-    """Copy the current weights of ``checkpoint`` (call it right before the forward under test)."""
-    ckpt = trainer.checkpoint(checkpoint)
-    return WeightsAt(
-        base_state={k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        trainable={n: p.detach().clone() for n, p in ckpt.named_parameters()},
-        lora=ckpt.lora_config,
-    )
-
-
-def plain_gradients(
-    model_config,
-    weights: WeightsAt,
-    sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[list[torch.Tensor]], torch.Tensor],
-    rng_state: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    autocast_dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """Gradient of ``loss_fn(target_logprobs per sequence)`` w.r.t. the trainable weights.
-
-    ``sequences`` run as one right-padded batch, like one trainer record.
-    ``rng_state`` is the CPU RNG state at the start of the forward (dropout
-    masks); the caller's RNG is left untouched. ``autocast_dtype`` runs the
-    forward under CPU autocast.
-    """
-    model = DecoderLM(model_config.replace(dtype=dtype))
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.base_state.items()})
-    model.requires_grad_(False)
-    trainable = {n: t.detach().to(dtype).clone().requires_grad_(True) for n, t in weights.trainable.items()}
-    ids, mask, targets, lengths = _pad(sequences)
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(rng_state)
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            if weights.lora is None:
-                logits = torch.func.functional_call(model, trainable, (ids,), {"attention_mask": mask})
-            else:
-                with attach_lora(model, weights.lora, trainable):
-                    logits = model(ids, attention_mask=mask)
-    logprobs = token_logprobs(logits, targets)
-    loss = loss_fn([logprobs[row, :length] for row, length in enumerate(lengths)])
-    names = list(trainable)
-    grads = torch.autograd.grad(loss, [trainable[n] for n in names], allow_unused=True)
-    return {n: (g if g is not None else torch.zeros_like(trainable[n])) for n, g in zip(names, grads)}
-
-
-def _pad(sequences: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    lengths = [int(ids.numel()) for ids, _ in sequences]
-    width = max(lengths)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    targets = torch.full((len(sequences), width), -1, dtype=torch.long)
-    for row, (seq, tgt) in enumerate(sequences):
-        ids[row, : lengths[row]] = seq
-        targets[row, : lengths[row]] = tgt
-    mask = None
-    if min(lengths) < width:
-        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-    return ids, mask, targets, lengths
-
-
-def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
-    """``||found - reference|| / ||reference||`` in FP64; refuses a zero reference."""
-    ref = reference.detach().double()
-    norm = float(ref.norm())
-    if norm == 0.0:
-        raise ValueError("relative_error: the reference is exactly zero, so the comparison would be vacuous")
-    return float((found.detach().double() - ref).norm()) / norm
 
 
 # --- the FP64 oracle trainer ---------------------------------------------------------
@@ -177,85 +99,6 @@ def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
 #      it drops gradients and origins and starts a new generation.
 
 
-@dataclass(frozen=True)
-class OracleState:
-    """What :meth:`OracleTrainer.save` returns: weights, masters, AdamW state, revision (FP64)."""
-
-    weights: dict[str, torch.Tensor]
-    masters: dict[str, torch.Tensor]
-    optimizer: dict
-    revision: int
-
-
-@dataclass(frozen=True)
-class OracleRecordReport:
-    """The oracle's prediction for one record consumed by a successful backward."""
-
-    record: int
-    staleness: int
-    corrected: bool
-    weight_mean: float | None
-    tokens: int | None
-
-
-@dataclass(frozen=True)
-class OracleBackward:
-    """A successful backward: the FP64 gradient it adds (by checkpoint, then parameter) and its records."""
-
-    increments: dict[str, dict[str, torch.Tensor]]
-    records: list[OracleRecordReport]
-    baselines: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # plain, in baseline_dtype
-
-
-@dataclass(frozen=True)
-class OracleStep:
-    """One checkpoint's optimizer step: stepped or not, the norm of the gradients it started from,
-    clipping, the new master weights."""
-
-    stepped: bool
-    reason: str | None
-    grad_norm: float | None
-    clipped: bool
-    masters: dict[str, torch.Tensor]
-
-
-@dataclass
-class _Checkpoint:
-    name: str
-    lora: LoRAConfig | None
-    dtype: torch.dtype  # of the live parameters
-    weights: dict[str, torch.Tensor]  # FP64 values of the live parameters now
-    masters: dict[str, torch.Tensor]  # FP64 leaves that AdamW steps
-    optimizer: torch.optim.AdamW
-    generation: int = 0
-    revision: int = 0
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # accumulated; absent = no gradient
-    baseline_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, plain in baseline_dtype
-    origins: set[tuple[int, int, int]] = field(default_factory=set)  # (generation, revision, bound)
-    snapshots: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-
-    def snapshot(self) -> None:
-        self.snapshots[(self.generation, self.revision)] = {n: w.clone() for n, w in self.weights.items()}
-
-
-@dataclass
-class _Record:
-    id: int
-    checkpoint: str
-    generation: int
-    revision: int
-    bound: int
-    correction: ImportanceCorrection | None
-    ids: torch.Tensor  # (B, T) right-padded
-    mask: torch.Tensor | None
-    targets: torch.Tensor  # (B, T), -1 on pads
-    lengths: list[int]
-    rng_state: torch.Tensor
-    cuda_rng_state: torch.Tensor | None
-    live_outputs: int
-    released: bool = False
-
-
 class OracleTrainer:
     """An independent FP64 model of a Trainer's contract (NOTE [Oracle trainer]).
 
@@ -281,8 +124,8 @@ class OracleTrainer:
         self.baseline_model = None
         if baseline_dtype is not None:
             self.baseline_model = self._model(model_config, base_state, baseline_dtype, training)
-        self._checkpoints: dict[str, _Checkpoint] = {}
-        self._records: dict[int, _Record] = {}
+        self._checkpoints: dict[str, OracleCheckpoint] = {}
+        self._records: dict[int, OracleRecord] = {}
         self._next_record = 0
 
     def _model(self, config, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool) -> DecoderLM:
@@ -312,7 +155,7 @@ class OracleTrainer:
             weight_decay=optimizer.weight_decay,
             foreach=False,
         )
-        ckpt = _Checkpoint(name, lora, dtype, {}, masters, adamw, revision=state_dict["revision"])
+        ckpt = OracleCheckpoint(name, lora, dtype, {}, masters, adamw, revision=state_dict["revision"])
         self._checkpoints[name] = ckpt
         self.sync(name, state_dict)
 
@@ -369,9 +212,9 @@ class OracleTrainer:
         if correction is not None and correction.policy != "always":
             raise ValueError(f"the oracle models corrections with policy 'always' only, found {correction.policy!r}")
         ckpt = self._checkpoints[name]
-        ids, mask, targets, lengths = _pad([(s.detach().cpu(), t.detach().cpu()) for s, t in sequences])
+        ids, mask, targets, lengths = pad_sequences([(s.detach().cpu(), t.detach().cpu()) for s, t in sequences])
         to = self.device
-        record = _Record(
+        record = OracleRecord(
             self._next_record, name, ckpt.generation, ckpt.revision, bound, correction,
             ids.to(to), None if mask is None else mask.to(to), targets.to(to), lengths,
             rng_state.clone(), None if cuda_rng_state is None else cuda_rng_state.clone(), len(sequences),
@@ -419,7 +262,7 @@ class OracleTrainer:
             raise GradientCommitError("oracle: injected fault at user_autograd", record_retryable=True)
         for record in records:
             try:
-                _check_age(self._checkpoints[record.checkpoint], record.generation, record.revision, record.bound)
+                check_age(self._checkpoints[record.checkpoint], record.generation, record.revision, record.bound)
             except GradientCommitError:
                 record.released = True
                 raise
@@ -459,7 +302,7 @@ class OracleTrainer:
         return OracleBackward(increments, reports, {n: b for n, b in baselines.items() if b})
 
     def _record_gradient(
-        self, record: _Record, cotangent: torch.Tensor
+        self, record: OracleRecord, cotangent: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], OracleRecordReport]:
         """FP64 gradient of one record at its forward's weights, its plain baseline, and its report."""
         ckpt = self._checkpoints[record.checkpoint]
@@ -485,7 +328,7 @@ class OracleTrainer:
             plain = _gradient((plain_logprobs * cotangent.to(plain_logprobs.dtype)).sum(), low)
         return _gradient((logprobs * cotangent).sum(), leaves), plain, report
 
-    def _run(self, record: _Record, tensors: Mapping[str, torch.Tensor], model: DecoderLM | None = None) -> torch.Tensor:
+    def _run(self, record: OracleRecord, tensors: Mapping[str, torch.Tensor], model: DecoderLM | None = None) -> torch.Tensor:
         """``(B, T)`` target log-probs of ``record``'s batch under ``tensors`` (FP64 model by default), RNG restored."""
         ckpt = self._checkpoints[record.checkpoint]
         model = self.model if model is None else model
@@ -518,11 +361,11 @@ class OracleTrainer:
         """
         for ckpt in self._checkpoints.values():
             for generation, revision, bound in sorted(ckpt.origins, key=lambda o: o[1]):
-                _check_age(ckpt, generation, revision, bound)
+                check_age(ckpt, generation, revision, bound)
         return {name: self._step_one(ckpt, lr, max_grad_norm, None if grads is None else grads[name])
                 for name, ckpt in self._checkpoints.items()}
 
-    def _step_one(self, ckpt: _Checkpoint, lr, max_grad_norm, given) -> OracleStep:
+    def _step_one(self, ckpt: OracleCheckpoint, lr, max_grad_norm, given) -> OracleStep:
         masters = {n: m.detach().clone() for n, m in ckpt.masters.items()}
         if not ckpt.grads:
             return OracleStep(False, "no gradients", None, False, masters)
@@ -592,12 +435,3 @@ def _gradient(loss: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> dict[st
     names = list(leaves)
     grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: g.double() for n, g in zip(names, grads) if g is not None}
-
-
-def _check_age(ckpt: _Checkpoint, generation: int, revision: int, bound: int) -> None:
-    """The contract's staleness rule (§4), stated independently of the trainer's code."""
-    if generation != ckpt.generation:
-        raise CheckpointReplacedError(ckpt.name, generation, ckpt.generation)
-    age = ckpt.revision - revision
-    if not 0 <= age <= bound:
-        raise StaleGradientError(ckpt.name, age, bound, revision, ckpt.revision)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .errors import CheckFailed
+
 __all__ = ["RankOutcome", "SpawnError", "spawn_ranks", "to_plain"]
 
 # torch.optim imports torch._dynamo at the first optimizer (about 2 s): do it once, in the fork server.
@@ -46,15 +48,15 @@ class RankOutcome:
         return self.error is None and self.exitcode == 0
 
 
-class SpawnError(RuntimeError):
-    """A spawned rank raised, died or outlived the timeout; the message holds every rank's story."""
+class SpawnError(CheckFailed):
+    """A spawned rank raised, died or outlived the timeout; the cause holds every rank's story (exit 1)."""
 
     def __init__(self, outcomes: list[RankOutcome], reason: str) -> None:
         self.outcomes = outcomes
         lines = [reason]
         for o in outcomes:
             lines.append(f"--- rank {o.rank}: exit code {o.exitcode}" + (f"\n{o.error}" if o.error else ""))
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(lines), fix="read each rank's story above; the first rank that raised is the cause")
 
 
 def to_plain(value: Any) -> Any:

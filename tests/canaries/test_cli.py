@@ -1,52 +1,60 @@
 """The ``rtv`` command line, in process: ``run`` (the main job), ``canary``, ``bench``, ``report``.
 
-Canaries are replaced by fakes that write real evidence, so these tests check
-the wiring; each canary has its own tests (the memory canary also runs here,
+Canaries are replaced by registered fakes that write real evidence, so these
+tests check the wiring through ``canaries.registry``; each canary has its own tests (the memory canary also runs here,
 for real, on a GPU preset). One subprocess check runs the installed script.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-from canaries import cli
+from canaries import cli, smoke
 from canaries.cli import main
-from validation.evidence import make_record, verify, write_once
+from canaries.registry import CANARIES, PRESETS, Canary
+from validation.errors import CheckFailed
+from validation.evidence import evidence_path, make_record, verify, write_once
 
-SUBCOMMANDS = ("run", "canary", "bench", "report", "learn", "ci")
+SUBCOMMANDS = ("run", "canary", "bench", "report")
+REAL = dict(CANARIES)
 
 
 class FakeCanaries:
-    """Stand-ins for canary modules: each call writes one record (passing unless told) and is remembered."""
+    """Registered stand-ins for the canaries: each run writes one record (passing unless told) and is remembered.
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, real: tuple[str, ...] = ()) -> None:
+    Registered the way a real canary is (a module plus a ``Canary`` line in
+    ``canaries.registry.CANARIES``), so the CLI is exercised through the registry.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple] = []
         self.threads: list[int] = []  # torch CPU threads each canary ran with
         self.failing: set[str] = set()
         self.raising: set[str] = set()
-        original_module = cli._module
+        for name in REAL:
+            module = ModuleType(f"fake_canary_{name}")
+            module.run = self._runner(name)
+            monkeypatch.setitem(sys.modules, module.__name__, module)
+            monkeypatch.setitem(CANARIES, name, Canary(name=name, module=module.__name__, summary=f"fake {name}"))
 
-        def module(name: str):
-            if name in real:
-                return original_module(name)
-            def run(preset: str, **kwargs) -> Path:
-                self.calls.append((name, preset, kwargs))
-                self.threads.append(torch.get_num_threads())
-                if name in self.raising:
-                    raise RuntimeError(f"{name} blew up")
-                record = make_record(f"{name}-fake", config={"preset": preset},
-                                     checks={f"{name} ok": name not in self.failing}, measurements={})
-                return write_once(kwargs["out_dir"] / f"{name}-fake.json", record)
+    def _runner(self, name: str):
+        def run(preset: str, profile: str, out_dir: Path) -> Path:
+            self.calls.append((name, preset, profile, out_dir))
+            self.threads.append(torch.get_num_threads())
+            if name in self.raising:
+                raise RuntimeError(f"{name} blew up")
+            record = make_record(f"{name}-fake", config={"preset": preset},
+                                 checks={f"{name} ok": name not in self.failing}, measurements={})
+            return write_once(evidence_path(out_dir, name), record)
 
-            return SimpleNamespace(run=run, run_mutations=run)
-
-        monkeypatch.setattr(cli, "_module", module)
+        return run
 
 
 @pytest.fixture
@@ -58,11 +66,11 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeCanaries:
 def quick_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     """A smoke stand-in (the real one runs in test_run_writes_every_record_and_a_report_and_passes)."""
 
-    def smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
+    def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
         record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": True}, measurements={})
-        return write_once(out / "smoke-fake.json", record)
+        return SimpleNamespace(checks=[], record=lambda: record)
 
-    monkeypatch.setattr(cli, "_smoke", smoke)
+    monkeypatch.setattr(smoke, "run_smoke", quick)
 
 
 def only_run_dir(out: Path) -> Path:
@@ -77,19 +85,18 @@ def test_run_writes_every_record_and_a_report_and_passes(
 
     run_dir = only_run_dir(tmp_path)
     records = {path.name.split("-")[0]: verify(path) for path in run_dir.glob("*.json")}
-    assert set(records) == {"smoke", "derivative", "memory", "mutations"}
+    assert set(records) == {"smoke", *REAL}
     assert all(record["passed"] for record in records.values())
     assert records["smoke"]["kind"] == "smoke" and records["smoke"]["config"]["model"]["vocab_size"] == 64
-    assert [(name, preset, kw.get("profile")) for name, preset, kw in fakes.calls] == [
-        ("derivative", "cpu", "ci"), ("memory", "cpu", None), ("mutations", "cpu", None)]
-    assert all(kw["out_dir"] == run_dir for _, _, kw in fakes.calls) and fakes.threads == [1, 1, 1]
+    assert [call[:3] for call in fakes.calls] == [(name, "cpu", "quick") for name in REAL]
+    assert all(call[3] == run_dir for call in fakes.calls) and fakes.threads == [1] * len(REAL)
     stdout = capsys.readouterr().out
-    for label in ("smoke", "canary derivative (ci)", "canary memory", "canary mutations"):
+    for label in ("smoke", *(f"canary {name} (quick)" for name in REAL)):
         assert f"PASS  {label}" in stdout
     for check in records["smoke"]["checks"]:
         assert f"PASS  {check}" in stdout
     report = run_dir / "report" / "index.md"
-    assert "**PASSED**: 4 records" in report.read_text() and (run_dir / "report" / "index.html").exists()
+    assert f"**PASSED**: {1 + len(REAL)} records" in report.read_text() and (run_dir / "report" / "index.html").exists()
     assert f"report: {report}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
 
 
@@ -117,12 +124,13 @@ def test_run_fails_when_a_canary_fails_or_raises(
     assert main(["run", "--out", str(tmp_path)]) == 1
 
     stdout = capsys.readouterr().out
-    assert "FAIL  canary derivative (ci)" in stdout and "PASS  canary mutations" in stdout, "later steps still run"
-    assert "rtv run: FAILED: canary derivative (ci)" in stdout
+    assert "FAIL  canary derivative (quick)" in stdout and "PASS  canary mutations" in stdout, "later steps still run"
+    assert "rtv run: FAILED: canary derivative (quick)" in stdout
     if how == "raising":
         assert "raised RuntimeError: derivative blew up" in stdout
     else:
-        assert "## derivative-fake: FAILED" in (only_run_dir(tmp_path) / "report" / "index.md").read_text()
+        page = (only_run_dir(tmp_path) / "report" / "index.md").read_text()
+        assert re.search(r"^## derivative-\S+: FAILED$", page, re.MULTILINE), page
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -153,9 +161,10 @@ def test_canary_command_passes_preset_profile_and_out_through(
     threads = torch.get_num_threads()
     argv = ["canary", "derivative", "--preset", "gpu", "--profile", "nightly", "--out", str(tmp_path), "--threads", "3"]
     assert main(argv) == (1 if failing else 0)
-    assert fakes.calls == [("derivative", "gpu", {"profile": "nightly", "out_dir": tmp_path})]
+    assert fakes.calls == [("derivative", "gpu", "nightly", tmp_path)]
     assert fakes.threads == [3] and torch.get_num_threads() == threads, "threads set for the canary, then restored"
-    assert f"evidence: {tmp_path / 'derivative-fake.json'}" in capsys.readouterr().out
+    (path,) = tmp_path.glob("derivative-*.json")
+    assert f"evidence: {path}" in capsys.readouterr().out
 
 
 def test_report_command_renders_a_folder_and_refuses_a_missing_one(
@@ -167,6 +176,9 @@ def test_report_command_renders_a_folder_and_refuses_a_missing_one(
     assert page.exists() and page.with_suffix(".html").exists()
     assert f"wrote {page}" in capsys.readouterr().out
     assert main(["report", "--in", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"rtv report: {tmp_path / 'nowhere'} is not a folder of evidence",
+                   "fix: pass --in DIR, a folder of records"]
 
 
 def test_bench_placements_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +192,7 @@ def test_bench_placements_forwards_its_arguments(tmp_path: Path, monkeypatch: py
     assert seen == [["--out", str(tmp_path), "--blocks", "3", "--presets", "tiny"]]
 
 
-def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
@@ -191,13 +203,20 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["canary", "--help"])
     text = capsys.readouterr().out
-    assert "{derivative,memory,mutations}" in text and "{cpu,gpu,gpu-8b}" in text and "{ci,nightly}" in text
+    assert "{cpu,gpu,gpu-8b}" in text and "{quick,default,nightly}" in text
+    for entry in REAL.values():
+        assert f"  {entry.name:12} {entry.summary}" in text
 
 
-@pytest.mark.parametrize("argv", [["learn"], ["ci"]])
-def test_planned_subcommands_say_not_implemented(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) == 2
-    assert f"rtv {' '.join(argv)}: not implemented yet" in capsys.readouterr().err
+def test_a_harness_error_becomes_its_reason_its_fix_and_its_exit_code(
+    tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(preset: str, profile: str, out_dir: Path) -> Path:
+        raise CheckFailed("the evidence did not verify", fix="re-run the canary")
+
+    monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "run", refuse)
+    assert main(["canary", "memory", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == ["rtv canary: the evidence did not verify", "fix: re-run the canary"]
 
 
 def test_installed_rtv_script_reports_rtv_out_by_default(tmp_path: Path) -> None:
@@ -215,9 +234,9 @@ def test_installed_rtv_script_reports_rtv_out_by_default(tmp_path: Path) -> None
 
 def test_preset_choices_match_the_presets() -> None:
     """``rtv --help`` stays instant by not importing torch; the names it offers must still be the real ones."""
-    from canaries.presets import PRESETS
+    from canaries.presets import PRESETS as SHAPES
 
-    assert set(cli.PRESET_NAMES) == set(PRESETS)
+    assert set(PRESETS) == set(SHAPES)
 
 
 def test_bench_throughput_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

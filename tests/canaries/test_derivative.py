@@ -1,50 +1,75 @@
 """The derivative canary and its FP64 oracle (NOTE [Derivative canary], NOTE [Oracle trainer]).
 
-The ``ci`` profile runs here (``RTV_HYPOTHESIS_PROFILE=nightly`` for the deep
-one); a deliberately broken trainer must fail it with a shrunk, named op
-sequence; the oracle is checked against the plain-autograd reference of
+The ``quick`` profile runs here (``rtv canary derivative --profile nightly``
+is the deep one); a deliberately broken trainer must fail it with a shrunk,
+named op sequence; emptying the stale cells must fail its coverage check; the oracle is checked against the plain-autograd reference of
 ``validation.oracle`` so the two judges do not share a mistake.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from hypothesis import settings
 
 import reference_trainer as rt
 from canaries import derivative
-from canaries.oracle_harness import FAULTS, TOLERANCES, build_trainer, sequences
+from canaries.derivative_machine import explore
+from canaries.derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
+from canaries.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset
+from canaries.registry import canary
 from reference_trainer.trainer import Trainer
+from validation.errors import SetupError
 from validation.evidence import verify
-from validation.oracle import OracleTrainer, plain_gradients, relative_error, snapshot_weights
+from validation.oracle import OracleTrainer
+from validation.profiles import EXPLORATION
+from validation.reference import plain_gradients, relative_error, snapshot_weights
 
-PROFILE = os.environ.get("RTV_HYPOTHESIS_PROFILE", "ci")
+FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), "scenario:stale_grid[full]"]
 
 
-def test_ci_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = derivative.run("cpu", profile=PROFILE, out_dir=tmp_path)
+def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = canary("derivative").run("cpu", "quick", tmp_path)
 
     record = verify(path)
     assert record["kind"] == "derivative-canary" and record["passed"] is True
-    assert set(record["checks"]) == {*(f"scenario:{n}" for n in derivative.SCENARIOS), "logical_global_normalisation",
-                                     "state_machine"}
+    assert set(record["checks"]) == {*FIXED, "state_machine", derivative.BACKPROPAGATING_CHECK, derivative.COVERAGE_CHECK}
     m = record["measurements"]
     # Non-vacuous: the run compared real gradients, stale ones, corrected ones, and predicted errors.
-    assert m["examples"] >= 10 and m["backwards"] >= 50 and m["optimizer_steps"] >= 20
-    assert m["stale_records_backpropagated"] > 0 and m["corrected_records"] > 0 and m["errors_predicted_and_matched"] > 0
+    assert m["examples"] >= 3 and m["backwards"] >= 50 and m["optimizer_steps"] >= 20
+    assert m["examples_backpropagated"] >= 0.9 * m["examples"]
+    assert m["corrected_records"] > 0 and m["errors_predicted_and_matched"] > 0
+    # Stale records are most of what was judged, and every claimed cell holds some (counted independently here).
+    cells = {(c["staleness"], c["placement"], c["corrected"], c["checkpoint"]): c["records"] for c in m["cells"]}
+    assert sum(cells.values()) == m["records_checked"]
+    stale = sum(n for (staleness, *_), n in cells.items() if staleness > 0)
+    assert stale == m["stale_records_backpropagated"] and stale > m["records_checked"] / 2
+    for staleness in (1, 2):
+        for placement in ("retain", "offload", "replay"):
+            for corrected in (False, True):
+                for kind in ("lora", "full"):
+                    assert cells.get((staleness, placement, corrected, kind), 0) > 0
+    assert m["claimed_cells_empty"] == []
     assert 0 < m["worst_gradient_relative_l2"] <= TOLERANCES[torch.float32].gradient
     assert 0 < m["worst_logprob_relative_l2"] <= TOLERANCES[torch.float32].logprobs
     assert m["min_reference_norm"] > 0
     assert m["skipped_checks"] == {"cuda_rng_unchanged_by_backward": "CPU preset"}
-    out = capsys.readouterr().out
-    assert "scenario stale_exact  PASS" in out and re.search(r"example +1: ", out)
-    assert f"derivative canary PASSED: {path}" in out
+    assert f"derivative canary PASSED: {path}" in capsys.readouterr().out
+
+
+def test_coverage_fails_when_no_stale_backward_can_succeed() -> None:
+    """Negative control of the coverage check: every staleness bound capped at 0 empties the stale cells."""
+    result = derivative.judge(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
+
+    assert result.checks.pop(derivative.COVERAGE_CHECK) is False
+    assert all(result.checks.values()), result.failures  # everything else agrees with the oracle
+    assert "(1, 'retain', False, 'lora')" in result.failures[derivative.COVERAGE_CHECK]
+    assert all(staleness == 0 for staleness, *_ in result.measured.cells)
 
 
 def _gradients_off_by_a_tenth_of_a_percent():
@@ -59,26 +84,28 @@ def _gradients_off_by_a_tenth_of_a_percent():
 def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:
     config = preset("cpu").on_this_machine()
     with _gradients_off_by_a_tenth_of_a_percent():
-        result = derivative.judge(config, profile="ci")
+        report = explore(config, EXPLORATION["quick"], on_example=lambda harness: None)
+        result = derivative.judge(config, profile="quick")
 
-    assert not result.passed and result.checks["state_machine"] is False
-    report = result.failures["state_machine"]
-    assert report.startswith("CanaryFailure: ") and "agreement with the FP64 oracle" in report
+    assert report is not None and report.startswith("CanaryFailure: ") and "agreement with the FP64 oracle" in report
     assert "state = DerivativeMachine()" in report
     ops = [line for line in report.splitlines() if line.startswith("state.") and "agrees_with_oracle" not in line]
     ops = [op for op in ops if op != "state.teardown()"]
-    first = [line for line in report.splitlines() if "state.first_forward(" in line]
-    assert first and re.search(r"placement='\w+', bound=\d, correct=(True|False), lengths=\[[\d, ]+\], seed=\d+", first[0])
-    assert any(op.startswith(("state.backward(", "state.train_step(")) for op in ops), report
+    first = [line for line in report.splitlines() if "state.start(" in line]
+    assert first and re.search(r"kind='(lora|full)', placements=\[.*\], correct=\[.*\], seed=\d+", first[0]), report
     assert len(ops) <= 3, f"not shrunk to a minimal sequence:\n{report}"
-    # The scenarios catch it too, naming the ops that led there.
-    assert "after ops:" in result.failures["scenario:stale_exact"]
+    # The first fixed check catches it too, and the run stops there.
+    assert result.checks == {"logical_global_normalisation": False}
+    assert "gradient of the globally normalised loss" in result.failures["logical_global_normalisation"]
 
 
-@pytest.mark.parametrize("name", list(derivative.SCENARIOS))
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
-    measured = derivative.run_scenario(preset("cpu").on_this_machine(), name)
+    measured = run_scenario(preset("cpu").on_this_machine(), name)
+    stale_cells = {cell for cell, n in measured.cells.items() if cell[0] > 0 and n > 0}
     claims = {
+        "stale_grid": stale_cells == {(s, p, c, "lora") for s in (1, 2) for p in ("retain", "offload", "replay")
+                                      for c in (False, True)},
         "stale_exact": measured.stale_records >= 3 and measured.errors_predicted == 2,
         "bounds": measured.errors_predicted == 4,
         "corrections": measured.corrected_records == 1 and measured.stale_records == 2,
@@ -90,28 +117,33 @@ def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
 
 
 def test_logical_ranks_normalise_by_the_global_token_count() -> None:
-    error = derivative.check_logical_normalisation(preset("cpu").on_this_machine())
+    error = check_logical_normalisation(preset("cpu").on_this_machine())
     assert 0 < error <= TOLERANCES[torch.float32].gradient
 
 
-def test_unknown_profile_and_preset_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown profile 'weekly'"):
-        derivative.judge(preset("cpu"), profile="weekly")
-    with pytest.raises(ValueError, match="unknown preset"):
-        derivative.run("tpu", out_dir=tmp_path)
+def test_unknown_profile_and_preset_are_refused_with_a_fix(tmp_path: Path) -> None:
+    with pytest.raises(SetupError, match="unknown profile 'weekly'") as info:
+        canary("derivative").run("cpu", "weekly", tmp_path)
+    assert "quick" in info.value.fix
+    with pytest.raises(SetupError, match="unknown preset 'tpu'"):
+        canary("derivative").run("tpu", "quick", tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(tmp_path: Path) -> None:
+def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu preset is not swapped")
-    path = derivative.run("gpu", profile="scenarios", out_dir=tmp_path)
-    record = verify(path)
+    monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
+    record = verify(derivative.run("gpu", "quick", tmp_path))
     assert record["config"]["preset"]["swapped_for_cpu"] is True
     assert record["config"]["preset"]["model"]["dtype"] == "torch.bfloat16"
     assert record["measurements"]["skipped_checks"] == {
         "cuda_rng_unchanged_by_backward": "preset swapped to CPU (no CUDA device)"
     }
     assert record["passed"], record["measurements"]["failures"]
+    assert record["measurements"]["claimed_cells_empty"] == []
 
 
 # --- the oracle itself ---------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_bf16_placements_agree_and_sit_within_bf16_autograds_own_error(mode: str
     plain = plain_gradients(config, weights, sequences, _loss, state, dtype=config.dtype, autocast_dtype=autocast)
     fp64 = plain_gradients(config, weights, sequences, _loss, state, dtype=torch.float64)
     for name in plain:
-        for placement in PLACEMENTS:
+        for placement in ("offload", "replay"):  # each against retain's gradients
             assert torch.equal(results[placement][0][name], grads[name]), f"{placement}: {name}"
         # Tolerance derived from BF16 autograd's own error against FP64 (never below FP32 noise).
         own = relative_error(plain[name], fp64[name])

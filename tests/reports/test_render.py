@@ -1,4 +1,4 @@
-"""Reports from evidence files the test writes itself: tables, plots and the Markdown/HTML page."""
+"""Reports from evidence files the test writes itself: the context, its sections, plots and the Markdown/HTML page."""
 
 from __future__ import annotations
 
@@ -8,24 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from reports import (
-    checks_table,
-    lifecycle_table,
-    load_records,
-    measurements_table,
-    ratio_table,
-    records_table,
-    render_report,
-)
+from reports import build_context, load_records, render_report
+from reports.kinds import KINDS
+from validation.errors import SetupError
 from validation.evidence import make_record, write_once
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _memory_like(passed: bool, mutation: str | None = None) -> dict:
+def _memory_like(passed: bool) -> dict:
     return make_record(
         "memory-canary",
-        config={"name": "cpu", "mutation": mutation, "placements": ["retain", "offload"],
+        config={"name": "cpu", "placements": ["retain", "offload"],
                 "points": ["after_forward", "after_backward"]},
         checks={"offload: device bytes fall": passed, "retain: nothing outlives backward": True},
         measurements={
@@ -35,22 +29,29 @@ def _memory_like(passed: bool, mutation: str | None = None) -> dict:
                             "after_backward": {"device": 0, "host": 0}},
             },
             "admission": {"limit_bytes": 600_000, "census_peak_device": 348_318},
+            "offload": {"retain_keeps": 4096},
+            "undeclared_key": "never shown: the memory kind does not declare it",
             "details": {"offload: device bytes fall": "offload 4096 B on the device; allowed up to 1024 B"},
             "skipped_checks": {"cuda: allocator back to baseline": "no CUDA device"},
         },
     )
 
 
-def _bench_like() -> dict:
-    return make_record(
-        "placements-benchmark",
-        config={"presets": ["tiny"], "blocks": 3},
-        checks={"tiny:ran": True},
-        measurements={"tiny": {"ratios_to_retain": {
-            "offload": {"median_ratio": 1.25, "ci95": [1.1, 1.4], "verdict": "slower"},
-            "replay": {"median_ratio": 0.9, "ci95": [0.8, 1.05], "verdict": "not significant"},
-        }}},
-    )
+def _derivative_like() -> dict:
+    cells = [{"staleness": s, "placement": p, "corrected": c, "checkpoint": "lora", "records": 1 + s}
+             for s in (0, 1, 2) for p in ("retain", "offload", "replay") for c in (False, True)]
+    measurements = {key: 0 for key in KINDS["derivative-canary"].measurements}
+    measurements.update(examples=10, examples_backpropagated=9, records_checked=sum(c["records"] for c in cells),
+                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells)
+    return make_record("derivative-canary", config={}, checks={"coverage": True}, measurements=measurements)
+
+
+def _mutations_like(caught: bool) -> dict:
+    one = {"description": "the staleness check admits bound + 1", "caught_by": "derivative", "applicable": True,
+           "caught": caught, "failed_checks": ["scenario:bounds"] if caught else [], "first_failure": "", "seconds": 1}
+    return make_record("mutation-suite", config={}, checks={"caught:off_by_one": caught},
+                       measurements={"mutations": {"off_by_one": one}, "run": ["off_by_one"],
+                                     "caught": ["off_by_one"] if caught else [], "inapplicable": []})
 
 
 @pytest.fixture
@@ -58,11 +59,11 @@ def evidence(tmp_path: Path) -> Path:
     folder = tmp_path / "run"
     write_once(folder / "memory-ok.json", _memory_like(True))
     write_once(folder / "memory-bad.json", _memory_like(False))
-    write_once(folder / "memory-mutated.json", _memory_like(False, mutation="offload_alias"))
-    write_once(folder / "bench" / "placements.json", _bench_like())
-    (folder / "bench" / "legacy.json").write_text(json.dumps(
-        {"schema": "rtv.bench.versioned_step/1", "summary": {"median_ratio": 1.3, "ratio_ci95_low": 1.1,
-                                                              "ratio_ci95_high": 1.5}}))
+    write_once(folder / "sub" / "derivative.json", _derivative_like())
+    write_once(folder / "mutations.json", _mutations_like(False))
+    write_once(folder / "other.json", make_record("something-new", config={}, checks={"ok": True},
+                                                  measurements={"x": 1}))
+    (folder / "not-a-record.json").write_text(json.dumps({"median_ratio": 1.3}))
     tampered = _memory_like(True)
     tampered["measurements"]["admission"]["census_peak_device"] = 1  # edited after the digest was made
     (folder / "memory-tampered.json").write_text(json.dumps(tampered))
@@ -70,80 +71,77 @@ def evidence(tmp_path: Path) -> Path:
 
 
 def test_each_record_gets_the_status_its_evidence_supports(evidence: Path) -> None:
-    table = records_table(load_records(evidence)).set_index("record")
-    assert table.loc["memory-ok", "status"] == "passed"
-    assert table.loc["memory-bad", "status"] == "failed" and table.loc["memory-bad", "failed"] == 1
-    assert table.loc["memory-mutated", "status"] == "caught", "a mutated run that fails is what it should be"
-    assert table.loc["memory-tampered", "status"] == "invalid" and "digest" in table.loc["memory-tampered", "integrity"]
-    assert table.loc["bench/legacy", "status"] == "unverified" and table.loc["bench/legacy", "kind"].startswith("rtv.bench")
-    assert table.loc["memory-ok", "skipped"] == 1 and len(table.loc["memory-ok", "source_sha256"]) == 12
-    assert table.loc["memory-ok", "torch"]
+    status = {r.name: r.status for r in load_records(evidence)}
+    assert status == {"memory-ok": "passed", "memory-bad": "failed", "sub/derivative": "passed",
+                      "mutations": "failed", "other": "passed", "not-a-record": "invalid", "memory-tampered": "invalid"}
+    with pytest.raises(SetupError, match="not a folder of evidence"):
+        load_records(evidence / "nowhere")
 
 
-def test_checks_table_has_one_row_per_check_with_details_and_skips(evidence: Path) -> None:
-    checks = checks_table(load_records(evidence))
-    bad = checks[checks["record"] == "memory-bad"].set_index("check")
-    assert bad.loc["offload: device bytes fall", "result"] == "failed"
-    assert "allowed up to 1024 B" in bad.loc["offload: device bytes fall", "detail"]
-    assert bad.loc["retain: nothing outlives backward", "result"] == "passed"
-    assert bad.loc["cuda: allocator back to baseline", "result"] == "skipped"
-
-
-def test_measurement_lifecycle_and_ratio_tables_carry_the_values(evidence: Path) -> None:
-    records = load_records(evidence)
-    values = measurements_table(records)
-    ok = values[values["record"] == "memory-ok"].set_index("key")["value"]
-    assert ok["admission.census_peak_device"] == 348_318
-    assert not any(key.startswith(("details", "skipped_checks")) for key in ok.index)
-    life = lifecycle_table(records)
-    bad = life[(life["record"] == "memory-bad") & (life["pool"] == "device")]
-    assert list(bad["placement"] + ":" + bad["point"])[:2] == ["retain:after_forward", "retain:after_backward"]
-    assert bad.set_index(["placement", "point"]).loc[("offload", "after_forward"), "bytes"] == 4096
-    ratios = ratio_table(records).set_index("label")
-    assert ratios.loc["tiny.ratios_to_retain.offload", ["median_ratio", "ci_low", "ci_high"]].tolist() == [1.25, 1.1, 1.4]
-    assert ratios.loc["summary", "median_ratio"] == 1.3  # the legacy benchmark's own summary
+def test_sections_show_checks_and_only_the_declared_measurements(evidence: Path, tmp_path: Path) -> None:
+    page = build_context(evidence, tmp_path / "page", title="t")
+    views = {v.name: v for v in page.records}
+    bad = views["memory-bad"].section
+    checks = bad.tables["checks"].set_index("check")
+    assert checks.loc["offload: device bytes fall", "result"] == "FAIL"
+    assert checks.loc["offload: device bytes fall", "detail"] == "offload 4096 B on the device; allowed up to 1024 B"
+    assert checks.loc["cuda: allocator back to baseline", "result"] == "skipped"
+    shown = bad.tables["measurements"]["measurement"].tolist()
+    assert shown == list(KINDS["memory-canary"].measurements) and "undeclared_key" not in shown
+    lifecycle = bad.tables["bytes held at each lifecycle point"].set_index("placement")
+    assert lifecycle.loc["offload", "after_forward (device)"] == 4096
+    grid = views["sub/derivative"].section.tables["judged records per cell"].set_index(["checkpoint", "staleness"])
+    assert grid.loc[("lora", 2), "replay corrected"] == 3 and grid.loc[("lora", 0), "retain plain"] == 1
+    assert views["sub/derivative"].section.key_figure == "worst_gradient_error_over_threshold 0.02"
+    injected = views["mutations"].section.tables["injected bugs"].set_index("mutation")
+    assert injected.loc["off_by_one", "verdict"] == "NOT CAUGHT"
+    assert views["other"].section.lines == ["kind 'something-new' is not registered in reports.kinds"]
+    assert views["memory-tampered"].section is None and "digest mismatch" in views["memory-tampered"].integrity
 
 
 def test_page_lists_every_record_with_its_verdict_checks_and_plots(evidence: Path) -> None:
     report = render_report(evidence)
-    assert report.markdown == evidence / "report" / "index.md" and report.records == 6
-    assert report.passed is False, "a failed and a tampered record fail the run"
+    assert report.markdown == evidence / "report" / "index.md" and report.records == 7
+    assert report.passed is False, "failed and invalid records fail the run"
     page = report.markdown.read_text()
-    assert "**FAILED**: 6 records, 2 passed, 1 failed, 1 caught, 1 invalid, 1 unverified" in page
+    assert "**FAILED**: 7 records, 3 passed, 2 failed, 2 invalid." in page
     for name, verdict in [("memory-ok", "PASSED"), ("memory-bad", "FAILED"), ("memory-tampered", "INVALID"),
-                          ("memory-mutated", "CAUGHT"), ("bench/placements", "PASSED"), ("bench/legacy", "UNVERIFIED")]:
+                          ("sub/derivative", "PASSED"), ("not-a-record", "INVALID")]:
         assert f"## {name}: {verdict}" in page
     bad = page.split("## memory-bad: FAILED")[1].split("\n## ")[0]
-    assert "| offload: device bytes fall | **FAIL** | offload 4096 B on the device; allowed up to 1024 B |" in bad
-    assert "| retain: nothing outlives backward | pass |" in bad
+    assert "| offload: device bytes fall | FAIL | offload 4096 B on the device; allowed up to 1024 B |" in bad
     assert "| cuda: allocator back to baseline | skipped | no CUDA device |" in bad
-    assert "| retain | 4096 / 0 | 0 / 0 |" in bad and "| offload | 4096 / 4096 | 0 / 0 |" in bad
     assert "[../memory-bad.json](../memory-bad.json)" in bad and "torch" in bad and "sha256" in bad
-    assert "| admission.limit_bytes | 600000 |" in bad
+    assert "undeclared_key" not in page
     # Plots exist, are PNGs and are linked from the page and the HTML.
-    names = {p.name for p in report.plots}
-    assert {"memory-bad-lifecycle.png", "bench-placements-ratios.png", "bench-legacy-ratios.png"} <= names
-    assert all(p.read_bytes().startswith(PNG) for p in report.plots)
-    assert "![memory-bad-lifecycle](plots/memory-bad-lifecycle.png)" in bad
+    assert len(report.plots) == 2 and all(p.read_bytes().startswith(PNG) for p in report.plots)
+    bad_plot = next(f for f in report.plots if f"](plots/{f.name})" in bad)
     html = report.html.read_text()
-    assert 'src="plots/memory-bad-lifecycle.png"' in html and '<td class="failed">failed</td>' in html
-    assert "memory-tampered" in html and "&lt;" not in page
+    assert f'src="plots/{bad_plot.name}"' in html and '<td class="failed">failed</td>' in html
+    for name in ("memory-tampered", "sub/derivative", "NOT CAUGHT"):
+        assert name in html and name in page
 
 
-def test_a_run_whose_records_all_passed_passes(tmp_path: Path) -> None:
+def test_a_run_passes_only_when_every_record_verified_and_passed(tmp_path: Path) -> None:
     write_once(tmp_path / "memory-ok.json", _memory_like(True))
-    write_once(tmp_path / "memory-mutated.json", _memory_like(False, mutation="offload_alias"))
+    write_once(tmp_path / "mutations.json", _mutations_like(True))
     out = tmp_path / "elsewhere" / "page.md"
     report = render_report(tmp_path, out)
     assert report.passed is True and report.markdown == out and out.with_suffix(".html").exists()
-    assert "**PASSED**: 2 records, 1 passed, 1 caught." in out.read_text()
+    assert "**PASSED**: 2 records, 2 passed." in out.read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert render_report(empty).passed is False, "no evidence is no pass"
+    with pytest.raises(SetupError, match="not a Markdown file name"):
+        render_report(tmp_path, tmp_path / "page.txt")
 
 
-def test_a_mutated_run_that_passes_is_a_failure(tmp_path: Path) -> None:
-    write_once(tmp_path / "memory-mutated.json", _memory_like(True, mutation="offload_alias"))
-    write_once(tmp_path / "memory-ok.json", _memory_like(True))
-    report = render_report(tmp_path)
-    assert report.passed is False and "## memory-mutated: NOT CAUGHT" in report.markdown.read_text()
+def test_every_kind_builder_is_a_module_with_a_section_builder() -> None:
+    import importlib
+
+    for declared in KINDS.values():
+        if declared.builder:
+            assert callable(importlib.import_module(declared.builder).section), declared.name
 
 
 def _imports(nodes) -> list[str]:
@@ -157,10 +155,10 @@ def _imports(nodes) -> list[str]:
 
 
 def test_reports_never_import_the_trainer_or_the_canaries() -> None:
-    """Layering (style.md): reports read evidence files; of the harness they use only validation.evidence."""
+    """Layering (style.md): reports read evidence files; of the harness they use only validation's evidence and errors."""
     for source in [*Path("reports").glob("*.py"), Path("validation/evidence.py")]:
         tree = ast.parse(source.read_text())
         for name in _imports(ast.walk(tree)):
             assert name.split(".")[0] not in ("reference_trainer", "canaries"), f"{source} imports {name}"
-            assert not name.startswith("validation") or name == "validation.evidence", f"{source} imports {name}"
+            assert not name.startswith("validation") or name in ("validation.evidence", "validation.errors"), name
         assert "torch" not in {n.split(".")[0] for n in _imports(tree.body)}, f"{source} imports torch on import"

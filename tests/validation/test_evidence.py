@@ -114,7 +114,7 @@ def test_a_record_that_would_not_verify_is_never_written(tmp_path: Path) -> None
 def test_a_record_that_cannot_be_serialised_leaves_nothing_behind(tmp_path: Path) -> None:
     record = _record()
     record["measurements"]["handle"] = object()
-    record["digest"] = evidence._digest(record)  # a digest that matches: only serialisation can fail
+    record["digest"] = evidence.content_digest(record)  # a digest that matches: only serialisation can fail
     with pytest.raises(EvidenceError, match="not plain JSON"):
         write_once(tmp_path / "r.json", record)
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,59 @@
+"""Section builders for the CPU canaries' evidence: derivative cells, memory lifecycle, mutation verdicts.
+
+One ``section(record, folder) -> Section`` (``reports.context``) serves the
+three kinds ``reports.kinds`` points here; it dispatches on ``record["kind"]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .context import Figure, Section
+from .generic import base_section
+from .plots import plot_lifecycle
+
+__all__ = ["section"]
+
+
+def _derivative(record: dict[str, Any], folder: Path) -> Section:
+    m = record["measurements"]
+    cells = pd.DataFrame(m["cells"], columns=["staleness", "placement", "corrected", "checkpoint", "records"])
+    grid = cells.pivot_table(index=["checkpoint", "staleness"], columns=["placement", "corrected"], values="records",
+                             aggfunc="sum", fill_value=0)
+    grid.columns = [f"{p} {'corrected' if c else 'plain'}" for p, c in grid.columns]
+    line = (f"{m['examples_backpropagated']} of {m['examples']} explored examples backpropagated; "
+            f"{m['stale_share_of_checked']:.0%} of {m['records_checked']} judged records were stale")
+    return base_section(record, lines=[line], tables={"judged records per cell": grid.reset_index()})
+
+
+def _memory(record: dict[str, Any], folder: Path) -> Section:
+    rows = [{"placement": placement, "point": point, "pool": pool, "bytes": value}
+            for placement, points in record["measurements"]["lifecycle_bytes"].items()
+            for point, pools in points.items() for pool, value in pools.items()]
+    table = pd.DataFrame(rows, columns=["placement", "point", "pool", "bytes"])
+    figures = []
+    if not table.empty:
+        path = plot_lifecycle(table, folder / f"lifecycle-{record['digest'][:12]}.png", title="bytes held")
+        figures.append(Figure(path=path, caption="Bytes held at each lifecycle point, per placement and pool"))
+    grid = table.pivot_table(index="placement", columns=["point", "pool"], values="bytes", aggfunc="first", sort=False)
+    grid.columns = [f"{point} ({pool})" for point, pool in grid.columns]
+    return base_section(record, tables={"bytes held at each lifecycle point": grid.reset_index()}, figures=figures)
+
+
+def _mutations(record: dict[str, Any], folder: Path) -> Section:
+    rows = [{"mutation": name, "caught by": o["caught_by"],
+             "verdict": "inapplicable" if not o["applicable"] else "caught" if o["caught"] else "NOT CAUGHT",
+             "failed checks": ", ".join(o["failed_checks"]), "description": o["description"]}
+            for name, o in record["measurements"]["mutations"].items()]
+    return base_section(record, tables={"injected bugs": pd.DataFrame(rows)})
+
+
+_BUILDERS = {"derivative-canary": _derivative, "memory-canary": _memory, "mutation-suite": _mutations}
+
+
+def section(record: dict[str, Any], folder: Path) -> Section:
+    """The section for a derivative, memory or mutation-suite record."""
+    return _BUILDERS[record["kind"]](record, folder)

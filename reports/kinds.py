@@ -1,0 +1,49 @@
+"""Which evidence kinds the report knows: the measurements each declares, and the module that builds its section.
+
+One :class:`Kind` line per evidence kind in :data:`KINDS`. ``measurements``
+are the keys of ``record["measurements"]`` the page shows (declared here,
+never guessed from the record); ``key_figure`` the one shown beside the
+verdict. ``builder`` names a module with ``section(record, folder) -> Section``
+(``reports.context``), imported only when a record of that kind is shown;
+without one, :func:`reports.generic.section` renders the checks and the
+declared measurements. A kind missing here is shown with its checks only,
+and the page says it is not registered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Kind", "KINDS", "kind"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kind:
+    name: str
+    title: str
+    measurements: tuple[str, ...] = ()
+    key_figure: str | None = None
+    builder: str | None = None
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind(name="smoke", title="CPU smoke: one LoRA training step"),
+        Kind(name="derivative-canary", title="Derivative canary: stale gradients against the FP64 oracle",
+             measurements=("examples", "examples_backpropagated", "records_checked", "stale_share_of_checked",
+                           "corrected_records", "errors_predicted_and_matched", "worst_gradient_relative_l2",
+                           "worst_gradient_error_over_threshold", "worst_logprob_relative_l2",
+                           "worst_step_relative_l2", "worst_logical_relative_l2", "seconds"),
+             key_figure="worst_gradient_error_over_threshold", builder="reports.canaries"),
+        Kind(name="memory-canary", title="Memory canary: what a forward holds, and when it is gone",
+             measurements=("offload", "admission"), builder="reports.canaries"),
+        Kind(name="mutation-suite", title="Mutation suite: every injected bug is caught",
+             measurements=("run", "caught", "inapplicable"), builder="reports.canaries"),
+    )
+}
+
+
+def kind(name: str) -> Kind | None:
+    """The registered kind ``name``, or None."""
+    return KINDS.get(name)

@@ -1,0 +1,241 @@
+"""The shape of the code, checked: layering, private names, import cycles, module sizes (style.md, issue 11).
+
+:func:`violations` scans the five packages' sources (``ast`` only, nothing
+is imported) and reports, per rule:
+
+- ``layering``: ``reference_trainer`` imports a harness package;
+- ``private``: package code imports a private name (``_x``) from another
+  module, by ``from m import _x`` or as ``m._x`` on an imported module
+  (``reference_trainer.testing`` is the allowed hook; tests are not scanned);
+- ``cycle``: modules that import each other, directly or through others
+  (imports inside functions count: a lazy import is still a dependency);
+- ``size``: a module longer than :data:`MAX_LINES` (``reference_trainer/trainer.py``:
+  :data:`MAX_TRAINER_LINES`).
+
+A permanent negative control feeds it a small fake package tree that breaks
+every rule and expects each violation to be reported.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("reference_trainer", "validation", "canaries", "reports", "ci")
+TRAINER = "reference_trainer"
+HARNESS = ("validation", "canaries", "reports", "ci")
+PRIVATE_ALLOWED = ("reference_trainer.testing",)
+MAX_LINES = 450
+MAX_TRAINER_LINES = 420
+PENDING_TRAINER = pytest.mark.xfail(strict=False, reason="pending trainer refactor on branch a-trainer")
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str  # layering | private | cycle | size
+    module: str
+    detail: str
+
+
+def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of ``packages`` under ``root`` (a package is its ``__init__``)."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None]]:
+    """(imported module, imported name or None) for every import in the module, resolved to absolute names."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.append((submodule, None) if submodule in modules else (base, alias.name))
+    return found
+
+
+def _owner(target: str, modules: dict[str, Path]) -> str | None:
+    """The scanned module ``target`` names (or lives in), if any."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _private_attributes(path: Path, aliases: dict[str, str]) -> list[tuple[str, str]]:
+    """``m._x`` where ``m`` is a name bound to an imported scanned module: (module, attribute)."""
+    found = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append((aliases[node.value.id], node.attr))
+    return found
+
+
+def _module_aliases(path: Path, name: str, modules: dict[str, Path]) -> dict[str, str]:
+    aliases = {}
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            for target, imported in _imports(name, path, modules):
+                if imported is None and target in modules:
+                    aliases[target.rpartition(".")[2]] = target
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if target in modules:
+                    aliases[alias.asname or alias.name] = target
+    return aliases
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
+    """Every violation of the four rules in ``packages`` under ``root`` (see the module docstring)."""
+    modules = _modules(root, packages)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    found: list[Violation] = []
+    for name, path in modules.items():
+        lines = len(path.read_text().splitlines())
+        limit = MAX_TRAINER_LINES if name == f"{TRAINER}.trainer" else MAX_LINES
+        if lines > limit:
+            found.append(Violation("size", name, f"{lines} lines, at most {limit}"))
+        for target, imported in _imports(name, path, modules):
+            top = target.split(".")[0]
+            if name.split(".")[0] == TRAINER and top in HARNESS:
+                found.append(Violation("layering", name, f"imports {target}: the trainer imports nothing of the harness"))
+            owner = _owner(target, modules)
+            if owner is None:
+                continue
+            if owner != name:
+                graph[name].add(owner)
+            private = imported is not None and imported.startswith("_") and not imported.startswith("__")
+            if private and owner != name and owner not in PRIVATE_ALLOWED:
+                found.append(Violation("private", name, f"imports {imported} from {owner}"))
+        for owner, attribute in _private_attributes(path, _module_aliases(path, name, modules)):
+            if owner != name and owner not in PRIVATE_ALLOWED:
+                found.append(Violation("private", name, f"uses {owner}.{attribute}"))
+    for component in _cycles(graph):
+        for member in component:
+            found.append(Violation("cycle", member, " <-> ".join(component)))
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _current() -> tuple[Violation, ...]:
+    return tuple(violations())
+
+
+def _in(package: str, rule: str) -> list[Violation]:
+    return [v for v in _current() if v.rule == rule and v.module.split(".")[0] == package]
+
+
+def _params(rule_packages: tuple[str, ...]) -> list:
+    return [pytest.param(p, marks=PENDING_TRAINER) if p == TRAINER else p for p in rule_packages]
+
+
+def test_the_trainer_imports_nothing_of_the_harness() -> None:
+    assert _in(TRAINER, "layering") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_no_private_name_is_imported_across_modules(package: str) -> None:
+    assert _in(package, "private") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_no_modules_import_each_other_in_a_cycle(package: str) -> None:
+    assert _in(package, "cycle") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_every_module_stays_within_its_size(package: str) -> None:
+    assert _in(package, "size") == []
+
+
+def _write(root: Path, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: Path) -> None:
+    _write(tmp_path, "reference_trainer/__init__.py", "")
+    _write(tmp_path, "reference_trainer/core.py", "import validation.a\n")  # layering
+    _write(tmp_path, "reference_trainer/trainer.py", "x = 1\n" * (MAX_TRAINER_LINES + 1))  # size (trainer)
+    _write(tmp_path, "reference_trainer/testing.py", "_hook = 1\n")
+    _write(tmp_path, "validation/__init__.py", "")
+    _write(tmp_path, "validation/a.py", "from .b import _secret\n")  # private, and a -> b
+    _write(tmp_path, "validation/b.py", "_secret = 1\n\ndef f():\n    from validation import a\n")  # b -> a: cycle
+    _write(tmp_path, "validation/c.py", "from reference_trainer import core\nx = core._hidden\n")  # private attribute
+    _write(tmp_path, "validation/d.py", "from reference_trainer.testing import _hook\n")  # allowed
+    _write(tmp_path, "validation/big.py", "x = 1\n" * (MAX_LINES + 1))  # size
+
+    found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation"))}
+
+    assert found == {
+        ("layering", "reference_trainer.core"),
+        ("size", "reference_trainer.trainer"),
+        ("private", "validation.a"),
+        ("private", "validation.c"),
+        ("cycle", "validation.a"),
+        ("cycle", "validation.b"),
+        ("size", "validation.big"),
+    }

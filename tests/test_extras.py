@@ -1,0 +1,78 @@
+"""The extras carry what the code imports: ``pip install -e '.[harness]'`` alone runs ``rtv run``.
+
+Every module of the harness packages (``validation``, ``canaries``,
+``reports``) is parsed for imports (top level and inside functions); each
+third-party one must be provided by a distribution that ``harness`` or the
+core dependencies declare, and nothing the test runner alone provides
+(``pytest``) may be needed at runtime. The mapping from import name to
+distribution comes from the installed metadata, not from a list kept here.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS_PACKAGES = ("validation", "canaries", "reports")
+FIRST_PARTY = {"reference_trainer", "validation", "canaries", "reports", "ci", "tests"}
+
+
+def _declared(extra: str | None) -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
+    return {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower().replace("_", "-") for spec in specs}
+
+
+def imported_modules(folder: Path) -> dict[str, set[str]]:
+    """Top-level names of absolute imports in every module under ``folder`` -> the files importing them."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(folder.parent)))
+    return found
+
+
+def missing_from_extras(folders: list[Path], declared: set[str]) -> dict[str, str]:
+    """Third-party imports whose distribution is not ``declared``: import name -> why, naming a file."""
+    distributions = packages_distributions()
+    missing = {}
+    for folder in folders:
+        for name, files in imported_modules(folder).items():
+            if name in FIRST_PARTY or name in sys.stdlib_module_names or name == "__future__":
+                continue
+            provided = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
+            if not provided & declared:
+                missing[name] = f"imported by {sorted(files)[0]}, provided by {sorted(provided)}"
+    return missing
+
+
+def test_the_harness_extra_carries_every_runtime_import_of_the_harness() -> None:
+    declared = _declared(None) | _declared("harness")
+    missing = missing_from_extras([ROOT / p for p in HARNESS_PACKAGES], declared)
+    assert not missing, f"add these to the `harness` extra in pyproject.toml: {missing}"
+
+
+def test_the_test_extra_adds_only_the_test_runner() -> None:
+    assert _declared("test") <= {"pytest", "pytest-xdist"}
+    assert not _declared("test") & _declared("harness")
+
+
+def test_the_scan_reports_an_undeclared_import(tmp_path: Path) -> None:
+    """Negative control: a harness module importing hypothesis, with hypothesis left out of the extra."""
+    package = tmp_path / "canaries"
+    package.mkdir()
+    (package / "explore.py").write_text("def f():\n    from hypothesis import given\n    import torch\n")
+    missing = missing_from_extras([package], _declared(None) | (_declared("harness") - {"hypothesis"}))
+    assert set(missing) == {"hypothesis"} and "canaries/explore.py" in missing["hypothesis"]
