@@ -39,7 +39,7 @@ from validation.evidence import evidence_path, make_record, write_once
 
 from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, plain_arm, versioned_arm
 
-__all__ = ["Group", "Plan", "plan", "run", "TARGET_RATIO", "KIND"]
+__all__ = ["Group", "Plan", "plan", "build_arms", "run", "TARGET_RATIO", "KIND"]
 
 KIND = "benchmark"
 TARGET_RATIO = 1.03
@@ -98,7 +98,7 @@ def plan(preset: str, profile: str) -> Plan:
     return Plan(groups, 32 if quick else 64, 300.0 if quick else 900.0, False)
 
 
-def _build(group: Group, seed: int) -> dict[str, Arm]:
+def build_arms(group: Group, seed: int) -> dict[str, Arm]:
     """The group's arms; those that leave the base weights alone share one base model."""
     workload = group.workload
     shared = base_model(workload, seed)
@@ -110,6 +110,9 @@ def _build(group: Group, seed: int) -> dict[str, Arm]:
             placement, staleness = name.split("@s")
             built[name] = versioned_arm(workload, placement, int(staleness), seed=seed, model=shared)
     return built
+
+
+Builder = Callable[[Group, int], dict[str, Arm]]
 
 
 def _first_losses(arms: dict[str, Arm]) -> dict[str, float]:
@@ -161,8 +164,8 @@ def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload
 
 
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
-               load_probe: LoadProbe | None, progress: bool) -> dict:
-    arms = _build(group, seed)
+               load_probe: LoadProbe | None, progress: bool, build: Builder) -> dict:
+    arms = build(group, seed)
     losses = _first_losses(arms)
     floors: list[float] = []
     bar = tqdm(total=plan_.max_blocks, desc=group.workload.label, unit="block", disable=not progress, leave=True)
@@ -211,12 +214,12 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> dict[str, 
 
 def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target: float | None = None,
         threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
-        load_probe: LoadProbe | None = None, progress: bool = False) -> Path:
+        load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms) -> Path:
     """Run the benchmark of ``preset`` x ``profile``; returns the evidence path (module docstring).
 
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
-    reported only). ``clock`` and ``load_probe`` go to ``compare`` (tests
-    fake them). Raises :class:`SetupError` for an unknown preset or a bad gate.
+    reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
+    makes a group's arms (tests fake all three). Raises :class:`SetupError` for an unknown preset or a bad gate.
     """
     if not 0 < gate < 1:
         raise SetupError(f"expected 0 < gate < 1, found {gate}", fix="pass e.g. --gate 0.05 (a ±5% band)")
@@ -225,8 +228,8 @@ def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target:
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
-        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, progress=progress)
-                  for g in plan_.groups]
+        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, progress=progress,
+                             build=build) for g in plan_.groups]
     finally:
         torch.set_num_threads(before)
     record = make_record(
