@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from validation import stats
-from validation.abba import Comparison, LoadProbe, compare
+from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
@@ -132,15 +132,21 @@ def _agree(losses: dict[str, float], dtype: str) -> bool:
 
 
 def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float], gate: float) -> dict:
-    """Replay / retain per block divided by that block's floor ``1 + F/(F+B)``; same statistics as ``compare``."""
+    """Replay / retain per block divided by that block's floor ``1 + F/(F+B)``; same statistics and load rule as ``compare``.
+
+    Examined once, at ``compare``'s last look and at its per-look level, so
+    the planned looks' error split still holds.
+    """
     keep = np.ones(len(floors), dtype=bool)
     keep[list(replay.loaded)] = False
     ratios = (np.asarray(replay.arm_seconds) / np.asarray(retain.arm_seconds) / np.asarray(floors))[keep]
     low, high = stats.median_ci(ratios, replay.confidence)
+    too_loaded = len(replay.loaded) > MAX_LOADED * len(floors)
     return {
         "arm": replay.arm, "baseline": f"{retain.arm} x floor", "blocks": int(ratios.size),
         "ratio": float(np.median(ratios)), "ci95": [float(low), float(high)], "confidence": replay.confidence,
-        "floor": float(np.median(np.asarray(floors)[keep])), "verdict": str(stats.verdict(low, high, gate)),
+        "loaded": list(replay.loaded), "floor": float(np.median(np.asarray(floors)[keep])),
+        "verdict": "inconclusive" if too_loaded else str(stats.verdict(low, high, gate)),
         "drift": asdict(stats.drift(ratios)), "ratios": ratios.tolist(),
     }
 

@@ -178,7 +178,7 @@ def _canary_command(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """``rtv bench``: run the benchmark, render its report, exit 0/1 on its enforced checks, 2 on setup errors."""
-    from reports.benchmark import render_benchmark_report
+    from reports.benchmark import comparison_line, render_benchmark_report
     from validation.errors import HarnessError
     from validation.evidence import verify
 
@@ -192,6 +192,9 @@ def _bench(args: argparse.Namespace) -> int:
         return error.exit_code
     html = render_benchmark_report(path, path.with_name(f"{path.stem}-report"))
     record = verify(path)
+    for group in record["measurements"]["groups"]:
+        for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
+            print(comparison_line(comparison, group["label"], record["config"]["gate"]))
     for check, passed in record["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'}  {check}")
     print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {html}")

@@ -16,6 +16,7 @@ its own, for ``rtv bench``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -43,8 +44,9 @@ def comparison_line(comparison: dict, workload: str, gate: float) -> str:
     rho = comparison["drift"]["rho"]
     drift = f"drift ρ={rho:.2f}{' (significant)' if comparison['drift']['significant'] else ''}"
     loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
+    shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
     return (f"tok/s {change}% {interval} ({comparison['arm']} vs {comparison['baseline']}, "
-            f"{comparison['blocks']} ABBA blocks, {workload.replace('x', '×')}, {drift}{loaded}) "
+            f"{comparison['blocks']} ABBA blocks, {shape}, {drift}{loaded}) "
             f"→ {comparison['verdict']} vs ±{gate * 100:g}% gate")
 
 
@@ -67,11 +69,14 @@ def _comparisons(record: dict) -> pd.DataFrame:
 
 
 def _arms(record: dict) -> pd.DataFrame:
-    rows = [{"workload": group["label"], "arm": name, "step_ms": m["step_seconds"] * 1e3,
-             "tokens_per_s": m["tokens_per_second"], "forward_ms": m["forward_seconds"] * 1e3,
-             "rest_ms": m["rest_seconds"] * 1e3, "held_device_MiB": m["held_device_bytes"] / MIB,
-             "held_host_MiB": m["held_host_bytes"] / MIB, "peak_MiB": m["peak_bytes"] / MIB}
-            for group in record["measurements"]["groups"] for name, m in group["arms"].items()]
+    rows = []
+    for group in record["measurements"]["groups"]:
+        for name in ["plain", *(c["arm"] for c in group["comparisons"])]:  # run order (JSON keys are sorted)
+            m = group["arms"][name]
+            rows.append({"workload": group["label"], "arm": name, "step_ms": m["step_seconds"] * 1e3,
+                         "tokens_per_s": m["tokens_per_second"], "forward_ms": m["forward_seconds"] * 1e3,
+                         "rest_ms": m["rest_seconds"] * 1e3, "held_device_MiB": m["held_device_bytes"] / MIB,
+                         "held_host_MiB": m["held_host_bytes"] / MIB, "peak_MiB": m["peak_bytes"] / MIB})
     return pd.DataFrame(rows)
 
 

@@ -34,7 +34,9 @@ import numpy as np
 
 from . import stats
 
-__all__ = ["Comparison", "LoadProbe", "CpuShare", "compare"]
+__all__ = ["Comparison", "LoadProbe", "CpuShare", "compare", "MAX_LOADED"]
+
+MAX_LOADED = 0.25  # Rule 4: above this share of loaded blocks every verdict is inconclusive
 
 
 class LoadProbe(Protocol):
@@ -147,7 +149,7 @@ def compare(
     load_probe: LoadProbe | None = None,
     alpha: float = 0.05,
     load_tolerance: float = 0.2,
-    max_loaded: float = 0.25,
+    max_loaded: float = MAX_LOADED,
     on_block: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[Comparison]:
     """Compare every arm with ``baseline`` in alternating blocks; one :class:`Comparison` per other arm, in order.
