@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import reference_trainer as rt
+
 from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
@@ -169,6 +171,25 @@ def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload
     return measured
 
 
+def _gradient_pass_seconds(workload: Workload, seed: int, repeats: int = 7) -> float:
+    """Median seconds of one fused pass over gradients shaped like the workload's trainable tensors.
+
+    The versioned step makes two such passes that a plain step does not: the
+    commit's finiteness check and ``optim_step``'s norm check (contract §4);
+    the report sets them against the measured extra time of ``retain@s0``.
+    """
+    model = base_model(workload, seed)
+    trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
+    grads = [torch.ones_like(p) for p in trainable]
+    del model
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
+
+
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
                load_probe: LoadProbe | None, progress: bool, build: Builder) -> dict:
     arms = build(group, seed)
@@ -196,6 +217,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
         "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
         "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
         "arms": _measure(arms, results, group.workload),
+        "gradient_pass_seconds": _gradient_pass_seconds(group.workload, seed),
     }
 
 

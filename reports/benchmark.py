@@ -150,6 +150,17 @@ def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
     return _save(figure, path)
 
 
+def _overhead_line(group: dict) -> str:
+    """Where retain@s0's extra time over plain goes, from the record's measurements."""
+    arms = group["arms"]
+    extra = (arms["retain@s0"]["step_seconds"] - arms["plain"]["step_seconds"]) * 1e3
+    passes = 2 * group["gradient_pass_seconds"] * 1e3
+    return (f"{group['label']}: retain@s0 takes {extra:+.1f} ms per step over plain; two fused passes over gradient "
+            f"memory that plain does not make (the commit's finiteness check and optim_step's norm check, contract §4) "
+            f"cost {passes:.1f} ms; the rest ({extra - passes:+.1f} ms) is saved-tensor version stamps and "
+            "bookkeeping (see the README, 'Where the versioned step's time goes').")
+
+
 def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
     gated = comparisons[comparisons["enforced"] & (comparisons["arm"] == "retain@s0")]
     if gated.empty:
@@ -178,6 +189,7 @@ def section(record: dict, folder: Path) -> Section:
     lines = [comparison_line(c, g["label"], gate) for g in record["measurements"]["groups"] for c in g["comparisons"]]
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
+    lines += [_overhead_line(g) for g in record["measurements"]["groups"] if {"plain", "retain@s0"} <= set(g["arms"])]
     lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "
                  f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
                  f"{config['note']}.")

@@ -27,10 +27,15 @@ class FakeProbe:
 
 
 class FakeMachine:
-    """A clock that advances by a fixed cost per arm run: the arms do their real work, the timing is fake."""
+    """A clock that advances by a fixed cost per arm run; the timing is fake.
 
-    def __init__(self, costs: dict[str, float]) -> None:
-        self.costs, self.now = costs, 0.0
+    ``real_steps``: how many runs of each arm do their real work (enough for
+    the first-loss check); ``None``: every run (bytes held and allocation
+    peaks are then measured on real steps).
+    """
+
+    def __init__(self, costs: dict[str, float], real_steps: int | None = None) -> None:
+        self.costs, self.now, self.real_steps = costs, 0.0, real_steps
 
     def clock(self) -> float:
         return self.now
@@ -42,9 +47,13 @@ class FakeMachine:
         return arms
 
     def advancing(self, name: str, step: Callable[[], float]) -> Callable[[], float]:
+        runs = 0
+
         def run() -> float:
+            nonlocal runs
+            runs += 1
             self.now += self.costs.get(name, 1.0)
-            return step()
+            return step() if self.real_steps is None or runs <= self.real_steps else 0.0
         return run
 
 
@@ -54,8 +63,8 @@ def tiny_plan(preset: str, profile: str) -> benchmark.Plan:
     return benchmark.Plan((benchmark.Group(TINY, arms, True),), 8, 1e9, False)
 
 
-def run_fake(tmp_path: Path, costs: dict[str, float], **kwargs) -> dict:
-    machine = FakeMachine(costs)
+def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:
+    machine = FakeMachine(costs, real_steps)
     path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=machine.build,
                          **kwargs)
     return verify(path)

@@ -73,7 +73,7 @@ def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> N
 
 def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floor(tmp_path: Path, tiny: None) -> None:
     # retain 1.5x plain: a regression. replay 4.5x plain = 3x retain, beyond any floor 1 + F/(F+B) <= 2.
-    record = run_fake(tmp_path, {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5})
+    record = run_fake(tmp_path, {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}, real_steps=3)
     failed = sorted(name for name, ok in record["checks"].items() if not ok)
     assert failed == ["tiny 1x4 full: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±5% gate)",
                       "tiny 1x4 full: retain@s0 vs plain is not a regression (±5% gate)"]
@@ -87,7 +87,7 @@ def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floo
 ])
 def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture, argv: list[str], costs: dict, code: int) -> None:
-    machine = FakeMachine(costs)
+    machine = FakeMachine(costs, real_steps=3)
     monkeypatch.setattr(benchmark, "run", functools.partial(
         benchmark.run, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     with pytest.raises(SystemExit) if code == 2 else _no_raise() as exit_info:
