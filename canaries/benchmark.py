@@ -78,7 +78,7 @@ def plan(preset: str, profile: str) -> Plan:
     if preset == "cpu":
         small = Workload(model="small", sequences=4, seq_len=64)
         if quick:
-            return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 40.0, False)
+            return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 35.0, False)
         if not nightly:
             return Plan((Group(small, every, True),), 64, 200.0, False)
         groups = [Group(Workload(model=m, sequences=4, seq_len=64, lora=lora), every, m == "small" and not lora)
