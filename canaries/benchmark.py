@@ -213,7 +213,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     if {"retain@s0", "replay@s0"} <= set(by_arm):
         floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate)
     return {
-        "workload": group.workload.__dict__, "label": group.workload.label, "gated": group.gated,
+        "workload": asdict(group.workload), "label": group.workload.label, "gated": group.gated,
         "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
         "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
         "arms": _measure(arms, results, group.workload),
