@@ -15,6 +15,7 @@ from canaries import benchmark
 from canaries.bench_arms import Workload, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
+from validation.evidence import verify
 
 
 def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
@@ -108,3 +109,18 @@ class _no_raise:
 
     def __exit__(self, *exc: object) -> bool:
         return False
+
+
+def test_arms_on_different_weights_fail_the_like_with_like_check(tmp_path: Path, tiny: None) -> None:
+    machine = FakeMachine({}, real_steps=3)
+
+    def build(group: benchmark.Group, seed: int) -> dict:
+        arms = machine.build(group, seed)
+        other = versioned_arm(group.workload, "retain", 0, seed=seed + 1)  # other weights
+        other.step = machine.advancing("retain@s0", other.step)
+        arms["retain@s0"] = other
+        return arms
+
+    path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=build)
+    checks = verify(path)["checks"]
+    assert checks == {**checks, "tiny 1x4 full: every arm's first loss equals plain's": False}
