@@ -113,8 +113,9 @@ def _run_block(arms: Mapping[str, Callable[[], object]], index: int, clock: Call
 
 def _summaries(
     seconds: dict[str, list[float]], flagged: list[bool], *, baseline: str, gate: float, confidence: float,
-    max_loaded: float, alpha: float, looks: tuple[int, ...],
+    max_loaded: float, alpha: float, looks: tuple[int, ...], with_drift: bool = True,
 ) -> list[Comparison]:
+    """One :class:`Comparison` per non-baseline arm; ``with_drift=False`` (a look that may not stop) skips the drift test."""
     keep = ~np.asarray(flagged, dtype=bool)
     base = np.asarray(seconds[baseline])
     too_loaded = (~keep).mean() > max_loaded
@@ -130,7 +131,7 @@ def _summaries(
             arm=arm, baseline=baseline, gate=gate, blocks=int(used.size),
             ratio=float(np.median(used)) if used.size else float("nan"),
             ci95=(float(low), float(high)), confidence=confidence,
-            drift=stats.drift(used, alpha), loaded=tuple(int(i) for i in np.flatnonzero(~keep)),
+            drift=stats.drift(used, alpha) if with_drift else stats.Drift(0.0, 1.0, False), loaded=tuple(int(i) for i in np.flatnonzero(~keep)),
             verdict=decided, looks=looks, ratios=tuple(ratios.tolist()),
             arm_seconds=tuple(values), baseline_seconds=tuple(seconds[baseline]),
         ))
@@ -194,6 +195,6 @@ def compare(
         if len(flagged) not in plan and not out_of_budget:
             continue
         looks.append(len(flagged))
-        results = _summaries(seconds, flagged, looks=tuple(looks), **summarise)
+        results = _summaries(seconds, flagged, looks=tuple(looks), with_drift=False, **summarise)
         if all(r.verdict != "inconclusive" for r in results) or out_of_budget or len(flagged) >= max_blocks:
-            return results
+            return _summaries(seconds, flagged, looks=tuple(looks), **summarise)

@@ -28,6 +28,7 @@ run many trials at once through the same code as the runner.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,15 +79,19 @@ def median_ci(ratios: np.ndarray, confidence: float) -> tuple[np.ndarray, np.nda
     """
     values = np.sort(np.asarray(ratios, dtype=float), axis=-1)
     n = values.shape[-1]
-    tail = (1.0 - confidence) / 2
-    k = int(stats.binom.ppf(tail, n, 0.5))  # smallest k with P(Bin <= k) >= tail
-    if stats.binom.cdf(k, n, 0.5) <= tail:
-        k += 1
-    # Now P(Bin <= k - 1) <= tail < P(Bin <= k): x(k) is the lowest admissible bound (1-based).
+    k = _order_index(n, confidence)
     if k < 1:
         nan = np.full(values.shape[:-1], np.nan)
         return nan, nan.copy()
     return values[..., k - 1], values[..., n - k]
+
+
+@functools.lru_cache(maxsize=None)
+def _order_index(n: int, confidence: float) -> int:
+    """The 1-based ``k`` of Rule 1: ``P(Bin(n, 1/2) <= k - 1) <= tail < P(Bin(n, 1/2) <= k)``; 0 if none."""
+    tail = (1.0 - confidence) / 2
+    k = int(stats.binom.ppf(tail, n, 0.5))  # smallest k with P(Bin <= k) >= tail
+    return k + 1 if stats.binom.cdf(k, n, 0.5) <= tail else k
 
 
 def verdict(low: np.ndarray | float, high: np.ndarray | float, gate: float) -> np.ndarray:
