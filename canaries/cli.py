@@ -2,7 +2,7 @@
 
     rtv run [--out DIR]                   the main job: smoke, every registered canary (quick), a report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
-    rtv bench placements|throughput [--presets ...] [--blocks N] [--out DIR]
+    rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
     rtv report [--in DIR] [--out FILE]
 
 Canaries come from ``canaries.registry`` (one registration per canary);
@@ -161,16 +161,28 @@ def _canary_command(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    argv = ["--out", str(args.out), "--blocks", str(args.blocks)]
-    if args.suite == "throughput":
-        from . import throughput
+    """``rtv bench``: run the benchmark, render its report, exit 0/1 on its enforced checks, 2 on setup errors."""
+    from reports.benchmark import comparison_line, render_benchmark_report
+    from validation.errors import HarnessError
+    from validation.evidence import verify
 
-        return throughput.main(argv)
-    from . import placements
+    from . import benchmark
 
-    if args.presets:
-        argv += ["--presets", *args.presets]
-    return placements.main(argv)
+    try:
+        path = benchmark.run(args.preset, args.profile, args.out, gate=args.gate, target=args.target,
+                             threads=args.threads, progress=True)
+    except HarnessError as error:
+        print(f"rtv bench: {error}", file=sys.stderr)
+        return error.exit_code
+    html = render_benchmark_report(path, path.with_name(f"{path.stem}-report"))
+    record = verify(path)
+    for group in record["measurements"]["groups"]:
+        for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
+            print(comparison_line(comparison, group["label"], record["config"]["gate"]))
+    for check, passed in record["checks"].items():
+        print(f"{'PASS' if passed else 'FAIL'}  {check}")
+    print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {html}")
+    return 0 if record["passed"] else 1
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -189,6 +201,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, found {value}")
     return value
 
 
@@ -232,12 +251,20 @@ def _build_parser() -> argparse.ArgumentParser:
     canary_parser.set_defaults(handler=_canary_command)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks, ABBA (placements: step time per placement; throughput: versioned vs plain step)"
+        "bench", help="the benchmark: versioned-trainer arms vs a plain PyTorch step (ABBA), with its report",
+        description="Compare the versioned trainer's placements (retain, offload, replay, auto; staleness 0 and 2) "
+        "with a plain PyTorch step in alternating blocks, and render a report. Exits 1 when an enforced gate fails "
+        "(retain@s0 vs plain, replay@s0 vs its floor: a regression beyond --gate; --target if given).",
     )
-    bench.add_argument("suite", choices=("placements", "throughput"))
-    bench.add_argument("--presets", nargs="+", choices=("tiny", "small"), help="placements: model shapes (default: all)")
-    bench.add_argument("--blocks", type=int, default=10, help="measured ABBA blocks (default: 10)")
+    bench.add_argument("--preset", choices=PRESETS, default="cpu",
+                       help="cpu, or a GPU preset (on a machine without CUDA it runs CPU shapes and says so)")
+    bench.add_argument("--profile", choices=PROFILES, default="default",
+                       help="quick (<= 60 s), default (<= 5 min here), nightly (every arm and workload)")
+    bench.add_argument("--gate", type=_fraction, default=0.05, help="half-width of the tie band (default: 0.05)")
+    bench.add_argument("--target", type=float, default=None,
+                       help="also enforce retain@s0 / plain median <= TARGET (default: 1.03 reported, not enforced)")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
+    bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     bench.set_defaults(handler=_bench)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")

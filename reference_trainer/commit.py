@@ -113,6 +113,20 @@ def _all_finite(value: torch.Tensor) -> bool:
     return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
 
 
+def _first_non_finite(staged: dict[tuple[str, str], _Staged]) -> tuple[str, str] | None:
+    """The first staged key holding a non-finite element, or None.
+
+    One fused norm over every staged gradient (one pass, one host sync)
+    proves them all finite; only when it is not finite (a non-finite element,
+    or squares that overflow while every element is finite) is each checked
+    exactly, in staging order.
+    """
+    values = [s.value for s in staged.values()]
+    if not values or bool(torch.isfinite(torch.nn.utils.get_total_norm(values))):
+        return None
+    return next((key for key, s in staged.items() if not bool(torch.isfinite(s.value).all())), None)
+
+
 class GradientTransaction:
     """Stage → validate → publish, per NOTE [Gradient commit]."""
 
@@ -161,11 +175,12 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
-            if not _all_finite(value):
-                raise GradientCommitError(
-                    f"{where}: expected a finite gradient, found non-finite values; "
-                    "check the loss and its cotangents (nothing was committed)"
-                )
+        bad = _first_non_finite(self._staged)
+        if bad is not None:
+            raise GradientCommitError(
+                f"checkpoint {bad[0]!r} parameter {bad[1]!r}: expected a finite gradient, found non-finite "
+                "values; check the loss and its cotangents (nothing was committed)"
+            )
 
     def publish(self, confirm: Callable[[], None] | None = None) -> None:
         """Assign every new gradient or none (Rule 3).

@@ -2,8 +2,9 @@
 
 Markers: ``gpu`` (needs CUDA; skipped without it), ``dist`` (spawns
 torch.distributed processes), ``slow`` (deep variants; run with ``--runslow`` or
-``RTV_SLOW=1``, as the nightly job does). Hypothesis profile: ``ci`` (default,
-seconds) or ``nightly`` (minutes), chosen by ``RTV_HYPOTHESIS_PROFILE``
+``RTV_SLOW=1``, as the nightly job does), ``bench`` (times real work; deselected by
+pyproject's ``-m 'not bench'``, run alone with ``pytest -m bench -p no:xdist``). Hypothesis profile: ``ci``
+(default, seconds) or ``nightly`` (minutes), chosen by ``RTV_HYPOTHESIS_PROFILE``
 (``validation.profiles``, the one home of hypothesis settings).
 """
 
@@ -35,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
     config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
+    config.addinivalue_line("markers", "bench: times real work; deselected by default, run alone: pytest -m bench -p no:xdist")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

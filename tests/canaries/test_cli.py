@@ -181,17 +181,6 @@ def test_report_command_renders_a_folder_and_refuses_a_missing_one(
                    "fix: pass --in DIR, a folder of records"]
 
 
-def test_bench_placements_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import canaries
-
-    seen: list[list[str]] = []
-    fake = SimpleNamespace(main=lambda argv: seen.append(argv) or 0)  # the real one imports scipy and times
-    monkeypatch.setitem(sys.modules, "canaries.placements", fake)
-    monkeypatch.setattr(canaries, "placements", fake, raising=False)
-    assert main(["bench", "placements", "--presets", "tiny", "--blocks", "3", "--out", str(tmp_path)]) == 0
-    assert seen == [["--out", str(tmp_path), "--blocks", "3", "--presets", "tiny"]]
-
-
 def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -237,12 +226,3 @@ def test_preset_choices_match_the_presets() -> None:
     from canaries.presets import PRESETS as SHAPES
 
     assert set(PRESETS) == set(SHAPES)
-
-
-def test_bench_throughput_forwards_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from canaries import throughput
-
-    seen: list[list[str]] = []
-    monkeypatch.setattr(throughput, "main", lambda argv: seen.append(list(argv)) or 0)
-    assert main(["bench", "throughput", "--blocks", "4", "--out", str(tmp_path)]) == 0
-    assert seen == [["--out", str(tmp_path), "--blocks", "4"]]

@@ -1,0 +1,272 @@
+"""The benchmark: versioned-trainer arms against a plain PyTorch step, in alternating blocks, with gates.
+
+``run(preset, profile, out_dir)`` (the canary interface, ``canaries.registry``)
+builds the arms of :func:`plan` (``canaries.bench_arms``) for each workload,
+compares each with ``plain`` through ``validation.abba.compare`` (planned
+looks, stopping when every verdict is decided or the budget is spent),
+measures each arm's step time, tokens/s, bytes held and allocation peak, and
+writes one evidence record of kind ``benchmark``.
+
+Gates are enforced on named comparisons only, on the preset's gated workload
+(the first): ``retain@s0`` vs ``plain`` must not be a regression against the
+``±gate`` band, and ``replay@s0`` must not be a regression against its floor
+``1 + F/(F+B)`` (one extra forward: ``F`` and ``B`` are the retain arm's
+forward and rest-of-step seconds in the same block). The target median
+``retain@s0 / plain <= 1.03`` is reported; it is enforced only when
+``target`` is given. Every other arm is reported, not enforced. Before any
+timing, every arm's first loss must agree with plain's (like with like).
+
+Timings on a shared machine are noisy: the load probe drops loaded blocks
+and a noisy run ends ``inconclusive``, never a false gain or regression.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import reference_trainer as rt
+
+from validation import stats
+from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
+from validation.allocations import peak_bytes
+from validation.errors import SetupError
+from validation.evidence import evidence_path, make_record, write_once
+
+from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, plain_arm, versioned_arm
+
+__all__ = ["Group", "Plan", "plan", "build_arms", "run", "TARGET_RATIO", "KIND"]
+
+KIND = "benchmark"
+TARGET_RATIO = 1.03
+WARMUP_BLOCKS = 2
+GATED = ("retain@s0", "replay@s0")
+NOISE_NOTE = "measured on a shared machine: other processes compete for the cores, so timings are noisy"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One workload and the arms compared on it (``plain`` first); ``gated``: whether its gates are enforced."""
+
+    workload: Workload
+    arms: tuple[str, ...]
+    gated: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[Group, ...]
+    max_blocks: int
+    budget_s: float
+    swapped: bool  # a GPU preset on a machine without CUDA: CPU shapes instead
+
+
+def _arms(placements: tuple[str, ...], stalenesses: tuple[int, ...]) -> tuple[str, ...]:
+    return ("plain", *(arm_name(p, s) for s in stalenesses for p in placements))
+
+
+def plan(preset: str, profile: str) -> Plan:
+    """What ``preset`` x ``profile`` runs (sized so ``rtv bench`` stays within contract §11's budgets here)."""
+    quick, nightly = profile == "quick", profile == "nightly"
+    every = _arms(PLACEMENTS, (0, 2))
+    if preset == "cpu":
+        small = Workload(model="small", sequences=4, seq_len=64)
+        if quick:
+            return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 35.0, False)
+        if not nightly:
+            return Plan((Group(small, every, True),), 64, 200.0, False)
+        groups = [Group(Workload(model=m, sequences=4, seq_len=64, lora=lora), every, m == "small" and not lora)
+                  for m in ("small", "tiny") for lora in (False, True)]
+        return Plan(tuple(groups), 64, 1200.0, False)
+    if preset not in ("gpu", "gpu-8b"):
+        raise SetupError(f"unknown preset {preset!r}", fix="use one of cpu, gpu, gpu-8b")
+    if not torch.cuda.is_available():  # the GPU code path on CPU shapes, said in the evidence
+        tiny = Workload(model="tiny", sequences=4, seq_len=64, lora=True)
+        arms = _arms(("retain", "replay"), (0,)) if quick else every
+        # Not gated: the fixed per-step cost dominates a tiny step; the gates are for the real shapes.
+        return Plan((Group(tiny, arms, False),), 16 if quick else 32, 40.0 if quick else 120.0, True)
+    cuda = dict(lora=True, dtype="bfloat16", device="cuda")
+    arms = _arms(("retain", "replay"), (0,)) if quick else (every if nightly else _arms(PLACEMENTS, (0,)))
+    if preset == "gpu":
+        return Plan((Group(Workload(model="small", sequences=4, seq_len=1024, **cuda), arms, True),), 64, 300.0, False)
+    groups = tuple(Group(Workload(model="qwen3_8b", sequences=4, seq_len=n, **cuda), arms, n == 1024)
+                   for n in (1024, 4096))
+    return Plan(groups, 32 if quick else 64, 300.0 if quick else 900.0, False)
+
+
+def build_arms(group: Group, seed: int) -> dict[str, Arm]:
+    """The group's arms; those that leave the base weights alone share one base model."""
+    workload = group.workload
+    shared = base_model(workload, seed)
+    built = {}
+    for name in group.arms:
+        if name == "plain":
+            built[name] = plain_arm(workload, seed=seed, model=shared if workload.lora else None)
+        else:
+            placement, staleness = name.split("@s")
+            built[name] = versioned_arm(workload, placement, int(staleness), seed=seed, model=shared)
+    return built
+
+
+Builder = Callable[[Group, int], dict[str, Arm]]
+
+
+def _first_losses(arms: dict[str, Arm]) -> dict[str, float]:
+    """Each arm's first real loss (a staleness-2 arm fills its pipeline first)."""
+    losses = {}
+    for name, arm in arms.items():
+        loss = arm()
+        while np.isnan(loss):
+            loss = arm()
+        losses[name] = loss
+    return losses
+
+
+def _agree(losses: dict[str, float], dtype: str) -> bool:
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    return all(abs(v - losses["plain"]) <= tolerance * max(1.0, abs(losses["plain"])) for v in losses.values())
+
+
+def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float], gate: float) -> dict:
+    """Replay / retain per block divided by that block's floor ``1 + F/(F+B)``; same statistics and load rule as ``compare``.
+
+    Examined once, at ``compare``'s last look and at its per-look level, so
+    the planned looks' error split still holds.
+    """
+    keep = np.ones(len(floors), dtype=bool)
+    keep[list(replay.loaded)] = False
+    ratios = (np.asarray(replay.arm_seconds) / np.asarray(retain.arm_seconds) / np.asarray(floors))[keep]
+    low, high = stats.median_ci(ratios, replay.confidence)
+    too_loaded = len(replay.loaded) > MAX_LOADED * len(floors)
+    return {
+        "arm": replay.arm, "baseline": f"{retain.arm} x floor", "blocks": int(ratios.size),
+        "ratio": float(np.median(ratios)), "ci95": [float(low), float(high)], "confidence": replay.confidence,
+        "loaded": list(replay.loaded), "floor": float(np.median(np.asarray(floors)[keep])),
+        "verdict": "inconclusive" if too_loaded else str(stats.verdict(low, high, gate)),
+        "drift": asdict(stats.drift(ratios)), "ratios": ratios.tolist(),
+    }
+
+
+def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload) -> dict[str, dict]:
+    """Per arm: median step seconds (unloaded blocks), tokens/s, bytes held, allocation peak, phase medians."""
+    first = results[0]
+    keep = [i for i in range(len(first.ratios)) if i not in set(first.loaded)]
+    seconds = {"plain": np.asarray(first.baseline_seconds)[keep]}
+    seconds.update({r.arm: np.asarray(r.arm_seconds)[keep] for r in results})
+    measured = {}
+    for name, arm in arms.items():
+        step = float(np.median(seconds[name]))
+        measured[name] = {
+            "step_seconds": step, "tokens_per_second": workload.tokens / step,
+            "held_device_bytes": arm.held.get("device", 0), "held_host_bytes": arm.held.get("host", 0),
+            "peak_bytes": peak_bytes(arm, workload.device),
+            "forward_seconds": float(np.median(arm.forward_seconds)), "rest_seconds": float(np.median(arm.rest_seconds)),
+        }
+    return measured
+
+
+def _gradient_pass_seconds(workload: Workload, seed: int, repeats: int = 7) -> float:
+    """Median seconds of one fused pass over gradients shaped like the workload's trainable tensors.
+
+    The versioned step makes two such passes that a plain step does not: the
+    commit's finiteness check and ``optim_step``'s norm check (contract §4);
+    the report sets them against the measured extra time of ``retain@s0``.
+    """
+    model = base_model(workload, seed)
+    trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
+    grads = [torch.ones_like(p) for p in trainable]
+    del model
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
+
+
+def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
+               load_probe: LoadProbe | None, progress: bool, build: Builder) -> dict:
+    arms = build(group, seed)
+    losses = _first_losses(arms)
+    floors: list[float] = []
+    bar = tqdm(total=plan_.max_blocks, desc=group.workload.label, unit="block", disable=not progress, leave=True)
+
+    def on_block(index: int, times: dict[str, float]) -> None:
+        if "retain@s0" in arms:
+            retain = arms["retain@s0"]
+            forward, rest = np.mean(retain.forward_seconds[-2:]), np.mean(retain.rest_seconds[-2:])
+            floors.append(1 + forward / (forward + rest))
+        bar.update(1)
+
+    budget = plan_.budget_s / len(plan_.groups)
+    results = compare(arms, baseline="plain", gate=gate, max_blocks=plan_.max_blocks, budget_s=budget,
+                      warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe, on_block=on_block)
+    bar.close()
+    by_arm = {r.arm: r for r in results}
+    floor = None
+    if {"retain@s0", "replay@s0"} <= set(by_arm):
+        floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate)
+    return {
+        "workload": asdict(group.workload), "label": group.workload.label, "gated": group.gated,
+        "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
+        "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
+        "arms": _measure(arms, results, group.workload),
+        "gradient_pass_seconds": _gradient_pass_seconds(group.workload, seed),
+    }
+
+
+def _checks(groups: list[dict], gate: float, target: float | None) -> dict[str, bool]:
+    checks = {}
+    for group in groups:
+        label = group["label"]
+        checks[f"{label}: every arm's first loss equals plain's"] = group["arms_agree"]
+        if not group["gated"]:
+            continue
+        by_arm = {c["arm"]: c for c in group["comparisons"]}
+        if "retain@s0" in by_arm:
+            checks[f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)"] = (
+                by_arm["retain@s0"]["verdict"] != "regression")
+            if target is not None:
+                checks[f"{label}: retain@s0 / plain median <= {target}"] = by_arm["retain@s0"]["ratio"] <= target
+        if group["replay_floor"] is not None:
+            checks[f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)"] = (
+                group["replay_floor"]["verdict"] != "regression")
+    return checks
+
+
+def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target: float | None = None,
+        threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
+        load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms) -> Path:
+    """Run the benchmark of ``preset`` x ``profile``; returns the evidence path (module docstring).
+
+    ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
+    reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
+    makes a group's arms (tests fake all three). Raises :class:`SetupError` for an unknown preset or a bad gate.
+    """
+    if not 0 < gate < 1:
+        raise SetupError(f"expected 0 < gate < 1, found {gate}", fix="pass e.g. --gate 0.05 (a ±5% band)")
+    plan_ = plan(preset, profile)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    try:
+        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, progress=progress,
+                             build=build) for g in plan_.groups]
+    finally:
+        torch.set_num_threads(before)
+    record = make_record(
+        KIND,
+        config={"preset": preset, "profile": profile, "gate": gate, "target": target, "target_reported": TARGET_RATIO,
+                "threads": threads, "seed": seed, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s,
+                "warmup_blocks": WARMUP_BLOCKS, "swapped_for_cpu": plan_.swapped,
+                "workloads": [g.workload.label for g in plan_.groups], "note": NOISE_NOTE},
+        checks=_checks(groups, gate, target),
+        measurements={"groups": groups, "seconds": time.perf_counter() - started},
+    )
+    return write_once(evidence_path(out_dir, KIND), record)

@@ -1,0 +1,254 @@
+"""The benchmark's view: a section built from one ``benchmark`` evidence record, and a page of its own.
+
+:func:`section` (``section(record, folder) -> Section``, see ``reports.context``)
+reads only the record: it writes the plots (ratio with its interval per arm
+and workload against the gate band; per-block seconds, to show drift; memory
+per arm) and a CSV of every raw sample into ``folder``, and returns the
+tables and one line per comparison, e.g.::
+
+    tok/s −12.1% [−14.0..−10.3] (retain@s0 vs plain, 8 ABBA blocks, small 4×64 full, drift ρ=0.08) → regression vs ±5% gate
+
+(tokens/s change = 1 / ratio − 1, so its interval is the ratio's, inverted).
+:func:`render_benchmark_report` writes that section as Markdown and HTML on
+its own, for ``rtv bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure as MplFigure
+
+from .context import Figure, Section
+
+__all__ = ["section", "render_benchmark_report", "comparison_line", "samples_table"]
+
+MIB = 2**20
+
+
+def _pct(value: float) -> str:
+    return f"{value * 100:+.1f}".replace("-", "−")
+
+
+def comparison_line(comparison: dict, workload: str, gate: float) -> str:
+    """One sentence per comparison (module docstring); ``comparison`` is a ``Comparison.as_dict()``."""
+    low, high = comparison["ci95"]
+    change = _pct(1 / comparison["ratio"] - 1)
+    interval = f"[{_pct(1 / high - 1)}..{_pct(1 / low - 1)}]" if np.isfinite([low, high]).all() else "[no interval]"
+    rho = comparison["drift"]["rho"]
+    drift = f"drift ρ={rho:.2f}{' (significant)' if comparison['drift']['significant'] else ''}"
+    loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
+    shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
+    return (f"tok/s {change}% {interval} ({comparison['arm']} vs {comparison['baseline']}, "
+            f"{comparison['blocks']} ABBA blocks, {shape}, {drift}{loaded}) "
+            f"→ {comparison['verdict']} vs ±{gate * 100:g}% gate")
+
+
+def _enforced(comparison: dict) -> bool:
+    """The gated comparisons (``canaries.benchmark``): retain@s0 vs plain, and replay@s0 vs its floor."""
+    against_plain = comparison["baseline"] == "plain"
+    return (comparison["arm"], against_plain) in {("retain@s0", True), ("replay@s0", False)}
+
+
+def _comparisons(record: dict) -> pd.DataFrame:
+    rows = []
+    for group in record["measurements"]["groups"]:
+        extra = [group["replay_floor"]] if group["replay_floor"] else []
+        for c in group["comparisons"] + extra:
+            rows.append({"workload": group["label"], "arm": c["arm"], "baseline": c["baseline"], "blocks": c["blocks"],
+                         "ratio": c["ratio"], "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
+                         "drift_rho": c["drift"]["rho"], "loaded": len(c.get("loaded", ())),
+                         "verdict": c["verdict"], "enforced": group["gated"] and _enforced(c)})
+    return pd.DataFrame(rows)
+
+
+def _arms(record: dict) -> pd.DataFrame:
+    rows = []
+    for group in record["measurements"]["groups"]:
+        for name in ["plain", *(c["arm"] for c in group["comparisons"])]:  # run order (JSON keys are sorted)
+            m = group["arms"][name]
+            rows.append({"workload": group["label"], "arm": name, "step_ms": m["step_seconds"] * 1e3,
+                         "tokens_per_s": m["tokens_per_second"], "forward_ms": m["forward_seconds"] * 1e3,
+                         "rest_ms": m["rest_seconds"] * 1e3, "held_device_MiB": m["held_device_bytes"] / MIB,
+                         "held_host_MiB": m["held_host_bytes"] / MIB, "peak_MiB": m["peak_bytes"] / MIB})
+    return pd.DataFrame(rows)
+
+
+def samples_table(record: dict) -> pd.DataFrame:
+    """Every raw per-block sample: workload, block, arm, seconds, ratio to plain, whether the block was loaded."""
+    rows = []
+    for group in record["measurements"]["groups"]:
+        for c in group["comparisons"]:
+            loaded = set(c["loaded"])
+            for block, (arm_s, base_s) in enumerate(zip(c["arm_seconds"], c["baseline_seconds"])):
+                rows.append({"workload": group["label"], "block": block, "arm": c["arm"], "seconds": arm_s,
+                             "ratio": arm_s / base_s, "loaded": block in loaded})
+        first = group["comparisons"][0]
+        rows += [{"workload": group["label"], "block": block, "arm": "plain", "seconds": s, "ratio": 1.0,
+                  "loaded": block in set(first["loaded"])} for block, s in enumerate(first["baseline_seconds"])]
+    return pd.DataFrame(rows)
+
+
+def _save(figure: MplFigure, path: Path) -> Path:
+    FigureCanvasAgg(figure)
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _plot_ratios(table: pd.DataFrame, gate: float, path: Path) -> Path:
+    figure = MplFigure(figsize=(7, 0.4 * len(table) + 1.5), layout="constrained")
+    axes = figure.add_subplot()
+    labels = [f"{r.workload}: {r.arm} / {r.baseline}" for r in table.itertuples()]
+    y = np.arange(len(table))
+    low = (table["ratio"] - table["ci_low"]).fillna(0).clip(lower=0)
+    high = (table["ci_high"] - table["ratio"]).fillna(0).clip(lower=0)
+    axes.axvspan(1 - gate, 1 + gate, color="tab:green", alpha=0.15, label=f"tie band ±{gate:.0%}")
+    axes.axvline(1.0, color="grey", lw=0.8)
+    axes.errorbar(table["ratio"], y, xerr=[low, high], fmt="o", capsize=3)
+    axes.set_yticks(y, labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("median ratio of step times, with its interval")
+    axes.legend(fontsize=7)
+    return _save(figure, path)
+
+
+def _plot_blocks(samples: pd.DataFrame, path: Path) -> Path:
+    workloads = list(dict.fromkeys(samples["workload"]))
+    figure = MplFigure(figsize=(7, 3 * len(workloads)), layout="constrained")
+    for index, workload in enumerate(workloads):
+        axes = figure.add_subplot(len(workloads), 1, index + 1)
+        rows = samples[samples["workload"] == workload]
+        for arm, series in rows.groupby("arm", sort=False):
+            axes.plot(series["block"], series["seconds"] * 1e3, marker=".", lw=0.8, label=arm)
+            flagged = series[series["loaded"]]
+            axes.plot(flagged["block"], flagged["seconds"] * 1e3, "x", color="red")
+        axes.set_title(f"{workload}: per-block step time (red x: loaded, dropped)", fontsize=9)
+        axes.set_xlabel("block")
+        axes.set_ylabel("ms")
+        axes.legend(fontsize=6, ncol=3)
+    return _save(figure, path)
+
+
+def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
+    figure = MplFigure(figsize=(7, 0.35 * len(arms) + 1.5), layout="constrained")
+    axes = figure.add_subplot()
+    labels = [f"{r.workload}: {r.arm}" for r in arms.itertuples()]
+    y = np.arange(len(arms))
+    axes.barh(y - 0.27, arms["held_device_MiB"], 0.27, label="held, device pool (trainer's accounting)")
+    axes.barh(y, arms["held_host_MiB"], 0.27, label="held, host pool (trainer's accounting)")
+    axes.barh(y + 0.27, arms["peak_MiB"], 0.27, label="allocation peak of one step")
+    axes.set_yticks(y, labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("MiB")
+    axes.legend(fontsize=7)
+    return _save(figure, path)
+
+
+def _overhead_line(group: dict) -> str:
+    """Where retain@s0's extra time over plain goes, from the record's measurements."""
+    arms = group["arms"]
+    extra = (arms["retain@s0"]["step_seconds"] - arms["plain"]["step_seconds"]) * 1e3
+    passes = 2 * group["gradient_pass_seconds"] * 1e3
+    return (f"{group['label']}: retain@s0 takes {extra:+.1f} ms per step over plain; two fused passes over gradient "
+            f"memory that plain does not make (the commit's finiteness check and optim_step's norm check, contract §4) "
+            f"cost {passes:.1f} ms; the rest ({extra - passes:+.1f} ms) is saved-tensor version stamps and "
+            "bookkeeping (see the README, 'Where the versioned step's time goes').")
+
+
+def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
+    gated = comparisons[comparisons["enforced"] & (comparisons["arm"] == "retain@s0")]
+    if gated.empty:
+        return ("passed" if record["passed"] else "failed"), f"{len(comparisons)} comparisons, none enforced"
+    row = gated.iloc[0]
+    target = record["config"]["target"] or record["config"]["target_reported"]
+    return row["verdict"], (f"retain@s0 / plain {row['ratio']:.3f} [{row['ci_low']:.3f}..{row['ci_high']:.3f}] "
+                            f"on {row['workload']} (target median ≤ {target})")
+
+
+def section(record: dict, folder: Path) -> Section:
+    """The benchmark section of a report (module docstring); writes three PNGs and ``samples.csv`` into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config, gate = record["config"], record["config"]["gate"]
+    comparisons, arms, samples = _comparisons(record), _arms(record), samples_table(record)
+    samples.to_csv(folder / "benchmark-samples.csv", index=False)
+    figures = [
+        Figure(path=_plot_ratios(comparisons, gate, folder / "benchmark-ratios.png"),
+               caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band."),
+        Figure(path=_plot_blocks(samples, folder / "benchmark-blocks.png"),
+               caption="Per-block step time of every arm: a trend would show drift; red crosses are loaded blocks."),
+        Figure(path=_plot_memory(arms, folder / "benchmark-memory.png"),
+               caption="Bytes each arm holds between forward and backward, and one step's allocation peak."),
+    ]
+    lines = [comparison_line(c, g["label"], gate) for g in record["measurements"]["groups"] for c in g["comparisons"]]
+    lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
+              if g["replay_floor"]]
+    lines += [_overhead_line(g) for g in record["measurements"]["groups"] if {"plain", "retain@s0"} <= set(g["arms"])]
+    lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "
+                 f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
+                 f"{config['note']}.")
+    verdict, key_figure = _headline(record, comparisons)
+    return Section(
+        kind=record["kind"], title=f"Benchmark ({config['preset']}, {config['profile']})", passed=record["passed"],
+        verdict=verdict, key_figure=key_figure, lines=lines,
+        tables={"Comparisons": comparisons, "Arms": arms,
+                "Checks": pd.DataFrame({"check": list(record["checks"]), "passed": list(record["checks"].values())})},
+        figures=figures,
+    )
+
+
+_PAGE = jinja2.Environment(autoescape=jinja2.select_autoescape(default=True)).from_string("""<!doctype html>
+<html><head><meta charset="utf-8"><title>{{ s.title }}</title></head><body>
+<h1>{{ s.title }}: {{ s.verdict }}</h1><p>{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})</p>
+<ul>{% for line in s.lines %}<li>{{ line }}</li>{% endfor %}</ul>
+{% for title, html in tables %}<h2>{{ title }}</h2>{{ html | safe }}{% endfor %}
+{% for f in s.figures %}<figure><img src="{{ f.path.name }}" alt="{{ f.caption }}"><figcaption>{{ f.caption }}</figcaption></figure>{% endfor %}
+<p>Raw samples: <a href="benchmark-samples.csv">benchmark-samples.csv</a>; evidence: {{ evidence }}</p>
+</body></html>
+""")
+_MARKDOWN = jinja2.Environment(autoescape=False).from_string("""# {{ s.title }}: {{ s.verdict }}
+
+{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})
+
+{% for line in s.lines %}- {{ line }}
+{% endfor %}
+{% for title, md in tables %}## {{ title }}
+
+{{ md }}
+
+{% endfor %}{% for f in s.figures %}![{{ f.caption }}]({{ f.path.name }})
+
+{% endfor %}Raw samples: [benchmark-samples.csv](benchmark-samples.csv); evidence: `{{ evidence }}`
+""")
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _markdown_table(table: pd.DataFrame) -> str:
+    rows = [list(table.columns), ["---"] * len(table.columns)]
+    rows += [[_cell(v) for v in row] for row in table.itertuples(index=False)]
+    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
+
+
+def render_benchmark_report(evidence: Path, out_dir: Path) -> Path:
+    """Write ``index.md``, ``index.html``, the plots and the CSV for one benchmark record; returns the HTML path.
+
+    Reads the saved record only (nothing is re-run).
+    """
+    record = json.loads(Path(evidence).read_text())
+    out_dir = Path(out_dir)
+    built = section(record, out_dir)
+    html_tables = [(t, df.to_html(index=False, float_format=lambda v: f"{v:.4g}")) for t, df in built.tables.items()]
+    md_tables = [(t, _markdown_table(df)) for t, df in built.tables.items()]
+    (out_dir / "index.md").write_text(_MARKDOWN.render(s=built, tables=md_tables, evidence=evidence))
+    html = out_dir / "index.html"
+    html.write_text(_PAGE.render(s=built, tables=html_tables, evidence=evidence))
+    return html

@@ -1,0 +1,70 @@
+"""Fakes for benchmark tests: a clock advanced by fixed per-arm costs, a quiet load probe, a tiny plan.
+
+The arms still do their real (tiny) work, so first losses, bytes held and
+allocation peaks are real; only the timing that ``compare`` sees is fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from canaries import benchmark
+from canaries.bench_arms import Arm, Workload
+from validation.evidence import verify
+
+__all__ = ["TINY", "FakeProbe", "FakeMachine", "tiny_plan", "run_fake"]
+
+TINY = Workload(model="tiny", sequences=1, seq_len=4)
+
+
+class FakeProbe:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return 1.0
+
+
+class FakeMachine:
+    """A clock that advances by a fixed cost per arm run; the timing is fake.
+
+    ``real_steps``: how many runs of each arm do their real work (enough for
+    the first-loss check); ``None``: every run (bytes held and allocation
+    peaks are then measured on real steps).
+    """
+
+    def __init__(self, costs: dict[str, float], real_steps: int | None = None) -> None:
+        self.costs, self.now, self.real_steps = costs, 0.0, real_steps
+
+    def clock(self) -> float:
+        return self.now
+
+    def build(self, group: benchmark.Group, seed: int) -> dict[str, Arm]:
+        arms = benchmark.build_arms(group, seed)
+        for name, arm in arms.items():
+            arm.step = self.advancing(name, arm.step)
+        return arms
+
+    def advancing(self, name: str, step: Callable[[], float]) -> Callable[[], float]:
+        runs = 0
+
+        def run() -> float:
+            nonlocal runs
+            runs += 1
+            self.now += self.costs.get(name, 1.0)
+            return step() if self.real_steps is None or runs <= self.real_steps else 0.0
+        return run
+
+
+def tiny_plan(preset: str, profile: str) -> benchmark.Plan:
+    """One gated tiny workload; constant fake costs decide every verdict at the first look (8 blocks)."""
+    arms = ("plain", "retain@s0", "replay@s0", "offload@s2")
+    return benchmark.Plan((benchmark.Group(TINY, arms, True),), 8, 1e9, False)
+
+
+def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:
+    machine = FakeMachine(costs, real_steps)
+    path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=machine.build,
+                         **kwargs)
+    return verify(path)

@@ -1,0 +1,126 @@
+"""The benchmark runner and ``rtv bench``: plans, like-with-like arms, gates and exit codes (fake clock)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from canaries import benchmark
+from canaries.bench_arms import Workload, plain_arm, versioned_arm
+from canaries.cli import main
+from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
+from validation.evidence import verify
+
+
+def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
+    (group,) = benchmark.plan("cpu", "default").groups
+    assert group.workload == Workload(model="small", sequences=4, seq_len=64) and group.gated
+    assert set(group.arms) == {"plain"} | {f"{p}@s{s}" for p in ("retain", "offload", "replay", "auto") for s in (0, 2)}
+    nightly = benchmark.plan("cpu", "nightly").groups
+    assert {(g.workload.model, g.workload.lora) for g in nightly} == {(m, l) for m in ("tiny", "small") for l in (0, 1)}
+    assert [g.gated for g in nightly].count(True) == 1
+    quick = benchmark.plan("cpu", "quick")
+    assert quick.budget_s <= 45 and {"plain", "retain@s0", "replay@s0"} == set(quick.groups[0].arms)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU stand-in of the GPU presets")
+@pytest.mark.parametrize("preset", ["gpu", "gpu-8b"], ids=["small-preset", "8b-preset"])  # not the `gpu` keyword
+def test_gpu_presets_swap_to_cpu_shapes_and_say_so(preset: str) -> None:
+    plan = benchmark.plan(preset, "default")
+    assert plan.swapped and all(g.workload.device == "cpu" and not g.gated for g in plan.groups)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_every_arm_computes_plain_pytorchs_first_loss(lora: bool) -> None:
+    workload = Workload(model="tiny", sequences=1, seq_len=4, lora=lora)
+    model = rt.DecoderLM(workload.config(), seed=0)
+    ids, targets, advantages = workload.batch(model.config.vocab_size, 0)
+    with torch.no_grad():
+        oracle = float(-(rt.token_logprobs(model(ids), targets) * advantages).sum() / advantages.numel())
+    assert oracle != 0
+    arms = [plain_arm(workload), versioned_arm(workload, "replay", 0), versioned_arm(workload, "offload", 2)]
+    firsts = [next(v for v in iter(arm, None) if not math.isnan(v)) for arm in arms]
+    assert firsts == [pytest.approx(oracle, rel=1e-5)] * 3
+
+
+def test_a_staleness_two_arm_backpropagates_two_revisions_late() -> None:
+    arm = versioned_arm(TINY, "retain", 2)
+    losses = [arm() for _ in range(5)]
+    assert math.isnan(losses[0]) and math.isnan(losses[1]) and not any(map(math.isnan, losses[2:]))
+    assert arm.held["device"] > 0  # two older forwards are pending when the third is made
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchmark, "plan", tiny_plan)
+
+
+def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> None:
+    record = run_fake(tmp_path, {"plain": 1.0, "retain@s0": 1.01, "replay@s0": 1.02, "offload@s2": 1.3})
+    (group,) = record["measurements"]["groups"]
+    verdicts = {c["arm"]: c["verdict"] for c in group["comparisons"]}
+    assert verdicts == {"retain@s0": "tie", "replay@s0": "tie", "offload@s2": "regression"}  # offload: not enforced
+    assert record["passed"] and set(group["arms"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
+    for measured in group["arms"].values():
+        assert measured["peak_bytes"] > 0 and measured["tokens_per_second"] == pytest.approx(4 / measured["step_seconds"])
+    assert group["arms"]["retain@s0"]["held_device_bytes"] > group["arms"]["replay@s0"]["held_device_bytes"] > 0
+
+
+def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floor(tmp_path: Path, tiny: None) -> None:
+    # retain 1.5x plain: a regression. replay 4.5x plain = 3x retain, beyond any floor 1 + F/(F+B) <= 2.
+    record = run_fake(tmp_path, {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}, real_steps=3)
+    failed = sorted(name for name, ok in record["checks"].items() if not ok)
+    assert failed == ["tiny 1x4 full: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±5% gate)",
+                      "tiny 1x4 full: retain@s0 vs plain is not a regression (±5% gate)"]
+    assert not record["passed"]
+
+
+@pytest.mark.parametrize(("argv", "costs", "code"), [
+    ([], {"retain@s0": 1.0}, 0),
+    (["--target", "0.5"], {"retain@s0": 1.0}, 1),  # a target that cannot be met
+    (["--gate", "2"], {}, 2),
+])
+def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture, argv: list[str], costs: dict, code: int) -> None:
+    machine = FakeMachine(costs, real_steps=3)
+    monkeypatch.setattr(benchmark, "run", functools.partial(
+        benchmark.run, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    with pytest.raises(SystemExit) if code == 2 else _no_raise() as exit_info:
+        assert main(["bench", "--profile", "quick", "--out", str(tmp_path), *argv]) == code
+    if code == 2:
+        assert exit_info.value.code == 2
+        return
+    out = capsys.readouterr().out
+    html = Path(out.rsplit("report: ", 1)[1].strip())
+    assert html.name == "index.html" and html.exists() and (html.parent / "benchmark-ratios.png").exists()
+    (evidence,) = tmp_path.glob("benchmark-*.json")
+    assert json.loads(evidence.read_text())["passed"] is (code == 0)
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def test_arms_on_different_weights_fail_the_like_with_like_check(tmp_path: Path, tiny: None) -> None:
+    machine = FakeMachine({}, real_steps=3)
+
+    def build(group: benchmark.Group, seed: int) -> dict:
+        arms = machine.build(group, seed)
+        other = versioned_arm(group.workload, "retain", 0, seed=seed + 1)  # other weights
+        other.step = machine.advancing("retain@s0", other.step)
+        arms["retain@s0"] = other
+        return arms
+
+    path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=build)
+    checks = verify(path)["checks"]
+    assert checks == {**checks, "tiny 1x4 full: every arm's first loss equals plain's": False}

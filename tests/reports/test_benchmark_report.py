@@ -1,0 +1,56 @@
+"""The benchmark report renders from saved evidence alone: every arm in the tables, every plot on the page."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from canaries import benchmark
+from reports.benchmark import comparison_line, render_benchmark_report, section
+from tests.benchmark_fakes import run_fake, tiny_plan
+
+
+@pytest.fixture(scope="module")
+def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(benchmark, "plan", tiny_plan)
+        folder = tmp_path_factory.mktemp("bench")
+        run_fake(folder, {"plain": 1.0, "retain@s0": 1.01, "replay@s0": 1.3, "offload@s2": 1.2})
+    (path,) = folder.glob("benchmark-*.json")
+    return path
+
+
+def test_the_page_shows_every_arm_every_comparison_and_every_plot(evidence: Path, tmp_path: Path) -> None:
+    html = render_benchmark_report(evidence, tmp_path / "report")  # nothing but the saved record
+    page, markdown = html.read_text(), (tmp_path / "report" / "index.md").read_text()
+    for arm in ("plain", "retain@s0", "replay@s0", "offload@s2"):
+        assert f"<td>{arm}</td>" in page and f"| {arm} |" in markdown
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(images) == ["benchmark-blocks.png", "benchmark-memory.png", "benchmark-ratios.png"]
+    for name in images:
+        assert (tmp_path / "report" / name).read_bytes().startswith(b"\x89PNG") and f"]({name})" in markdown
+    assert page.count("→ ") == 4  # three comparisons with plain, replay against its floor
+
+
+def test_the_csv_holds_every_raw_sample(evidence: Path, tmp_path: Path) -> None:
+    record = json.loads(evidence.read_text())
+    section(record, tmp_path)
+    with open(tmp_path / "benchmark-samples.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    (group,) = record["measurements"]["groups"]
+    blocks = len(group["comparisons"][0]["ratios"])
+    assert len(rows) == 4 * blocks
+    retain = next(c for c in group["comparisons"] if c["arm"] == "retain@s0")
+    assert [float(r["seconds"]) for r in rows if r["arm"] == "retain@s0"] == pytest.approx(retain["arm_seconds"])
+
+
+def test_a_comparison_line_reads_as_throughput_change_with_its_interval() -> None:
+    # tokens/s 12.1% lower means a step-time ratio of 1 / 0.879; the interval inverts the same way.
+    comparison = {"arm": "B", "baseline": "A", "blocks": 8, "ratio": 1 / 0.879, "ci95": [1 / 0.897, 1 / 0.860],
+                  "drift": {"rho": 0.08, "p_value": 0.8, "significant": False}, "loaded": [], "verdict": "regression"}
+    assert comparison_line(comparison, "4x1K", 0.05) == (
+        "tok/s −12.1% [−14.0..−10.3] (B vs A, 8 ABBA blocks, 4×1K, drift ρ=0.08) → regression vs ±5% gate")

@@ -1,0 +1,78 @@
+"""``compare`` on real work timed on this machine (``bench`` marker: run alone, ``pytest -m bench -p no:xdist``).
+
+The unit of work is a pure-Python loop (one thread, no allocator), so a
+known change in its length is a known change in its time. When the load
+probe found the machine busy during too many blocks, ``compare`` answers
+``inconclusive`` by design; the tests that expect a decision then skip and
+say so (the under-load test always asserts).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from validation.abba import compare
+
+pytestmark = pytest.mark.bench
+LOOP = 400_000  # about 10 ms per call here
+
+
+def work(scale: float) -> Callable[[], int]:
+    count = int(LOOP * scale)
+    return lambda: sum(range(count))
+
+
+def measure(scale: float, *, on_block: Callable | None = None, budget_s: float = 40.0):
+    (result,) = compare({"a": work(1.0), "b": work(scale)}, baseline="a", max_blocks=64, budget_s=budget_s,
+                        warmup_blocks=3, on_block=on_block)
+    return result
+
+
+def decided(scale: float):
+    """``measure(scale)``, skipping the test when the machine was too loaded to decide anything."""
+    result = measure(scale)
+    if len(result.loaded) > 0.25 * len(result.ratios):
+        pytest.skip(f"the machine was loaded during {len(result.loaded)} of {len(result.ratios)} blocks")
+    return result
+
+
+def test_a_vs_a_is_a_tie() -> None:
+    result = decided(1.0)
+    assert result.verdict == "tie", result
+
+
+@pytest.mark.parametrize(("scale", "verdict"), [(1.10, "regression"), (1 / 1.10, "gain")])
+def test_a_known_ten_percent_change_is_found_at_about_its_size(scale: float, verdict: str) -> None:
+    result = decided(scale)
+    assert result.verdict == verdict and result.ci95[0] <= scale <= result.ci95[1], result
+
+
+def test_two_percent_slower_is_never_a_regression() -> None:
+    assert measure(1.02).verdict in ("tie", "inconclusive")
+
+
+def test_a_vs_a_under_load_is_never_a_gain_or_a_regression() -> None:
+    hogs: list[subprocess.Popen] = []
+
+    def load(index: int, _: dict) -> None:
+        if index == 2:  # load arrives after the probe calibrated on the warm-ups ...
+            hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3))
+        if index == 20:  # ... and leaves part-way
+            stop(hogs)
+
+    try:
+        result = measure(1.0, on_block=load, budget_s=25.0)
+    finally:
+        stop(hogs)
+    assert result.verdict in ("tie", "inconclusive"), result
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+    processes.clear()
