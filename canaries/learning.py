@@ -13,11 +13,13 @@ checks what must hold exactly (NOTE [Learning checks] in
 meets its criterion is not run: the canary fails with that reason.
 
 Profiles (seeds per arm; every profile runs every arm on both workloads):
-``quick`` 3, ``default`` 5, ``nightly`` 10 (GPU preset: 3 / 8 / 16). Measured
-on the 2-core development machine, one arm-seed run costs about 0.3 s (next
-byte, 60 steps) and 0.5 s (RL, 50 steps) of CPU time with 1 thread, so
-``quick`` is about 30 s and ``default`` about 50 s of CPU; the evidence
-records the wall time of every run.
+``quick`` 3, ``default`` 5, ``nightly`` 10 (GPU preset: 3 / 8 / 16). The
+arm-seed runs go to 2 worker processes (one torch thread each). Measured on
+the 2-core development machine (shared, load average about 10): ``quick``
+took 75 s of CPU in all, about 1.2 s per arm-seed run (an RL run costs about
+twice a next-byte run); ``default`` takes 5/3 of that. On two idle cores
+that is about 40 s (quick) and 65 s (default) of wall time. The evidence
+records what the profile ran and each run's wall time.
 
 Presets: ``cpu`` (FP32, CPU shapes); ``gpu`` (a wider model in BF16 on CUDA,
 more seeds; on a machine without CUDA it runs the CPU shapes and seeds and
@@ -87,7 +89,12 @@ class LearningPlan:
             "exact_enforced": self.exact_enforced,
             "gate": self.gate,
             "notes": list(self.notes),
-            "profiles": {preset: dict(seeds) for preset, seeds in SEEDS.items()},
+            "runs": len(self.workloads) * len(self.arms) * len(self.seeds),
+            "profiles": {
+                preset: {profile: f"{n} seeds x {len(self.arms)} arms x {len(self.workloads)} workloads"
+                         for profile, n in seeds.items()}
+                for preset, seeds in SEEDS.items()
+            },
             "threads": 1 if self.workers > 1 else torch.get_num_threads(),
             "workers": self.workers,
         }
