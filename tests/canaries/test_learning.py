@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -83,8 +84,7 @@ def test_a_workload_already_solved_at_init_fails_the_canary_with_that_reason(tmp
 
 
 def test_gate_enforces_equivalence(tmp_path: Path) -> None:
-    gated = tiny_plan(arms=("plain", "strict", "stale2_corrected"))
-    gated = type(gated)(**{**gated.__dict__, "gate": True})
+    gated = dataclasses.replace(tiny_plan(arms=("plain", "strict", "stale2_corrected")), gate=True)
     result = verify(run_plan(gated, tmp_path))
     gates = {c: ok for c, ok in result["checks"].items() if "gated" in c}
     assert gates["next_byte: strict equivalent to plain (final, gated)"]
