@@ -65,6 +65,8 @@ CANARIES: dict[str, Canary] = {
                summary="no saved state, graph or staging outlives its backward; admission stays under the limit"),
         Canary(name="mutations", module="canaries.mutations",
                summary="every deliberately injected bug is caught by the canaries"),
+        Canary(name="learning", module="canaries.learning",
+               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)"),
     )
 }
 

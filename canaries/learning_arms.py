@@ -1,0 +1,243 @@
+"""The arms of the learning comparison, and the loop that trains one arm on one seed.
+
+NOTE [Arms]
+  1. ``plain`` is the reference: ``torch.optim.AdamW`` on ``DecoderLM(seed=seed)``,
+     with the options the trainer's own AdamW uses (``rt.AdamWConfig``'s
+     lr, betas, eps, weight decay, and torch's default implementation
+     choice, which on CPU is the single-tensor loop), and FP32 master copies
+     for lower-precision parameters, as the trainer keeps them.
+  2. Versioned arms train one full checkpoint of ``rt.Trainer`` on the same
+     model, through the public API only. ``delay`` k: the batch forwarded
+     before optimizer step t is backpropagated after step t + k (k = 0 is
+     ``strict``, ``max_gradient_staleness`` = k); the batch of step t thus
+     has staleness ``min(t, k)``, which the run records from each
+     ``BackwardReport``. Every batch gets one backward and one step: the
+     last k are drained at the end, so every arm takes ``steps`` steps.
+  3. ``corrected``: ``ImportanceCorrection(policy="always")``; otherwise no
+     correction (``corrections=()``). ``placement``: the forced
+     ``backward_state`` (retain, offload, replay).
+  4. Arms differ from their ``baseline`` in one thing. ``exact_with`` names an
+     arm whose curve and final weights must be bitwise equal per seed
+     (FP32 on CPU).
+  5. Sensitivity arms (``sabotage``) are deliberately broken updates that the
+     comparison must catch, both in the plain loop, compared with ``plain``:
+       - ``dropped_updates``: every :data:`DROP_EVERY`-th optimizer update is
+         lost (its gradient is discarded; the schedule goes on). A mild
+         fault: the arm still learns, meets the success criterion, and only
+         the paired comparison shows that it learns worse;
+       - ``flipped_layer``: the gradient sign flipped on every parameter of
+         one decoder layer (:data:`FLIPPED_LAYER`): that layer ascends the
+         loss, and the arm misses its criterion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+import reference_trainer as rt
+from canaries.learning_workloads import Batch, Workload
+
+__all__ = ["Arm", "ArmRun", "ARMS", "DROP_EVERY", "FLIPPED_LAYER", "arm", "initial_metric", "run_arm"]
+
+FLIPPED_LAYER = "model.layers.0."
+DROP_EVERY = 3
+CHECKPOINT = "policy"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """One arm (NOTE [Arms]); ``group`` says which panel of the report shows it."""
+
+    name: str
+    summary: str
+    group: str
+    loop: str = "versioned"
+    delay: int = 0
+    corrected: bool = False
+    placement: str = "retain"
+    sabotage: str | None = None
+    baseline: str | None = None
+    exact_with: str | None = None
+
+    @property
+    def sensitivity(self) -> bool:
+        return self.sabotage is not None
+
+    def describe(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+ARMS: tuple[Arm, ...] = (
+    Arm(name="plain", summary="plain PyTorch loop, torch.optim.AdamW (reference)", group="staleness", loop="plain"),
+    Arm(name="strict", summary="versioned trainer, staleness 0", group="staleness", baseline="plain", exact_with="plain"),
+    Arm(name="stale1_corrected", summary="backward after step t+1, importance-corrected", group="staleness",
+        delay=1, corrected=True, baseline="strict"),
+    Arm(name="stale1_uncorrected", summary="backward after step t+1, no correction", group="staleness",
+        delay=1, baseline="strict"),
+    Arm(name="stale2_corrected", summary="backward after step t+2, importance-corrected (retain)", group="staleness",
+        delay=2, corrected=True, baseline="strict"),
+    Arm(name="stale2_uncorrected", summary="backward after step t+2, no correction", group="staleness",
+        delay=2, baseline="strict"),
+    Arm(name="stale2_corrected_offload", summary="stale2_corrected with offloaded saved state", group="placement",
+        delay=2, corrected=True, placement="offload", baseline="stale2_corrected", exact_with="stale2_corrected"),
+    Arm(name="stale2_corrected_replay", summary="stale2_corrected with replayed forwards", group="placement",
+        delay=2, corrected=True, placement="replay", baseline="stale2_corrected", exact_with="stale2_corrected"),
+    Arm(name="broken_dropped_updates", summary=f"plain loop, one optimizer update in {DROP_EVERY} lost (broken)",
+        group="sensitivity", loop="plain", sabotage="dropped_updates", baseline="plain"),
+    Arm(name="broken_flipped_layer", summary=f"plain loop, gradient sign flipped on {FLIPPED_LAYER}* (broken)",
+        group="sensitivity", loop="plain", sabotage="flipped_layer", baseline="plain"),
+)
+
+
+def arm(name: str) -> Arm:
+    for candidate in ARMS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"unknown arm {name!r}; expected one of {[a.name for a in ARMS]}")
+
+
+@dataclass
+class ArmRun:
+    """What one arm did on one seed: its metric curve and what its records looked like."""
+
+    arm: str
+    seed: int
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # per backward record, in step order
+    corrected: list[bool] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # mean importance weight of each corrected record
+    digest: str = ""  # SHA-256 of the final trainable weights
+    wall_s: float = 0.0
+
+    @property
+    def fraction_corrected(self) -> float:
+        return sum(self.corrected) / len(self.corrected) if self.corrected else 0.0
+
+
+def run_arm(spec: Arm, workload: Workload, seed: int) -> ArmRun:
+    """Train ``spec`` on ``workload`` for ``workload.schedule.steps`` steps from seed ``seed``."""
+    start = time.perf_counter()
+    result = ArmRun(arm=spec.name, seed=seed)
+    loop = _plain_loop if spec.loop == "plain" else _versioned_loop
+    loop(spec, workload, seed, result)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def initial_metric(workload: Workload, seed: int) -> float:
+    """The untrained model's metric for ``seed`` (the precondition of NOTE [Matched schedule])."""
+    model = rt.DecoderLM(workload.model, seed=seed).to(workload.device)
+    return workload.evaluate(_plain_policy(model))
+
+
+def _evaluate_at(workload: Workload, step: int, logits_fn: Callable, result: ArmRun) -> None:
+    if step in workload.schedule.eval_steps():
+        result.steps.append(step)
+        result.values.append(workload.evaluate(logits_fn))
+
+
+def _digest(named: Iterator[tuple[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --- the plain PyTorch loop (NOTE rule 1) --------------------------------------------
+
+
+def _plain_policy(model: rt.DecoderLM) -> Callable[[torch.Tensor], torch.Tensor]:
+    def logits_fn(ids: torch.Tensor) -> torch.Tensor:
+        model.eval()
+        try:
+            with torch.no_grad():
+                return model(ids)
+        finally:
+            model.train()
+
+    return logits_fn
+
+
+def _plain_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> None:
+    schedule = workload.schedule
+    model = rt.DecoderLM(workload.model, seed=seed).to(workload.device)
+    params = dict(model.named_parameters())
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items() if p.dtype != torch.float32}
+    adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [masters.get(n, p) for n, p in params.items()],
+        lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, weight_decay=adamw.weight_decay,
+    )
+    policy = _plain_policy(model)
+    _evaluate_at(workload, 0, policy, result)
+    for step in range(schedule.steps):
+        batch = workload.batch(seed, step, policy)
+        ids = torch.stack([inputs for inputs, _ in batch.sequences])  # (B, T)
+        targets = torch.stack([target for _, target in batch.sequences])  # (B, T)
+        logprobs = rt.token_logprobs(model(ids), targets)  # (B, T)
+        batch.objective(list(logprobs.unbind(0))).backward()
+        if spec.sabotage == "flipped_layer":
+            for name, param in params.items():
+                if name.startswith(FLIPPED_LAYER):
+                    param.grad.neg_()
+        for name, master in masters.items():
+            master.grad = params[name].grad.float()
+        optimizer.param_groups[0]["lr"] = schedule.lr(step)
+        if not (spec.sabotage == "dropped_updates" and step % DROP_EVERY == DROP_EVERY - 1):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, master in masters.items():
+                params[name].copy_(master)
+        _evaluate_at(workload, step + 1, policy, result)
+    result.staleness = [0] * schedule.steps
+    result.corrected = [False] * schedule.steps
+    result.digest = _digest(model.named_parameters())
+
+
+# --- the versioned trainer (NOTE rules 2-3, 5) ---------------------------------------
+
+
+def _options(spec: Arm) -> rt.ForwardOptions:
+    corrections = (rt.ImportanceCorrection(policy="always"),) if spec.corrected else ()
+    return rt.ForwardOptions(max_gradient_staleness=spec.delay, corrections=corrections, backward_state=spec.placement)
+
+
+def _versioned_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> None:
+    schedule = workload.schedule
+    trainer = rt.Trainer(rt.DecoderLM(workload.model, seed=seed).to(workload.device))
+    adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
+    trainer.add_checkpoint(CHECKPOINT, full=True, optimizer=adamw)
+    options = _options(spec)
+    pending: deque[tuple[Batch, list[rt.ForwardOutput]]] = deque()
+    _evaluate_at(workload, 0, trainer.policy()[0], result)
+
+    def backward_and_step() -> None:
+        batch, outputs = pending.popleft()
+        report = trainer.backward(batch.objective([o.target_logprobs for o in outputs]))
+        result.staleness.append(max(r.staleness for r in report.records))
+        result.corrected.append(bool(report.corrected))
+        result.weights.extend(r.correction.mean for r in report.corrected)
+        step = len(result.staleness) - 1
+        trainer.optim_step(lr=schedule.lr(step))
+        trainer.zero_grad()
+        _evaluate_at(workload, step + 1, trainer.policy()[0], result)
+
+    for step in range(schedule.steps):
+        batch = workload.batch(seed, step, trainer.policy()[0])
+        inputs = [rt.ForwardInput(tokens, targets) for tokens, targets in batch.sequences]
+        pending.append((batch, trainer.forward(inputs, options=options)))
+        if len(pending) > spec.delay:
+            backward_and_step()
+    while pending:
+        backward_and_step()
+    result.digest = _digest(trainer.checkpoint(CHECKPOINT).named_parameters())

@@ -1,0 +1,185 @@
+"""The learning comparison's section of the report: curves with seed bands, paired differences, verdicts.
+
+Reads only a ``learning`` evidence record (``canaries.learning``); never
+trains. Per workload it draws:
+
+- :func:`curves_figure`: the metric against the optimizer step, one panel per
+  arm group (staleness, placement, sensitivity, each with the baselines its
+  arms are judged against): per arm one line (the mean over seeds) and one
+  band (the range over seeds);
+- :func:`differences_figure`: per compared pair, the per-seed paired
+  differences (arm − baseline) as dots, their mean with the 90% confidence
+  interval, and the equivalence margin as a shaded band, one panel for the
+  final metric and one for the area under the curve;
+
+and tabulates the verdicts (``section`` returns them as tables). Figures use
+matplotlib's Agg canvas (no display, no pyplot state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure as MplFigure
+
+from reports.context import Figure, Section
+
+__all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
+
+GROUPS = ("staleness", "placement", "sensitivity")
+_METRIC_TITLES = {"final": "final metric", "auc": "area under the curve (mean over steps)"}
+
+
+def _panel_arms(arms: dict, group: str) -> list[str]:
+    """The group's arms, preceded by the baselines they are judged against (once each)."""
+    members = [name for name, arm in arms.items() if arm["group"] == group]
+    baselines = [arms[m]["baseline"] for m in members if arms[m]["baseline"] and arms[m]["baseline"] not in members]
+    return list(dict.fromkeys(baselines + members))
+
+
+def curves_figure(name: str, workload: dict) -> MplFigure:
+    """Mean curve and seed band (min to max) per arm, one panel per arm group present."""
+    arms = workload["arms"]
+    groups = [g for g in GROUPS if any(a["group"] == g for a in arms.values())]
+    figure = MplFigure(figsize=(5.2 * len(groups), 4.0), layout="constrained")
+    ylabel = f"{workload['metric']} ({workload['unit']})"
+    for column, group in enumerate(groups):
+        axes = figure.add_subplot(1, len(groups), column + 1)
+        for index, arm in enumerate(_panel_arms(arms, group)):
+            steps = np.asarray(arms[arm]["steps"])
+            curves = np.asarray(arms[arm]["curves"])  # (seeds, points)
+            color = f"C{index % 10}"
+            style = "--" if arms[arm]["sensitivity"] else "-"
+            axes.plot(steps, curves.mean(0), style, color=color, label=arm, linewidth=1.4)
+            band = axes.fill_between(steps, curves.min(0), curves.max(0), color=color, alpha=0.18, linewidth=0)
+            band.set_gid(arm)
+        axes.axhline(workload["success"], color="grey", linestyle=":", linewidth=1, label="success threshold")
+        axes.set_xlabel("optimizer step")
+        axes.set_ylabel(ylabel)
+        axes.set_title(f"{name}: {group} arms (line: mean, band: range over {curves.shape[0]} seeds)", fontsize=8)
+        axes.legend(fontsize=7)
+    return figure
+
+
+def differences_figure(name: str, workload: dict) -> MplFigure:
+    """Per-seed paired differences, mean with 90% CI and the ±margin band, per compared pair and metric."""
+    verdicts = pd.DataFrame(workload["verdicts"])
+    pairs = list(dict.fromkeys(zip(verdicts["arm"], verdicts["baseline"])))
+    figure = MplFigure(figsize=(11.0, 0.45 * len(pairs) + 1.8), layout="constrained")
+    for column, metric in enumerate(("final", "auc")):
+        axes = figure.add_subplot(1, 2, column + 1)
+        rows = verdicts[verdicts["metric"] == metric].set_index(["arm", "baseline"])
+        for y, pair in enumerate(pairs):
+            row = rows.loc[pair]
+            label = y == 0
+            axes.fill_betweenx([y - 0.38, y + 0.38], -row["margin"], row["margin"], color="tab:green", alpha=0.15,
+                               linewidth=0, label="equivalence margin (±)" if label else None)
+            differences = np.asarray(row["differences"])
+            axes.plot(differences, np.full(differences.shape, y + 0.15), "o", color="tab:blue", markersize=3,
+                      label="seed" if label else None)
+            axes.errorbar([row["mean_difference"]], [y - 0.1],
+                          xerr=[[row["mean_difference"] - row["ci_low"]], [row["ci_high"] - row["mean_difference"]]],
+                          fmt="D", color="black", markersize=4, capsize=3, label="mean, 90% CI" if label else None)
+            axes.annotate(row["verdict"], (1.0, y), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                          textcoords="offset points", va="center", fontsize=7)
+        axes.axvline(0.0, color="grey", linewidth=1)
+        axes.set_yticks(range(len(pairs)))
+        axes.set_yticklabels([f"{arm} − {baseline}" for arm, baseline in pairs], fontsize=7)
+        axes.set_ylim(len(pairs) - 0.5, -0.5)
+        axes.set_xlabel(f"paired difference, arm − baseline ({workload['unit']})")
+        axes.set_title(f"{name}: {_METRIC_TITLES[metric]}", fontsize=8)
+        axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+    return figure
+
+
+def verdict_table(workload: dict) -> pd.DataFrame:
+    """One row per (arm, baseline, metric): the verdict and the numbers behind it."""
+    rows = [
+        {
+            "arm": v["arm"], "baseline": v["baseline"], "metric": v["metric"], "verdict": v["verdict"],
+            "mean difference": f"{v['mean_difference']:+.4g}", "90% CI": f"[{v['ci_low']:+.4g}, {v['ci_high']:+.4g}]",
+            "margin": f"{v['margin']:.4g} (floor {v['margin_floor']:.4g}, baseline SD {v['baseline_sd']:.4g})",
+            "p (TOST)": f"{v['p_tost']:.3g}", "seeds": v["n"],
+        }
+        for v in workload["verdicts"]
+    ]
+    return pd.DataFrame(rows)
+
+
+def arms_table(workload: dict) -> pd.DataFrame:
+    """One row per arm: criterion met, final metric, staleness seen, fraction corrected."""
+    rows = []
+    for name, arm in workload["arms"].items():
+        finals = np.asarray(arm["final"])
+        rows.append({
+            "arm": name, "what": arm["summary"], "meets criterion": f"{sum(arm['meets'])}/{len(arm['meets'])} seeds",
+            "final (mean ± SD)": f"{finals.mean():.4g} ± {finals.std(ddof=1) if finals.size > 1 else 0.0:.2g}",
+            "records by staleness": ", ".join(f"{k}: {n}" for k, n in arm["staleness_counts"].items()),
+            "fraction corrected": f"{np.mean(arm['fraction_corrected']):.3g}",
+        })
+    return pd.DataFrame(rows)
+
+
+def _save(figure: MplFigure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(figure)
+    figure.savefig(path, format="png", dpi=100)
+    return path
+
+
+def _headline(workloads: dict) -> tuple[str, list[str]]:
+    """The key figure (strict vs staleness 2 corrected, final metric) and one line per workload."""
+    key, lines = [], []
+    for name, workload in workloads.items():
+        reason = workload["precondition"]["reason"]
+        if reason:
+            lines.append(f"{name}: {reason}")
+            continue
+        for v in workload["verdicts"]:
+            if v["arm"] == "stale2_corrected" and v["baseline"] == "strict" and v["metric"] == "final":
+                key.append(f"{name} {v['verdict']} ({v['mean_difference']:+.3g} {workload['unit']})")
+        exact = ", ".join(f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"])
+        caught = ", ".join(f"{s['arm']}: {'caught' if s['caught'] else 'NOT CAUGHT'}" for s in workload["sensitivity"])
+        lines.append(f"{name} ({workload['criterion']}): {exact}; sensitivity {caught}")
+    return "stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran", lines
+
+
+def _in_order(workload: dict, order: list[str]) -> dict:
+    if "arms" not in workload:
+        return workload
+    arms = workload["arms"]
+    return {**workload, "arms": {name: arms[name] for name in order if name in arms}}
+
+
+def section(record: dict, folder: Path) -> Section:
+    """The learning record's section; its figures are written into ``folder``."""
+    order = [arm["name"] for arm in record["config"]["arms"]]  # the canary's order (JSON keys come sorted)
+    workloads = {name: _in_order(workload, order) for name, workload in record["measurements"]["workloads"].items()}
+    stem = f"learning-{record['digest'][:10]}"
+    figures, tables = [], {}
+    for name, workload in workloads.items():
+        if workload["precondition"]["reason"]:
+            continue
+        curves = _save(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
+        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)"))
+        differences = _save(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
+        figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
+        tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
+        tables[f"{name}: arms"] = arms_table(workload)
+    key_figure, lines = _headline(workloads)
+    failed = [check for check, ok in record["checks"].items() if not ok]
+    lines += [f"failed: {check}" for check in failed]
+    lines += list(record["config"].get("notes", []))
+    return Section(
+        kind=record["kind"],
+        title="Learning comparison: matched-schedule arms across seeds",
+        passed=record["passed"],
+        verdict="passed" if record["passed"] else "failed",
+        key_figure=key_figure,
+        lines=lines,
+        tables=tables,
+        figures=figures,
+    )

@@ -1,0 +1,131 @@
+"""The learning canary on its tiny configuration: exact pairs, staleness, corrections, sensitivity, precondition."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from canaries.learning import SEEDS, plan, run_plan, tiny_plan
+from canaries.learning_arms import ARMS, arm, run_arm
+from canaries.learning_summary import area_under_curve, expected_staleness
+from canaries.learning_workloads import Schedule
+from canaries.registry import CANARIES
+from validation.errors import SetupError
+from validation.evidence import verify
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return verify(run_plan(tiny_plan(), tmp_path_factory.mktemp("learning")))
+
+
+def test_the_tiny_run_passes_every_check(record: dict) -> None:
+    assert record["kind"] == "learning" and record["passed"], [c for c, ok in record["checks"].items() if not ok]
+
+
+def test_exact_pairs_are_bitwise_equal_per_seed_and_checked(record: dict) -> None:
+    workload = record["measurements"]["workloads"]["next_byte"]
+    pairs = {(p["arm"], p["with"]): p for p in workload["exact"]}
+    assert set(pairs) == {("strict", "plain"), ("stale2_corrected_replay", "stale2_corrected")}
+    for (name, other), pair in pairs.items():
+        assert pair["per_seed"] == [True, True]
+        assert workload["arms"][name]["digests"] == workload["arms"][other]["digests"]
+        assert record["checks"][f"next_byte: {name} bitwise equal to {other} on every seed"]
+    # Different arms really differ: the digests are not vacuous.
+    assert workload["arms"]["stale2_uncorrected"]["digests"] != workload["arms"]["stale2_corrected"]["digests"]
+
+
+def test_stale_records_had_the_scheduled_staleness_and_only_corrected_arms_corrected(record: dict) -> None:
+    arms = record["measurements"]["workloads"]["next_byte"]["arms"]
+    steps = 12
+    for name in ("stale2_corrected", "stale2_uncorrected"):
+        # Batch t is forwarded at revision max(0, t - 2) and backpropagated at revision t.
+        assert arms[name]["staleness"] == [[0, 1] + [2] * (steps - 2)] * 2
+    assert all(f == pytest.approx((steps - 1) / steps) for f in arms["stale2_corrected"]["fraction_corrected"])
+    assert all(w is not None and w != 1.0 for w in arms["stale2_corrected"]["correction_weight_mean"])
+    for name in ("plain", "strict", "stale2_uncorrected", "broken_dropped_updates"):
+        assert arms[name]["fraction_corrected"] == [0.0, 0.0]
+
+
+def test_sensitivity_arms_are_caught_and_one_still_meets_the_criterion(record: dict) -> None:
+    workload = record["measurements"]["workloads"]["next_byte"]
+    sensitivity = {s["arm"]: s for s in workload["sensitivity"]}
+    assert set(sensitivity) == {"broken_dropped_updates", "broken_flipped_layer"}
+    assert all(s["caught"] for s in sensitivity.values())
+    mild = sensitivity["broken_dropped_updates"]
+    assert mild["meets_all"] and "worse" in mild["verdicts"].values() and mild["meets_and_worse"]
+    assert record["checks"]["sensitivity: a broken arm meets its criterion and is still judged worse"]
+
+
+def test_verdicts_pair_the_seeds_of_arm_and_baseline(record: dict) -> None:
+    workload = record["measurements"]["workloads"]["next_byte"]
+    arms = workload["arms"]
+    for verdict in workload["verdicts"]:
+        a, b = arms[verdict["arm"]][verdict["metric"]], arms[verdict["baseline"]][verdict["metric"]]
+        assert verdict["differences"] == pytest.approx([x - y for x, y in zip(a, b)])
+        spread = math.sqrt(sum((y - sum(b) / 2) ** 2 for y in b))  # sample SD of two values
+        assert verdict["margin"] == pytest.approx(max(0.02, spread))
+    strict = next(v for v in workload["verdicts"] if v["arm"] == "strict" and v["metric"] == "final")
+    assert strict["verdict"] == "equivalent" and strict["ci_low"] == strict["ci_high"] == 0.0
+
+
+def test_a_workload_already_solved_at_init_fails_the_canary_with_that_reason(tmp_path: Path) -> None:
+    # 10 nats/byte is above the untrained model's ~5.5: the criterion is met before any training.
+    result = verify(run_plan(tiny_plan(success=10.0), tmp_path))
+    workload = result["measurements"]["workloads"]["next_byte"]
+    assert not result["passed"]
+    assert result["checks"] == {"next_byte: precondition (untrained model misses held-out loss <= 10.0 nats/byte after 12 steps)": False}
+    assert "precondition failed" in workload["precondition"]["reason"] and "arms" not in workload
+    assert all(5.0 < v < 6.0 for v in workload["precondition"]["initial"])  # near ln(256): untrained
+
+
+def test_gate_enforces_equivalence(tmp_path: Path) -> None:
+    gated = dataclasses.replace(tiny_plan(arms=("plain", "strict", "stale2_corrected")), gate=True)
+    result = verify(run_plan(gated, tmp_path))
+    gates = {c: ok for c, ok in result["checks"].items() if "gated" in c}
+    assert gates["next_byte: strict equivalent to plain (final, gated)"]
+    # Staleness 2 learns measurably slower than strict on this short schedule: the gate fails it.
+    assert not gates["next_byte: stale2_corrected equivalent to strict (auc, gated)"] and not result["passed"]
+
+
+def test_the_rl_workload_learns_through_the_trainer_exactly_as_the_plain_loop() -> None:
+    rl = plan("cpu", "quick").workloads[1].replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2),
+                                                   eval_prompts=8)
+    plain, strict = run_arm(arm("plain"), rl, 0), run_arm(arm("strict"), rl, 0)
+    corrected = run_arm(arm("stale1_corrected"), rl, 0)
+    assert (plain.values, plain.digest) == (strict.values, strict.digest)
+    assert corrected.staleness == expected_staleness(arm("stale1_corrected"), 4) == [0, 1, 1, 1]
+    assert corrected.corrected == [False, True, True, True] and corrected.digest != strict.digest
+
+
+def test_profiles_and_presets() -> None:
+    assert [len(plan("cpu", p).seeds) for p in ("quick", "default", "nightly")] == [3, 5, 10]
+    assert SEEDS["cpu"]["default"] >= 5 and SEEDS["gpu"]["nightly"] > SEEDS["cpu"]["nightly"]
+    assert {a.name for a in plan("cpu", "quick").arms} == {a.name for a in ARMS}
+    if not torch.cuda.is_available():
+        swapped = plan("gpu", "default")
+        assert swapped.workloads[0].model.dtype == torch.float32 and "without CUDA" in swapped.notes[0]
+    with pytest.raises(SetupError) as error:
+        CANARIES["learning"].run("gpu-8b", "quick", Path("unused"))
+    assert error.value.exit_code == 2 and "--preset gpu" in error.value.fix
+
+
+def test_schedule_and_area_under_curve() -> None:
+    schedule = Schedule(steps=10, peak_lr=1.0, warmup=2, eval_every=4, final_fraction=0.1)
+    assert [schedule.lr(s) for s in (0, 1, 9)] == pytest.approx([0.5, 1.0, 0.1])
+    assert schedule.eval_steps() == [0, 4, 8, 10]
+    assert area_under_curve([0, 2, 4], [1.0, 3.0, 1.0]) == pytest.approx(2.0)  # trapezoids: (4 + 4) / 4
+
+
+@pytest.mark.slow
+def test_quick_profile_through_the_registry(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    result = verify(CANARIES["learning"].run("cpu", "quick", tmp_path))
+    assert result["passed"], [c for c, ok in result["checks"].items() if not ok]
+    assert set(result["measurements"]["workloads"]) == {"next_byte", "pattern_rl"}
+    for workload in result["measurements"]["workloads"].values():
+        assert all(arm["seeds"] == [0, 1, 2] for arm in workload["arms"].values())
