@@ -1,0 +1,86 @@
+"""A job's outputs: copying its evidence back from the cluster, and judging what came back.
+
+The SkyPilot SDK downloads logs but not files, so :func:`rsync_outputs`
+uses the route SkyPilot documents for copying files off a cluster: ``rsync``
+over the ssh configuration SkyPilot writes for it
+(``~/.sky/generated/ssh/<cluster>`` and its key), under a timeout.
+
+:func:`judge_outputs` is the launcher's cross-check of a job SkyPilot
+reports SUCCEEDED (SkyPilot has reported failed jobs as succeeded): the
+evidence passes only if at least one record came back, every record
+verifies (``validation.evidence.verify``: schema and digest) and every one
+says passed. Plain JSON that is not evidence does not live under the
+evidence folder (reports write Markdown, HTML and PNG).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from validation.evidence import EvidenceError, verify
+
+__all__ = ["EvidenceVerdict", "judge_outputs", "rsync_outputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvidenceVerdict:
+    """What the fetched evidence says: ``records`` found, how many ``verified``, and the ``problems``."""
+
+    fetched: bool
+    records: int
+    verified: int
+    failed: list[str] = field(default_factory=list)  # records that verify but say passed: false
+    problems: list[str] = field(default_factory=list)  # one line per record that does not verify
+
+    @property
+    def passed(self) -> bool:
+        return self.fetched and self.records > 0 and self.verified == self.records and not self.failed
+
+    def summary(self) -> str:
+        if not self.fetched:
+            return "evidence was not fetched"
+        if not self.records:
+            return "no evidence record came back"
+        if self.problems:
+            return f"{len(self.problems)} of {self.records} records do not verify: {self.problems[0]}"
+        if self.failed:
+            return f"{len(self.failed)} of {self.records} records say failed: {', '.join(self.failed)}"
+        return f"{self.records} records verify and say passed"
+
+    def to_json(self) -> dict:
+        return {"fetched": self.fetched, "records": self.records, "verified": self.verified,
+                "failed": list(self.failed), "problems": list(self.problems), "passed": self.passed,
+                "summary": self.summary()}
+
+
+def judge_outputs(folder: Path | None) -> EvidenceVerdict:
+    """Verify every ``*.json`` under ``folder``; ``folder=None`` means nothing was fetched."""
+    if folder is None or not Path(folder).is_dir():
+        return EvidenceVerdict(fetched=False, records=0, verified=0)
+    paths = sorted(Path(folder).rglob("*.json"))
+    failed, problems = [], []
+    for path in paths:
+        try:
+            record = verify(path)
+        except EvidenceError as error:
+            problems.append(error.cause)
+            continue
+        if not record["passed"]:
+            failed.append(path.name)
+    return EvidenceVerdict(fetched=True, records=len(paths), verified=len(paths) - len(problems),
+                           failed=failed, problems=problems)
+
+
+def rsync_outputs(cluster: str, remote_dir: str, local_dir: Path, *, timeout: float) -> Path:
+    """Copy ``~/sky_workdir/<remote_dir>/`` from ``cluster`` into ``local_dir``; raises on failure or timeout."""
+    config = os.path.expanduser(f"~/.sky/generated/ssh/{cluster}")
+    key = os.path.expanduser(f"~/.sky/generated/ssh-keys/{cluster}.key")
+    ssh = f"ssh -F {config} -i {key} -o StrictHostKeyChecking=no -o BatchMode=yes"
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rsync", "-az", "-e", ssh, f"{cluster}:sky_workdir/{remote_dir.rstrip('/')}/", f"{local_dir}/"],
+                   check=True, timeout=timeout)
+    return local_dir
