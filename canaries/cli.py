@@ -29,6 +29,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from ci.cli import add_gpu_commands, run_with_preset
+
 if TYPE_CHECKING:
     from .smoke import Check
 
@@ -125,6 +127,8 @@ def _threads(threads: int) -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if (code := run_with_preset(args)) is not None:  # --preset gpu|gpu-8b: ci.gpu_run
+        return code
     with _threads(args.threads):
         return _run_steps(args)
 
@@ -236,6 +240,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"negative control: make a smoke check fail on purpose (also {INJECT_ENV}=1)",
     )
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                     help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
+    run.add_argument("--nproc", type=_positive, default=1, help="processes for the logical-rank parts (default: 1)")
     run.set_defaults(handler=_run)
 
     canary = sub.add_parser("canary", help="run one canary suite (derivative | memory | mutations)")
@@ -264,6 +271,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
     report.set_defaults(handler=_report)
 
+    add_gpu_commands(sub)
     for name, help_line in PLANNED.items():
         sub.add_parser(name, help=help_line).set_defaults(handler=_not_implemented)
     return parser

@@ -357,6 +357,13 @@ class Launcher:
         self.echo(f"rtv gpu {command}: {word} (exit {code}); receipt: {path}")
         return Outcome(code, word, path)
 
+    # --- census ---------------------------------------------------------------------
+
+    def census(self) -> list[Any]:
+        """SkyPilot's records of the clusters this launcher names (``rtv-`` prefix or its label)."""
+        records = self._request("status", self.sdk.status, None, timeout=self.t.poll)
+        return [r for r in records if r.name.startswith("rtv-") or (r.labels or {}).get(LABEL) == r.name]
+
     # --- down -----------------------------------------------------------------------
 
     def down(self, cluster: str, *, out_dir: Path) -> Outcome:

@@ -87,8 +87,13 @@ def _fail(path: Path, cause: str, fix: str) -> TaskFileError:
     return TaskFileError(f"task file {path}: {cause}", fix=fix)
 
 
-def load_task(path: Path | str) -> TaskSpec:
-    """Parse ``path`` with SkyPilot and check the rules above; :class:`TaskFileError` otherwise."""
+def load_task(path: Path | str, *, validate: bool = False) -> TaskSpec:
+    """Parse ``path`` with SkyPilot and check the rules above; :class:`TaskFileError` otherwise.
+
+    ``validate=True`` also runs ``sky.Task.validate`` (resources against
+    SkyPilot's catalog, which it downloads on first use; the launcher does
+    this before launching, ``rtv gpu local`` does not need it).
+    """
     path = Path(path)
     if not path.is_file():
         raise _fail(path, "expected a SkyPilot task YAML file, found nothing there",
@@ -97,6 +102,8 @@ def load_task(path: Path | str) -> TaskSpec:
 
     try:
         task = sky.Task.from_yaml(str(path))
+        if validate:
+            task.validate()
     except Exception as error:  # noqa: BLE001 - SkyPilot raises several types for a bad file
         raise _fail(path, f"SkyPilot refused it: {type(error).__name__}: {error}",
                     "fix the field it names (see docs.skypilot.co, Task YAML)") from error

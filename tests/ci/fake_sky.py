@@ -87,7 +87,7 @@ class FakeSky:
                 self.lock.acquire()
             raise RuntimeError(f"{name} released after the test")
         os.kill(os.getpid(), signal.SIGINT if fault == "sigint" else signal.SIGTERM)
-        time.sleep(0.2)  # the main thread handles the signal while this call is still in flight
+        time.sleep(0.1)  # the main thread handles the signal while this call is still in flight
 
     def _request(self, thunk: Any) -> RequestId:
         request_id = RequestId(f"req-{len(self.requests)}")
@@ -111,7 +111,7 @@ class FakeSky:
 
             return self._request(provision)
 
-    def stream_and_get(self, request_id: RequestId, log_path: str | None = None, tail: int | None = None,
+    def stream_and_get(self, request_id: RequestId | None = None, log_path: str | None = None, tail: int | None = None,
                        follow: bool = True, output_stream: Any = None, relay_rich_status: bool = False) -> Any:
         with self.lock:
             self._enter("stream_and_get")
