@@ -63,7 +63,7 @@ class Timeouts:
     """Seconds each SDK call or wait may take (``request``: submitting any request)."""
 
     request: float = 60
-    provision: float = 45 * 60
+    provision: float = 20 * 60
     poll: float = 60
     poll_interval: float = 15
     poll_failures: int = 3
