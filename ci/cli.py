@@ -7,7 +7,7 @@ instant; without it they exit 2 with the fix.
 
     rtv gpu launch TASK [--cluster NAME | --run-id ID --attempt N] [--out DIR]
     rtv gpu status                 clusters this project launched, as SkyPilot sees them
-    rtv gpu down NAME [--out DIR]  tear down, prove absence, write a receipt (exit 6 if unproven)
+    rtv gpu down NAME [--wait S]   tear down, prove absence, write a receipt (exit 6 if unproven)
     rtv gpu receipts [--in DIR]    every termination receipt under rtv-out/
     rtv gpu local TASK [--out DIR] [--skip-setup] [--venv DIR]
 
@@ -49,9 +49,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from .launcher import Launcher
+    from .launcher import Launcher, Timeouts
 
-    return Launcher(_sky()).down(args.name, out_dir=args.out).exit_code
+    timeouts = Timeouts(absence=args.wait)
+    return Launcher(_sky(), timeouts=timeouts).down(args.name, out_dir=args.out).exit_code
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -125,6 +126,8 @@ def add_gpu_commands(subparsers: Any) -> None:
     down = sub.add_parser("down", help="tear a cluster down and prove it is gone (exit 6 if unproven)")
     down.add_argument("name", help="the cluster name (printed by rtv gpu launch)")
     down.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="where the receipt goes")
+    down.add_argument("--wait", type=float, default=600.0,
+                      help="seconds to keep polling for the cluster's absence (default: 600)")
     down.set_defaults(handler=_guarded(_down))
 
     receipts = sub.add_parser("receipts", help="list termination receipts")
