@@ -277,7 +277,7 @@ class Launcher:
         run.logs = str(log_path)
         evidence_dir = bounded(lambda: self.fetch_outputs(run.cluster, spec.evidence_dir, cluster_dir / "evidence",
                                                           timeout=self.t.outputs),
-                               timeout=self.t.outputs + 5, name="fetch_outputs")
+                               timeout=self.t.outputs, name="fetch_outputs")
         run.evidence = judge_outputs(evidence_dir)
         run.timings["fetch"] = self.clock() - start
 

@@ -85,3 +85,14 @@ def test_durations_follow_timeouts_syntax(text: str, seconds: float):
     from ci.tasks import parse_duration
 
     assert parse_duration(text) == seconds
+
+
+def test_a_cpu_variant_on_slurm_loads_too(sky_sandbox, repo_root: Path, tmp_path: Path):
+    """The loopback-Slurm CI launches a CPU copy of the gate through the same contract."""
+    from ci.tasks import load_task
+
+    def to_slurm(config: dict) -> None:
+        config["resources"] = {"infra": "slurm", "cpus": 1, "autostop": {"idle_minutes": 5, "down": True}}
+
+    spec = load_task(_mutated(repo_root, tmp_path, to_slurm))
+    assert spec.infra == "slurm" and spec.accelerators == {} and spec.gpus == 0
