@@ -242,7 +242,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
-    run.add_argument("--nproc", type=_positive, default=1, help="processes for the logical-rank parts (default: 1)")
+    run.add_argument("--nproc", type=_positive, default=None, help="processes for the logical-rank parts (default: 1)")
     run.set_defaults(handler=_run)
 
     canary = sub.add_parser("canary", help="run one canary suite (derivative | memory | mutations)")

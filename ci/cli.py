@@ -144,10 +144,15 @@ def add_gpu_commands(subparsers: Any) -> None:
 
 
 def run_with_preset(args: argparse.Namespace) -> int | None:
-    """``rtv run``'s ``--preset``/``--nproc``: the GPU run's exit code, or None to go on with the CPU run."""
+    """``rtv run``'s ``--preset``/``--nproc``: the GPU run's exit code, or None to go on with the CPU run.
+
+    ``--nproc`` (default 1) reaches the canaries as ``RTV_NPROC``; on the CPU
+    preset it is set only when given, so the CPU run is unchanged without it.
+    """
     from .gpu_run import NPROC_ENV, run_gpu_preset
 
-    os.environ[NPROC_ENV] = str(args.nproc)
-    if args.preset == "cpu":
-        return None
-    return run_gpu_preset(args.preset, args.nproc, args.out, environ=os.environ)
+    if args.preset != "cpu":
+        return run_gpu_preset(args.preset, args.nproc or 1, args.out, environ=os.environ)
+    if args.nproc is not None:
+        os.environ[NPROC_ENV] = str(args.nproc)
+    return None

@@ -2,8 +2,9 @@
 
 The fast cases run the task's commands through ``rtv gpu local`` with the
 heavy steps stubbed at the edge: a stub venv whose ``python`` and ``rtv``
-record their arguments (``rtv run`` writes one real evidence record), and a ``make`` on PATH that records its arguments (the real
-one would reinstall the shared venv). The ``slow`` case runs everything but
+record their arguments (``rtv run`` writes one real evidence record),
+and a ``make`` on PATH that records its arguments (the real one would
+reinstall the shared venv). The ``slow`` case runs everything but
 ``make`` for real: the GPU tests (skipped without CUDA) and ``rtv run
 --preset cpu --nproc 2`` (about 20 s).
 """

@@ -105,6 +105,7 @@ def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_roo
     for caller, task in CALLERS.items():
         (job,) = _load(caller)["jobs"].values()
         spec = load_task(repo_root / task)
-        needed = t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"] + t["cancel"] + t["down"] + t["absence"]
+        needed = (t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"]
+                  + t["cancel"] + t["down"] + t["absence"])
         assert job["with"]["launch-minutes"] >= math.ceil(needed / 60), caller
         assert job["with"]["job-minutes"] >= job["with"]["launch-minutes"] + 30
