@@ -17,7 +17,12 @@ folder). Then, in ``finally`` and with SIGINT/SIGTERM deferred,
 is not finished, ``down``, and poll ``status`` until the cluster is absent.
 Autodown in the task file stays as the cluster's own backstop; ``down=True``
 is not passed to ``sky.launch`` because it would remove the cluster before
-its evidence is copied back.
+its evidence is copied back. A launch interrupted while its request was
+being submitted has no request id to cancel: ``down`` and the absence poll
+still run, and the workflow's always-run ``rtv gpu down`` and autodown are
+the backstops for a cluster that appears later. The launcher never starts
+or stops a SkyPilot API server itself (``sky`` starts a local one on first
+use unless an endpoint is configured).
 
 NOTE [Exit codes] (contract §11; :func:`exit_code` implements them)
 
@@ -199,12 +204,13 @@ class Launcher:
             run.interruption = _interruption(error, run.phase)
             self.echo(f"rtv gpu launch: interrupted during {run.phase.value}: {run.interruption['detail']}")
         finally:
-            with signals_deferred(run.signals):
+            with signals_deferred(run.signals):  # teardown and its receipt are never cut short
                 self._teardown(run)
-        if run.signals and run.interruption is None:
-            run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
-                                "detail": f"{len(run.signals)} signal(s) during teardown"}
-        return self._receipt(run, spec, out_dir)
+                if run.signals and run.interruption is None:
+                    run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
+                                        "detail": f"{len(run.signals)} signal(s) during teardown"}
+                outcome = self._receipt(run, spec, out_dir)
+        return outcome
 
     def _timed(self, run: _Run, phase: Phase) -> float:
         run.phase = phase
@@ -382,10 +388,10 @@ class Launcher:
             except (CallTimeout, Exception) as error:  # noqa: BLE001 - teardown goes on without the census
                 run.teardown.append({"step": "census", "ok": False, "detail": f"{type(error).__name__}: {error}"})
             self._teardown(run)
-        if run.signals:
-            run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
-                                "detail": f"{len(run.signals)} signal(s) during teardown"}
-        return self._receipt(run, None, Path(out_dir), command="down", gpus=gpus, billed_s=billed_s)
+            if run.signals:
+                run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
+                                    "detail": f"{len(run.signals)} signal(s) during teardown"}
+            return self._receipt(run, None, Path(out_dir), command="down", gpus=gpus, billed_s=billed_s)
 
 
 def default_run_id() -> tuple[str, str]:

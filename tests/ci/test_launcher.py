@@ -96,6 +96,11 @@ def test_interrupted_at_every_phase_tears_down_and_says_why(sky_fake, gate, tmp_
     assert interruption["phase"] == PHASES[call]
     assert interruption["kind"] == {"sigint": "signal", "sigterm": "signal"}.get(fault, fault)
     assert record["passed"] is False
+    calls = fake.calls
+    if PHASES[call] == "provision":  # the launch request in flight is cancelled before down
+        assert "api_cancel" in calls and calls.index("api_cancel") < calls.index("down")
+    if PHASES[call] == "job":  # the unfinished job is cancelled before down
+        assert "cancel" in calls and calls.index("cancel") < calls.index("down")
 
 
 @pytest.mark.parametrize("fault", ["error", "timeout"])
