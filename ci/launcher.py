@@ -194,17 +194,16 @@ class Launcher:
         out_dir = Path(out_dir)
         run = _Run(cluster=cluster)
         self.echo(f"rtv gpu launch: cluster {cluster} (tear down by hand: rtv gpu down {cluster})")
-        try:
-            with signals_raise():
-                self._launch_and_wait(spec, run)
-                self._fetch(spec, run, out_dir)
-        except BaseException as error:  # noqa: BLE001 - every interruption ends in teardown and a receipt
-            if not isinstance(error, (Exception, Interrupted)):
-                raise
-            run.interruption = _interruption(error, run.phase)
-            self.echo(f"rtv gpu launch: interrupted during {run.phase.value}: {run.interruption['detail']}")
-        finally:
-            with signals_deferred(run.signals):  # teardown and its receipt are never cut short
+        with signals_deferred(run.signals):  # outermost, so no signal falls between the body and teardown
+            try:
+                try:
+                    with signals_raise():
+                        self._launch_and_wait(spec, run)
+                        self._fetch(spec, run, out_dir)
+                except (Exception, Interrupted) as error:  # every interruption ends in teardown and a receipt
+                    run.interruption = _interruption(error, run.phase)
+                    self.echo(f"rtv gpu launch: interrupted during {run.phase.value}: {run.interruption['detail']}")
+            finally:
                 self._teardown(run)
                 if run.signals and run.interruption is None:
                     run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
