@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from ci.cli import add_gpu_commands, run_with_preset
 from validation.errors import HarnessError, SetupError
 
 from .registry import CANARIES, PRESETS, PROFILES, canary
@@ -107,6 +108,8 @@ def _threads(threads: int) -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if (code := run_with_preset(args)) is not None:  # --preset gpu|gpu-8b: ci.gpu_run
+        return code
     with _threads(args.threads):
         return _run_steps(args)
 
@@ -234,6 +237,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"negative control: make a smoke check fail on purpose (also {INJECT_ENV}=1)",
     )
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    run.add_argument("--preset", choices=PRESETS, default="cpu",
+                     help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
+    run.add_argument("--nproc", type=_positive, default=None, help="processes for the logical-rank parts (default: 1)")
     run.set_defaults(handler=_run)
 
     listing = "\n".join(f"  {c.name:12} {c.summary}" for c in CANARIES.values())
@@ -273,6 +279,8 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", dest="out_file", type=Path, default=None,
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
     report.set_defaults(handler=_report)
+
+    add_gpu_commands(sub)
     return parser
 
 

@@ -1,5 +1,9 @@
 """GPU CI on SkyPilot: task files, the launcher that always tears clusters down, termination receipts.
 
-Not built yet (it has its own issue); this package exists so the layout of
-contract §10 is in place.
+- ``ci/*.sky.yaml``: the 2×H200 gate and the nightly 8×H200 canaries (``tasks`` checks their contract);
+- ``launcher``: launch, gate on the remote job status, fetch evidence, tear down, prove absence
+  (``interrupts``: bounded SDK calls and signals; ``outputs``: evidence copied back and judged);
+- ``receipts``: the write-once termination receipt with GPU-minutes and cost;
+- ``local``: a task's own commands on this machine; ``gpu_run``: ``rtv run --preset gpu``;
+- ``cli``: ``rtv gpu launch|status|down|receipts|local``.
 """

@@ -40,6 +40,11 @@ KINDS: dict[str, Kind] = {
              measurements=("offload", "admission"), builder="reports.canaries"),
         Kind(name="mutation-suite", title="Mutation suite: every injected bug is caught",
              measurements=("run", "caught", "inapplicable"), builder="reports.canaries"),
+        Kind(name="learning", title="Learning comparison: matched-schedule arms across seeds",
+             measurements=("seconds",), builder="reports.learning"),
+        Kind(name="benchmark", title="Benchmark: versioned-trainer arms against a plain PyTorch step (ABBA)",
+             measurements=("seconds",), builder="reports.benchmark"),
+        Kind(name="gpu-receipt", title="GPU CI termination receipt", builder="reports.receipts"),
     )
 }
 

@@ -1,0 +1,158 @@
+"""``rtv gpu launch|status|down|receipts|local`` and ``rtv run --preset/--nproc``: the GPU CI part of the command line.
+
+``canaries.cli`` calls :func:`add_gpu_commands` once and, at the start of
+``rtv run``, :func:`run_with_preset`. SkyPilot (the ``ci`` extra) is
+imported only by the commands that talk to it, so ``rtv --help`` stays
+instant; without it they exit 2 with the fix.
+
+    rtv gpu launch TASK [--cluster NAME | --run-id ID --attempt N] [--out DIR]
+    rtv gpu status                 clusters this project launched, as SkyPilot sees them
+    rtv gpu down NAME [--wait S]   tear down, prove absence, write a receipt (exit 6 if unproven)
+    rtv gpu receipts [--in DIR]    every termination receipt under rtv-out/
+    rtv gpu local TASK [--out DIR] [--skip-setup] [--venv DIR]
+
+Exit codes: contract §11 (NOTE [Exit codes] in ``ci.launcher``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from validation.errors import HarnessError, SetupError
+
+__all__ = ["add_gpu_commands", "run_with_preset"]
+
+DEFAULT_OUT = Path("rtv-out")
+
+
+def _sky() -> Any:
+    try:
+        import sky
+    except ImportError as error:
+        raise SetupError(f"SkyPilot is not installed ({error})",
+                         fix="install the ci extra: pip install -e '.[ci]' (make test does)") from None
+    return sky
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .launcher import Launcher, cluster_name, default_run_id
+    from .tasks import load_task
+
+    spec = load_task(args.task, validate=True)
+    run_id, attempt = default_run_id()
+    name = args.cluster or cluster_name(spec.name, args.run_id or run_id, args.attempt or attempt)
+    return Launcher(_sky()).launch(spec, cluster=name, out_dir=args.out).exit_code
+
+
+def _down(args: argparse.Namespace) -> int:
+    from .launcher import Launcher, Timeouts
+
+    timeouts = Timeouts(absence=args.wait)
+    return Launcher(_sky(), timeouts=timeouts).down(args.name, out_dir=args.out).exit_code
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .launcher import Launcher
+
+    records = Launcher(_sky()).census()
+    for r in records:
+        print(f"{r.name:40} {r.status.value:10} {r.resources_str or ''}")
+    print(f"rtv gpu status: {len(records)} cluster(s) of this project up" if records
+          else "rtv gpu status: no cluster of this project exists")
+    return 0
+
+
+def _receipts(args: argparse.Namespace) -> int:
+    from reports.tables import load_records
+
+    from .receipts import KIND
+
+    if not args.in_dir.is_dir():
+        raise SetupError(f"{args.in_dir} is not a folder", fix="pass --in DIR (default ./rtv-out)")
+    receipts = [r for r in load_records(args.in_dir) if r.kind == KIND]
+    for r in receipts:
+        m = r.measurements
+        cost = m.get("cost", {}).get("estimate")
+        print(f"{r.record.get('created', '?')[:19]}  {m.get('cluster', '?'):32} {m.get('outcome', r.status):18} "
+              f"absence {m.get('absence', '?'):9} {m.get('gpu_minutes', 0):8.1f} GPU-min  "
+              f"{cost if isinstance(cost, str) else f'${cost:.2f}'}  {r.path}  [{r.integrity}]")
+    print(f"rtv gpu receipts: {len(receipts)} receipt(s) under {args.in_dir}")
+    return 1 if any(r.status == "invalid" for r in receipts) else 0
+
+
+def _local(args: argparse.Namespace) -> int:
+    import torch
+
+    from .local import run_local
+    from .tasks import load_task
+
+    spec = load_task(args.task)
+    return run_local(spec, out=args.out, cuda=torch.cuda.is_available(), skip_setup=args.skip_setup, venv=args.venv)
+
+
+def _guarded(handler):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except HarnessError as error:
+            print(f"rtv gpu {args.gpu_command}: {error}", file=sys.stderr)
+            return error.exit_code
+
+    return run
+
+
+def add_gpu_commands(subparsers: Any) -> None:
+    """Add ``rtv gpu ...`` to ``rtv``'s subparsers."""
+    gpu = subparsers.add_parser("gpu", help="GPU CI on SkyPilot: launch, status, down, receipts, local",
+                                description="GPU CI on SkyPilot: launch a task file and gate on its job status, "
+                                "tear clusters down and prove it, list receipts, run a task's commands here.")
+    sub = gpu.add_subparsers(dest="gpu_command", metavar="GPU_COMMAND", required=True)
+
+    launch = sub.add_parser("launch", help="launch a task, gate on its job status, tear down, write a receipt")
+    launch.add_argument("task", type=Path, help="a task file, e.g. ci/gate.sky.yaml")
+    launch.add_argument("--cluster", help="cluster name (default: rtv-<task>-<run id>-<attempt>)")
+    launch.add_argument("--run-id", help="run id for the name (default: $GITHUB_RUN_ID, else a UTC stamp)")
+    launch.add_argument("--attempt", help="attempt for the name (default: $GITHUB_RUN_ATTEMPT, else 1)")
+    launch.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="evidence, logs, receipt")
+    launch.set_defaults(handler=_guarded(_launch))
+
+    status = sub.add_parser("status", help="clusters this project launched, as SkyPilot sees them")
+    status.set_defaults(handler=_guarded(_status))
+
+    down = sub.add_parser("down", help="tear a cluster down and prove it is gone (exit 6 if unproven)")
+    down.add_argument("name", help="the cluster name (printed by rtv gpu launch)")
+    down.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="where the receipt goes")
+    down.add_argument("--wait", type=float, default=600.0,
+                      help="seconds to keep polling for the cluster's absence (default: 600)")
+    down.set_defaults(handler=_guarded(_down))
+
+    receipts = sub.add_parser("receipts", help="list termination receipts")
+    receipts.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT, help="searched recursively")
+    receipts.set_defaults(handler=_guarded(_receipts))
+
+    local = sub.add_parser("local", help="run a task file's setup and run here (CPU presets without CUDA)")
+    local.add_argument("task", type=Path, help="a task file, e.g. ci/gate.sky.yaml")
+    local.add_argument("--out", type=Path, default=None, help="evidence folder (default: rtv-out/local/<task>-<time>)")
+    local.add_argument("--skip-setup", action="store_true", help="run only the task's run commands")
+    local.add_argument("--venv", type=Path, default=None,
+                       help="the environment the commands use as RTV_VENV (default: the one rtv runs from)")
+    local.set_defaults(handler=_guarded(_local))
+
+
+def run_with_preset(args: argparse.Namespace) -> int | None:
+    """``rtv run``'s ``--preset``/``--nproc``: the GPU run's exit code, or None to go on with the CPU run.
+
+    ``--nproc`` (default 1) reaches the canaries as ``RTV_NPROC``; on the CPU
+    preset it is set only when given, so the CPU run is unchanged without it.
+    """
+    from .gpu_run import NPROC_ENV, run_gpu_preset
+
+    if args.preset != "cpu":
+        return run_gpu_preset(args.preset, args.nproc or 1, args.out, environ=os.environ)
+    if args.nproc is not None:
+        os.environ[NPROC_ENV] = str(args.nproc)
+    return None

@@ -1,0 +1,85 @@
+"""A job's outputs: copying its evidence back from the cluster, and judging what came back.
+
+The SkyPilot SDK downloads logs but not files, so :func:`rsync_outputs`
+uses the route SkyPilot documents for copying files off a cluster: ``rsync``
+over the ssh configuration SkyPilot writes for it
+(``~/.sky/generated/ssh/<cluster>`` and its key), under a timeout.
+
+:func:`judge_outputs` is the launcher's cross-check of a job SkyPilot
+reports SUCCEEDED (SkyPilot has reported failed jobs as succeeded): the
+evidence passes only if at least one record came back, every record
+verifies (``validation.evidence.verify``: schema and digest) and every one
+says passed, with the report's reading of records made under a deliberate
+bug (``reports.tables.load_records``, so the gate and the page agree).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reports.tables import load_records
+
+__all__ = ["EvidenceVerdict", "judge_outputs", "rsync_outputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvidenceVerdict:
+    """What the fetched evidence says: ``records`` found, how many ``verified``, and the ``problems``."""
+
+    fetched: bool
+    records: int
+    verified: int
+    failed: list[str] = field(default_factory=list)  # records that verify but say passed: false
+    problems: list[str] = field(default_factory=list)  # one line per record that does not verify
+
+    @property
+    def passed(self) -> bool:
+        return self.fetched and self.records > 0 and self.verified == self.records and not self.failed
+
+    def summary(self) -> str:
+        if not self.fetched:
+            return "evidence was not fetched"
+        if not self.records:
+            return "no evidence record came back"
+        if self.problems:
+            return f"{len(self.problems)} of {self.records} records do not verify: {self.problems[0]}"
+        if self.failed:
+            return f"{len(self.failed)} of {self.records} records say failed: {', '.join(self.failed)}"
+        return f"{self.records} records verify and say passed"
+
+    def to_json(self) -> dict:
+        return {"fetched": self.fetched, "records": self.records, "verified": self.verified,
+                "failed": list(self.failed), "problems": list(self.problems), "passed": self.passed,
+                "summary": self.summary()}
+
+
+def judge_outputs(folder: Path | None) -> EvidenceVerdict:
+    """Judge every ``*.json`` under ``folder`` as the report does; ``folder=None`` means nothing was fetched.
+
+    A record counts as passing when it verifies and says passed, or when it
+    ran under a deliberate bug and failed, as it must (``caught``; see
+    ``reports.tables``); ``failed`` and ``missed`` records fail the
+    cross-check, and so does anything that does not verify.
+    """
+    if folder is None or not Path(folder).is_dir():
+        return EvidenceVerdict(fetched=False, records=0, verified=0)
+    records = load_records(Path(folder))
+    problems = [f"{r.name}: {r.integrity}" for r in records if r.status in ("invalid", "unverified")]
+    failed = [f"{r.name} ({r.status})" for r in records if r.status in ("failed", "missed")]
+    return EvidenceVerdict(fetched=True, records=len(records), verified=len(records) - len(problems),
+                           failed=failed, problems=problems)
+
+
+def rsync_outputs(cluster: str, remote_dir: str, local_dir: Path, *, timeout: float) -> Path:
+    """Copy ``~/sky_workdir/<remote_dir>/`` from ``cluster`` into ``local_dir``; raises on failure or timeout."""
+    config = os.path.expanduser(f"~/.sky/generated/ssh/{cluster}")
+    key = os.path.expanduser(f"~/.sky/generated/ssh-keys/{cluster}.key")
+    ssh = f"ssh -F {config} -i {key} -o StrictHostKeyChecking=no -o BatchMode=yes"
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rsync", "-az", "-e", ssh, f"{cluster}:sky_workdir/{remote_dir.rstrip('/')}/", f"{local_dir}/"],
+                   check=True, timeout=timeout)
+    return local_dir

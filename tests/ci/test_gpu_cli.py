@@ -1,0 +1,59 @@
+"""``rtv gpu ...`` wired to the launcher: the fake SkyPilot stands in for the ``sky`` module the commands import."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from canaries.cli import main
+
+
+@pytest.fixture
+def fake(sky_sandbox, monkeypatch: pytest.MonkeyPatch):
+    from .fake_sky import FakeSky
+
+    fake = FakeSky()
+    monkeypatch.setitem(sys.modules, "sky", fake)  # what `import sky` inside the commands returns
+    yield fake
+    fake.release()
+
+
+def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_path, capsys):
+    fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-1")
+    assert main(["gpu", "status"]) == 0
+    assert "rtv-gate-5-1" in capsys.readouterr().out
+    assert main(["gpu", "down", "rtv-gate-5-1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "teardown: cluster rtv-gate-5-1 absent (confirmed)" in out and "rtv-gate-5-1" not in fake.clusters
+    assert main(["gpu", "receipts", "--in", str(tmp_path)]) == 0
+    assert "rtv-gate-5-1" in capsys.readouterr().out
+    (receipt,) = tmp_path.glob("gpu-receipt-*.json")
+    receipt.write_text(receipt.read_text().replace("confirmed", "CONFIRMED"))
+    assert main(["gpu", "receipts", "--in", str(tmp_path)]) == 1
+
+
+def test_down_that_cannot_prove_absence_exits_6(fake, sky_sandbox, tmp_path):
+    fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-2")
+    fake.inject("down", "error")
+    assert main(["gpu", "down", "rtv-gate-5-2", "--wait", "0", "--out", str(tmp_path)]) == 6
+
+
+def test_launch_refuses_a_malformed_task_with_exit_2(sky_sandbox, tmp_path, capsys):
+    task = tmp_path / "bad.sky.yaml"
+    task.write_text("name: bad\nresources:\n  accelerators: H200:2\nrun: echo hi\n")
+    assert main(["gpu", "launch", str(task), "--run-id", "1", "--attempt", "1", "--out", str(tmp_path)]) == 2
+    assert "autostop" in capsys.readouterr().err
+
+
+def test_cluster_names_are_deterministic_and_valid(sky_sandbox):
+    from sky.utils.common_utils import check_cluster_name_is_valid
+
+    from ci.launcher import cluster_name
+
+    name = cluster_name("rtv-gate", "123456789", 3)
+    assert name == cluster_name("rtv-gate", "123456789", 3) == "rtv-gate-123456789-3"
+    assert cluster_name("Canaries_8x", "7", 1) == "rtv-canaries-8x-7-1"
+    check_cluster_name_is_valid(name)
+    with pytest.raises(ValueError):
+        cluster_name("rtv-gate", "12;rm", 1)

@@ -1,0 +1,205 @@
+"""The launcher against a fake SkyPilot: the cancellation chaos matrix, the job-status gate and its cross-check.
+
+Every case runs the real launcher (real threads, real signals delivered to
+this process, real write-once receipts) against ``fake_sky.FakeSky``; only
+the clock that drives deadlines and poll sleeps is fake, so a case takes
+milliseconds (a call timeout takes its 0.3 s for real).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from validation.evidence import verify
+
+from .conftest import H200_TYPES
+
+PHASES = {  # the SDK call a phase is interrupted in -> the phase's name in the receipt
+    "launch": "launch",  # before launch: the launch request itself
+    "stream_and_get": "provision",
+    "job_status": "job",
+    "tail_logs": "fetch",
+    "fetch_outputs": "fetch",
+}
+SIGNALLED = {"error": 3, "timeout": 5, "sigint": 4, "sigterm": 4}
+
+
+class FakeClock:
+    """Drives deadlines and poll sleeps without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.001)
+
+
+@pytest.fixture
+def sky_fake(sky_sandbox):
+    from . import fake_sky
+
+    return fake_sky
+
+
+@pytest.fixture
+def gate(sky_fake, repo_root: Path):
+    from ci.tasks import load_task
+
+    return load_task(repo_root / "ci" / "gate.sky.yaml")
+
+
+def launch(fake, spec, out: Path, clock: FakeClock | None = None):
+    from ci.launcher import Launcher, Timeouts
+
+    clock = clock or FakeClock()
+    timeouts = Timeouts(request=0.3, provision=0.3, poll=0.3, poll_interval=15, logs=0.3, outputs=0.3,
+                        cancel=0.3, down=0.3, absence=60, absence_interval=10)
+    launcher = Launcher(fake, fetch_outputs=fake.fetch_outputs, timeouts=timeouts, clock=clock,
+                        sleep=clock.sleep, echo=lambda line: None)
+    try:
+        return launcher.launch(spec, cluster="rtv-gate-42-1", out_dir=out)
+    finally:
+        fake.release()
+
+
+def receipt_of(outcome) -> dict:
+    record = verify(outcome.receipt)
+    assert record["kind"] == "gpu-receipt"
+    assert record["measurements"]["exit_code"] == outcome.exit_code
+    return record
+
+
+def assert_torn_down(fake, record: dict, *, absent: bool) -> None:
+    calls = fake.calls
+    assert "down" in calls, calls
+    assert "status" in calls[calls.index("down"):], "absence was not polled after down"
+    assert record["checks"]["absence_confirmed"] is absent
+    assert record["measurements"]["absence"] == ("confirmed" if absent else "unproven")
+    assert ("rtv-gate-42-1" in fake.clusters) is not absent
+
+
+@pytest.mark.parametrize("fault", sorted(SIGNALLED))
+@pytest.mark.parametrize("call", sorted(PHASES))
+def test_interrupted_at_every_phase_tears_down_and_says_why(sky_fake, gate, tmp_path, call, fault):
+    fake = sky_fake.FakeSky()
+    fake.inject(call, fault, always=call == "job_status")  # one failed poll is tolerated; a hung one is not
+    outcome = launch(fake, gate, tmp_path)
+    record = receipt_of(outcome)
+    assert_torn_down(fake, record, absent=True)
+    assert outcome.exit_code == SIGNALLED[fault], record["measurements"]["observed"]
+    interruption = record["measurements"]["observed"]["interruption"]
+    assert interruption["phase"] == PHASES[call]
+    assert interruption["kind"] == {"sigint": "signal", "sigterm": "signal"}.get(fault, fault)
+    assert record["passed"] is False
+    calls = fake.calls
+    if PHASES[call] == "provision":  # the launch request in flight is cancelled before down
+        assert "api_cancel" in calls and calls.index("api_cancel") < calls.index("down")
+    if PHASES[call] == "job":  # the unfinished job is cancelled before down
+        assert "cancel" in calls and calls.index("cancel") < calls.index("down")
+
+
+@pytest.mark.parametrize("fault", ["error", "timeout"])
+def test_a_failed_teardown_leaves_absence_unproven_exit_6(sky_fake, gate, tmp_path, fault):
+    fake = sky_fake.FakeSky()
+    fake.inject("down", fault)
+    outcome = launch(fake, gate, tmp_path)
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 6 and outcome.outcome == "absence unproven"
+    assert_torn_down(fake, record, absent=False)
+    down = [s for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down"]
+    assert down and down[0]["ok"] is False
+
+
+@pytest.mark.parametrize("fault", ["sigint", "sigterm"])
+def test_a_signal_during_teardown_does_not_stop_it(sky_fake, gate, tmp_path, fault):
+    fake = sky_fake.FakeSky()
+    fake.inject("down", fault)
+    outcome = launch(fake, gate, tmp_path)
+    record = receipt_of(outcome)
+    assert_torn_down(fake, record, absent=True)
+    assert outcome.exit_code == 4
+    assert record["measurements"]["observed"]["interruption"]["phase"] == "teardown"
+
+
+def test_six_wins_over_an_interruption(sky_fake, gate, tmp_path):
+    fake = sky_fake.FakeSky()
+    fake.inject("job_status", "sigterm")
+    fake.inject("down", "error")
+    outcome = launch(fake, gate, tmp_path)
+    assert outcome.exit_code == 6
+    assert_torn_down(fake, receipt_of(outcome), absent=False)
+
+
+def test_a_succeeded_job_with_passing_evidence_passes_and_is_priced(sky_fake, sky_sandbox, gate, tmp_path):
+    fake = sky_fake.FakeSky()
+    outcome = launch(fake, gate, tmp_path)
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 0 and record["passed"] is True
+    assert_torn_down(fake, record, absent=True)
+    m = record["measurements"]
+    assert m["observed"]["job_status"] == sky_sandbox.JobStatus.SUCCEEDED.value
+    assert m["requested"]["accelerators"] == {"H200": 2}
+    assert m["cluster"] == "rtv-gate-42-1" and len(m["commit"]) == 40
+    gpus, hourly = H200_TYPES["gpu_2x_h200"]
+    assert m["billed_s"] > 0
+    assert m["gpu_minutes"] == pytest.approx(gpus * m["billed_s"] / 60, rel=1e-3)
+    assert m["cost"]["estimate"] == pytest.approx(hourly * m["billed_s"] / 3600, rel=1e-3)
+    assert Path(m["observed"]["logs"]).read_text()
+    launched = fake.tasks[0]
+    assert list(launched.resources)[0].labels["rtv-ci-cluster"] == "rtv-gate-42-1"
+
+
+@pytest.mark.parametrize("evidence", ["failed", "tampered", "missing"])
+def test_succeeded_without_passing_evidence_is_exit_3_with_both_facts(sky_fake, gate, tmp_path, evidence):
+    fake = sky_fake.FakeSky(evidence=evidence)
+    outcome = launch(fake, gate, tmp_path)
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 3 and outcome.outcome == "evidence mismatch"
+    assert record["checks"]["job_succeeded"] is True
+    assert record["checks"]["evidence_passed"] is False
+    assert record["measurements"]["observed"]["evidence"]["summary"]
+
+
+@pytest.mark.parametrize(("final", "code"), [("FAILED", 3), ("FAILED_SETUP", 3), ("FAILED_DRIVER", 3),
+                                            ("CANCELLED", 4)])
+def test_the_gate_is_the_job_status_not_the_log(sky_fake, sky_sandbox, gate, tmp_path, final, code):
+    status = sky_sandbox.JobStatus[final]
+    fake = sky_fake.FakeSky(job_statuses=(sky_sandbox.JobStatus.PENDING, status))
+    outcome = launch(fake, gate, tmp_path)  # the fake's log always says SUCCEEDED
+    assert outcome.exit_code == code
+    assert receipt_of(outcome)["measurements"]["observed"]["job_status"] == final
+
+
+def test_a_job_past_its_deadline_is_cancelled_and_times_out(sky_fake, sky_sandbox, gate, tmp_path):
+    fake = sky_fake.FakeSky(job_statuses=(sky_sandbox.JobStatus.RUNNING,))
+    clock = FakeClock()
+    outcome = launch(fake, gate, tmp_path, clock)
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 5
+    assert "cancel" in fake.calls and fake.calls.index("cancel") < fake.calls.index("down")
+    assert record["measurements"]["billed_s"] >= gate.job_deadline_s
+
+
+def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
+    from ci.launcher import Launcher
+
+    fake = sky_fake.FakeSky()
+    fake.launch(gate.task, cluster_name="rtv-gate-7-1")  # a launcher that died after submitting
+    clock = FakeClock()
+    outcome = Launcher(fake, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
+        "rtv-gate-7-1", out_dir=tmp_path)
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 0 and "rtv-gate-7-1" not in fake.clusters
+    assert record["config"]["command"] == "down" and record["checks"]["absence_confirmed"] is True
+
+    stuck = sky_fake.FakeSky()
+    stuck.launch(gate.task, cluster_name="rtv-gate-7-2")
+    stuck.inject("down", "error")
+    outcome = Launcher(stuck, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
+        "rtv-gate-7-2", out_dir=tmp_path)
+    assert outcome.exit_code == 6 and receipt_of(outcome)["measurements"]["absence"] == "unproven"

@@ -1,0 +1,115 @@
+"""``rtv gpu local`` runs the gate task's own setup and run commands on CPU and judges their evidence.
+
+The fast cases run the task's commands through ``rtv gpu local`` with the
+heavy steps stubbed at the edge: a stub venv whose ``python`` and ``rtv``
+record their arguments (``rtv run`` writes one real evidence record),
+and a ``make`` on PATH that records its arguments (the real one would
+reinstall the shared venv). The ``slow`` case runs everything but
+``make`` for real: the GPU tests (skipped without CUDA) and ``rtv run
+--preset cpu --nproc 2`` (about 20 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from canaries.cli import main
+
+WRITE_EVIDENCE = """
+import sys
+from pathlib import Path
+from validation.evidence import evidence_path, make_record, write_once
+write_once(evidence_path(Path(sys.argv[1]) / "run-stub", "canary-stub"),
+           make_record("canary-stub", config={}, checks={"stub": True}, measurements={}))
+"""
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def stubs(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stub venv and a stub ``make``; returns (venv, calls log, set verdict)."""
+    venv, bin_dir, calls = tmp_path / "venv", tmp_path / "venv" / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir(parents=True)
+    (tmp_path / "writer.py").write_text(WRITE_EVIDENCE)
+    _script(bin_dir / "python", f'echo "python $*" >> {calls}\n')
+    _script(bin_dir / "rtv", f'echo "rtv $*" >> {calls}\n'
+            f'[ "${{STUB_SLEEP:-0}}" = 0 ] || sleep "$STUB_SLEEP"\n'
+            f'[ "${{STUB_RTV_EXIT:-0}}" = 0 ] || exit "$STUB_RTV_EXIT"\n'
+            f'[ "${{STUB_NO_EVIDENCE:-0}}" = 0 ] || exit 0\n'
+            f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT"\n')
+    make_dir = tmp_path / "path"
+    make_dir.mkdir()
+    _script(make_dir / "make", f'echo "make $*" >> {calls}\n')
+    monkeypatch.setenv("PATH", f"{make_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(repo_root))
+    return venv, calls
+
+
+@pytest.fixture
+def gate(sky_sandbox, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
+    from ci.tasks import load_task
+
+    monkeypatch.chdir(repo_root)  # the task's workdir is "."
+    return load_task(repo_root / "ci" / "gate.sky.yaml")
+
+
+def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Path, monkeypatch):
+    venv, calls = stubs
+    out = tmp_path / "out"
+    monkeypatch.chdir(gate.path.parent.parent)
+    code = main(["gpu", "local", str(gate.path), "--out", str(out), "--venv", str(venv)])
+    assert code == 0
+    lines = calls.read_text().splitlines()
+    assert lines == [
+        f"make install VENV={venv.resolve()}",
+        "python -m pytest tests/gpu -q",
+        f"rtv run --preset cpu --nproc 2 --out {out.resolve()}",
+    ]
+    assert len(list(out.rglob("canary-stub-*.json"))) == 1
+
+
+def test_local_fails_when_the_run_fails_or_leaves_no_evidence(gate, stubs, tmp_path, monkeypatch):
+    from ci.local import run_local
+
+    venv, _ = stubs
+    monkeypatch.setenv("STUB_RTV_EXIT", "1")
+    assert run_local(gate, out=tmp_path / "a", cuda=False, venv=venv, echo=lambda line: None) == 3
+    monkeypatch.setenv("STUB_RTV_EXIT", "0")
+    monkeypatch.setenv("STUB_NO_EVIDENCE", "1")
+    assert run_local(gate, out=tmp_path / "b", cuda=False, venv=venv, echo=lambda line: None) == 3
+
+
+def test_local_maps_the_runs_own_timeout_to_exit_5(gate, stubs, tmp_path, monkeypatch):
+    from ci.local import run_local
+
+    venv, calls = stubs
+    monkeypatch.setenv("STUB_SLEEP", "5")
+    short = dataclasses.replace(gate, envs={**gate.envs, "RTV_TIME_LIMIT": "1s"})
+    assert run_local(short, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True,
+                     echo=lambda line: None) == 5
+    assert "make" not in calls.read_text()
+
+
+def test_gpu_presets_stay_when_cuda_is_there(gate, tmp_path):
+    from ci.local import local_env
+
+    assert local_env(gate, out=tmp_path, cuda=True)["RTV_PRESET"] == "gpu"
+    assert local_env(gate, out=tmp_path, cuda=False)["RTV_PRESET"] == "cpu"
+
+
+@pytest.mark.slow
+def test_local_runs_the_gate_for_real_on_cpu(gate, stubs, tmp_path: Path):
+    from ci.local import run_local
+
+    out = tmp_path / "out"
+    assert run_local(gate, out=out, cuda=False, echo=print) == 0  # RTV_VENV: the venv running this test
+    assert len(list(out.rglob("*.json"))) >= 3 and list(out.rglob("report/index.md"))

