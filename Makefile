@@ -21,7 +21,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || \
 		$(PY) -m pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
-	$(PY) -m pip install -e '.[test,harness]'
+	$(PY) -m pip install -e '.[test,harness,ci]'
 	touch $@
 
 run: install

@@ -67,16 +67,17 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _receipts(args: argparse.Namespace) -> int:
-    from reports.tables import load_records
+    from reports.records import load_records
 
     from .receipts import KIND
 
     if not args.in_dir.is_dir():
         raise SetupError(f"{args.in_dir} is not a folder", fix="pass --in DIR (default ./rtv-out)")
-    receipts = [r for r in load_records(args.in_dir) if r.kind == KIND]
+    # A tampered receipt no longer verifies, so its kind is unknown: its file name still says what it was.
+    receipts = [r for r in load_records(args.in_dir) if r.kind == KIND or r.path.name.startswith(f"{KIND}-")]
     for r in receipts:
-        m = r.measurements
-        cost = m.get("cost", {}).get("estimate")
+        m = r.record.get("measurements", {})
+        cost = m.get("cost", {}).get("estimate", "?")
         print(f"{r.record.get('created', '?')[:19]}  {m.get('cluster', '?'):32} {m.get('outcome', r.status):18} "
               f"absence {m.get('absence', '?'):9} {m.get('gpu_minutes', 0):8.1f} GPU-min  "
               f"{cost if isinstance(cost, str) else f'${cost:.2f}'}  {r.path}  [{r.integrity}]")

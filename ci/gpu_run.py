@@ -11,8 +11,7 @@ line may). It refuses, with exit 2 and the reason (contract §11):
 logical-rank parts use). Each canary in ``canaries.registry.CANARIES`` runs
 through ``Canary.run(preset, "default", run_dir)``; a canary that raises is
 reported and the others still run. Exit 1 if an enforced canary's evidence
-does not say passed (records under a deliberate bug pass when caught, as
-in the report), else 0.
+does not say passed, else 0.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def run_gpu_preset(preset: str, nproc: int, out: Path, *, environ: dict[str, str
         return error.exit_code
     from canaries.registry import CANARIES
     from reports import render_report
-    from reports.tables import load_records
+    from validation.evidence import verify
 
     environ[NPROC_ENV] = str(nproc)
     run_dir = Path(out) / f"run-{preset}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
@@ -70,9 +69,9 @@ def run_gpu_preset(preset: str, nproc: int, out: Path, *, environ: dict[str, str
             traceback.print_exc()
             failed.append(f"{canary.name} raised {type(error).__name__}")
             continue
-        (loaded,) = load_records([path])
-        echo(f"{loaded.status.upper()}  {canary.name}: {path}")
-        if canary.enforced and loaded.status not in ("passed", "caught"):
+        passed = bool(verify(path)["passed"])
+        echo(f"{'PASSED' if passed else 'FAILED'}  {canary.name}: {path}")
+        if canary.enforced and not passed:
             failed.append(canary.name)
     report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run --preset {preset}")
     echo(f"report: {report.markdown}")

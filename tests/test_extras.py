@@ -64,9 +64,23 @@ def test_the_harness_extra_carries_every_runtime_import_of_the_harness() -> None
     assert not missing, f"add these to the `harness` extra in pyproject.toml: {missing}"
 
 
-def test_the_test_extra_adds_only_the_test_runner() -> None:
-    assert _declared("test") <= {"pytest", "pytest-xdist"}
-    assert not _declared("test") & _declared("harness")
+def distributions_imported(folders: list[Path]) -> set[str]:
+    """Distributions providing the third-party imports under ``folders``."""
+    distributions = packages_distributions()
+    return {
+        d.lower().replace("_", "-")
+        for folder in folders
+        for name in imported_modules(folder)
+        for d in distributions.get(name, [name])
+    }
+
+
+def test_the_test_extra_holds_only_what_tests_need() -> None:
+    """``test`` = the runner plus tools only tests use (a browser driver, a workflow linter), never a runtime need."""
+    test_only = _declared("test")
+    assert {"pytest", "pytest-xdist"} <= test_only
+    assert not test_only & _declared("harness")
+    assert not test_only & distributions_imported([ROOT / p for p in HARNESS_PACKAGES])
 
 
 def test_the_scan_reports_an_undeclared_import(tmp_path: Path) -> None:

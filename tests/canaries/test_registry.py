@@ -16,7 +16,9 @@ from validation.errors import SetupError
 def test_each_registered_canary_has_the_registry_entry_point(name: str) -> None:
     entry = CANARIES[name]
     run = importlib.import_module(entry.module).run
-    assert list(inspect.signature(run).parameters) == ["preset", "profile", "out_dir"]
+    parameters = list(inspect.signature(run).parameters.values())
+    assert [p.name for p in parameters[:3]] == ["preset", "profile", "out_dir"]
+    assert all(p.default is not inspect.Parameter.empty for p in parameters[3:]), "extras must be optional"
     assert inspect.signature(run).return_annotation in (Path, "Path")
     assert entry.summary and canary(name) is entry
 

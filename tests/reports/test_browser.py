@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from validation.browser import check_page, find_browser
+from tests.reports.browser import check_page, find_browser
 from validation.errors import SetupError
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SetupError
+from validation.errors import SetupError
 
 __all__ = ["Browser", "PageCheck", "find_browser", "check_page"]
 
