@@ -238,7 +238,8 @@ class _Comm:
         size = torch.zeros(1, dtype=torch.int64)
         try:
             dist.irecv(size, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
-            data = torch.empty(int(size), dtype=torch.uint8)
+            buffer = bytearray(int(size))  # pickles are never empty; irecv writes into it
+            data = torch.frombuffer(buffer, dtype=torch.uint8)
             dist.irecv(data, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise PeerError(
@@ -247,7 +248,7 @@ class _Comm:
                 command=label,
                 peer=peer,
             ) from exc
-        return pickle.loads(data.numpy().tobytes())
+        return pickle.loads(buffer)
 
     # tensors -----------------------------------------------------------------------------
 

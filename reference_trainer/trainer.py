@@ -86,10 +86,9 @@ class BackwardReport:
         return [r for r in self.records if r.correction is not None]
 
 
-def _token_key(batch: PaddedBatch, row: int) -> bytes:
+def _token_key(batch: PaddedBatch, row: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     length = batch.lengths[row]
-    ids = batch.input_ids[row, :length].cpu().numpy().tobytes()
-    return ids + b"|" + batch.targets[row, :length].cpu().numpy().tobytes()
+    return tuple(batch.input_ids[row, :length].tolist()), tuple(batch.targets[row, :length].tolist())
 
 
 class Trainer:
