@@ -35,8 +35,8 @@ from unittest import mock
 
 import torch
 
-import reference_trainer as rt
-from reference_trainer import trainer as trainer_module
+from reference_trainer import corrections as corrections_module
+from reference_trainer import residency as residency_module
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.ranks import LogicalRank
@@ -83,24 +83,17 @@ def _stale_weights() -> Iterator[None]:
 @contextlib.contextmanager
 def _replay_without_rng() -> Iterator[None]:
     """Replay re-runs the forward with whatever RNG state is current (other dropout masks)."""
-    original = trainer_module.Trainer._replay
-
-    def replay(self: rt.Trainer, record: Any) -> torch.Tensor:
-        with mock.patch.object(trainer_module, "restored_forward_state", lambda state: contextlib.nullcontext()):
-            return original(self, record)
-
-    with mock.patch.object(trainer_module.Trainer, "_replay", replay):
+    with mock.patch.object(residency_module, "restored_forward_state", lambda state, model: contextlib.nullcontext()):
         yield
 
 
-def _publish_without_rollback(self: GradientTransaction, confirm: Callable[[], None] | None = None) -> None:
+def _publish_without_rollback(self: GradientTransaction) -> None:
     """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
     for index, staged in enumerate(self._staged.values()):
         old = self._sink.current(staged.checkpoint, staged.name)
         testing.maybe_fail("publish", index)
         self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
-    if confirm is not None:
-        confirm()
+    self.agree(None)
     for name, origins in self._origins.items():
         self._sink.record_origins(self._checkpoints(name), origins)
     self.discard()
@@ -130,14 +123,8 @@ def _staleness_off_by_one() -> Iterator[None]:
 @contextlib.contextmanager
 def _correct_fresh_records() -> Iterator[None]:
     """The importance correction treats fresh records (staleness 0) as stale."""
-    original = trainer_module.Trainer._correct
-    real_staleness = trainer_module.staleness
-
-    def correct(self: rt.Trainer, record: Any, cotangent: torch.Tensor) -> Any:
-        with mock.patch.object(trainer_module, "staleness", lambda c, v: max(1, real_staleness(c, v))):
-            return original(self, record, cotangent)
-
-    with mock.patch.object(trainer_module.Trainer, "_correct", correct):
+    real_staleness = corrections_module.staleness
+    with mock.patch.object(corrections_module, "staleness", lambda c, v: max(1, real_staleness(c, v))):
         yield
 
 

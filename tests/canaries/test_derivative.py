@@ -20,7 +20,7 @@ import reference_trainer as rt
 from canaries import derivative
 from canaries.oracle_harness import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset
-from reference_trainer.trainer import Trainer
+from reference_trainer import trainer as trainer_module
 from validation.evidence import verify
 from validation.oracle import OracleTrainer, plain_gradients, relative_error, snapshot_weights
 
@@ -48,12 +48,12 @@ def test_ci_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pyt
 
 
 def _gradients_off_by_a_tenth_of_a_percent():
-    original = Trainer._model_backward
+    original = trainer_module.record_backward
 
-    def model_backward(self, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
-        return {n: g * 1.001 for n, g in original(self, record, cotangent, retain_graph).items()}
+    def record_backward(model, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
+        return {n: g * 1.001 for n, g in original(model, record, cotangent, retain_graph).items()}
 
-    return mock.patch.object(Trainer, "_model_backward", model_backward)
+    return mock.patch.object(trainer_module, "record_backward", record_backward)
 
 
 def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:

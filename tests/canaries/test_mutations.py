@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import reference_trainer as rt
 from canaries import mutations
 from canaries.mutations import MUTATIONS, Mutation, judge_mutation, mutation, run_mutations
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
@@ -61,19 +60,19 @@ def test_an_inapplicable_mutation_is_listed_not_passed(tmp_path: Path) -> None:
 
 
 def test_mutations_patch_only_inside_their_block() -> None:
+    from reference_trainer import commit, corrections, residency, rng, staleness, trainer
+
     originals = (Checkpoint._copy_on_write, WeightCapture.check_ledger, GradientTransaction.publish,
-                 rt.Trainer._correct, rt.Trainer._replay, LogicalRank.global_token_count)
+                 corrections.staleness, residency.restored_forward_state, LogicalRank.global_token_count)
     for m in MUTATIONS.values():
         if m.inject is None:
             continue
         with m.apply():
             pass
     assert (Checkpoint._copy_on_write, WeightCapture.check_ledger, GradientTransaction.publish,
-            rt.Trainer._correct, rt.Trainer._replay, LogicalRank.global_token_count) == originals
-    from reference_trainer import commit, rng, staleness, trainer
-
+            corrections.staleness, residency.restored_forward_state, LogicalRank.global_token_count) == originals
     assert trainer.check_age is staleness.check_age is commit.check_age
-    assert trainer.restored_forward_state is rng.restored_forward_state
+    assert residency.restored_forward_state is rng.restored_forward_state
 
 
 def test_memory_mutations_are_injected_by_the_memory_canary_and_names_are_checked() -> None:

@@ -31,7 +31,7 @@ class Witness:
         self.watched = [("logical batch", weakref.ref(batch))]
         for index, output in enumerate(batch.outputs):
             self.watched.append((f"output {index}", weakref.ref(output.target_logprobs)))
-            record = self.trainer._records.get(output.record_id)
+            record = self.trainer.records.get(output.record_id)
             if record is not None:  # pending graphs: the record and its graph root
                 self.watched.append((f"graph record {record.id}", weakref.ref(record)))
                 self.watched.append((f"graph root of record {record.id}", weakref.ref(record.root)))

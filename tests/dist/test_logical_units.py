@@ -17,7 +17,7 @@ import reference_trainer as rt
 from reference_trainer.ranks import (
     LogicalLayout,
     PeerError,
-    _Failure,
+    PeerFailure,
     logical_gradients,
     ordered_sum,
     run_logical,
@@ -194,7 +194,7 @@ def test_optim_step_sums_logical_buffers_into_grad_in_logical_order() -> None:
 
 def test_failure_rebuilds_the_same_type_message_and_attributes() -> None:
     original = rt.StaleGradientError("policy", 3, 2, 1, 4)  # a constructor that does not take its message
-    rebuilt = _Failure.of(original, "logical rank 5 (physical rank 1)", 5).rebuild()
+    rebuilt = PeerFailure.of(original, "logical rank 5 (physical rank 1)", 5).rebuild()
     assert type(rebuilt) is rt.StaleGradientError and str(rebuilt) == str(original)
     assert (rebuilt.checkpoint, rebuilt.staleness, rebuilt.bound, rebuilt.forward_revision, rebuilt.current_revision) == (
         "policy", 3, 2, 1, 4

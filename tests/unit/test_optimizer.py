@@ -175,8 +175,8 @@ def test_checkpoint_without_gradients_is_skipped_while_another_steps() -> None:
     _commit(trainer, seed=50, checkpoint="a")
     report = trainer.optim_step()
     assert set(report.checkpoints) == {"a", "b"}
-    assert report["a"] == rt.CheckpointStep(True, None, report["a"].grad_norm, False, 1)
-    assert report["b"] == rt.CheckpointStep(False, "no gradients", None, False, 0)
+    assert report["a"] == rt.CheckpointStep(stepped=True, reason=None, grad_norm=report["a"].grad_norm, clipped=False, revision=1)
+    assert report["b"] == rt.CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=0)
     assert trainer.checkpoint("a").revision == 1 and trainer.checkpoint("b").revision == 0
     _assert_params_equal(trainer, b_before, "b")
     assert trainer.checkpoint("b").state_dict()["optimizer"]["state"] == {}, "b's AdamW never stepped"
