@@ -339,6 +339,33 @@ def zero_fault(rank: int) -> dict[str, Any]:
 # --- dead and silent peers -----------------------------------------------------------------
 
 
+def pending_then_load(rank: int) -> dict[str, Any]:
+    """Logical-rank gradients pending (W=2, L=2): load refuses, discard drops them, training goes on."""
+    trainer = make_trainer("full")
+    state = trainer.checkpoint(POLICY).state_dict()
+
+    def body(view: Any) -> None:
+        items, advantages = micro_batch(0, view.logical_rank)
+        view.backward(rank_loss(view.forward(items), advantages, 10))
+
+    run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    facts: dict[str, Any] = {"pending": {lr: len(g) for lr, g in logical_gradients(trainer).items()}}
+    try:
+        trainer.load_checkpoint(POLICY, state)
+        facts["busy"] = None
+    except Exception as exc:
+        facts["busy"] = error_facts(exc)
+    trainer.load_checkpoint(POLICY, state, discard_graphs=True)
+    facts["after_discard"] = {lr: len(g) for lr, g in logical_gradients(trainer).items()}
+    step = trainer.optim_step()[POLICY]
+    facts["discarded_step"] = (step.stepped, step.reason, step.revision)
+    run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    step = trainer.optim_step(checkpoints=[POLICY, POLICY])[POLICY]
+    facts["next_step"] = (step.stepped, step.reason, step.revision)
+    facts["params"] = params(trainer)
+    return facts
+
+
 def hung_peer(rank: int) -> dict[str, Any]:
     """Physical rank 1 stalls in its fn past the timeout: rank 0 must name it instead of waiting."""
     trainer = make_trainer("full")
@@ -406,6 +433,7 @@ def two_process_suite() -> dict[str, Any]:
             "rank-stale": lambda: rank_stale(rank),
             "rank-user-error": lambda: rank_user_error(rank),
             "zero-fault": lambda: zero_fault(rank),
+            "pending-then-load": lambda: pending_then_load(rank),
         }
     )
     everyone: list[Any] = [None] * dist.get_world_size()

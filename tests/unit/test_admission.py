@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 
 import reference_trainer as rt
+from reference_trainer.admission import DEVICE_MARGIN_FRACTION
 from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
+from reference_trainer.testing import substitute_device_capacity
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
 from validation.memory import StorageCensus
@@ -142,3 +145,65 @@ def test_a_refused_forward_call_leaves_no_record_of_its_earlier_groups() -> None
         trainer.forward([fits, refused], options=NO_CORRECTION)
     assert trainer.live_records() == 0, "one call is all or nothing, even while the error is held"
     del info
+
+
+# --- the default device limit (memory_limit_bytes=None) -------------------------------------
+
+# A device whose capacity, less the documented margin, is DEVICE_LIMIT.
+CAPACITY = round(DEVICE_LIMIT / (1 - DEVICE_MARGIN_FRACTION))
+
+
+def test_default_limit_under_a_substituted_capacity_offloads_or_replays_and_stays_under_it() -> None:
+    calls = []
+
+    def capacity(device: torch.device) -> int:
+        calls.append(device)
+        return CAPACITY
+
+    with substitute_device_capacity(capacity):
+        trainer = make_trainer("lora", dropout=0.1, host_memory_limit_bytes=HOST_LIMIT)
+    assert calls == [trainer.device], "the capacity is read once, at construction, for the trainer's device"
+    assert 0.9 * CAPACITY <= trainer.memory_limit_bytes < CAPACITY, "a margin of a few percent is kept"
+    census = StorageCensus()
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())
+    placements = _run(trainer, census)
+    assert placements[0] == "retain" and set(placements[1:]) & {"offload", "replay"}, placements
+    assert 0 < census.peak_device <= trainer.memory_limit_bytes, census.peak_device
+
+
+def test_default_limit_refuses_when_nothing_fits_the_capacity() -> None:
+    with substitute_device_capacity(10_000):
+        trainer = make_trainer("lora", dropout=0.1)
+    with pytest.raises(rt.MemoryAdmissionError) as info:
+        _forward(trainer, 0)
+    assert info.value.limit_bytes == trainer.memory_limit_bytes < 10_000
+    assert trainer.live_records() == 0
+
+
+def test_an_explicit_limit_wins_over_the_capacity() -> None:
+    with substitute_device_capacity(10_000):
+        trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=10**9)
+    assert trainer.memory_limit_bytes == 10**9
+    assert _forward(trainer, 0)[0].placement == "retain"
+
+
+def test_cpu_default_stays_unbounded() -> None:
+    trainer = make_trainer("lora", dropout=0.1)
+    assert trainer.device.type == "cpu" and trainer.memory_limit_bytes is None
+    outs = [_forward(trainer, seed) for seed in range(5)]
+    assert {o[0].placement for o in outs} == {"retain"}
+
+
+def test_a_retained_record_demoted_to_host_reports_offload_at_backward() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    outs = [_forward(trainer, seed) for seed in range(5)]
+    demoted = sum(int(m.group(1)) for o in outs if (m := re.search(r"demoted (\d+) pending", o[0].decision.reason)))
+    assert demoted >= 1, [o[0].decision.reason for o in outs]
+    became = []
+    for out in outs:
+        (record,) = trainer.backward(-sum(o.target_logprobs.sum() for o in out)).records
+        became.append((out[0].placement, record.placement))
+    # Demotion takes the oldest retained records first: exactly those now report what they became.
+    retained = [i for i, (at_forward, _) in enumerate(became) if at_forward == "retain"]
+    assert [became[i][1] for i in retained[:demoted]] == ["offload"] * demoted, became
+    assert [became[i][1] for i in retained[demoted:]] == ["retain"] * (len(retained) - demoted), became

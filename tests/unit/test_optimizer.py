@@ -208,6 +208,17 @@ def test_selected_checkpoints_step_alone() -> None:
     assert trainer.optim_step(checkpoints=["b"])["b"].revision == 1
 
 
+def test_a_checkpoint_named_twice_steps_once_per_call() -> None:
+    trainer = _trainer("full")
+    reference = _Reference(trainer)
+    _commit(trainer, seed=62)
+    reference.step(trainer)
+    report = trainer.optim_step(checkpoints=["policy", "policy"])
+    assert list(report.checkpoints) == ["policy"] and report["policy"].revision == 1
+    assert trainer.checkpoint("policy").revision == 1
+    _assert_params_equal(trainer, {n: p.detach() for n, p in reference.params.items()})  # one AdamW step
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [

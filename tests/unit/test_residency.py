@@ -162,3 +162,19 @@ def test_base_forwards_are_deterministic_reference_log_probs() -> None:
     b = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE).target_logprobs
     assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), rng)
     assert trainer.model.training, "the model's mode is restored"
+
+
+@pytest.mark.parametrize("placement", ["replay", "offload"])
+def test_a_backward_after_the_model_went_to_eval_differentiates_the_forwards_train_mode(placement: str) -> None:
+    """The mode is part of the forward's state: replay restores it, and the caller's mode is left alone."""
+    grads = {}
+    for label, options in (("retain, mode kept", _options("retain")), (placement, _options(placement))):
+        trainer = make_trainer("full", dropout=0.2)
+        torch.manual_seed(3)
+        out = trainer.forward(rt.ForwardInput(*sequence(4)), options=options)
+        trainer.model.eval()
+        trainer.backward(-(out.target_logprobs * advantages(4)).sum())
+        assert not trainer.model.training, f"{label}: the backward changed the caller's mode"
+        grads[label] = {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
+    for name, expected in grads["retain, mode kept"].items():
+        assert expected.abs().sum() > 0 and torch.equal(grads[placement][name], expected), name
