@@ -177,7 +177,9 @@ class Admission:
                 refusal = refusal or error
                 continue
             reason = result.reason + (f"; demoted {count} pending retained record(s) to host" if count else "")
-            decision = PlacementDecision(result.placement.value, result.predicted_peak_bytes, reason)
+            decision = PlacementDecision(
+                placement=result.placement.value, predicted_bytes=result.predicted_peak_bytes, reason=reason
+            )
             return decision, cost, demotable[:count]
         raise refusal
 

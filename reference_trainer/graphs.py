@@ -43,6 +43,7 @@ __all__ = [
     "RecordTable",
     "base_logprobs",
     "check_token_range",
+    "cotangents_by_record",
     "flatten_inputs",
     "output_cotangents",
     "record_cotangent",
@@ -99,7 +100,7 @@ def _describe(value: object) -> object:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlacementDecision:
     """Where a forward keeps what its backward needs, and why."""
 
@@ -108,7 +109,7 @@ class PlacementDecision:
     reason: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardOutput:
     """What a forward returns for one input.
 
@@ -274,7 +275,20 @@ def base_logprobs(model: DecoderLM, flat: list[ForwardInput], device: torch.devi
             logprobs = run_model(model, None, None, batch)
     finally:
         model.train(training)
-    return [ForwardOutput(logprobs[row, :length].clone(), None, "none") for row, length in enumerate(batch.lengths)]
+    return [
+        ForwardOutput(target_logprobs=logprobs[row, :length].clone(), version=None, placement="none")
+        for row, length in enumerate(batch.lengths)
+    ]
+
+
+def cotangents_by_record(
+    leaves: list[torch.Tensor], cotangents: Sequence[torch.Tensor | None]
+) -> dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """``(output leaf, its cotangent)`` pairs grouped by the record id each leaf is tagged with (Rule 2)."""
+    grouped: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for leaf, cotangent in zip(leaves, cotangents):
+        grouped.setdefault(leaf._rt_record_id, []).append((leaf, cotangent))
+    return grouped
 
 
 def record_cotangent(record: ForwardRecord, leaves: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
@@ -317,7 +331,14 @@ class RecordTable:
             leaf._rt_record_id, leaf._rt_row = record.id, row
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
             outputs.append(
-                ForwardOutput(leaf, record.version, record.decision.placement, record.decision, record.id, record.usage)
+                ForwardOutput(
+                    target_logprobs=leaf,
+                    version=record.version,
+                    placement=record.decision.placement,
+                    decision=record.decision,
+                    record_id=record.id,
+                    usage=record.usage,
+                )
             )
         record.live_outputs = len(outputs)
         self._records[record.id] = record

@@ -34,6 +34,7 @@ from .graphs import (
     RecordTable,
     base_logprobs,
     check_token_range,
+    cotangents_by_record,
     flatten_inputs,
     output_cotangents,
     record_cotangent,
@@ -322,9 +323,7 @@ class Trainer:
         leaves, records = self.records.consumed_by(loss)
         cotangents = output_cotangents(loss, leaves, retain_graph)
         self._admit_backward(records)
-        by_record: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {r.id: [] for r in records}
-        for leaf, cotangent in zip(leaves, cotangents):
-            by_record[leaf._rt_record_id].append((leaf, cotangent))
+        by_record = cotangents_by_record(leaves, cotangents)
         return records, [self._backward_record(r, by_record[r.id], transaction, retain_graph) for r in records]
 
     def _admit_backward(self, records: list[ForwardRecord]) -> None:

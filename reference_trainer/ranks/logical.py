@@ -1,6 +1,6 @@
 """The entry points of logical data parallelism: ``run_logical``, the rank-mode view, ``logical_gradients``.
 
-NOTE [Logical ranks] (in ``ranks/__init__.py``) holds the rules; Rule 2
+The rules are NOTE [Logical ranks] in ``ranks/__init__.py``; Rules 2
 (fibers), 3 (rounds) and 5 (gradients) are what this module wires up: the
 trainer's logical-rank state lives on the trainer itself
 (``trainer.rank_gradients``), so there is no registry of trainers here.

@@ -1,6 +1,6 @@
 """Rounds: at every collective point all processes exchange what each hosted logical rank asked for.
 
-NOTE [Logical ranks] Rules 3 and 6, in ``ranks/__init__.py``: every process
+By Rules 3 and 6 of NOTE [Logical ranks] (``ranks/__init__.py``), every process
 runs its fibers to their next collective point (each on its own RNG stream,
 Rule 2), then all processes exchange the requests and act together (a
 reduce, a backward's agreement), or fail every logical rank the same way.

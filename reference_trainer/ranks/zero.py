@@ -1,6 +1,6 @@
 """Zero mode: rank 0's ``fn`` drives every logical rank; the other processes serve its commands.
 
-NOTE [Logical ranks] Rule 7, in ``ranks/__init__.py``: rank 0 sends each command to
+By Rule 7 of NOTE [Logical ranks] (``ranks/__init__.py``), rank 0 sends each command to
 every process and all of them execute it. ``forward`` spreads the inputs over
 the logical ranks and gives rank 0 leaf copies of every output; ``backward``
 computes the outputs' cotangents on rank 0 and each logical rank
@@ -256,7 +256,7 @@ class ZeroSession:
             state.proxies[handle] = weakref.ref(proxy)
             state.owners[handle] = next(logical_rank for logical_rank, c in enumerate(chunks) if handle - header["first"] in c)
             weakref.finalize(proxy, state.dropped.append, handle)
-            results.append(ForwardOutput(proxy, version, placement, decision))
+            results.append(ForwardOutput(target_logprobs=proxy, version=version, placement=placement, decision=decision))
         return results
 
     def _backward(self, header: dict, cotangents: torch.Tensor | None) -> BackwardReport | None:
