@@ -37,7 +37,7 @@ from .graphs import ForwardRecord
 from .sinks import GradientSink
 from .staleness import check_age
 
-__all__ = ["Coordinator", "GradientTransaction"]
+__all__ = ["Coordinator", "GradientTransaction", "all_finite"]
 
 
 class Coordinator(Protocol):
@@ -56,7 +56,7 @@ class _Staged:
     value: torch.Tensor
 
 
-def _all_finite(value: torch.Tensor) -> bool:
+def all_finite(value: torch.Tensor) -> bool:
     """True iff every element is finite.
 
     A finite sum proves it (NaN and infinities propagate through a sum) at a
@@ -133,7 +133,7 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
-            if not _all_finite(value):
+            if not all_finite(value):
                 raise GradientCommitError(
                     f"{where}: expected a finite gradient, found non-finite values; "
                     "check the loss and its cotangents (nothing was committed)"
@@ -153,7 +153,7 @@ class GradientTransaction:
         for staged in self._staged.values():
             old = self._sink.current(staged.checkpoint, staged.name)
             new = staged.value if old is None else old + staged.value
-            if old is not None and not _all_finite(new):
+            if old is not None and not all_finite(new):
                 raise GradientCommitError(
                     f"checkpoint {staged.checkpoint.name!r} parameter {staged.name!r}: the accumulated "
                     "gradient overflows to non-finite values; expected a finite sum. Step or zero_grad "
