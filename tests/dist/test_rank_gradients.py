@@ -103,3 +103,23 @@ def test_two_processes_refuse_a_load_over_pending_buffers_and_go_on_after_a_disc
         assert facts["next_step"] == (True, None, 1)
         for name, value in single["params"].items():
             assert np.array_equal(facts["params"][name], value.numpy()), f"rank {rank}: {name} differs from W=1"
+
+
+def test_optim_step_validates_every_buffered_origin_before_any_grad_changes() -> None:
+    """NOTE [Staleness] Rule 4 for buffers: an invalid buffered origin fails the step with .grad untouched.
+
+    Through the API an origin cannot go bad while buffered (load refuses, every
+    step flushes first), so an origin of another generation is written into a
+    buffer by hand.
+    """
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer)
+    checkpoint = trainer.checkpoint(ds.POLICY)
+    replaced = rt.CheckpointVersion(ds.POLICY, checkpoint.generation + 1, checkpoint.revision)
+    trainer.rank_gradients.buffers[1].record_origins(checkpoint, {(replaced, 2)})
+    buffers = logical_gradients(trainer)
+    with pytest.raises(rt.CheckpointReplacedError):
+        trainer.optim_step()
+    assert not checkpoint.has_gradients() and checkpoint.revision == 0, "a refused step changed the checkpoint"
+    after = logical_gradients(trainer)
+    assert all(torch.equal(buffers[r][k], after[r][k]) for r in buffers for k in buffers[r]), "a refused step changed a buffer"
