@@ -207,3 +207,19 @@ def test_a_retained_record_demoted_to_host_reports_offload_at_backward() -> None
     retained = [i for i, (at_forward, _) in enumerate(became) if at_forward == "retain"]
     assert [became[i][1] for i in retained[:demoted]] == ["offload"] * demoted, became
     assert [became[i][1] for i in retained[demoted:]] == ["retain"] * (len(retained) - demoted), became
+
+
+def test_a_retained_tensor_modified_in_place_is_still_refused_after_its_record_is_demoted() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    stash: list[torch.Tensor] = []
+    hook = trainer.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: stash.append(o))
+    first = _forward(trainer, 0)
+    hook.remove()
+    with torch.no_grad():
+        stash[0].mul_(3.0)  # SwiGLU saved this for backward
+    later = [_forward(trainer, seed) for seed in range(1, 5)]
+    assert first[0].placement == "retain" and trainer.records.get(first[0].record_id).placement == "offload"
+    with pytest.raises(rt.GradientCommitError, match="modified in place"):
+        trainer.backward(-sum(o.target_logprobs.sum() for o in first))
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+    del later
