@@ -223,3 +223,19 @@ def test_a_retained_tensor_modified_in_place_is_still_refused_after_its_record_i
         trainer.backward(-sum(o.target_logprobs.sum() for o in first))
     assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
     del later
+
+
+def test_records_of_one_version_share_one_weight_snapshot_in_the_prediction() -> None:
+    """A second pending record of the same version adds its own bytes, not another weight snapshot."""
+    trainer = make_trainer("full", dropout=0.0)
+    snapshot = sum(p.numel() * p.element_size() for p in trainer.checkpoint("policy").parameters())
+    retain = rt.ForwardOptions(backward_state="retain", corrections=())
+    item = rt.ForwardInput(*sequence(1, length=3))  # short: its saved bytes are well below the snapshot
+    outs = [trainer.forward(item, options=retain) for _ in range(3)]  # the first one measures the saved bytes
+    same_version = outs[2].decision.predicted_bytes - outs[1].decision.predicted_bytes
+    assert 0 < same_version < snapshot, (same_version, snapshot)
+    trainer.backward(outs[0].target_logprobs.sum())
+    trainer.optim_step()  # a new version: its snapshot is counted again
+    new_version = trainer.forward(item, options=retain).decision.predicted_bytes - outs[2].decision.predicted_bytes
+    assert new_version >= snapshot, (new_version, snapshot)
+    del outs
