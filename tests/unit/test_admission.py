@@ -239,3 +239,21 @@ def test_records_of_one_version_share_one_weight_snapshot_in_the_prediction() ->
     new_version = trainer.forward(item, options=retain).decision.predicted_bytes - outs[2].decision.predicted_bytes
     assert new_version >= snapshot, (new_version, snapshot)
     del outs
+
+
+def _offloaded_then_quantized(limit: int | None, placement: str) -> tuple[list, rt.Trainer, list[rt.ForwardOutput]]:
+    """A pending offloaded record, then the model marked quantized, then a forward under ``placement``."""
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit)
+    pending = _forward(trainer, 0, backward_state="offload")
+    rt.mark_quantized_saved_state(trainer.model.model.layers[0].mlp)
+    return pending, trainer, _forward(trainer, 1, backward_state=placement, allow_replay=False)
+
+
+def test_auto_never_offloads_quantized_saved_state() -> None:
+    """Offload would fit where retain does not, but quantized state cannot be restored: refused at admission."""
+    _, _, offload = _offloaded_then_quantized(None, "offload")
+    _, _, retain = _offloaded_then_quantized(None, "retain")
+    low, high = offload[0].decision.predicted_bytes, retain[0].decision.predicted_bytes
+    assert low < high, (low, high)
+    with pytest.raises(rt.MemoryAdmissionError):
+        _offloaded_then_quantized((low + high) // 2, "auto")
