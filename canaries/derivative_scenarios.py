@@ -85,6 +85,14 @@ def _faults(h: DerivativeHarness) -> None:
     h.step()
 
 
+def _non_finite(h: DerivativeHarness) -> None:
+    """A NaN loss is refused on a first backward (no gradient yet) and on an accumulating one."""
+    h.non_finite_backward(h.forward("retain", 2, False, [3], seed=55))
+    h.backward(h.forward("retain", 2, False, [3], seed=56))
+    h.non_finite_backward(h.forward("offload", 2, False, [3], seed=57))
+    h.step()
+
+
 def _save_load(h: DerivativeHarness) -> None:
     """Load refuses a busy checkpoint, starts a new generation with discard_graphs, and restores exactly."""
     saved = h.save()
@@ -127,6 +135,7 @@ SCENARIOS: dict[str, Callable[[DerivativeHarness], None]] = {
     "bounds": _bounds,
     "corrections": _corrections,
     "faults": _faults,
+    "non_finite": _non_finite,
     "save_load": _save_load,
     "drops": _drops,
     "stale_grid": _stale_grid,

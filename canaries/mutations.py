@@ -35,10 +35,11 @@ from unittest import mock
 import torch
 from tqdm import tqdm
 
-import reference_trainer as rt
+from reference_trainer import commit as commit_module
+from reference_trainer import corrections as corrections_module
+from reference_trainer import residency as residency_module
 from reference_trainer import staleness as staleness_module
 from reference_trainer import testing
-from reference_trainer import trainer as trainer_module
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.ranks import LogicalRank
@@ -87,24 +88,17 @@ def _stale_weights() -> Iterator[None]:
 @contextlib.contextmanager
 def _replay_without_rng() -> Iterator[None]:
     """Replay re-runs the forward with whatever RNG state is current (other dropout masks)."""
-    original = trainer_module.Trainer._replay
-
-    def replay(self: rt.Trainer, record: Any) -> torch.Tensor:
-        with mock.patch.object(trainer_module, "restored_forward_state", lambda state: contextlib.nullcontext()):
-            return original(self, record)
-
-    with mock.patch.object(trainer_module.Trainer, "_replay", replay):
+    with mock.patch.object(residency_module, "restored_forward_state", lambda state, model: contextlib.nullcontext()):
         yield
 
 
-def _publish_without_rollback(self: GradientTransaction, confirm: Callable[[], None] | None = None) -> None:
+def _publish_without_rollback(self: GradientTransaction) -> None:
     """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
     for index, staged in enumerate(self._staged.values()):
         old = self._sink.current(staged.checkpoint, staged.name)
         testing.maybe_fail("publish", index)
         self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
-    if confirm is not None:
-        confirm()
+    self.agree(None)
     for name, origins in self._origins.items():
         self._sink.record_origins(self._checkpoints(name), origins)
     self.discard()
@@ -113,6 +107,13 @@ def _publish_without_rollback(self: GradientTransaction, confirm: Callable[[], N
 @contextlib.contextmanager
 def _partial_commit() -> Iterator[None]:
     with mock.patch.object(GradientTransaction, "publish", _publish_without_rollback):
+        yield
+
+
+@contextlib.contextmanager
+def _commit_non_finite() -> Iterator[None]:
+    """The commit's validation no longer checks finiteness: a first backward of a NaN loss publishes NaN."""
+    with mock.patch.object(commit_module, "first_non_finite", lambda staged: None):
         yield
 
 
@@ -134,14 +135,8 @@ def _staleness_off_by_one() -> Iterator[None]:
 @contextlib.contextmanager
 def _correct_fresh_records() -> Iterator[None]:
     """The importance correction treats fresh records (staleness 0) as stale."""
-    original = trainer_module.Trainer._correct
-    real_staleness = trainer_module.staleness
-
-    def correct(self: rt.Trainer, record: Any, cotangent: torch.Tensor) -> Any:
-        with mock.patch.object(trainer_module, "staleness", lambda c, v: max(1, real_staleness(c, v))):
-            return original(self, record, cotangent)
-
-    with mock.patch.object(trainer_module.Trainer, "_correct", correct):
+    real_staleness = corrections_module.staleness
+    with mock.patch.object(corrections_module, "staleness", lambda c, v: max(1, real_staleness(c, v))):
         yield
 
 
@@ -178,6 +173,8 @@ MUTATIONS: dict[str, Mutation] = {
                  "masks)", "derivative", _replay_without_rng, needs_dropout=True),
         Mutation("partial_commit", "a failure during publication keeps the gradients already published (no "
                  "rollback)", "derivative", _partial_commit),
+        Mutation("commit_non_finite", "the commit's validation skips the finiteness check (a first NaN backward "
+                 "commits)", "derivative", _commit_non_finite),
         Mutation("staleness_off_by_one", "the staleness check admits bound + 1", "derivative", _staleness_off_by_one),
         Mutation("correct_fresh_records", "the importance correction is applied to fresh records", "derivative",
                  _correct_fresh_records),

@@ -219,6 +219,23 @@ class DerivativeHarness:
     def faulty_backward(self, chosen: Sequence[OutputRef], fault: str) -> None:
         self.backward(chosen, fault=fault)
 
+    def non_finite_backward(self, chosen: Sequence[OutputRef]) -> None:
+        """A NaN loss is refused at validation: ``GradientCommitError``, every ``.grad`` as it was (contract §4)."""
+        self._note(f"non_finite_backward(outputs={[r.number for r in chosen]})")
+        outs = [self.outputs[r.number] for r in chosen]
+        before = self._grads()
+        snapshot = {n: None if g is None else g.detach().clone() for n, g in before.items()}
+        loss = sum((o.leaf * o.advantages).sum() for o in outs) * float("nan")
+        with _caught() as raised:
+            self.trainer.backward(loss)
+        del loss
+        self._expect(bool(raised) and isinstance(raised[0], rt.GradientCommitError), "backward of a NaN loss",
+                     "GradientCommitError", type(raised[0]).__name__ if raised else "no error (committed)")
+        self._unchanged(before, snapshot, "a refused non-finite backward")
+        del outs
+        for ref in chosen:  # its model backward ran, so the record is released (NOTE [Forward records])
+            self.oracle.drop(self.outputs.pop(ref.number).oracle_record)
+
     def train_step(self, seed: int) -> None:
         """Move the weights on with other data (forward, backward, step, zero_grad), all checked."""
         refs = self.forward("retain", 0, False, [4], seed)

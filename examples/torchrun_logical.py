@@ -73,7 +73,7 @@ def train_zero_mode(logical_dp: int, steps: int) -> rt.Trainer:
     def fn(zero) -> None:  # runs on global rank 0 only; it drives every process
         pending: dict[int, tuple] = {}
         for step in range(steps):
-            batches = [micro_batch(step, lr) for lr in range(logical_dp)]
+            batches = [micro_batch(step, rank) for rank in range(logical_dp)]
             items = [item for batch, _ in batches for item in batch]
             outputs = zero.forward(items)  # spread over logical ranks, back in source order
             tokens = sum(int((item.targets() >= 0).sum()) for item in items)

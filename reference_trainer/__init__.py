@@ -6,7 +6,6 @@ This package imports nothing of the harness (``validation``, ``canaries``, ...).
 
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
 from .corrections import CorrectionStats
-from .batches import LogicalBatch, logical_batches
 from .errors import (
     CheckpointBusyError,
     CheckpointReplacedError,
@@ -21,7 +20,16 @@ from .errors import (
 from .graphs import ForwardInput, ForwardOutput, PlacementDecision
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
-from .ranks import LogicalLayout, LogicalRank, RankZero, init_distributed, logical_gradients, run_logical
+from .ranks import (
+    LogicalBatch,
+    LogicalLayout,
+    LogicalRank,
+    RankZero,
+    init_distributed,
+    logical_batches,
+    logical_gradients,
+    run_logical,
+)
 from .residency import mark_quantized_saved_state
 from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
 from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer

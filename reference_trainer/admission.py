@@ -1,9 +1,18 @@
-"""Memory admission for one trainer: what pending records hold, and the next forward's plan.
+"""Memory admission for one trainer: the device limit, what pending records hold, and the next forward's plan.
 
 The stateful half of planning (the pure half is ``planner.py``, NOTE [Memory
 admission]): it sums what pending records actually hold (measured by their
 saved-state ledgers), learns the model's saved bytes and forward speed from
-forwards that ran, and asks :func:`plan_placement` for the next forward.
+forwards that ran, asks :func:`plan_placement` for the next forward and
+demotes pending retained records when that makes it fit (Rule 6).
+
+The device limit: an explicit ``memory_limit_bytes`` wins. Otherwise, on
+CUDA, the trainer plans against the device's capacity as it sees it when it
+is built: :func:`device_capacity` (the free device memory), plus the bytes its
+own records already hold (none, at construction), minus a safety margin of
+``DEVICE_MARGIN_FRACTION`` of the capacity for the allocator's rounding and
+fragmentation and for kernels' workspaces the estimate does not see. On CPU
+the limit is ``None``: unbounded.
 """
 
 from __future__ import annotations
@@ -11,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
+from . import testing
 from .checkpoints import Checkpoint
 from .graphs import ForwardRecord, PlacementDecision
 from .errors import MemoryAdmissionError
@@ -26,13 +38,39 @@ from .planner import (
     plan_placement,
 )
 
-__all__ = ["Admission", "RecordUsage"]
+__all__ = ["Admission", "DEVICE_MARGIN_FRACTION", "RecordUsage", "default_device_limit", "device_capacity"]
 
 # Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
 _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
+DEVICE_MARGIN_FRACTION = 0.05
+"""Share of the device capacity the planner leaves unplanned (allocator rounding, fragmentation, kernel workspaces)."""
 
-@dataclass(frozen=True)
+
+def device_capacity(device: torch.device) -> int | None:
+    """Bytes the trainer may still allocate on ``device``: free CUDA memory, ``None`` (unbounded) elsewhere.
+
+    The one place the trainer reads the device's capacity; tests substitute it
+    with ``reference_trainer.testing.substitute_device_capacity``.
+    """
+    override = testing.capacity_override()
+    if override is not None:
+        return override(device)
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def default_device_limit(device: torch.device, held_bytes: int = 0) -> int | None:
+    """The device limit when ``memory_limit_bytes`` is ``None``: capacity + ``held_bytes`` - margin."""
+    capacity = device_capacity(device)
+    if capacity is None:
+        return None
+    return max(0, int((capacity + held_bytes) * (1.0 - DEVICE_MARGIN_FRACTION)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecordUsage:
     """What one pending record holds: on the device, on the host, and needs at backward.
 
@@ -49,11 +87,11 @@ class RecordUsage:
     def demoted(self) -> RecordUsage:
         """The same record once its retained saved bytes moved to host copies."""
         return RecordUsage(
-            self.saved_bytes,
-            self.snapshot_bytes,
-            self.device_bytes - self.saved_bytes,
-            self.host_bytes + self.saved_bytes,
-            self.workspace_bytes + self.saved_bytes,
+            saved_bytes=self.saved_bytes,
+            snapshot_bytes=self.snapshot_bytes,
+            device_bytes=self.device_bytes - self.saved_bytes,
+            host_bytes=self.host_bytes + self.saved_bytes,
+            workspace_bytes=self.workspace_bytes + self.saved_bytes,
         )
 
 
@@ -66,6 +104,22 @@ class Admission:
         self.host_limit = host_limit
         self._saved_scale: float | None = None  # measured / analytic saved bytes
         self._seconds_per_token: float | None = None
+
+    def plan(
+        self,
+        checkpoint: Checkpoint,
+        lengths: list[int],
+        options: ResolvedOptions,
+        pending: Iterable[ForwardRecord],
+        *,
+        quantized: bool,
+    ) -> tuple[PlacementDecision, ForwardCost]:
+        """Plan the next forward and demote the pending records that must make room for it first."""
+        decision, cost, demote = self.decide(checkpoint, lengths, options, pending, quantized=quantized)
+        for record in demote:
+            record.ledger.demote()
+            record.usage = record.usage.demoted()
+        return decision, cost
 
     def decide(
         self,
@@ -97,7 +151,7 @@ class Admission:
         if quantized and requested == "auto" and options.allow_replay:
             requested = "replay"  # quantized saved state can only be rebuilt (NOTE [Saved-state lifetime] 6)
         demotable = [
-            r for r in pending if r.residency is not None and r.residency.placement is Placement.RETAIN
+            r for r in pending if r.ledger is not None and r.ledger.placement is Placement.RETAIN
         ]
         reclaim = requested == "auto" and options.allow_offload
         refusal: MemoryAdmissionError | None = None
@@ -123,7 +177,9 @@ class Admission:
                 refusal = refusal or error
                 continue
             reason = result.reason + (f"; demoted {count} pending retained record(s) to host" if count else "")
-            decision = PlacementDecision(result.placement.value, result.predicted_peak_bytes, reason)
+            decision = PlacementDecision(
+                placement=result.placement.value, predicted_bytes=result.predicted_peak_bytes, reason=reason
+            )
             return decision, cost, demotable[:count]
         raise refusal
 
@@ -145,7 +201,7 @@ class Admission:
         per_token = seconds / (batch * seq_len)
         self._seconds_per_token = per_token if self._seconds_per_token is None else 0.5 * (self._seconds_per_token + per_token)
         saved = cost.saved_bytes
-        ledger = record.residency
+        ledger = record.ledger
         if ledger is not None:  # measured: keep the largest measured/analytic ratio (conservative)
             saved = ledger.device_bytes + ledger.host_bytes
             scale = saved / analytic_saved_bytes(self.config, batch, seq_len)

@@ -33,7 +33,7 @@ from .errors import ConfigError, GradientCommitError
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
 
-__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "WeightCapture", "BASE"]
+__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments"]
 
 
 class _Base:
@@ -75,6 +75,17 @@ class AdamWConfig:
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             raise ConfigError("AdamWConfig.betas", self.betas, "two numbers in [0, 1)")
         object.__setattr__(self, "betas", betas)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStep:
+    """What ``optim_step`` did to one checkpoint: stepped or why not, the gradient norm, clipped, the revision after."""
+
+    stepped: bool
+    reason: str | None
+    grad_norm: float | None
+    clipped: bool
+    revision: int
 
 
 @dataclass(eq=False)
@@ -168,6 +179,10 @@ class Checkpoint:
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from self._params.values()
 
+    def parameter(self, name: str) -> nn.Parameter:
+        """The live trainable parameter ``name`` (``KeyError`` if it has none of that name)."""
+        return self._params[name]
+
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self._params.values())
 
@@ -202,9 +217,6 @@ class Checkpoint:
 
     # --- optimizer ------------------------------------------------------------------
 
-    def grad_list(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params.values() if p.grad is not None]
-
     def clear_gradients(self) -> None:
         for param in self._params.values():
             param.grad = None
@@ -212,7 +224,7 @@ class Checkpoint:
             master.grad = None
         self.origins.clear()
 
-    def stepped_tensors(self) -> list[torch.Tensor]:
+    def _stepped_tensors(self) -> list[torch.Tensor]:
         """The tensors AdamW steps, each with its ``.grad`` set: FP32 parameters as they are,
         FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32."""
         for name, master in self._masters.items():
@@ -220,7 +232,7 @@ class Checkpoint:
             master.grad = None if grad is None else grad.float()
         return [self._masters.get(n, p) for n, p in self._params.items() if self._params[n].grad is not None]
 
-    def copy_back_clipped_gradients(self) -> None:
+    def _copy_back_clipped_gradients(self) -> None:
         """After clipping the masters' gradients, leave ``.grad`` clipped too, as for FP32 parameters."""
         with torch.no_grad():
             for name, master in self._masters.items():
@@ -228,8 +240,26 @@ class Checkpoint:
                 if grad is not None:
                     grad.copy_(master.grad)
 
-    def apply_step(self, lr: float | None) -> None:
-        """One AdamW step on the gradients of :meth:`stepped_tensors`; revision + 1."""
+    def step(self, lr: float | None, max_grad_norm: float | None) -> CheckpointStep:
+        """One AdamW step on the committed gradients, if any and if their norm is finite (clipped first)."""
+        if not self.has_gradients():
+            return CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision)
+        params = self._stepped_tensors()  # FP32: the live parameters; else FP32 masters
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not bool(torch.isfinite(norm)):
+            self.clear_gradients()
+            reason = f"non-finite gradient norm ({float(norm)}); gradients cleared"
+            return CheckpointStep(stepped=False, reason=reason, grad_norm=float(norm), clipped=False, revision=self.revision)
+        clipped = False
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+            self._copy_back_clipped_gradients()
+            clipped = bool(norm > max_grad_norm)
+        self._apply_step(lr)
+        return CheckpointStep(stepped=True, reason=None, grad_norm=float(norm), clipped=clipped, revision=self.revision)
+
+    def _apply_step(self, lr: float | None) -> None:
+        """One AdamW step on the gradients of :meth:`_stepped_tensors`; revision + 1."""
         self._copy_on_write()
         group = self._optimizer.param_groups[0]
         saved_lr = group["lr"]
@@ -337,6 +367,20 @@ class Checkpoint:
                     self._masters[name].copy_(masters.get(name, state["parameters"][name]))
         self.revision = state["revision"]
         self.generation = generation
+
+
+def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
+    """Raise ``ConfigError`` unless ``lr`` is None or finite >= 0 and ``max_grad_norm`` None or finite > 0."""
+    for label, value, allowed in (
+        ("lr", lr, "None or a finite number >= 0"),
+        ("max_grad_norm", max_grad_norm, "None or a finite number > 0"),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(label, value, allowed)
+        if label == "max_grad_norm" and value == 0:
+            raise ConfigError(label, value, allowed)
 
 
 def _clone_nested(value: Any) -> Any:

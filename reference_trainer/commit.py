@@ -12,8 +12,9 @@ NOTE [Gradient commit]
      already made are put back to the previous tensor objects.
   4. On any failure, staging is freed and the error is raised as a
      ``GradientCommitError``; existing gradients keep their values and objects.
-  5. Where gradients go is a *sink*: the live ``.grad`` fields by default, or a
-     logical rank's own buffer (contract §8), so staging is written once.
+  5. Where gradients go is a *sink* (``sinks.py``): the live ``.grad`` fields
+     by default, or a logical rank's own buffer (contract §8), so staging is
+     written once.
   6. With peers (logical ranks on several processes), a coordinator agrees
      once per backward: after local publication on success, or with the error
      on failure. A peer's failure rolls the local publication back, so every
@@ -22,8 +23,8 @@ NOTE [Gradient commit]
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,19 +33,11 @@ from torch import nn
 from . import testing
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
+from .graphs import ForwardRecord
+from .sinks import GradientSink
 from .staleness import check_age
 
-__all__ = ["Coordinator", "GradientSink", "LiveGradSink", "BufferGradSink", "GradientTransaction"]
-
-
-class GradientSink(Protocol):
-    """Where committed gradients live (Rule 5)."""
-
-    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None: ...
-
-    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None: ...
-
-    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None: ...
+__all__ = ["Coordinator", "GradientTransaction", "all_finite", "first_non_finite"]
 
 
 class Coordinator(Protocol):
@@ -55,46 +48,6 @@ class Coordinator(Protocol):
         ...
 
 
-class LiveGradSink:
-    """Commit into each live parameter's ``.grad``."""
-
-    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
-        return checkpoint._params[name].grad
-
-    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
-        checkpoint._params[name].grad = value
-
-    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None:
-        checkpoint.origins |= origins
-
-
-@dataclass
-class BufferGradSink:
-    """Commit into a private buffer (one per logical rank), summed into ``.grad`` later."""
-
-    grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    origins: dict[str, set[tuple[CheckpointVersion, int]]] = field(default_factory=dict)
-
-    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
-        return self.grads.get((checkpoint.name, name))
-
-    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
-        key = (checkpoint.name, name)
-        if value is None:
-            self.grads.pop(key, None)
-        else:
-            self.grads[key] = value
-
-    def record_origins(self, checkpoint: Checkpoint, origins: set[tuple[CheckpointVersion, int]]) -> None:
-        self.origins.setdefault(checkpoint.name, set()).update(origins)
-
-    def clear(self, checkpoint_name: str | None = None) -> None:
-        for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:
-            del self.grads[key]
-        for name in [n for n in self.origins if checkpoint_name in (None, n)]:
-            del self.origins[name]
-
-
 @dataclass
 class _Staged:
     checkpoint: Checkpoint
@@ -103,7 +56,7 @@ class _Staged:
     value: torch.Tensor
 
 
-def _all_finite(value: torch.Tensor) -> bool:
+def all_finite(value: torch.Tensor) -> bool:
     """True iff every element is finite.
 
     A finite sum proves it (NaN and infinities propagate through a sum) at a
@@ -113,7 +66,7 @@ def _all_finite(value: torch.Tensor) -> bool:
     return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
 
 
-def _first_non_finite(staged: dict[tuple[str, str], _Staged]) -> tuple[str, str] | None:
+def first_non_finite(staged: Mapping[tuple[str, str], _Staged]) -> tuple[str, str] | None:
     """The first staged key holding a non-finite element, or None.
 
     One fused norm over every staged gradient (one pass, one host sync)
@@ -128,17 +81,36 @@ def _first_non_finite(staged: dict[tuple[str, str], _Staged]) -> tuple[str, str]
 
 
 class GradientTransaction:
-    """Stage → validate → publish, per NOTE [Gradient commit]."""
+    """One backward's commit: stage → validate → publish, or abort (NOTE [Gradient commit]).
 
-    def __init__(self, sink: GradientSink, checkpoints: Callable[[str], Checkpoint]) -> None:
+    It owns the records whose model backward it started (:meth:`start`):
+    :meth:`abort` frees the staging, releases exactly those (the others stay
+    retryable, NOTE [Forward records]) and, with peers, agrees on the failure.
+    """
+
+    def __init__(
+        self,
+        sink: GradientSink,
+        checkpoints: Callable[[str], Checkpoint],
+        release: Callable[[ForwardRecord], None],
+        coordinator: Coordinator | None = None,
+    ) -> None:
         self._sink = sink
         self._checkpoints = checkpoints
+        self._release = release
+        self._coordinator = coordinator
+        self._started: list[ForwardRecord] = []
+        self._agreed = False
         self._staged: dict[tuple[str, str], _Staged] = {}
         self._origins: dict[str, set[tuple[CheckpointVersion, int]]] = {}
 
     @property
     def staged_nbytes(self) -> int:
         return sum(s.value.numel() * s.value.element_size() for s in self._staged.values())
+
+    def start(self, record: ForwardRecord) -> None:
+        """``record``'s model backward is about to run: a failure from now on releases it."""
+        self._started.append(record)
 
     def stage(self, capture: WeightCapture, grads: dict[str, torch.Tensor], bound: int) -> None:
         """Add one record's gradients (Rule 1)."""
@@ -160,7 +132,7 @@ class GradientTransaction:
             for version, bound in sorted(origins, key=lambda o: o[0].revision):
                 check_age(checkpoint, version, bound)
         for (ckpt_name, name), staged in self._staged.items():
-            live = staged.checkpoint._params.get(name)
+            live = staged.checkpoint.parameter(name)
             where = f"checkpoint {ckpt_name!r} parameter {name!r}"
             if live is not staged.target or self._checkpoints(ckpt_name) is not staged.checkpoint:
                 raise GradientCommitError(
@@ -175,24 +147,28 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
-        bad = _first_non_finite(self._staged)
+        bad = first_non_finite(self._staged)
         if bad is not None:
             raise GradientCommitError(
                 f"checkpoint {bad[0]!r} parameter {bad[1]!r}: expected a finite gradient, found non-finite "
                 "values; check the loss and its cotangents (nothing was committed)"
             )
 
-    def publish(self, confirm: Callable[[], None] | None = None) -> None:
-        """Assign every new gradient or none (Rule 3).
+    def commit(self) -> None:
+        """Validate everything, then publish everything (Rules 2-3, 6)."""
+        self.validate()
+        self.publish()
 
-        ``confirm`` runs after the last assignment; if it raises, every
-        assignment is rolled back (peers use it to agree, Rule 6).
+    def publish(self) -> None:
+        """Assign every new gradient or none (Rule 3), then agree with the peers (Rule 6).
+
+        If the agreement raises (a peer failed), every assignment is rolled back.
         """
         plan = []
         for staged in self._staged.values():
             old = self._sink.current(staged.checkpoint, staged.name)
             new = staged.value if old is None else old + staged.value
-            if old is not None and not _all_finite(new):
+            if old is not None and not all_finite(new):
                 raise GradientCommitError(
                     f"checkpoint {staged.checkpoint.name!r} parameter {staged.name!r}: the accumulated "
                     "gradient overflows to non-finite values; expected a finite sum. Step or zero_grad "
@@ -205,8 +181,7 @@ class GradientTransaction:
                 testing.maybe_fail("publish", index)
                 self._sink.assign(staged.checkpoint, staged.name, new)
                 done.append((staged, old))
-            if confirm is not None:
-                confirm()
+            self.agree(None)
         except BaseException:
             for staged, old in reversed(done):
                 self._sink.assign(staged.checkpoint, staged.name, old)
@@ -214,6 +189,21 @@ class GradientTransaction:
         for name, origins in self._origins.items():
             self._sink.record_origins(self._checkpoints(name), origins)
         self.discard()
+
+    def agree(self, error: BaseException | None) -> None:
+        """Tell the peers this rank's outcome, once (Rule 6); raises the common error if any failed."""
+        if self._agreed or self._coordinator is None:
+            return
+        self._agreed = True
+        self._coordinator.agree(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Free staging, release the records started, agree on ``error`` if not yet agreed (Rule 4)."""
+        self.discard()
+        for record in self._started:
+            self._release(record)
+        self._started.clear()
+        self.agree(error)
 
     def discard(self) -> None:
         """Free staging (Rule 4)."""

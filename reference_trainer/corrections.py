@@ -18,24 +18,36 @@ NOTE [Importance correction]
   5. The backward still differentiates the forward's weights; only the
      cotangents change. The estimator is unbiased only without clipping and
      only for score-function objectives.
+  6. Current log-probs: ``"always"`` runs one no-grad forward of the record's
+     inputs at the current weights, with the forward's RNG, train/eval mode
+     and autocast restored. ``"when_available"`` corrects only the rows whose
+     tokens a forward at the current revision already scored
+     (:class:`KnownLogprobs`, kept only while an older record of the
+     checkpoint is pending); it never adds a forward.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from .checkpoints import CheckpointVersion
 from .errors import GradientCommitError
+from .graphs import ForwardRecord, PaddedBatch, run_model
+from .model import DecoderLM
 from .options import ImportanceCorrection
+from .rng import restored_forward_state
+from .staleness import staleness
 
-__all__ = ["CorrectionStats", "correction_weights", "correct_cotangent"]
+__all__ = ["CorrectionStats", "KnownLogprobs", "correct_cotangent", "correct_record", "correction_weights"]
 
 _F32 = torch.finfo(torch.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CorrectionStats:
     """Per-record weight statistics over active tokens."""
 
@@ -101,4 +113,69 @@ def correct_cotangent(
         tokens=count,
         staleness=staleness,
     )
+    return corrected, stats
+
+
+TokenKey = tuple[tuple[int, ...], tuple[int, ...]]  # (input ids, target ids) of one row
+
+
+def _token_key(batch: PaddedBatch, row: int) -> TokenKey:
+    length = batch.lengths[row]
+    return tuple(batch.input_ids[row, :length].tolist()), tuple(batch.targets[row, :length].tolist())
+
+
+class KnownLogprobs:
+    """Current-revision log-probs by checkpoint and token content, for ``"when_available"`` (Rule 6)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, dict[TokenKey, tuple[CheckpointVersion, torch.Tensor]]] = {}
+
+    def remember(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
+        """Keep ``record``'s log-probs if an older record of its checkpoint is pending."""
+        name = record.checkpoint.name
+        if not any(r.checkpoint.name == name and r.version != record.version for r in pending):
+            return
+        known = self._known.setdefault(name, {})
+        for row, length in enumerate(record.batch.lengths):
+            known[_token_key(record.batch, row)] = (record.version, record.forward_logprobs[row, :length])
+
+    def forget(self, name: str) -> None:
+        self._known.pop(name, None)
+
+    def current(self, record: ForwardRecord) -> tuple[torch.Tensor, list[int]]:
+        """Padded current log-probs of ``record``'s rows (NaN where unknown) and the rows known."""
+        known = self._known.get(record.checkpoint.name, {})
+        current = torch.full_like(record.forward_logprobs, math.nan)
+        rows = []
+        for row, length in enumerate(record.batch.lengths):
+            entry = known.get(_token_key(record.batch, row))
+            if entry is not None and entry[0] == record.checkpoint.version:
+                current[row, :length] = entry[1]
+                rows.append(row)
+        return current, rows
+
+
+def _current_logprobs(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
+    """One no-grad forward of the record's inputs at the current weights, its forward state restored."""
+    checkpoint = record.checkpoint
+    with torch.no_grad(), restored_forward_state(record.rng_state, model):
+        return run_model(model, checkpoint, checkpoint.capture(), record.batch)
+
+
+def correct_record(
+    model: DecoderLM, record: ForwardRecord, cotangent: torch.Tensor, known: KnownLogprobs
+) -> tuple[torch.Tensor, CorrectionStats | None]:
+    """``record``'s cotangent, reweighted if it is stale and asks for a correction (Rules 1 and 6)."""
+    correction = record.options.correction
+    age = staleness(record.checkpoint, record.version)
+    if correction is None or age == 0:
+        return cotangent, None
+    if correction.policy == "always":
+        current, rows = _current_logprobs(model, record), list(range(len(record.batch.lengths)))
+    else:
+        current, rows = known.current(record)
+        if not rows:
+            return cotangent, None
+    corrected = cotangent.clone()
+    corrected[rows], stats = correct_cotangent(cotangent[rows], current[rows], record.forward_logprobs[rows], correction, age)
     return corrected, stats

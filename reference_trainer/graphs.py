@@ -13,12 +13,14 @@ NOTE [Forward records]
   4. A record is released (graph, capture and inputs dropped) after a
      successful backward without ``retain_graph``, after a failure past its
      model backward, or when the caller has dropped all of its outputs.
+     :class:`RecordTable` holds the pending records and does all three.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +40,13 @@ __all__ = [
     "ForwardRecord",
     "PaddedBatch",
     "PlacementDecision",
+    "RecordTable",
+    "base_logprobs",
+    "check_token_range",
+    "cotangents_by_record",
     "flatten_inputs",
     "output_cotangents",
+    "record_cotangent",
     "run_model",
 ]
 
@@ -93,7 +100,7 @@ def _describe(value: object) -> object:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlacementDecision:
     """Where a forward keeps what its backward needs, and why."""
 
@@ -102,7 +109,7 @@ class PlacementDecision:
     reason: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardOutput:
     """What a forward returns for one input.
 
@@ -148,7 +155,7 @@ class PaddedBatch:
         return sum(t.numel() * t.element_size() for t in (self.input_ids, self.targets))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class ForwardRecord:
     """A forward's graph and everything needed to backpropagate it (NOTE [Forward records])."""
 
@@ -163,18 +170,23 @@ class ForwardRecord:
     id: int = field(default_factory=lambda: next(_record_ids))
     live_outputs: int = 0
     released: bool = False
-    residency: Any = None  # SavedStateLedger (retain/offload) or None (replay)
+    ledger: Any = None  # residency.SavedStateLedger (retain/offload) or None (replay)
     usage: Any = None  # admission.RecordUsage: what the record holds
 
     @property
     def version(self) -> CheckpointVersion:
         return self.capture.version
 
+    @property
+    def placement(self) -> str:
+        """Where the saved state is now: the planner's choice, or ``"offload"`` once a retained record was demoted."""
+        return self.ledger.placement.value if self.ledger is not None else self.decision.placement
+
     def release(self) -> None:
         self.root = None
-        if self.residency is not None:
-            self.residency.release()
-        self.residency = None
+        if self.ledger is not None:
+            self.ledger.release()
+        self.ledger = None
         self.capture = None  # type: ignore[assignment]
         self.batch = None  # type: ignore[assignment]
         self.rng_state = None  # type: ignore[assignment]
@@ -239,3 +251,160 @@ def _flatten(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], 
         return [rebuild(values[start : start + count]) for start, count, rebuild in parts]
 
     return flat, rebuild_all
+
+
+def check_token_range(flat: list[ForwardInput], vocab: int) -> None:
+    """Raise ``ConfigError`` unless every input id is in ``[0, vocab)`` and every target id below ``vocab``."""
+    for item in flat:
+        tokens, targets = item.input_tokens, item.targets()
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab or int(targets.max()) >= vocab:
+            raise ConfigError(
+                "input_tokens/target_tokens",
+                (int(tokens.min()), int(tokens.max()), int(targets.max())),
+                f"input ids in [0, {vocab}) and target ids < {vocab} (negative targets mask)",
+            )
+
+
+def base_logprobs(model: DecoderLM, flat: list[ForwardInput], device: torch.device) -> list[ForwardOutput]:
+    """Reference log-probs of the frozen base: no grad, eval mode (no dropout, no RNG drawn), no record."""
+    batch = PaddedBatch.build(flat, device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logprobs = run_model(model, None, None, batch)
+    finally:
+        model.train(training)
+    return [
+        ForwardOutput(target_logprobs=logprobs[row, :length].clone(), version=None, placement="none")
+        for row, length in enumerate(batch.lengths)
+    ]
+
+
+def cotangents_by_record(
+    leaves: list[torch.Tensor], cotangents: Sequence[torch.Tensor | None]
+) -> dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """``(output leaf, its cotangent)`` pairs grouped by the record id each leaf is tagged with (Rule 2)."""
+    grouped: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for leaf, cotangent in zip(leaves, cotangents):
+        grouped.setdefault(leaf._rt_record_id, []).append((leaf, cotangent))
+    return grouped
+
+
+def record_cotangent(record: ForwardRecord, leaves: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """The padded ``(B, T)`` cotangent of a record's root from ``(output leaf, its cotangent)`` pairs (Rule 3)."""
+    cotangent = torch.zeros_like(record.forward_logprobs)
+    for leaf, grad in leaves:
+        if grad is not None:
+            cotangent[leaf._rt_row, : grad.numel()] = grad
+    # Masked targets carry no gradient; zeroing their cotangent keeps them out of corrections.
+    cotangent.masked_fill_(record.batch.targets < 0, 0.0)
+    return cotangent
+
+
+class RecordTable:
+    """The pending records of one trainer, by id; outputs find their record through the tag they carry.
+
+    ``on_idle(name)`` runs when the last pending record of checkpoint ``name``
+    is released (the ``when_available`` cache forgets it then).
+    """
+
+    def __init__(self, on_idle: Callable[[str], None]) -> None:
+        self._records: dict[int, ForwardRecord] = {}
+        self._on_idle = on_idle
+
+    def __iter__(self) -> Iterator[ForwardRecord]:
+        return iter(list(self._records.values()))
+
+    def get(self, record_id: int) -> ForwardRecord | None:
+        return self._records.get(record_id)
+
+    def count(self, checkpoint: str | None = None) -> int:
+        """Pending records, of one checkpoint or of all."""
+        return sum(1 for r in self._records.values() if checkpoint in (None, r.checkpoint.name))
+
+    def add(self, record: ForwardRecord) -> list[ForwardOutput]:
+        """Make ``record`` pending and return its outputs: tagged leaves, one per input (Rule 2)."""
+        outputs = []
+        for row, length in enumerate(record.batch.lengths):
+            leaf = record.forward_logprobs[row, :length].clone().requires_grad_(True)
+            leaf._rt_record_id, leaf._rt_row = record.id, row
+            weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
+            outputs.append(
+                ForwardOutput(
+                    target_logprobs=leaf,
+                    version=record.version,
+                    placement=record.decision.placement,
+                    decision=record.decision,
+                    record_id=record.id,
+                    usage=record.usage,
+                )
+            )
+        record.live_outputs = len(outputs)
+        self._records[record.id] = record
+        return outputs
+
+    def release(self, record: ForwardRecord) -> None:
+        """Drop ``record``'s graph and state (Rule 4); idempotent."""
+        record.release()
+        if self._records.pop(record.id, None) is not None and not self.count(record.checkpoint.name):
+            self._on_idle(record.checkpoint.name)
+
+    def release_outputs(self, outputs: Sequence[ForwardOutput | None]) -> None:
+        """Release the records behind ``outputs`` (a forward call that failed part-way)."""
+        for output in outputs:
+            record = None if output is None else self._records.get(output.record_id)
+            if record is not None:
+                self.release(record)
+
+    def consumed_by(self, loss: torch.Tensor) -> tuple[list[torch.Tensor], list[ForwardRecord]]:
+        """The tagged outputs ``loss`` reaches, and their records in submission order (Rule 3)."""
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise ConfigError("loss", type(loss).__name__, "a tensor that depends on trainer outputs")
+        leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, "_rt_record_id")]
+        records: dict[int, ForwardRecord] = {}
+        for leaf in leaves:
+            record = self._records.get(leaf._rt_record_id)
+            if record is None:
+                raise GradientCommitError(
+                    f"output of forward record {leaf._rt_record_id} was already backpropagated or "
+                    "released; expected a pending output. Pass retain_graph=True to backpropagate "
+                    "twice, or forward again"
+                )
+            records[record.id] = record
+        if not records:
+            raise ConfigError("loss", "a loss that reaches no trainer output", "a loss built from forward outputs")
+        return leaves, [records[i] for i in sorted(records)]
+
+    def output_dropped(self, record_id: int) -> None:
+        record = self._records.get(record_id)
+        if record is None:
+            return
+        record.live_outputs -= 1
+        if record.live_outputs <= 0:
+            self.release(record)
+
+
+def _output_dropped(table_ref: weakref.ref[RecordTable], record_id: int) -> None:
+    table = table_ref()
+    if table is not None:
+        table.output_dropped(record_id)
+
+
+def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """Leaf tensors reachable from ``loss`` (in discovery order, without duplicates)."""
+    if loss.grad_fn is None:
+        return [loss]
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.setdefault(id(variable), variable)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(leaves.values())

@@ -18,7 +18,9 @@ NOTE [Saved-state lifetime]
      ends, so an address cannot be reused meanwhile. The copies are freed with
      the graph.
   5. ``replay`` saves nothing: the forward runs without a graph and is re-run
-     at backward (see ``Trainer._replay``).
+     at backward on its own weight snapshot, with its RNG, train/eval mode and
+     autocast restored, and must reproduce the outputs bitwise
+     (:func:`record_backward`).
   6. Saved state that cannot be kept or restored exactly — float8 tensors, or
      modules marked with :func:`mark_quantized_saved_state` — is noted when
      packed; the backward refuses such a record before any destructive step.
@@ -32,10 +34,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import GradientCommitError
+from .checkpoints import Checkpoint, WeightCapture
+from .errors import GradientCommitError, UnsupportedSavedStateError
+from .graphs import ForwardRecord, PaddedBatch, run_model
+from .model import DecoderLM
 from .planner import Placement
+from .rng import restored_forward_state
 
-__all__ = ["SavedStateLedger", "mark_quantized_saved_state", "is_quantized_module", "FLOAT8_DTYPES"]
+__all__ = [
+    "FLOAT8_DTYPES",
+    "SavedStateLedger",
+    "check_restorable",
+    "is_quantized_module",
+    "mark_quantized_saved_state",
+    "record_backward",
+    "record_forward",
+    "weight_storages",
+]
 
 FLOAT8_DTYPES = frozenset(
     getattr(torch, name)
@@ -85,6 +100,11 @@ class SavedStateLedger:
     # addresses (the dedup keys) cannot be reused by a new storage meanwhile.
     _originals: dict[int, torch.UntypedStorage] = field(default_factory=dict)
     _retained: list[_Packed] = field(default_factory=list)
+
+    @property
+    def host_copies(self) -> list[torch.Tensor]:
+        """The host copies offload made (one per saved storage state), for inspection."""
+        return list(self._copies.values())
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -185,3 +205,69 @@ def _tampered(stamp: int, found: int) -> GradientCommitError:
 def weight_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     """Storage keys of tensors that must never be copied (Rule 2)."""
     return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def record_forward(
+    model: DecoderLM,
+    checkpoint: Checkpoint,
+    capture: WeightCapture,
+    batch: PaddedBatch,
+    placement: Placement,
+    *,
+    frozen_storages: set[int],
+    quantized: bool,
+) -> tuple[torch.Tensor, SavedStateLedger | None]:
+    """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay)."""
+    if placement is Placement.REPLAY:
+        with torch.no_grad():
+            return run_model(model, checkpoint, capture, batch), None
+    weights = frozen_storages | weight_storages(capture.tensors.values())
+    ledger = SavedStateLedger(placement, weights, pin_memory=batch.input_ids.device.type == "cuda")
+    if quantized:
+        ledger.note_unsupported("a module marked with mark_quantized_saved_state")
+    with torch.enable_grad(), ledger.hooks():
+        root = run_model(model, checkpoint, capture, batch)
+    ledger.end_forward()
+    return root, ledger
+
+
+def check_restorable(record: ForwardRecord) -> None:
+    """Raise ``UnsupportedSavedStateError`` if the record saved state it cannot restore exactly (Rule 6)."""
+    if record.ledger is not None and record.ledger.unsupported is not None:
+        raise UnsupportedSavedStateError(
+            f"forward record {record.id} ({record.placement}) saved state the trainer "
+            f"cannot keep or restore exactly: {record.ledger.unsupported}; expected "
+            "unquantized saved tensors. Use backward_state='replay' (exact re-run) or run "
+            "these layers unquantized; the record was released and nothing was committed"
+        )
+
+
+def record_backward(
+    model: DecoderLM, record: ForwardRecord, cotangent: torch.Tensor, retain_graph: bool
+) -> dict[str, torch.Tensor]:
+    """Gradients of the record's capture leaves for ``cotangent`` on its root, by parameter name."""
+    capture = record.capture
+    capture.check_ledger()
+    # A replay record keeps nothing between backwards, even with retain_graph: it replays again.
+    root = record.root if record.root is not None else _replay(model, record)
+    names = list(capture.tensors)
+    grads = torch.autograd.grad(
+        root, [capture.tensors[n] for n in names], cotangent, retain_graph=retain_graph, allow_unused=True
+    )
+    if record.ledger is not None:
+        record.ledger.end_backward()
+    return {n: g for n, g in zip(names, grads) if g is not None}
+
+
+def _replay(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
+    """Re-run a replay record's forward on its own weight snapshot, its forward state restored (Rule 5)."""
+    with torch.enable_grad(), restored_forward_state(record.rng_state, model):
+        root = run_model(model, record.checkpoint, record.capture, record.batch)
+    if not torch.equal(root.detach(), record.forward_logprobs):
+        worst = float((root.detach() - record.forward_logprobs).abs().max())
+        raise GradientCommitError(
+            f"replay of forward record {record.id} did not reproduce the outputs the caller saw "
+            f"(max abs difference {worst:.3e}); expected bitwise-equal log-probs. The model or its "
+            "inputs changed outside the trainer, or a kernel is not deterministic: use retain or offload"
+        )
+    return root

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .checkpoints import Checkpoint, CheckpointVersion
 from .errors import CheckpointReplacedError, StaleGradientError
 
-__all__ = ["check_age", "staleness"]
+__all__ = ["check_age", "check_origins", "staleness"]
 
 
 def staleness(checkpoint: Checkpoint, version: CheckpointVersion) -> int:
@@ -33,3 +33,9 @@ def check_age(checkpoint: Checkpoint, version: CheckpointVersion, bound: int) ->
     age = staleness(checkpoint, version)
     if not 0 <= age <= bound:
         raise StaleGradientError(checkpoint.name, age, bound, version.revision, checkpoint.revision)
+
+
+def check_origins(checkpoint: Checkpoint) -> None:
+    """Rule 4 for ``optim_step``: every committed gradient's origin, oldest first."""
+    for version, bound in sorted(checkpoint.origins, key=lambda o: o[0].revision):
+        check_age(checkpoint, version, bound)

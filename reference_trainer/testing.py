@@ -1,19 +1,23 @@
-"""Test hooks: make the next backward fail at a named stage.
+"""Test hooks: make the next backward fail at a named stage; substitute the device's capacity.
 
-Used by tests and by the canaries' mutation suite; the trainer consults
+Used by tests and by the canaries' mutation suite. The trainer consults
 :func:`maybe_fail` at each stage of a backward (see NOTE [Gradient commit] in
-``commit.py``). A fault fires once and then disarms.
+``commit.py``); a fault fires once and then disarms. It reads the device's
+capacity through ``admission.device_capacity``, which defers to
+:func:`substitute_device_capacity` inside its block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from .errors import ConfigError
 
-__all__ = ["inject_fault", "InjectedFault", "FAULT_STAGES"]
+__all__ = ["FAULT_STAGES", "InjectedFault", "capacity_override", "inject_fault", "substitute_device_capacity"]
 
 FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
 
@@ -58,3 +62,28 @@ def maybe_fail(stage: str, index: int | None = None) -> None:
         if not armed.fired and armed.stage == stage and armed.index == index:
             armed.fired = True
             raise InjectedFault(f"injected fault at stage {stage!r}" + (f" index {index}" if index is not None else ""))
+
+
+_capacities: list[Callable[[torch.device], int | None]] = []
+
+
+@contextmanager
+def substitute_device_capacity(capacity: int | Callable[[torch.device], int | None]) -> Iterator[None]:
+    """Inside the block, a trainer built with ``memory_limit_bytes=None`` sees ``capacity`` as its device's capacity.
+
+    ``capacity``: bytes (any device, CPU included), or a function of the
+    device returning bytes or ``None`` (unbounded).
+    """
+    if not callable(capacity) and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ConfigError("capacity", capacity, "an int >= 0 or a function of the device")
+    function = capacity if callable(capacity) else (lambda device: capacity)
+    _capacities.append(function)
+    try:
+        yield
+    finally:
+        _capacities.remove(function)
+
+
+def capacity_override() -> Callable[[torch.device], int | None] | None:
+    """The innermost substituted capacity function, or ``None``."""
+    return _capacities[-1] if _capacities else None

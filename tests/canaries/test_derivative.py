@@ -23,7 +23,7 @@ from canaries.derivative_scenarios import SCENARIOS, check_logical_normalisation
 from canaries.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset
 from canaries.registry import canary
-from reference_trainer.trainer import Trainer
+from reference_trainer import trainer as trainer_module
 from validation.errors import SetupError
 from validation.evidence import verify
 from validation.oracle import OracleTrainer
@@ -73,12 +73,12 @@ def test_coverage_fails_when_no_stale_backward_can_succeed() -> None:
 
 
 def _gradients_off_by_a_tenth_of_a_percent():
-    original = Trainer._model_backward
+    original = trainer_module.record_backward
 
-    def model_backward(self, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
-        return {n: g * 1.001 for n, g in original(self, record, cotangent, retain_graph).items()}
+    def record_backward(model, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
+        return {n: g * 1.001 for n, g in original(model, record, cotangent, retain_graph).items()}
 
-    return mock.patch.object(Trainer, "_model_backward", model_backward)
+    return mock.patch.object(trainer_module, "record_backward", record_backward)
 
 
 def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:

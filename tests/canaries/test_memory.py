@@ -21,6 +21,7 @@ from canaries.memory_lifecycle import PLACEMENTS, POINTS
 from canaries.mutations import mutation
 from canaries.registry import canary
 from validation.errors import SetupError
+from reference_trainer.graphs import RecordTable
 from validation.evidence import verify
 
 OFFLOAD_CHECKS = {
@@ -110,13 +111,13 @@ def test_offload_that_aliases_instead_of_copying_is_caught(tmp_path: Path) -> No
 def test_a_trainer_that_keeps_released_records_fails_every_release_point(tmp_path: Path) -> None:
     """Negative control for the lifecycle censuses: records kept after release must be flagged."""
     kept: list[object] = []
-    release = rt.Trainer._release
+    release = RecordTable.release
 
-    def keeping_release(self: rt.Trainer, record: object) -> None:
-        kept.append((record, record.root, record.residency, record.batch))  # what release would drop
+    def keeping_release(self: RecordTable, record: object) -> None:
+        kept.append((record, record.root, record.ledger, record.batch))  # what release would drop
         release(self, record)
 
-    with mock.patch.object(rt.Trainer, "_release", keeping_release):
+    with mock.patch.object(RecordTable, "release", keeping_release):
         record, _, _ = _run(tmp_path)
     failed = {name for name, ok in record["checks"].items() if not ok}
     for p in PLACEMENTS:

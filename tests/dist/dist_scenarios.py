@@ -93,7 +93,7 @@ def snapshot(trainer: rt.Trainer) -> dict[str, Any]:
     return {
         "params": params(trainer),
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in checkpoint.named_parameters()},
-        "buffers": {lr: {"/".join(k): v for k, v in grads.items()} for lr, grads in logical_gradients(trainer).items()},
+        "buffers": {rank: {"/".join(k): v for k, v in grads.items()} for rank, grads in logical_gradients(trainer).items()},
         "revision": checkpoint.revision,
     }
 
@@ -135,10 +135,10 @@ def train_zero(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict
     def fn(zero: Any) -> None:
         pending: dict[int, tuple] = {}
         for step in range(steps):
-            batches = [micro_batch(step, lr) for lr in range(logical_dp)]
+            batches = [micro_batch(step, rank) for rank in range(logical_dp)]
             items = [item for batch in batches for item in batch[0]]
             outputs = zero.forward(items)
-            per_rank = [outputs[2 * lr : 2 * lr + 2] for lr in range(logical_dp)]
+            per_rank = [outputs[2 * rank : 2 * rank + 2] for rank in range(logical_dp)]
             pending[step] = (per_rank, [batch[1] for batch in batches], token_count(items))
             old = pending.pop(step - 2, None)
             if old is not None:
@@ -154,7 +154,7 @@ def train_plain(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dic
     """No logical ranks: one forward per logical rank's micro-batch, one backward of the global loss."""
     pending: dict[int, tuple] = {}
     for step in range(steps):
-        batches = [micro_batch(step, lr) for lr in range(logical_dp)]
+        batches = [micro_batch(step, rank) for rank in range(logical_dp)]
         per_rank = [trainer.forward(batch[0]) for batch in batches]
         pending[step] = (per_rank, [batch[1] for batch in batches], token_count([i for b in batches for i in b[0]]))
         old = pending.pop(step - 2, None)
@@ -306,18 +306,18 @@ def zero_fault(rank: int) -> dict[str, Any]:
     kept: dict[str, Any] = {}
 
     def prepare(zero: Any) -> None:
-        batches = [micro_batch(0, lr) for lr in range(4)]
+        batches = [micro_batch(0, rank) for rank in range(4)]
         outputs = zero.forward([i for b in batches for i in b[0]])
-        zero.backward(global_loss([outputs[2 * lr : 2 * lr + 2] for lr in range(4)], [b[1] for b in batches], 100))
+        zero.backward(global_loss([outputs[2 * rank : 2 * rank + 2] for rank in range(4)], [b[1] for b in batches], 100))
         zero.optim_step()
-        pending = [micro_batch(1, lr) for lr in range(4)]
+        pending = [micro_batch(1, rank) for rank in range(4)]
         outputs = zero.forward([i for b in pending for i in b[0]])
         kept["loss"] = lambda: global_loss(
-            [outputs[2 * lr : 2 * lr + 2] for lr in range(4)], [b[1] for b in pending], 100
+            [outputs[2 * rank : 2 * rank + 2] for rank in range(4)], [b[1] for b in pending], 100
         )
-        batches = [micro_batch(2, lr) for lr in range(4)]
+        batches = [micro_batch(2, rank) for rank in range(4)]
         fresh = zero.forward([i for b in batches for i in b[0]])
-        zero.backward(global_loss([fresh[2 * lr : 2 * lr + 2] for lr in range(4)], [b[1] for b in batches], 100))
+        zero.backward(global_loss([fresh[2 * rank : 2 * rank + 2] for rank in range(4)], [b[1] for b in batches], 100))
 
     run_logical(prepare, trainer, mode="zero", logical_dp=4, timeout_s=TIMEOUT_S)
     call = lambda: run_logical(  # noqa: E731
@@ -326,9 +326,9 @@ def zero_fault(rank: int) -> dict[str, Any]:
     result = _failing_call(trainer, call, fault_here=rank == 1)
 
     def retry(zero: Any) -> None:  # a failed backward committed nothing: training goes on, in step
-        batches = [micro_batch(3, lr) for lr in range(4)]
+        batches = [micro_batch(3, rank) for rank in range(4)]
         outputs = zero.forward([i for b in batches for i in b[0]])
-        zero.backward(global_loss([outputs[2 * lr : 2 * lr + 2] for lr in range(4)], [b[1] for b in batches], 100))
+        zero.backward(global_loss([outputs[2 * rank : 2 * rank + 2] for rank in range(4)], [b[1] for b in batches], 100))
         zero.optim_step()
 
     run_logical(retry, trainer, mode="zero", logical_dp=4, timeout_s=TIMEOUT_S)
@@ -337,6 +337,33 @@ def zero_fault(rank: int) -> dict[str, Any]:
 
 
 # --- dead and silent peers -----------------------------------------------------------------
+
+
+def pending_then_load(rank: int) -> dict[str, Any]:
+    """Logical-rank gradients pending (W=2, L=2): load refuses, discard drops them, training goes on."""
+    trainer = make_trainer("full")
+    state = trainer.checkpoint(POLICY).state_dict()
+
+    def body(view: Any) -> None:
+        items, advantages = micro_batch(0, view.logical_rank)
+        view.backward(rank_loss(view.forward(items), advantages, 10))
+
+    run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    facts: dict[str, Any] = {"pending": {rank: len(g) for rank, g in logical_gradients(trainer).items()}}
+    try:
+        trainer.load_checkpoint(POLICY, state)
+        facts["busy"] = None
+    except Exception as exc:
+        facts["busy"] = error_facts(exc)
+    trainer.load_checkpoint(POLICY, state, discard_graphs=True)
+    facts["after_discard"] = {rank: len(g) for rank, g in logical_gradients(trainer).items()}
+    step = trainer.optim_step()[POLICY]
+    facts["discarded_step"] = (step.stepped, step.reason, step.revision)
+    run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    step = trainer.optim_step(checkpoints=[POLICY, POLICY])[POLICY]
+    facts["next_step"] = (step.stepped, step.reason, step.revision)
+    facts["params"] = params(trainer)
+    return facts
 
 
 def hung_peer(rank: int) -> dict[str, Any]:
@@ -364,7 +391,7 @@ def killed_peer(rank: int) -> dict[str, Any]:
         trainer.backward = lambda *args, **kwargs: os._exit(17)  # dies mid-protocol
 
     def fn(zero: Any) -> None:
-        outputs = zero.forward([item for lr in range(2) for item in micro_batch(0, lr)[0]])
+        outputs = zero.forward([item for rank in range(2) for item in micro_batch(0, rank)[0]])
         zero.backward(-sum(o.target_logprobs.sum() for o in outputs))
 
     started = time.monotonic()
@@ -406,6 +433,7 @@ def two_process_suite() -> dict[str, Any]:
             "rank-stale": lambda: rank_stale(rank),
             "rank-user-error": lambda: rank_user_error(rank),
             "zero-fault": lambda: zero_fault(rank),
+            "pending-then-load": lambda: pending_then_load(rank),
         }
     )
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -31,13 +31,13 @@ def assert_nothing_changed(result: dict[str, Any], where: str, *, expect_pending
         found = after["grads"][name]
         assert (value is None) == (found is None), f"{where}: .grad of {name} appeared or vanished"
         assert value is None or np.array_equal(value, found), f"{where}: .grad of {name} changed"
-    pending = {lr: grads for lr, grads in before["buffers"].items() if grads}
-    now = {lr: grads for lr, grads in after["buffers"].items() if grads}
+    pending = {rank: grads for rank, grads in before["buffers"].items() if grads}
+    now = {rank: grads for rank, grads in after["buffers"].items() if grads}
     assert pending.keys() == now.keys(), f"{where}: logical buffers appeared or vanished"
-    for lr, grads in pending.items():
-        assert grads.keys() == now[lr].keys(), f"{where}: logical rank {lr}'s buffer changed keys"
+    for rank, grads in pending.items():
+        assert grads.keys() == now[rank].keys(), f"{where}: logical rank {rank}'s buffer changed keys"
         for key, value in grads.items():
-            assert np.array_equal(value, now[lr][key]), f"{where}: logical rank {lr}'s buffer {key} changed"
+            assert np.array_equal(value, now[rank][key]), f"{where}: logical rank {rank}'s buffer {key} changed"
     if expect_pending:  # the check above means something only with state to lose
         assert pending and any(v is not None for v in before["grads"].values()), f"{where}: nothing was pending"
 

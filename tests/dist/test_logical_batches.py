@@ -31,7 +31,7 @@ class Witness:
         self.watched = [("logical batch", weakref.ref(batch))]
         for index, output in enumerate(batch.outputs):
             self.watched.append((f"output {index}", weakref.ref(output.target_logprobs)))
-            record = self.trainer._records.get(output.record_id)
+            record = self.trainer.records.get(output.record_id)
             if record is not None:  # pending graphs: the record and its graph root
                 self.watched.append((f"graph record {record.id}", weakref.ref(record)))
                 self.watched.append((f"graph root of record {record.id}", weakref.ref(record.root)))
@@ -114,7 +114,7 @@ def test_short_last_batch_drop_last_and_shards() -> None:
     assert [b.micro_batches for b in logical_batches(range(7), size=3, drop_last=True)] == [[0, 1, 2], [3, 4, 5]]
     generator = logical_batches(range(5), size=5)  # dropping the generator would release its batch
     batch = next(generator)
-    assert [batch.shard(lr, 2) for lr in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [batch.shard(rank, 2) for rank in range(2)] == [[0, 1, 2], [3, 4]]
     with pytest.raises(rt.ConfigError):
         logical_batches(range(3), size=0)
 

@@ -17,7 +17,7 @@ import reference_trainer as rt
 from reference_trainer.ranks import (
     LogicalLayout,
     PeerError,
-    _Failure,
+    PeerFailure,
     logical_gradients,
     ordered_sum,
     run_logical,
@@ -45,7 +45,7 @@ def test_layout_rejects_non_positive_or_non_int_sizes(bad: object) -> None:
 def test_each_process_hosts_consecutive_logical_ranks() -> None:
     layouts = [LogicalLayout(8, 4, rank) for rank in range(4)]
     assert [list(layout.hosted) for layout in layouts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [layouts[0].owner(lr) for lr in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [layouts[0].owner(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert list(LogicalLayout(4).hosted) == [0, 1, 2, 3]  # one process hosts them all
 
 
@@ -148,7 +148,7 @@ def test_user_error_on_one_logical_rank_is_the_error_raised() -> None:
 
 
 def _buffers(trainer: rt.Trainer) -> dict:
-    return {lr: {k: v.clone() for k, v in grads.items()} for lr, grads in logical_gradients(trainer).items()}
+    return {rank: {k: v.clone() for k, v in grads.items()} for rank, grads in logical_gradients(trainer).items()}
 
 
 def test_fault_in_one_logical_rank_commits_nothing_in_any() -> None:
@@ -168,8 +168,8 @@ def test_fault_in_one_logical_rank_commits_nothing_in_any() -> None:
         run_logical(lambda view: view.backward(ds.rank_loss(*state[view.logical_rank], 10)), trainer, logical_dp=3)
     after = _buffers(trainer)
     assert before.keys() == after.keys()
-    for lr in before:
-        assert all(torch.equal(before[lr][k], after[lr][k]) for k in before[lr]), f"logical rank {lr}'s buffer changed"
+    for rank in before:
+        assert all(torch.equal(before[rank][k], after[rank][k]) for k in before[rank]), f"logical rank {rank}'s buffer changed"
     assert not trainer.checkpoint(ds.POLICY).has_gradients()
 
 
@@ -185,7 +185,7 @@ def test_optim_step_sums_logical_buffers_into_grad_in_logical_order() -> None:
     trainer.optim_step()
     assert logical_gradients(trainer) == {0: {}, 1: {}, 2: {}}
     for name, param in trainer.checkpoint(ds.POLICY).named_parameters():
-        expected = ordered_sum([buffers[lr][(ds.POLICY, name)] for lr in range(3)])
+        expected = ordered_sum([buffers[rank][(ds.POLICY, name)] for rank in range(3)])
         assert torch.equal(param.grad, expected), name
 
 
@@ -194,7 +194,7 @@ def test_optim_step_sums_logical_buffers_into_grad_in_logical_order() -> None:
 
 def test_failure_rebuilds_the_same_type_message_and_attributes() -> None:
     original = rt.StaleGradientError("policy", 3, 2, 1, 4)  # a constructor that does not take its message
-    rebuilt = _Failure.of(original, "logical rank 5 (physical rank 1)", 5).rebuild()
+    rebuilt = PeerFailure.of(original, "logical rank 5 (physical rank 1)", 5).rebuild()
     assert type(rebuilt) is rt.StaleGradientError and str(rebuilt) == str(original)
     assert (rebuilt.checkpoint, rebuilt.staleness, rebuilt.bound, rebuilt.forward_revision, rebuilt.current_revision) == (
         "policy", 3, 2, 1, 4

@@ -41,8 +41,8 @@ def test_offload_moves_saved_bytes_to_pinned_host_memory() -> None:
     trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=8))
     ids = torch.randint(0, 4096, (64,), device="cuda")
     out = trainer.forward(rt.ForwardInput(ids), options=rt.ForwardOptions(backward_state="offload"))
-    ledger = trainer._records[out.record_id].residency
-    assert ledger.host_bytes > 0 and all(copy.is_pinned() for copy in ledger._copies.values())
+    ledger = trainer.records.get(out.record_id).ledger
+    assert ledger.host_bytes > 0 and all(copy.is_pinned() for copy in ledger.host_copies)
     before = torch.cuda.get_rng_state()
     trainer.backward(out.target_logprobs.sum())
     assert torch.equal(torch.cuda.get_rng_state(), before)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 
 import reference_trainer as rt
+from reference_trainer.admission import DEVICE_MARGIN_FRACTION
 from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
+from reference_trainer.testing import substitute_device_capacity
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
 from validation.memory import StorageCensus
@@ -142,3 +145,115 @@ def test_a_refused_forward_call_leaves_no_record_of_its_earlier_groups() -> None
         trainer.forward([fits, refused], options=NO_CORRECTION)
     assert trainer.live_records() == 0, "one call is all or nothing, even while the error is held"
     del info
+
+
+# --- the default device limit (memory_limit_bytes=None) -------------------------------------
+
+# A device whose capacity, less the documented margin, is DEVICE_LIMIT.
+CAPACITY = round(DEVICE_LIMIT / (1 - DEVICE_MARGIN_FRACTION))
+
+
+def test_default_limit_under_a_substituted_capacity_offloads_or_replays_and_stays_under_it() -> None:
+    calls = []
+
+    def capacity(device: torch.device) -> int:
+        calls.append(device)
+        return CAPACITY
+
+    with substitute_device_capacity(capacity):
+        trainer = make_trainer("lora", dropout=0.1, host_memory_limit_bytes=HOST_LIMIT)
+    assert calls == [trainer.device], "the capacity is read once, at construction, for the trainer's device"
+    assert 0.9 * CAPACITY <= trainer.memory_limit_bytes < CAPACITY, "a margin of a few percent is kept"
+    census = StorageCensus()
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())
+    placements = _run(trainer, census)
+    assert placements[0] == "retain" and set(placements[1:]) & {"offload", "replay"}, placements
+    assert 0 < census.peak_device <= trainer.memory_limit_bytes, census.peak_device
+
+
+def test_default_limit_refuses_when_nothing_fits_the_capacity() -> None:
+    with substitute_device_capacity(10_000):
+        trainer = make_trainer("lora", dropout=0.1)
+    with pytest.raises(rt.MemoryAdmissionError) as info:
+        _forward(trainer, 0)
+    assert info.value.limit_bytes == trainer.memory_limit_bytes < 10_000
+    assert trainer.live_records() == 0
+
+
+def test_an_explicit_limit_wins_over_the_capacity() -> None:
+    with substitute_device_capacity(10_000):
+        trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=10**9)
+    assert trainer.memory_limit_bytes == 10**9
+    assert _forward(trainer, 0)[0].placement == "retain"
+
+
+def test_cpu_default_stays_unbounded() -> None:
+    trainer = make_trainer("lora", dropout=0.1)
+    assert trainer.device.type == "cpu" and trainer.memory_limit_bytes is None
+    outs = [_forward(trainer, seed) for seed in range(5)]
+    assert {o[0].placement for o in outs} == {"retain"}
+
+
+def test_a_retained_record_demoted_to_host_reports_offload_at_backward() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    outs = [_forward(trainer, seed) for seed in range(5)]
+    demoted = sum(int(m.group(1)) for o in outs if (m := re.search(r"demoted (\d+) pending", o[0].decision.reason)))
+    assert demoted >= 1, [o[0].decision.reason for o in outs]
+    became = []
+    for out in outs:
+        (record,) = trainer.backward(-sum(o.target_logprobs.sum() for o in out)).records
+        became.append((out[0].placement, record.placement))
+    # Demotion takes the oldest retained records first: exactly those now report what they became.
+    retained = [i for i, (at_forward, _) in enumerate(became) if at_forward == "retain"]
+    assert [became[i][1] for i in retained[:demoted]] == ["offload"] * demoted, became
+    assert [became[i][1] for i in retained[demoted:]] == ["retain"] * (len(retained) - demoted), became
+
+
+def test_a_retained_tensor_modified_in_place_is_still_refused_after_its_record_is_demoted() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=DEVICE_LIMIT, host_memory_limit_bytes=HOST_LIMIT)
+    stash: list[torch.Tensor] = []
+    hook = trainer.model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: stash.append(o))
+    first = _forward(trainer, 0)
+    hook.remove()
+    with torch.no_grad():
+        stash[0].mul_(3.0)  # SwiGLU saved this for backward
+    later = [_forward(trainer, seed) for seed in range(1, 5)]
+    assert first[0].placement == "retain" and trainer.records.get(first[0].record_id).placement == "offload"
+    with pytest.raises(rt.GradientCommitError, match="modified in place"):
+        trainer.backward(-sum(o.target_logprobs.sum() for o in first))
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+    del later
+
+
+def test_records_of_one_version_share_one_weight_snapshot_in_the_prediction() -> None:
+    """A second pending record of the same version adds its own bytes, not another weight snapshot."""
+    trainer = make_trainer("full", dropout=0.0)
+    snapshot = sum(p.numel() * p.element_size() for p in trainer.checkpoint("policy").parameters())
+    retain = rt.ForwardOptions(backward_state="retain", corrections=())
+    item = rt.ForwardInput(*sequence(1, length=3))  # short: its saved bytes are well below the snapshot
+    outs = [trainer.forward(item, options=retain) for _ in range(3)]  # the first one measures the saved bytes
+    same_version = outs[2].decision.predicted_bytes - outs[1].decision.predicted_bytes
+    assert 0 < same_version < snapshot, (same_version, snapshot)
+    trainer.backward(outs[0].target_logprobs.sum())
+    trainer.optim_step()  # a new version: its snapshot is counted again
+    new_version = trainer.forward(item, options=retain).decision.predicted_bytes - outs[2].decision.predicted_bytes
+    assert new_version >= snapshot, (new_version, snapshot)
+    del outs
+
+
+def _offloaded_then_quantized(limit: int | None, placement: str) -> tuple[list, rt.Trainer, list[rt.ForwardOutput]]:
+    """A pending offloaded record, then the model marked quantized, then a forward under ``placement``."""
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit)
+    pending = _forward(trainer, 0, backward_state="offload")
+    rt.mark_quantized_saved_state(trainer.model.model.layers[0].mlp)
+    return pending, trainer, _forward(trainer, 1, backward_state=placement, allow_replay=False)
+
+
+def test_auto_never_offloads_quantized_saved_state() -> None:
+    """Offload would fit where retain does not, but quantized state cannot be restored: refused at admission."""
+    _, _, offload = _offloaded_then_quantized(None, "offload")
+    _, _, retain = _offloaded_then_quantized(None, "retain")
+    low, high = offload[0].decision.predicted_bytes, retain[0].decision.predicted_bytes
+    assert low < high, (low, high)
+    with pytest.raises(rt.MemoryAdmissionError):
+        _offloaded_then_quantized((low + high) // 2, "auto")

@@ -103,6 +103,25 @@ def test_batch_mixing_good_and_non_finite_records_commits_nothing(bad_first: boo
     assert_grads_unchanged(trainer, before)
 
 
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_first_backward_with_a_nan_loss_is_refused_at_validation_and_leaves_every_grad_none(kind: str) -> None:
+    trainer = make_trainer(kind, dropout=0.0)
+    out = _forward(trainer, 3)
+    with pytest.raises(rt.GradientCommitError, match="expected a finite gradient"):
+        trainer.backward(_loss(out, 3) * float("nan"))
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+    assert trainer.optim_step()["policy"].reason == "no gradients"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_accumulating_backward_with_non_finite_gradients_is_refused_at_validation(value: float) -> None:
+    trainer = _with_existing_grads()
+    before = grad_snapshot(trainer)
+    with pytest.raises(rt.GradientCommitError, match="expected a finite gradient"):
+        trainer.backward(_loss(_forward(trainer, 4), 4) * value)
+    assert_grads_unchanged(trainer, before)
+
+
 def test_gradients_of_several_backwards_accumulate_bitwise_in_order() -> None:
     trainer = make_trainer("lora", dropout=0.1)
     config = trainer.model.config

@@ -237,8 +237,11 @@ def test_always_corrects_with_exactly_one_no_grad_forward(kind: str) -> None:
     _assert_stats(record.correction, ratios, staleness=1)
 
 
-def _dropout_run(policy: str, later_seed: int | None):
-    """Forward (seed 7) at revision 0, one step, optionally a later forward (``later_seed``), backward."""
+def _dropout_run(policy: str, later_seed: int | None, *, eval_before_backward: bool = False):
+    """Forward (seed 7) at revision 0, one step, optionally a later forward (``later_seed``), backward.
+
+    ``eval_before_backward``: the caller puts the model in eval mode after the forward.
+    """
     trainer = _trainer("full", dropout=0.1)
     seq = sequence(1)
     torch.manual_seed(7)
@@ -253,16 +256,23 @@ def _dropout_run(policy: str, later_seed: int | None):
         before = torch.get_rng_state()
         later = trainer.forward(rt.ForwardInput(*seq), options=_options(policy))
         assert not torch.equal(torch.get_rng_state(), before), "dropout forwards draw from the RNG"
+    if eval_before_backward:
+        trainer.model.eval()
     torch.manual_seed(12345)
     ambient = torch.get_rng_state()
     report = trainer.backward(-(old.target_logprobs * _advantages(1)).sum())
+    assert trainer.model.training is not eval_before_backward, "the backward left the caller's mode alone"
     assert torch.equal(torch.get_rng_state(), ambient), "the backward changed the caller's RNG"
     del later
     return trainer, report, old, (old_weights, cur_weights, seq, rng_state)
 
 
-def test_always_uses_the_forwards_dropout_masks_and_leaves_the_rng_alone() -> None:
-    trainer, report, old, (old_weights, cur_weights, seq, rng_state) = _dropout_run("always", None)
+@pytest.mark.parametrize("eval_before_backward", [False, True], ids=["train", "eval-after-forward"])
+def test_always_uses_the_forwards_dropout_masks_and_leaves_the_rng_alone(eval_before_backward: bool) -> None:
+    """The forward's train mode is restored for the correction forward, whatever the model's mode at backward."""
+    trainer, report, old, (old_weights, cur_weights, seq, rng_state) = _dropout_run(
+        "always", None, eval_before_backward=eval_before_backward
+    )
     always, always_stats = _grads(trainer), report.records[0].correction
     assert report.corrected == report.records
     # Independent: plain forwards at both weights, both with the forward's dropout masks.

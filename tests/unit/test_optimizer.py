@@ -175,8 +175,8 @@ def test_checkpoint_without_gradients_is_skipped_while_another_steps() -> None:
     _commit(trainer, seed=50, checkpoint="a")
     report = trainer.optim_step()
     assert set(report.checkpoints) == {"a", "b"}
-    assert report["a"] == rt.CheckpointStep(True, None, report["a"].grad_norm, False, 1)
-    assert report["b"] == rt.CheckpointStep(False, "no gradients", None, False, 0)
+    assert report["a"] == rt.CheckpointStep(stepped=True, reason=None, grad_norm=report["a"].grad_norm, clipped=False, revision=1)
+    assert report["b"] == rt.CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=0)
     assert trainer.checkpoint("a").revision == 1 and trainer.checkpoint("b").revision == 0
     _assert_params_equal(trainer, b_before, "b")
     assert trainer.checkpoint("b").state_dict()["optimizer"]["state"] == {}, "b's AdamW never stepped"
@@ -206,6 +206,17 @@ def test_selected_checkpoints_step_alone() -> None:
     _assert_params_equal(trainer, b_params, "b")
     assert_grads_unchanged(trainer, b_grads, "b")
     assert trainer.optim_step(checkpoints=["b"])["b"].revision == 1
+
+
+def test_a_checkpoint_named_twice_steps_once_per_call() -> None:
+    trainer = _trainer("full")
+    reference = _Reference(trainer)
+    _commit(trainer, seed=62)
+    reference.step(trainer)
+    report = trainer.optim_step(checkpoints=["policy", "policy"])
+    assert list(report.checkpoints) == ["policy"] and report["policy"].revision == 1
+    assert trainer.checkpoint("policy").revision == 1
+    _assert_params_equal(trainer, {n: p.detach() for n, p in reference.params.items()})  # one AdamW step
 
 
 @pytest.mark.parametrize(

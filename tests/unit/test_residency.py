@@ -50,9 +50,9 @@ def test_ledger_refuses_a_retained_tensor_modified_in_place() -> None:
 def test_ledger_catches_a_tampered_offloaded_copy_and_commits_nothing() -> None:
     trainer = make_trainer("full", dropout=0.0)
     out = trainer.forward(rt.ForwardInput(*sequence(2)), options=_options("offload"))
-    ledger = trainer._records[out.record_id].residency
+    ledger = trainer.records.get(out.record_id).ledger
     assert ledger.host_bytes > 0 and ledger.device_bytes == 0
-    copy = next(iter(ledger._copies.values()))
+    copy = ledger.host_copies[0]
     copy.add_(1)
     with pytest.raises(rt.GradientCommitError, match="modified in place"):
         trainer.backward(out.target_logprobs.sum())
@@ -66,7 +66,7 @@ def test_offload_copies_each_shared_storage_once() -> None:
         x = base.clone().requires_grad_(True)
         y = (x[:4] * x[4:]).sum()  # both views of one storage are saved
     ledger.end_forward()
-    assert len(ledger._copies) == 1 and ledger.host_bytes == x.untyped_storage().nbytes()
+    assert len(ledger.host_copies) == 1 and ledger.host_bytes == x.untyped_storage().nbytes()
     (grad,) = torch.autograd.grad(y, x)
     assert torch.equal(grad, torch.cat([base[4:], base[:4]]))
 
@@ -135,7 +135,7 @@ def test_quantized_module_under_auto_is_replayed_exactly() -> None:
 @pytest.mark.parametrize("dtype", sorted(FLOAT8_DTYPES, key=str))
 def test_float8_saved_tensors_are_noted_as_unsupported(dtype: torch.dtype) -> None:
     ledger = SavedStateLedger(Placement.RETAIN, weight_storages=set())
-    ledger._pack(torch.zeros(4).to(dtype))
+    ledger.hooks().pack_hook(torch.zeros(4).to(dtype))  # what autograd calls when it saves the tensor
     assert ledger.unsupported is not None and str(dtype) in ledger.unsupported
 
 
@@ -146,7 +146,7 @@ def test_a_retained_backward_of_a_replay_record_keeps_no_graph_and_replays_again
     out = trainer.forward(rt.ForwardInput(*sequence(9)), options=_options("replay"))
     trainer.backward(out.target_logprobs.sum(), retain_graph=True)
     first = {n: p.grad.clone() for n, p in trainer.checkpoint("policy").named_parameters()}
-    assert trainer._records[out.record_id].root is None, "a replay record holds no graph between backwards"
+    assert trainer.records.get(out.record_id).root is None, "a replay record holds no graph between backwards"
     trainer.zero_grad()
     trainer.backward(out.target_logprobs.sum())
     assert len(calls) == 3, "the forward, then one replay per backward"
@@ -162,3 +162,19 @@ def test_base_forwards_are_deterministic_reference_log_probs() -> None:
     b = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE).target_logprobs
     assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), rng)
     assert trainer.model.training, "the model's mode is restored"
+
+
+@pytest.mark.parametrize("placement", ["replay", "offload"])
+def test_a_backward_after_the_model_went_to_eval_differentiates_the_forwards_train_mode(placement: str) -> None:
+    """The mode is part of the forward's state: replay restores it, and the caller's mode is left alone."""
+    grads = {}
+    for label, options in (("retain, mode kept", _options("retain")), (placement, _options(placement))):
+        trainer = make_trainer("full", dropout=0.2)
+        torch.manual_seed(3)
+        out = trainer.forward(rt.ForwardInput(*sequence(4)), options=options)
+        trainer.model.eval()
+        trainer.backward(-(out.target_logprobs * advantages(4)).sum())
+        assert not trainer.model.training, f"{label}: the backward changed the caller's mode"
+        grads[label] = {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
+    for name, expected in grads["retain, mode kept"].items():
+        assert expected.abs().sum() > 0 and torch.equal(grads[placement][name], expected), name

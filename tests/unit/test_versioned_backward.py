@@ -144,3 +144,20 @@ def test_ledger_refuses_weights_written_behind_the_trainers_back() -> None:
     with pytest.raises(rt.GradientCommitError, match="modified in place outside the trainer"):
         trainer.backward(-out.target_logprobs.sum())
     assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload", "replay"])
+def test_an_fp64_model_returns_fp64_logprobs_and_gradients(placement: str) -> None:
+    config = rt.ModelConfig.tiny(dtype=torch.float64, dropout=0.0)
+    trainer = rt.Trainer(rt.DecoderLM(config, seed=0))
+    trainer.add_checkpoint("policy", full=True)
+    ids, tgt = sequence(3)
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(backward_state=placement, corrections=()))
+    base = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE)
+    assert out.target_logprobs.dtype == base.target_logprobs.dtype == torch.float64
+    # Independent: the frozen model's own FP64 forward (the checkpoint still equals the base).
+    with torch.no_grad():
+        expected = rt.token_logprobs(trainer.model(ids.unsqueeze(0)), tgt.unsqueeze(0))[0]
+    assert expected.dtype == torch.float64 and torch.allclose(out.target_logprobs.detach(), expected, rtol=0, atol=1e-12)
+    trainer.backward(out.target_logprobs.sum())
+    assert all(p.grad.dtype == torch.float64 for p in trainer.checkpoint("policy").parameters())

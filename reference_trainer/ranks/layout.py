@@ -1,7 +1,7 @@
 """Where logical ranks live and the one order their sums take: pure arithmetic, no processes.
 
 Which physical rank hosts which logical ranks (NOTE [Logical ranks] Rule 1, in
-``ranks.py``), how a list of inputs is spread over logical ranks (Rule 7), and
+``ranks/__init__.py``), how a list of inputs is spread over logical ranks (Rule 7), and
 the left-to-right sum over logical ranks that makes the bits independent of
 the number of processes (Rule 4).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["LogicalLayout", "ordered_sum", "spread"]
 

@@ -1,6 +1,6 @@
 """Zero mode: rank 0's ``fn`` drives every logical rank; the other processes serve its commands.
 
-NOTE [Logical ranks] Rule 7, in ``ranks.py``: rank 0 sends each command to
+By Rule 7 of NOTE [Logical ranks] (``ranks/__init__.py``), rank 0 sends each command to
 every process and all of them execute it. ``forward`` spreads the inputs over
 the logical ranks and gives rank 0 leaf copies of every output; ``backward``
 computes the outputs' cotangents on rank 0 and each logical rank
@@ -10,20 +10,24 @@ on every process (Rule 6).
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .errors import ConfigError, GradientCommitError, PeerError
-from .fibers import _drive, _FiberCoordinator, _LogicalState, _rng_state, _set_rng_state
-from .graphs import ForwardInput, ForwardOutput, flatten_inputs, output_cotangents
+from ..errors import ConfigError, GradientCommitError, PeerError
+from ..graphs import ForwardInput, ForwardOutput, flatten_inputs, output_cotangents
+from ..rng import rng_state, set_rng_state
+from ..trainer import BackwardReport, StepReport, Trainer
+from .fibers import FiberCoordinator
 from .layout import spread
-from .peers import _Failure
-from .trainer import BackwardReport, StepReport, Trainer
+from .peers import PeerFailure
+from .rounds import drive
+from .state import LogicalState
 
-__all__ = ["RankZero"]
+__all__ = ["RankZero", "ZeroSession"]
 
 
 class RankZero:
@@ -32,7 +36,7 @@ class RankZero:
     There is no ``reduce``: the loss lives here and already sees every output.
     """
 
-    def __init__(self, session: _ZeroSession) -> None:
+    def __init__(self, session: ZeroSession) -> None:
         self._session = session
         self.trainer = session.trainer
         self.logical_world_size = session.state.layout.logical_dp
@@ -62,10 +66,18 @@ class RankZero:
         self._session.run({"cmd": "zero_grad", "kwargs": kwargs})
 
 
-class _ZeroSession:
+_LEADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_mode_fn_running", default=False)
+
+
+class ZeroSession:
     """Zero-mode commands: rank 0 sends a header and every process executes it."""
 
-    def __init__(self, state: _LogicalState, trainer: Trainer) -> None:
+    @staticmethod
+    def leading_here() -> bool:
+        """True inside a zero-mode ``fn`` on this process (``run_logical`` may not be called there)."""
+        return _LEADING.get()
+
+    def __init__(self, state: LogicalState, trainer: Trainer) -> None:
         self.state = state
         self.trainer = trainer
         self.comm = state.comm
@@ -75,16 +87,18 @@ class _ZeroSession:
 
     def lead(self, fn: Callable[[RankZero], Any]) -> Any:
         self.state.leading = True
+        token = _LEADING.set(True)
         try:
             result = fn(RankZero(self))
         except BaseException as exc:
             try:
-                self.run({"cmd": "exit", "error": _Failure.of(exc, "rank 0's fn")})
+                self.run({"cmd": "exit", "error": PeerFailure.of(exc, "rank 0's fn")})
             except PeerError:
                 pass
             raise
         finally:
             self.state.leading = False
+            _LEADING.reset(token)
         self.run({"cmd": "exit", "error": None})
         return result
 
@@ -172,7 +186,7 @@ class _ZeroSession:
             result = work()
         except Exception as exc:
             error, result = exc, None
-        failure = None if error is None else _Failure.of(error, f"physical rank {self.comm.rank}")
+        failure = None if error is None else PeerFailure.of(error, f"physical rank {self.comm.rank}")
         failures = self.comm.exchange(failure, f"{label}: outcome")
         first = next((rank for rank, f in enumerate(failures) if f is not None), None)
         if first is None:
@@ -204,27 +218,27 @@ class _ZeroSession:
 
         def work() -> list[tuple[int, int, ForwardOutput]]:
             made = []
-            caller = _rng_state(state.device)
+            caller = rng_state(state.device)
             try:
-                for lr in state.layout.hosted:
-                    if not chunks[lr]:
+                for logical_rank in state.layout.hosted:
+                    if not chunks[logical_rank]:
                         continue
-                    _set_rng_state(state.rng[lr], state.device)
+                    set_rng_state(state.rng[logical_rank], state.device)
                     outputs = self.trainer.forward(
-                        [item(i) for i in chunks[lr]], checkpoint=header["checkpoint"], options=header["call_options"]
+                        [item(i) for i in chunks[logical_rank]], checkpoint=header["checkpoint"], options=header["call_options"]
                     )
-                    state.rng[lr] = _rng_state(state.device)
-                    made.extend((header["first"] + i, lr, out) for i, out in zip(chunks[lr], outputs))
+                    state.rng[logical_rank] = rng_state(state.device)
+                    made.extend((header["first"] + i, logical_rank, out) for i, out in zip(chunks[logical_rank], outputs))
             finally:
-                _set_rng_state(caller, state.device)
+                set_rng_state(caller, state.device)
             return made
 
         made = self._agreed(label, work)
-        for handle, lr, out in made:
-            state.outputs[handle] = (lr, out.target_logprobs)
+        for handle, logical_rank, out in made:
+            state.outputs[handle] = (logical_rank, out.target_logprobs)
         per_process = state.layout.per_process
         sizes = [  # output elements each process hosts
-            sum(lengths[i] for lr in range(p * per_process, (p + 1) * per_process) for i in chunks[lr])
+            sum(lengths[i] for logical_rank in range(p * per_process, (p + 1) * per_process) for i in chunks[logical_rank])
             for p in range(self.comm.world_size)
         ]
         local = torch.cat([out.target_logprobs.detach().reshape(-1) for _, _, out in made]) if made else torch.zeros(0)
@@ -240,9 +254,9 @@ class _ZeroSession:
             proxy = values[offset : offset + n].clone().requires_grad_(version is not None)
             offset += n
             state.proxies[handle] = weakref.ref(proxy)
-            state.owners[handle] = next(lr for lr, c in enumerate(chunks) if handle - header["first"] in c)
+            state.owners[handle] = next(logical_rank for logical_rank, c in enumerate(chunks) if handle - header["first"] in c)
             weakref.finalize(proxy, state.dropped.append, handle)
-            results.append(ForwardOutput(proxy, version, placement, decision))
+            results.append(ForwardOutput(target_logprobs=proxy, version=version, placement=placement, decision=decision))
         return results
 
     def _backward(self, header: dict, cotangents: torch.Tensor | None) -> BackwardReport | None:
@@ -251,18 +265,18 @@ class _ZeroSession:
         if cotangents is None:
             cotangents = torch.empty(sum(n for _, _, n in used), dtype=torch.float32)
         cotangents = self.comm.broadcast(cotangents, label).to(state.device)
-        per_rank: dict[int, list[tuple[int, torch.Tensor]]] = {lr: [] for lr in state.layout.hosted}
+        per_rank: dict[int, list[tuple[int, torch.Tensor]]] = {logical_rank: [] for logical_rank in state.layout.hosted}
         offset = 0
-        for handle, lr, n in used:
-            if lr in per_rank:
-                per_rank[lr].append((handle, cotangents[offset : offset + n]))
+        for handle, logical_rank, n in used:
+            if logical_rank in per_rank:
+                per_rank[logical_rank].append((handle, cotangents[offset : offset + n]))
             offset += n
 
-        def body(lr: int) -> BackwardReport:
-            pairs = per_rank[lr]
+        def body(logical_rank: int) -> BackwardReport:
+            pairs = per_rank[logical_rank]
             if not pairs:
-                _FiberCoordinator().agree(None)  # nothing to commit, but this rank still takes part
-                return BackwardReport([])
+                FiberCoordinator().agree(None)  # nothing to commit, but this rank still takes part
+                return BackwardReport(records=[])
             terms = []
             for handle, cotangent in pairs:
                 if handle not in state.outputs:
@@ -270,9 +284,11 @@ class _ZeroSession:
                 leaf = state.outputs[handle][1]
                 terms.append((leaf * cotangent.view_as(leaf)).sum())
             surrogate = torch.stack(terms).sum() if len(terms) > 1 else terms[0]
+            sink = self.trainer.rank_gradients.buffers[logical_rank]
             return self.trainer.backward(
-                surrogate, retain_graph=header["retain_graph"], sink=state.buffers[lr], coordinator=_FiberCoordinator()
+                surrogate, retain_graph=header["retain_graph"], sink=sink, coordinator=FiberCoordinator()
             )
 
-        reports = _drive(state, label, {lr: (lambda lr=lr: body(lr)) for lr in state.layout.hosted}, share=True)
-        return BackwardReport([r for report in reports for r in report.records])
+        bodies = {rank: (lambda rank=rank: body(rank)) for rank in state.layout.hosted}
+        reports = drive(state, label, bodies, share=True)
+        return BackwardReport(records=[r for report in reports for r in report.records])

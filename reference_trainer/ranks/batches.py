@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .errors import ConfigError
-from .ranks import spread
+from ..errors import ConfigError
+from .layout import spread
 
 __all__ = ["LogicalBatch", "logical_batches"]
 

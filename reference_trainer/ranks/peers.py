@@ -1,11 +1,11 @@
 """Processes of a logical-rank job reaching each other: joining the job, control messages, collectives, errors.
 
-``init_distributed`` joins the job a launcher describes and ``_timeout``
-bounds every collective step. ``_Comm`` sends control messages through rank 0
+``init_distributed`` joins the job a launcher describes and ``timeout_seconds``
+bounds every collective step. ``Comm`` sends control messages through rank 0
 (a star, so a silent peer is named) and tensors through collectives
-(NOTE [Logical ranks] Rule 8, in ``ranks.py``); ``_Failure`` carries an
+(NOTE [Logical ranks] Rule 8, in ``ranks/__init__.py``); ``PeerFailure`` carries an
 exception to another process, which raises the same type (Rule 6). A peer
-that dies, hangs or answers out of turn makes ``_Comm`` raise ``PeerError``.
+that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, PeerError
+from ..errors import ConfigError, PeerError
 
-__all__ = ["init_distributed"]
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_S",
+    "Comm",
+    "PeerFailure",
+    "init_distributed",
+    "mark_from_peer",
+    "timeout_seconds",
+]
 
-_DEFAULT_TIMEOUT_S = 300.0
-_DEFAULT_IDLE_TIMEOUT_S = 3600.0
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> tuple[int, int]:
@@ -42,12 +50,12 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        timeout = datetime.timedelta(seconds=_timeout(timeout_s, "RT_DIST_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s, "RT_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _timeout(value: float | None, env: str, default: float) -> float:
+def timeout_seconds(value: float | None, env: str, default: float) -> float:
     value = float(os.environ.get(env, default)) if value is None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError("timeout_s", value, "None or a number of seconds > 0")
@@ -66,7 +74,7 @@ def _picklable(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class _Failure:
+class PeerFailure:
     """Enough of an exception to raise the same type on another process."""
 
     module: str
@@ -80,7 +88,7 @@ class _Failure:
     from_peer: bool
 
     @classmethod
-    def of(cls, exc: BaseException, where: str, logical_rank: int | None = None) -> _Failure:
+    def of(cls, exc: BaseException, where: str, logical_rank: int | None = None) -> PeerFailure:
         attrs = {k: v for k, v in vars(exc).items() if not k.startswith("_rt_") and _picklable(v)}
         return cls(
             type(exc).__module__,
@@ -117,7 +125,7 @@ class _Failure:
         return exc
 
 
-def _from_peer(exc: BaseException) -> BaseException:
+def mark_from_peer(exc: BaseException) -> BaseException:
     exc._rt_from_peer = True
     return exc
 
@@ -127,10 +135,10 @@ def _from_peer(exc: BaseException) -> BaseException:
 
 @dataclass(frozen=True)
 class _Abort:
-    failure: _Failure
+    failure: PeerFailure
 
 
-class _Comm:
+class Comm:
     """Objects through rank 0 (a silent peer is named), tensors through collectives."""
 
     def __init__(self, timeout_s: float, idle_timeout_s: float) -> None:
@@ -211,7 +219,7 @@ class _Comm:
 
     def _abort(self, exc: PeerError, skip: set[int]) -> None:
         """Rank 0 tells every live peer why the job stops, so none waits for a dead one."""
-        failure = _Failure.of(exc, f"physical rank {self.rank}")
+        failure = PeerFailure.of(exc, f"physical rank {self.rank}")
         for peer in range(1, self.world_size):
             if peer not in skip:
                 try:
@@ -238,7 +246,8 @@ class _Comm:
         size = torch.zeros(1, dtype=torch.int64)
         try:
             dist.irecv(size, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
-            data = torch.empty(int(size), dtype=torch.uint8)
+            buffer = bytearray(int(size))  # pickles are never empty; irecv writes into it
+            data = torch.frombuffer(buffer, dtype=torch.uint8)
             dist.irecv(data, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise PeerError(
@@ -247,7 +256,7 @@ class _Comm:
                 command=label,
                 peer=peer,
             ) from exc
-        return pickle.loads(data.numpy().tobytes())
+        return pickle.loads(buffer)
 
     # tensors -----------------------------------------------------------------------------
 

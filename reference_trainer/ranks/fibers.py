@@ -1,0 +1,102 @@
+"""The logical ranks one process hosts run as threads ("fibers"), one at a time, handing a baton.
+
+Each hosted logical rank runs on its own thread, only while it holds the
+process's baton (NOTE [Logical ranks] Rule 2, in ``ranks/__init__.py``): the
+driver (``rounds.py``) gives it the baton with :meth:`Fiber.step` and it
+hands it back at its next collective point with :meth:`Fiber.pause`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Fiber", "FiberCoordinator", "Raise", "Request", "current_fiber"]
+
+_thread = threading.local()
+
+
+def current_fiber() -> Fiber | None:
+    return getattr(_thread, "fiber", None)
+
+
+@dataclass
+class Raise:
+    """A reply that makes the paused fiber raise ``error``."""
+
+    error: BaseException
+
+
+@dataclass
+class Request:
+    kind: str  # "reduce" | "agree"
+    tensor: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class Fiber:
+    """A logical rank's code on a thread that runs only between ``step`` and its next ``pause``."""
+
+    def __init__(self, logical_rank: int, body: Callable[[], Any]) -> None:
+        self.logical_rank = logical_rank
+        self.body = body
+        self.request: Request | None = None
+        self.reply: Any = None
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._run = threading.Semaphore(0)
+        self._paused = threading.Semaphore(0)
+        self._grad_enabled = torch.is_grad_enabled()
+        self._thread = threading.Thread(target=self._main, name=f"logical-rank-{logical_rank}", daemon=True)
+        self.started = False
+
+    def _main(self) -> None:
+        self._run.acquire()
+        _thread.fiber = self
+        try:
+            with torch.set_grad_enabled(self._grad_enabled):
+                self.result = self.body()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done = True
+            self.request = None
+            self._paused.release()
+
+    def step(self, reply: Any = None) -> None:
+        """Give this fiber the baton until it pauses or finishes (main thread)."""
+        self.reply = reply
+        if not self.started:
+            self.started = True
+            self._thread.start()
+        self._run.release()
+        self._paused.acquire()
+        if self.done:
+            self._thread.join()
+
+    def pause(self, request: Request) -> Any:
+        """Hand the baton back with ``request``; return the round's reply (fiber thread)."""
+        self.request = request
+        self._paused.release()
+        self._run.acquire()
+        self.request = None
+        reply, self.reply = self.reply, None
+        if isinstance(reply, Raise):
+            raise reply.error
+        return reply
+
+
+class FiberCoordinator:
+    """The trainer's ``Coordinator`` for one logical rank: agreement is a round (Rule 3)."""
+
+    def agree(self, error: BaseException | None) -> None:
+        fiber = current_fiber()
+        assert fiber is not None, "logical-rank backward outside its fiber"
+        fiber.pause(Request("agree", error=error))
+
+

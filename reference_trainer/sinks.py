@@ -1,0 +1,150 @@
+"""Where committed gradients go: the live ``.grad`` fields, or the trainer's logical-rank buffers.
+
+A backward stages its gradients once and publishes them into a *sink*
+(NOTE [Gradient commit] Rule 5, in ``commit.py``). :class:`LiveGradSink`
+writes ``.grad``. :class:`RankGradients` is the sink a trainer owns for its
+logical ranks (NOTE [Logical ranks] Rule 5, in ``ranks/__init__.py``): one
+:class:`BufferGradSink` per logical rank this process hosts. ``optim_step``
+flushes it into ``.grad`` in logical-rank order before it steps;
+``load_checkpoint``, ``zero_grad`` and the busy check see what it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .checkpoints import Checkpoint, CheckpointVersion
+from .staleness import check_age
+
+__all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
+
+Origin = tuple[CheckpointVersion, int]  # (forward version, staleness bound) of a committed gradient
+
+
+class GradientSink(Protocol):
+    """Where committed gradients live."""
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None: ...
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None: ...
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None: ...
+
+
+class LiveGradSink:
+    """Commit into each live parameter's ``.grad``."""
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
+        return checkpoint.parameter(name).grad
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
+        checkpoint.parameter(name).grad = value
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
+        checkpoint.origins |= origins
+
+
+@dataclass
+class BufferGradSink:
+    """Commit into one logical rank's private buffer, summed into ``.grad`` by ``optim_step``."""
+
+    grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    origins: dict[str, set[Origin]] = field(default_factory=dict)
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
+        return self.grads.get((checkpoint.name, name))
+
+    def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
+        key = (checkpoint.name, name)
+        if value is None:
+            self.grads.pop(key, None)
+        else:
+            self.grads[key] = value
+
+    def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
+        self.origins.setdefault(checkpoint.name, set()).update(origins)
+
+    def clear(self, checkpoint_name: str | None = None) -> None:
+        for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:
+            del self.grads[key]
+        for name in [n for n in self.origins if checkpoint_name in (None, n)]:
+            del self.origins[name]
+
+
+@dataclass(frozen=True)
+class SummedGradients:
+    """Every logical rank's buffers of some checkpoints, summed in logical order.
+
+    ``totals``: ``(checkpoint name, parameter name, gradient)`` for every
+    parameter some logical rank holds; ``origins``: every logical rank's origins,
+    by checkpoint name.
+    """
+
+    totals: list[tuple[str, str, torch.Tensor]]
+    origins: dict[str, set[Origin]]
+
+
+class RankHost(Protocol):
+    """The logical-rank runtime (``reference_trainer.ranks``) that fills a trainer's buffers."""
+
+    hosted: range
+
+    def check_caller(self, call: str) -> None:
+        """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
+        ...
+
+    def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
+        """Sum every logical rank's buffers (on every process) in logical order."""
+        ...
+
+
+class RankGradients:
+    """The trainer's logical-rank gradient buffers, by hosted logical rank; empty until ``run_logical`` runs."""
+
+    def __init__(self) -> None:
+        self.host: RankHost | None = None
+        self.buffers: dict[int, BufferGradSink] = {}
+
+    def attach(self, host: RankHost) -> None:
+        """Host ``host``'s logical ranks from now on (only while nothing is pending)."""
+        assert not self.pending(), "a new layout over pending logical gradients"
+        self.host = host
+        self.buffers = {logical_rank: BufferGradSink() for logical_rank in host.hosted}
+
+    def pending(self, checkpoint: str | None = None) -> int:
+        """Buffered gradient tensors, of one checkpoint or of all."""
+        return sum(1 for b in self.buffers.values() for key in b.grads if checkpoint in (None, key[0]))
+
+    def clear(self, names: Iterable[str], *, call: str = "zero_grad") -> None:
+        """Drop the buffered gradients and origins of the checkpoints ``names``."""
+        if self.host is not None:
+            self.host.check_caller(call)
+        for buffer in self.buffers.values():
+            for name in names:
+                buffer.clear(name)
+
+    def flush(self, checkpoints: list[Checkpoint]) -> None:
+        """Add every logical rank's buffers of ``checkpoints`` to ``.grad``, in logical order, then empty them.
+
+        Every buffered origin is validated (NOTE [Staleness]) before any
+        ``.grad`` changes; a violation changes nothing. Runs on every process.
+        """
+        if self.host is None:
+            return
+        self.host.check_caller("optim_step")
+        summed = self.host.sum_buffers(self.buffers, checkpoints)
+        by_name = {c.name: c for c in checkpoints}
+        for name, origins in summed.origins.items():
+            for version, bound in sorted(origins, key=lambda o: o[0].revision):
+                check_age(by_name[name], version, bound)
+        live = LiveGradSink()
+        for name, pname, total in summed.totals:
+            old = live.current(by_name[name], pname)
+            live.assign(by_name[name], pname, total if old is None else old + total)
+        for name, origins in summed.origins.items():
+            live.record_origins(by_name[name], origins)
+        self.clear(by_name, call="optim_step")

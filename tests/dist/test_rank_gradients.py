@@ -1,0 +1,125 @@
+"""The trainer owns its logical ranks' gradient buffers: load, zero_grad, optim_step and the busy check see them.
+
+One-process cases run here (W = 1, no process group); the two-process case
+comes from the spawned suite (``two_process`` fixture, scenario
+``pending-then-load``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dist_scenarios as ds
+import numpy as np
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.ranks import logical_gradients, ordered_sum, run_logical
+
+
+def _backward_on_every_rank(trainer: rt.Trainer, logical_dp: int = 2) -> None:
+    def body(view: Any) -> None:
+        items, advantages = ds.micro_batch(0, view.logical_rank)
+        view.backward(ds.rank_loss(view.forward(items), advantages, 10))
+
+    run_logical(body, trainer, logical_dp=logical_dp)
+
+
+def test_load_refuses_pending_logical_gradients_and_discard_drops_them() -> None:
+    trainer = ds.make_trainer()
+    saved = trainer.checkpoint(ds.POLICY).state_dict()
+    _backward_on_every_rank(trainer)
+    before = logical_gradients(trainer)
+    assert all(before.values()) and not trainer.checkpoint(ds.POLICY).has_gradients()
+    with pytest.raises(rt.CheckpointBusyError) as info:
+        trainer.load_checkpoint(ds.POLICY, saved)
+    assert info.value.pending_gradients > 0
+    after = logical_gradients(trainer)
+    assert all(torch.equal(before[r][k], after[r][k]) for r in before for k in before[r]), "a refused load changed a buffer"
+    trainer.load_checkpoint(ds.POLICY, saved, discard_graphs=True)
+    assert logical_gradients(trainer) == {0: {}, 1: {}}
+    step = trainer.optim_step()[ds.POLICY]
+    assert (step.stepped, step.reason, step.revision) == (False, "no gradients", 0)
+    _backward_on_every_rank(trainer)  # training goes on
+    step = trainer.optim_step()[ds.POLICY]
+    assert (step.stepped, step.revision) == (True, 1)
+
+
+def test_zero_grad_clears_logical_buffers() -> None:
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer)
+    trainer.zero_grad()
+    assert logical_gradients(trainer) == {0: {}, 1: {}}
+    assert trainer.optim_step()[ds.POLICY].reason == "no gradients"
+    trainer.load_checkpoint(ds.POLICY, trainer.checkpoint(ds.POLICY).state_dict())  # nothing pending: allowed
+
+
+def test_a_repeated_checkpoint_name_steps_once_and_adds_the_buffers_once() -> None:
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer, logical_dp=3)
+    buffers = logical_gradients(trainer)
+    report = trainer.optim_step(checkpoints=[ds.POLICY, ds.POLICY])
+    assert report[ds.POLICY].revision == 1 and trainer.checkpoint(ds.POLICY).revision == 1
+    for name, param in trainer.checkpoint(ds.POLICY).named_parameters():
+        expected = ordered_sum([buffers[r][(ds.POLICY, name)] for r in range(3)])
+        assert expected.abs().sum() > 0
+        assert torch.equal(param.grad, expected), name
+
+
+def test_changing_the_layout_over_pending_buffers_is_refused() -> None:
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer, logical_dp=2)
+    with pytest.raises(rt.ConfigError, match="pending logical gradients"):
+        run_logical(lambda view: None, trainer, logical_dp=4)
+    trainer.zero_grad()
+    run_logical(lambda view: None, trainer, logical_dp=4)
+
+
+def test_no_registry_of_trainers_remains() -> None:
+    """The logical-rank state lives on the trainer: dropping the trainer drops it."""
+    import gc
+    import weakref
+
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer)
+    ref = weakref.ref(trainer.rank_gradients.host)
+    del trainer
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.dist
+def test_two_processes_refuse_a_load_over_pending_buffers_and_go_on_after_a_discard(two_process: dict) -> None:
+    single = ds.pending_then_load(0)  # W = 1 reference, same job
+    for rank in (0, 1):
+        entry = two_process["ranks"][rank]["pending-then-load"]
+        assert "crash" not in entry, entry.get("crash")
+        facts = entry["value"]
+        assert facts["pending"] == {rank: single["pending"][rank]} and facts["pending"][rank] > 0
+        assert facts["busy"]["type"] == "CheckpointBusyError"
+        assert facts["after_discard"] == {rank: 0}
+        assert facts["discarded_step"] == (False, "no gradients", 0)
+        assert facts["next_step"] == (True, None, 1)
+        for name, value in single["params"].items():
+            assert np.array_equal(facts["params"][name], value.numpy()), f"rank {rank}: {name} differs from W=1"
+
+
+def test_optim_step_validates_every_buffered_origin_before_any_grad_changes() -> None:
+    """NOTE [Staleness] Rule 4 for buffers: an invalid buffered origin fails the step with .grad untouched.
+
+    Through the API an origin cannot go bad while buffered (load refuses, every
+    step flushes first), so an origin of another generation is written into a
+    buffer by hand.
+    """
+    trainer = ds.make_trainer()
+    _backward_on_every_rank(trainer)
+    checkpoint = trainer.checkpoint(ds.POLICY)
+    replaced = rt.CheckpointVersion(ds.POLICY, checkpoint.generation + 1, checkpoint.revision)
+    trainer.rank_gradients.buffers[1].record_origins(checkpoint, {(replaced, 2)})
+    buffers = logical_gradients(trainer)
+    with pytest.raises(rt.CheckpointReplacedError):
+        trainer.optim_step()
+    assert not checkpoint.has_gradients() and checkpoint.revision == 0, "a refused step changed the checkpoint"
+    after = logical_gradients(trainer)
+    assert all(torch.equal(buffers[r][k], after[r][k]) for r in buffers for k in buffers[r]), "a refused step changed a buffer"

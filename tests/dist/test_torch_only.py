@@ -1,0 +1,59 @@
+"""The trainer's runtime needs only torch and the standard library (contract §10).
+
+A stub ``numpy`` that raises ``ModuleNotFoundError`` (an ``ImportError``) goes first on ``PYTHONPATH`` of a
+job (``torch_only_job.py``) that starts its second rank with a plain
+``subprocess``; the stub never reaches this test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+JOB = Path(__file__).with_name("torch_only_job.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    stub = tmp_path_factory.mktemp("no_numpy") / "numpy"
+    stub.mkdir()
+    # What a missing package raises (an ImportError); torch itself tolerates exactly this.
+    (stub / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'numpy\' (test stub)", name="numpy")\n')
+    path = os.pathsep.join([str(stub.parent), str(ROOT)])
+    env = dict(os.environ, PYTHONPATH=path)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, str(JOB)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    ranks = json.loads(done.stdout.strip().splitlines()[-1])["ranks"]
+    for rank in ranks:
+        assert "crash" not in rank, rank["crash"]
+    return {"ranks": ranks}
+
+
+def test_the_stub_hides_numpy_from_every_rank(job: dict) -> None:
+    assert [r["numpy_importable"] for r in job["ranks"]] == [False, False]
+
+
+@pytest.mark.parametrize("policy", ["always", "when_available"])
+def test_a_stale_backward_is_corrected_without_numpy(job: dict, policy: str) -> None:
+    result = job["ranks"][0][policy]
+    assert result["staleness"] == [1]
+    assert result["corrected"] == result["records"], f"{policy}: the stale record was not corrected"
+
+
+def test_a_logical_rank_failure_crosses_processes_without_numpy(job: dict) -> None:
+    failures = [r["logical_failure"] for r in job["ranks"]]
+    assert failures[0]["error"] == failures[1]["error"] == "GradientCommitError", failures
+    assert failures[0]["message"] == failures[1]["message"]
+    assert "injected fault" in failures[0]["message"]
+    for failure in failures:
+        assert failure["all_grads_none"] and not any(failure["pending"].values())
