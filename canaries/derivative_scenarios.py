@@ -80,7 +80,7 @@ def _faults(h: DerivativeHarness) -> None:
     h.backward(h.forward("retain", 2, False, [4], seed=50))  # gradients that must stay unchanged
     for i, fault in enumerate(FAULTS):
         outs = h.forward(("retain", "offload", "replay")[i % 3], 2, True, [3, 4], seed=51 + i)
-        h.faulty_backward(outs, fault)
+        h.backward(outs, fault=fault)
         h.backward(outs)  # retried (user_autograd) or refused (released)
     h.step()
 

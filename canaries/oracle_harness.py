@@ -5,9 +5,8 @@ preset) and one :class:`~validation.oracle.OracleTrainer`; each public method
 is one op (forward, backward, step, zero_grad, save, load, drop) that runs on
 both and raises :class:`CanaryFailure` the moment they disagree, naming what
 was expected, what was found and the ops that led there. ``check`` is the
-invariant run after every op. What it is built from (tolerances, data, the trainer/oracle pair,
-measurements) is ``canaries.oracle_pair``; the drivers are
-``canaries.derivative_scenarios`` and ``canaries.derivative_machine``.
+invariant run after every op. It is built from ``canaries.oracle_pair``; the
+drivers are ``canaries.derivative_scenarios`` and ``canaries.derivative_machine``.
 
 NOTE [Derivative canary]
   1. Forward: outputs carry the current version; forced placements are
@@ -100,9 +99,7 @@ def _error_facts(error: BaseException) -> dict[str, Any]:
 
 
 def _describe_error(error: BaseException | None) -> str:
-    if error is None:
-        return "success"
-    return f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
+    return "success" if error is None else f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
 
 
 @contextmanager
@@ -216,23 +213,16 @@ class DerivativeHarness:
                  for n in after if after[n] is not None}
         self._compare("gradient added by the backward", found, expected.increments[NAME], expected.baselines[NAME])
 
-    def faulty_backward(self, chosen: Sequence[OutputRef], fault: str) -> None:
-        self.backward(chosen, fault=fault)
-
     def non_finite_backward(self, chosen: Sequence[OutputRef]) -> None:
         """A NaN loss is refused at validation: ``GradientCommitError``, every ``.grad`` as it was (contract §4)."""
         self._note(f"non_finite_backward(outputs={[r.number for r in chosen]})")
-        outs = [self.outputs[r.number] for r in chosen]
         before = self._grads()
         snapshot = {n: None if g is None else g.detach().clone() for n, g in before.items()}
-        loss = sum((o.leaf * o.advantages).sum() for o in outs) * float("nan")
         with _caught() as raised:
-            self.trainer.backward(loss)
-        del loss
+            self.trainer.backward(sum((self.outputs[r.number].leaf * float("nan")).sum() for r in chosen))
         self._expect(bool(raised) and isinstance(raised[0], rt.GradientCommitError), "backward of a NaN loss",
                      "GradientCommitError", type(raised[0]).__name__ if raised else "no error (committed)")
         self._unchanged(before, snapshot, "a refused non-finite backward")
-        del outs
         for ref in chosen:  # its model backward ran, so the record is released (NOTE [Forward records])
             self.oracle.drop(self.outputs.pop(ref.number).oracle_record)
 

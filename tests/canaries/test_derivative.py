@@ -110,6 +110,7 @@ def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
         "bounds": measured.errors_predicted == 4,
         "corrections": measured.corrected_records == 1 and measured.stale_records == 2,
         "faults": measured.errors_predicted == 2 * len(FAULTS) - 1,  # one retry succeeds
+        "non_finite": measured.backwards == 1 and measured.steps == 1,  # the two NaN backwards are refused
         "save_load": measured.errors_predicted == 2,
         "drops": measured.backwards == 1,
     }

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from reference_trainer.batches import LogicalBatch, logical_batches
+from reference_trainer.ranks import LogicalBatch, logical_batches
 
 
 class Witness:
