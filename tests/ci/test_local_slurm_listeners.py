@@ -1,0 +1,57 @@
+"""The stage's listener check: any new non-loopback listener fails it, the baseline's do not."""
+
+from __future__ import annotations
+
+import pytest
+
+from ci.local_slurm.listeners import is_loopback, offenders, parse
+
+# `ss -ltnuH` lines as ss 1.x prints them (netid, state, queues, local, peer).
+BASELINE = """\
+tcp   LISTEN 0      128          0.0.0.0:2024      0.0.0.0:*
+"""
+SAMPLES = """\
+--- 1
+tcp   LISTEN 0      128          0.0.0.0:2024      0.0.0.0:*
+tcp   LISTEN 0      4096       127.0.0.1:46817     0.0.0.0:*
+--- 2
+tcp   LISTEN 0      4096       127.0.0.1:46817     0.0.0.0:*
+tcp   LISTEN 0      128             [::]:22           [::]:*
+udp   UNCONN 0      0      127.0.0.53%lo:53        0.0.0.0:*
+tcp   LISTEN 0      128            [::1]:631          [::]:*
+udp   UNCONN 0      0                  *:5353            *:*
+tcp   LISTEN 0      128         10.1.2.3:8080      0.0.0.0:*
+"""
+
+
+@pytest.mark.parametrize(
+    ("local", "loopback"),
+    [
+        ("127.0.0.1:46817", True),
+        ("127.8.9.10:1", True),
+        ("127.0.0.53%lo:53", True),
+        ("[::1]:631", True),
+        ("0.0.0.0:2024", False),
+        ("[::]:22", False),
+        ("*:5353", False),
+        ("10.1.2.3:8080", False),
+        ("[fe80::1%eth0]:123", False),
+        ("localhost:80", False),
+    ],
+)
+def test_is_loopback(local: str, loopback: bool) -> None:
+    assert is_loopback(local) is loopback
+
+
+def test_parse_skips_separators_and_reads_the_local_column() -> None:
+    assert parse(SAMPLES) >= {("tcp", "127.0.0.1:46817"), ("udp", "*:5353")}
+    assert not any(local.startswith("---") for _, local in parse(SAMPLES))
+
+
+def test_offenders_are_new_non_loopback_listeners_only() -> None:
+    assert offenders(BASELINE, SAMPLES) == [("tcp", "10.1.2.3:8080"), ("tcp", "[::]:22"), ("udp", "*:5353")]
+
+
+def test_a_baseline_listener_is_exempt_and_a_clean_stage_passes() -> None:
+    assert offenders(BASELINE, BASELINE + "tcp LISTEN 0 1 127.0.0.1:9 0.0.0.0:*\n") == []
+    assert offenders("", BASELINE) == [("tcp", "0.0.0.0:2024")]
