@@ -5,7 +5,8 @@ environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
 
 - ``check-bootstrap``: exit 1 unless SkyPilot's remote bootstrap still
   downloads what ``shims/`` serve locally (the uv installer from astral.sh and
-  a Python 3.10), so a SkyPilot upgrade that changes it fails loudly here.
+  a Python 3.10) and its skylet still binds the line ``shims/uv`` rewrites,
+  so a SkyPilot upgrade that changes either fails loudly here.
 - ``start-server --pid-file F``: start the private API server in its own
   session (its pid leads the process group ``teardown.sh`` kills), wait until
   it answers, write its pid. ``serve`` is what that process runs.
@@ -42,6 +43,8 @@ BOOTSTRAP_DOWNLOADS = {
     "SKY_UV_INSTALL_CMD": "https://astral.sh/uv/install.sh",
     "UV_INSTALLATION_COMMANDS": "--python 3.10",
 }
+# shims/uv rewrites this line of the remote runtime's skylet to bind 127.0.0.1.
+SKYLET_BIND = "listen_addr = f'0.0.0.0:{port}'"
 SKYPILOT_VERSION = "0.14.1"
 
 
@@ -64,6 +67,10 @@ def check_bootstrap() -> list[str]:
         for name, needle in BOOTSTRAP_DOWNLOADS.items()
         if needle not in getattr(constants, name, "")
     ]
+    skylet = Path(constants.__file__).with_name("skylet.py").read_text()
+    if SKYLET_BIND not in skylet:
+        problems.append(f"sky/skylet/skylet.py no longer contains {SKYLET_BIND!r}: shims/uv rebinds the skylet "
+                        "to 127.0.0.1 by rewriting that line; check where the skylet listens now and update both")
     if sky.__version__ != SKYPILOT_VERSION:
         problems.append(f"skypilot {sky.__version__} found, the shims were checked against {SKYPILOT_VERSION}: "
                         "rerun the stage, then update SKYPILOT_VERSION")

@@ -2,7 +2,8 @@
 # The local-Slurm CI stage: a real SkyPilot launch and teardown on 127.0.0.1.
 #
 # Skips (exit 0, one line) without root or apt-get. Otherwise: records the
-# listening sockets (baseline), samples them every second in the background,
+# listening sockets (baseline), samples them every second in the background
+# (ci/local_slurm/listeners.py; other processes' listeners are reported apart),
 # runs setup.sh, the `slurm`-marked tests (happy path; chaos cases too unless
 # RTV_SLURM_CHAOS=0), and always teardown.sh (trap), then fails if anything
 # listened on a non-loopback address that the baseline did not have.
@@ -22,7 +23,9 @@ export RTV_PYTHON RTV_SLURM_USER RTV_JOB_VENV=$JOB_VENV RTV_SLURM_CHAOS=${RTV_SL
 out=$RTV_REPO/rtv-out/local_slurm/$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$out"
 ss -ltnuH >"$out/listeners-baseline.txt"
-(while :; do echo "--- $(date +%s)"; ss -ltnuH; sleep 1; done) >"$out/listeners.txt" 2>&1 &
+export RTV_LOCAL_SLURM_STAGE=$out   # every process the stage starts inherits this marker
+(cd "$RTV_REPO" && PYTHONPATH=$RTV_REPO exec "$RTV_PYTHON" -m ci.local_slurm.listeners sample \
+    "$out/listeners.txt" --job-user "$RTV_SLURM_USER") &
 sampler=$!
 t0=$SECONDS
 
