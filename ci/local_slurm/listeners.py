@@ -50,14 +50,16 @@ def parse(text: str, *, foreign: bool = False) -> set[Listener]:
 
 
 def is_loopback(local: str) -> bool:
-    """Whether ``address:port`` (``[v6]:port``, ``addr%iface:port``, ``*:port``) is on loopback only."""
+    """Whether ``address:port`` (``[v6]:port``, ``addr%iface:port``, ``*:port``, v4-mapped v6) is loopback only."""
     host = local.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
     if host == "*":
         return False
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False  # a name we cannot read is not proof of loopback
+    mapped = getattr(address, "ipv4_mapped", None)  # [::ffff:127.0.0.1]: Python 3.11 does not call it loopback
+    return (mapped or address).is_loopback
 
 
 def is_ours(pid: int, marker: str, job_uid: int) -> bool:

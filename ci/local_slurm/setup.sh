@@ -25,14 +25,17 @@ source "$here/common.sh"
 install_packages() {
     # A machine without policy-rc.d would start the packaged sshd on port 22
     # of every address; block service starts while installing.
-    local guard=
+    local guard= packages=(slurm-wlm munge openssh-server rsync)
     if [ ! -e /usr/sbin/policy-rc.d ]; then
         printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
         guard=/usr/sbin/policy-rc.d
     fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        slurm-wlm munge openssh-server rsync >/dev/null
+    if dpkg-query -W -f '${Status}\n' "${packages[@]}" 2>/dev/null | grep -cx 'install ok installed' | grep -qx "${#packages[@]}"; then
+        log "Debian packages already installed: ${packages[*]}"
+    else
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
+    fi
     [ -z "$guard" ] || rm -f "$guard"
 }
 
@@ -152,22 +155,30 @@ CONF
 
 make_job_venv() {
     # The job runs a CPU canary from a venv of its own: the interpreter must be
-    # one the job user can read (the project's may live under /root), the
-    # packages are hard links to the project venv's (torch is never fetched),
-    # and the project itself is installed from its tracked files.
-    local version site src
+    # one the job user can read (the project's may live under /root); the
+    # packages are the project venv's (torch is never fetched): referenced by
+    # a .pth file when the job user can read them, else hard-linked (or
+    # copied); the project itself is installed from its tracked files.
+    local version site src target
     version=$("$RTV_PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     [ -x "/usr/bin/python$version" ] || die "the job venv needs /usr/bin/python$version (the project venv's version)"
     site=$("$RTV_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "/usr/bin/python$version" -m venv --without-pip "$JOB_VENV"
-    local target="$JOB_VENV/lib/python$version/site-packages"
-    cp -al "$site/." "$target/" 2>/dev/null || cp -a "$site/." "$target/"
-    rm -rf "$target"/__editable__* "$target"/reference_trainer-*.dist-info
+    target=$JOB_VENV/lib/python$version/site-packages
+    if runuser -u "$RTV_SLURM_USER" -- test -r "$site/torch/__init__.py"; then
+        echo "$site" >"$target/project-venv.pth"   # a path line only: that folder's own .pth files stay unread
+    else
+        cp -al "$site/." "$target/" 2>/dev/null || cp -a "$site/." "$target/"
+        rm -rf "$target"/__editable__* "$target"/reference_trainer-*.dist-info
+    fi
     src=$RTV_SLURM_WORK/src
     mkdir -p "$src"
     git -C "$RTV_REPO" ls-files -z -co --exclude-standard | (cd "$RTV_REPO" && tar --null -T - -cf -) | tar -xf - -C "$src"
-    "$JOB_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-index --no-build-isolation "$src"
-    runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c 'import torch, reference_trainer, canaries.cli' \
+    "$RTV_PYTHON" -m pip --python "$JOB_VENV/bin/python" install -q --disable-pip-version-check \
+        --no-deps --no-index --no-build-isolation "$src"
+    runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c '
+import canaries.cli, reference_trainer, torch
+assert reference_trainer.__file__.startswith("'"$JOB_VENV"'"), reference_trainer.__file__' \
         || die "the job user cannot import the project from $JOB_VENV"
 }
 

@@ -35,6 +35,8 @@ FOREIGN tcp   LISTEN 0      4096           *:33149         *:* users:(("pytest",
         ("127.8.9.10:1", True),
         ("127.0.0.53%lo:53", True),
         ("[::1]:631", True),
+        ("[::ffff:127.0.0.1]:46590", True),  # grpc's IPv6 socket bound to 127.0.0.1
+        ("[::ffff:10.0.0.1]:46590", False),
         ("0.0.0.0:2024", False),
         ("[::]:22", False),
         ("*:5353", False),
