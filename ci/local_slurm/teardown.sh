@@ -50,7 +50,7 @@ remove_job_user() {
         scancel -u "$RTV_SLURM_USER" 2>/dev/null || true
         for _ in $(seq 50); do [ -z "$(squeue -h -u "$RTV_SLURM_USER" 2>/dev/null)" ] && break; sleep 0.2; done
     fi
-    local pids; pids=$(ps -o pid= -u "$uid" | tr '\n' ' ')
+    local pids; pids=$(ps -o pid= -u "$uid" | tr '\n' ' ' || true)   # ps exits 1 when there are none
     [ -z "${pids// }" ] || { log "killing the job user's processes: $pids"; kill -KILL $pids 2>/dev/null || true; }
     find /tmp -xdev -maxdepth 1 -user "$uid" -exec rm -rf {} +   # uv cache, runtime dirs
     userdel -r "$RTV_SLURM_USER" 2>/dev/null || userdel "$RTV_SLURM_USER"
