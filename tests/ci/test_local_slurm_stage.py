@@ -7,8 +7,9 @@ does, then proves three absences: no Slurm job (``squeue`` empty), no
 SkyPilot cluster record (``sky.status``), no process of ours (the launcher
 has exited; the job user runs nothing but the API server's idle ssh login
 sessions, which are reported, not counted). Each case writes a record of what
-it observed next to the launcher's receipt. Chaos cases run when
-``RTV_SLURM_CHAOS=1``.
+it observed next to the launcher's receipt. Chaos cases (and the negative
+control: a failing job must fail the gate, exit 3, and still be torn down)
+run when ``RTV_SLURM_CHAOS=1``.
 """
 
 from __future__ import annotations
@@ -169,3 +170,13 @@ def test_sigkill_the_launcher_then_down_by_name() -> None:
     assert f"teardown: cluster {launch.cluster} absent (confirmed)" in down.stdout
     print(down.stdout.strip().splitlines()[-1], flush=True)
     prove_nothing_left("sigkill", launch, {"down_exit": down.returncode, "down_output": down.stdout[-2000:]})
+
+
+@CHAOS
+def test_a_failed_job_fails_the_gate_and_the_cluster_still_goes() -> None:
+    launch = Launch("job-fails", "hold-cpu.sky.yaml", "RTV_HOLD_S=not-a-number")  # `sleep` rejects it: exit 1
+    assert launch.finish(timeout_s=300) == EXIT_CODES["FAILED"], launch.tail()
+    path = launch.receipt()
+    receipt = receipt_measurements(path)
+    assert receipt["outcome"] == "FAILED" and receipt["job_status"] == "FAILED", receipt
+    prove_nothing_left("job-fails", launch, {"launcher_receipt": str(path)})
