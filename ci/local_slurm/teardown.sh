@@ -41,6 +41,7 @@ close_ssh_masters() {
         log "closing SkyPilot's ssh connection to the login node (pid $pid)"
         [ -n "$sock" ] && ssh -O exit -S "$sock" master >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
     done
+    rmdir /tmp/sky_ssh_*/* /tmp/sky_ssh_* 2>/dev/null || true   # empty control-socket folders only
 }
 
 remove_job_user() {
