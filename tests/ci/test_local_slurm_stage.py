@@ -26,7 +26,12 @@ import pytest
 
 from ci.local_slurm.sky_sdk import EXIT_CODES, cluster_records
 
-pytestmark = pytest.mark.slurm
+# Only inside .ci/local_slurm_stage (which sets RTV_LOCAL_SLURM=1 after setup.sh); skipped everywhere else.
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(os.environ.get("RTV_LOCAL_SLURM") != "1",
+                       reason="slurm: runs only in .ci/local_slurm_stage (root, apt, RTV_LOCAL_SLURM=1)"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "ci" / "local_slurm"
