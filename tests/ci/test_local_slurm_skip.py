@@ -1,0 +1,40 @@
+"""Without root or apt-get the local-Slurm stage skips with one line and exit 0; nothing else runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+STAGE = Path(__file__).resolve().parents[2] / ".ci" / "local_slurm_stage"
+
+
+def run_stage(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_without_apt_get_the_stage_skips(tmp_path: Path) -> None:
+    for tool in ("bash", "id", "dirname"):  # what the stage needs before it decides
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    result = run_stage([str(tmp_path / "bash"), str(STAGE)], {"PATH": str(tmp_path)})
+    if os.getuid() == 0:
+        assert "needs apt-get" in result.stdout
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and result.stdout.startswith("local_slurm stage: SKIPPED: ")
+    assert result.stderr == ""
+
+
+def test_without_root_the_stage_skips() -> None:
+    if os.getuid() == 0:
+        if not shutil.which("runuser") or not os.access(STAGE, os.R_OK | os.X_OK):
+            pytest.skip("runuser missing: cannot drop root to test the non-root path")
+        command = ["runuser", "-u", "nobody", "--", str(STAGE)]
+    else:
+        command = [str(STAGE)]
+    result = run_stage(command, {"PATH": os.environ["PATH"]})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("local_slurm stage: SKIPPED: needs root") and result.stdout.count("\n") == 1
+    assert result.stderr == ""
