@@ -37,6 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
     config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
     config.addinivalue_line("markers", "bench: times real work; deselected by default, run alone: pytest -m bench -p no:xdist")
+    config.addinivalue_line("markers", "slurm: needs the local Slurm cluster; runs only in .ci/local_slurm_stage")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
