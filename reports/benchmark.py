@@ -180,7 +180,8 @@ def section(record: dict, folder: Path) -> Section:
     samples.to_csv(folder / "benchmark-samples.csv", index=False)
     figures = [
         Figure(path=_plot_ratios(comparisons, gate, folder / "benchmark-ratios.png"),
-               caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band."),
+               caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band.",
+               headline=True),
         Figure(path=_plot_blocks(samples, folder / "benchmark-blocks.png"),
                caption="Per-block step time of every arm: a trend would show drift; red crosses are loaded blocks."),
         Figure(path=_plot_memory(arms, folder / "benchmark-memory.png"),

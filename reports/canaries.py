@@ -37,7 +37,8 @@ def _memory(record: dict[str, Any], folder: Path) -> Section:
     figures = []
     if not table.empty:
         path = plot_lifecycle(table, folder / f"lifecycle-{record['digest'][:12]}.png", title="bytes held")
-        figures.append(Figure(path=path, caption="Bytes held at each lifecycle point, per placement and pool"))
+        figures.append(Figure(path=path, caption="Bytes held at each lifecycle point, per placement and pool",
+                              headline=True))
     grid = table.pivot_table(index="placement", columns=["point", "pool"], values="bytes", aggfunc="first", sort=False)
     grid.columns = [f"{point} ({pool})" for point, pool in grid.columns]
     return base_section(record, tables={"bytes held at each lifecycle point": grid.reset_index()}, figures=figures)

@@ -164,7 +164,8 @@ def section(record: dict, folder: Path) -> Section:
         if workload["precondition"]["reason"]:
             continue
         curves = _save(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
-        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)"))
+        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)",
+                              headline=True))
         differences = _save(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
