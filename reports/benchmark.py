@@ -167,8 +167,9 @@ def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
         return ("passed" if record["passed"] else "failed"), f"{len(comparisons)} comparisons, none enforced"
     row = gated.iloc[0]
     target = record["config"]["target"] or record["config"]["target_reported"]
+    gate = record["config"]["gate"]
     return row["verdict"], (f"retain@s0 / plain {row['ratio']:.3f} [{row['ci_low']:.3f}..{row['ci_high']:.3f}] "
-                            f"on {row['workload']} (target median ≤ {target})")
+                            f"vs gate band [{1 - gate:g}, {1 + gate:g}] on {row['workload']} (target median ≤ {target})")
 
 
 def section(record: dict, folder: Path) -> Section:

@@ -43,8 +43,9 @@ def _derivative_like() -> dict:
              for s in (0, 1, 2) for p in ("retain", "offload", "replay") for c in (False, True)]
     measurements = {key: 0 for key in KINDS["derivative-canary"].measurements}
     measurements.update(examples=10, examples_backpropagated=9, records_checked=sum(c["records"] for c in cells),
-                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells)
-    return make_record("derivative-canary", config={}, checks={"coverage": True}, measurements=measurements)
+                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells,
+                        worst_gradient_relative_l2=2e-6)
+    return make_record("derivative-canary", config={"tolerances": {"gradient": 1e-4}}, checks={"coverage": True}, measurements=measurements)
 
 
 def _mutations_like(caught: bool) -> dict:
@@ -93,7 +94,10 @@ def test_sections_show_checks_and_only_the_declared_measurements(evidence: Path,
     assert lifecycle.loc["offload", "after_forward (device)"] == 4096
     grid = views["sub/derivative"].section.tables["judged records per cell"].set_index(["checkpoint", "staleness"])
     assert grid.loc[("lora", 2), "replay corrected"] == 3 and grid.loc[("lora", 0), "retain plain"] == 1
-    assert views["sub/derivative"].section.key_figure == "worst_gradient_error_over_threshold 0.02"
+    assert views["sub/derivative"].section.key_figure == "worst gradient error 2e-06 vs threshold 0.0001 (2% of it)"
+    assert views["memory-bad"].section.key_figure == ("bytes left after backward (most over offload, retain): "
+                                                      "device 0 B, host 0 B")
+    assert views["mutations"].section.key_figure == "0 of 1 injected bugs caught"
     injected = views["mutations"].section.tables["injected bugs"].set_index("mutation")
     assert injected.loc["off_by_one", "verdict"] == "NOT CAUGHT"
     assert views["other"].section.lines == ["kind 'something-new' is not registered in reports.kinds"]
