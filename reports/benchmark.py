@@ -9,17 +9,14 @@ tables and one line per comparison, e.g.::
     tok/s −12.1% [−14.0..−10.3] (retain@s0 vs plain, 8 ABBA blocks, small 4×64 full, drift ρ=0.08) → regression vs ±5% gate
 
 (tokens/s change = 1 / ratio − 1, so its interval is the ratio's, inverted).
-:func:`render_benchmark_report` writes that section as Markdown and HTML on
-its own, for ``rtv bench``.
+``rtv bench`` renders it through the one report (``reports.render_report``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -27,7 +24,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
 
-__all__ = ["section", "render_benchmark_report", "comparison_line", "samples_table"]
+__all__ = ["section", "comparison_line", "samples_table"]
 
 MIB = 2**20
 
@@ -203,54 +200,3 @@ def section(record: dict, folder: Path) -> Section:
                 "Checks": pd.DataFrame({"check": list(record["checks"]), "passed": list(record["checks"].values())})},
         figures=figures,
     )
-
-
-_PAGE = jinja2.Environment(autoescape=jinja2.select_autoescape(default=True)).from_string("""<!doctype html>
-<html><head><meta charset="utf-8"><title>{{ s.title }}</title></head><body>
-<h1>{{ s.title }}: {{ s.verdict }}</h1><p>{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})</p>
-<ul>{% for line in s.lines %}<li>{{ line }}</li>{% endfor %}</ul>
-{% for title, html in tables %}<h2>{{ title }}</h2>{{ html | safe }}{% endfor %}
-{% for f in s.figures %}<figure><img src="{{ f.path.name }}" alt="{{ f.caption }}"><figcaption>{{ f.caption }}</figcaption></figure>{% endfor %}
-<p>Raw samples: <a href="benchmark-samples.csv">benchmark-samples.csv</a>; evidence: {{ evidence }}</p>
-</body></html>
-""")
-_MARKDOWN = jinja2.Environment(autoescape=False).from_string("""# {{ s.title }}: {{ s.verdict }}
-
-{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})
-
-{% for line in s.lines %}- {{ line }}
-{% endfor %}
-{% for title, md in tables %}## {{ title }}
-
-{{ md }}
-
-{% endfor %}{% for f in s.figures %}![{{ f.caption }}]({{ f.path.name }})
-
-{% endfor %}Raw samples: [benchmark-samples.csv](benchmark-samples.csv); evidence: `{{ evidence }}`
-""")
-
-
-def _cell(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _markdown_table(table: pd.DataFrame) -> str:
-    rows = [list(table.columns), ["---"] * len(table.columns)]
-    rows += [[_cell(v) for v in row] for row in table.itertuples(index=False)]
-    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
-
-
-def render_benchmark_report(evidence: Path, out_dir: Path) -> Path:
-    """Write ``index.md``, ``index.html``, the plots and the CSV for one benchmark record; returns the HTML path.
-
-    Reads the saved record only (nothing is re-run).
-    """
-    record = json.loads(Path(evidence).read_text())
-    out_dir = Path(out_dir)
-    built = section(record, out_dir)
-    html_tables = [(t, df.to_html(index=False, float_format=lambda v: f"{v:.4g}")) for t, df in built.tables.items()]
-    md_tables = [(t, _markdown_table(df)) for t, df in built.tables.items()]
-    (out_dir / "index.md").write_text(_MARKDOWN.render(s=built, tables=md_tables, evidence=evidence))
-    html = out_dir / "index.html"
-    html.write_text(_PAGE.render(s=built, tables=html_tables, evidence=evidence))
-    return html
