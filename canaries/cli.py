@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from ci.cli import add_gpu_commands, run_with_preset
-from validation.errors import HarnessError, SetupError
+from validation.errors import HarnessError, OutOfSpace, SetupError
 
 from .registry import CANARIES, PRESETS, PROFILES, canary
 
@@ -124,6 +124,8 @@ def _run_steps(args: argparse.Namespace) -> int:
     try:
         smoke = _smoke(run_dir, seed=args.seed, inject_failure=args.inject_failure)
         outcomes.append(("PASS" if _passed(smoke) else "FAIL", "smoke", str(smoke)))
+    except OutOfSpace:
+        raise  # nothing later could be written either: exit 2 with the fix
     except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
         traceback.print_exc()
         outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))

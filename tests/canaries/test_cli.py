@@ -7,6 +7,7 @@ for real, on a GPU preset). One subprocess check runs the installed script.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -266,3 +267,24 @@ def test_a_mutation_left_in_fails_the_run_and_tops_the_report_with_its_reason(
 def test_an_unknown_mutation_is_a_setup_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--out", str(tmp_path), "--inject-mutation", "no_such_bug"]) == 2
     assert "unknown mutation 'no_such_bug'" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
+    tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import errno
+    import io
+
+    import validation.evidence
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(validation.evidence.os, "fdopen", lambda fd, mode: (os.close(fd), FullDisk())[1])
+    assert main(["run", "--out", str(tmp_path)]) == 2
+    reason, fix = capsys.readouterr().err.splitlines()[-2:]
+    assert reason.startswith("rtv run: no space left on the device while writing evidence") and "rtv-out/" in fix
+    assert fakes.calls == [], "the run stops: nothing later could be written"
+    assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"
