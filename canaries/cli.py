@@ -1,6 +1,7 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
-    rtv run [--out DIR]                   the main job: smoke, every registered canary (quick), a report
+    rtv run [--out DIR] [--gate] [--inject-mutation NAME] [--preset P]
+                                          the main job: smoke, every registered canary (quick), one report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
     rtv report [--in DIR] [--out FILE]
@@ -11,8 +12,10 @@ prints where it is. Canary modules are imported inside the commands, so
 ``rtv --help`` stays instant. This is the only module that may import every
 package.
 
-Exit status (contract §11): 0 when every check passed, 1 when a check failed
-or a step raised, 2 for usage and setup errors. A
+Exit status (contract §11): 0 when every enforced check passed, 1 when one
+failed or a step raised (a shown-not-enforced canary, the benchmark, fails
+the run only under ``--gate``), 2 for usage and setup errors. The console
+script enters through ``canaries.entry`` (Python and torch checked first). A
 ``validation.errors.HarnessError`` is printed as its cause and its fix, and
 exits with its ``exit_code``.
 """
