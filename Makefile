@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rtv-installed
 TORCH_INDEX_URL ?=
 
-.PHONY: venv install run test
+.PHONY: venv install run test board-png
 
 venv: $(PY)
 
@@ -29,3 +29,13 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -n auto
+
+# The README's picture of the verdict board: the report of the committed fixture evidence,
+# its first screen captured by headless Chromium (Debian's chromium package). Committed on purpose.
+BOARD_PNG := docs/verdict-board.png
+board-png: install
+	$(VENV)/bin/rtv report --in tests/fixtures/evidence --out rtv-out/board/index.md
+	mkdir -p $(dir $(BOARD_PNG))
+	chromium --headless=new --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,400 \
+		--screenshot=$(CURDIR)/$(BOARD_PNG) file://$(CURDIR)/rtv-out/board/index.html
+	@echo "wrote $(BOARD_PNG) ($$(wc -c < $(BOARD_PNG)) bytes)"

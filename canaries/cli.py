@@ -1,6 +1,7 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
-    rtv run [--out DIR]                   the main job: smoke, every registered canary (quick), a report
+    rtv run [--out DIR] [--gate] [--inject-mutation NAME] [--preset P]
+                                          the main job: smoke, every registered canary (quick), one report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
     rtv report [--in DIR] [--out FILE]
@@ -11,8 +12,10 @@ prints where it is. Canary modules are imported inside the commands, so
 ``rtv --help`` stays instant. This is the only module that may import every
 package.
 
-Exit status (contract §11): 0 when every check passed, 1 when a check failed
-or a step raised, 2 for usage and setup errors. A
+Exit status (contract §11): 0 when every enforced check passed, 1 when one
+failed or a step raised (a shown-not-enforced canary, the benchmark, fails
+the run only under ``--gate``), 2 for usage and setup errors. The console
+script enters through ``canaries.entry`` (Python and torch checked first). A
 ``validation.errors.HarnessError`` is printed as its cause and its fix, and
 exits with its ``exit_code``.
 """
@@ -24,25 +27,25 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from ci.cli import add_gpu_commands, run_with_preset
-from validation.errors import HarnessError, SetupError
+from validation.errors import HarnessError, OutOfSpace, SetupError
 
 from .registry import CANARIES, PRESETS, PROFILES, canary
 
 if TYPE_CHECKING:
     from .smoke import Check
 
-__all__ = ["main", "Step", "cpu_steps", "INJECT_ENV"]
+__all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
+MUTATION_ENV = "RTV_INJECT_MUTATION"
 DEFAULT_OUT = Path("rtv-out")
 RUN_PROFILE = "quick"
 
@@ -72,23 +75,6 @@ def _passed(path: Path) -> bool:
 # --- rtv run ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Step:
-    """One step of ``rtv run``: ``run(out_dir)`` returns an evidence path."""
-
-    label: str
-    run: Callable[[Path], Path]
-
-
-def cpu_steps(*, seed: int = 0, inject_failure: bool = False) -> list[Step]:
-    """What ``rtv run`` runs, in order: the smoke, then every registered canary on the cpu preset, quick."""
-    steps = [Step("smoke", lambda out: _smoke(out, seed=seed, inject_failure=inject_failure))]
-    for entry in CANARIES.values():
-        steps.append(Step(f"canary {entry.name} ({RUN_PROFILE})",
-                          lambda out, entry=entry: entry.run("cpu", RUN_PROFILE, out)))
-    return steps
-
-
 @contextmanager
 def _threads(threads: int) -> Iterator[None]:
     """Torch CPU threads for the block (restored after, for in-process callers).
@@ -107,48 +93,64 @@ def _threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextmanager
+def _mutation(name: str | None) -> Iterator[None]:
+    """Negative control for the whole run: the named bug of ``canaries.mutations`` stays in while the canaries run."""
+    if name is None:
+        yield
+        return
+    from .mutations import mutation
+
+    bug = mutation(name)  # SetupError naming the known ones
+    print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
+    with bug.apply():
+        yield
+
+
 def _run(args: argparse.Namespace) -> int:
     if (code := run_with_preset(args)) is not None:  # --preset gpu|gpu-8b: ci.gpu_run
         return code
-    with _threads(args.threads):
+    with _threads(args.threads), _mutation(args.inject_mutation):
         return _run_steps(args)
 
 
 def _run_steps(args: argparse.Namespace) -> int:
     from validation.evidence import evidence_path
 
+    from .suite import run_canaries
+
     run_dir = evidence_path(args.out, "run").with_suffix("")  # named like the records it holds
     run_dir.mkdir(parents=True, exist_ok=False)
     print(f"rtv run: evidence goes to {run_dir}", flush=True)
     started = time.perf_counter()
-    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL, label, where or why)
-    for step in tqdm(cpu_steps(seed=args.seed, inject_failure=args.inject_failure), desc="rtv run", unit="step"):
-        tqdm.write(f"\n== {step.label} ==")
-        try:
-            path = step.run(run_dir)
-            outcomes.append(("PASS" if _passed(path) else "FAIL", step.label, str(path)))
-        except Exception as error:  # noqa: BLE001 - one broken step must not hide the others (HarnessError too)
-            traceback.print_exc()
-            outcomes.append(("FAIL", step.label, f"raised {type(error).__name__}: {error}"))
+    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
+    try:
+        smoke = _smoke(run_dir, seed=args.seed, inject_failure=args.inject_failure)
+        outcomes.append(("PASS" if _passed(smoke) else "FAIL", "smoke", str(smoke)))
+    except OutOfSpace:
+        raise  # nothing later could be written either: exit 2 with the fix
+    except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
+        traceback.print_exc()
+        outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
+    for outcome in run_canaries("cpu", RUN_PROFILE, run_dir, gate=args.gate, echo=tqdm.write):
+        outcomes.append(("FAIL" if outcome.fails_run else outcome.state, outcome.label, outcome.where))
     print("\n== report ==", flush=True)
     report = None
     try:
         from reports import render_report
 
         report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run {run_dir.name}")
-        if not report.passed and all(state != "FAIL" for state, _, _ in outcomes):
-            outcomes.append(("FAIL", "report", "the report found failed or invalid records"))
     except Exception as error:  # noqa: BLE001
         traceback.print_exc()
         outcomes.append(("FAIL", "report", f"raised {type(error).__name__}: {error}"))
     seconds = time.perf_counter() - started
-    print(f"\nrtv run summary ({seconds:.1f} s):")
+    print(f"\nrtv run summary ({seconds:.1f} s; SHOWN: a verdict shown, not enforced without --gate):")
     for state, label, where in outcomes:
-        print(f"  {state}  {label:24} {where}")
-    if report is not None:
-        print(f"  report: {report.markdown} (and {report.html.name}, {len(report.plots)} plots)")
+        print(f"  {state:5} {label:28} {where}")
     failed = [label for state, label, _ in outcomes if state == "FAIL"]
     print(f"rtv run: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}; everything is in {run_dir}")
+    if report is not None:
+        print(f"report: {report.html}\n  (Markdown: {report.markdown}; {len(report.plots)} plots)")
     return 0 if not failed else 1
 
 
@@ -164,27 +166,24 @@ def _canary_command(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """``rtv bench``: run the benchmark, render its report, exit 0/1 on its enforced checks, 2 on setup errors."""
-    from reports.benchmark import comparison_line, render_benchmark_report
-    from validation.errors import HarnessError
-    from validation.evidence import verify
+    """``rtv bench``: run the benchmark into a new folder, render its report, exit 0/1 on its enforced checks."""
+    from reports import render_report
+    from reports.benchmark import comparison_line
+    from validation.evidence import evidence_path, verify
 
     from . import benchmark
 
-    try:
-        path = benchmark.run(args.preset, args.profile, args.out, gate=args.gate, target=args.target,
-                             threads=args.threads, progress=True)
-    except HarnessError as error:
-        print(f"rtv bench: {error}", file=sys.stderr)
-        return error.exit_code
-    html = render_benchmark_report(path, path.with_name(f"{path.stem}-report"))
+    run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
+    path = benchmark.run(args.preset, args.profile, run_dir, gate=args.gate, target=args.target,
+                         threads=args.threads, progress=True)
+    report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv bench {run_dir.name}")
     record = verify(path)
     for group in record["measurements"]["groups"]:
         for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
             print(comparison_line(comparison, group["label"], record["config"]["gate"]))
     for check, passed in record["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'}  {check}")
-    print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {html}")
+    print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {report.html}")
     return 0 if record["passed"] else 1
 
 
@@ -236,6 +235,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(INJECT_ENV) == "1",
         help=f"negative control: make a smoke check fail on purpose (also {INJECT_ENV}=1)",
     )
+    run.add_argument(
+        "--inject-mutation", metavar="NAME", default=os.environ.get(MUTATION_ENV) or None,
+        help=f"negative control: leave the named bug of canaries.mutations in for the whole run (also {MUTATION_ENV}=NAME); "
+        "the canary that must catch it fails and the run exits 1",
+    )
+    run.add_argument("--gate", action="store_true",
+                     help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts")
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     run.add_argument("--preset", choices=PRESETS, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")

@@ -39,21 +39,26 @@ class Canary:
     ``enforced``: whether ``rtv run`` fails (exit 1) when this canary's
     evidence says failed. Correctness canaries are enforced; comparisons
     whose verdicts are shown rather than gated (throughput) are not, unless
-    the user asks with ``--gate``.
+    the user asks with ``--gate``. ``takes_gate``: the module's ``run``
+    also accepts ``gate=True`` (enforce its comparisons, not only show them).
     """
 
     name: str
     module: str
     summary: str
     enforced: bool = True
+    takes_gate: bool = False
 
-    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
+    def run(self, preset: str, profile: str, out_dir: Path, *, gate: bool = False) -> Path:
         """Run the canary; returns its evidence path (see the module docstring)."""
         if preset not in PRESETS:
             raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if profile not in PROFILES:
             raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
-        return importlib.import_module(self.module).run(preset, profile, Path(out_dir))
+        if gate and not self.takes_gate:
+            raise SetupError(f"canary {self.name!r} has no gate option", fix="run it without gate")
+        options = {"gate": True} if gate else {}
+        return importlib.import_module(self.module).run(preset, profile, Path(out_dir), **options)
 
 
 CANARIES: dict[str, Canary] = {
@@ -66,7 +71,11 @@ CANARIES: dict[str, Canary] = {
         Canary(name="mutations", module="canaries.mutations",
                summary="every deliberately injected bug is caught by the canaries"),
         Canary(name="learning", module="canaries.learning",
-               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)"),
+               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
+               takes_gate=True),
+        Canary(name="benchmark", module="canaries.benchmark",
+               summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
+               enforced=False),
     )
 }
 

@@ -153,7 +153,7 @@ def run_with_preset(args: argparse.Namespace) -> int | None:
     from .gpu_run import NPROC_ENV, run_gpu_preset
 
     if args.preset != "cpu":
-        return run_gpu_preset(args.preset, args.nproc or 1, args.out, environ=os.environ)
+        return run_gpu_preset(args.preset, args.nproc or 1, args.out, environ=os.environ, gate=args.gate)
     if args.nproc is not None:
         os.environ[NPROC_ENV] = str(args.nproc)
     return None

@@ -8,17 +8,16 @@ line may). It refuses, with exit 2 and the reason (contract §11):
 - with ``--nproc`` above the number of visible GPUs.
 
 ``--nproc`` reaches the canaries as ``RTV_NPROC`` (the processes their
-logical-rank parts use). Each canary in ``canaries.registry.CANARIES`` runs
-through ``Canary.run(preset, "default", run_dir)``; a canary that raises is
-reported and the others still run. Exit 1 if an enforced canary's evidence
-does not say passed, else 0.
+logical-rank parts use). The canaries run through the loop ``rtv run`` uses
+on the CPU (``canaries.suite.run_canaries``, on the ``default`` profile); a
+canary that raises is reported and the others still run. Exit 1 if an
+enforced canary's evidence does not say passed, else 0.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +43,7 @@ def require_gpus(preset: str, nproc: int) -> None:
                          f"one per visible GPU, found --nproc {nproc}", fix=f"pass --nproc {count} or fewer")
 
 
-def run_gpu_preset(preset: str, nproc: int, out: Path, *, environ: dict[str, str],
+def run_gpu_preset(preset: str, nproc: int, out: Path, *, environ: dict[str, str], gate: bool = False,
                    echo: Callable[[str], None] = print) -> int:
     """Run every registered canary on ``preset``; returns the exit code (module docstring)."""
     try:
@@ -52,28 +51,15 @@ def run_gpu_preset(preset: str, nproc: int, out: Path, *, environ: dict[str, str
     except SetupError as error:
         print(error, file=sys.stderr)
         return error.exit_code
-    from canaries.registry import CANARIES
+    from canaries.suite import run_canaries
     from reports import render_report
-    from validation.evidence import verify
 
     environ[NPROC_ENV] = str(nproc)
     run_dir = Path(out) / f"run-{preset}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     run_dir.mkdir(parents=True, exist_ok=False)
     echo(f"rtv run --preset {preset} --nproc {nproc}: evidence goes to {run_dir}")
-    failed = []
-    for canary in CANARIES.values():
-        echo(f"\n== canary {canary.name} ({preset}, default) ==")
-        try:
-            path = canary.run(preset, "default", run_dir)
-        except Exception as error:  # noqa: BLE001 - one broken canary must not hide the others
-            traceback.print_exc()
-            failed.append(f"{canary.name} raised {type(error).__name__}")
-            continue
-        passed = bool(verify(path)["passed"])
-        echo(f"{'PASSED' if passed else 'FAILED'}  {canary.name}: {path}")
-        if canary.enforced and not passed:
-            failed.append(canary.name)
+    failed = [o.name for o in run_canaries(preset, "default", run_dir, gate=gate, echo=echo) if o.fails_run]
     report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run --preset {preset}")
-    echo(f"report: {report.markdown}")
+    echo(f"report: {report.html}")
     echo(f"rtv run --preset {preset}: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0

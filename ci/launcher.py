@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from validation.errors import SetupError
+
 from .interrupts import CallTimeout, Interrupted, bounded, signals_deferred, signals_raise
 from .outputs import EvidenceVerdict, judge_outputs, rsync_outputs
 from .receipts import write_receipt
@@ -131,6 +133,7 @@ class _Run:
     handle: Any = None
     phase: Phase = Phase.LAUNCH
     interruption: dict[str, str] | None = None
+    error: BaseException | None = None
     evidence: EvidenceVerdict | None = None
     logs: str | None = None
     teardown: list[dict[str, Any]] = field(default_factory=list)
@@ -201,7 +204,7 @@ class Launcher:
                         self._launch_and_wait(spec, run)
                         self._fetch(spec, run, out_dir)
                 except (Exception, Interrupted) as error:  # every interruption ends in teardown and a receipt
-                    run.interruption = _interruption(error, run.phase)
+                    run.interruption, run.error = _interruption(error, run.phase), error
                     self.echo(f"rtv gpu launch: interrupted during {run.phase.value}: {run.interruption['detail']}")
             finally:
                 self._teardown(run)
@@ -209,7 +212,17 @@ class Launcher:
                     run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
                                         "detail": f"{len(run.signals)} signal(s) during teardown"}
                 outcome = self._receipt(run, spec, out_dir)
+        self._refuse_without_credentials(run, outcome)
         return outcome
+
+    def _refuse_without_credentials(self, run: _Run, outcome: Outcome) -> None:
+        """SkyPilot refused for want of cloud credentials: a setup error (exit 2), unless absence is unproven (6 wins)."""
+        errors = self.sdk.exceptions
+        if outcome.exit_code == 6 or not isinstance(run.error, (errors.NoCloudAccessError, errors.CloudUserIdentityError)):
+            return
+        raise SetupError(f"SkyPilot cannot use a cloud: {run.error} (nothing was launched; receipt {outcome.receipt})",
+                         fix="set up credentials for a cloud with H200s and check them with `sky check`, "
+                             "then run rtv gpu launch again")
 
     def _timed(self, run: _Run, phase: Phase) -> float:
         run.phase = phase

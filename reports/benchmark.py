@@ -9,17 +9,14 @@ tables and one line per comparison, e.g.::
     tok/s −12.1% [−14.0..−10.3] (retain@s0 vs plain, 8 ABBA blocks, small 4×64 full, drift ρ=0.08) → regression vs ±5% gate
 
 (tokens/s change = 1 / ratio − 1, so its interval is the ratio's, inverted).
-:func:`render_benchmark_report` writes that section as Markdown and HTML on
-its own, for ``rtv bench``.
+``rtv bench`` renders it through the one report (``reports.render_report``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -27,7 +24,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
 
-__all__ = ["section", "render_benchmark_report", "comparison_line", "samples_table"]
+__all__ = ["section", "comparison_line", "samples_table"]
 
 MIB = 2**20
 
@@ -167,8 +164,9 @@ def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
         return ("passed" if record["passed"] else "failed"), f"{len(comparisons)} comparisons, none enforced"
     row = gated.iloc[0]
     target = record["config"]["target"] or record["config"]["target_reported"]
+    gate = record["config"]["gate"]
     return row["verdict"], (f"retain@s0 / plain {row['ratio']:.3f} [{row['ci_low']:.3f}..{row['ci_high']:.3f}] "
-                            f"on {row['workload']} (target median ≤ {target})")
+                            f"vs gate band [{1 - gate:g}, {1 + gate:g}] on {row['workload']} (target median ≤ {target})")
 
 
 def section(record: dict, folder: Path) -> Section:
@@ -180,7 +178,8 @@ def section(record: dict, folder: Path) -> Section:
     samples.to_csv(folder / "benchmark-samples.csv", index=False)
     figures = [
         Figure(path=_plot_ratios(comparisons, gate, folder / "benchmark-ratios.png"),
-               caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band."),
+               caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band.",
+               headline=True),
         Figure(path=_plot_blocks(samples, folder / "benchmark-blocks.png"),
                caption="Per-block step time of every arm: a trend would show drift; red crosses are loaded blocks."),
         Figure(path=_plot_memory(arms, folder / "benchmark-memory.png"),
@@ -201,54 +200,3 @@ def section(record: dict, folder: Path) -> Section:
                 "Checks": pd.DataFrame({"check": list(record["checks"]), "passed": list(record["checks"].values())})},
         figures=figures,
     )
-
-
-_PAGE = jinja2.Environment(autoescape=jinja2.select_autoescape(default=True)).from_string("""<!doctype html>
-<html><head><meta charset="utf-8"><title>{{ s.title }}</title></head><body>
-<h1>{{ s.title }}: {{ s.verdict }}</h1><p>{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})</p>
-<ul>{% for line in s.lines %}<li>{{ line }}</li>{% endfor %}</ul>
-{% for title, html in tables %}<h2>{{ title }}</h2>{{ html | safe }}{% endfor %}
-{% for f in s.figures %}<figure><img src="{{ f.path.name }}" alt="{{ f.caption }}"><figcaption>{{ f.caption }}</figcaption></figure>{% endfor %}
-<p>Raw samples: <a href="benchmark-samples.csv">benchmark-samples.csv</a>; evidence: {{ evidence }}</p>
-</body></html>
-""")
-_MARKDOWN = jinja2.Environment(autoescape=False).from_string("""# {{ s.title }}: {{ s.verdict }}
-
-{{ s.key_figure }} ({{ "passed" if s.passed else "FAILED" }})
-
-{% for line in s.lines %}- {{ line }}
-{% endfor %}
-{% for title, md in tables %}## {{ title }}
-
-{{ md }}
-
-{% endfor %}{% for f in s.figures %}![{{ f.caption }}]({{ f.path.name }})
-
-{% endfor %}Raw samples: [benchmark-samples.csv](benchmark-samples.csv); evidence: `{{ evidence }}`
-""")
-
-
-def _cell(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _markdown_table(table: pd.DataFrame) -> str:
-    rows = [list(table.columns), ["---"] * len(table.columns)]
-    rows += [[_cell(v) for v in row] for row in table.itertuples(index=False)]
-    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
-
-
-def render_benchmark_report(evidence: Path, out_dir: Path) -> Path:
-    """Write ``index.md``, ``index.html``, the plots and the CSV for one benchmark record; returns the HTML path.
-
-    Reads the saved record only (nothing is re-run).
-    """
-    record = json.loads(Path(evidence).read_text())
-    out_dir = Path(out_dir)
-    built = section(record, out_dir)
-    html_tables = [(t, df.to_html(index=False, float_format=lambda v: f"{v:.4g}")) for t, df in built.tables.items()]
-    md_tables = [(t, _markdown_table(df)) for t, df in built.tables.items()]
-    (out_dir / "index.md").write_text(_MARKDOWN.render(s=built, tables=md_tables, evidence=evidence))
-    html = out_dir / "index.html"
-    html.write_text(_PAGE.render(s=built, tables=html_tables, evidence=evidence))
-    return html

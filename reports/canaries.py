@@ -6,6 +6,7 @@ three kinds ``reports.kinds`` points here; it dispatches on ``record["kind"]``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ def _derivative(record: dict[str, Any], folder: Path) -> Section:
     grid.columns = [f"{p} {'corrected' if c else 'plain'}" for p, c in grid.columns]
     line = (f"{m['examples_backpropagated']} of {m['examples']} explored examples backpropagated; "
             f"{m['stale_share_of_checked']:.0%} of {m['records_checked']} judged records were stale")
-    return base_section(record, lines=[line], tables={"judged records per cell": grid.reset_index()})
+    built = base_section(record, lines=[line], tables={"judged records per cell": grid.reset_index()})
+    threshold = record["config"]["tolerances"]["gradient"]
+    return replace(built, key_figure=(f"worst gradient error {m['worst_gradient_relative_l2']:.2g} vs threshold "
+                                      f"{threshold:.2g} ({m['worst_gradient_error_over_threshold']:.0%} of it)"))
 
 
 def _memory(record: dict[str, Any], folder: Path) -> Section:
@@ -37,10 +41,15 @@ def _memory(record: dict[str, Any], folder: Path) -> Section:
     figures = []
     if not table.empty:
         path = plot_lifecycle(table, folder / f"lifecycle-{record['digest'][:12]}.png", title="bytes held")
-        figures.append(Figure(path=path, caption="Bytes held at each lifecycle point, per placement and pool"))
+        figures.append(Figure(path=path, caption="Bytes held at each lifecycle point, per placement and pool",
+                              headline=True))
     grid = table.pivot_table(index="placement", columns=["point", "pool"], values="bytes", aggfunc="first", sort=False)
     grid.columns = [f"{point} ({pool})" for point, pool in grid.columns]
-    return base_section(record, tables={"bytes held at each lifecycle point": grid.reset_index()}, figures=figures)
+    built = base_section(record, tables={"bytes held at each lifecycle point": grid.reset_index()}, figures=figures)
+    after = table[table["point"] == "after_backward"]
+    left = ", ".join(f"{pool} {int(after[after['pool'] == pool]['bytes'].max())} B" for pool in dict.fromkeys(after["pool"]))
+    placements = ", ".join(dict.fromkeys(after["placement"]))
+    return replace(built, key_figure=f"bytes left after backward (most over {placements}): {left or 'not measured'}")
 
 
 def _mutations(record: dict[str, Any], folder: Path) -> Section:
@@ -48,7 +57,10 @@ def _mutations(record: dict[str, Any], folder: Path) -> Section:
              "verdict": "inapplicable" if not o["applicable"] else "caught" if o["caught"] else "NOT CAUGHT",
              "failed checks": ", ".join(o["failed_checks"]), "description": o["description"]}
             for name, o in record["measurements"]["mutations"].items()]
-    return base_section(record, tables={"injected bugs": pd.DataFrame(rows)})
+    m = record["measurements"]
+    built = base_section(record, tables={"injected bugs": pd.DataFrame(rows)})
+    return replace(built, key_figure=f"{len(m['caught'])} of {len(m['run'])} injected bugs caught"
+                                     + (f" ({len(m['inapplicable'])} inapplicable)" if m["inapplicable"] else ""))
 
 
 _BUILDERS = {"derivative-canary": _derivative, "memory-canary": _memory, "mutation-suite": _mutations}

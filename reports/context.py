@@ -29,10 +29,15 @@ __all__ = ["Figure", "Section", "RecordView", "ReportContext"]
 
 @dataclass(frozen=True, kw_only=True)
 class Figure:
-    """A plot file written by a section builder, with the caption shown under it."""
+    """A plot file written by a section builder, with the caption shown under it.
+
+    ``headline``: shown again near the top of the page, under the verdict
+    board (learning curves, throughput ratios, the memory lifecycle).
+    """
 
     path: Path
     caption: str
+    headline: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +66,13 @@ class RecordView:
     """One evidence file on the page: where it is (relative link), its status and integrity, its section.
 
     ``section`` is None for an invalid file (``integrity`` says why);
-    ``figures`` are the section's plots as links relative to the page.
+    ``figures`` are the section's plots as links relative to the page;
+    ``anchor`` the stable HTML id of its section (``section-<name>``);
+    ``failed_checks`` each failed check with the reason the record gives.
     """
 
     name: str
+    anchor: str
     link: str
     status: str  # passed | failed | invalid
     integrity: str
@@ -73,6 +81,15 @@ class RecordView:
     source: dict
     section: Section | None
     figures: list[Figure] = field(default_factory=list)
+    failed_checks: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return self.section.verdict if self.section else "invalid"
+
+    @property
+    def key_figure(self) -> str:
+        return self.section.key_figure if self.section else self.integrity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,3 +113,18 @@ class ReportContext:
     @property
     def passed(self) -> bool:
         return bool(self.records) and self.counts["passed"] == len(self.records)
+
+    @property
+    def board(self) -> list[RecordView]:
+        """The verdict board's rows: failed and invalid records first, then the rest, each in folder order."""
+        return sorted(self.records, key=lambda view: view.status == "passed")
+
+    @property
+    def failures(self) -> list[RecordView]:
+        """The records shown first, above the board: those that failed or do not verify."""
+        return [view for view in self.records if view.status != "passed"]
+
+    @property
+    def headline(self) -> list[Figure]:
+        """The headline plots, in board order."""
+        return [figure for view in self.board for figure in view.figures if figure.headline]

@@ -42,7 +42,9 @@ def base_section(record: dict[str, Any], **extra: Any) -> Section:
     declared = kind(record.get("kind", "")) or Kind(name=record.get("kind", "unknown"), title=record.get("kind", "unknown"))
     m = record.get("measurements", {})
     key = declared.key_figure
-    figure = f"{key} {_short(m[key])}" if key and key in m else ""
+    checks = record.get("checks", {})
+    figure = (f"{key} {_short(m[key])}" if key and key in m
+              else f"{sum(map(bool, checks.values()))} of {len(checks)} checks passed")
     tables = {"checks": checks_table(record)}
     if declared.measurements:
         tables["measurements"] = measurements_table(record, declared)

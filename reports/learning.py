@@ -140,7 +140,8 @@ def _headline(workloads: dict) -> tuple[str, list[str]]:
             continue
         for v in workload["verdicts"]:
             if v["arm"] == "stale2_corrected" and v["baseline"] == "strict" and v["metric"] == "final":
-                key.append(f"{name} {v['verdict']} ({v['mean_difference']:+.3g} {workload['unit']})")
+                key.append(f"{name} {v['verdict']} ({v['mean_difference']:+.3g} {workload['unit']}, "
+                           f"90% CI [{v['ci_low']:+.3g}, {v['ci_high']:+.3g}] vs margin ±{v['margin']:.3g})")
         exact = ", ".join(f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"])
         caught = ", ".join(f"{s['arm']}: {'caught' if s['caught'] else 'NOT CAUGHT'}" for s in workload["sensitivity"])
         lines.append(f"{name} ({workload['criterion']}): {exact}; sensitivity {caught}")
@@ -164,7 +165,8 @@ def section(record: dict, folder: Path) -> Section:
         if workload["precondition"]["reason"]:
             continue
         curves = _save(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
-        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)"))
+        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)",
+                              headline=True))
         differences = _save(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)

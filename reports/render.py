@@ -4,13 +4,21 @@
 kind's builder (``reports.kinds``) for its section, writes the figures
 beside the page and makes every link relative, so the folder can be moved
 or uploaded as it is. :func:`render_report` renders the context with the two
-jinja2 templates in ``reports/templates``.
+jinja2 templates in ``reports/templates``: the Markdown links its plots, the
+HTML embeds them as data URIs (one self-contained file).
+
+The page reads top down (issue 17): records that failed or do not verify,
+each with its failed checks and why; the verdict board (one row per record,
+id ``verdict-board``); the headline plots; then each record's section
+(``section-<name>``, its tables ``<section id>-table-<n>``).
 """
 
 from __future__ import annotations
 
+import base64
 import importlib
 import os
+import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,6 +28,7 @@ import jinja2
 from validation.errors import SetupError
 
 from .context import RecordView, ReportContext, Section
+from .generic import checks_table
 from .kinds import kind
 from .records import LoadedRecord, load_records
 
@@ -32,6 +41,20 @@ _TEMPLATES = jinja2.Environment(
     keep_trailing_newline=True,
 )
 _TEMPLATES.filters["cell"] = lambda value: str(value).replace("|", "\\\\|").replace("\n", "<br>")
+
+
+def slug(text: str) -> str:
+    """``text`` as an HTML id fragment: lower case letters, digits and dashes."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", str(text)).strip("-").lower()
+
+
+_TEMPLATES.filters["slug"] = slug
+_TEMPLATES.filters["value"] = lambda value: f"{value:.4g}" if isinstance(value, float) else value
+
+
+def _data_uri(path: Path) -> str:
+    """A PNG as a data URI (the HTML page carries its plots)."""
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
 @dataclass(frozen=True)
@@ -51,13 +74,22 @@ def _section(loaded: LoadedRecord, folder: Path) -> Section:
     return module.section(loaded.record, folder)
 
 
+def _failed_checks(loaded: LoadedRecord) -> list[tuple[str, str]]:
+    if loaded.status == "invalid":
+        return [("integrity", loaded.integrity)]
+    failed = checks_table(loaded.record).query("result == 'FAIL'")
+    return [(row.check, row.detail or "the record gives no detail") for row in failed.itertuples()]
+
+
 def _view(loaded: LoadedRecord, folder: Path) -> RecordView:
     relative = lambda path: Path(os.path.relpath(path, folder)).as_posix()  # noqa: E731
     section = None if loaded.status == "invalid" else _section(loaded, folder / "plots")
     figures = [] if section is None else [replace(f, path=Path(relative(f.path))) for f in section.figures]
-    return RecordView(name=loaded.name, link=relative(loaded.path), status=loaded.status, integrity=loaded.integrity,
+    return RecordView(name=loaded.name, anchor="section-" + slug(loaded.name),
+                      link=relative(loaded.path), status=loaded.status, integrity=loaded.integrity,
                       created=loaded.record.get("created", "unknown"), environment=loaded.record.get("environment", {}),
-                      source=loaded.record.get("source", {}), section=section, figures=figures)
+                      source=loaded.record.get("source", {}), section=section, figures=figures,
+                      failed_checks=_failed_checks(loaded))
 
 
 def build_context(in_dir: Path, folder: Path, *, title: str) -> ReportContext:
@@ -82,6 +114,7 @@ def render_report(in_dir: Path, out_file: Path | None = None, *, title: str | No
     folder.mkdir(parents=True, exist_ok=True)
     out_file.write_text(_TEMPLATES.get_template("report.md.j2").render(page=context))
     html = out_file.with_suffix(".html")
-    html.write_text(_TEMPLATES.get_template("report.html.j2").render(page=context))
+    embedded = {str(f.path): _data_uri(folder / f.path) for view in context.records for f in view.figures}
+    html.write_text(_TEMPLATES.get_template("report.html.j2").render(page=context, embedded=embedded))
     plots = [folder / f.path for view in context.records for f in view.figures]
     return ReportPaths(markdown=out_file, html=html, plots=plots, records=len(context.records), passed=context.passed)

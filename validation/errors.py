@@ -10,7 +10,7 @@ dependency, no GPU for a GPU-only preset, invalid evidence) subclasses
 
 from __future__ import annotations
 
-__all__ = ["HarnessError", "SetupError", "CheckFailed"]
+__all__ = ["HarnessError", "SetupError", "OutOfSpace", "CheckFailed"]
 
 
 class HarnessError(Exception):
@@ -31,6 +31,10 @@ class SetupError(HarnessError):
     """Usage or setup problem (bad arguments, missing package, no GPU): exit code 2."""
 
     exit_code = 2
+
+
+class OutOfSpace(SetupError):
+    """The disk is full where evidence is written (exit code 2): nothing later can be written either."""
 
 
 class CheckFailed(HarnessError):

@@ -13,6 +13,7 @@ tampered file is detected.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckFailed
+from .errors import CheckFailed, OutOfSpace
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -144,6 +145,20 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
         if path.read_text() == text:
             return path
         raise EvidenceError(f"{path}: a different record already exists; evidence is written once, choose a new name")
+    try:
+        _write_new(path, text)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise OutOfSpace(f"no space left on the device while writing evidence {path} ({error})",
+                         fix=f"free space under {path.parent} (old runs under rtv-out/ can go), or pass --out "
+                             "DIR on a disk with room") from error
+    _fsync_dir(path.parent)
+    return path
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then link it to ``path`` (never replacing one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -159,8 +174,6 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
             raise EvidenceError(f"{path}: a different record was written concurrently") from None
     finally:
         os.unlink(tmp)
-    _fsync_dir(path.parent)
-    return path
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -98,8 +98,8 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
         return
     out = capsys.readouterr().out
     html = Path(out.rsplit("report: ", 1)[1].strip())
-    assert html.name == "index.html" and html.exists() and (html.parent / "benchmark-ratios.png").exists()
-    (evidence,) = tmp_path.glob("benchmark-*.json")
+    assert html.name == "index.html" and html.exists() and (html.parent / "plots" / "benchmark-ratios.png").exists()
+    (evidence,) = tmp_path.glob("bench-*/benchmark-*.json")
     assert json.loads(evidence.read_text())["passed"] is (code == 0)
 
 

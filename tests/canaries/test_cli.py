@@ -7,6 +7,7 @@ for real, on a GPU preset). One subprocess check runs the installed script.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def test_run_writes_every_record_and_a_report_and_passes(
         assert f"PASS  {check}" in stdout
     report = run_dir / "report" / "index.md"
     assert f"**PASSED**: {1 + len(REAL)} records" in report.read_text() and (run_dir / "report" / "index.html").exists()
-    assert f"report: {report}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
+    assert f"report: {report.with_suffix('.html')}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
 
 
 def test_canary_memory_on_a_gpu_preset_runs_here(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,7 +131,8 @@ def test_run_fails_when_a_canary_fails_or_raises(
         assert "raised RuntimeError: derivative blew up" in stdout
     else:
         page = (only_run_dir(tmp_path) / "report" / "index.md").read_text()
-        assert re.search(r"^## derivative-\S+: FAILED$", page, re.MULTILINE), page
+        assert re.search(r"^### derivative-\S+: FAILED$", page, re.MULTILINE), page
+        assert page.index("**derivative ok**: ") < page.index("## Verdict board"), "the failure comes first"
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -226,3 +228,63 @@ def test_preset_choices_match_the_presets() -> None:
     from canaries.presets import PRESETS as SHAPES
 
     assert set(PRESETS) == set(SHAPES)
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_a_shown_verdict_fails_the_run_only_under_gate(
+    gate: bool, tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shown = CANARIES["benchmark"]
+    monkeypatch.setitem(CANARIES, "benchmark", Canary(name="benchmark", module=shown.module, summary="", enforced=False))
+    fakes.failing.add("benchmark")
+    assert main(["run", "--out", str(tmp_path), *(["--gate"] if gate else [])]) == (1 if gate else 0)
+    stdout = capsys.readouterr().out
+    assert ("FAIL  canary benchmark (quick)" if gate else "SHOWN canary benchmark (quick)") in stdout
+
+
+def test_a_mutation_left_in_fails_the_run_and_tops_the_report_with_its_reason(
+    tmp_path: Path, quick_smoke: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The negative control of ``rtv run`` itself, with the real derivative canary and a real bug of the mutation suite."""
+    monkeypatch.setattr("canaries.registry.CANARIES", {"derivative": REAL["derivative"]})
+    monkeypatch.setenv(cli.MUTATION_ENV, "staleness_off_by_one")
+    assert main(["run", "--out", str(tmp_path)]) == 1
+    stdout = capsys.readouterr().out
+    assert "mutation 'staleness_off_by_one' left in on purpose" in stdout
+    assert "rtv run: FAILED: canary derivative (quick)" in stdout
+    html_path = Path(stdout.rsplit("report: ", 1)[1].split()[0])
+    page = html_path.with_suffix(".md").read_text()
+    (derivative,) = only_run_dir(tmp_path).glob("derivative-*.json")
+    failed = [name for name, ok in verify(derivative)["checks"].items() if not ok]
+    assert failed, "the bug must be caught"
+    top = page[: page.index("## Verdict board")]
+    assert "## What failed, and why" in top and all(f"**{name}**: " in top for name in failed)
+    html = html_path.read_text()
+    assert html.index('id="failures"') < html.index('id="verdict-board"')
+
+
+def test_an_unknown_mutation_is_a_setup_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--out", str(tmp_path), "--inject-mutation", "no_such_bug"]) == 2
+    assert "unknown mutation 'no_such_bug'" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
+    tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import errno
+    import io
+
+    import validation.evidence
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(validation.evidence.os, "fdopen", lambda fd, mode: (os.close(fd), FullDisk())[1])
+    assert main(["run", "--out", str(tmp_path)]) == 2
+    reason, fix = capsys.readouterr().err.splitlines()[-2:]
+    assert reason.startswith("rtv run: no space left on the device while writing evidence") and "rtv-out/" in fix
+    assert fakes.calls == [], "the run stops: nothing later could be written"
+    assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"

@@ -57,3 +57,24 @@ def test_cluster_names_are_deterministic_and_valid(sky_sandbox):
     check_cluster_name_is_valid(name)
     with pytest.raises(ValueError):
         cluster_name("rtv-gate", "12;rm", 1)
+
+
+@pytest.mark.parametrize("error", ["NoCloudAccessError", "CloudUserIdentityError"])
+def test_launch_without_cloud_credentials_exits_2_with_the_fix(sky_sandbox, tmp_path, capsys, monkeypatch, error):
+    from ci import cli
+
+    from .fake_sky import FakeSky
+
+    fake = FakeSky()
+
+    def refuse(*args, **kwargs):  # what SkyPilot raises when `sky check` finds no usable cloud
+        raise getattr(sky_sandbox.exceptions, error)("Cloud access is not set up. Run: `sky check`")
+
+    monkeypatch.setattr(fake, "launch", refuse)
+    monkeypatch.setattr(cli, "_sky", lambda: fake)  # the task file is still parsed by the real SkyPilot
+    argv = ["gpu", "launch", "ci/gate.sky.yaml", "--run-id", "1", "--attempt", "1", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "SkyPilot cannot use a cloud: Cloud access is not set up" in err
+    assert "fix: set up credentials" in err and "sky check" in err
+    assert list(tmp_path.glob("gpu-receipt-*.json")), "the receipt is still written"

@@ -40,6 +40,10 @@ return {
     const table = el && (el.tagName === 'TABLE' ? el : el.querySelector('table'));
     return [id, table && shown(table) ? Array.from(table.rows).filter(row => row.querySelector('td')).length : -1];
   })),
+  fold: Object.fromEntries(arguments[2].map(id => {
+    const el = document.getElementById(id);
+    return [id, shown(el) && el.getBoundingClientRect().bottom <= window.innerHeight];
+  })),
   images: Array.from(document.images).map(img => [img.getAttribute('alt') || img.src.slice(0, 80),
                                                    img.complete ? img.naturalWidth : 0]),
 };
@@ -64,6 +68,7 @@ class PageCheck:
     table_rows: dict[str, int]  # -1: no such table on the page
     images: list[tuple[str, int]]  # (alt or src, naturalWidth)
     failures: list[str] = field(default_factory=list)
+    first_screen: dict[str, bool] = field(default_factory=dict)  # id -> wholly inside the first screen
 
     @property
     def passed(self) -> bool:
@@ -86,8 +91,10 @@ def find_browser() -> Browser:
     return Browser(Path(chromium), Path(driver))
 
 
-def _failures(shown: dict[str, bool], rows: dict[str, int], images: list[tuple[str, int]]) -> list[str]:
+def _failures(shown: dict[str, bool], rows: dict[str, int], images: list[tuple[str, int]],
+              fold: dict[str, bool]) -> list[str]:
     failures = [f"element #{name} expected on the page, not shown" for name, ok in shown.items() if not ok]
+    failures += [f"element #{name} expected within the first screen, not there" for name, ok in fold.items() if not ok]
     for name, count in rows.items():
         if count < 0:
             failures.append(f"table #{name} expected, not rendered")
@@ -102,6 +109,7 @@ def check_page(
     *,
     required_ids: Sequence[str] = (),
     tables: Sequence[str] = (),
+    first_screen: Sequence[str] = (),
     screenshot: Path,
     browser: Browser | None = None,
     timeout_s: float = 30.0,
@@ -110,7 +118,9 @@ def check_page(
 
     ``required_ids``: ids of elements that must be present and shown;
     ``tables``: ids of tables (or of elements holding one) that must render
-    with at least one data row. Every ``<img>`` must decode. Raises
+    with at least one data row; ``first_screen``: ids of elements that must
+    lie wholly within the first screen (the window is 1280x900) without
+    scrolling. Every ``<img>`` must decode. Raises
     :class:`SetupError` when no browser is installed; a page that renders
     wrongly is not an error: read ``failures``.
     """
@@ -127,7 +137,7 @@ def check_page(
         try:
             driver.set_page_load_timeout(timeout_s)
             driver.get(Path(page).resolve().as_uri())
-            facts = driver.execute_script(_READ_DOM, list(required_ids), list(tables))
+            facts = driver.execute_script(_READ_DOM, list(required_ids), list(tables), list(first_screen))
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(screenshot))
         finally:
@@ -135,4 +145,5 @@ def check_page(
     images = [(str(name), int(width)) for name, width in facts["images"]]
     shown = {k: bool(v) for k, v in facts["ids"].items()}
     rows = {k: int(v) for k, v in facts["tables"].items()}
-    return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images))
+    fold = {k: bool(v) for k, v in facts["fold"].items()}
+    return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images, fold), fold)

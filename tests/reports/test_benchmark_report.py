@@ -1,7 +1,8 @@
-"""The benchmark report renders from saved evidence alone: every arm in the tables, every plot on the page."""
+"""The benchmark's part of the report renders from saved evidence alone: every arm in the tables, every plot on the page."""
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import re
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from canaries import benchmark
-from reports.benchmark import comparison_line, render_benchmark_report, section
+from reports import render_report
+from reports.benchmark import comparison_line, section
 from tests.benchmark_fakes import run_fake, tiny_plan
 
 
@@ -25,14 +27,16 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_page_shows_every_arm_every_comparison_and_every_plot(evidence: Path, tmp_path: Path) -> None:
-    html = render_benchmark_report(evidence, tmp_path / "report")  # nothing but the saved record
-    page, markdown = html.read_text(), (tmp_path / "report" / "index.md").read_text()
+    report = render_report(evidence.parent, tmp_path / "report" / "index.md")  # nothing but the saved record
+    page, markdown = report.html.read_text(), report.markdown.read_text()
     for arm in ("plain", "retain@s0", "replay@s0", "offload@s2"):
-        assert f"<td>{arm}</td>" in page and f"| {arm} |" in markdown
-    images = re.findall(r'<img src="([^"]+)"', page)
-    assert sorted(images) == ["benchmark-blocks.png", "benchmark-memory.png", "benchmark-ratios.png"]
-    for name in images:
-        assert (tmp_path / "report" / name).read_bytes().startswith(b"\x89PNG") and f"]({name})" in markdown
+        assert f">{arm}</td>" in page and f"| {arm} |" in markdown
+    linked = re.findall(r"\]\(plots/(benchmark-[a-z]+\.png)\)", markdown)
+    assert sorted(set(linked)) == ["benchmark-blocks.png", "benchmark-memory.png", "benchmark-ratios.png"]
+    embedded = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
+    for name in set(linked):
+        png = (tmp_path / "report" / "plots" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and base64.b64encode(png).decode() in embedded
     assert page.count("→ ") == 4  # three comparisons with plain, replay against its floor
 
 

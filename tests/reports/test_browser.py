@@ -1,21 +1,29 @@
 """The HTML report checked in a real headless Chromium (issue 17): DOM, tables, images, screenshot.
 
+The report is built from the committed fixture evidence (``tests/fixtures/evidence``);
+the browser must show the verdict board within the first screen, every
+section and table the page declares, and decode every image; the screenshot
+stays beside the page in pytest's temporary folder (its path is printed).
 Skips without Chromium unless ``RTV_REQUIRE_BROWSER=1`` (``.ci/run`` sets it
 after installing Debian's ``chromium`` and ``chromium-driver``). The
-negative control feeds the checker a page with a broken image and a
-missing table: the checker must report both.
+negative controls feed the checker pages with a broken image and a missing
+table (a hand-made page, and the real report with both broken): the checker
+must report exactly those.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
 
+from reports import render_report
 from tests.reports.browser import check_page, find_browser
 from validation.errors import SetupError
 
@@ -71,3 +79,45 @@ def test_negative_control_broken_image_and_missing_table_fail(browser, tmp_path)
     assert "image 'plot' did not load (naturalWidth 0)" in seen.failures
     assert "element #verdict-board expected on the page, not shown" in seen.failures
     assert len(seen.failures) == 3
+
+
+FIXTURE_EVIDENCE = Path(__file__).parents[1] / "fixtures" / "evidence"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HTML report of the committed fixture evidence (one real quick ``rtv run`` and ``rtv bench``)."""
+    return render_report(FIXTURE_EVIDENCE, tmp_path_factory.mktemp("report") / "index.md", title="fixture run").html
+
+
+def _ids(html: str) -> tuple[list[str], list[str]]:
+    """Every section id and every table id the page declares (what the browser must show)."""
+    return re.findall(r'<section id="([^"]+)"', html), re.findall(r'<table id="([^"]+)"', html)
+
+
+def test_the_report_renders_in_a_browser_board_first_every_table_and_image(browser, report: Path) -> None:
+    sections, tables = _ids(report.read_text())
+    kinds = {json.loads(p.read_text())["kind"] for p in FIXTURE_EVIDENCE.glob("*.json")}
+    assert "verdict-board" in sections and "verdict-board-table" in tables and len(sections) >= 2 + len(kinds)
+    seen = check_page(report, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
+                      screenshot=report.with_name("report.png"), browser=browser)
+    print(f"screenshot of the checked report: {seen.screenshot}")
+    assert seen.failures == []
+    assert seen.table_rows["verdict-board-table"] == len(kinds), "one board row per record"
+    assert len(seen.images) == report.read_text().count("<img ") >= 4 and all(w > 0 for _, w in seen.images)
+
+
+def test_negative_control_the_report_with_a_broken_image_and_a_missing_table_fails(browser, report: Path,
+                                                                                   tmp_path: Path) -> None:
+    html = report.read_text()
+    sections, tables = _ids(html)
+    dropped = tables[-1]
+    start = html.index(f'<table id="{dropped}"')
+    broken = html[:start] + html[html.index("</table>", start) + len("</table>"):]
+    broken = re.sub(r'<img src="data:image/png;base64,[^"]+"', '<img src="plots/missing.png"', broken, count=1)
+    page = tmp_path / "broken.html"
+    page.write_text(broken)
+    seen = check_page(page, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
+                      screenshot=tmp_path / "broken.png", browser=browser)
+    assert sorted(seen.failures) == sorted([f"table #{dropped} expected, not rendered",
+                                            f"image {seen.images[0][0]!r} did not load (naturalWidth 0)"])

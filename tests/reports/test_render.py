@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import base64
 import json
 from pathlib import Path
 
@@ -42,8 +43,9 @@ def _derivative_like() -> dict:
              for s in (0, 1, 2) for p in ("retain", "offload", "replay") for c in (False, True)]
     measurements = {key: 0 for key in KINDS["derivative-canary"].measurements}
     measurements.update(examples=10, examples_backpropagated=9, records_checked=sum(c["records"] for c in cells),
-                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells)
-    return make_record("derivative-canary", config={}, checks={"coverage": True}, measurements=measurements)
+                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells,
+                        worst_gradient_relative_l2=2e-6)
+    return make_record("derivative-canary", config={"tolerances": {"gradient": 1e-4}}, checks={"coverage": True}, measurements=measurements)
 
 
 def _mutations_like(caught: bool) -> dict:
@@ -92,7 +94,10 @@ def test_sections_show_checks_and_only_the_declared_measurements(evidence: Path,
     assert lifecycle.loc["offload", "after_forward (device)"] == 4096
     grid = views["sub/derivative"].section.tables["judged records per cell"].set_index(["checkpoint", "staleness"])
     assert grid.loc[("lora", 2), "replay corrected"] == 3 and grid.loc[("lora", 0), "retain plain"] == 1
-    assert views["sub/derivative"].section.key_figure == "worst_gradient_error_over_threshold 0.02"
+    assert views["sub/derivative"].section.key_figure == "worst gradient error 2e-06 vs threshold 0.0001 (2% of it)"
+    assert views["memory-bad"].section.key_figure == ("bytes left after backward (most over offload, retain): "
+                                                      "device 0 B, host 0 B")
+    assert views["mutations"].section.key_figure == "0 of 1 injected bugs caught"
     injected = views["mutations"].section.tables["injected bugs"].set_index("mutation")
     assert injected.loc["off_by_one", "verdict"] == "NOT CAUGHT"
     assert views["other"].section.lines == ["kind 'something-new' is not registered in reports.kinds"]
@@ -107,17 +112,18 @@ def test_page_lists_every_record_with_its_verdict_checks_and_plots(evidence: Pat
     assert "**FAILED**: 7 records, 3 passed, 2 failed, 2 invalid." in page
     for name, verdict in [("memory-ok", "PASSED"), ("memory-bad", "FAILED"), ("memory-tampered", "INVALID"),
                           ("sub/derivative", "PASSED"), ("not-a-record", "INVALID")]:
-        assert f"## {name}: {verdict}" in page
-    bad = page.split("## memory-bad: FAILED")[1].split("\n## ")[0]
+        assert f"### {name}: {verdict}" in page
+    bad = page.split("### memory-bad: FAILED")[1].split("\n### ")[0]
     assert "| offload: device bytes fall | FAIL | offload 4096 B on the device; allowed up to 1024 B |" in bad
     assert "| cuda: allocator back to baseline | skipped | no CUDA device |" in bad
     assert "[../memory-bad.json](../memory-bad.json)" in bad and "torch" in bad and "sha256" in bad
     assert "undeclared_key" not in page
-    # Plots exist, are PNGs and are linked from the page and the HTML.
+    # Plots exist, are PNGs, are linked from the Markdown and embedded in the HTML (a self-contained file).
     assert len(report.plots) == 2 and all(p.read_bytes().startswith(PNG) for p in report.plots)
     bad_plot = next(f for f in report.plots if f"](plots/{f.name})" in bad)
     html = report.html.read_text()
-    assert f'src="plots/{bad_plot.name}"' in html and '<td class="failed">failed</td>' in html
+    assert f'src="data:image/png;base64,{base64.b64encode(bad_plot.read_bytes()).decode()}"' in html
+    assert 'src="plots/' not in html and '<td class="failed">failed</td>' in html
     for name in ("memory-tampered", "sub/derivative", "NOT CAUGHT"):
         assert name in html and name in page
 
@@ -162,3 +168,27 @@ def test_reports_never_import_the_trainer_or_the_canaries() -> None:
             assert name.split(".")[0] not in ("reference_trainer", "canaries"), f"{source} imports {name}"
             assert not name.startswith("validation") or name in ("validation.evidence", "validation.errors"), name
         assert "torch" not in {n.split(".")[0] for n in _imports(tree.body)}, f"{source} imports torch on import"
+
+
+def test_failures_come_first_with_their_reason_then_the_board_with_failed_rows_on_top(evidence: Path) -> None:
+    report = render_report(evidence)
+    page, html = report.markdown.read_text(), report.html.read_text()
+    failures, board, details = page.index("## What failed, and why"), page.index("## Verdict board"), page.index("## Details")
+    assert failures < board < details
+    why = page[failures:board]
+    assert "**offload: device bytes fall**: offload 4096 B on the device; allowed up to 1024 B" in why
+    assert "memory-tampered" in why and "memory-ok" not in why
+    rows = [line for line in page[board:details].splitlines() if line.startswith("| ") and "](#section-" in line]
+    assert len(rows) == 7
+    statuses = ["(passed)" not in row and "| passed |" not in row for row in rows]
+    assert statuses == sorted(statuses, reverse=True), "failed and invalid rows first"
+    for element in ('id="failures"', 'id="verdict-board"', 'id="verdict-board-table"', 'id="section-memory-bad"',
+                    'id="section-memory-bad-table-1"', 'href="#section-memory-bad"'):
+        assert element in html
+    assert html.index('id="failures"') < html.index('id="verdict-board"') < html.index('id="headline-plots"')
+
+
+def test_a_passing_run_has_no_failure_box(tmp_path: Path) -> None:
+    write_once(tmp_path / "memory-ok.json", _memory_like(True))
+    page = render_report(tmp_path).markdown.read_text()
+    assert "What failed" not in page and "## Verdict board" in page and "## Headline plots" in page

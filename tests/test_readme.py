@@ -1,0 +1,29 @@
+"""The README's promises a newcomer relies on: the 20-line API example runs, the board picture is there and small."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _api_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## The API in 20 lines"):]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+def test_the_api_example_runs_and_fits_in_20_lines() -> None:
+    code = _api_example()
+    assert len([line for line in code.splitlines() if line.strip()]) <= 20
+    scope: dict = {}
+    exec(compile(code, "README.md (The API in 20 lines)", "exec"), scope)  # noqa: S102 - the README's own example
+    trainer, report = scope["trainer"], scope["report"]
+    assert trainer.checkpoint("policy").revision == 2 and report is not None
+
+
+def test_the_verdict_board_picture_is_committed_and_small() -> None:
+    picture = README.parent / "docs" / "verdict-board.png"
+    assert "](docs/verdict-board.png)" in README.read_text()
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
