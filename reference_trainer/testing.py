@@ -1,23 +1,34 @@
-"""Test hooks: make the next backward fail at a named stage; substitute the device's capacity.
+"""Test hooks: make the next backward fail at a named stage; substitute the device's capacity and context.
 
 Used by tests and by the canaries' mutation suite. The trainer consults
 :func:`maybe_fail` at each stage of a backward (see NOTE [Gradient commit] in
 ``commit.py``); a fault fires once and then disarms. It reads the device's
 capacity through ``admission.device_capacity``, which defers to
-:func:`substitute_device_capacity` inside its block.
+:func:`substitute_device_capacity` inside its block. Threads that run a
+logical rank enter the trainer's device through :func:`device_context`
+(``torch.cuda.device`` on CUDA), which defers to
+:func:`substitute_device_context` inside its block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["FAULT_STAGES", "InjectedFault", "capacity_override", "inject_fault", "substitute_device_capacity"]
+__all__ = [
+    "FAULT_STAGES",
+    "InjectedFault",
+    "capacity_override",
+    "device_context",
+    "inject_fault",
+    "substitute_device_capacity",
+    "substitute_device_context",
+]
 
 FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
 
@@ -87,3 +98,25 @@ def substitute_device_capacity(capacity: int | Callable[[torch.device], int | No
 def capacity_override() -> Callable[[torch.device], int | None] | None:
     """The innermost substituted capacity function, or ``None``."""
     return _capacities[-1] if _capacities else None
+
+
+_device_contexts: list[Callable[[torch.device], AbstractContextManager]] = []
+
+
+@contextmanager
+def substitute_device_context(enter: Callable[[torch.device], AbstractContextManager]) -> Iterator[None]:
+    """Inside the block, :func:`device_context` returns ``enter(device)`` (for any device, CPU included)."""
+    if not callable(enter):
+        raise ConfigError("enter", type(enter).__name__, "a function of the device returning a context manager")
+    _device_contexts.append(enter)
+    try:
+        yield
+    finally:
+        _device_contexts.remove(enter)
+
+
+def device_context(device: torch.device) -> AbstractContextManager:
+    """The context that makes ``device`` the thread's current device: ``torch.cuda.device`` on CUDA, else nothing."""
+    if _device_contexts:
+        return _device_contexts[-1](device)
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
