@@ -7,7 +7,9 @@ capacity through ``admission.device_capacity``, which defers to
 :func:`substitute_device_capacity` inside its block. Threads that run a
 logical rank enter the trainer's device through :func:`device_context`
 (``torch.cuda.device`` on CUDA), which defers to
-:func:`substitute_device_context` inside its block.
+:func:`substitute_device_context` inside its block. Every host read of a
+device value (NOTE [Host syncs] in ``host_reads.py``) is reported to
+:func:`observe_host_reads`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = [
     "capacity_override",
     "device_context",
     "inject_fault",
+    "note_host_read",
+    "observe_host_reads",
     "substitute_device_capacity",
     "substitute_device_context",
 ]
@@ -120,3 +124,22 @@ def device_context(device: torch.device) -> AbstractContextManager:
     if _device_contexts:
         return _device_contexts[-1](device)
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+_host_reads: list[list[tuple[str, torch.device]]] = []
+
+
+@contextmanager
+def observe_host_reads() -> Iterator[list[tuple[str, torch.device]]]:
+    """Inside the block, every host read of the trainer (NOTE [Host syncs]) appends ``(why, device)`` to the list yielded."""
+    reads: list[tuple[str, torch.device]] = []
+    _host_reads.append(reads)
+    try:
+        yield reads
+    finally:
+        _host_reads.remove(reads)
+
+
+def note_host_read(why: str, device: torch.device) -> None:
+    for reads in _host_reads:
+        reads.append((why, device))
