@@ -17,10 +17,17 @@ NOTE [Saved-state lifetime]
      saves is copied in each state); the originals are held until the forward
      ends, so an address cannot be reused meanwhile. The copies are freed with
      the graph.
-  5. ``replay`` saves nothing: the forward runs without a graph and is re-run
-     at backward on its own weight snapshot, with its RNG, train/eval mode and
-     autocast restored, and must reproduce the outputs bitwise
-     (:func:`record_backward`).
+  5. ``replay`` saves nothing: the forward runs under a hook that discards
+     every saved tensor and is re-run at backward on its own weight snapshot,
+     with its RNG, train/eval mode and autocast restored, and must reproduce
+     the outputs bitwise (:func:`record_backward`). Both runs are in grad
+     mode: on CUDA, attention kernels choose by grad mode (with grad they also
+     compute the log-sum-exp), so a no-grad forward may differ from its replay
+     in the last bit. The cost, against a no-grad forward: autograd's graph
+     bookkeeping and those extra kernel outputs, freed as the forward returns;
+     no activation is kept. Bitwise equality also needs deterministic kernels
+     (``torch.use_deterministic_algorithms(True)`` and
+     ``CUBLAS_WORKSPACE_CONFIG``, as ``tests/gpu/conftest.py`` sets).
   6. Saved state that cannot be kept or restored exactly — float8 tensors, or
      modules marked with :func:`mark_quantized_saved_state` — is noted when
      packed; the backward refuses such a record before any destructive step.
@@ -218,9 +225,9 @@ def record_forward(
     quantized: bool,
 ) -> tuple[torch.Tensor, SavedStateLedger | None]:
     """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay)."""
-    if placement is Placement.REPLAY:
-        with torch.no_grad():
-            return run_model(model, checkpoint, capture, batch), None
+    if placement is Placement.REPLAY:  # Rule 5: the replay's grad mode, nothing saved
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discarded):
+            return run_model(model, checkpoint, capture, batch).detach(), None
     weights = frozen_storages | weight_storages(capture.tensors.values())
     ledger = SavedStateLedger(placement, weights, pin_memory=batch.input_ids.device.type == "cuda")
     if quantized:
@@ -229,6 +236,14 @@ def record_forward(
         root = run_model(model, checkpoint, capture, batch)
     ledger.end_forward()
     return root, ledger
+
+
+def _discard(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _discarded(packed: None) -> torch.Tensor:
+    raise RuntimeError("a replay-placed forward keeps no saved state; its backward replays it")
 
 
 def check_restorable(record: ForwardRecord) -> None:

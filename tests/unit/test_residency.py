@@ -84,6 +84,19 @@ def test_replay_runs_the_forward_exactly_once_more_and_leaves_the_callers_rng_al
     assert torch.equal(torch.get_rng_state(), rng_before), "the caller's RNG state is untouched"
 
 
+@pytest.mark.parametrize("caller_grad", [True, False])
+def test_a_replay_placed_forward_runs_in_its_replays_grad_mode(caller_grad: bool) -> None:
+    """On CUDA attention kernels choose by grad mode: the forward and its replay must run in the same one."""
+    trainer = make_trainer("lora", dropout=0.0)
+    modes: list[bool] = []
+    trainer.model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: modes.append(torch.is_grad_enabled()))
+    with torch.set_grad_enabled(caller_grad):
+        out = trainer.forward(rt.ForwardInput(*sequence(3)), options=_options("replay"))
+    assert out.target_logprobs.grad_fn is None and trainer.records.get(out.record_id).root is None
+    trainer.backward(out.target_logprobs.sum())
+    assert modes == [True, True], "the replay-placed forward and its replay ran in different grad modes"
+
+
 def test_replay_without_rng_restore_would_differ() -> None:
     """Non-vacuous dropout: a forward with another RNG state gives other log-probs."""
     trainer = make_trainer("lora", dropout=0.2)
