@@ -28,6 +28,7 @@ from .graphs import ForwardRecord, PlacementDecision
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
 from .options import ResolvedOptions
+from .timing import Stopwatch
 from .planner import (
     ForwardCost,
     PendingUsage,
@@ -104,6 +105,7 @@ class Admission:
         self.host_limit = host_limit
         self._saved_scale: float | None = None  # measured / analytic saved bytes
         self._seconds_per_token: float | None = None
+        self._timing: list[tuple[Stopwatch, int]] = []  # forwards whose device time is not known yet, with their tokens
 
     def plan(
         self,
@@ -183,7 +185,21 @@ class Admission:
             return decision, cost, demotable[:count]
         raise refusal
 
+    def _learn_speed(self) -> None:
+        """Fold in the forwards whose device time is now known (on CUDA, once the device passed them)."""
+        waiting = []
+        for stopwatch, tokens in self._timing:
+            seconds = stopwatch.seconds()
+            if seconds is None:
+                waiting.append((stopwatch, tokens))
+                continue
+            per_token = seconds / tokens
+            previous = self._seconds_per_token
+            self._seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
+        self._timing = waiting
+
     def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
+        self._learn_speed()
         return estimate_forward_cost(
             self.config,
             batch=batch,
@@ -195,11 +211,10 @@ class Admission:
             transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
         )
 
-    def observe(self, record: ForwardRecord, cost: ForwardCost, seconds: float) -> RecordUsage:
-        """Learn from a forward that ran; returns what its record now holds."""
+    def observe(self, record: ForwardRecord, cost: ForwardCost, stopwatch: Stopwatch) -> RecordUsage:
+        """Learn from a forward that ran (its speed once ``stopwatch`` knows it); returns what its record now holds."""
         batch, seq_len = record.batch.input_ids.shape
-        per_token = seconds / (batch * seq_len)
-        self._seconds_per_token = per_token if self._seconds_per_token is None else 0.5 * (self._seconds_per_token + per_token)
+        self._timing.append((stopwatch, batch * seq_len))
         saved = cost.saved_bytes
         ledger = record.ledger
         if ledger is not None:  # measured: keep the largest measured/analytic ratio (conservative)

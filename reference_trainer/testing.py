@@ -9,7 +9,8 @@ logical rank enter the trainer's device through :func:`device_context`
 (``torch.cuda.device`` on CUDA), which defers to
 :func:`substitute_device_context` inside its block. Every host read of a
 device value (NOTE [Host syncs] in ``host_reads.py``) is reported to
-:func:`observe_host_reads`.
+:func:`observe_host_reads`. Forwards are timed by ``timing.start_stopwatch``
+(CUDA events on CUDA), which defers to :func:`substitute_stopwatch`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +34,8 @@ __all__ = [
     "observe_host_reads",
     "substitute_device_capacity",
     "substitute_device_context",
+    "substitute_stopwatch",
+    "stopwatch_override",
 ]
 
 FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
@@ -143,3 +147,27 @@ def observe_host_reads() -> Iterator[list[tuple[str, torch.device]]]:
 def note_host_read(why: str, device: torch.device) -> None:
     for reads in _host_reads:
         reads.append((why, device))
+
+
+_stopwatches: list[Callable[[torch.device], Any]] = []
+
+
+@contextmanager
+def substitute_stopwatch(factory: Callable[[torch.device], Any]) -> Iterator[None]:
+    """Inside the block, the trainer times forwards with ``factory(device)``.
+
+    The object returned needs ``stop()`` (returning itself) and ``seconds()``
+    (a float, or ``None`` while the device has not finished: ``timing.Stopwatch``).
+    """
+    if not callable(factory):
+        raise ConfigError("factory", type(factory).__name__, "a function of the device returning a stopwatch")
+    _stopwatches.append(factory)
+    try:
+        yield
+    finally:
+        _stopwatches.remove(factory)
+
+
+def stopwatch_override() -> Callable[[torch.device], Any] | None:
+    """The innermost substituted stopwatch factory, or ``None``."""
+    return _stopwatches[-1] if _stopwatches else None
