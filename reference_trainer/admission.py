@@ -35,8 +35,11 @@ from .planner import (
     Placement,
     PlanRequest,
     analytic_saved_bytes,
+    attention_saves_scores,
     estimate_forward_cost,
+    fused_attention_enabled,
     plan_placement,
+    shape_class,
 )
 
 __all__ = ["Admission", "DEVICE_MARGIN_FRACTION", "RecordUsage", "default_device_limit", "device_capacity"]
@@ -99,11 +102,15 @@ class RecordUsage:
 class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
 
-    def __init__(self, config: ModelConfig, device_limit: int | None, host_limit: int | None) -> None:
+    def __init__(
+        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu"
+    ) -> None:
         self.config = config
         self.device_limit = device_limit
         self.host_limit = host_limit
-        self._saved_scale: float | None = None  # measured / analytic saved bytes
+        self.device_type = device_type
+        # Measured / analytic saved bytes, by shape class and whether attention saved its scores.
+        self._saved_scales: dict[tuple[tuple[int, int], bool], float] = {}
         self._seconds_per_token: float | None = None
         self._timing: list[tuple[Stopwatch, int]] = []  # forwards whose device time is not known yet, with their tokens
 
@@ -198,17 +205,24 @@ class Admission:
             self._seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
         self._timing = waiting
 
+    def _scores_saved(self) -> bool:
+        """Whether attention saves its probabilities now (the enabled backends may change between forwards)."""
+        fused = fused_attention_enabled(self.device_type)
+        return attention_saves_scores(self.config.dtype, self.device_type, self.config.dropout, fused)
+
     def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
         self._learn_speed()
+        scores = self._scores_saved()
         return estimate_forward_cost(
             self.config,
             batch=batch,
             seq_len=seq_len,
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
-            saved_scale=self._saved_scale,
+            saved_scale=self._saved_scales.get((shape_class(batch, seq_len), scores)),
             measured_seconds_per_token=self._seconds_per_token,
             transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
+            scores_saved=scores,
         )
 
     def observe(self, record: ForwardRecord, cost: ForwardCost, stopwatch: Stopwatch) -> RecordUsage:
@@ -217,10 +231,12 @@ class Admission:
         self._timing.append((stopwatch, batch * seq_len))
         saved = cost.saved_bytes
         ledger = record.ledger
-        if ledger is not None:  # measured: keep the largest measured/analytic ratio (conservative)
+        if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
             saved = ledger.device_bytes + ledger.host_bytes
-            scale = saved / analytic_saved_bytes(self.config, batch, seq_len)
-            self._saved_scale = max(scale, self._saved_scale or 0.0)
+            scores = self._scores_saved()
+            scale = saved / analytic_saved_bytes(self.config, batch, seq_len, scores_saved=scores)
+            key = (shape_class(batch, seq_len), scores)
+            self._saved_scales[key] = max(scale, self._saved_scales.get(key, 0.0))
         placement = Placement(record.decision.placement)
         kept = saved if placement is Placement.RETAIN else 0
         return RecordUsage(

@@ -11,8 +11,9 @@ NOTE [Saved-state lifetime]
      tensor: packing a node's own output strongly would make a reference cycle
      that keeps the graph alive).
   4. ``offload`` copies (never aliases) each saved storage once, shared
-     storages once, to host memory (pinned on CUDA), and unpacks views of the
-     copy, restored to the device once per storage per backward. Storages are
+     storages once, to host memory (pinned on CUDA: the caching host
+     allocator hands out power-of-two blocks, so the host budget counts each
+     copy's block, :func:`host_block_bytes`), and unpacks views of the copy, restored to the device once per storage per backward. Storages are
      recognised by address and version (a storage written in place between two
      saves is copied in each state); the originals are held until the forward
      ends, so an address cannot be reused meanwhile. The copies are freed with
@@ -52,6 +53,7 @@ __all__ = [
     "FLOAT8_DTYPES",
     "SavedStateLedger",
     "check_restorable",
+    "host_block_bytes",
     "is_quantized_module",
     "mark_quantized_saved_state",
     "record_backward",
@@ -146,7 +148,7 @@ class SavedStateLedger:
         if key not in self._copies:
             self._copies[key] = self._copy_storage(tensor)
             self._originals[key[0]] = storage
-            self.host_bytes += storage.nbytes()
+            self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
         packed.alias, packed.storage_key = None, key
         packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
@@ -207,6 +209,13 @@ def _tampered(stamp: int, found: int) -> GradientCommitError:
         f"{stamp} at forward, {found} now); expected saved state to stay untouched. "
         "Do not write in place to activations a pending forward saved; forward again"
     )
+
+
+def host_block_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes a copy of ``nbytes`` really holds: pinned blocks round up to a power of two."""
+    if not pinned or nbytes <= 1:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
 
 
 def weight_storages(tensors: Iterable[torch.Tensor]) -> set[int]:

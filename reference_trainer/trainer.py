@@ -123,7 +123,7 @@ class Trainer:
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
         self._live_grads = LiveGradSink()
-        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes)
+        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes, self.device.type)
 
     # --- checkpoints --------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.planner import Placement
-from reference_trainer.residency import FLOAT8_DTYPES, SavedStateLedger
+from reference_trainer.residency import FLOAT8_DTYPES, SavedStateLedger, host_block_bytes
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 from validation.lifetime import TensorCensus
 
@@ -191,3 +191,9 @@ def test_a_backward_after_the_model_went_to_eval_differentiates_the_forwards_tra
         grads[label] = {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
     for name, expected in grads["retain, mode kept"].items():
         assert expected.abs().sum() > 0 and torch.equal(grads[placement][name], expected), name
+
+
+@pytest.mark.parametrize(("nbytes", "pinned", "held"), [(1000, True, 1024), (1024, True, 1024), (1025, True, 2048),
+                                                         (1025, False, 1025), (0, True, 0)])
+def test_the_host_budget_counts_the_pinned_block_a_copy_really_holds(nbytes: int, pinned: bool, held: int) -> None:
+    assert host_block_bytes(nbytes, pinned) == held
