@@ -39,6 +39,7 @@ from .derivative_scenarios import SCENARIOS, check_logical_normalisation, run_sc
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from . import presets
+from .gpu_memory import check_fits
 from .presets import Preset
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "CanaryResult", "claimed_cells", "judge", "run"]
@@ -158,6 +159,8 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
 def run(preset: str, profile: str, out_dir: Path) -> Path:
     """Run the canary on the preset (its CPU stand-in without CUDA); returns the evidence path."""
     config = presets.preset(preset).on_this_machine()
+    if config.device == "cuda":
+        check_fits(config, oracle=True)  # prints the estimate; SetupError before any model is built
     started = time.perf_counter()
     result = judge(config, profile=profile, progress=True)
     path = write_once(evidence_path(out_dir, f"derivative-{config.name}"),
