@@ -35,7 +35,7 @@ from validation.evidence import evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
 from .derivative_machine import explore
-from .derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
+from .derivative_scenarios import SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from . import presets
@@ -105,7 +105,7 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
     bar = tqdm(total=len(fixed) + 1 + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
                disable=not progress, leave=False)
     error = result.record_check("logical_global_normalisation",
-                                lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
+                                lambda: check_logical_ranks(config, max(2, config.logical_dp)))
     result.worst_logical_error = error or 0.0
     bar.update()
     for check, scenario, kind in fixed:

@@ -12,6 +12,8 @@ that need CUDA then report themselves as skipped.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,9 @@ import torch
 from reference_trainer import LoRAConfig, ModelConfig
 from validation.errors import SetupError
 
-__all__ = ["Preset", "PRESETS", "preset"]
+__all__ = ["NPROC_ENV", "Preset", "PRESETS", "preset"]
+
+NPROC_ENV = "RTV_NPROC"  # how ``rtv run --nproc`` passes the process count to the canaries
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,22 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def preset(name: str) -> Preset:
+def preset(name: str, environ: Mapping[str, str] = os.environ) -> Preset:
+    """The preset ``name``, with ``processes`` from ``RTV_NPROC`` when set (``rtv run --nproc``).
+
+    ``logical_dp`` rises to the next multiple of the process count when it is
+    not one. Raises ``SetupError`` for an unknown name or a count that is not
+    a positive integer.
+    """
     try:
-        return PRESETS[name]
+        found = PRESETS[name]
     except KeyError:
         raise SetupError(f"unknown preset {name!r}", fix=f"use one of {', '.join(PRESETS)}") from None
+    text = environ.get(NPROC_ENV)
+    if text is None:
+        return found
+    processes = int(text) if text.strip().isdigit() else 0
+    if processes < 1:
+        raise SetupError(f"{NPROC_ENV}={text!r}: expected a positive number of processes", fix=f"pass --nproc N, N >= 1, or unset {NPROC_ENV}")
+    logical_dp = -(-found.logical_dp // processes) * processes
+    return dataclasses.replace(found, processes=processes, logical_dp=logical_dp)
