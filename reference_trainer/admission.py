@@ -232,17 +232,18 @@ class Admission:
         saved = cost.saved_bytes
         ledger = record.ledger
         if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
-            saved = ledger.device_bytes + ledger.host_bytes
+            saved = ledger.device_bytes + ledger.copied_bytes
             scores = self._scores_saved()
             scale = saved / analytic_saved_bytes(self.config, batch, seq_len, scores_saved=scores)
             key = (shape_class(batch, seq_len), scores)
             self._saved_scales[key] = max(scale, self._saved_scales.get(key, 0.0))
         placement = Placement(record.decision.placement)
         kept = saved if placement is Placement.RETAIN else 0
+        held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         return RecordUsage(
             saved_bytes=saved,
             snapshot_bytes=record.checkpoint.trainable_nbytes(),
             device_bytes=kept + cost.input_bytes + record.checkpoint.trainable_nbytes(),
-            host_bytes=saved if placement is Placement.OFFLOAD else 0,
+            host_bytes=held_on_host if placement is Placement.OFFLOAD else 0,
             workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
         )

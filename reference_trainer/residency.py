@@ -13,7 +13,9 @@ NOTE [Saved-state lifetime]
   4. ``offload`` copies (never aliases) each saved storage once, shared
      storages once, to host memory (pinned on CUDA: the caching host
      allocator hands out power-of-two blocks, so the host budget counts each
-     copy's block, :func:`host_block_bytes`), and unpacks views of the copy, restored to the device once per storage per backward. Storages are
+     copy's block, ``host_arena.host_block_bytes``; on CUDA the copies are
+     asynchronous slices of one pinned buffer per record, ``host_arena.py``,
+     waited for once as the forward ends), and unpacks views of the copy, restored to the device once per storage per backward. Storages are
      recognised by address and version (a storage written in place between two
      saves is copied in each state); the originals are held until the forward
      ends, so an address cannot be reused meanwhile. The copies are freed with
@@ -45,6 +47,7 @@ from torch import nn
 from .checkpoints import Checkpoint, WeightCapture
 from .errors import GradientCommitError, UnsupportedSavedStateError
 from .graphs import ForwardRecord, PaddedBatch, run_model
+from .host_arena import HostArena, host_block_bytes
 from .model import DecoderLM
 from .planner import Placement
 from .rng import restored_forward_state
@@ -53,7 +56,6 @@ __all__ = [
     "FLOAT8_DTYPES",
     "SavedStateLedger",
     "check_restorable",
-    "host_block_bytes",
     "is_quantized_module",
     "mark_quantized_saved_state",
     "record_backward",
@@ -99,9 +101,11 @@ class SavedStateLedger:
     placement: Placement
     weight_storages: set[int]
     pin_memory: bool = False
+    arena: HostArena | None = None  # one buffer for the record's copies (CUDA); None: a copy per storage
     unsupported: str | None = None
     device_bytes: int = 0
-    host_bytes: int = 0
+    host_bytes: int = 0  # what the host really holds for this record (pinned blocks, the arena)
+    copied_bytes: int = 0  # the saved bytes copied to the host (what the planner learns from)
     _copies: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _restored: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _counted: set[int] = field(default_factory=set)
@@ -148,7 +152,7 @@ class SavedStateLedger:
         if key not in self._copies:
             self._copies[key] = self._copy_storage(tensor)
             self._originals[key[0]] = storage
-            self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
+            self.copied_bytes += storage.nbytes()
         packed.alias, packed.storage_key = None, key
         packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
@@ -169,8 +173,12 @@ class SavedStateLedger:
 
     def _copy_storage(self, tensor: torch.Tensor) -> torch.Tensor:
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        host = self.arena.copy(raw) if self.arena is not None else None
+        if host is not None:
+            return host  # its bytes were counted with the arena's block
         host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         host.copy_(raw)
+        self.host_bytes += host_block_bytes(raw.numel(), self.pin_memory)
         return host
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
@@ -186,17 +194,22 @@ class SavedStateLedger:
             restored = copy if packed.device.type == "cpu" else copy.to(packed.device, non_blocking=True)
             self._restored[packed.storage_key] = restored
         view = torch.empty(0, dtype=packed.dtype, device=restored.device)
-        return view.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+        # An arena slice starts inside its buffer's storage (aligned for every dtype).
+        offset = packed.offset + restored.storage_offset() // packed.dtype.itemsize
+        return view.set_(restored.untyped_storage(), offset, packed.size, packed.stride)
 
     def end_backward(self) -> None:
         """A backward is over: drop the device copies restored for it (a retained graph restores again)."""
         self._restored.clear()
 
     def end_forward(self) -> None:
-        """The forward is over: let the copied originals go."""
+        """The forward is over: wait for the arena's copies, then let the copied originals go."""
+        if self.arena is not None:
+            self.arena.wait()
         self._originals.clear()
 
     def release(self) -> None:
+        self.arena = None
         self._retained.clear()
         self._originals.clear()
         self._copies.clear()
@@ -209,13 +222,6 @@ def _tampered(stamp: int, found: int) -> GradientCommitError:
         f"{stamp} at forward, {found} now); expected saved state to stay untouched. "
         "Do not write in place to activations a pending forward saved; forward again"
     )
-
-
-def host_block_bytes(nbytes: int, pinned: bool) -> int:
-    """Host bytes a copy of ``nbytes`` really holds: pinned blocks round up to a power of two."""
-    if not pinned or nbytes <= 1:
-        return nbytes
-    return 1 << (nbytes - 1).bit_length()
 
 
 def weight_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -232,13 +238,23 @@ def record_forward(
     *,
     frozen_storages: set[int],
     quantized: bool,
+    host_reserve_bytes: int = 0,
 ) -> tuple[torch.Tensor, SavedStateLedger | None]:
-    """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay)."""
+    """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay).
+
+    ``host_reserve_bytes``: the predicted saved bytes; an offloaded CUDA forward copies into one pinned
+    buffer of that size (NOTE [Saved-state lifetime] Rule 4)."""
     if placement is Placement.REPLAY:  # Rule 5: the replay's grad mode, nothing saved
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discarded):
             return run_model(model, checkpoint, capture, batch).detach(), None
     weights = frozen_storages | weight_storages(capture.tensors.values())
-    ledger = SavedStateLedger(placement, weights, pin_memory=batch.input_ids.device.type == "cuda")
+    cuda = batch.input_ids.device.type == "cuda"
+    arena = None
+    if cuda and placement is Placement.OFFLOAD and host_reserve_bytes > 0:
+        arena = HostArena(host_reserve_bytes, pinned=True)
+    ledger = SavedStateLedger(placement, weights, pin_memory=cuda, arena=arena)
+    if arena is not None:
+        ledger.host_bytes += arena.held_bytes
     if quantized:
         ledger.note_unsupported("a module marked with mark_quantized_saved_state")
     with torch.enable_grad(), ledger.hooks():

@@ -273,7 +273,7 @@ class Trainer:
         stopwatch = start_stopwatch(self.device)
         root, ledger = record_forward(
             self.model, checkpoint, capture, batch, Placement(decision.placement),
-            frozen_storages=self._base_storages, quantized=quantized,
+            frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=cost.saved_bytes,
         )
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,

@@ -20,7 +20,7 @@ from canaries.gpu_memory import check_fits
 from canaries.oracle_pair import TOLERANCES
 from canaries.presets import preset
 from reference_trainer.ranks import run_logical
-from reference_trainer.residency import host_block_bytes
+from reference_trainer.host_arena import host_block_bytes
 from reference_trainer.testing import observe_host_reads
 from reference_trainer.timing import Stopwatch
 
@@ -85,14 +85,19 @@ def test_the_sampler_draws_on_the_models_device() -> None:
     assert all(s.completion.device.type == "cuda" and s.completion.numel() == 3 for s in samples)
 
 
-def test_pinned_offload_copies_are_counted_by_their_blocks() -> None:
+def test_an_offloaded_cuda_forward_copies_into_one_pinned_buffer_counted_by_its_block() -> None:
     trainer = _trainer()
-    out = trainer.forward(rt.ForwardInput(torch.randint(0, 4096, (50,), device="cuda")),
-                          options=rt.ForwardOptions(backward_state="offload", corrections=()))
+    ids = torch.randint(0, 4096, (50,), device="cuda")
+    retained = trainer.forward(rt.ForwardInput(ids), options=rt.ForwardOptions(backward_state="retain", corrections=()))
+    out = trainer.forward(rt.ForwardInput(ids), options=rt.ForwardOptions(backward_state="offload", corrections=()))
     ledger = trainer.records.get(out.record_id).ledger
+    arena = ledger.arena.buffer.untyped_storage().data_ptr()
     assert all(copy.is_pinned() for copy in ledger.host_copies)
-    assert ledger.host_bytes == sum(host_block_bytes(c.numel(), pinned=True) for c in ledger.host_copies)
-    trainer.backward(out.target_logprobs.sum())
+    inside = [c for c in ledger.host_copies if c.untyped_storage().data_ptr() == arena]
+    outside = [c for c in ledger.host_copies if c.untyped_storage().data_ptr() != arena]
+    assert inside, "no copy went to the record's pinned buffer"
+    assert ledger.host_bytes == ledger.arena.held_bytes + sum(host_block_bytes(c.numel(), pinned=True) for c in outside)
+    trainer.backward(out.target_logprobs.sum() + retained.target_logprobs.sum())
 
 
 @pytest.mark.parametrize("name", ["gpu", "gpu-8b"])
