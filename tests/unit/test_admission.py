@@ -291,3 +291,17 @@ def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_f
     tokens = 2 * 16  # _forward's batch: two sequences of 16 tokens, 10 s each forward
     assert unknown == pytest.approx(2e-5 * tokens * 1e3)  # the default speed: nothing measured yet
     assert known == pytest.approx(10.0 * 1e3, rel=1e-3)
+
+
+def _predicted(trainer: rt.Trainer, length: int) -> int:
+    out = trainer.forward(rt.ForwardInput(*sequence(length, length=length)), options=rt.ForwardOptions(corrections=()))
+    trainer.backward(out.target_logprobs.sum())
+    return out.decision.predicted_bytes
+
+
+def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
+    fresh = _predicted(make_trainer("lora", dropout=0.1), 40)
+    trainer = make_trainer("lora", dropout=0.1)
+    first_short = _predicted(trainer, 8)
+    assert _predicted(trainer, 40) == fresh, "a scale measured at length 8 changed the estimate at length 40"
+    assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"
