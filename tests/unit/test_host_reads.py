@@ -48,3 +48,18 @@ def test_out_of_range_tokens_are_refused_naming_the_extremes() -> None:
     with pytest.raises(rt.ConfigError) as info:
         trainer.forward([good, rt.ForwardInput(torch.tensor([1, vocab + 2, 3]))])
     assert info.value.value == (1, vocab + 2, vocab + 2)
+
+
+def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once() -> None:
+    """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
+    vocab = trainer.model.config.vocab_size
+    old = trainer.forward(_inputs([6], vocab))  # pending across the step below
+    fresh = trainer.forward(_inputs([5], vocab))
+    trainer.backward(fresh[0].target_logprobs.sum())
+    trainer.optim_step()
+    with observe_host_reads() as reads:
+        trainer.forward(_inputs([5, 9, 7], vocab))
+    assert [why for why, _ in reads] == ["token keys"]
+    trainer.backward(old[0].target_logprobs.sum())
