@@ -51,6 +51,10 @@ class HostArena:
             self._pending.append(source)
         return target
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this arena's buffer."""
+        return tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+
     def wait(self) -> None:
         """Block until every copy made so far has landed (one event on the current stream), then drop the sources."""
         if self._pending:

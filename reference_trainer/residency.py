@@ -153,6 +153,8 @@ class SavedStateLedger:
             self._copies[key] = self._copy_storage(tensor)
             self._originals[key[0]] = storage
             self.copied_bytes += storage.nbytes()
+            if self.arena is None or not self.arena.holds(self._copies[key]):  # the arena's block is counted once
+                self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
         packed.alias, packed.storage_key = None, key
         packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
@@ -175,10 +177,9 @@ class SavedStateLedger:
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
         host = self.arena.copy(raw) if self.arena is not None else None
         if host is not None:
-            return host  # its bytes were counted with the arena's block
+            return host
         host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         host.copy_(raw)
-        self.host_bytes += host_block_bytes(raw.numel(), self.pin_memory)
         return host
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
