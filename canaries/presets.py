@@ -5,8 +5,13 @@ the process layout. Every canary takes one. ``cpu`` runs in the test suite in
 seconds; ``gpu`` is what GPU CI runs on 2 or 8 H200s (``small`` and
 ``qwen3_8b`` shapes with LoRA, BF16). ``Preset.on_this_machine()`` keeps a GPU
 preset's code path but swaps the device for the CPU and the model for a small
-shape when no GPU is present, so the GPU path runs end to end here; the checks
-that need CUDA then report themselves as skipped.
+shape when no GPU is present, so the GPU path runs end to end here (its
+logical-rank parts still spawned, on at most two gloo processes); the checks
+that need CUDA then report themselves as skipped. ``processes`` is what
+``rtv run --nproc`` asks for (``RTV_NPROC``) when given; a GPU preset's FP64
+oracle canaries may run a declared subset of its layers (``oracle_layers``,
+recorded in the evidence), and ``canaries.gpu_memory`` checks its memory
+estimate against the device before anything is built.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Preset:
             memory_limit_bytes=None,
             swapped=True,
             oracle_layers=None,
+            processes=min(self.processes, 2),  # still spawned, as declared, but at most two CPU processes
         )
 
     def describe(self) -> dict:
