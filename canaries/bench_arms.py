@@ -15,6 +15,10 @@ says it holds between forward and backward.
   older forwards stay pending across the optimizer steps), so every backward
   after the first two steps is two revisions stale.
 
+On CUDA a call returns once its kernels are queued: every clock reading of an
+arm (and of ``compare``'s blocks, ``benchmark.py``) goes through
+:func:`device_clock`, which synchronises the device first.
+
 Every arm starts from the same weights (``seed``) and sees the same batch
 and loss, so their first losses agree (checked before timing). Arms that do
 not train the base weights (every versioned arm, and plain on a LoRA
@@ -33,7 +37,7 @@ import torch
 
 import reference_trainer as rt
 
-__all__ = ["Workload", "Arm", "base_model", "plain_arm", "versioned_arm", "arm_name", "PLACEMENTS"]
+__all__ = ["Workload", "Arm", "base_model", "device_clock", "plain_arm", "versioned_arm", "arm_name", "PLACEMENTS"]
 
 PLACEMENTS = ("retain", "offload", "replay", "auto")
 LR = 1e-5  # small: many steps on one fixed batch must stay finite in every arm
@@ -86,6 +90,23 @@ class Arm:
         return self.step()
 
 
+def device_clock(
+    device: str | torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+    synchronize: Callable[[torch.device], None] = torch.cuda.synchronize,
+) -> Callable[[], float]:
+    """``clock`` for work on ``device``: on CUDA each reading waits for the device's queued work first."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return clock
+
+    def synced() -> float:
+        synchronize(device)
+        return clock()
+
+    return synced
+
+
 def arm_name(placement: str, staleness: int) -> str:
     return f"{placement}@s{staleness}"
 
@@ -116,21 +137,22 @@ def plain_arm(workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None =
         params, attached = list(model.parameters()), None
     optimizer = torch.optim.AdamW(params, lr=LR)
     arm = Arm(name="plain", step=lambda: 0.0)
+    clock = device_clock(workload.device)
 
     def step() -> float:
-        start = time.perf_counter()
+        start = clock()
         if attached is None:
             logits = model(ids)
         else:
             with attached():
                 logits = model(ids)
         loss = _loss(rt.token_logprobs(logits, targets), advantages)
-        middle = time.perf_counter()
+        middle = clock()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         arm.forward_seconds.append(middle - start)
-        arm.rest_seconds.append(time.perf_counter() - middle)
+        arm.rest_seconds.append(clock() - middle)
         return loss.item()
 
     arm.step = step
@@ -151,14 +173,15 @@ def versioned_arm(
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     pending: deque[list[rt.ForwardOutput]] = deque()
     arm = Arm(name=arm_name(placement, staleness), step=lambda: 0.0)
+    clock = device_clock(workload.device)
 
     def step() -> float:
-        start = time.perf_counter()
+        start = clock()
         pending.append(trainer.forward(inputs, options=options))
         records = {out.record_id: out.usage for outs in pending for out in outs}
         arm.held = {"device": sum(u.device_bytes for u in records.values()),
                     "host": sum(u.host_bytes for u in records.values())}
-        middle = time.perf_counter()
+        middle = clock()
         if len(pending) <= staleness:  # filling the pipeline (warm-up only)
             arm.forward_seconds.append(middle - start)
             arm.rest_seconds.append(0.0)
@@ -170,7 +193,7 @@ def versioned_arm(
             raise RuntimeError(f"{arm.name}: the optimizer step was skipped; the timing would not be comparable")
         trainer.zero_grad()
         arm.forward_seconds.append(middle - start)
-        arm.rest_seconds.append(time.perf_counter() - middle)
+        arm.rest_seconds.append(clock() - middle)
         return loss.item()
 
     arm.step = step

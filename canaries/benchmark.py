@@ -39,7 +39,7 @@ from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 
-from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, plain_arm, versioned_arm
+from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, device_clock, plain_arm, versioned_arm
 
 __all__ = ["Group", "Plan", "plan", "build_arms", "run", "TARGET_RATIO", "KIND"]
 
@@ -182,11 +182,11 @@ def _gradient_pass_seconds(workload: Workload, seed: int, repeats: int = 7) -> f
     trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
     grads = [torch.ones_like(p) for p in trainable]
     del model
-    seconds = []
+    seconds, clock = [], device_clock(workload.device)
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
-        seconds.append(time.perf_counter() - start)
+        seconds.append(clock() - start)
     return float(np.median(seconds))
 
 
@@ -206,7 +206,8 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
 
     budget = plan_.budget_s / len(plan_.groups)
     results = compare(arms, baseline="plain", gate=gate, max_blocks=plan_.max_blocks, budget_s=budget,
-                      warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe, on_block=on_block)
+                      warmup_blocks=WARMUP_BLOCKS, clock=device_clock(group.workload.device, clock),
+                      load_probe=load_probe, on_block=on_block)
     bar.close()
     by_arm = {r.arm: r for r in results}
     floor = None

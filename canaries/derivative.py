@@ -35,10 +35,11 @@ from validation.evidence import evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
 from .derivative_machine import explore
-from .derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
+from .derivative_scenarios import SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from . import presets
+from .gpu_memory import check_fits
 from .presets import Preset
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "CanaryResult", "claimed_cells", "judge", "run"]
@@ -104,7 +105,7 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
     bar = tqdm(total=len(fixed) + 1 + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
                disable=not progress, leave=False)
     error = result.record_check("logical_global_normalisation",
-                                lambda: check_logical_normalisation(config, max(2, config.logical_dp)))
+                                lambda: check_logical_ranks(config, max(2, config.logical_dp)))
     result.worst_logical_error = error or 0.0
     bar.update()
     for check, scenario, kind in fixed:
@@ -158,6 +159,8 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
 def run(preset: str, profile: str, out_dir: Path) -> Path:
     """Run the canary on the preset (its CPU stand-in without CUDA); returns the evidence path."""
     config = presets.preset(preset).on_this_machine()
+    if config.device == "cuda":
+        check_fits(config, oracle=True)  # prints the estimate; SetupError before any model is built
     started = time.perf_counter()
     result = judge(config, profile=profile, progress=True)
     path = write_once(evidence_path(out_dir, f"derivative-{config.name}"),

@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 
+import torch.distributed as dist
+
 import reference_trainer as rt
-from reference_trainer.ranks import logical_gradients, run_logical
+from reference_trainer.ranks import run_logical
+from reference_trainer.ranks.peers import select_backend
+from validation.spawn import spawn_ranks
 
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
@@ -169,12 +173,33 @@ def run_scenario(config: Preset, name: str, *, kind: str = "lora", bound_cap: in
 # --- logical ranks (Rule 7) -------------------------------------------------------------------
 
 
+def check_logical_ranks(config: Preset, logical_dp: int) -> float:
+    """:func:`check_logical_normalisation` on ``config.processes`` processes (spawned, NCCL for a CUDA preset)."""
+    if config.processes == 1:
+        return check_logical_normalisation(config, logical_dp)
+    backend = select_backend(config.device, torch.cuda.is_available())
+    errors = spawn_ranks(check_logical_normalisation, config.processes, config, logical_dp, backend=backend,
+                         timeout_s=600.0, dist_timeout_s=120.0)
+    return max(errors)
+
+
+def _all_processes(hosted: list[Any]) -> list[Any]:
+    """Every process's hosted results, in logical-rank order (the hosted ones alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return hosted
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, hosted)
+    return [value for part in parts for value in part]
+
+
 def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
-    """Rank mode at W = 1: the loss normalised by ``global_token_count`` gives the oracle's gradient.
+    """Rank mode: the loss normalised by ``global_token_count`` gives the oracle's gradient.
 
     Each logical rank backpropagates ``-sum(adv . logprobs) / global token
-    count``; the sum of the logical buffers must match the oracle's gradient
-    of the globally normalised loss. Returns the worst relative error.
+    count``; the sum of the logical buffers over every process (what
+    ``optim_step`` adds to ``.grad``) must match the oracle's gradient of the
+    globally normalised loss. Returns the worst relative error. Runs on every
+    process of a job (each checks the same sum).
     """
     trainer, oracle = build_trainer(config)
     vocab = config.model.vocab_size
@@ -192,7 +217,7 @@ def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
         view.backward(loss / count)
         return rng
 
-    states = run_logical(body, trainer, logical_dp=logical_dp)
+    states = _all_processes(run_logical(body, trainer, logical_dp=logical_dp))
     tokens = sum(int((t >= 0).sum()) for items in data.values() for _, t, _ in items)
     terms = []
     for rank, items in data.items():
@@ -202,8 +227,9 @@ def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
         terms += [(record, row, -a / tokens) for row, (_, _, a) in enumerate(items)]
     backward = oracle.backward(terms)
     expected = backward.increments[NAME]
-    buffers = logical_gradients(trainer)
-    found = {n: sum(buffers[rank][(NAME, n)].double() for rank in range(logical_dp)) for n in expected}
+    checkpoint = trainer.checkpoint(NAME)
+    trainer.rank_gradients.flush([checkpoint])  # the logical-order sum over every process, into .grad
+    found = {n: p.grad.double() for n, p in checkpoint.named_parameters() if n in expected}
     comparison = judge_gradients(found, expected, backward.baselines[NAME], TOLERANCES[config.model.dtype], None)
     if not comparison.passed:
         raise CanaryFailure(f"logical ranks (L={logical_dp}): gradient of the globally normalised loss: "

@@ -53,6 +53,7 @@ from validation.evidence import evidence_path, make_record, write_once
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from . import presets
+from .gpu_memory import check_fits
 from .memory_lifecycle import (
     PLACEMENTS,
     POINTS,
@@ -188,6 +189,8 @@ def run(preset: str, profile: str, out_dir: Path) -> Path:
     A failed check is not an exception: read ``passed`` in the record.
     """
     spec = presets.preset(preset).on_this_machine()
+    if spec.device == "cuda":
+        check_fits(spec, oracle=False)  # prints the estimate; SetupError before any model is built
     cuda = spec.cuda_checks
     verdicts = Verdicts()
     print(f"memory canary: preset {spec.name} on {spec.device}", flush=True)

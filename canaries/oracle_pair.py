@@ -114,10 +114,12 @@ def checkpoint_kinds(config: Preset) -> tuple[str, ...]:
 
 def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, OracleTrainer]:
     """A trainer with one checkpoint of ``kind`` (``"lora"``: LoRA B moved off zero, so no gradient is
-    vacuous; ``"full"``: every weight trainable) and its oracle."""
+    vacuous; ``"full"``: every weight trainable) and its oracle, on ``config.oracle_model`` (the
+    preset's model, or its declared first ``oracle_layers`` layers)."""
     lora = config.lora if kind == "lora" else None
     device = torch.device(config.device)
-    model = rt.DecoderLM(config.model, seed=0).to(device)
+    with device:  # built where it runs: an 8B model is initialised once, on the GPU
+        model = rt.DecoderLM(config.oracle_model, seed=0)
     trainer = rt.Trainer(model, memory_limit_bytes=config.memory_limit_bytes)
     optimizer = rt.AdamWConfig(lr=LR)
     checkpoint = trainer.add_checkpoint(NAME, lora=lora, full=lora is None, optimizer=optimizer, seed=1)
@@ -131,7 +133,7 @@ def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, Oracl
                     state["master_parameters"][name].copy_(value)
         trainer.load_checkpoint(NAME, state)
     oracle = OracleTrainer(
-        config.model, model.state_dict(), device=device, training=model.training, baseline_dtype=config.model.dtype
+        config.oracle_model, model.state_dict(), device=device, training=model.training, baseline_dtype=config.model.dtype
     )
     oracle.add_checkpoint(NAME, checkpoint.state_dict(), lora=lora, optimizer=optimizer)
     return trainer, oracle

@@ -5,13 +5,20 @@ the process layout. Every canary takes one. ``cpu`` runs in the test suite in
 seconds; ``gpu`` is what GPU CI runs on 2 or 8 H200s (``small`` and
 ``qwen3_8b`` shapes with LoRA, BF16). ``Preset.on_this_machine()`` keeps a GPU
 preset's code path but swaps the device for the CPU and the model for a small
-shape when no GPU is present, so the GPU path runs end to end here; the checks
-that need CUDA then report themselves as skipped.
+shape when no GPU is present, so the GPU path runs end to end here (its
+logical-rank parts still spawned, on at most two gloo processes); the checks
+that need CUDA then report themselves as skipped. ``processes`` is what
+``rtv run --nproc`` asks for (``RTV_NPROC``) when given; a GPU preset's FP64
+oracle canaries may run a declared subset of its layers (``oracle_layers``,
+recorded in the evidence), and ``canaries.gpu_memory`` checks its memory
+estimate against the device before anything is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +26,9 @@ import torch
 from reference_trainer import LoRAConfig, ModelConfig
 from validation.errors import SetupError
 
-__all__ = ["Preset", "PRESETS", "preset"]
+__all__ = ["NPROC_ENV", "Preset", "PRESETS", "preset"]
+
+NPROC_ENV = "RTV_NPROC"  # how ``rtv run --nproc`` passes the process count to the canaries
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,14 @@ class Preset:
     seq_len: int
     memory_limit_bytes: int | None = None
     swapped: bool = False  # a GPU preset running on CPU with a small shape
+    oracle_layers: int | None = None  # the FP64 oracle's canaries run the model's first N layers (None: all)
+
+    @property
+    def oracle_model(self) -> ModelConfig:
+        """The model the derivative canary's trainer and FP64 oracle share: ``oracle_layers`` of ``model``'s."""
+        if self.oracle_layers is None:
+            return self.model
+        return self.model.replace(num_hidden_layers=self.oracle_layers)
 
     @property
     def cuda_checks(self) -> bool:
@@ -52,6 +69,8 @@ class Preset:
             seq_len=min(self.seq_len, 16),
             memory_limit_bytes=None,
             swapped=True,
+            oracle_layers=None,
+            processes=min(self.processes, 2),  # still spawned, as declared, but at most two CPU processes
         )
 
     def describe(self) -> dict:
@@ -66,6 +85,7 @@ class Preset:
             "seq_len": self.seq_len,
             "memory_limit_bytes": self.memory_limit_bytes,
             "swapped_for_cpu": self.swapped,
+            "oracle_layers": self.oracle_layers,
         }
 
 
@@ -89,13 +109,28 @@ PRESETS: dict[str, Preset] = {
         processes=8,
         logical_dp=8,
         sequences=4,
-        seq_len=1024,
+        seq_len=256,  # capped: the FP64 oracle's activations grow with every token
+        oracle_layers=4,  # the FP64 oracle checks the 8B shape on its first 4 of 36 layers (stated in the evidence)
     ),
 }
 
 
-def preset(name: str) -> Preset:
+def preset(name: str, environ: Mapping[str, str] = os.environ) -> Preset:
+    """The preset ``name``, with ``processes`` from ``RTV_NPROC`` when set (``rtv run --nproc``).
+
+    ``logical_dp`` rises to the next multiple of the process count when it is
+    not one. Raises ``SetupError`` for an unknown name or a count that is not
+    a positive integer.
+    """
     try:
-        return PRESETS[name]
+        found = PRESETS[name]
     except KeyError:
         raise SetupError(f"unknown preset {name!r}", fix=f"use one of {', '.join(PRESETS)}") from None
+    text = environ.get(NPROC_ENV)
+    if text is None:
+        return found
+    processes = int(text) if text.strip().isdigit() else 0
+    if processes < 1:
+        raise SetupError(f"{NPROC_ENV}={text!r}: expected a positive number of processes", fix=f"pass --nproc N, N >= 1, or unset {NPROC_ENV}")
+    logical_dp = -(-found.logical_dp // processes) * processes
+    return dataclasses.replace(found, processes=processes, logical_dp=logical_dp)

@@ -28,14 +28,18 @@ from .graphs import ForwardRecord, PlacementDecision
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
 from .options import ResolvedOptions
+from .timing import Stopwatch
 from .planner import (
     ForwardCost,
     PendingUsage,
     Placement,
     PlanRequest,
     analytic_saved_bytes,
+    attention_saves_scores,
     estimate_forward_cost,
+    fused_attention_enabled,
     plan_placement,
+    shape_class,
 )
 
 __all__ = ["Admission", "DEVICE_MARGIN_FRACTION", "RecordUsage", "default_device_limit", "device_capacity"]
@@ -98,12 +102,17 @@ class RecordUsage:
 class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
 
-    def __init__(self, config: ModelConfig, device_limit: int | None, host_limit: int | None) -> None:
+    def __init__(
+        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu"
+    ) -> None:
         self.config = config
         self.device_limit = device_limit
         self.host_limit = host_limit
-        self._saved_scale: float | None = None  # measured / analytic saved bytes
+        self.device_type = device_type
+        # Measured / analytic saved bytes, by shape class and whether attention saved its scores.
+        self._saved_scales: dict[tuple[tuple[int, int], bool], float] = {}
         self._seconds_per_token: float | None = None
+        self._timing: list[tuple[Stopwatch, int]] = []  # forwards whose device time is not known yet, with their tokens
 
     def plan(
         self,
@@ -183,35 +192,58 @@ class Admission:
             return decision, cost, demotable[:count]
         raise refusal
 
+    def _learn_speed(self) -> None:
+        """Fold in the forwards whose device time is now known (on CUDA, once the device passed them)."""
+        waiting = []
+        for stopwatch, tokens in self._timing:
+            seconds = stopwatch.seconds()
+            if seconds is None:
+                waiting.append((stopwatch, tokens))
+                continue
+            per_token = seconds / tokens
+            previous = self._seconds_per_token
+            self._seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
+        self._timing = waiting
+
+    def _scores_saved(self) -> bool:
+        """Whether attention saves its probabilities now (the enabled backends may change between forwards)."""
+        fused = fused_attention_enabled(self.device_type)
+        return attention_saves_scores(self.config.dtype, self.device_type, self.config.dropout, fused)
+
     def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
+        self._learn_speed()
+        scores = self._scores_saved()
         return estimate_forward_cost(
             self.config,
             batch=batch,
             seq_len=seq_len,
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
-            saved_scale=self._saved_scale,
+            saved_scale=self._saved_scales.get((shape_class(batch, seq_len), scores)),
             measured_seconds_per_token=self._seconds_per_token,
             transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
+            scores_saved=scores,
         )
 
-    def observe(self, record: ForwardRecord, cost: ForwardCost, seconds: float) -> RecordUsage:
-        """Learn from a forward that ran; returns what its record now holds."""
+    def observe(self, record: ForwardRecord, cost: ForwardCost, stopwatch: Stopwatch) -> RecordUsage:
+        """Learn from a forward that ran (its speed once ``stopwatch`` knows it); returns what its record now holds."""
         batch, seq_len = record.batch.input_ids.shape
-        per_token = seconds / (batch * seq_len)
-        self._seconds_per_token = per_token if self._seconds_per_token is None else 0.5 * (self._seconds_per_token + per_token)
+        self._timing.append((stopwatch, batch * seq_len))
         saved = cost.saved_bytes
         ledger = record.ledger
-        if ledger is not None:  # measured: keep the largest measured/analytic ratio (conservative)
-            saved = ledger.device_bytes + ledger.host_bytes
-            scale = saved / analytic_saved_bytes(self.config, batch, seq_len)
-            self._saved_scale = max(scale, self._saved_scale or 0.0)
+        if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
+            saved = ledger.device_bytes + ledger.copied_bytes
+            scores = self._scores_saved()
+            scale = saved / analytic_saved_bytes(self.config, batch, seq_len, scores_saved=scores)
+            key = (shape_class(batch, seq_len), scores)
+            self._saved_scales[key] = max(scale, self._saved_scales.get(key, 0.0))
         placement = Placement(record.decision.placement)
         kept = saved if placement is Placement.RETAIN else 0
+        held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         return RecordUsage(
             saved_bytes=saved,
             snapshot_bytes=record.checkpoint.trainable_nbytes(),
             device_bytes=kept + cost.input_bytes + record.checkpoint.trainable_nbytes(),
-            host_bytes=saved if placement is Placement.OFFLOAD else 0,
+            host_bytes=held_on_host if placement is Placement.OFFLOAD else 0,
             workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
         )

@@ -152,6 +152,7 @@ class Checkpoint:
             for n, p in params.items()
             if p.dtype != torch.float32
         }
+        self._master_grads: dict[str, torch.Tensor] = {}  # FP32 gradient buffers, allocated at the first step
         stepped = [self._masters.get(n, p) for n, p in params.items()]
         self._optimizer = torch.optim.AdamW(
             stepped,
@@ -226,10 +227,19 @@ class Checkpoint:
 
     def _stepped_tensors(self) -> list[torch.Tensor]:
         """The tensors AdamW steps, each with its ``.grad`` set: FP32 parameters as they are,
-        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32."""
+        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32.
+
+        A master's gradient is upcast into one buffer allocated at the first
+        step and reused by every later one (held between steps: allocating
+        the FP32 gradients of an 8B model anew every step fragments the pool)."""
         for name, master in self._masters.items():
             grad = self._params[name].grad
-            master.grad = None if grad is None else grad.float()
+            if grad is None:
+                master.grad = None
+                continue
+            if name not in self._master_grads:
+                self._master_grads[name] = torch.empty_like(master)
+            master.grad = self._master_grads[name].copy_(grad)
         return [self._masters.get(n, p) for n, p in self._params.items() if self._params[n].grad is not None]
 
     def _copy_back_clipped_gradients(self) -> None:

@@ -34,6 +34,7 @@ from . import testing
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
 from .graphs import ForwardRecord
+from .host_reads import read_on_host
 from .sinks import GradientSink
 from .staleness import check_age
 
@@ -75,7 +76,7 @@ def first_non_finite(staged: Mapping[tuple[str, str], _Staged]) -> tuple[str, st
     exactly, in staging order.
     """
     values = [s.value for s in staged.values()]
-    if not values or bool(torch.isfinite(torch.nn.utils.get_total_norm(values))):
+    if not values or read_on_host(torch.isfinite(torch.nn.utils.get_total_norm(values)), "finite gradients"):
         return None
     return next((key for key, s in staged.items() if not bool(torch.isfinite(s.value).all())), None)
 

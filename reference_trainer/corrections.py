@@ -37,6 +37,7 @@ import torch
 from .checkpoints import CheckpointVersion
 from .errors import GradientCommitError
 from .graphs import ForwardRecord, PaddedBatch, run_model
+from .host_reads import read_on_host
 from .model import DecoderLM
 from .options import ImportanceCorrection
 from .rng import restored_forward_state
@@ -119,9 +120,10 @@ def correct_cotangent(
 TokenKey = tuple[tuple[int, ...], tuple[int, ...]]  # (input ids, target ids) of one row
 
 
-def _token_key(batch: PaddedBatch, row: int) -> TokenKey:
-    length = batch.lengths[row]
-    return tuple(batch.input_ids[row, :length].tolist()), tuple(batch.targets[row, :length].tolist())
+def _token_keys(batch: PaddedBatch) -> list[TokenKey]:
+    """Every row's key, from one host read of the batch (NOTE [Host syncs])."""
+    ids, targets = read_on_host(torch.stack((batch.input_ids, batch.targets)), "token keys")
+    return [(tuple(ids[row][:n]), tuple(targets[row][:n])) for row, n in enumerate(batch.lengths)]
 
 
 class KnownLogprobs:
@@ -136,8 +138,8 @@ class KnownLogprobs:
         if not any(r.checkpoint.name == name and r.version != record.version for r in pending):
             return
         known = self._known.setdefault(name, {})
-        for row, length in enumerate(record.batch.lengths):
-            known[_token_key(record.batch, row)] = (record.version, record.forward_logprobs[row, :length])
+        for row, key in enumerate(_token_keys(record.batch)):
+            known[key] = (record.version, record.forward_logprobs[row, : record.batch.lengths[row]])
 
     def forget(self, name: str) -> None:
         self._known.pop(name, None)
@@ -146,11 +148,13 @@ class KnownLogprobs:
         """Padded current log-probs of ``record``'s rows (NaN where unknown) and the rows known."""
         known = self._known.get(record.checkpoint.name, {})
         current = torch.full_like(record.forward_logprobs, math.nan)
-        rows = []
-        for row, length in enumerate(record.batch.lengths):
-            entry = known.get(_token_key(record.batch, row))
+        rows: list[int] = []
+        if not known:
+            return current, rows
+        for row, key in enumerate(_token_keys(record.batch)):
+            entry = known.get(key)
             if entry is not None and entry[0] == record.checkpoint.version:
-                current[row, :length] = entry[1]
+                current[row, : record.batch.lengths[row]] = entry[1]
                 rows.append(row)
         return current, rows
 

@@ -30,6 +30,7 @@ from torch.func import functional_call
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from . import testing
 from .errors import ConfigError, GradientCommitError
+from .host_reads import read_on_host, trusted_padding
 from .lora import attach_lora
 from .model import DecoderLM, token_logprobs
 from .options import ForwardOptions, ResolvedOptions
@@ -198,13 +199,14 @@ def run_model(model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCa
     """Padded ``(B, T)`` FP32 target log-probs of ``batch`` under ``capture``'s weights (base if None)."""
     args = (batch.input_ids,)
     kwargs = {"attention_mask": batch.attention_mask}
-    if checkpoint is None:
-        logits = model(*args, **kwargs)
-    elif checkpoint.is_full:
-        logits = functional_call(model, capture.tensors, args, kwargs)
-    else:
-        with attach_lora(model, checkpoint.lora_config, capture.tensors):
+    with trusted_padding():  # PaddedBatch.build made the mask right-padded: no host read per call
+        if checkpoint is None:
             logits = model(*args, **kwargs)
+        elif checkpoint.is_full:
+            logits = functional_call(model, capture.tensors, args, kwargs)
+        else:
+            with attach_lora(model, checkpoint.lora_config, capture.tensors):
+                logits = model(*args, **kwargs)
     return token_logprobs(logits, batch.targets)
 
 
@@ -254,15 +256,26 @@ def _flatten(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], 
 
 
 def check_token_range(flat: list[ForwardInput], vocab: int) -> None:
-    """Raise ``ConfigError`` unless every input id is in ``[0, vocab)`` and every target id below ``vocab``."""
+    """Raise ``ConfigError`` unless every input id is in ``[0, vocab)`` and every target id below ``vocab``.
+
+    Inputs on the CPU are checked there; those on a device in one host read
+    per device for the whole call (NOTE [Host syncs] in ``host_reads.py``).
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for item in flat:
         tokens, targets = item.input_tokens, item.targets()
-        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab or int(targets.max()) >= vocab:
-            raise ConfigError(
-                "input_tokens/target_tokens",
-                (int(tokens.min()), int(tokens.max()), int(targets.max())),
-                f"input ids in [0, {vocab}) and target ids < {vocab} (negative targets mask)",
-            )
+        extremes = torch.stack((tokens.min(), tokens.max(), targets.max())).long()
+        by_device.setdefault(tokens.device, []).append(extremes)
+    for device, parts in by_device.items():
+        stacked = torch.stack(parts)  # (inputs, 3)
+        rows = stacked.tolist() if device.type == "cpu" else read_on_host(stacked, "token range")
+        for low, high, target_high in rows:
+            if low < 0 or high >= vocab or target_high >= vocab:
+                raise ConfigError(
+                    "input_tokens/target_tokens",
+                    (low, high, target_high),
+                    f"input ids in [0, {vocab}) and target ids < {vocab} (negative targets mask)",
+                )
 
 
 def base_logprobs(model: DecoderLM, flat: list[ForwardInput], device: torch.device) -> list[ForwardOutput]:

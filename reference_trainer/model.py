@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
+from .host_reads import padding_trusted, read_on_host
 
 __all__ = ["ModelConfig", "DecoderLM", "Projection", "token_logprobs", "check_right_padded"]
 
@@ -297,7 +298,7 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ConfigError("input_ids", tuple(input_ids.shape), "a (batch, seq) tensor")
-        if attention_mask is not None:
+        if attention_mask is not None and not padding_trusted():
             check_right_padded(attention_mask, tuple(input_ids.shape))
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.model.rotary_emb(input_ids.shape[1], x.dtype)
@@ -312,7 +313,7 @@ def check_right_padded(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> 
         raise ConfigError("attention_mask", tuple(attention_mask.shape), f"shape {shape}")
     mask = attention_mask.bool()
     # Right padding: once a row turns False it stays False.
-    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+    if read_on_host((mask[:, 1:] & ~mask[:, :-1]).any(), "right padding"):
         raise ConfigError(
             "attention_mask",
             "a mask with a real token after padding",

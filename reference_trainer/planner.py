@@ -20,8 +20,10 @@ NOTE [Memory admission]
   4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes,
      suggestion)``, raised before the forward allocates anything.
   5. Sizes come from a conservative analytic estimate of the model's saved
-     activations, replaced by the measured bytes per token once a forward of
-     the same shape class has run; times come from measurements when there are
+     activations (with the ``2·H·B·T²`` attention probabilities and dropout
+     mask only where the attention backend in use saves them:
+     :func:`attention_saves_scores`), scaled by what was measured once a
+     forward of the same shape class (:func:`shape_class`) has run; times come from measurements when there are
      any (a default transfer bandwidth and forward speed otherwise).
   6. Reclamation (``auto`` only): when nothing fits, pending retained records
      are demoted to host copies (as offload would have made them), oldest
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+import torch
 
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
@@ -45,6 +49,9 @@ __all__ = [
     "plan_placement",
     "estimate_forward_cost",
     "analytic_saved_bytes",
+    "attention_saves_scores",
+    "fused_attention_enabled",
+    "shape_class",
 ]
 
 
@@ -164,7 +171,33 @@ def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdm
 # --- sizes and times (Rule 5) -----------------------------------------------------
 
 
-def analytic_saved_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
+def fused_attention_enabled(device_type: str) -> bool:
+    """Whether scaled-dot-product attention may use a fused kernel (flash, memory-efficient, cuDNN) here."""
+    backends = torch.backends.cuda
+    if device_type == "cuda":
+        return backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
+    return backends.flash_sdp_enabled()  # the CPU's fused kernel follows the flash switch
+
+
+def attention_saves_scores(dtype: torch.dtype, device_type: str, dropout: float, fused_enabled: bool) -> bool:
+    """Whether attention saves its ``(B, H, T, T)`` probabilities: only the math backend does.
+
+    Math runs when no fused kernel is enabled, for FP64 on CUDA (fused kernels
+    take FP16/BF16/FP32) and for dropout on the CPU (its fused kernel has none).
+    """
+    if not fused_enabled:
+        return True
+    if device_type == "cuda":
+        return dtype == torch.float64
+    return dropout > 0
+
+
+def shape_class(batch: int, seq_len: int) -> tuple[int, int]:
+    """Forwards whose saved bytes scale alike: the batch, and the sequence length's power-of-two bucket."""
+    return batch, max(seq_len - 1, 0).bit_length()
+
+
+def analytic_saved_bytes(config: ModelConfig, batch: int, seq_len: int, *, scores_saved: bool = True) -> int:
     """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward."""
     tokens = batch * seq_len
     elem = _element_size(config)
@@ -172,7 +205,7 @@ def analytic_saved_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
     # Attention probabilities and their dropout mask (math attention saves them).
-    per_layer_square = 2 * config.num_attention_heads * batch * seq_len * seq_len
+    per_layer_square = 2 * config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     per_layers = config.num_hidden_layers * (per_layer_token * tokens + per_layer_square) * elem
     return per_layers + tokens * (4 * c * elem + 3 * v * 4 + 16)  # final norm, logits, FP32 log-softmax, ids
 
@@ -187,6 +220,7 @@ def estimate_forward_cost(
     saved_scale: float | None,
     measured_seconds_per_token: float | None,
     transfer_bytes_per_second: float,
+    scores_saved: bool = True,
 ) -> ForwardCost:
     """The cost of one ``(batch, seq_len)`` forward of ``config``.
 
@@ -195,11 +229,11 @@ def estimate_forward_cost(
     """
     tokens = batch * seq_len
     elem = _element_size(config)
-    saved = analytic_saved_bytes(config, batch, seq_len)
+    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved)
     if saved_scale is not None:
         saved = int(saved * saved_scale * 1.05) + 4096
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    square = config.num_attention_heads * batch * seq_len * seq_len
+    square = config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     transient = tokens * v * 4 * 4 + tokens * (3 * i + 4 * c) * elem * 2 + square * elem * 4
     seconds_per_token = measured_seconds_per_token if measured_seconds_per_token is not None else 2e-5
     return ForwardCost(

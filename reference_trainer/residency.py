@@ -11,16 +11,26 @@ NOTE [Saved-state lifetime]
      tensor: packing a node's own output strongly would make a reference cycle
      that keeps the graph alive).
   4. ``offload`` copies (never aliases) each saved storage once, shared
-     storages once, to host memory (pinned on CUDA), and unpacks views of the
-     copy, restored to the device once per storage per backward. Storages are
+     storages once, to host memory (pinned on CUDA: the caching host
+     allocator hands out power-of-two blocks, so the host budget counts each
+     copy's block, ``host_arena.host_block_bytes``; on CUDA the copies are
+     asynchronous slices of one pinned buffer per record, ``host_arena.py``,
+     waited for once as the forward ends), and unpacks views of the copy, restored to the device once per storage per backward. Storages are
      recognised by address and version (a storage written in place between two
      saves is copied in each state); the originals are held until the forward
      ends, so an address cannot be reused meanwhile. The copies are freed with
      the graph.
-  5. ``replay`` saves nothing: the forward runs without a graph and is re-run
-     at backward on its own weight snapshot, with its RNG, train/eval mode and
-     autocast restored, and must reproduce the outputs bitwise
-     (:func:`record_backward`).
+  5. ``replay`` saves nothing: the forward runs under a hook that discards
+     every saved tensor and is re-run at backward on its own weight snapshot,
+     with its RNG, train/eval mode and autocast restored, and must reproduce
+     the outputs bitwise (:func:`record_backward`). Both runs are in grad
+     mode: on CUDA, attention kernels choose by grad mode (with grad they also
+     compute the log-sum-exp), so a no-grad forward may differ from its replay
+     in the last bit. The cost, against a no-grad forward: autograd's graph
+     bookkeeping and those extra kernel outputs, freed as the forward returns;
+     no activation is kept. Bitwise equality also needs deterministic kernels
+     (``torch.use_deterministic_algorithms(True)`` and
+     ``CUBLAS_WORKSPACE_CONFIG``, as ``tests/gpu/conftest.py`` sets).
   6. Saved state that cannot be kept or restored exactly — float8 tensors, or
      modules marked with :func:`mark_quantized_saved_state` — is noted when
      packed; the backward refuses such a record before any destructive step.
@@ -37,6 +47,7 @@ from torch import nn
 from .checkpoints import Checkpoint, WeightCapture
 from .errors import GradientCommitError, UnsupportedSavedStateError
 from .graphs import ForwardRecord, PaddedBatch, run_model
+from .host_arena import HostArena, host_block_bytes
 from .model import DecoderLM
 from .planner import Placement
 from .rng import restored_forward_state
@@ -90,9 +101,11 @@ class SavedStateLedger:
     placement: Placement
     weight_storages: set[int]
     pin_memory: bool = False
+    arena: HostArena | None = None  # one buffer for the record's copies (CUDA); None: a copy per storage
     unsupported: str | None = None
     device_bytes: int = 0
-    host_bytes: int = 0
+    host_bytes: int = 0  # what the host really holds for this record (pinned blocks, the arena)
+    copied_bytes: int = 0  # the saved bytes copied to the host (what the planner learns from)
     _copies: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _restored: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _counted: set[int] = field(default_factory=set)
@@ -139,7 +152,9 @@ class SavedStateLedger:
         if key not in self._copies:
             self._copies[key] = self._copy_storage(tensor)
             self._originals[key[0]] = storage
-            self.host_bytes += storage.nbytes()
+            self.copied_bytes += storage.nbytes()
+            if self.arena is None or not self.arena.holds(self._copies[key]):  # the arena's block is counted once
+                self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
         packed.alias, packed.storage_key = None, key
         packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
@@ -160,6 +175,9 @@ class SavedStateLedger:
 
     def _copy_storage(self, tensor: torch.Tensor) -> torch.Tensor:
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        host = self.arena.copy(raw) if self.arena is not None else None
+        if host is not None:
+            return host
         host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=self.pin_memory)
         host.copy_(raw)
         return host
@@ -177,17 +195,22 @@ class SavedStateLedger:
             restored = copy if packed.device.type == "cpu" else copy.to(packed.device, non_blocking=True)
             self._restored[packed.storage_key] = restored
         view = torch.empty(0, dtype=packed.dtype, device=restored.device)
-        return view.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+        # An arena slice starts inside its buffer's storage (aligned for every dtype).
+        offset = packed.offset + restored.storage_offset() // packed.dtype.itemsize
+        return view.set_(restored.untyped_storage(), offset, packed.size, packed.stride)
 
     def end_backward(self) -> None:
         """A backward is over: drop the device copies restored for it (a retained graph restores again)."""
         self._restored.clear()
 
     def end_forward(self) -> None:
-        """The forward is over: let the copied originals go."""
+        """The forward is over: wait for the arena's copies, then let the copied originals go."""
+        if self.arena is not None:
+            self.arena.wait()
         self._originals.clear()
 
     def release(self) -> None:
+        self.arena = None
         self._retained.clear()
         self._originals.clear()
         self._copies.clear()
@@ -216,19 +239,37 @@ def record_forward(
     *,
     frozen_storages: set[int],
     quantized: bool,
+    host_reserve_bytes: int = 0,
 ) -> tuple[torch.Tensor, SavedStateLedger | None]:
-    """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay)."""
-    if placement is Placement.REPLAY:
-        with torch.no_grad():
-            return run_model(model, checkpoint, capture, batch), None
+    """Run a forward under ``placement``: its padded log-probs (the graph root) and its ledger (``None``: replay).
+
+    ``host_reserve_bytes``: the predicted saved bytes; an offloaded CUDA forward copies into one pinned
+    buffer of that size (NOTE [Saved-state lifetime] Rule 4)."""
+    if placement is Placement.REPLAY:  # Rule 5: the replay's grad mode, nothing saved
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discarded):
+            return run_model(model, checkpoint, capture, batch).detach(), None
     weights = frozen_storages | weight_storages(capture.tensors.values())
-    ledger = SavedStateLedger(placement, weights, pin_memory=batch.input_ids.device.type == "cuda")
+    cuda = batch.input_ids.device.type == "cuda"
+    arena = None
+    if cuda and placement is Placement.OFFLOAD and host_reserve_bytes > 0:
+        arena = HostArena(host_reserve_bytes, pinned=True)
+    ledger = SavedStateLedger(placement, weights, pin_memory=cuda, arena=arena)
+    if arena is not None:
+        ledger.host_bytes += arena.held_bytes
     if quantized:
         ledger.note_unsupported("a module marked with mark_quantized_saved_state")
     with torch.enable_grad(), ledger.hooks():
         root = run_model(model, checkpoint, capture, batch)
     ledger.end_forward()
     return root, ledger
+
+
+def _discard(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _discarded(packed: None) -> torch.Tensor:
+    raise RuntimeError("a replay-placed forward keeps no saved state; its backward replays it")
 
 
 def check_restorable(record: ForwardRecord) -> None:

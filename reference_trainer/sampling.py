@@ -189,7 +189,9 @@ def sample(
     on the whole ``(B, T)`` sequence so far (no KV cache: meant for small
     models) and must return ``(B, T, V)`` logits. Draws use ``generator``
     (default: the global RNG), so a seeded generator makes the result
-    deterministic. ``temperature > 0`` (use ``top_k=1`` for greedy decoding),
+    deterministic; it must be on the device of the logits (the model's: on
+    CUDA, ``torch.Generator(device="cuda")``), and ``prompts`` on the model's
+    device. ``temperature > 0`` (use ``top_k=1`` for greedy decoding),
     ``top_k >= 1``, ``0 < top_p <= 1``. Behaviour log-probs follow
     NOTE [Behaviour log-probs]. ``version`` is stored, as is, on every sample.
     """
@@ -208,6 +210,7 @@ def sample(
         for _ in range(max_new_tokens):
             logits = logits_fn(ids)
             _check_logits(logits, ids)
+            _check_generator(generator, logits.device)
             full = torch.log_softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, V)
             kept = _kept_tokens(full, top_k, top_p)  # (B, V)
             # multinomial normalises, so the kept probabilities need no renormalising.
@@ -232,6 +235,15 @@ def _check_logits(logits: object, ids: torch.Tensor) -> None:
         return
     found = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
     raise ConfigError("logits_fn", found, f"logits of shape {tuple(ids.shape)} + (V,)")
+
+
+def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    if generator is None or generator.device.type == device.type:
+        return
+    raise ConfigError(
+        "generator", f"a generator on {generator.device}", f"a generator on the logits' device ({device})",
+        f"build it with torch.Generator(device={str(device)!r}) and keep the prompts on the model's device",
+    )
 
 
 def _prompt_batch(prompts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,23 +1,42 @@
-"""Test hooks: make the next backward fail at a named stage; substitute the device's capacity.
+"""Test hooks: make the next backward fail at a named stage; substitute the device's capacity and context.
 
 Used by tests and by the canaries' mutation suite. The trainer consults
 :func:`maybe_fail` at each stage of a backward (see NOTE [Gradient commit] in
 ``commit.py``); a fault fires once and then disarms. It reads the device's
 capacity through ``admission.device_capacity``, which defers to
-:func:`substitute_device_capacity` inside its block.
+:func:`substitute_device_capacity` inside its block. Threads that run a
+logical rank enter the trainer's device through :func:`device_context`
+(``torch.cuda.device`` on CUDA), which defers to
+:func:`substitute_device_context` inside its block. Every host read of a
+device value (NOTE [Host syncs] in ``host_reads.py``) is reported to
+:func:`observe_host_reads`. Forwards are timed by ``timing.start_stopwatch``
+(CUDA events on CUDA), which defers to :func:`substitute_stopwatch`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["FAULT_STAGES", "InjectedFault", "capacity_override", "inject_fault", "substitute_device_capacity"]
+__all__ = [
+    "FAULT_STAGES",
+    "InjectedFault",
+    "capacity_override",
+    "device_context",
+    "inject_fault",
+    "note_host_read",
+    "observe_host_reads",
+    "substitute_device_capacity",
+    "substitute_device_context",
+    "substitute_stopwatch",
+    "stopwatch_override",
+]
 
 FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
 
@@ -87,3 +106,68 @@ def substitute_device_capacity(capacity: int | Callable[[torch.device], int | No
 def capacity_override() -> Callable[[torch.device], int | None] | None:
     """The innermost substituted capacity function, or ``None``."""
     return _capacities[-1] if _capacities else None
+
+
+_device_contexts: list[Callable[[torch.device], AbstractContextManager]] = []
+
+
+@contextmanager
+def substitute_device_context(enter: Callable[[torch.device], AbstractContextManager]) -> Iterator[None]:
+    """Inside the block, :func:`device_context` returns ``enter(device)`` (for any device, CPU included)."""
+    if not callable(enter):
+        raise ConfigError("enter", type(enter).__name__, "a function of the device returning a context manager")
+    _device_contexts.append(enter)
+    try:
+        yield
+    finally:
+        _device_contexts.remove(enter)
+
+
+def device_context(device: torch.device) -> AbstractContextManager:
+    """The context that makes ``device`` the thread's current device: ``torch.cuda.device`` on CUDA, else nothing."""
+    if _device_contexts:
+        return _device_contexts[-1](device)
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+_host_reads: list[list[tuple[str, torch.device]]] = []
+
+
+@contextmanager
+def observe_host_reads() -> Iterator[list[tuple[str, torch.device]]]:
+    """Inside the block, every host read of the trainer (NOTE [Host syncs]) appends ``(why, device)`` to the list yielded."""
+    reads: list[tuple[str, torch.device]] = []
+    _host_reads.append(reads)
+    try:
+        yield reads
+    finally:
+        _host_reads.remove(reads)
+
+
+def note_host_read(why: str, device: torch.device) -> None:
+    for reads in _host_reads:
+        reads.append((why, device))
+
+
+_stopwatches: list[Callable[[torch.device], Any]] = []
+
+
+@contextmanager
+def substitute_stopwatch(factory: Callable[[torch.device], Any]) -> Iterator[None]:
+    """Inside the block, the trainer times forwards with ``factory(device)``.
+
+    The object returned needs ``stop()`` (returning itself) and ``seconds()``
+    (a float, or ``None`` while the device has not finished: ``timing.Stopwatch``).
+    """
+    if not callable(factory):
+        raise ConfigError("factory", type(factory).__name__, "a function of the device returning a stopwatch")
+    _stopwatches.append(factory)
+    try:
+        yield
+    finally:
+        _stopwatches.remove(factory)
+
+
+def stopwatch_override() -> Callable[[torch.device], Any] | None:
+    """The innermost substituted stopwatch factory, or ``None``."""
+    return _stopwatches[-1] if _stopwatches else None

@@ -12,7 +12,6 @@ their concept; none of them calls back into this module.
 from __future__ import annotations
 
 import itertools
-import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from .residency import check_restorable, is_quantized_module, record_backward, r
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
 from .staleness import check_age, check_origins, staleness
+from .timing import start_stopwatch
 
 __all__ = ["Trainer", "StepReport", "CheckpointStep", "BackwardReport", "RecordReport"]
 
@@ -123,7 +123,7 @@ class Trainer:
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
         self._live_grads = LiveGradSink()
-        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes)
+        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes, self.device.type)
 
     # --- checkpoints --------------------------------------------------------------
 
@@ -270,16 +270,16 @@ class Trainer:
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
         state = capture_forward_state(self.model, self.device)
         capture = checkpoint.capture()
-        started = time.perf_counter()
+        stopwatch = start_stopwatch(self.device)
         root, ledger = record_forward(
             self.model, checkpoint, capture, batch, Placement(decision.placement),
-            frozen_storages=self._base_storages, quantized=quantized,
+            frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=cost.saved_bytes,
         )
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
             decision=decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
         )
-        record.usage = self._admission.observe(record, cost, time.perf_counter() - started)
+        record.usage = self._admission.observe(record, cost, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)
         return self.records.add(record)
 

@@ -25,6 +25,7 @@ from reference_trainer import (
     token_logprobs,
 )
 from reference_trainer.lora import attach_lora
+from reference_trainer.model import RotaryEmbedding
 
 from .oracle_state import (
     OracleBackward,
@@ -129,9 +130,18 @@ class OracleTrainer:
         self._next_record = 0
 
     def _model(self, config, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool) -> DecoderLM:
-        model = DecoderLM(config.replace(dtype=dtype), seed=0)  # seeded: leaves the global RNG alone
-        model.load_state_dict({k: v.detach().to(dtype) for k, v in base_state.items()})
-        return model.to(self.device).requires_grad_(False).train(training)
+        """``base_state`` in ``dtype`` on the oracle's device: built on meta, storage allocated once on the
+        device, filled tensor by tensor (never a second copy of the model: 8B in FP64 is 65 GB)."""
+        config = config.replace(dtype=dtype)
+        with torch.device("meta"):
+            model = DecoderLM(config)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, tensor in model.state_dict(keep_vars=True).items():
+                tensor.copy_(base_state[name].detach())
+            rotary = model.model.rotary_emb
+            rotary.inv_freq.copy_(RotaryEmbedding(config.head_dim, config.rope_theta).inv_freq)
+        return model.requires_grad_(False).train(training)
 
     # --- checkpoints -----------------------------------------------------------------
 

@@ -82,8 +82,13 @@ def spawn_ranks(
     timeout_s: float = 120.0,
     dist_timeout_s: float = 30.0,
     check: bool = True,
+    backend: str = "gloo",
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` gloo processes; each rank's value, by rank.
+
+    ``backend="nccl"``: rank r runs on ``cuda:r`` (``torch.cuda.set_device``
+    and ``device_id``, as ``reference_trainer.init_distributed`` does under
+    torchrun); ``world_size`` must not exceed the visible GPUs.
 
     ``check=False`` returns a :class:`RankOutcome` per rank instead of raising
     :class:`SpawnError` when a rank raises or dies (for tests that kill one).
@@ -101,7 +106,7 @@ def spawn_ranks(
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(
             target=_worker,
-            args=(rank, world_size, store.port, dist_timeout_s, writer, fn, args),
+            args=(rank, world_size, store.port, dist_timeout_s, writer, fn, args, backend),
             name=f"rank-{rank}",
             daemon=True,
         )
@@ -152,6 +157,7 @@ def _worker(
     pipe: Connection,
     fn: Callable[..., Any],
     args: tuple,
+    backend: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -168,7 +174,11 @@ def _worker(
     try:
         timeout = datetime.timedelta(seconds=dist_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        options: dict[str, Any] = {}
+        if backend == "nccl":
+            options["device_id"] = torch.device("cuda", rank)
+            torch.cuda.set_device(options["device_id"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
         message = (to_plain(fn(*args)), None)
     except BaseException:
         message = (None, traceback.format_exc())

@@ -4,18 +4,30 @@ Each hosted logical rank runs on its own thread, only while it holds the
 process's baton (NOTE [Logical ranks] Rule 2, in ``ranks/__init__.py``): the
 driver (``rounds.py``) gives it the baton with :meth:`Fiber.step` and it
 hands it back at its next collective point with :meth:`Fiber.pause`.
+
+A new thread starts with torch's defaults: grad mode on, no autocast and, on
+CUDA, device 0. A fiber therefore runs its body inside the caller's
+:class:`ThreadContext`, captured on the caller's thread when the fiber is made
+(at ``run_logical`` entry): its grad mode, its autocast state per device type
+and the trainer's device (``torch.cuda.device`` for a CUDA device, through
+``testing.substitute_device_context`` in tests).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Fiber", "FiberCoordinator", "Raise", "Request", "current_fiber"]
+from ..testing import device_context
+
+__all__ = ["AUTOCAST_DEVICE_TYPES", "Fiber", "FiberCoordinator", "Raise", "Request", "ThreadContext", "current_fiber"]
+
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 _thread = threading.local()
 
@@ -38,10 +50,37 @@ class Request:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class ThreadContext:
+    """What a thread inherits from the caller: grad mode, autocast per device type, the trainer's device."""
+
+    grad_enabled: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) for each enabled autocast
+    device: torch.device | None
+
+    @classmethod
+    def capture(cls, device: torch.device | None) -> ThreadContext:
+        """The calling thread's state, to be entered on another thread with :meth:`enter`."""
+        autocast = tuple(
+            (kind, torch.get_autocast_dtype(kind)) for kind in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(kind)
+        )
+        return cls(torch.is_grad_enabled(), autocast, device)
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if self.device is not None:
+                stack.enter_context(device_context(self.device))
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for kind, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+            yield
+
+
 class Fiber:
     """A logical rank's code on a thread that runs only between ``step`` and its next ``pause``."""
 
-    def __init__(self, logical_rank: int, body: Callable[[], Any]) -> None:
+    def __init__(self, logical_rank: int, body: Callable[[], Any], device: torch.device | None = None) -> None:
         self.logical_rank = logical_rank
         self.body = body
         self.request: Request | None = None
@@ -51,7 +90,7 @@ class Fiber:
         self.error: BaseException | None = None
         self._run = threading.Semaphore(0)
         self._paused = threading.Semaphore(0)
-        self._grad_enabled = torch.is_grad_enabled()
+        self._context = ThreadContext.capture(device)
         self._thread = threading.Thread(target=self._main, name=f"logical-rank-{logical_rank}", daemon=True)
         self.started = False
 
@@ -59,7 +98,7 @@ class Fiber:
         self._run.acquire()
         _thread.fiber = self
         try:
-            with torch.set_grad_enabled(self._grad_enabled):
+            with self._context.enter():
                 self.result = self.body()
         except BaseException as exc:
             self.error = exc

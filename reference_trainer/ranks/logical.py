@@ -42,7 +42,7 @@ def _state_for(trainer: Trainer, logical_dp: int, timeout_s: float, idle_timeout
             f"{state.layout.logical_dp}, the layout of this trainer's pending logical gradients or outputs",
             hint="call optim_step or zero_grad and drop zero-mode outputs before changing it",
         )
-    comm = Comm(timeout_s, idle_timeout_s)
+    comm = Comm(timeout_s, idle_timeout_s, trainer.device)
     seed = comm.exchange(torch.initial_seed(), "run_logical: layout")[0]
     state = LogicalState(layout, comm, seed, trainer.device)
     sink.attach(state)

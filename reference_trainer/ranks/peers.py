@@ -6,6 +6,17 @@ bounds every collective step. ``Comm`` sends control messages through rank 0
 (NOTE [Logical ranks] Rule 8, in ``ranks/__init__.py``); ``PeerFailure`` carries an
 exception to another process, which raises the same type (Rule 6). A peer
 that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``.
+
+NOTE [NCCL timeouts]: on CUDA the backend follows the model's device
+(:func:`select_backend`: NCCL only for a CUDA model), ``init_distributed``
+binds the process to its device with ``device_id`` and the transport moves
+tensors to the trainer's device, never ``torch.cuda.current_device()``
+(:func:`transport_device`). NCCL's watchdog aborts the process when a
+collective outlives the group's timeout, without a Python error; the group's
+timeout is therefore :func:`watchdog_timeout_s`, longer than any step the
+transport waits for, so ``Comm`` raises the same ``PeerError`` on every rank
+first. A ``run_logical`` whose ``timeout_s`` or ``idle_timeout_s`` exceeds the
+values given to ``init_distributed`` gives up that guarantee.
 """
 
 from __future__ import annotations
@@ -29,29 +40,72 @@ __all__ = [
     "Comm",
     "PeerFailure",
     "init_distributed",
+    "NCCL_WATCHDOG_MARGIN_S",
     "mark_from_peer",
+    "select_backend",
     "timeout_seconds",
+    "transport_device",
+    "watchdog_timeout_s",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
+NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
-def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> tuple[int, int]:
+def select_backend(device: torch.device | str | None, cuda_available: bool) -> str:
+    """NCCL for a CUDA model, gloo for a CPU one (even where CUDA exists); ``None``: NCCL iff CUDA exists."""
+    if device is None:
+        return "nccl" if cuda_available else "gloo"
+    device = torch.device(device)
+    if device.type == "cuda" and not cuda_available:
+        raise ConfigError("device", str(device), "a device this machine has", hint="CUDA is not available here")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def transport_device(backend: str, trainer_device: torch.device) -> torch.device:
+    """Where collectives' tensors live: the trainer's CUDA device under NCCL, the CPU otherwise."""
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    if trainer_device.type != "cuda" or trainer_device.index is None:
+        raise ConfigError(
+            "trainer",
+            f"a model on {trainer_device}",
+            "a model on an indexed CUDA device in an NCCL job",
+            hint="init_distributed(device='cpu') uses gloo for a CPU model",
+        )
+    return trainer_device
+
+
+def watchdog_timeout_s(timeout_s: float, idle_timeout_s: float) -> float:
+    """A process group's timeout: longer than every wait of the transport, so ``PeerError`` comes first."""
+    return max(timeout_s, idle_timeout_s) + NCCL_WATCHDOG_MARGIN_S
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout_s: float | None = None, device: torch.device | str | None = None
+) -> tuple[int, int]:
     """Join the job a launcher (``torchrun``) describes in the environment; return ``(rank, world_size)``.
 
-    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (env://);
-    gloo on CPU, NCCL when CUDA is available. Without a launcher (no ``RANK``)
-    it does nothing and returns ``(0, 1)``: one process hosts every logical rank.
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    (env://). ``backend`` defaults to :func:`select_backend` of ``device`` (the
+    model's device type; ``None``: NCCL when CUDA is available). Under NCCL the
+    process is bound to ``cuda:LOCAL_RANK`` (``device_id``) and the group's
+    timeout is :func:`watchdog_timeout_s`. Without a launcher (no ``RANK``) it
+    does nothing and returns ``(0, 1)``: one process hosts every logical rank.
     """
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             return 0, 1
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or select_backend(device, torch.cuda.is_available())
+        timeout_s = timeout_seconds(timeout_s, "RT_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        timeout = datetime.timedelta(seconds=timeout_seconds(timeout_s, "RT_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            idle_s = timeout_seconds(None, "RT_DIST_IDLE_TIMEOUT_S", DEFAULT_IDLE_TIMEOUT_S)
+            local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local)
+            options = {"timeout": datetime.timedelta(seconds=watchdog_timeout_s(timeout_s, idle_s)), "device_id": local}
+        dist.init_process_group(backend, init_method="env://", **options)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -141,7 +195,7 @@ class _Abort:
 class Comm:
     """Objects through rank 0 (a silent peer is named), tensors through collectives."""
 
-    def __init__(self, timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, idle_timeout_s: float, device: torch.device) -> None:
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -149,8 +203,7 @@ class Comm:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.device = torch.device("cpu")
         if self.distributed:
-            if "nccl" in str(dist.get_backend()):
-                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = transport_device(str(dist.get_backend()), device)
             # A gloo group of its own: control messages never interleave with data collectives.
             timeout = datetime.timedelta(seconds=max(timeout_s, idle_timeout_s))
             self.control = dist.new_group(backend="gloo", timeout=timeout)

@@ -50,7 +50,7 @@ def _status(state: LogicalState, fiber: Fiber, share: bool) -> _Status:
 
 def drive(state: LogicalState, label: str, bodies: dict[int, Callable[[], Any]], share: bool = False) -> list[Any]:
     """Run one body per hosted logical rank through rounds; results by logical rank (all of them if ``share``)."""
-    fibers = [Fiber(logical_rank, body) for logical_rank, body in bodies.items()]
+    fibers = [Fiber(logical_rank, body, state.device) for logical_rank, body in bodies.items()]
     caller = rng_state(state.device)
     replies: dict[int, Any] = {f.logical_rank: None for f in fibers}
     try:

@@ -27,7 +27,15 @@ from .peers import PeerFailure
 from .rounds import drive
 from .state import LogicalState
 
-__all__ = ["RankZero", "ZeroSession"]
+__all__ = ["RankZero", "ZeroSession", "payload_buffer"]
+
+
+def payload_buffer(header: dict) -> torch.Tensor:
+    """The buffer a serving process receives a backward's cotangents into: rank 0's dtype, from the header."""
+    dtype = getattr(torch, header["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError("header['dtype']", header["dtype"], "the name of a torch dtype, e.g. 'bfloat16'")
+    return torch.empty(sum(n for _, _, n in header["used"]), dtype=dtype)
 
 
 class RankZero:
@@ -141,12 +149,14 @@ class ZeroSession:
         used = [(h, c) for (h, _), c in zip(live, cotangents) if c is not None]
         if not used:
             raise ConfigError("loss", "a loss that reaches no zero.forward output", "a loss built from them")
+        payload = torch.cat([c.reshape(-1) for _, c in used])
         header = {
             "cmd": "backward",
             "used": [(h, self.state.owners[h], c.numel()) for h, c in used],
             "retain_graph": retain_graph,
+            "dtype": str(payload.dtype).removeprefix("torch."),  # receivers allocate what rank 0 sends
         }
-        return self.run(header, torch.cat([c.reshape(-1) for _, c in used]))
+        return self.run(header, payload)
 
     # every process ---------------------------------------------------------------------
 
@@ -263,7 +273,7 @@ class ZeroSession:
         state, label = self.state, header["label"]
         used = header["used"]
         if cotangents is None:
-            cotangents = torch.empty(sum(n for _, _, n in used), dtype=torch.float32)
+            cotangents = payload_buffer(header)
         cotangents = self.comm.broadcast(cotangents, label).to(state.device)
         per_rank: dict[int, list[tuple[int, torch.Tensor]]] = {logical_rank: [] for logical_rank in state.layout.hosted}
         offset = 0

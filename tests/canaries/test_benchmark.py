@@ -12,7 +12,7 @@ import torch
 
 import reference_trainer as rt
 from canaries import benchmark
-from canaries.bench_arms import Workload, plain_arm, versioned_arm
+from canaries.bench_arms import Workload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
 from validation.evidence import verify
@@ -124,3 +124,18 @@ def test_arms_on_different_weights_fail_the_like_with_like_check(tmp_path: Path,
     path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=build)
     checks = verify(path)["checks"]
     assert checks == {**checks, "tiny 1x4 full: every arm's first loss equals plain's": False}
+
+
+def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
+    """A CUDA call returns once its kernels are queued: each reading must synchronise, a CPU reading need not."""
+    events: list[str] = []
+    ticks = iter(range(10))
+
+    def clock() -> float:
+        events.append("read")
+        return float(next(ticks))
+
+    synced = device_clock("cuda:1", clock, synchronize=lambda device: events.append(f"sync {device}"))
+    assert (synced(), synced()) == (0.0, 1.0)
+    assert events == ["sync cuda:1", "read", "sync cuda:1", "read"]
+    assert device_clock("cpu", clock, synchronize=lambda device: events.append("sync")) is clock

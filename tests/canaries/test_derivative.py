@@ -19,6 +19,7 @@ from hypothesis import settings
 import reference_trainer as rt
 from canaries import derivative
 from canaries.derivative_machine import explore
+from canaries import derivative_scenarios
 from canaries.derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
 from canaries.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset
@@ -137,7 +138,11 @@ def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu preset is not swapped")
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
-    record = verify(derivative.run("gpu", "quick", tmp_path))
+    spawned = mock.patch.object(derivative_scenarios, "spawn_ranks", wraps=derivative_scenarios.spawn_ranks)
+    with spawned as spawn:
+        record = verify(derivative.run("gpu", "quick", tmp_path))
+    assert [c.args[1] for c in spawn.call_args_list] == [2], "the logical-rank check runs on the preset's 2 processes"
+    assert spawn.call_args.kwargs["backend"] == "gloo"  # a CPU model: gloo even where CUDA exists
     assert record["config"]["preset"]["swapped_for_cpu"] is True
     assert record["config"]["preset"]["model"]["dtype"] == "torch.bfloat16"
     assert record["measurements"]["skipped_checks"] == {
@@ -221,3 +226,13 @@ def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> No
         assert trainer.optim_step(max_grad_norm=1e-3)["policy"].clipped
         ratios[dtype] = max(float(p.grad.float().norm() / before[n]) for n, p in trainer.checkpoint("policy").named_parameters())
     assert ratios[torch.float32] == pytest.approx(ratios[torch.bfloat16], rel=1e-2), ratios
+
+
+def test_rtv_nproc_sets_the_processes_and_logical_dp_follows() -> None:
+    assert preset("gpu", environ={}).processes == 2
+    eight = preset("gpu", environ={"RTV_NPROC": "8"})
+    assert (eight.processes, eight.logical_dp) == (8, 8)
+    assert (preset("cpu", environ={"RTV_NPROC": "2"}).logical_dp) == 2
+    with pytest.raises(SetupError, match="RTV_NPROC"):
+        preset("gpu", environ={"RTV_NPROC": "two"})
+

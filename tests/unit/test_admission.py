@@ -11,7 +11,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
 from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
-from reference_trainer.testing import substitute_device_capacity
+from reference_trainer.testing import substitute_device_capacity, substitute_stopwatch
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
 from validation.memory import StorageCensus
@@ -257,3 +257,51 @@ def test_auto_never_offloads_quantized_saved_state() -> None:
     assert low < high, (low, high)
     with pytest.raises(rt.MemoryAdmissionError):
         _offloaded_then_quantized((low + high) // 2, "auto")
+
+
+class _DeviceStopwatch:
+    """A CUDA-like stopwatch: its seconds are unknown until the (simulated) device has finished."""
+
+    finished = False
+
+    def stop(self) -> _DeviceStopwatch:
+        return self
+
+    def seconds(self) -> float | None:
+        return 10.0 if _DeviceStopwatch.finished else None
+
+
+def _replay_ms(trainer: rt.Trainer, seed: int) -> float:
+    """The replay time the planner prices for a forward that must leave a pending one in place."""
+    pending, out = _forward(trainer, seed), _forward(trainer, seed + 1)
+    trainer.backward(sum(o.target_logprobs.sum() for o in pending + out))
+    match = re.search(r"replay ([\d.]+) ms", out[0].decision.reason)
+    assert match, out[0].decision.reason
+    return float(match.group(1))
+
+
+def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_finished() -> None:
+    """On CUDA a forward returns before its kernels ran: its time is read later, from events, never guessed."""
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=520_000)  # one retained record, not two
+    _DeviceStopwatch.finished = False
+    with substitute_stopwatch(lambda device: _DeviceStopwatch()):
+        unknown = _replay_ms(trainer, 0)
+        _DeviceStopwatch.finished = True
+        known = _replay_ms(trainer, 2)
+    tokens = 2 * 16  # _forward's batch: two sequences of 16 tokens, 10 s each forward
+    assert unknown == pytest.approx(2e-5 * tokens * 1e3)  # the default speed: nothing measured yet
+    assert known == pytest.approx(10.0 * 1e3, rel=1e-3)
+
+
+def _predicted(trainer: rt.Trainer, length: int) -> int:
+    out = trainer.forward(rt.ForwardInput(*sequence(length, length=length)), options=rt.ForwardOptions(corrections=()))
+    trainer.backward(out.target_logprobs.sum())
+    return out.decision.predicted_bytes
+
+
+def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
+    fresh = _predicted(make_trainer("lora", dropout=0.1), 40)
+    trainer = make_trainer("lora", dropout=0.1)
+    first_short = _predicted(trainer, 8)
+    assert _predicted(trainer, 40) == fresh, "a scale measured at length 8 changed the estimate at length 40"
+    assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import reference_trainer as rt
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, sequence
@@ -272,6 +273,34 @@ def test_bf16_checkpoint_keeps_fp32_masters_and_fp32_has_none() -> None:
         assert torch.equal(p, masters[n].to(torch.bfloat16)), f"{n}: BF16 parameter is not its rounded master"
     below_bf16 = sum(int((m != m.to(torch.bfloat16).float()).sum()) for m in masters.values())
     assert below_bf16 > 0, "the masters must hold precision the BF16 parameters cannot"
+
+
+class _NewUpcasts(TorchFunctionMode):
+    """Counts calls that return a new FP32 tensor converted from a BF16 tensor of the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        sources = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16]
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and not any(out is a for a in args):
+            self.count += any(s.shape == out.shape for s in sources)
+        return out
+
+
+def test_bf16_master_gradients_are_allocated_once_not_every_step() -> None:
+    trainer = _trainer("full", dtype=torch.bfloat16)
+    upcasts = []
+    for step in range(2):
+        _commit(trainer, seed=60 + step)
+        with _NewUpcasts() as mode:
+            assert trainer.optim_step()["policy"].stepped
+        upcasts.append(mode.count)
+        trainer.zero_grad()
+    # Upcasting with .float() / .to() makes a new FP32 tensor per parameter per step; copy_ into the buffers none.
+    assert upcasts == [0, 0], f"new FP32 tensors upcast from BF16 gradients, per step: {upcasts}"
 
 
 def test_zero_grad_sets_every_grad_to_none() -> None:

@@ -7,6 +7,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.planner import Placement
+from reference_trainer.host_arena import HostArena, host_block_bytes
 from reference_trainer.residency import FLOAT8_DTYPES, SavedStateLedger
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 from validation.lifetime import TensorCensus
@@ -82,6 +83,19 @@ def test_replay_runs_the_forward_exactly_once_more_and_leaves_the_callers_rng_al
     trainer.backward(out.target_logprobs.sum())
     assert len(calls) == 2, "replay re-runs the forward exactly once"
     assert torch.equal(torch.get_rng_state(), rng_before), "the caller's RNG state is untouched"
+
+
+@pytest.mark.parametrize("caller_grad", [True, False])
+def test_a_replay_placed_forward_runs_in_its_replays_grad_mode(caller_grad: bool) -> None:
+    """On CUDA attention kernels choose by grad mode: the forward and its replay must run in the same one."""
+    trainer = make_trainer("lora", dropout=0.0)
+    modes: list[bool] = []
+    trainer.model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: modes.append(torch.is_grad_enabled()))
+    with torch.set_grad_enabled(caller_grad):
+        out = trainer.forward(rt.ForwardInput(*sequence(3)), options=_options("replay"))
+    assert out.target_logprobs.grad_fn is None and trainer.records.get(out.record_id).root is None
+    trainer.backward(out.target_logprobs.sum())
+    assert modes == [True, True], "the replay-placed forward and its replay ran in different grad modes"
 
 
 def test_replay_without_rng_restore_would_differ() -> None:
@@ -178,3 +192,38 @@ def test_a_backward_after_the_model_went_to_eval_differentiates_the_forwards_tra
         grads[label] = {n: p.grad for n, p in trainer.checkpoint("policy").named_parameters()}
     for name, expected in grads["retain, mode kept"].items():
         assert expected.abs().sum() > 0 and torch.equal(grads[placement][name], expected), name
+
+
+@pytest.mark.parametrize(("nbytes", "pinned", "held"), [(1000, True, 1024), (1024, True, 1024), (1025, True, 2048),
+                                                         (1025, False, 1025), (0, True, 0)])
+def test_the_host_budget_counts_the_pinned_block_a_copy_really_holds(nbytes: int, pinned: bool, held: int) -> None:
+    assert host_block_bytes(nbytes, pinned) == held
+
+
+def _offloaded_square(arena: HostArena | None) -> tuple[SavedStateLedger, torch.Tensor, torch.Tensor]:
+    x = torch.randn(300, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    ledger = SavedStateLedger(Placement.OFFLOAD, weight_storages=set(), arena=arena)
+    with ledger.hooks():
+        y = (x.exp() * x.sin()).sum()  # saves x, exp(x) and sin(x): three storages
+    ledger.end_forward()
+    (grad,) = torch.autograd.grad(y, x)
+    return ledger, grad, x
+
+
+def test_an_arena_holds_every_copy_of_a_record_in_one_buffer_and_the_gradient_is_unchanged() -> None:
+    arena = HostArena(4096, pinned=False)
+    ledger, grad, x = _offloaded_square(arena)
+    expected = (x.exp() * x.sin() + x.exp() * x.cos()).detach()  # closed form of d/dx exp(x) sin(x)
+    torch.testing.assert_close(grad, expected)
+    base = arena.buffer.untyped_storage().data_ptr()
+    assert len(ledger.host_copies) == 3
+    assert all(c.untyped_storage().data_ptr() == base for c in ledger.host_copies), "a copy outside the arena"
+    assert ledger.copied_bytes == 3 * 300 * 4 and ledger.host_bytes == 0  # the arena's block is counted by its owner
+
+
+def test_what_does_not_fit_the_arena_gets_a_copy_of_its_own_and_is_counted() -> None:
+    arena = HostArena(1300, pinned=False)  # room for one 1200-byte storage, not two
+    ledger, grad, x = _offloaded_square(arena)
+    torch.testing.assert_close(grad, (x.exp() * (x.sin() + x.cos())).detach())
+    inside = sum(c.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr() for c in ledger.host_copies)
+    assert inside == 1 and ledger.host_bytes == 2 * 1200

@@ -251,3 +251,11 @@ def test_sampler_rejects_logits_of_the_wrong_shape():
         sample(lambda ids: torch.zeros(ids.shape[0], 4), torch.zeros(1, 2, dtype=torch.long),
                max_new_tokens=1)
     assert info.value.field == "logits_fn"
+
+
+def test_a_generator_off_the_models_device_is_refused_with_the_device_to_use() -> None:
+    """On CUDA a CPU generator cannot draw from CUDA probabilities: say so before drawing (meta stands in for CUDA)."""
+    logits_fn = lambda ids: torch.zeros(*ids.shape, 5, device="meta")  # noqa: E731
+    with pytest.raises(ConfigError, match="generator") as info:
+        sample(logits_fn, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=1, generator=torch.Generator())
+    assert "device='meta'" in str(info.value)

@@ -1,0 +1,65 @@
+"""NOTE [Host syncs]: how often forward, backward and commit read device values on the host (each a GPU stall).
+
+Counted with ``testing.observe_host_reads``, which sees every read the
+trainer makes through ``host_reads.read_on_host``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.testing import observe_host_reads
+
+
+def _inputs(lengths: list[int], vocab: int) -> list[rt.ForwardInput]:
+    generator = torch.Generator().manual_seed(0)
+    return [rt.ForwardInput(torch.randint(0, vocab, (n,), generator=generator)) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_padded_forward_reads_nothing_and_a_backward_reads_once(kind: str) -> None:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
+    trainer.add_checkpoint("policy", **({"full": True} if kind == "full" else {"lora": rt.LoRAConfig(rank=2)}))
+    inputs = _inputs([5, 9, 7], trainer.model.config.vocab_size)  # unequal lengths: a padded batch with a mask
+    with observe_host_reads() as reads:
+        outputs = trainer.forward(inputs)
+    assert reads == [], "the forward read device values on the host (its padding or token checks)"
+    loss = sum(out.target_logprobs.sum() for out in outputs)
+    with observe_host_reads() as reads:
+        trainer.backward(loss)
+    assert [why for why, _ in reads] == ["finite gradients"]
+
+
+def test_the_public_model_still_checks_padding_of_masks_it_did_not_build() -> None:
+    model = rt.DecoderLM(rt.ModelConfig.tiny(), seed=0)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with observe_host_reads() as reads, pytest.raises(rt.ConfigError, match="right padding"):
+        model(ids, torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]))
+    assert [why for why, _ in reads] == ["right padding"]
+
+
+def test_out_of_range_tokens_are_refused_naming_the_extremes() -> None:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True)
+    vocab = trainer.model.config.vocab_size
+    good = _inputs([4], vocab)[0]
+    with pytest.raises(rt.ConfigError) as info:
+        trainer.forward([good, rt.ForwardInput(torch.tensor([1, vocab + 2, 3]))])
+    assert info.value.value == (1, vocab + 2, vocab + 2)
+
+
+def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once() -> None:
+    """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
+    vocab = trainer.model.config.vocab_size
+    old = trainer.forward(_inputs([6], vocab))  # pending across the step below
+    fresh = trainer.forward(_inputs([5], vocab))
+    trainer.backward(fresh[0].target_logprobs.sum())
+    trainer.optim_step()
+    with observe_host_reads() as reads:
+        trainer.forward(_inputs([5, 9, 7], vocab))
+    assert [why for why, _ in reads] == ["token keys"]
+    trainer.backward(old[0].target_logprobs.sum())

@@ -1,0 +1,48 @@
+"""The planner's attention term follows the backend in use; its measured scale is kept per shape class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference_trainer as rt
+from reference_trainer.planner import analytic_saved_bytes, attention_saves_scores, fused_attention_enabled, shape_class
+
+
+def _saves_a_square(dtype: torch.dtype, dropout: float) -> bool:
+    """Oracle: run attention on the CPU and look for a saved ``(T, T)`` tensor."""
+    q = torch.randn(1, 2, 32, 8, dtype=dtype, requires_grad=True)
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=dropout)
+    return any(s[-2:] == (32, 32) for s in shapes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_cpu_rule_matches_what_attention_saves(dtype: torch.dtype, dropout: float) -> None:
+    predicted = attention_saves_scores(dtype, "cpu", dropout, fused_attention_enabled("cpu"))
+    assert predicted == _saves_a_square(dtype, dropout)
+
+
+def test_fused_cuda_attention_saves_no_scores_except_in_fp64_or_when_disabled() -> None:
+    assert not attention_saves_scores(torch.bfloat16, "cuda", 0.1, fused_enabled=True)
+    assert attention_saves_scores(torch.float64, "cuda", 0.0, fused_enabled=True)
+    assert attention_saves_scores(torch.bfloat16, "cuda", 0.0, fused_enabled=False)
+
+
+def test_the_square_term_is_dropped_only_where_scores_are_not_saved() -> None:
+    config = rt.ModelConfig.tiny()
+    extra = [analytic_saved_bytes(config, 2, t) - analytic_saved_bytes(config, 2, t, scores_saved=False) for t in (16, 32)]
+    assert extra[0] > 0 and extra[1] == 4 * extra[0], "the saved scores grow with T squared"
+
+
+def test_shape_classes_bucket_lengths_by_powers_of_two() -> None:
+    assert shape_class(2, 33) == shape_class(2, 64) != shape_class(2, 65)
+    assert shape_class(2, 64) != shape_class(4, 64)
