@@ -57,3 +57,11 @@ def test_cluster_names_are_deterministic_and_valid(sky_sandbox):
     check_cluster_name_is_valid(name)
     with pytest.raises(ValueError):
         cluster_name("rtv-gate", "12;rm", 1)
+
+
+@pytest.mark.parametrize("env", ["NOEQUALS", "=1", "1X=2", "A B=1"])
+def test_launch_refuses_a_malformed_env_with_exit_2(fake, sky_sandbox, repo_root, tmp_path, capsys, env):
+    argv = ["gpu", "launch", str(repo_root / "ci" / "gate.sky.yaml"), "--cluster", "rtv-env-1",
+            "--env", "RTV_TIME_LIMIT=1m", "--env", env, "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"found {env!r}" in capsys.readouterr().err and not fake.clusters  # nothing was launched
