@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ class Launch:
     def alive(self) -> None:
         assert self.proc.poll() is None, f"launcher exited {self.proc.returncode} too early:\n{self.tail()}"
 
-    def wait_until(self, what: str, ready, timeout_s: float) -> None:
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         """Block until ``ready()``; fail if the launcher exits first or ``timeout_s`` passes."""
         deadline = time.monotonic() + timeout_s
         while not ready():
