@@ -5,7 +5,7 @@
 imported only by the commands that talk to it, so ``rtv --help`` stays
 instant; without it they exit 2 with the fix.
 
-    rtv gpu launch TASK [--cluster NAME | --run-id ID --attempt N] [--out DIR]
+    rtv gpu launch TASK [--cluster NAME | --run-id ID --attempt N] [--env KEY=VALUE]... [--out DIR]
     rtv gpu status                 clusters this project launched, as SkyPilot sees them
     rtv gpu down NAME [--wait S]   tear down, prove absence, write a receipt (exit 6 if unproven)
     rtv gpu receipts [--in DIR]    every termination receipt under rtv-out/
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,19 @@ def _launch(args: argparse.Namespace) -> int:
     from .launcher import Launcher, cluster_name, default_run_id
     from .tasks import load_task
 
-    spec = load_task(args.task, validate=True)
+    spec = load_task(args.task, validate=True, envs=_envs(args.env))
     run_id, attempt = default_run_id()
     name = args.cluster or cluster_name(spec.name, args.run_id or run_id, args.attempt or attempt)
     return Launcher(_sky()).launch(spec, cluster=name, out_dir=args.out).exit_code
+
+
+def _envs(items: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` arguments as a mapping; a SetupError (exit 2) names the first malformed one."""
+    bad = [item for item in items if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.S)]
+    if bad:
+        raise SetupError(f"--env expects KEY=VALUE (KEY a shell variable name), found {bad[0]!r}",
+                         fix="pass e.g. --env RTV_TIME_LIMIT=10m")
+    return dict(item.split("=", 1) for item in items)
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -118,6 +128,8 @@ def add_gpu_commands(subparsers: Any) -> None:
     launch.add_argument("--cluster", help="cluster name (default: rtv-<task>-<run id>-<attempt>)")
     launch.add_argument("--run-id", help="run id for the name (default: $GITHUB_RUN_ID, else a UTC stamp)")
     launch.add_argument("--attempt", help="attempt for the name (default: $GITHUB_RUN_ATTEMPT, else 1)")
+    launch.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set or override one of the task's envs (repeatable)")
     launch.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="evidence, logs, receipt")
     launch.set_defaults(handler=_guarded(_launch))
 

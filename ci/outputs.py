@@ -16,6 +16,8 @@ says passed, read as the report reads them
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,8 @@ from pathlib import Path
 from reports.records import load_records
 
 __all__ = ["EvidenceVerdict", "judge_outputs", "rsync_outputs"]
+
+_SESSION = re.compile(r"^\s*SetEnv\s+SKY_CLUSTER_NAME=(\S+)\s*$", re.M)  # SkyPilot's ssh config on Slurm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,12 +78,28 @@ def judge_outputs(folder: Path | None) -> EvidenceVerdict:
 
 
 def rsync_outputs(cluster: str, remote_dir: str, local_dir: Path, *, timeout: float) -> Path:
-    """Copy ``~/sky_workdir/<remote_dir>/`` from ``cluster`` into ``local_dir``; raises on failure or timeout."""
-    config = os.path.expanduser(f"~/.sky/generated/ssh/{cluster}")
-    key = os.path.expanduser(f"~/.sky/generated/ssh-keys/{cluster}.key")
-    ssh = f"ssh -F {config} -i {key} -o StrictHostKeyChecking=no -o BatchMode=yes"
+    """Copy ``~/sky_workdir/<remote_dir>/`` from ``cluster`` into ``local_dir``; raises on failure or timeout.
+
+    On Slurm the ssh config leads to the login node, and the cluster's home is
+    a folder there that SkyPilot's ``~/.sky_ssh_rc`` enters for the session
+    named by ``SetEnv SKY_CLUSTER_NAME`` in that config. A login node's sshd
+    need not accept that variable, so rsync's remote side sets it and sources
+    the rc file itself; without the ``SetEnv`` line (a VM) nothing changes.
+    """
+    config = Path(os.path.expanduser(f"~/.sky/generated/ssh/{cluster}"))
+    if not config.is_file():
+        raise FileNotFoundError(f"no ssh config for cluster {cluster} at {config} (SkyPilot writes it while it is up)")
+    ssh = ["ssh", "-F", str(config), "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+    key = Path(os.path.expanduser(f"~/.sky/generated/ssh-keys/{cluster}.key"))
+    if key.is_file():  # older SkyPilot; 0.14 names its key in the config
+        ssh += ["-i", str(key)]
+    command = ["rsync", "-az", "-e", shlex.join(ssh)]
+    session = _SESSION.search(config.read_text())
+    if session:
+        command += ["--rsync-path", f"export SKY_CLUSTER_NAME={shlex.quote(session.group(1))}; "
+                                    "[ ! -f ~/.sky_ssh_rc ] || . ~/.sky_ssh_rc; rsync"]
     local_dir = Path(local_dir)
     local_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["rsync", "-az", "-e", ssh, f"{cluster}:sky_workdir/{remote_dir.rstrip('/')}/", f"{local_dir}/"],
+    subprocess.run([*command, f"{cluster}:sky_workdir/{remote_dir.rstrip('/')}/", f"{local_dir}/"],
                    check=True, timeout=timeout)
     return local_dir

@@ -87,8 +87,11 @@ def _fail(path: Path, cause: str, fix: str) -> TaskFileError:
     return TaskFileError(f"task file {path}: {cause}", fix=fix)
 
 
-def load_task(path: Path | str, *, validate: bool = False) -> TaskSpec:
+def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] | None = None) -> TaskSpec:
     """Parse ``path`` with SkyPilot and check the rules above; :class:`TaskFileError` otherwise.
+
+    ``envs`` override or add the task's ``envs`` before the checks (``rtv gpu
+    launch --env KEY=VALUE``), so an overridden ``RTV_OUT`` is what is fetched.
 
     ``validate=True`` also runs ``sky.Task.validate`` (resources against
     SkyPilot's catalog, which it downloads on first use; the launcher does
@@ -102,6 +105,7 @@ def load_task(path: Path | str, *, validate: bool = False) -> TaskSpec:
 
     try:
         task = sky.Task.from_yaml(str(path))
+        task.update_envs(envs or {})
         if validate:
             task.validate()
     except Exception as error:  # noqa: BLE001 - SkyPilot raises several types for a bad file

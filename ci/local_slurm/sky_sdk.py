@@ -1,4 +1,4 @@
-"""Every SkyPilot SDK call of the local-Slurm stage, in one module.
+"""The stage's own SkyPilot SDK calls (the launches themselves go through ``rtv gpu launch|down``).
 
 Run as ``python -m ci.local_slurm.sky_sdk COMMAND`` with the stage's
 environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
@@ -10,34 +10,23 @@ environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
 - ``start-server --pid-file F``: start the private API server in its own
   session (its pid leads the process group ``teardown.sh`` kills), wait until
   it answers, write its pid. ``serve`` is what that process runs.
-- ``launch TASK --cluster NAME [--env K=V]... [--timeout-s S] [--receipts D]``:
-  launch, follow the job, gate on its final status, always ``down``, prove the
-  cluster's absence (``sky.status`` has no record of it) and write a receipt.
-  SIGINT/SIGTERM cancel: the in-flight request and the job are cancelled
-  before the ``down``. Exit codes as ``rtv gpu launch`` (contract §11): 0 the
-  job SUCCEEDED, 3 it failed (or the launch did), 4 cancelled, 5 timed out,
-  6 absence unproven (wins over every other code).
-- ``down NAME``: ``down`` by name and prove absence (0, or 6).
 
-This is the stand-in for the project's launcher until ``rtv gpu launch`` and
-``rtv gpu down`` exist; the end-to-end tests then call those instead.
+The end-to-end tests import :func:`cluster_records` and :func:`job_status`:
+the probes behind their proofs (what ``sky status`` and the job queue say).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-__all__ = ["EXIT_CODES", "check_bootstrap", "cluster_records", "down_and_prove", "launch", "main"]
+__all__ = ["check_bootstrap", "cluster_records", "job_status", "main", "start_server"]
 
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 3, "CANCELLED": 4, "TIMED_OUT": 5, "ABSENCE_UNPROVEN": 6}
 # What the shims replace (see shims/curl and shims/uv); both must still be in SkyPilot's bootstrap.
 BOOTSTRAP_DOWNLOADS = {
     "SKY_UV_INSTALL_CMD": "https://astral.sh/uv/install.sh",
@@ -46,14 +35,6 @@ BOOTSTRAP_DOWNLOADS = {
 # shims/uv rewrites this line of the remote runtime's skylet to bind 127.0.0.1.
 SKYLET_BIND = "listen_addr = f'0.0.0.0:{port}'"
 SKYPILOT_VERSION = "0.14.1"
-
-
-class Interrupted(BaseException):
-    """A cancel signal (SIGINT/SIGTERM) or the timeout arrived; BaseException so no ``except Exception`` eats it."""
-
-    def __init__(self, outcome: str) -> None:
-        super().__init__(outcome)
-        self.outcome = outcome
 
 
 def check_bootstrap() -> list[str]:
@@ -112,115 +93,13 @@ def cluster_records(cluster: str | None = None) -> list[str]:
     return sorted(record["name"] for record in records)
 
 
-def down_and_prove(cluster: str) -> dict[str, Any]:
-    """``sky.down`` then ``sky.status``: what each said, and whether the cluster is proven absent."""
+def job_status(cluster: str) -> str | None:
+    """The status of ``cluster``'s latest job (``RUNNING``, ...), or None when it has no job yet."""
     import sky
 
-    observed: dict[str, Any] = {}
-    try:
-        sky.get(sky.down(cluster))
-        observed["down"] = "ok"
-    except sky.exceptions.ClusterDoesNotExist:
-        observed["down"] = "no such cluster"
-    except Exception as error:  # the status check below decides; the error goes in the receipt
-        observed["down"] = f"error: {type(error).__name__}: {error}"
-    try:
-        observed["status_after_down"] = cluster_records(cluster)
-        observed["absent"] = observed["status_after_down"] == []
-    except Exception as error:
-        observed["status_after_down"] = f"error: {type(error).__name__}: {error}"
-        observed["absent"] = False
-    return observed
-
-
-def _cancel(cluster: str, request_id: str | None, job_id: int | None) -> dict[str, str]:
-    """Cancel the in-flight request and the job, best effort; what each call answered."""
-    import sky
-
-    answers = {}
-    if request_id is not None:
-        try:
-            answers["request"] = f"cancelled {sky.get(sky.api_cancel(request_id))}"
-        except Exception as error:
-            answers["request"] = f"error: {type(error).__name__}: {error}"
-    if job_id is not None:
-        try:
-            sky.get(sky.cancel(cluster, job_ids=[job_id]))
-            answers["job"] = f"cancelled job {job_id}"
-        except Exception as error:
-            answers["job"] = f"error: {type(error).__name__}: {error}"
-    return answers
-
-
-def _raise_interrupted(signum: int, _frame: object) -> None:
-    raise Interrupted("TIMED_OUT" if signum == signal.SIGALRM else "CANCELLED")
-
-
-def launch(task_path: Path, cluster: str, envs: dict[str, str], timeout_s: int, receipts: Path) -> int:
-    """Launch, gate on the job, always down and prove absence, write a receipt; returns the exit code."""
-    import sky
-
-    observed: dict[str, Any] = {"events": []}
-    started = time.monotonic()
-    request_id: str | None = None
-    job_id: int | None = None
-
-    def event(what: str) -> None:
-        observed["events"].append([round(time.monotonic() - started, 1), what])
-        print(f"launch {cluster}: {what}", flush=True)
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
-        signal.signal(signum, _raise_interrupted)
-    signal.alarm(timeout_s)
-    try:
-        task = sky.Task.from_yaml(str(task_path))
-        task.update_envs(envs)
-        request_id = sky.launch(task, cluster_name=cluster)
-        event(f"launch request {request_id}")
-        job_id, _ = sky.stream_and_get(request_id)
-        request_id = None
-        event(f"job {job_id} submitted")
-        sky.tail_logs(cluster, job_id, follow=True)
-        status = sky.get(sky.job_status(cluster, [job_id]))[job_id]
-        observed["job_status"] = str(status.value if status else None)
-        outcome = {"SUCCEEDED": "SUCCEEDED", "CANCELLED": "CANCELLED"}.get(observed["job_status"], "FAILED")
-    except Interrupted as stop:
-        outcome = stop.outcome
-    except Exception as error:  # a launch that fails is a failed job; the cluster still goes down
-        observed["error"] = f"{type(error).__name__}: {error}"
-        outcome = "FAILED"
-    finally:
-        signal.alarm(0)
-        for signum in (signal.SIGINT, signal.SIGTERM):  # the teardown below must not be interrupted
-            signal.signal(signum, signal.SIG_IGN)
-    event(f"outcome {outcome}")
-    if outcome != "SUCCEEDED":
-        observed["cancel"] = _cancel(cluster, request_id, job_id)
-    observed.update(down_and_prove(cluster))
-    event(f"down: {observed['down']}; absent: {observed['absent']}")
-    code = EXIT_CODES["ABSENCE_UNPROVEN"] if not observed["absent"] else EXIT_CODES[outcome]
-    receipt = _write_receipt(receipts, task_path, cluster, envs, outcome, code, job_id, observed)
-    _print_teardown(cluster, observed["absent"], receipt)
-    return code
-
-
-def _write_receipt(receipts: Path, task_path: Path, cluster: str, envs: dict[str, str], outcome: str,
-                   code: int, job_id: int | None, observed: dict[str, Any]) -> Path:
-    from validation.evidence import evidence_path, make_record, write_once
-
-    record = make_record(
-        "launch-receipt",
-        config={"task": str(task_path), "cluster": cluster, "envs": envs},
-        checks={"job_succeeded": outcome == "SUCCEEDED", "cluster_absent": observed["absent"]},
-        measurements={"outcome": outcome, "exit_code": code, "job_id": job_id, **observed},
-    )
-    receipts.mkdir(parents=True, exist_ok=True)
-    return write_once(evidence_path(receipts, "launch-receipt"), record)
-
-
-def _print_teardown(cluster: str, absent: bool, receipt: Path | None) -> None:
-    state = "absent (confirmed)" if absent else "absence UNPROVEN"
-    print(f"teardown: cluster {cluster} {state}" + (f"; receipt: {receipt}" if receipt else ""), flush=True)
+    statuses = sky.get(sky.job_status(cluster, None))
+    status = next(iter(statuses.values()), None) if statuses else None
+    return None if status is None else status.value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,14 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     start = commands.add_parser("start-server")
     start.add_argument("--pid-file", type=Path, required=True)
     commands.add_parser("serve")
-    run = commands.add_parser("launch")
-    run.add_argument("task", type=Path)
-    run.add_argument("--cluster", required=True)
-    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    run.add_argument("--timeout-s", type=int, default=600)
-    run.add_argument("--receipts", type=Path, default=Path("rtv-out/receipts"))
-    down = commands.add_parser("down")
-    down.add_argument("cluster")
     args = parser.parse_args(argv)
 
     if args.command == "check-bootstrap":
@@ -248,18 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "start-server":
         print(f"SkyPilot API server: pid {start_server(args.pid_file)}")
         return 0
-    if args.command == "serve":
-        serve()
-        return 1
-    if args.command == "launch":
-        bad = [item for item in args.env if "=" not in item]
-        if bad:
-            parser.error(f"--env expects KEY=VALUE, found {bad[0]!r}")
-        envs = dict(item.split("=", 1) for item in args.env)
-        return launch(args.task, args.cluster, envs, args.timeout_s, args.receipts)
-    observed = down_and_prove(args.cluster)
-    _print_teardown(args.cluster, observed["absent"], None)
-    return 0 if observed["absent"] else EXIT_CODES["ABSENCE_UNPROVEN"]
+    serve()
+    return 1
 
 
 if __name__ == "__main__":

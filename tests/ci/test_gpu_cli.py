@@ -78,3 +78,11 @@ def test_launch_without_cloud_credentials_exits_2_with_the_fix(sky_sandbox, tmp_
     assert "SkyPilot cannot use a cloud: Cloud access is not set up" in err
     assert "fix: set up credentials" in err and "sky check" in err
     assert list(tmp_path.glob("gpu-receipt-*.json")), "the receipt is still written"
+
+
+@pytest.mark.parametrize("env", ["NOEQUALS", "=1", "1X=2", "A B=1"])
+def test_launch_refuses_a_malformed_env_with_exit_2(fake, sky_sandbox, repo_root, tmp_path, capsys, env):
+    argv = ["gpu", "launch", str(repo_root / "ci" / "gate.sky.yaml"), "--cluster", "rtv-env-1",
+            "--env", "RTV_TIME_LIMIT=1m", "--env", env, "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"found {env!r}" in capsys.readouterr().err and not fake.clusters  # nothing was launched

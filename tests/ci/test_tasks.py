@@ -96,3 +96,15 @@ def test_a_cpu_variant_on_slurm_loads_too(sky_sandbox, repo_root: Path, tmp_path
 
     spec = load_task(_mutated(repo_root, tmp_path, to_slurm))
     assert spec.infra == "slurm" and spec.accelerators == {} and spec.gpus == 0
+
+
+def test_envs_given_at_launch_override_the_file_before_the_checks(sky_sandbox, repo_root: Path):
+    """``rtv gpu launch --env``: the override reaches the task and what the launcher fetches (RTV_OUT)."""
+    from ci.tasks import TaskFileError, load_task
+
+    plain = load_task(repo_root / "ci" / "gate.sky.yaml")
+    spec = load_task(repo_root / "ci" / "gate.sky.yaml", envs={"RTV_OUT": "rtv-out/elsewhere", "EXTRA": "1"})
+    assert plain.evidence_dir != "rtv-out/elsewhere"
+    assert spec.evidence_dir == "rtv-out/elsewhere" and spec.task.envs["EXTRA"] == "1"
+    with pytest.raises(TaskFileError, match="RTV_TIME_LIMIT"):  # an override is checked like the file
+        load_task(repo_root / "ci" / "gate.sky.yaml", envs={"RTV_TIME_LIMIT": "soon"})
