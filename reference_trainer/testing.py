@@ -41,6 +41,16 @@ __all__ = [
 FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
 
 
+@contextmanager
+def _pushed(stack: list, item: Any) -> Iterator[Any]:
+    """``item`` is on ``stack`` (innermost last) for the duration of the block; removed by identity."""
+    stack.append(item)
+    try:
+        yield item
+    finally:
+        del stack[next(i for i, entry in enumerate(stack) if entry is item)]
+
+
 class InjectedFault(RuntimeError):
     """The failure that :func:`inject_fault` arranges."""
 
@@ -67,12 +77,8 @@ def inject_fault(stage: str, *, index: int | None = None) -> Iterator[None]:
         raise ConfigError("stage", stage, f"one of {FAULT_STAGES}")
     if index is not None and stage != "publish":
         raise ConfigError("index", index, "None unless stage='publish'")
-    armed = _Armed(stage, index if stage != "publish" or index is not None else 0)
-    _armed.append(armed)
-    try:
+    with _pushed(_armed, _Armed(stage, index if stage != "publish" or index is not None else 0)):
         yield
-    finally:
-        _armed.remove(armed)
 
 
 def maybe_fail(stage: str, index: int | None = None) -> None:
@@ -95,12 +101,8 @@ def substitute_device_capacity(capacity: int | Callable[[torch.device], int | No
     """
     if not callable(capacity) and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ConfigError("capacity", capacity, "an int >= 0 or a function of the device")
-    function = capacity if callable(capacity) else (lambda device: capacity)
-    _capacities.append(function)
-    try:
+    with _pushed(_capacities, capacity if callable(capacity) else (lambda device: capacity)):
         yield
-    finally:
-        _capacities.remove(function)
 
 
 def capacity_override() -> Callable[[torch.device], int | None] | None:
@@ -116,11 +118,8 @@ def substitute_device_context(enter: Callable[[torch.device], AbstractContextMan
     """Inside the block, :func:`device_context` returns ``enter(device)`` (for any device, CPU included)."""
     if not callable(enter):
         raise ConfigError("enter", type(enter).__name__, "a function of the device returning a context manager")
-    _device_contexts.append(enter)
-    try:
+    with _pushed(_device_contexts, enter):
         yield
-    finally:
-        _device_contexts.remove(enter)
 
 
 def device_context(device: torch.device) -> AbstractContextManager:
@@ -136,12 +135,8 @@ _host_reads: list[list[tuple[str, torch.device]]] = []
 @contextmanager
 def observe_host_reads() -> Iterator[list[tuple[str, torch.device]]]:
     """Inside the block, every host read of the trainer (NOTE [Host syncs]) appends ``(why, device)`` to the list yielded."""
-    reads: list[tuple[str, torch.device]] = []
-    _host_reads.append(reads)
-    try:
+    with _pushed(_host_reads, []) as reads:
         yield reads
-    finally:
-        _host_reads.remove(reads)
 
 
 def note_host_read(why: str, device: torch.device) -> None:
@@ -161,11 +156,8 @@ def substitute_stopwatch(factory: Callable[[torch.device], Any]) -> Iterator[Non
     """
     if not callable(factory):
         raise ConfigError("factory", type(factory).__name__, "a function of the device returning a stopwatch")
-    _stopwatches.append(factory)
-    try:
+    with _pushed(_stopwatches, factory):
         yield
-    finally:
-        _stopwatches.remove(factory)
 
 
 def stopwatch_override() -> Callable[[torch.device], Any] | None:
