@@ -125,6 +125,24 @@ class LifecyclePoint:
     values: dict[str, Any] = field(default_factory=dict)
 
 
+def _left_at(
+    point: str, what: str, census: StorageCensus, trainer: rt.Trainer, tensors: TensorCensus, out: LifecyclePoint,
+    keep: Sequence[torch.Tensor] = (),
+) -> tuple[WitnessVerdict, list[Any]]:
+    """What is left at a lifecycle point: the two-witness byte reading (recorded as ``point``) and the tensors alive."""
+    left = bytes_left(census, trainer, what, keep)
+    out.bytes_at[point] = census.last.as_dict()
+    return left, tensors.alive(ignore=keep)
+
+
+def _nothing_outlives(verdicts: Verdicts, name: str, left: WitnessVerdict, leftover: list[Any]) -> None:
+    verdicts.check(
+        name,
+        not leftover and not left.leaked,
+        f"{len(leftover)} tensors alive{': ' + _names(leftover) if leftover else ''}; {left.describe()}",
+    )
+
+
 def _after_forward_and_backward(
     work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool, out: LifecyclePoint
 ) -> None:
@@ -174,14 +192,8 @@ def _after_forward_and_backward(
         )
 
     trainer.backward(_sum(keep))
-    left = bytes_left(census, trainer, f"{p}: bytes after backward", keep)
-    out.bytes_at["after_backward"] = census.last.as_dict()
-    leftover = tensors.alive(ignore=keep)
-    verdicts.check(
-        f"{p}: nothing outlives backward",
-        not leftover and not left.leaked,
-        f"{len(leftover)} tensors alive{': ' + _names(leftover) if leftover else ''}; {left.describe()}",
-    )
+    left, leftover = _left_at("after_backward", f"{p}: bytes after backward", census, trainer, tensors, out, keep)
+    _nothing_outlives(verdicts, f"{p}: nothing outlives backward", left, leftover)
     del keep
     if cuda:
         leaked, values = cuda_leak_verdict(f"{p}: after backward", work.device, before_cuda, tolerance=_CUDA_TOLERANCE)
@@ -200,9 +212,7 @@ def _after_drop(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts,
         outputs = trainer.forward(work.inputs(200), options=_options(p))
     pending = census.measure(ignore=committed_grads(trainer))
     del outputs
-    left = bytes_left(census, trainer, f"{p}: bytes after dropping the outputs")
-    out.bytes_at["after_drop"] = census.last.as_dict()
-    leftover = tensors.alive()
+    left, leftover = _left_at("after_drop", f"{p}: bytes after dropping the outputs", census, trainer, tensors, out)
     verdicts.check(
         f"{p}: nothing outlives a dropped output",
         pending.total > 0 and not leftover and not left.leaked and trainer.live_records() == 0,
@@ -234,14 +244,9 @@ def _after_failed_commit(work: Workload, trainer: rt.Trainer, p: str, verdicts: 
         f"{held.device} B, host pool {held.host} B while the error is held; {trainer.live_records()} records pending",
     )
     del error, loss
-    left = bytes_left(census, trainer, f"{p}: bytes after a failed commit", keep)
-    out.bytes_at["after_failed_commit"] = census.last.as_dict()
-    leftover = tensors.alive(ignore=keep)
-    verdicts.check(
-        f"{p}: nothing outlives a failed commit once the error is dropped",
-        not leftover and not left.leaked,
-        f"{len(leftover)} tensors alive{': ' + _names(leftover) if leftover else ''}; {left.describe()}",
-    )
+    left, leftover = _left_at("after_failed_commit", f"{p}: bytes after a failed commit", census, trainer, tensors,
+                              out, keep)
+    _nothing_outlives(verdicts, f"{p}: nothing outlives a failed commit once the error is dropped", left, leftover)
 
 
 def _before_next_logical_batch(
