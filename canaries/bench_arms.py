@@ -78,10 +78,11 @@ class Workload:
 
 @dataclass(kw_only=True)
 class Arm:
-    """A timed step and what it records: per-run forward and rest-of-step seconds, bytes held."""
+    """A timed step and what it records: per-run forward and rest-of-step seconds, bytes held; the model it runs."""
 
     name: str
     step: Callable[[], float]
+    model: rt.DecoderLM | None = None
     forward_seconds: list[float] = field(default_factory=list)
     rest_seconds: list[float] = field(default_factory=list)
     held: dict[str, int] = field(default_factory=dict)
@@ -122,8 +123,14 @@ def base_model(workload: Workload, seed: int) -> rt.DecoderLM:
         return rt.DecoderLM(workload.config(), seed=seed)
 
 
-def plain_arm(workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None = None) -> Arm:
-    """The baseline: a plain PyTorch step (module docstring). ``model`` (LoRA only): a shared base."""
+def plain_arm(
+    workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None = None, optimizer_step: bool = True
+) -> Arm:
+    """The baseline: a plain PyTorch step (module docstring). ``model`` (LoRA only): a shared base.
+
+    ``optimizer_step=False``: forward and backward only, the gradients dropped
+    (``bench_profile`` times saved-tensor hooks on it, without the optimizer's noise).
+    """
     if model is not None and not workload.lora:
         raise ValueError("a plain full-weight arm trains its model: it cannot share a base model")
     model = model if model is not None else base_model(workload, seed)
@@ -136,7 +143,7 @@ def plain_arm(workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None =
     else:
         params, attached = list(model.parameters()), None
     optimizer = torch.optim.AdamW(params, lr=LR)
-    arm = Arm(name="plain", step=lambda: 0.0)
+    arm = Arm(name="plain", step=lambda: 0.0, model=model)
     clock = device_clock(workload.device)
 
     def step() -> float:
@@ -149,7 +156,8 @@ def plain_arm(workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None =
         loss = _loss(rt.token_logprobs(logits, targets), advantages)
         middle = clock()
         loss.backward()
-        optimizer.step()
+        if optimizer_step:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         arm.forward_seconds.append(middle - start)
         arm.rest_seconds.append(clock() - middle)
@@ -172,7 +180,7 @@ def versioned_arm(
     inputs = [rt.ForwardInput(ids[row], targets[row]) for row in range(workload.sequences)]
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     pending: deque[list[rt.ForwardOutput]] = deque()
-    arm = Arm(name=arm_name(placement, staleness), step=lambda: 0.0)
+    arm = Arm(name=arm_name(placement, staleness), step=lambda: 0.0, model=trainer.model)
     clock = device_clock(workload.device)
 
     def step() -> float:

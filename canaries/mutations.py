@@ -113,7 +113,7 @@ def _partial_commit() -> Iterator[None]:
 @contextlib.contextmanager
 def _commit_non_finite() -> Iterator[None]:
     """The commit's validation no longer checks finiteness: a first backward of a NaN loss publishes NaN."""
-    with mock.patch.object(commit_module, "first_non_finite", lambda staged: None):
+    with mock.patch.object(commit_module, "first_non_finite", lambda staged, norms: None):
         yield
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, GradientCommitError
+from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
 
@@ -164,6 +165,7 @@ class Checkpoint:
         self._capture_ref: weakref.ref[WeightCapture] | None = None
         # (forward version, staleness bound) of every committed gradient.
         self.origins: set[tuple[CheckpointVersion, int]] = set()
+        self._known_norm: KnownNorm | None = None  # NOTE [Gradient norm] in grad_norms.py
 
     @property
     def is_full(self) -> bool:
@@ -218,7 +220,20 @@ class Checkpoint:
 
     # --- optimizer ------------------------------------------------------------------
 
+    def remember_gradient_norm(self, known: KnownNorm) -> None:
+        """``known`` measured the tensors that are now this checkpoint's ``.grad`` (NOTE [Gradient norm] Rule 2)."""
+        self._known_norm = known
+
+    def forget_gradient_norm(self) -> None:
+        """A ``.grad`` is about to change: the remembered norm no longer applies (NOTE [Gradient norm] Rule 4)."""
+        self._known_norm = None
+
+    def _gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        known = self._known_norm
+        return known.tensor() if known is not None and known.matches(grads) else total_norm(grads)
+
     def clear_gradients(self) -> None:
+        self.forget_gradient_norm()
         for param in self._params.values():
             param.grad = None
         for master in self._masters.values():
@@ -255,7 +270,7 @@ class Checkpoint:
         if not self.has_gradients():
             return CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision)
         params = self._stepped_tensors()  # FP32: the live parameters; else FP32 masters
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = self._gradient_norm([p.grad for p in params])
         if not bool(torch.isfinite(norm)):
             self.clear_gradients()
             reason = f"non-finite gradient norm ({float(norm)}); gradients cleared"

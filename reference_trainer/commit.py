@@ -6,7 +6,8 @@ NOTE [Gradient commit]
      parameter's dtype. Nothing visible changes while staging.
   2. Validate all: every origin's age and generation (NOTE [Staleness] in
      ``staleness.py``), target identity (the parameter is still the
-     checkpoint's), shape, dtype, device, finiteness. One failure fails all.
+     checkpoint's), shape, dtype, device, finiteness (one fused norm per
+     checkpoint, NOTE [Gradient norm] in ``grad_norms.py``). One failure fails all.
   3. Publish: build every new gradient (existing + staged, out of place) first
      and check the sums are still finite, then assign them in a fixed order. If an assignment fails, the ones
      already made are put back to the previous tensor objects.
@@ -23,6 +24,7 @@ NOTE [Gradient commit]
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,12 +35,13 @@ from torch import nn
 from . import testing
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
+from .grad_norms import KnownNorm, total_norm
 from .graphs import ForwardRecord
 from .host_reads import read_on_host
 from .sinks import GradientSink
 from .staleness import check_age
 
-__all__ = ["Coordinator", "GradientTransaction", "all_finite", "first_non_finite"]
+__all__ = ["Coordinator", "GradientTransaction", "all_finite", "first_non_finite", "staged_norms"]
 
 
 class Coordinator(Protocol):
@@ -67,16 +70,40 @@ def all_finite(value: torch.Tensor) -> bool:
     return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
 
 
-def first_non_finite(staged: Mapping[tuple[str, str], _Staged]) -> tuple[str, str] | None:
+@dataclass(frozen=True)
+class _Norms:
+    """Each checkpoint's staged-gradient norm: the device tensor, and its value read on the host."""
+
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, float]
+
+
+def staged_norms(staged: Mapping[tuple[str, str], _Staged]) -> _Norms:
+    """One fused norm per checkpoint over its staged gradients, in staging order, read on the host at once.
+
+    That read is the backward's one host read (NOTE [Host syncs]; NOTE [Gradient norm] Rule 1).
+    """
+    values: dict[str, list[torch.Tensor]] = {}
+    for (checkpoint_name, _), s in staged.items():
+        values.setdefault(checkpoint_name, []).append(s.value)
+    tensors = {name: total_norm(grads) for name, grads in values.items()}
+    if not tensors:
+        return _Norms({}, {})
+    first = next(iter(tensors.values()))
+    # FP64 holds every norm's value exactly, whatever its dtype (KnownNorm.tensor restores it).
+    together = torch.stack([t.to(device=first.device, dtype=torch.float64) for t in tensors.values()])
+    read = read_on_host(together, "finite gradients")
+    return _Norms(tensors, dict(zip(tensors, read)))
+
+
+def first_non_finite(staged: Mapping[tuple[str, str], _Staged], norms: _Norms) -> tuple[str, str] | None:
     """The first staged key holding a non-finite element, or None.
 
-    One fused norm over every staged gradient (one pass, one host sync)
-    proves them all finite; only when it is not finite (a non-finite element,
-    or squares that overflow while every element is finite) is each checked
-    exactly, in staging order.
+    Finite ``norms`` prove every gradient finite; only when one is not
+    finite (a non-finite element, or squares that overflow while every
+    element is finite) is each gradient checked exactly, in staging order.
     """
-    values = [s.value for s in staged.values()]
-    if not values or read_on_host(torch.isfinite(torch.nn.utils.get_total_norm(values)), "finite gradients"):
+    if all(math.isfinite(v) for v in norms.values.values()):
         return None
     return next((key for key, s in staged.items() if not bool(torch.isfinite(s.value).all())), None)
 
@@ -104,6 +131,7 @@ class GradientTransaction:
         self._agreed = False
         self._staged: dict[tuple[str, str], _Staged] = {}
         self._origins: dict[str, set[tuple[CheckpointVersion, int]]] = {}
+        self._norms: _Norms | None = None  # set by validate
 
     @property
     def staged_nbytes(self) -> int:
@@ -148,7 +176,8 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
-        bad = first_non_finite(self._staged)
+        self._norms = staged_norms(self._staged)
+        bad = first_non_finite(self._staged, self._norms)
         if bad is not None:
             raise GradientCommitError(
                 f"checkpoint {bad[0]!r} parameter {bad[1]!r}: expected a finite gradient, found non-finite "
@@ -189,7 +218,22 @@ class GradientTransaction:
             raise
         for name, origins in self._origins.items():
             self._sink.record_origins(self._checkpoints(name), origins)
+        self._record_norms(plan)
         self.discard()
+
+    def _record_norms(self, plan: list[tuple[_Staged, torch.Tensor | None, torch.Tensor]]) -> None:
+        """Tell the sink each checkpoint's norm where its new gradients are exactly the staged ones (NOTE [Gradient norm])."""
+        published: dict[str, list[torch.Tensor]] = {}
+        accumulated: set[str] = set()
+        for staged, old, new in plan:
+            published.setdefault(staged.checkpoint.name, []).append(new)
+            if old is not None:
+                accumulated.add(staged.checkpoint.name)
+        norms = self._norms
+        for name, grads in published.items():
+            if norms is not None and name not in accumulated and name in norms.values:
+                known = KnownNorm(grads, norms.values[name], like=norms.tensors[name])
+                self._sink.record_norm(self._checkpoints(name), known)
 
     def agree(self, error: BaseException | None) -> None:
         """Tell the peers this rank's outcome, once (Rule 6); raises the common error if any failed."""
@@ -210,3 +254,4 @@ class GradientTransaction:
         """Free staging (Rule 4)."""
         self._staged.clear()
         self._origins.clear()
+        self._norms = None

@@ -9,7 +9,10 @@ NOTE [Saved-state lifetime]
      copied: they are kept as detached aliases and stamped like the rest.
   3. ``retain`` keeps a detached alias of each saved tensor (an alias, not the
      tensor: packing a node's own output strongly would make a reference cycle
-     that keeps the graph alive).
+     that keeps the graph alive). Autograd owns the packed alias; the ledger
+     only points at it weakly (for demotion, Rule 6 of NOTE [Memory
+     admission]), so each is freed as soon as its node has run in the backward,
+     as without hooks, and the backward peaks where plain autograd's does.
   4. ``offload`` copies (never aliases) each saved storage once, shared
      storages once, to host memory (pinned on CUDA: the caching host
      allocator hands out power-of-two blocks, so the host budget counts each
@@ -38,6 +41,7 @@ NOTE [Saved-state lifetime]
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -56,6 +60,7 @@ __all__ = [
     "FLOAT8_DTYPES",
     "SavedStateLedger",
     "check_restorable",
+    "has_quantized_module",
     "is_quantized_module",
     "mark_quantized_saved_state",
     "record_backward",
@@ -70,16 +75,23 @@ FLOAT8_DTYPES = frozenset(
 )
 
 _QUANTIZED_ATTR = "_rt_quantized_saved_state"
+_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module ever marked, while it lives
 
 
 def mark_quantized_saved_state(module: nn.Module) -> nn.Module:
     """Mark ``module`` as saving state the trainer cannot keep exactly (like TE FP8 layers)."""
     setattr(module, _QUANTIZED_ATTR, True)
+    _MARKED.add(module)
     return module
 
 
 def is_quantized_module(module: nn.Module) -> bool:
     return bool(getattr(module, _QUANTIZED_ATTR, False))
+
+
+def has_quantized_module(model: nn.Module) -> bool:
+    """True iff some submodule of ``model`` is marked; without a walk while no live module was ever marked."""
+    return bool(_MARKED) and any(is_quantized_module(m) for m in model.modules())
 
 
 @dataclass(eq=False)
@@ -112,7 +124,10 @@ class SavedStateLedger:
     # Originals of copied storages, held until the forward ends so that their
     # addresses (the dedup keys) cannot be reused by a new storage meanwhile.
     _originals: dict[int, torch.UntypedStorage] = field(default_factory=dict)
-    _retained: list[_Packed] = field(default_factory=list)
+    # Weak: autograd owns a retained tensor, and frees it as soon as its node has run in
+    # the backward (as without hooks); a strong list would keep every activation alive
+    # until the record is released, raising the backward's peak and its allocations.
+    _retained: list[weakref.ref[_Packed]] = field(default_factory=list)
 
     @property
     def host_copies(self) -> list[torch.Tensor]:
@@ -134,7 +149,7 @@ class SavedStateLedger:
         if key in self.weight_storages or self.placement is Placement.RETAIN:
             packed = _Packed(tensor.detach(), None, stamp=tensor._version)
             if key not in self.weight_storages:
-                self._retained.append(packed)
+                self._retained.append(weakref.ref(packed))
                 if key not in self._counted:
                     self._counted.add(key)
                     self.device_bytes += storage.nbytes()
@@ -165,8 +180,9 @@ class SavedStateLedger:
         A tensor already modified in place keeps its alias, so its backward
         still refuses (Rule 1).
         """
-        for packed in self._retained:
-            if packed.alias is not None and packed.alias._version == packed.stamp:
+        for ref in self._retained:
+            packed = ref()
+            if packed is not None and packed.alias is not None and packed.alias._version == packed.stamp:
                 self._offload(packed, packed.alias)
         self._retained.clear()
         self._originals.clear()

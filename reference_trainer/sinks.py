@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from .checkpoints import Checkpoint, CheckpointVersion
+from .grad_norms import KnownNorm
 from .staleness import check_age
 
 __all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
@@ -34,6 +35,10 @@ class GradientSink(Protocol):
 
     def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None: ...
 
+    def record_norm(self, checkpoint: Checkpoint, known: KnownNorm) -> None:
+        """``known`` measured this sink's gradients of ``checkpoint`` as just published (NOTE [Gradient norm])."""
+        ...
+
 
 class LiveGradSink:
     """Commit into each live parameter's ``.grad``."""
@@ -42,10 +47,14 @@ class LiveGradSink:
         return checkpoint.parameter(name).grad
 
     def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
+        checkpoint.forget_gradient_norm()
         checkpoint.parameter(name).grad = value
 
     def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
         checkpoint.origins |= origins
+
+    def record_norm(self, checkpoint: Checkpoint, known: KnownNorm) -> None:
+        checkpoint.remember_gradient_norm(known)
 
 
 @dataclass
@@ -67,6 +76,9 @@ class BufferGradSink:
 
     def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
         self.origins.setdefault(checkpoint.name, set()).update(origins)
+
+    def record_norm(self, checkpoint: Checkpoint, known: KnownNorm) -> None:
+        """Nothing: a buffer is summed into ``.grad`` at ``optim_step``, which measures the sum."""
 
     def clear(self, checkpoint_name: str | None = None) -> None:
         for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:

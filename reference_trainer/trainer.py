@@ -42,7 +42,7 @@ from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .planner import Placement
-from .residency import check_restorable, is_quantized_module, record_backward, record_forward, weight_storages
+from .residency import check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
 from .staleness import check_age, check_origins, staleness
@@ -264,7 +264,7 @@ class Trainer:
 
     def _submit(self, checkpoint: Checkpoint, items: list[ForwardInput], options: ResolvedOptions) -> list[ForwardOutput]:
         """One record: admission (before anything is allocated), the forward, then its tagged outputs."""
-        quantized = any(is_quantized_module(m) for m in self.model.modules())
+        quantized = has_quantized_module(self.model)
         lengths = [int(i.input_tokens.numel()) for i in items]
         decision, cost = self._admission.plan(checkpoint, lengths, options, self.records, quantized=quantized)
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors

@@ -147,15 +147,22 @@ def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
     return _save(figure, path)
 
 
-def _overhead_line(group: dict) -> str:
-    """Where retain@s0's extra time over plain goes, from the record's measurements."""
-    arms = group["arms"]
-    extra = (arms["retain@s0"]["step_seconds"] - arms["plain"]["step_seconds"]) * 1e3
-    passes = 2 * group["gradient_pass_seconds"] * 1e3
-    return (f"{group['label']}: retain@s0 takes {extra:+.1f} ms per step over plain; two fused passes over gradient "
-            f"memory that plain does not make (the commit's finiteness check and optim_step's norm check, contract §4) "
-            f"cost {passes:.1f} ms; the rest ({extra - passes:+.1f} ms) is saved-tensor version stamps and "
-            "bookkeeping (see the README, 'Where the versioned step's time goes').")
+def _profile_table(groups: list[dict]) -> pd.DataFrame:
+    """Where retain@s0's extra time goes, per workload that has a profile (``canaries.bench_profile``)."""
+    rows = [{"workload": g["label"], "component": c["name"], "ms per step": c["seconds"] * 1e3,
+             "% of plain step": 100 * c["seconds"] / g["profile"]["plain_step_seconds"], "what it buys": c["buys"]}
+            for g in groups if g.get("profile") for c in g["profile"]["components"]]
+    return pd.DataFrame(rows, columns=["workload", "component", "ms per step", "% of plain step", "what it buys"])
+
+
+def _profile_line(group: dict) -> str:
+    profile = group["profile"]
+    extra, plain = profile["extra_seconds"], profile["plain_step_seconds"]
+    return (f"{group['label']}: retain@s0 takes {extra * 1e3:+.1f} ms per step over plain "
+            f"({_pct(extra / plain)}% of its {plain * 1e3:.1f} ms); the table 'Where retain@s0's extra time goes' "
+            f"splits it. optim_step reuses the commit's gradient norm, so the step makes one norm pass where it "
+            f"made two: {profile['saved_by_reuse_seconds'] * 1e3:.1f} ms per step saved (README, "
+            "'Where the versioned step's time goes').")
 
 
 def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
@@ -188,7 +195,7 @@ def section(record: dict, folder: Path) -> Section:
     lines = [comparison_line(c, g["label"], gate) for g in record["measurements"]["groups"] for c in g["comparisons"]]
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
-    lines += [_overhead_line(g) for g in record["measurements"]["groups"] if {"plain", "retain@s0"} <= set(g["arms"])]
+    lines += [_profile_line(g) for g in record["measurements"]["groups"] if g.get("profile")]
     lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "
                  f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
                  f"{config['note']}.")
@@ -197,6 +204,7 @@ def section(record: dict, folder: Path) -> Section:
         kind=record["kind"], title=f"Benchmark ({config['preset']}, {config['profile']})", passed=record["passed"],
         verdict=verdict, key_figure=key_figure, lines=lines,
         tables={"Comparisons": comparisons, "Arms": arms,
+                "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": pd.DataFrame({"check": list(record["checks"]), "passed": list(record["checks"].values())})},
         figures=figures,
     )

@@ -14,19 +14,23 @@ import gc
 import os
 
 import pytest
-import torch
 
-from validation.profiles import load_test_profile
 
-load_test_profile()
+def _runs_tests(config: pytest.Config) -> bool:
+    """False only in pytest-xdist's controller, which hands tests to its workers and runs none.
+
+    The controller starts the workers only after its own start-up, so it
+    imports neither torch nor hypothesis (about 2.5 s here before any worker
+    existed); each process that runs tests does, in :func:`pytest_configure`.
+    """
+    return hasattr(config, "workerinput") or not config.getoption("numprocesses", default=None)
 
 
 def _cap_threads() -> None:
+    import torch
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-_cap_threads()
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +54,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _runs_tests(config):
+        from validation.profiles import load_test_profile
+
+        load_test_profile()
+        _cap_threads()
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
     config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
@@ -61,6 +70,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run_slow = config.getoption("--runslow") or os.environ.get("RTV_SLOW") == "1"
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or RTV_SLOW=1 (nightly)")
     skip_gpu = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
+    import torch
+
     for item in items:
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)

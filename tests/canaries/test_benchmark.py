@@ -19,9 +19,13 @@ from validation.evidence import verify
 
 
 def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
-    (group,) = benchmark.plan("cpu", "default").groups
-    assert group.workload == Workload(model="small", sequences=4, seq_len=64) and group.gated
-    assert set(group.arms) == {"plain"} | {f"{p}@s{s}" for p in ("retain", "offload", "replay", "auto") for s in (0, 2)}
+    gated, others = benchmark.plan("cpu", "default").groups
+    small = Workload(model="small", sequences=4, seq_len=64)
+    assert gated.workload == others.workload == small and gated.gated and not others.gated
+    assert gated.arms == ("plain", "retain@s0", "replay@s0"), "the gates are decided in blocks of their own, first"
+    every = {"plain"} | {f"{p}@s{s}" for p in ("retain", "offload", "replay", "auto") for s in (0, 2)}
+    assert set(gated.arms) | set(others.arms) == every and set(gated.arms) & set(others.arms) == {"plain"}
+    assert gated.label != others.label and gated.label.startswith(small.label)
     nightly = benchmark.plan("cpu", "nightly").groups
     assert {(g.workload.model, g.workload.lora) for g in nightly} == {(m, l) for m in ("tiny", "small") for l in (0, 1)}
     assert [g.gated for g in nightly].count(True) == 1

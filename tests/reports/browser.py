@@ -1,7 +1,8 @@
 """A rendered HTML page, checked in a real headless Chromium: what a person would see.
 
-:func:`check_page` opens a local HTML file in Debian's ``chromium`` through
-``chromedriver`` (Selenium), waits for it to load, and reads from the live
+:class:`BrowserSession` starts one headless Chromium (Debian's ``chromium``
+through ``chromedriver``, driven by Selenium) for any number of pages; its
+``check`` opens a local HTML file, waits for it to load, and reads from the live
 DOM: that each required element is present and shown, that each expected
 table rendered with at least one data row, and that every image decoded
 (``naturalWidth > 0``). It saves a screenshot beside the caller's output,
@@ -20,10 +21,11 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from validation.errors import SetupError
 
-__all__ = ["Browser", "PageCheck", "find_browser", "check_page"]
+__all__ = ["Browser", "BrowserSession", "PageCheck", "find_browser"]
 
 _FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -60,7 +62,7 @@ class Browser:
 
 @dataclass(frozen=True)
 class PageCheck:
-    """What :func:`check_page` saw. ``failures`` is empty when the page rendered as expected."""
+    """What :meth:`BrowserSession.check` saw. ``failures`` is empty when the page rendered as expected."""
 
     page: Path
     screenshot: Path
@@ -104,46 +106,68 @@ def _failures(shown: dict[str, bool], rows: dict[str, int], images: list[tuple[s
     return failures
 
 
-def check_page(
-    page: Path,
-    *,
-    required_ids: Sequence[str] = (),
-    tables: Sequence[str] = (),
-    first_screen: Sequence[str] = (),
-    screenshot: Path,
-    browser: Browser | None = None,
-    timeout_s: float = 30.0,
-) -> PageCheck:
-    """Load ``page`` (a local HTML file) headless and check it; writes ``screenshot`` (PNG).
+class BrowserSession:
+    """One headless Chromium, kept open for several :meth:`check` calls (a start costs about a second).
 
-    ``required_ids``: ids of elements that must be present and shown;
-    ``tables``: ids of tables (or of elements holding one) that must render
-    with at least one data row; ``first_screen``: ids of elements that must
-    lie wholly within the first screen (the window is 1280x900) without
-    scrolling. Every ``<img>`` must decode. Raises
-    :class:`SetupError` when no browser is installed; a page that renders
-    wrongly is not an error: read ``failures``.
+    Use as a context manager; each check loads its page fresh in the same
+    window and profile (local files only, so nothing carries between pages
+    but the browser's own start-up).
     """
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
 
-    browser = browser or find_browser()
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(browser.chromium)
-    with tempfile.TemporaryDirectory(prefix="rtv-chromium-") as profile:
-        for flag in (*_FLAGS, f"--user-data-dir={profile}"):
+    def __init__(self, browser: Browser | None = None, *, timeout_s: float = 30.0) -> None:
+        self.browser = browser or find_browser()
+        self.timeout_s = timeout_s
+        self._profile: tempfile.TemporaryDirectory[str] | None = None
+        self._driver: Any = None
+
+    def __enter__(self) -> BrowserSession:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(self.browser.chromium)
+        self._profile = tempfile.TemporaryDirectory(prefix="rtv-chromium-")
+        for flag in (*_FLAGS, f"--user-data-dir={self._profile.name}"):
             options.add_argument(flag)
-        driver = webdriver.Chrome(options=options, service=Service(str(browser.driver)))
         try:
-            driver.set_page_load_timeout(timeout_s)
-            driver.get(Path(page).resolve().as_uri())
-            facts = driver.execute_script(_READ_DOM, list(required_ids), list(tables), list(first_screen))
-            screenshot.parent.mkdir(parents=True, exist_ok=True)
-            driver.save_screenshot(str(screenshot))
+            self._driver = webdriver.Chrome(options=options, service=Service(str(self.browser.driver)))
+            self._driver.set_page_load_timeout(self.timeout_s)
+        except BaseException:
+            self._profile.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._driver.quit()
         finally:
-            driver.quit()
-    images = [(str(name), int(width)) for name, width in facts["images"]]
-    shown = {k: bool(v) for k, v in facts["ids"].items()}
-    rows = {k: int(v) for k, v in facts["tables"].items()}
-    fold = {k: bool(v) for k, v in facts["fold"].items()}
-    return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images, fold), fold)
+            assert self._profile is not None
+            self._profile.cleanup()
+
+    def check(
+        self,
+        page: Path,
+        *,
+        required_ids: Sequence[str] = (),
+        tables: Sequence[str] = (),
+        first_screen: Sequence[str] = (),
+        screenshot: Path,
+    ) -> PageCheck:
+        """Load ``page`` (a local HTML file) and check it; writes ``screenshot`` (PNG).
+
+        ``required_ids``: ids of elements that must be present and shown;
+        ``tables``: ids of tables (or of elements holding one) that must render
+        with at least one data row; ``first_screen``: ids of elements that must
+        lie wholly within the first screen (the window is 1280x900) without
+        scrolling. Every ``<img>`` must decode. A page that renders wrongly is
+        not an error: read ``failures``.
+        """
+        self._driver.get(Path(page).resolve().as_uri())
+        facts = self._driver.execute_script(_READ_DOM, list(required_ids), list(tables), list(first_screen))
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        self._driver.save_screenshot(str(screenshot))
+        images = [(str(name), int(width)) for name, width in facts["images"]]
+        shown = {k: bool(v) for k, v in facts["ids"].items()}
+        rows = {k: int(v) for k, v in facts["tables"].items()}
+        fold = {k: bool(v) for k, v in facts["fold"].items()}
+        return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images, fold), fold)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries import benchmark
+from canaries import bench_profile, benchmark
 from reports import render_report
 from reports.benchmark import comparison_line, section
 from tests.benchmark_fakes import run_fake, tiny_plan
@@ -58,3 +58,16 @@ def test_a_comparison_line_reads_as_throughput_change_with_its_interval() -> Non
                   "drift": {"rho": 0.08, "p_value": 0.8, "significant": False}, "loaded": [], "verdict": "regression"}
     assert comparison_line(comparison, "4x1K", 0.05) == (
         "tok/s −12.1% [−14.0..−10.3] (B vs A, 8 ABBA blocks, 4×1K, drift ρ=0.08) → regression vs ±5% gate")
+
+
+def test_the_page_shows_where_the_extra_time_goes_with_what_each_cost_buys(evidence: Path, tmp_path: Path) -> None:
+    record = json.loads(evidence.read_text())
+    (group,) = record["measurements"]["groups"]
+    components = [c["name"] for c in group["profile"]["components"]]
+    assert components == list(bench_profile.COMPONENTS)
+    report = render_report(evidence.parent, tmp_path / "report" / "index.md")
+    page, markdown = report.html.read_text(), report.markdown.read_text()
+    assert "Where retain@s0&#39;s extra time goes" in page or "Where retain@s0's extra time goes" in page
+    for name, buys in bench_profile.COMPONENTS.items():
+        assert f"| {name} |" in markdown and buys in markdown
+    assert "one norm pass where it made two" in markdown

@@ -24,18 +24,21 @@ from pathlib import Path
 import pytest
 
 from reports import render_report
-from tests.reports.browser import check_page, find_browser
+from tests.reports.browser import BrowserSession, find_browser
 from validation.errors import SetupError
 
 
 @pytest.fixture(scope="module")
 def browser():
+    """One Chromium for the module's pages (each check loads its own page)."""
     try:
-        return find_browser()
+        found = find_browser()
     except SetupError as error:
         if os.environ.get("RTV_REQUIRE_BROWSER") == "1":
             pytest.fail(f"RTV_REQUIRE_BROWSER=1 but {error}")
         pytest.skip(f"no browser: {error.cause}")
+    with BrowserSession(found) as session:
+        yield session
 
 
 def _png(width: int, height: int) -> str:
@@ -62,8 +65,7 @@ def _page(folder: Path, *, broken_image: bool, drop_table: bool) -> Path:
 
 def test_a_complete_page_passes_and_leaves_a_screenshot(browser, tmp_path):
     page = _page(tmp_path, broken_image=False, drop_table=False)
-    seen = check_page(page, required_ids=["board"], tables=["t1", "t2"], screenshot=tmp_path / "shot.png",
-                      browser=browser)
+    seen = browser.check(page, required_ids=["board"], tables=["t1", "t2"], screenshot=tmp_path / "shot.png")
     assert seen.failures == []
     assert seen.images == [("plot", 7)]
     assert seen.table_rows == {"t1": 1, "t2": 1}
@@ -72,8 +74,8 @@ def test_a_complete_page_passes_and_leaves_a_screenshot(browser, tmp_path):
 
 def test_negative_control_broken_image_and_missing_table_fail(browser, tmp_path):
     page = _page(tmp_path, broken_image=True, drop_table=True)
-    seen = check_page(page, required_ids=["board", "verdict-board"], tables=["t1", "t2"],
-                      screenshot=tmp_path / "shot.png", browser=browser)
+    seen = browser.check(page, required_ids=["board", "verdict-board"], tables=["t1", "t2"],
+                         screenshot=tmp_path / "shot.png")
     assert not seen.passed
     assert "table #t2 expected, not rendered" in seen.failures
     assert "image 'plot' did not load (naturalWidth 0)" in seen.failures
@@ -99,8 +101,8 @@ def test_the_report_renders_in_a_browser_board_first_every_table_and_image(brows
     sections, tables = _ids(report.read_text())
     kinds = {json.loads(p.read_text())["kind"] for p in FIXTURE_EVIDENCE.glob("*.json")}
     assert "verdict-board" in sections and "verdict-board-table" in tables and len(sections) >= 2 + len(kinds)
-    seen = check_page(report, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
-                      screenshot=report.with_name("report.png"), browser=browser)
+    seen = browser.check(report, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
+                         screenshot=report.with_name("report.png"))
     print(f"screenshot of the checked report: {seen.screenshot}")
     assert seen.failures == []
     assert seen.table_rows["verdict-board-table"] == len(kinds), "one board row per record"
@@ -117,7 +119,7 @@ def test_negative_control_the_report_with_a_broken_image_and_a_missing_table_fai
     broken = re.sub(r'<img src="data:image/png;base64,[^"]+"', '<img src="plots/missing.png"', broken, count=1)
     page = tmp_path / "broken.html"
     page.write_text(broken)
-    seen = check_page(page, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
-                      screenshot=tmp_path / "broken.png", browser=browser)
+    seen = browser.check(page, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
+                         screenshot=tmp_path / "broken.png")
     assert sorted(seen.failures) == sorted([f"table #{dropped} expected, not rendered",
                                             f"image {seen.images[0][0]!r} did not load (naturalWidth 0)"])

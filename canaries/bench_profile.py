@@ -1,0 +1,121 @@
+"""Where the versioned step's extra time goes: a differential profile of ``retain@s0`` against ``plain``.
+
+The benchmark's comparisons say *how much* slower the versioned step is; this
+says *why*, from measurements of the costs the versioned step adds, each timed
+on the workload's own shapes in alternating order (A B B A, so drift cancels):
+
+- ``saved_tensor_hooks``: a plain forward and backward run inside a retain
+  ledger's saved-tensor hooks, minus the same without them (the median of
+  paired differences). The hooks are what lets the
+  trainer count the bytes a forward holds (admission, contract §6), demote a
+  retained forward to host memory under pressure, and refuse a backward whose
+  saved tensors were modified in place (NOTE [Saved-state lifetime]).
+- ``gradient_norm``: one fused norm pass over the trainable gradients. The
+  commit makes it to refuse non-finite gradients before anything is
+  published (NOTE [Gradient commit]); ``optim_step`` reuses it for its
+  reported norm and clipping (NOTE [Gradient norm]). Before that reuse the
+  step made the pass twice: ``saved_by_reuse`` is the pass no longer made.
+- ``bookkeeping``: what is left of the measured extra time (records,
+  captures, admission, the cotangent split, tagging and releasing outputs);
+  being a remainder, it carries the noise of the other measurements, and comes
+  out negative when the trainer's other differences from a plain step (one
+  ``autograd.grad`` instead of ``backward`` into ``.grad``) win time back.
+
+Written by hand: torch.profiler attributes time to operators, not to the
+guarantees that call them, and its own overhead on a ~100 ms CPU step is of
+the size being measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import reference_trainer as rt
+from reference_trainer.grad_norms import total_norm
+from reference_trainer.host_reads import read_on_host
+from reference_trainer.planner import Placement
+from reference_trainer.residency import SavedStateLedger, weight_storages
+
+from .bench_arms import Workload, base_model, device_clock, plain_arm
+
+__all__ = ["COMPONENTS", "profile"]
+
+# What each cost buys: the report's "why it stays" column.
+COMPONENTS = {
+    "saved_tensor_hooks": "bytes held are counted (admission), a retained forward can be demoted to host memory, "
+                          "and a saved tensor modified in place is refused (NOTE [Saved-state lifetime])",
+    "gradient_norm": "a non-finite gradient is refused before anything is published (NOTE [Gradient commit]); "
+                     "optim_step reuses this norm (NOTE [Gradient norm])",
+    "bookkeeping": "forward records, weight captures, admission, the cotangent split, output tagging and release",
+}
+
+
+def _paired_difference(a: Callable[[], object], b: Callable[[], object], blocks: int,
+                       clock: Callable[[], float]) -> float:
+    """Median over ``blocks`` of ``b``'s seconds minus ``a``'s, each block A B B A or B A A B (two runs each)."""
+    differences = []
+    for block in range(blocks):
+        seconds = [0.0, 0.0]
+        for which in ((0, 1, 1, 0) if block % 2 == 0 else (1, 0, 0, 1)):
+            start = clock()
+            (a, b)[which]()
+            seconds[which] += clock() - start
+        differences.append((seconds[1] - seconds[0]) / 2)
+    return float(np.median(differences))
+
+
+def _hooked(step: Callable[[], float], model: rt.DecoderLM) -> Callable[[], float]:
+    """``step`` inside a fresh retain ledger's saved-tensor hooks, as the trainer runs a retained forward."""
+    weights = weight_storages(model.parameters())
+
+    def run() -> float:
+        with SavedStateLedger(Placement.RETAIN, weights).hooks():
+            return step()
+
+    return run
+
+
+def _norm_pass(workload: Workload, model: rt.DecoderLM, seed: int) -> Callable[[], bool]:
+    """One commit's finiteness check: the fused norm of gradients shaped like the trainable tensors, read once."""
+    trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
+    grads = [torch.ones_like(p) for p in trainable]
+    return lambda: read_on_host(torch.isfinite(total_norm(grads)), "benchmark profile")
+
+
+def _timed(work: Callable[[], object], clock: Callable[[], float]) -> float:
+    start = clock()
+    work()
+    return clock() - start
+
+
+def profile(workload: Workload, extra_seconds: float, *, seed: int = 0, blocks: int = 12) -> dict:
+    """Where ``extra_seconds`` (retain@s0's median step minus plain's) goes, per component (module docstring).
+
+    Returns ``plain_step_seconds`` (this profile's own median of the plain
+    step), ``extra_seconds``, ``saved_by_reuse_seconds`` (the norm pass
+    ``optim_step`` no longer repeats) and ``components``: one ``{"name", "seconds", "buys"}`` per entry
+    of :data:`COMPONENTS`, in that order. ``bookkeeping`` is the remainder: it
+    carries the other two's noise and may come out negative.
+    """
+    clock = device_clock(workload.device)
+    shared = base_model(workload, seed) if workload.lora else None  # an 8B base is held once
+    step = plain_arm(workload, seed=seed, model=shared)
+    passes = plain_arm(workload, seed=seed, model=shared, optimizer_step=False)
+    hooked = _hooked(passes, passes.model)
+    for work in (step, passes, hooked, step, passes, hooked):  # warm-up: optimizer state, allocator
+        work()
+    plain_s = float(np.median([_timed(step, clock) for _ in range(4)]))
+    hooks_s = _paired_difference(passes, hooked, blocks, clock)
+    norm = _norm_pass(workload, step.model, seed)
+    norm()
+    norm_s = float(np.median([_timed(norm, clock) for _ in range(2 * blocks)]))
+    del step, passes, hooked, norm, shared
+    seconds = {"saved_tensor_hooks": hooks_s, "gradient_norm": norm_s}
+    seconds["bookkeeping"] = extra_seconds - sum(seconds.values())
+    return {
+        "plain_step_seconds": plain_s, "extra_seconds": extra_seconds, "saved_by_reuse_seconds": norm_s,
+        "components": [{"name": name, "seconds": seconds[name], "buys": buys} for name, buys in COMPONENTS.items()],
+    }

@@ -1,0 +1,68 @@
+"""The gradient norm: one pass per backward, shared by the commit and the optimizer step.
+
+NOTE [Gradient norm]
+  1. A backward's commit proves its staged gradients finite with one fused
+     norm per checkpoint (:func:`total_norm`, NOTE [Gradient commit] Rule 2).
+  2. When that commit publishes a checkpoint's gradients into ``.grad`` with
+     nothing to add them to (the usual forward, backward, step, zero_grad
+     cycle), the new ``.grad`` tensors are exactly the ones it measured: it
+     remembers the norm as a :class:`KnownNorm` (the value, read on the host
+     in the commit's one host read; weak references to those tensors, in
+     order, and their version counters).
+  3. ``Checkpoint.step`` needs the same norm (it reports it, refuses a
+     non-finite one, clips by it). It reuses the known norm only when its
+     gradient list is the same tensor objects, in the same order, at the same
+     versions: :func:`total_norm` of the same tensors in the same order gives
+     the same bits, so the reuse is exact. Anything else recomputes: an
+     accumulating backward, a logical-rank flush, low-precision parameters
+     (the step measures FP32 master copies), a ``.grad`` written or modified
+     in place (the version counter moves), a gradient the commit did not
+     write.
+  4. Every write of a live ``.grad`` through the trainer forgets the known
+     norm first (``LiveGradSink.assign``, ``Checkpoint.clear_gradients``), so
+     a stale norm is never even compared.
+
+Measured on the ``small`` CPU benchmark (5.2 M parameters), one norm pass is
+about 1 ms of a 95 ms step; before this note the step paid it twice.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["KnownNorm", "total_norm"]
+
+
+def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of ``grads`` together, as ``clip_grad_norm_`` computes it (a 0-d tensor)."""
+    return torch.nn.utils.get_total_norm(list(grads))
+
+
+class KnownNorm:
+    """``total_norm(grads)`` remembered with what it was computed from (Rule 2).
+
+    Holds the norm as a host number (read in the commit's one host read, so
+    no device tensor outlives the backward) and only weak references to the
+    gradients: remembering a norm never keeps a gradient alive.
+    """
+
+    def __init__(self, grads: Sequence[torch.Tensor], norm: float, like: torch.Tensor) -> None:
+        """``norm``: the value of ``like = total_norm(grads)``, whose dtype and device :meth:`tensor` restores."""
+        self._refs = [weakref.ref(g) for g in grads]
+        self._versions = [g._version for g in grads]
+        self.norm = norm
+        self._dtype, self._device = like.dtype, like.device
+
+    def matches(self, grads: Sequence[torch.Tensor]) -> bool:
+        """True iff ``grads`` are the measured tensors, in order, none modified since (Rule 3)."""
+        return len(grads) == len(self._refs) and all(
+            ref() is grad and grad._version == version
+            for ref, grad, version in zip(self._refs, grads, self._versions)
+        )
+
+    def tensor(self) -> torch.Tensor:
+        """The norm as ``total_norm`` returned it (a float holds an FP32 or BF16 value exactly)."""
+        return torch.tensor(self.norm, dtype=self._dtype, device=self._device)

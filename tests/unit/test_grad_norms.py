@@ -1,0 +1,128 @@
+"""NOTE [Gradient norm]: one norm pass per backward, reused by ``optim_step`` only while exact."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from unittest import mock
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.grad_norms import KnownNorm, total_norm
+from tests.support import NO_CORRECTION, advantages, sequence
+
+
+def _trainer(dtype: torch.dtype = torch.float32) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-3))
+    return trainer
+
+
+def _backward(trainer: rt.Trainer, seed: int) -> None:
+    ids, tgt = sequence(seed)
+    out = trainer.forward(rt.ForwardInput(ids, tgt), options=NO_CORRECTION)
+    trainer.backward(-(out.target_logprobs * advantages(seed)).sum())
+
+
+def _grads(trainer: rt.Trainer) -> list[torch.Tensor]:
+    return [p.grad for _, p in trainer.checkpoint("policy").named_parameters() if p.grad is not None]
+
+
+def _fp64_norm(grads: list[torch.Tensor]) -> float:
+    """The oracle: the L2 norm of every element, summed in FP64."""
+    norm = float(sum((g.double() ** 2).sum() for g in grads) ** 0.5)
+    assert norm > 0, "the oracle is vacuous: no gradient signal"
+    return norm
+
+
+class _NormPasses:
+    """Counts fused norm passes (``torch.nn.utils.get_total_norm`` calls) inside the block."""
+
+    def __enter__(self) -> _NormPasses:
+        real = torch.nn.utils.get_total_norm
+        self._patch = mock.patch("torch.nn.utils.get_total_norm", side_effect=real)
+        self.calls = self._patch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.stop()
+
+    @property
+    def count(self) -> int:
+        return self.calls.call_count
+
+
+def test_one_backward_then_step_makes_one_norm_pass_and_reports_the_exact_norm() -> None:
+    trainer = _trainer()
+    _backward(trainer, 0)  # warm: the first step allocates optimizer state
+    trainer.optim_step()
+    trainer.zero_grad()
+    with _NormPasses() as passes:
+        _backward(trainer, 1)
+        grads = [g.clone() for g in _grads(trainer)]
+        report = trainer.optim_step()["policy"]
+    assert passes.count == 1, f"expected the commit's norm to be reused by optim_step, found {passes.count} passes"
+    assert report.grad_norm == float(total_norm(grads))  # bitwise what a fresh pass gives
+    assert report.grad_norm == pytest.approx(_fp64_norm(grads), rel=1e-5)
+
+
+def test_a_gradient_modified_in_place_after_the_commit_is_measured_again() -> None:
+    trainer = _trainer()
+    _backward(trainer, 0)
+    first = next(iter(_grads(trainer)))
+    first.mul_(3.0)  # moves the version counter: the commit's norm no longer applies
+    with _NormPasses() as passes:
+        report = trainer.optim_step()["policy"]
+    assert passes.count == 1
+    assert report.grad_norm == pytest.approx(_fp64_norm(_grads(trainer)), rel=1e-5)
+
+
+def test_a_replaced_gradient_is_measured_again() -> None:
+    trainer = _trainer()
+    _backward(trainer, 0)
+    param = next(p for _, p in trainer.checkpoint("policy").named_parameters())
+    param.grad = param.grad * 2.0  # a different tensor object at the same version
+    report = trainer.optim_step()["policy"]
+    assert report.grad_norm == pytest.approx(_fp64_norm(_grads(trainer)), rel=1e-5)
+
+
+def test_an_accumulated_gradient_is_measured_at_the_step() -> None:
+    trainer = _trainer()
+    with _NormPasses() as passes:
+        _backward(trainer, 0)
+        _backward(trainer, 1)
+        summed = [g.clone() for g in _grads(trainer)]
+        report = trainer.optim_step()["policy"]
+    assert passes.count == 3, "two commits and one step: an accumulated sum was not measured by any commit"
+    assert report.grad_norm == pytest.approx(_fp64_norm(summed), rel=1e-5)
+
+
+def test_clipping_uses_the_reused_norm_and_a_second_step_measures_the_clipped_gradients() -> None:
+    trainer = _trainer()
+    _backward(trainer, 0)
+    norm = _fp64_norm(_grads(trainer))
+    first = trainer.optim_step(max_grad_norm=norm / 4)["policy"]
+    assert first.clipped and first.grad_norm == pytest.approx(norm, rel=1e-5)
+    second = trainer.optim_step()["policy"]  # same .grad objects, clipped in place: versions moved
+    assert second.grad_norm == pytest.approx(norm / 4, rel=1e-4)
+
+
+def test_low_precision_parameters_measure_their_fp32_masters() -> None:
+    trainer = _trainer(torch.bfloat16)
+    _backward(trainer, 0)
+    upcast = [g.float() for g in _grads(trainer)]
+    report = trainer.optim_step()["policy"]
+    assert report.grad_norm == float(total_norm(upcast))
+
+
+def test_a_known_norm_keeps_no_gradient_alive() -> None:
+    grad = torch.ones(4)
+    norm = total_norm([grad])
+    known = KnownNorm([grad], float(norm), like=norm)
+    ref = weakref.ref(grad)
+    del grad
+    gc.collect()
+    assert ref() is None
+    assert not known.matches([torch.ones(4)])
