@@ -4,11 +4,13 @@
 builds the arms of :func:`plan` (``canaries.bench_arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
-measures each arm's step time, tokens/s, bytes held and allocation peak, and
-writes one evidence record of kind ``benchmark``.
+measures each arm's step time, tokens/s, bytes held and allocation peak,
+profiles where ``retain@s0``'s extra time over ``plain`` goes
+(``bench_profile``), and writes one evidence record of kind ``benchmark``.
 
-Gates are enforced on named comparisons only, on the preset's gated workload
-(the first): ``retain@s0`` vs ``plain`` must not be a regression against the
+Gates are enforced on named comparisons only, on the preset's gated workload,
+whose gated arms run first in blocks of their own (:func:`split_gated`):
+``retain@s0`` vs ``plain`` must not be a regression against the
 ``±gate`` band, and ``replay@s0`` must not be a regression against its floor
 ``1 + F/(F+B)`` (one extra forward: ``F`` and ``B`` are the retain arm's
 forward and rest-of-step seconds in the same block). The target median

@@ -10,8 +10,9 @@ which tests observe with ``testing.observe_host_reads``:
 - the padded forward reads nothing: the trainer builds its masks right-padded,
   so ``DecoderLM.forward`` skips its padding check inside
   :func:`trusted_padding`;
-- a backward reads once: the fused finiteness check of the staged gradients
-  (``commit.first_non_finite``). A replayed record adds its bitwise check and a
+- a backward reads once: the staged gradients' fused norms, one per
+  checkpoint, read together (``commit.staged_norms``); they prove the
+  gradients finite, and ``optim_step`` reuses them (NOTE [Gradient norm]). A replayed record adds its bitwise check and a
   stale record with an importance correction adds the correction's checks and
   statistics.
 """
