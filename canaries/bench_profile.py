@@ -39,7 +39,7 @@ from reference_trainer.host_reads import read_on_host
 from reference_trainer.planner import Placement
 from reference_trainer.residency import SavedStateLedger, weight_storages
 
-from .bench_arms import Workload, base_model, device_clock, plain_arm
+from .bench_arms import Arm, Workload, base_model, device_clock, plain_arm
 
 __all__ = ["COMPONENTS", "profile"]
 
@@ -67,13 +67,13 @@ def _paired_difference(a: Callable[[], object], b: Callable[[], object], blocks:
     return float(np.median(differences))
 
 
-def _hooked(step: Callable[[], float], model: rt.DecoderLM) -> Callable[[], float]:
-    """``step`` inside a fresh retain ledger's saved-tensor hooks, as the trainer runs a retained forward."""
-    weights = weight_storages(model.parameters())
+def _hooked(arm: Arm) -> Callable[[], float]:
+    """``arm``'s step inside a fresh retain ledger's saved-tensor hooks, as the trainer runs a retained forward."""
+    weights = weight_storages(arm.model.parameters())
 
     def run() -> float:
         with SavedStateLedger(Placement.RETAIN, weights).hooks():
-            return step()
+            return arm()
 
     return run
 
@@ -104,7 +104,7 @@ def profile(workload: Workload, extra_seconds: float, *, seed: int = 0, blocks: 
     shared = base_model(workload, seed) if workload.lora else None  # an 8B base is held once
     step = plain_arm(workload, seed=seed, model=shared)
     passes = plain_arm(workload, seed=seed, model=shared, optimizer_step=False)
-    hooked = _hooked(passes, passes.model)
+    hooked = _hooked(passes)
     for work in (step, passes, hooked, step, passes, hooked):  # warm-up: optimizer state, allocator
         work()
     plain_s = float(np.median([_timed(step, clock) for _ in range(4)]))

@@ -33,8 +33,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import reference_trainer as rt
-
 from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
@@ -201,7 +199,7 @@ def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload
     return measured
 
 
-def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict[str, float] | None:
+def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
     """Where retain@s0's extra time over plain goes (``bench_profile``), on groups that have both arms."""
     if not {"plain", "retain@s0"} <= set(measured):
         return None
@@ -230,7 +228,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     bar.close()
     by_arm = {r.arm: r for r in results}
     measured = _measure(arms, results, group.workload)
-    del arms  # the profile builds its own models
+    arms.clear()  # free the arms' models before the profile builds its own
     floor = None
     if {"retain@s0", "replay@s0"} <= set(by_arm):
         floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate)

@@ -61,7 +61,6 @@ __all__ = [
     "SavedStateLedger",
     "check_restorable",
     "has_quantized_module",
-    "is_quantized_module",
     "mark_quantized_saved_state",
     "record_backward",
     "record_forward",
@@ -74,24 +73,21 @@ FLOAT8_DTYPES = frozenset(
     if hasattr(torch, name)
 )
 
-_QUANTIZED_ATTR = "_rt_quantized_saved_state"
-_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module ever marked, while it lives
+_QUANTIZED_ATTR = "_rt_quantized_saved_state"  # an attribute, so copies of a marked module stay marked
+_marked_any = False  # set by the first mark in this process; until then no forward walks the model
 
 
 def mark_quantized_saved_state(module: nn.Module) -> nn.Module:
     """Mark ``module`` as saving state the trainer cannot keep exactly (like TE FP8 layers)."""
+    global _marked_any
     setattr(module, _QUANTIZED_ATTR, True)
-    _MARKED.add(module)
+    _marked_any = True
     return module
 
 
-def is_quantized_module(module: nn.Module) -> bool:
-    return bool(getattr(module, _QUANTIZED_ATTR, False))
-
-
 def has_quantized_module(model: nn.Module) -> bool:
-    """True iff some submodule of ``model`` is marked; without a walk while no live module was ever marked."""
-    return bool(_MARKED) and any(is_quantized_module(m) for m in model.modules())
+    """True iff some submodule of ``model`` is marked (no walk before the first mark in this process)."""
+    return _marked_any and any(getattr(m, _QUANTIZED_ATTR, False) for m in model.modules())
 
 
 @dataclass(eq=False)

@@ -246,3 +246,17 @@ def test_a_retained_backward_frees_saved_activations_as_it_goes_like_plain_autog
         trainer.backward(torch.stack([o.target_logprobs for o in outputs]).sum())
     assert plain.peak > 0
     assert versioned.peak <= 1.03 * plain.peak, f"versioned peak {versioned.peak} B vs plain {plain.peak} B"
+
+
+def test_a_deep_copy_of_a_marked_model_is_still_refused_for_offload() -> None:
+    """The mark travels with the module (an attribute): a copy of a marked model is as unrestorable."""
+    import copy
+
+    original = rt.DecoderLM(rt.ModelConfig.tiny(), seed=0)
+    rt.mark_quantized_saved_state(original.model.layers[0].mlp)
+    trainer = rt.Trainer(copy.deepcopy(original))
+    del original
+    trainer.add_checkpoint("policy", full=True)
+    out = trainer.forward(rt.ForwardInput(*sequence(0)), options=rt.ForwardOptions(backward_state="offload"))
+    with pytest.raises(rt.UnsupportedSavedStateError, match="mark_quantized_saved_state"):
+        trainer.backward(out.target_logprobs.sum())
