@@ -1,11 +1,36 @@
 """The derivative canary: fixed scenarios and a steered exploration, every op judged against the FP64 oracle.
 
-The judging is ``canaries.oracle_harness`` (NOTE [Derivative canary]); the
+The judging is ``canaries.oracle_harness`` (Rules 1-6 below); the
 fixed scenarios and the logical-rank check are ``canaries.derivative_scenarios``,
 the exploration ``canaries.derivative_machine``. :func:`run` is the registry's
 entry point (``canaries.registry``): it writes one write-once evidence record.
 
-NOTE [Derivative canary] (continued)
+NOTE [Derivative canary]
+  1. Forward: outputs carry the current version; forced placements are
+     honoured; log-probs match the oracle's FP64 recomputation. The caller then
+     overwrites its input tensors, which must not matter.
+  2. Backward: the oracle predicts success or the exact error type and facts.
+     On success every record's report (staleness, placement, correction
+     present iff stale and a correction applies, weight statistics) and the
+     gradient each backward adds match; on failure no ``.grad`` value or object
+     changed. Either way the caller's RNG is untouched.
+  3. Optimizer step: both start from the same point (the trainer's weights,
+     AdamW state and gradients); the master-weight change must match the
+     oracle's FP64 AdamW, then the oracle adopts the trainer's result.
+  4. After every op (the invariant): revision, generation (renumbered: a new
+     trainer generation exactly when the oracle's changes), live records,
+     which parameters hold gradients and their values, and the live weights
+     (exactly) agree.
+  5. Tolerances are relative L2 against FP64, scaled by plain autograd's own
+     error in the model's dtype (:data:`TOLERANCES`); every backward's
+     reference must be non-zero (``validation.compare``).
+  6. Coverage: every record whose gradient is judged is counted in its cell
+     (staleness, placement, corrected, checkpoint kind); ``bound_cap`` lowers
+     every forward's staleness bound (0: no stale backward can succeed), the
+     negative control of the coverage check.
+  7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss
+     normalised by ``global_token_count`` sum to the oracle's gradient of the
+     globally normalised loss.
   8. Profiles (``canaries.registry``): every profile runs the fixed scenarios
      and the logical check; the exploration follows
      ``validation.profiles.EXPLORATION[profile]`` (``quick``: seconds, for

@@ -5,12 +5,8 @@ deterministically, on a fresh :class:`~canaries.oracle_harness.DerivativeHarness
 each (the invariant checked after every op). ``stale_grid`` backpropagates a
 record of every placement, with and without a correction, at staleness 1 and
 2: the coverage floor the canary claims (NOTE [Derivative canary] Rule 6).
-:func:`check_logical_normalisation` is Rule 7 below.
-
-NOTE [Derivative canary] (continued)
-  7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss
-     normalised by ``global_token_count`` sum to the oracle's gradient of the
-     globally normalised loss.
+:func:`check_logical_normalisation` is Rule 7 of NOTE [Derivative canary]
+(``canaries.derivative``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,15 @@ is imported) and reports, per rule:
 - ``cycle``: modules that import each other, directly or through others
   (imports inside functions count: a lazy import is still a dependency);
 - ``size``: a module longer than :data:`MAX_LINES` (``reference_trainer/trainer.py``:
-  :data:`MAX_TRAINER_LINES`).
+  :data:`MAX_TRAINER_LINES`);
+- ``callback``: a trainer module imports ``reference_trainer.trainer``. What a
+  forward, backward, commit or step runs through never calls back into it; only
+  the package's boundary (``__init__``) and the logical-rank runtime
+  (``reference_trainer.ranks``), which drive a ``Trainer``, import it;
+- ``note``: a ``NOTE [Name]`` written in more than one file (a NOTE lives in
+  one place; ``(continued)`` parts elsewhere count), or one referred to that
+  no file writes. A NOTE is written where a line starts with it and goes on
+  with nothing, ``:`` or ``(``; any other mention is a reference.
 
 A permanent negative control feeds it a small fake package tree that breaks
 every rule and expects each violation to be reported.
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +41,9 @@ HARNESS = ("validation", "canaries", "reports", "ci")
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
 MAX_LINES = 450
 MAX_TRAINER_LINES = 420
+TRAINER_CALLERS = (TRAINER, f"{TRAINER}.ranks")  # the boundary and the runtime that drive a Trainer
+_NOTE = re.compile(r"NOTE \[([^\]]+)\]")
+_NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
 @functools.lru_cache(maxsize=None)
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
@@ -144,8 +156,30 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _notes(root: Path, modules: dict[str, Path]) -> list[Violation]:
+    """The ``note`` rule over the modules' sources, plus references in ``root``'s README and tests."""
+    written: dict[str, set[str]] = {}
+    mentioned: dict[str, str] = {}
+    tests = [p for p in (root / "tests").rglob("*.py") if p.name != Path(__file__).name]  # not its own examples
+    readers = [*modules.items(), *((str(p.relative_to(root)), p) for p in tests)]
+    if (root / "README.md").exists():
+        readers.append(("README.md", root / "README.md"))
+    for name, path in readers:
+        for line in path.read_text().splitlines():
+            match = _NOTE_WRITTEN.match(line)
+            if match and name in modules:
+                written.setdefault(match.group(1), set()).add(name)
+            for mention in _NOTE.findall(line):
+                mentioned.setdefault(mention, name)
+    found = [Violation("note", module, f"NOTE [{note}] is written in {sorted(where)}")
+             for note, where in written.items() if len(where) > 1 for module in sorted(where)]
+    found += [Violation("note", where, f"refers to NOTE [{note}], which no file writes")
+              for note, where in mentioned.items() if note not in written]
+    return found
+
+
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the four rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the six rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
@@ -163,6 +197,10 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
                 continue
             if owner != name:
                 graph[name].add(owner)
+            callers_allowed = name == TRAINER or name.startswith(f"{TRAINER}.ranks")
+            if owner == f"{TRAINER}.trainer" and name.split(".")[0] == TRAINER and not callers_allowed:
+                found.append(Violation("callback", name, "imports reference_trainer.trainer: the trainer's parts "
+                                                         "never call back into it"))
             private = imported is not None and imported.startswith("_") and not imported.startswith("__")
             if private and owner != name and owner not in PRIVATE_ALLOWED:
                 found.append(Violation("private", name, f"imports {imported} from {owner}"))
@@ -172,7 +210,7 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
     for component in _cycles(graph):
         for member in component:
             found.append(Violation("cycle", member, " <-> ".join(component)))
-    return found
+    return found + _notes(root, modules)
 
 
 @functools.lru_cache(maxsize=1)
@@ -207,6 +245,14 @@ def test_every_module_stays_within_its_size(package: str) -> None:
     assert _in(package, "size") == []
 
 
+def test_no_part_of_the_trainer_calls_back_into_trainer_py() -> None:
+    assert _in(TRAINER, "callback") == []
+
+
+def test_each_note_is_written_in_one_file_and_every_reference_has_one() -> None:
+    assert [v for v in _current() if v.rule == "note"] == []
+
+
 def _write(root: Path, relative: str, text: str) -> None:
     path = root / relative
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +270,9 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "validation/c.py", "from reference_trainer import core\nx = core._hidden\n")  # private attribute
     _write(tmp_path, "validation/d.py", "from reference_trainer.testing import _hook\n")  # allowed
     _write(tmp_path, "validation/big.py", "x = 1\n" * (MAX_LINES + 1))  # size
+    _write(tmp_path, "reference_trainer/commit.py", '"""NOTE [Commit]\n"""\nfrom . import trainer\n')  # callback
+    _write(tmp_path, "reference_trainer/ranks/__init__.py", "from ..trainer import x\n")  # allowed: drives a trainer
+    _write(tmp_path, "validation/e.py", '"""NOTE [Commit] (continued)\n\nSee NOTE [Nowhere]."""\n')  # note x2
 
     found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation"))}
 
@@ -235,4 +284,7 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
         ("cycle", "validation.a"),
         ("cycle", "validation.b"),
         ("size", "validation.big"),
+        ("callback", "reference_trainer.commit"),
+        ("note", "reference_trainer.commit"),
+        ("note", "validation.e"),
     }

@@ -27,3 +27,26 @@ def test_the_verdict_board_picture_is_committed_and_small() -> None:
     picture = README.parent / "docs" / "verdict-board.png"
     assert "](docs/verdict-board.png)" in README.read_text()
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
+
+
+def _layout_rows() -> dict[str, str]:
+    """The Layout table: first-column path -> its description."""
+    text = README.read_text()
+    section = text[text.index("## Layout"):]
+    section = section[: section.index("\n## ", 1)]
+    return dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", section, re.MULTILINE))
+
+
+def test_the_layout_table_matches_the_tree() -> None:
+    root = README.parent
+    rows = _layout_rows()
+    assert rows, "no Layout table"
+    for path in rows:
+        assert (root / path).exists(), f"the Layout table names {path}, which does not exist"
+    folders = {p.name for p in root.iterdir() if p.is_dir() and any(p.rglob("*.py")) or p.name in (".ci", ".github")}
+    folders -= {".venv", ".git", "rtv-out", "build"} | {p.name for p in root.iterdir() if p.name.endswith(".egg-info")}
+    named = {path.strip("/").split("/")[0] for path in rows}
+    assert folders <= named, f"folders missing from the Layout table: {sorted(folders - named)}"
+    test_folders = {p.name for p in (root / "tests").iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    described = set(re.findall(r"`([a-z_]+)/`", rows["tests/"]))
+    assert test_folders <= described, f"test folders the table does not list: {sorted(test_folders - described)}"
