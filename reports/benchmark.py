@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
+from .plots import save_png
 
 __all__ = ["section", "comparison_line", "samples_table"]
 
@@ -92,12 +92,6 @@ def samples_table(record: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _save(figure: MplFigure, path: Path) -> Path:
-    FigureCanvasAgg(figure)
-    figure.savefig(path, format="png", dpi=100)
-    return path
-
-
 def _plot_ratios(table: pd.DataFrame, gate: float, path: Path) -> Path:
     figure = MplFigure(figsize=(7, 0.4 * len(table) + 1.5), layout="constrained")
     axes = figure.add_subplot()
@@ -112,7 +106,7 @@ def _plot_ratios(table: pd.DataFrame, gate: float, path: Path) -> Path:
     axes.invert_yaxis()
     axes.set_xlabel("median ratio of step times, with its interval")
     axes.legend(fontsize=7)
-    return _save(figure, path)
+    return save_png(figure, path)
 
 
 def _plot_blocks(samples: pd.DataFrame, path: Path) -> Path:
@@ -129,7 +123,7 @@ def _plot_blocks(samples: pd.DataFrame, path: Path) -> Path:
         axes.set_xlabel("block")
         axes.set_ylabel("ms")
         axes.legend(fontsize=6, ncol=3)
-    return _save(figure, path)
+    return save_png(figure, path)
 
 
 def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
@@ -144,7 +138,7 @@ def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
     axes.invert_yaxis()
     axes.set_xlabel("MiB")
     axes.legend(fontsize=7)
-    return _save(figure, path)
+    return save_png(figure, path)
 
 
 def _profile_table(groups: list[dict]) -> pd.DataFrame:
@@ -177,19 +171,21 @@ def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
 
 
 def section(record: dict, folder: Path) -> Section:
-    """The benchmark section of a report (module docstring); writes three PNGs and ``samples.csv`` into ``folder``."""
+    """The benchmark section of a report (module docstring); writes three PNGs and a CSV of samples into ``folder``,
+    named after the record's digest (``benchmark-<digest>-ratios.png``, ...)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config, gate = record["config"], record["config"]["gate"]
     comparisons, arms, samples = _comparisons(record), _arms(record), samples_table(record)
-    samples.to_csv(folder / "benchmark-samples.csv", index=False)
+    stem = f"benchmark-{record['digest'][:12]}"  # several benchmark records share one plots folder
+    samples.to_csv(folder / f"{stem}-samples.csv", index=False)
     figures = [
-        Figure(path=_plot_ratios(comparisons, gate, folder / "benchmark-ratios.png"),
+        Figure(path=_plot_ratios(comparisons, gate, folder / f"{stem}-ratios.png"),
                caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band.",
                headline=True),
-        Figure(path=_plot_blocks(samples, folder / "benchmark-blocks.png"),
+        Figure(path=_plot_blocks(samples, folder / f"{stem}-blocks.png"),
                caption="Per-block step time of every arm: a trend would show drift; red crosses are loaded blocks."),
-        Figure(path=_plot_memory(arms, folder / "benchmark-memory.png"),
+        Figure(path=_plot_memory(arms, folder / f"{stem}-memory.png"),
                caption="Bytes each arm holds between forward and backward, and one step's allocation peak."),
     ]
     lines = [comparison_line(c, g["label"], gate) for g in record["measurements"]["groups"] for c in g["comparisons"]]

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure as MplFigure
 
 from reports.context import Figure, Section
+from reports.plots import save_png
 
 __all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
 
@@ -123,13 +123,6 @@ def arms_table(workload: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _save(figure: MplFigure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure)
-    figure.savefig(path, format="png", dpi=100)
-    return path
-
-
 def _headline(workloads: dict) -> tuple[str, list[str]]:
     """The key figure (strict vs staleness 2 corrected, final metric) and one line per workload."""
     key, lines = [], []
@@ -164,10 +157,10 @@ def section(record: dict, folder: Path) -> Section:
     for name, workload in workloads.items():
         if workload["precondition"]["reason"]:
             continue
-        curves = _save(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
+        curves = save_png(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
         figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)",
                               headline=True))
-        differences = _save(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
+        differences = save_png(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
         tables[f"{name}: arms"] = arms_table(workload)

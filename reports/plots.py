@@ -14,12 +14,13 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["plot_lifecycle"]
+__all__ = ["plot_lifecycle", "save_png"]
 
 _DPI = 100
 
 
-def _save(figure: Figure, path: Path) -> Path:
+def save_png(figure: Figure, path: Path) -> Path:
+    """Write ``figure`` to ``path`` (folders made) as a PNG through the Agg canvas; returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)  # the Agg canvas: PNG without a display or a global backend
     figure.savefig(path, format="png", dpi=_DPI)
@@ -49,4 +50,4 @@ def plot_lifecycle(table: pd.DataFrame, path: Path, *, title: str = "") -> Path:
         axes.legend(fontsize=7)
     if title:
         figure.suptitle(title, fontsize=9)
-    return _save(figure, path)
+    return save_png(figure, path)

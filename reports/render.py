@@ -40,7 +40,7 @@ _TEMPLATES = jinja2.Environment(
     autoescape=jinja2.select_autoescape(["html.j2"]),
     keep_trailing_newline=True,
 )
-_TEMPLATES.filters["cell"] = lambda value: str(value).replace("|", "\\\\|").replace("\n", "<br>")
+_TEMPLATES.filters["cell"] = lambda value: str(value).replace("|", "\\|").replace("\n", "<br>")  # one backslash
 
 
 def slug(text: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 from canaries import bench_profile, benchmark
 from reports import render_report
 from reports.benchmark import comparison_line, section
+from validation.evidence import make_record, write_once
 from tests.benchmark_fakes import run_fake, tiny_plan
 
 
@@ -31,8 +32,9 @@ def test_the_page_shows_every_arm_every_comparison_and_every_plot(evidence: Path
     page, markdown = report.html.read_text(), report.markdown.read_text()
     for arm in ("plain", "retain@s0", "replay@s0", "offload@s2"):
         assert f">{arm}</td>" in page and f"| {arm} |" in markdown
-    linked = re.findall(r"\]\(plots/(benchmark-[a-z]+\.png)\)", markdown)
-    assert sorted(set(linked)) == ["benchmark-blocks.png", "benchmark-memory.png", "benchmark-ratios.png"]
+    stem = f"benchmark-{json.loads(evidence.read_text())['digest'][:12]}"
+    linked = re.findall(r"\]\(plots/(benchmark-[0-9a-f]+-[a-z]+\.png)\)", markdown)
+    assert sorted(set(linked)) == [f"{stem}-blocks.png", f"{stem}-memory.png", f"{stem}-ratios.png"]
     embedded = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
     for name in set(linked):
         png = (tmp_path / "report" / "plots" / name).read_bytes()
@@ -43,7 +45,7 @@ def test_the_page_shows_every_arm_every_comparison_and_every_plot(evidence: Path
 def test_the_csv_holds_every_raw_sample(evidence: Path, tmp_path: Path) -> None:
     record = json.loads(evidence.read_text())
     section(record, tmp_path)
-    with open(tmp_path / "benchmark-samples.csv") as handle:
+    with open(tmp_path / f"benchmark-{record['digest'][:12]}-samples.csv") as handle:
         rows = list(csv.DictReader(handle))
     (group,) = record["measurements"]["groups"]
     blocks = len(group["comparisons"][0]["ratios"])
@@ -71,3 +73,18 @@ def test_the_page_shows_where_the_extra_time_goes_with_what_each_cost_buys(evide
     for name, buys in bench_profile.COMPONENTS.items():
         assert f"| {name} |" in markdown and buys in markdown
     assert "one norm pass where it made two" in markdown
+
+
+def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path, tmp_path: Path) -> None:
+    """Each record's plots are named after its digest: a second run's section cannot overwrite the first's."""
+    runs = tmp_path / "runs"
+    for index in (1, 2):
+        record = json.loads(evidence.read_text())
+        record["measurements"]["seconds"] += index  # a different record, so a different digest
+        write_once(runs / f"run{index}" / evidence.name, make_record(record["kind"], config=record["config"],
+                                                                      checks=record["checks"],
+                                                                      measurements=record["measurements"]))
+    report = render_report(runs, tmp_path / "report" / "index.md")
+    pngs = sorted(p.name for p in (tmp_path / "report" / "plots").glob("benchmark-*.png"))
+    assert len(pngs) == 6 and len({name.rsplit("-", 1)[0] for name in pngs}) == 2
+    assert report.html.read_text().count("<img ") >= 6

@@ -192,3 +192,14 @@ def test_a_passing_run_has_no_failure_box(tmp_path: Path) -> None:
     write_once(tmp_path / "memory-ok.json", _memory_like(True))
     page = render_report(tmp_path).markdown.read_text()
     assert "What failed" not in page and "## Verdict board" in page and "## Headline plots" in page
+
+
+def test_a_pipe_in_a_cell_stays_in_its_cell(tmp_path: Path) -> None:
+    """Markdown tables escape ``|`` with one backslash (two would end the cell and shift the row)."""
+    record = _memory_like(passed=False)
+    record["measurements"]["details"]["offload: device bytes fall"] = "found a | b"
+    record = make_record(record["kind"], config=record["config"], checks=record["checks"],
+                         measurements=record["measurements"])
+    write_once(tmp_path / "in" / "memory.json", record)
+    markdown = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
+    assert "found a \\| b" in markdown and "found a \\\\| b" not in markdown
