@@ -102,9 +102,11 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
         return
     out = capsys.readouterr().out
     html = Path(out.rsplit("report: ", 1)[1].strip())
-    assert html.name == "index.html" and html.exists() and (html.parent / "plots" / "benchmark-ratios.png").exists()
     (evidence,) = tmp_path.glob("bench-*/benchmark-*.json")
-    assert json.loads(evidence.read_text())["passed"] is (code == 0)
+    record = json.loads(evidence.read_text())
+    ratios = html.parent / "plots" / f"benchmark-{record['digest'][:12]}-ratios.png"
+    assert html.name == "index.html" and html.exists() and ratios.exists()
+    assert record["passed"] is (code == 0)
 
 
 class _no_raise:
