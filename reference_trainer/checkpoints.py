@@ -228,10 +228,6 @@ class Checkpoint:
         """A ``.grad`` is about to change: the remembered norm no longer applies (NOTE [Gradient norm] Rule 4)."""
         self._known_norm = None
 
-    def _gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        known = self._known_norm
-        return known.tensor() if known is not None and known.matches(grads) else total_norm(grads)
-
     def clear_gradients(self) -> None:
         self.forget_gradient_norm()
         for param in self._params.values():
@@ -270,18 +266,23 @@ class Checkpoint:
         if not self.has_gradients():
             return CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision)
         params = self._stepped_tensors()  # FP32: the live parameters; else FP32 masters
-        norm = self._gradient_norm([p.grad for p in params])
-        if not bool(torch.isfinite(norm)):
+        known, grads = self._known_norm, [p.grad for p in params]
+        if known is not None and known.matches(grads):  # NOTE [Gradient norm] Rule 3: no pass, no host read
+            value, norm = known.norm, known.tensor
+        else:
+            measured = total_norm(grads)
+            value, norm = float(measured), lambda: measured
+        if not math.isfinite(value):
             self.clear_gradients()
-            reason = f"non-finite gradient norm ({float(norm)}); gradients cleared"
-            return CheckpointStep(stepped=False, reason=reason, grad_norm=float(norm), clipped=False, revision=self.revision)
+            reason = f"non-finite gradient norm ({value}); gradients cleared"
+            return CheckpointStep(stepped=False, reason=reason, grad_norm=value, clipped=False, revision=self.revision)
         clipped = False
         if max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm())
             self._copy_back_clipped_gradients()
-            clipped = bool(norm > max_grad_norm)
+            clipped = value > max_grad_norm
         self._apply_step(lr)
-        return CheckpointStep(stepped=True, reason=None, grad_norm=float(norm), clipped=clipped, revision=self.revision)
+        return CheckpointStep(stepped=True, reason=None, grad_norm=value, clipped=clipped, revision=self.revision)
 
     def _apply_step(self, lr: float | None) -> None:
         """One AdamW step on the gradients of :meth:`_stepped_tensors`; revision + 1."""

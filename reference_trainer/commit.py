@@ -6,11 +6,12 @@ NOTE [Gradient commit]
      parameter's dtype. Nothing visible changes while staging.
   2. Validate all: every origin's age and generation (NOTE [Staleness] in
      ``staleness.py``), target identity (the parameter is still the
-     checkpoint's), shape, dtype, device, finiteness (one fused norm per
-     checkpoint, NOTE [Gradient norm] in ``grad_norms.py``). One failure fails all.
-  3. Publish: build every new gradient (existing + staged, out of place) first
-     and check the sums are still finite, then assign them in a fixed order. If an assignment fails, the ones
-     already made are put back to the previous tensor objects.
+     checkpoint's), shape, dtype, device; then every new gradient is built
+     (existing + staged, out of place) and proven finite, staged values and
+     sums alike, by one fused norm per checkpoint read in one host read
+     (NOTE [Gradient norm] in ``grad_norms.py``). One failure fails all.
+  3. Publish: assign the new gradients in a fixed order. If an assignment
+     fails, the ones already made are put back to the previous tensor objects.
   4. On any failure, staging is freed and the error is raised as a
      ``GradientCommitError``; existing gradients keep their values and objects.
   5. Where gradients go is a *sink* (``sinks.py``): the live ``.grad`` fields
@@ -41,7 +42,7 @@ from .host_reads import read_on_host
 from .sinks import GradientSink
 from .staleness import check_age
 
-__all__ = ["Coordinator", "GradientTransaction", "all_finite", "first_non_finite", "staged_norms"]
+__all__ = ["Coordinator", "GradientTransaction", "first_non_finite", "staged_norms"]
 
 
 class Coordinator(Protocol):
@@ -58,54 +59,54 @@ class _Staged:
     name: str
     target: nn.Parameter
     value: torch.Tensor
-
-
-def all_finite(value: torch.Tensor) -> bool:
-    """True iff every element is finite.
-
-    A finite sum proves it (NaN and infinities propagate through a sum) at a
-    fraction of the cost of an elementwise check, which runs only when the
-    sum is not finite (it may overflow while every element is finite).
-    """
-    return bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
+    old: torch.Tensor | None = None  # set by validate: the sink's gradient the value adds to
+    new: torch.Tensor | None = None  # set by validate: what publish assigns (old + value, or value)
 
 
 @dataclass(frozen=True)
 class _Norms:
-    """Each checkpoint's staged-gradient norm: the device tensor, and its value read on the host."""
+    """Each checkpoint's norm of its new gradients, read on the host, with the norm tensor's dtype and device."""
 
-    tensors: dict[str, torch.Tensor]
     values: dict[str, float]
+    kinds: dict[str, tuple[torch.dtype, torch.device]]
 
 
 def staged_norms(staged: Mapping[tuple[str, str], _Staged]) -> _Norms:
-    """One fused norm per checkpoint over its staged gradients, in staging order, read on the host at once.
+    """One fused norm per checkpoint over its new gradients, in staging order, read on the host at once.
 
     That read is the backward's one host read (NOTE [Host syncs]; NOTE [Gradient norm] Rule 1).
     """
-    values: dict[str, list[torch.Tensor]] = {}
+    news: dict[str, list[torch.Tensor]] = {}
     for (checkpoint_name, _), s in staged.items():
-        values.setdefault(checkpoint_name, []).append(s.value)
-    tensors = {name: total_norm(grads) for name, grads in values.items()}
+        news.setdefault(checkpoint_name, []).append(s.new)
+    tensors = {name: total_norm(grads) for name, grads in news.items()}
     if not tensors:
         return _Norms({}, {})
     first = next(iter(tensors.values()))
     # FP64 holds every norm's value exactly, whatever its dtype (KnownNorm.tensor restores it).
-    together = torch.stack([t.to(device=first.device, dtype=torch.float64) for t in tensors.values()])
-    read = read_on_host(together, "finite gradients")
-    return _Norms(tensors, dict(zip(tensors, read)))
+    read = read_on_host(torch.stack([t.to(first.device, torch.float64) for t in tensors.values()]), "finite gradients")
+    return _Norms(dict(zip(tensors, read)), {name: (t.dtype, t.device) for name, t in tensors.items()})
 
 
-def first_non_finite(staged: Mapping[tuple[str, str], _Staged], norms: _Norms) -> tuple[str, str] | None:
-    """The first staged key holding a non-finite element, or None.
+def first_non_finite(staged: Mapping[tuple[str, str], _Staged], norms: _Norms) -> tuple[tuple[str, str], str] | None:
+    """The first staged key whose gradient is not finite, with what is wrong; or None.
 
-    Finite ``norms`` prove every gradient finite; only when one is not
-    finite (a non-finite element, or squares that overflow while every
-    element is finite) is each gradient checked exactly, in staging order.
+    Finite ``norms`` prove every new gradient finite. Only when one is not
+    (a non-finite element, or squares that overflow while every element is
+    finite) is each checked exactly, in staging order: a non-finite staged
+    gradient first, then a sum that overflowed.
     """
     if all(math.isfinite(v) for v in norms.values.values()):
         return None
-    return next((key for key, s in staged.items() if not bool(torch.isfinite(s.value).all())), None)
+    for key, s in staged.items():
+        if not bool(torch.isfinite(s.value).all()):
+            return key, ("expected a finite gradient, found non-finite values; check the loss and its "
+                         "cotangents (nothing was committed)")
+    for key, s in staged.items():
+        if s.old is not None and not bool(torch.isfinite(s.new).all()):
+            return key, ("the accumulated gradient overflows to non-finite values; expected a finite sum. "
+                         "Step or zero_grad before accumulating more (nothing was committed)")
+    return None
 
 
 class GradientTransaction:
@@ -176,13 +177,14 @@ class GradientTransaction:
             ):
                 if found != expected:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
+        for staged in self._staged.values():
+            staged.old = self._sink.current(staged.checkpoint, staged.name)
+            staged.new = staged.value if staged.old is None else staged.old + staged.value
         self._norms = staged_norms(self._staged)
         bad = first_non_finite(self._staged, self._norms)
         if bad is not None:
-            raise GradientCommitError(
-                f"checkpoint {bad[0]!r} parameter {bad[1]!r}: expected a finite gradient, found non-finite "
-                "values; check the loss and its cotangents (nothing was committed)"
-            )
+            (ckpt_name, name), problem = bad
+            raise GradientCommitError(f"checkpoint {ckpt_name!r} parameter {name!r}: {problem}")
 
     def commit(self) -> None:
         """Validate everything, then publish everything (Rules 2-3, 6)."""
@@ -194,23 +196,12 @@ class GradientTransaction:
 
         If the agreement raises (a peer failed), every assignment is rolled back.
         """
-        plan = []
-        for staged in self._staged.values():
-            old = self._sink.current(staged.checkpoint, staged.name)
-            new = staged.value if old is None else old + staged.value
-            if old is not None and not all_finite(new):
-                raise GradientCommitError(
-                    f"checkpoint {staged.checkpoint.name!r} parameter {staged.name!r}: the accumulated "
-                    "gradient overflows to non-finite values; expected a finite sum. Step or zero_grad "
-                    "before accumulating more (nothing was committed)"
-                )
-            plan.append((staged, old, new))
         done: list[tuple[_Staged, torch.Tensor | None]] = []
         try:
-            for index, (staged, old, new) in enumerate(plan):
+            for index, staged in enumerate(self._staged.values()):
                 testing.maybe_fail("publish", index)
-                self._sink.assign(staged.checkpoint, staged.name, new)
-                done.append((staged, old))
+                self._sink.assign(staged.checkpoint, staged.name, staged.new)
+                done.append((staged, staged.old))
             self.agree(None)
         except BaseException:
             for staged, old in reversed(done):
@@ -218,22 +209,19 @@ class GradientTransaction:
             raise
         for name, origins in self._origins.items():
             self._sink.record_origins(self._checkpoints(name), origins)
-        self._record_norms(plan)
+        self._record_norms()
         self.discard()
 
-    def _record_norms(self, plan: list[tuple[_Staged, torch.Tensor | None, torch.Tensor]]) -> None:
-        """Tell the sink each checkpoint's norm where its new gradients are exactly the staged ones (NOTE [Gradient norm])."""
+    def _record_norms(self) -> None:
+        """Tell the sink each checkpoint's norm: its new gradients are the tensors measured (NOTE [Gradient norm])."""
+        if self._norms is None:
+            return
         published: dict[str, list[torch.Tensor]] = {}
-        accumulated: set[str] = set()
-        for staged, old, new in plan:
-            published.setdefault(staged.checkpoint.name, []).append(new)
-            if old is not None:
-                accumulated.add(staged.checkpoint.name)
-        norms = self._norms
+        for staged in self._staged.values():
+            published.setdefault(staged.checkpoint.name, []).append(staged.new)
         for name, grads in published.items():
-            if norms is not None and name not in accumulated and name in norms.values:
-                known = KnownNorm(grads, norms.values[name], like=norms.tensors[name])
-                self._sink.record_norm(self._checkpoints(name), known)
+            known = KnownNorm(grads, self._norms.values[name], *self._norms.kinds[name])
+            self._sink.record_norm(self._checkpoints(name), known)
 
     def agree(self, error: BaseException | None) -> None:
         """Tell the peers this rank's outcome, once (Rule 6); raises the common error if any failed."""

@@ -1,11 +1,11 @@
 """The gradient norm: one pass per backward, shared by the commit and the optimizer step.
 
 NOTE [Gradient norm]
-  1. A backward's commit proves its staged gradients finite with one fused
-     norm per checkpoint (:func:`total_norm`, NOTE [Gradient commit] Rule 2).
-  2. When that commit publishes a checkpoint's gradients into ``.grad`` with
-     nothing to add them to (the usual forward, backward, step, zero_grad
-     cycle), the new ``.grad`` tensors are exactly the ones it measured: it
+  1. A backward's commit proves the gradients it will publish (staged, plus
+     what they accumulate onto) finite with one fused norm per checkpoint
+     (:func:`total_norm`, NOTE [Gradient commit] Rule 2).
+  2. When that commit publishes a checkpoint's gradients into ``.grad``, the
+     new ``.grad`` tensors are exactly the ones it measured: it
      remembers the norm as a :class:`KnownNorm` (the value, read on the host
      in the commit's one host read; weak references to those tensors, in
      order, and their version counters).
@@ -13,11 +13,12 @@ NOTE [Gradient norm]
      non-finite one, clips by it). It reuses the known norm only when its
      gradient list is the same tensor objects, in the same order, at the same
      versions: :func:`total_norm` of the same tensors in the same order gives
-     the same bits, so the reuse is exact. Anything else recomputes: an
-     accumulating backward, a logical-rank flush, low-precision parameters
-     (the step measures FP32 master copies), a ``.grad`` written or modified
-     in place (the version counter moves), a gradient the commit did not
-     write.
+     the same bits, so the reuse is exact. Anything else recomputes: a
+     logical-rank flush, low-precision parameters (the step measures FP32
+     master copies), a ``.grad`` written or modified in place (the version
+     counter moves), a gradient the commit did not write. Not seen: a write
+     through ``.grad.data``, which has a version counter of its own (writing
+     ``.grad`` by hand is outside the contract).
   4. Every write of a live ``.grad`` through the trainer forgets the known
      norm first (``LiveGradSink.assign``, ``Checkpoint.clear_gradients``), so
      a stale norm is never even compared.
@@ -49,12 +50,12 @@ class KnownNorm:
     gradients: remembering a norm never keeps a gradient alive.
     """
 
-    def __init__(self, grads: Sequence[torch.Tensor], norm: float, like: torch.Tensor) -> None:
-        """``norm``: the value of ``like = total_norm(grads)``, whose dtype and device :meth:`tensor` restores."""
+    def __init__(self, grads: Sequence[torch.Tensor], norm: float, dtype: torch.dtype, device: torch.device) -> None:
+        """``norm``: the value of ``total_norm(grads)``, a 0-d tensor of ``dtype`` on ``device``."""
         self._refs = [weakref.ref(g) for g in grads]
         self._versions = [g._version for g in grads]
         self.norm = norm
-        self._dtype, self._device = like.dtype, like.device
+        self._dtype, self._device = dtype, device
 
     def matches(self, grads: Sequence[torch.Tensor]) -> bool:
         """True iff ``grads`` are the measured tensors, in order, none modified since (Rule 3)."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from torch.overrides import TorchFunctionMode
 from reference_trainer.testing import observe_host_reads
 
 
@@ -63,3 +64,29 @@ def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once() ->
         trainer.forward(_inputs([5, 9, 7], vocab))
     assert [why for why, _ in reads] == ["token keys"]
     trainer.backward(old[0].target_logprobs.sum())
+
+
+class _HostConversions(TorchFunctionMode):
+    """Counts every tensor-to-host conversion (``bool``, ``float``, ``item``, ``tolist``), read_on_host or not."""
+
+    CONVERSIONS = (torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.item, torch.Tensor.tolist)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        self.count += func in self.CONVERSIONS
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_accumulating_backward_reads_the_host_once() -> None:
+    """The sums a second backward publishes are proven finite by its one read (no read per parameter)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
+    trainer.add_checkpoint("policy", full=True)
+    vocab = trainer.model.config.vocab_size
+    trainer.backward(trainer.forward(_inputs([6], vocab))[0].target_logprobs.sum())
+    loss = trainer.forward(_inputs([5], vocab))[0].target_logprobs.sum()
+    with observe_host_reads() as reads, _HostConversions() as conversions:
+        trainer.backward(loss)
+    assert [why for why, _ in reads] == ["finite gradients"] and conversions.count == 1
