@@ -52,7 +52,7 @@ from .outputs import EvidenceVerdict, judge_outputs, rsync_outputs
 from .receipts import write_receipt
 from .tasks import TaskSpec
 
-__all__ = ["Phase", "Timeouts", "Outcome", "Launcher", "cluster_name", "default_run_id", "exit_code", "LABEL"]
+__all__ = ["Phase", "Timeouts", "Outcome", "Launcher", "cluster_name", "default_run_id", "exit_code", "launched_gpus", "LABEL"]
 
 LABEL = "rtv-ci-cluster"  # resources label carrying the cluster name, for a census by label
 
@@ -250,12 +250,20 @@ class Launcher:
         finally:
             run.timings["job"] = self.clock() - start
 
-    def _request(self, name: str, call: Callable[..., Any], *args: Any, timeout: float, **kwargs: Any) -> Any:
-        """Submit one request and wait for its result, each under its own timeout."""
+    def _request(self, name: str, call: Callable[..., Any], *args: Any, timeout: float,
+                 cancel_on_timeout: bool = True, **kwargs: Any) -> Any:
+        """Submit one request and wait for its result, each under its own timeout.
+
+        A request whose result times out is cancelled on the API server, unless
+        ``cancel_on_timeout`` is False: a teardown request (cancel, down) is
+        left running, since cancelling it would stop the very teardown.
+        """
         request_id = bounded(call, *args, timeout=self.t.request, name=name, **kwargs)
         try:
             return bounded(self.sdk.get, request_id, timeout=timeout, name=f"get({name})")
         except CallTimeout:
+            if not cancel_on_timeout:
+                raise
             try:  # a request left running on the API server is cancelled, not forgotten
                 bounded(self.sdk.api_cancel, request_id, timeout=self.t.request, name="api_cancel")
             except Exception:  # noqa: BLE001 - the timeout is what gets reported
@@ -276,7 +284,7 @@ class Launcher:
                     self.echo(f"rtv gpu launch: job {run.job_id} is "
                               f"{getattr(run.job_status, 'value', 'gone from the queue')}")
                     return
-            except (CallTimeout, Exception):  # noqa: BLE001 - a few failed polls are tolerated, not more
+            except Exception:  # noqa: BLE001 - a few failed polls are tolerated, not more
                 failures += 1
                 if failures >= self.t.poll_failures:
                     raise
@@ -306,11 +314,11 @@ class Launcher:
         """One teardown request; its failure is recorded, never raised (the next step still runs)."""
         start = self.clock()
         try:
-            self._request(name, call, *args, timeout=timeout, **kwargs)
+            self._request(name, call, *args, timeout=timeout, cancel_on_timeout=False, **kwargs)
             ok, detail = True, "done"
         except self.sdk.exceptions.ClusterDoesNotExist:
             ok, detail = True, "the cluster does not exist"
-        except (CallTimeout, Exception) as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001
             ok, detail = False, f"{type(error).__name__}: {error}"
         run.teardown.append({"step": name, "ok": ok, "detail": detail, "seconds": round(self.clock() - start, 3)})
 
@@ -338,7 +346,7 @@ class Launcher:
                     run.absence_confirmed = True
                     return
                 run.last_seen = getattr(listed[0].status, "value", str(listed[0].status))
-            except (CallTimeout, Exception) as error:  # noqa: BLE001 - absence is proven only by a status answer
+            except Exception as error:  # noqa: BLE001 - absence is proven only by a status answer
                 run.last_seen = f"status failed: {type(error).__name__}: {error}"
             if self.clock() >= deadline:
                 return
@@ -370,7 +378,7 @@ class Launcher:
         path = write_receipt(
             out_dir, command=command, cluster=run.cluster, requested=requested, observed=run.observed(),
             checks=checks, outcome=word, exit_code=code, timings=run.timings,
-            gpus=spec.gpus if gpus is None else gpus, billed_s=billed_s, handle=run.handle,
+            gpus=launched_gpus(run.handle) if gpus is None else gpus, billed_s=billed_s, handle=run.handle,
         )
         self.echo(f"rtv gpu {command}: {word} (exit {code}); receipt: {path}")
         return Outcome(code, word, path)
@@ -394,16 +402,21 @@ class Launcher:
                 for record in (r for r in records if r.name == cluster):
                     run.handle = record.handle
                     billed_s = max(0.0, time.time() - float(record.launched_at))
-                    resources = getattr(run.handle, "launched_resources", None)
-                    per_node = sum((getattr(resources, "accelerators", None) or {}).values())
-                    gpus = per_node * int(getattr(run.handle, "launched_nodes", 1) or 1)
-            except (CallTimeout, Exception) as error:  # noqa: BLE001 - teardown goes on without the census
+                    gpus = launched_gpus(run.handle)
+            except Exception as error:  # noqa: BLE001 - teardown goes on without the census
                 run.teardown.append({"step": "census", "ok": False, "detail": f"{type(error).__name__}: {error}"})
             self._teardown(run)
             if run.signals:
                 run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
                                     "detail": f"{len(run.signals)} signal(s) during teardown"}
             return self._receipt(run, None, Path(out_dir), command="down", gpus=gpus, billed_s=billed_s)
+
+
+def launched_gpus(handle: Any) -> int:
+    """GPUs a cluster handle says were launched (accelerators per node x nodes); 0 when nothing launched."""
+    resources = getattr(handle, "launched_resources", None)
+    per_node = sum((getattr(resources, "accelerators", None) or {}).values())
+    return int(per_node * int(getattr(handle, "launched_nodes", 1) or 1))
 
 
 def default_run_id() -> tuple[str, str]:

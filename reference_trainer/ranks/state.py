@@ -87,7 +87,7 @@ class LogicalState:
             rows = []
             for rank in self.layout.hosted:
                 grads = buffers[rank].grads
-                rows.append(torch.cat([grads.get((c, n), torch.zeros_like(p)).reshape(-1) for c, n, p, _ in bucket]))
+                rows.append(torch.cat([_or_zeros(grads.get((c, n)), p).reshape(-1) for c, n, p, _ in bucket]))
             mine = torch.stack(rows)  # (L/W, bucket numel)
             everyone = self.comm.all_gather(mine, f"optim_step: logical gradients of {len(bucket)} parameters")  # (L, numel)
             offset = 0
@@ -110,3 +110,8 @@ def _buckets(entries: list[tuple]) -> list[list[tuple]]:
         buckets[-1].append(entry)
         numel += param.numel()
     return [b for b in buckets if b]
+
+
+def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    """``grad``, or zeros shaped like ``param`` where this logical rank holds none (made only then)."""
+    return grad if grad is not None else torch.zeros_like(param)

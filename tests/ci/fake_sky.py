@@ -34,7 +34,7 @@ from sky.server.common import RequestId
 from validation.evidence import evidence_path, make_record, write_once
 
 REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down", "status")
-FAULTS = ("error", "timeout", "sigint", "sigterm")
+FAULTS = ("error", "timeout", "sigint", "sigterm", "slow_result")  # slow_result: the request is accepted, its result hangs
 EVIDENCE = ("passed", "failed", "tampered", "missing")
 
 
@@ -60,6 +60,7 @@ class FakeSky:
         self.lock = threading.RLock()
         self.released = threading.Event()
         self.tasks: list[Any] = []
+        self._slow_result = False  # the next request's result hangs (fault "slow_result")
 
     # --- faults -----------------------------------------------------------------------
 
@@ -79,19 +80,30 @@ class FakeSky:
             del self.faults[name]
         if fault == "error":
             raise RuntimeError(f"injected failure in {name}")
-        if fault == "timeout":  # hang without holding the lock: the server goes on answering others
-            self.lock.release()
-            try:
-                self.released.wait()
-            finally:
-                self.lock.acquire()
-            raise RuntimeError(f"{name} released after the test")
+        if fault == "slow_result":
+            self._slow_result = True
+            return
+        if fault == "timeout":
+            self._hang(name)
         os.kill(os.getpid(), signal.SIGINT if fault == "sigint" else signal.SIGTERM)
         time.sleep(0.1)  # the main thread handles the signal while this call is still in flight
 
+    def _hang(self, name: str) -> None:
+        """Hang without holding the lock (the server goes on answering others) until the test releases it."""
+        self.lock.release()
+        try:
+            self.released.wait()
+        finally:
+            self.lock.acquire()
+        raise RuntimeError(f"{name} released after the test")
+
     def _request(self, thunk: Any) -> RequestId:
         request_id = RequestId(f"req-{len(self.requests)}")
-        self.requests[request_id] = thunk
+        if self._slow_result:
+            self._slow_result = False
+            self.requests[request_id] = lambda: self._hang(f"result of {request_id}")
+        else:
+            self.requests[request_id] = thunk
         return request_id
 
     # --- requests -----------------------------------------------------------------------

@@ -53,6 +53,14 @@ def gate(sky_fake, repo_root: Path):
     return load_task(repo_root / "ci" / "gate.sky.yaml")
 
 
+class _MinuteClock(FakeClock):
+    """A clock each reading of which is a minute after the last."""
+
+    def __call__(self) -> float:
+        self.now += 60
+        return self.now
+
+
 def launch(fake, spec, out: Path, clock: FakeClock | None = None):
     from ci.launcher import Launcher, Timeouts
 
@@ -203,3 +211,23 @@ def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
     outcome = Launcher(stuck, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
         "rtv-gate-7-2", out_dir=tmp_path)
     assert outcome.exit_code == 6 and receipt_of(outcome)["measurements"]["absence"] == "unproven"
+
+
+def test_a_teardown_that_times_out_is_left_running_not_cancelled(sky_fake, gate, tmp_path):
+    """Cancelling a slow ``down`` on the API server would stop the teardown itself."""
+    fake = sky_fake.FakeSky()
+    fake.inject("down", "slow_result")  # the down request is accepted; its result does not come in time
+    record = receipt_of(launch(fake, gate, tmp_path))
+    calls = fake.calls
+    assert "api_cancel" not in calls[calls.index("down"):], calls
+    assert [s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down"] == [False]
+
+
+def test_a_launch_that_never_came_up_bills_no_gpu_minutes(sky_fake, gate, tmp_path):
+    """GPU-minutes count the GPUs a handle says were launched, not the GPUs asked for."""
+    fake = sky_fake.FakeSky()
+    fake.inject("stream_and_get", "error")
+    m = receipt_of(launch(fake, gate, tmp_path, clock=_MinuteClock()))["measurements"]
+    assert m["billed_s"] > 0
+    assert m["requested"]["accelerators"] == {"H200": 2}
+    assert m["gpu_minutes"] == 0
