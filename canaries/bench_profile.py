@@ -38,8 +38,9 @@ from reference_trainer.grad_norms import total_norm
 from reference_trainer.host_reads import read_on_host
 from reference_trainer.planner import Placement
 from reference_trainer.residency import SavedStateLedger, weight_storages
+from validation.abba import run_block
 
-from .bench_arms import Arm, Workload, base_model, device_clock, plain_arm
+from .bench_arms import Arm, Workload, device_clock, plain_arm
 
 __all__ = ["COMPONENTS", "profile"]
 
@@ -55,16 +56,8 @@ COMPONENTS = {
 
 def _paired_difference(a: Callable[[], object], b: Callable[[], object], blocks: int,
                        clock: Callable[[], float]) -> float:
-    """Median over ``blocks`` of ``b``'s seconds minus ``a``'s, each block A B B A or B A A B (two runs each)."""
-    differences = []
-    for block in range(blocks):
-        seconds = [0.0, 0.0]
-        for which in ((0, 1, 1, 0) if block % 2 == 0 else (1, 0, 0, 1)):
-            start = clock()
-            (a, b)[which]()
-            seconds[which] += clock() - start
-        differences.append((seconds[1] - seconds[0]) / 2)
-    return float(np.median(differences))
+    """Median over ``blocks`` alternating blocks (``validation.abba.run_block``) of ``b``'s seconds minus ``a``'s."""
+    return float(np.median([(t := run_block({"a": a, "b": b}, block, clock))["b"] - t["a"] for block in range(blocks)]))
 
 
 def _hooked(arm: Arm) -> Callable[[], float]:
@@ -85,37 +78,30 @@ def _norm_pass(workload: Workload, model: rt.DecoderLM, seed: int) -> Callable[[
     return lambda: read_on_host(torch.isfinite(total_norm(grads)), "benchmark profile")
 
 
-def _timed(work: Callable[[], object], clock: Callable[[], float]) -> float:
-    start = clock()
-    work()
-    return clock() - start
+def profile(workload: Workload, *, plain_seconds: float, extra_seconds: float, seed: int = 0,
+            blocks: int = 12) -> dict:
+    """Where ``extra_seconds`` goes (module docstring): the benchmark's median retain@s0 step minus its
+    median ``plain_seconds``, both from the same alternating blocks.
 
-
-def profile(workload: Workload, extra_seconds: float, *, seed: int = 0, blocks: int = 12) -> dict:
-    """Where ``extra_seconds`` (retain@s0's median step minus plain's) goes, per component (module docstring).
-
-    Returns ``plain_step_seconds`` (this profile's own median of the plain
-    step), ``extra_seconds``, ``saved_by_reuse_seconds`` (the norm pass
-    ``optim_step`` no longer repeats) and ``components``: one ``{"name", "seconds", "buys"}`` per entry
+    Returns ``plain_step_seconds`` (= ``plain_seconds``), ``extra_seconds``,
+    ``saved_by_reuse_seconds`` (the norm pass ``optim_step`` no longer
+    repeats) and ``components``: one ``{"name", "seconds", "buys"}`` per entry
     of :data:`COMPONENTS`, in that order. ``bookkeeping`` is the remainder: it
     carries the other two's noise and may come out negative.
     """
     clock = device_clock(workload.device)
-    shared = base_model(workload, seed) if workload.lora else None  # an 8B base is held once
-    step = plain_arm(workload, seed=seed, model=shared)
-    passes = plain_arm(workload, seed=seed, model=shared, optimizer_step=False)
+    passes = plain_arm(workload, seed=seed, optimizer_step=False)
     hooked = _hooked(passes)
-    for work in (step, passes, hooked, step, passes, hooked):  # warm-up: optimizer state, allocator
+    for work in (passes, hooked, passes, hooked):  # warm-up: allocator, caches
         work()
-    plain_s = float(np.median([_timed(step, clock) for _ in range(4)]))
     hooks_s = _paired_difference(passes, hooked, blocks, clock)
-    norm = _norm_pass(workload, step.model, seed)
+    norm = _norm_pass(workload, passes.model, seed)
     norm()
-    norm_s = float(np.median([_timed(norm, clock) for _ in range(2 * blocks)]))
-    del step, passes, hooked, norm, shared
+    norm_s = float(np.median([run_block({"norm": norm}, block, clock)["norm"] for block in range(blocks)]))
+    del passes, hooked, norm
     seconds = {"saved_tensor_hooks": hooks_s, "gradient_norm": norm_s}
     seconds["bookkeeping"] = extra_seconds - sum(seconds.values())
     return {
-        "plain_step_seconds": plain_s, "extra_seconds": extra_seconds, "saved_by_reuse_seconds": norm_s,
+        "plain_step_seconds": plain_seconds, "extra_seconds": extra_seconds, "saved_by_reuse_seconds": norm_s,
         "components": [{"name": name, "seconds": seconds[name], "buys": buys} for name, buys in COMPONENTS.items()],
     }

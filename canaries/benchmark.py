@@ -203,8 +203,9 @@ def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
     """Where retain@s0's extra time over plain goes (``bench_profile``), on groups that have both arms."""
     if not {"plain", "retain@s0"} <= set(measured):
         return None
-    extra = measured["retain@s0"]["step_seconds"] - measured["plain"]["step_seconds"]
-    return bench_profile.profile(group.workload, extra, seed=seed)
+    plain = measured["plain"]["step_seconds"]
+    return bench_profile.profile(group.workload, plain_seconds=plain,
+                                 extra_seconds=measured["retain@s0"]["step_seconds"] - plain, seed=seed)
 
 
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],

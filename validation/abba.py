@@ -34,7 +34,7 @@ import numpy as np
 
 from . import stats
 
-__all__ = ["Comparison", "LoadProbe", "CpuShare", "compare", "MAX_LOADED"]
+__all__ = ["Comparison", "LoadProbe", "CpuShare", "compare", "run_block", "MAX_LOADED"]
 
 MAX_LOADED = 0.25  # Rule 4: above this share of loaded blocks every verdict is inconclusive
 
@@ -102,7 +102,8 @@ def _block_order(names: list[str], index: int) -> list[str]:
     return first + first[::-1]
 
 
-def _run_block(arms: Mapping[str, Callable[[], object]], index: int, clock: Callable[[], float]) -> dict[str, float]:
+def run_block(arms: Mapping[str, Callable[[], object]], index: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Block ``index`` of ``arms`` in alternating order (Rule 1): each arm's mean seconds over its two runs."""
     times = dict.fromkeys(arms, 0.0)
     for name in _block_order(list(arms), index):
         start = clock()
@@ -177,7 +178,7 @@ def compare(
     shares, started = [], clock()
     for index in range(warmup_blocks):
         probe.start()
-        _run_block(arms, index, clock)
+        run_block(arms, index, clock)
         shares.append(probe.stop())
     calibration = float(np.median(shares))
     flagged: list[bool] = []
@@ -185,7 +186,7 @@ def compare(
     while True:
         index = len(flagged)
         probe.start()
-        times = _run_block(arms, warmup_blocks + index, clock)
+        times = run_block(arms, warmup_blocks + index, clock)
         flagged.append(probe.stop() < (1 - load_tolerance) * calibration)
         for name, value in times.items():
             seconds[name].append(value)
