@@ -126,6 +126,11 @@ def _token_keys(batch: PaddedBatch) -> list[TokenKey]:
     return [(tuple(ids[row][:n]), tuple(targets[row][:n])) for row, n in enumerate(batch.lengths)]
 
 
+def _wants_current(record: ForwardRecord) -> bool:
+    correction = record.options.correction
+    return correction is not None and correction.policy == "when_available"
+
+
 class KnownLogprobs:
     """Current-revision log-probs by checkpoint and token content, for ``"when_available"`` (Rule 6)."""
 
@@ -133,9 +138,13 @@ class KnownLogprobs:
         self._known: dict[str, dict[TokenKey, tuple[CheckpointVersion, torch.Tensor]]] = {}
 
     def remember(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
-        """Keep ``record``'s log-probs if an older record of its checkpoint is pending."""
+        """Keep ``record``'s log-probs if an older pending record of its checkpoint may use them.
+
+        Only a ``"when_available"`` correction reads them, so without such a
+        record pending nothing is kept and the token keys are not read.
+        """
         name = record.checkpoint.name
-        if not any(r.checkpoint.name == name and r.version != record.version for r in pending):
+        if not any(r.checkpoint.name == name and r.version != record.version and _wants_current(r) for r in pending):
             return
         known = self._known.setdefault(name, {})
         for row, key in enumerate(_token_keys(record.batch)):

@@ -10,11 +10,15 @@ which tests observe with ``testing.observe_host_reads``:
 - the padded forward reads nothing: the trainer builds its masks right-padded,
   so ``DecoderLM.forward`` skips its padding check inside
   :func:`trusted_padding`;
-- a backward reads once: the staged gradients' fused norms, one per
-  checkpoint, read together (``commit.staged_norms``); they prove the
-  gradients finite, and ``optim_step`` reuses them (NOTE [Gradient norm]). A replayed record adds its bitwise check and a
-  stale record with an importance correction adds the correction's checks and
-  statistics.
+- a forward made while an older record of its checkpoint is pending with a
+  ``"when_available"`` correction reads its token keys once (the log-prob
+  cache of ``corrections.KnownLogprobs``); otherwise it reads nothing more;
+- a backward reads once, accumulating or not: the fused norms of the
+  gradients it will publish, one per checkpoint, read together
+  (``commit.staged_norms``); they prove the gradients finite, and
+  ``optim_step`` reuses them (NOTE [Gradient norm]). A replayed record adds
+  its bitwise check and a stale record with an importance correction adds
+  the correction's checks and statistics.
 """
 
 from __future__ import annotations

@@ -51,9 +51,12 @@ def test_out_of_range_tokens_are_refused_naming_the_extremes() -> None:
     assert info.value.value == (1, vocab + 2, vocab + 2)
 
 
-def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once() -> None:
-    """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+@pytest.mark.parametrize("policy, reads_expected", [("when_available", ["token keys"]), ("always", []), (None, [])])
+def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once(policy, reads_expected) -> None:
+    """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row; and none
+    when no pending older record asks for that policy (``always`` recomputes, no correction needs nothing)."""
+    corrections = () if policy is None else (rt.ImportanceCorrection(policy=policy),)
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=corrections))
     trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
     vocab = trainer.model.config.vocab_size
     old = trainer.forward(_inputs([6], vocab))  # pending across the step below
@@ -62,7 +65,7 @@ def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once() ->
     trainer.optim_step()
     with observe_host_reads() as reads:
         trainer.forward(_inputs([5, 9, 7], vocab))
-    assert [why for why, _ in reads] == ["token keys"]
+    assert [why for why, _ in reads] == reads_expected
     trainer.backward(old[0].target_logprobs.sum())
 
 
