@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from validation.equivalence import EquivalenceInputError, equivalence_margin, paired_equivalence
@@ -65,6 +65,20 @@ def test_verdicts(arm: list[float], higher_is_better: bool, verdict: str) -> Non
     assert paired_equivalence(arm, baseline, floor=0.1, higher_is_better=higher_is_better).verdict == verdict
 
 
+@pytest.mark.parametrize("higher_is_better", [False, True])
+def test_a_tight_interval_inside_the_margin_is_equivalent_even_when_wholly_on_one_side_of_zero(higher_is_better) -> None:
+    """Rule 4: "equivalent" wins over "worse"/"better" (a significant difference we do not care about)."""
+    baseline = [1.0, 1.0, 1.0]
+    arm = [1.049, 1.05, 1.051]  # d = (0.049, 0.05, 0.051): mean 0.05, sample SD 0.001
+    # Closed form, 2 degrees of freedom: the 90% interval is 0.05 +- t_0.95 * 0.001 / sqrt(3), inside (-0.1, 0.1)
+    # and entirely above 0 (so a one-sided test also says the arm moved, in the worse direction for a loss).
+    half = t2_quantile(0.95) * 0.001 / math.sqrt(3)
+    assert 0 < 0.05 - half and 0.05 + half < 0.1
+    result = paired_equivalence(arm, baseline, floor=0.1, higher_is_better=higher_is_better)
+    assert (result.ci_low, result.ci_high) == (pytest.approx(0.05 - half), pytest.approx(0.05 + half))
+    assert result.verdict == "equivalent"
+
+
 def test_identical_arms_are_equivalent_with_a_point_interval() -> None:
     values = [0.3, 0.5, 0.4]
     result = paired_equivalence(values, values, floor=0.01, higher_is_better=False)
@@ -93,6 +107,8 @@ finite = st.floats(-10, 10, allow_nan=False)
 
 
 @given(st.lists(st.tuples(finite, finite), min_size=2, max_size=8), st.floats(0, 5))
+# A tight interval inside the margin and wholly on one side of 0: the `ci` profile rarely draws it, `nightly` does.
+@example([(1.049, 1.0), (1.05, 1.0), (1.051, 1.0)], 0.1)
 def test_equivalence_iff_the_interval_is_inside_the_margin_and_direction_flips_the_verdict(pairs, floor) -> None:
     arm, baseline = [a for a, _ in pairs], [b for _, b in pairs]
     low_is_good = paired_equivalence(arm, baseline, floor=floor, higher_is_better=False)
