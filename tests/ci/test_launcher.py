@@ -231,3 +231,21 @@ def test_a_launch_that_never_came_up_bills_no_gpu_minutes(sky_fake, gate, tmp_pa
     assert m["billed_s"] > 0
     assert m["requested"]["accelerators"] == {"H200": 2}
     assert m["gpu_minutes"] == 0
+
+
+@pytest.mark.parametrize("error", ["NoCloudAccessError", "CloudUserIdentityError"])
+def test_six_wins_over_missing_credentials(sky_fake, sky_sandbox, gate, tmp_path, monkeypatch, error):
+    """Missing credentials alone are a setup error (exit 2); with absence unproven, 6 wins (NOTE [Exit codes] Rule 1)."""
+    fake = sky_fake.FakeSky()
+
+    def refuse(*args, **kwargs):  # the launch request was accepted (cluster INIT), then the cloud refused it
+        fake.calls.append("stream_and_get")
+        raise getattr(sky_sandbox.exceptions, error)("Cloud access is not set up. Run: `sky check`")
+
+    monkeypatch.setattr(fake, "stream_and_get", refuse)
+    fake.inject("down", "error")
+    outcome = launch(fake, gate, tmp_path)  # returns, rather than raising the credentials SetupError
+    record = receipt_of(outcome)
+    assert outcome.exit_code == 6 and outcome.outcome == "absence unproven"
+    assert_torn_down(fake, record, absent=False)
+    assert "Cloud access is not set up" in record["measurements"]["observed"]["interruption"]["detail"]
