@@ -1,10 +1,11 @@
-"""Small builders shared by the trainer tests (not part of any package API)."""
+"""Small builders shared by the tests (not part of any package API)."""
 
 from __future__ import annotations
 
 import torch
 
 import reference_trainer as rt
+from validation.evidence import content_digest, make_record
 
 NO_CORRECTION = rt.ForwardOptions(corrections=())
 
@@ -59,3 +60,11 @@ def assert_grads_unchanged(trainer: rt.Trainer, before: dict, name: str = "polic
         assert p.grad is obj, f"{n}: .grad object changed"
         if value is not None:
             assert torch.equal(p.grad, value), f"{n}: .grad value changed"
+
+
+def checkless_passed_record() -> dict:
+    """An evidence record with no checks that says passed, its digest recomputed: well formed, but it proves nothing."""
+    record = make_record("k", config={}, checks={}, measurements={})
+    record["passed"] = True
+    record["digest"] = content_digest(record)
+    return record

@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 
+from tests.support import checkless_passed_record
 from validation import evidence
 from validation.evidence import SCHEMA_VERSION, EvidenceError, make_record, verify, write_once
 
@@ -40,6 +41,16 @@ def test_a_written_record_verifies_against_its_schema(tmp_path: Path) -> None:
 def test_passed_needs_at_least_one_check_and_all_of_them() -> None:
     assert make_record("k", config={}, checks={}, measurements={})["passed"] is False
     assert make_record("k", config={}, checks={"a": True, "b": False}, measurements={})["passed"] is False
+
+
+def test_a_record_without_checks_that_says_passed_does_not_verify(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    with pytest.raises(EvidenceError, match="'passed' disagrees with its checks"):
+        write_once(path, checkless_passed_record())
+    assert not path.exists()
+    path.write_text(json.dumps(checkless_passed_record()))
+    with pytest.raises(EvidenceError, match="'passed' disagrees with its checks"):
+        verify(path)
 
 
 @pytest.mark.parametrize(
