@@ -33,6 +33,22 @@ def test_a_padded_forward_reads_nothing_and_a_backward_reads_once(kind: str) -> 
     assert [why for why, _ in reads] == ["finite gradients"]
 
 
+def test_a_backward_into_two_checkpoints_reads_the_host_once() -> None:
+    """One loss over a LoRA and a full checkpoint's outputs: both checkpoints' norms come from one read, not one each."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2))
+    trainer.add_checkpoint("ref", full=True)
+    vocab = trainer.model.config.vocab_size
+    policy = trainer.forward(_inputs([5, 7], vocab), checkpoint="policy")
+    ref = trainer.forward(_inputs([6], vocab), checkpoint="ref")
+    loss = sum(out.target_logprobs.sum() for out in policy + ref)
+    with observe_host_reads() as reads:
+        trainer.backward(loss)
+    assert [why for why, _ in reads] == ["finite gradients"]
+    for name in ("policy", "ref"):  # both were committed by that backward
+        assert all(p.grad is not None for p in trainer.checkpoint(name).parameters()), name
+
+
 def test_the_public_model_still_checks_padding_of_masks_it_did_not_build() -> None:
     model = rt.DecoderLM(rt.ModelConfig.tiny(), seed=0)
     ids = torch.zeros(2, 4, dtype=torch.long)
