@@ -5,6 +5,8 @@
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
     rtv report [--in DIR] [--out FILE]
+    rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
+                                          the suite's strength: a sampled mutmut run, its record and report
 
 Canaries come from ``canaries.registry`` (one registration per canary);
 every command writes write-once JSON evidence (``validation.evidence``) and
@@ -199,6 +201,18 @@ def _report(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _mutation_score(args: argparse.Namespace) -> int:
+    from reports import render_report
+    from validation.mutation_score import MutationConfig, run_mutation_score
+
+    config = MutationConfig(paths=tuple(args.paths), tests=tuple(args.tests), sample=args.sample, seed=args.seed,
+                            budget_s=args.budget, max_children=args.jobs, python=args.python)
+    path = run_mutation_score(Path.cwd(), args.out, config)
+    report = render_report(args.out)
+    print(f"rtv mutation-score: evidence {path}\nreport: {report.html}")
+    return 0 if report.passed else 1
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -285,6 +299,21 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", dest="out_file", type=Path, default=None,
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
     report.set_defaults(handler=_report)
+
+    mutation = sub.add_parser("mutation-score", help="measure the suite: a sampled mutmut run (the mutation extra)",
+                              description="Run mutmut over --paths on a seeded sample of its mutants, each judged by "
+                              "the --tests that reach it (NOTE [Mutation score] in validation.mutation_score); write "
+                              "the score and the survivors as evidence and render the report. Run from the checkout.")
+    mutation.add_argument("--paths", nargs="+", default=["reference_trainer", "validation"], help="packages to mutate")
+    mutation.add_argument("--tests", nargs="+", default=["tests/unit"], help="the tests that judge (default: tests/unit)")
+    mutation.add_argument("--sample", type=_positive, default=200, help="mutants to run (default: 200)")
+    mutation.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
+    mutation.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole run (default: 3600)")
+    mutation.add_argument("--jobs", type=_positive, default=2, help="mutants run at once (default: 2)")
+    mutation.add_argument("--python", default=sys.executable, help="interpreter with mutmut (default: this one)")
+    mutation.add_argument("--out", type=Path, default=DEFAULT_OUT / "mutation",
+                          help="evidence folder (default: ./rtv-out/mutation)")
+    mutation.set_defaults(handler=_mutation_score)
 
     add_gpu_commands(sub)
     return parser

@@ -44,6 +44,8 @@ KINDS: dict[str, Kind] = {
              measurements=("seconds",), builder="reports.learning"),
         Kind(name="benchmark", title="Benchmark: versioned-trainer arms against a plain PyTorch step (ABBA)",
              measurements=("seconds",), builder="reports.benchmark"),
+        Kind(name="mutation-score", title="Mutation score: the suite's strength, measured with mutmut",
+             builder="reports.mutation"),
         Kind(name="gpu-receipt", title="GPU CI termination receipt", builder="reports.receipts"),
     )
 }

@@ -109,3 +109,18 @@ def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_roo
                   + t["cancel"] + t["down"] + t["absence"])
         assert job["with"]["launch-minutes"] >= math.ceil(needed / 60), caller
         assert job["with"]["job-minutes"] >= job["with"]["launch-minutes"] + 30
+
+
+def test_the_nightly_mutation_job_scores_the_trainer_and_uploads_the_report():
+    workflow = _load("nightly-mutation.yml")
+    assert _triggers(workflow)["schedule"] and workflow["concurrency"]["cancel-in-progress"] is False
+    (job,) = workflow["jobs"].values()
+    runs = [s.get("run", "") for s in job["steps"]]
+    install = next(r for r in runs if "pip install -e" in r)
+    assert "mutation" in install and "ci" not in install.split("-e", 1)[1], "mutmut cannot sit beside the ci extra"
+    (score,) = [r for r in runs if r.startswith("rtv mutation-score")]
+    assert "reference_trainer" in score and "--budget" in score and "--sample" in score
+    budget = int(score.split("--budget ")[1].split()[0])
+    assert budget / 60 + 15 <= job["timeout-minutes"], "the budget leaves time to install and upload"
+    (upload,) = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert upload["if"] == "always()" and upload["with"]["path"] == "rtv-out/mutation"
