@@ -6,6 +6,11 @@ NOTE [Mutation score]
      packages, ``tests/`` and ``pyproject.toml`` (with a ``[tool.mutmut]``
      section added), never in the checkout; mutmut keeps its ``mutants/``
      there, and ``PYTHONPATH`` is dropped so only the mutated copy imports.
+     mutmut forks one child per mutant from its test process, and a child
+     forked after torch's thread pool ran hangs in its first parallel op
+     (every mutant would "time out", a false kill): torch runs on one
+     thread there (``RTV_TORCH_THREADS=1`` for the suite's conftest,
+     ``OMP_NUM_THREADS=1``).
   2. Every mutant of the chosen packages is generated, then a deterministic
      sample of their names is run: ``random.Random(seed).sample`` of the
      sorted names (all of them when ``sample`` is None or larger). Each
@@ -144,8 +149,9 @@ def _scratch(root: Path, scratch: Path, config: MutationConfig) -> None:
 
 
 def _env() -> dict[str, str]:
-    """Rule 1: without PYTHONPATH, so the tests import the mutated copy, never the checkout."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST")}
+    """Rule 1: without PYTHONPATH (the tests import the mutated copy, never the checkout), torch on one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST")}
+    return {**env, "RTV_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _mutmut(config: MutationConfig, scratch: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
