@@ -11,13 +11,14 @@ flushes it into ``.grad`` in logical-rank order before it steps;
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from .checkpoints import Checkpoint, CheckpointVersion
+from .errors import TrainerError
 from .grad_norms import KnownNorm
 from .staleness import check_age
 
@@ -109,6 +110,10 @@ class RankHost(Protocol):
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
         ...
 
+    def agree(self, error: Exception | None, label: str) -> None:
+        """Raise on every process the lowest failing process's ``error``, or return on every process."""
+        ...
+
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
         """Sum every logical rank's buffers (on every process) in logical order."""
         ...
@@ -139,15 +144,23 @@ class RankGradients:
             for name in names:
                 buffer.clear(name)
 
-    def flush(self, checkpoints: list[Checkpoint]) -> None:
-        """Add every logical rank's buffers of ``checkpoints`` to ``.grad``, in logical order, then empty them.
+    def flush(self, checkpoints: list[Checkpoint], check: Callable[[Checkpoint], None]) -> None:
+        """Validate every origin, then add every logical rank's buffers of ``checkpoints`` to ``.grad`` and empty them.
 
-        Every buffered origin is validated (NOTE [Staleness]) before any
-        ``.grad`` changes; a violation changes nothing. Runs on every process.
+        ``check(checkpoint)`` validates the origins already committed to its
+        ``.grad`` (NOTE [Staleness] Rule 4). It runs for every checkpoint first;
+        with logical ranks its outcome is agreed across processes (an error on
+        one makes every process raise it, NOTE [Logical ranks] Rule 6), then the
+        buffers are summed and every buffered origin (the same on every process
+        after the sum) is validated. Only then does any ``.grad`` change, in
+        logical order: a violation anywhere changes nothing. Runs on every process.
         """
         if self.host is None:
+            for checkpoint in checkpoints:
+                check(checkpoint)
             return
         self.host.check_caller("optim_step")
+        self.host.agree(_first_error(check, checkpoints), "optim_step: committed origins")
         summed = self.host.sum_buffers(self.buffers, checkpoints)
         by_name = {c.name: c for c in checkpoints}
         for name, origins in summed.origins.items():
@@ -160,3 +173,13 @@ class RankGradients:
         for name, origins in summed.origins.items():
             live.record_origins(by_name[name], origins)
         self.clear(by_name, call="optim_step")
+
+
+def _first_error(check: Callable[[Checkpoint], None], checkpoints: list[Checkpoint]) -> TrainerError | None:
+    """The first checkpoint's ``TrainerError`` from ``check``, or ``None`` when every checkpoint passes."""
+    for checkpoint in checkpoints:
+        try:
+            check(checkpoint)
+        except TrainerError as exc:
+            return exc
+    return None

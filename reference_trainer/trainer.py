@@ -368,14 +368,14 @@ class Trainer:
     ) -> StepReport:
         """Step every selected checkpoint that holds gradients, once per call (NOTE [Staleness] Rule 4 first).
 
-        Logical ranks' buffered gradients are summed into ``.grad`` first, in
-        logical-rank order (NOTE [Logical ranks] Rule 5).
+        Every origin, committed or buffered, of every selected checkpoint is
+        checked first; then logical ranks' buffered gradients are summed into
+        ``.grad`` in logical-rank order (NOTE [Logical ranks] Rule 5); then each
+        checkpoint steps. A refused step changes nothing.
         """
         check_step_arguments(lr, max_grad_norm)
         selected = self._selected(checkpoints)
-        self.rank_gradients.flush(selected)
-        for checkpoint in selected:
-            check_origins(checkpoint)
+        self.rank_gradients.flush(selected, check_origins)
         return StepReport(checkpoints={c.name: c.step(lr, max_grad_norm) for c in selected})
 
     def zero_grad(self, *, checkpoints: Iterable[str] | None = None) -> None:

@@ -64,6 +64,10 @@ class LogicalState:
         if self.leading:
             raise ConfigError(call, f"trainer.{call}() inside a zero-mode fn", f"zero.{call}(), which runs it on every process")
 
+    def agree(self, error: Exception | None, label: str) -> None:
+        """Every process raises the lowest failing process's error, or none does (Rule 6)."""
+        self.comm.agree(error, label)
+
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
         """Every logical rank's buffers of ``checkpoints``, summed in logical order on every process (Rules 4-5)."""
         names = [c.name for c in checkpoints]
