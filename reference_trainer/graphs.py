@@ -229,6 +229,22 @@ def output_cotangents(
         ) from exc
 
 
+def check_recordable() -> None:
+    """Raise unless a forward can record its graph here: not under ``torch.inference_mode()``.
+
+    Inference tensors cannot be saved for backward, so such a forward would
+    leave a record with no graph. ``no_grad`` is no obstacle: the forward
+    records under ``enable_grad`` (the caller's grad mode is for its own autograd).
+    """
+    if torch.is_inference_mode_enabled():
+        raise ConfigError(
+            "forward",
+            "a call under torch.inference_mode()",
+            "a forward outside inference_mode (it records the graph its backward needs)",
+            "for reference log-probs pass checkpoint=rt.BASE, which inference_mode allows; otherwise leave inference_mode",
+        )
+
+
 def flatten_inputs(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:
     """Flatten a (nested) list of ``ForwardInput`` and return a function that rebuilds the shape."""
     flat, rebuild = _flatten(inputs)
@@ -341,7 +357,7 @@ class RecordTable:
         outputs = []
         for row, length in enumerate(record.batch.lengths):
             leaf = record.forward_logprobs[row, :length].clone().requires_grad_(True)
-            leaf._rt_record_id, leaf._rt_row = record.id, row
+            leaf._rt_record_id, leaf._rt_row, leaf._rt_table = record.id, row, weakref.ref(self)
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
             outputs.append(
                 ForwardOutput(
@@ -374,9 +390,18 @@ class RecordTable:
         """The tagged outputs ``loss`` reaches, and their records in submission order (Rule 3)."""
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ConfigError("loss", type(loss).__name__, "a tensor that depends on trainer outputs")
+        if loss.numel() != 1:
+            raise ConfigError("loss", f"a tensor of shape {tuple(loss.shape)}", "a one-element tensor", "reduce it first, e.g. loss.sum()")
         leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, "_rt_record_id")]
         records: dict[int, ForwardRecord] = {}
         for leaf in leaves:
+            if leaf._rt_table() is not self:
+                raise ConfigError(
+                    "loss",
+                    f"a loss built from another trainer's output (forward record {leaf._rt_record_id})",
+                    "a loss built from this trainer's forward outputs only",
+                    "backpropagate each trainer's outputs through that trainer's backward",
+                )
             record = self._records.get(leaf._rt_record_id)
             if record is None:
                 raise GradientCommitError(

@@ -32,6 +32,7 @@ from .graphs import (
     PaddedBatch,
     RecordTable,
     base_logprobs,
+    check_recordable,
     check_token_range,
     cotangents_by_record,
     flatten_inputs,
@@ -102,6 +103,8 @@ class Trainer:
         memory_limit_bytes: int | None = None,
         host_memory_limit_bytes: int | None = None,
     ) -> None:
+        if not isinstance(model, DecoderLM):
+            raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
         for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
@@ -141,6 +144,8 @@ class Trainer:
             raise ConfigError("name", name, "a non-empty str")
         if name in self._checkpoints:
             raise ConfigError("name", name, f"a name not already used (existing: {sorted(self._checkpoints)})")
+        if not isinstance(full, bool):
+            raise ConfigError("full", full, "a bool")
         if (lora is None) == (not full):
             raise ConfigError("lora/full", (lora, full), "exactly one of lora=LoRAConfig(...) or full=True")
         if lora is not None and not isinstance(lora, LoRAConfig):
@@ -155,10 +160,9 @@ class Trainer:
         return checkpoint
 
     def checkpoint(self, name: str) -> Checkpoint:
-        try:
-            return self._checkpoints[name]
-        except KeyError:
-            raise ConfigError("checkpoint", name, f"one of {sorted(self._checkpoints)}") from None
+        if not isinstance(name, str) or name not in self._checkpoints:
+            raise ConfigError("checkpoint", name, f"a checkpoint name, one of {sorted(self._checkpoints)}")
+        return self._checkpoints[name]
 
     @property
     def checkpoints(self) -> Mapping[str, Checkpoint]:
@@ -205,8 +209,10 @@ class Trainer:
         """The checkpoints a ``checkpoints=`` argument names, each once, in order (a str is one name)."""
         if checkpoints is None:
             return list(self._checkpoints.values())
-        names = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
-        return [self.checkpoint(name) for name in dict.fromkeys(names)]
+        names = [checkpoints] if isinstance(checkpoints, str) else checkpoints
+        if not isinstance(names, Iterable):
+            raise ConfigError("checkpoints", checkpoints, "None, a checkpoint name or an iterable of names")
+        return list({id(c): c for c in map(self.checkpoint, names)}.values())
 
     def policy(self, checkpoint: Any = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], CheckpointVersion | None]:
         """A no-grad ``logits_fn(input_ids (B, T)) -> logits (B, T, V)`` at the current weights, and their version.
@@ -240,7 +246,11 @@ class Trainer:
         """Run ``inputs`` (a ``ForwardInput`` or nested lists) and return outputs of the same shape.
 
         ``checkpoint=BASE`` runs the frozen base in eval mode (no dropout, no
-        RNG drawn, no record): reference log-probs.
+        RNG drawn, no record): reference log-probs, also under
+        ``torch.inference_mode()``. Any other forward records the graph its
+        backward needs whatever the caller's grad mode (``no_grad`` included)
+        and is refused under ``inference_mode``, where no graph can be
+        recorded (``check_recordable``).
         """
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
@@ -248,6 +258,7 @@ class Trainer:
         check_token_range(flat, self.model.config.vocab_size)
         if checkpoint is BASE:
             return rebuild(base_logprobs(self.model, flat, self.device))
+        check_recordable()
         selected = self._select_checkpoint(checkpoint)
         groups: dict[ResolvedOptions, list[int]] = {}
         for index, item in enumerate(flat):
@@ -300,6 +311,8 @@ class Trainer:
         rank's error or ``None`` after local publication, and raises if any
         peer failed, so every rank commits or none does.
         """
+        if not isinstance(retain_graph, bool):
+            raise ConfigError("retain_graph", retain_graph, "a bool")
         transaction = GradientTransaction(sink or self._live_grads, self.checkpoint, self.records.release, coordinator)
         try:
             records, reports = self._stage(loss, retain_graph, transaction)
