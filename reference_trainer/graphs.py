@@ -167,6 +167,7 @@ class ForwardRecord:
     rng_state: dict[str, Any]
     decision: PlacementDecision
     root: torch.Tensor | None = None
+    logical_rank: int | None = None  # the logical rank whose fn made it (rank mode), which alone may backpropagate it
     forward_logprobs: torch.Tensor | None = None
     id: int = field(default_factory=lambda: next(_record_ids))
     live_outputs: int = 0
@@ -227,22 +228,6 @@ def output_cotangents(
             "can be backpropagated again",
             record_retryable=True,
         ) from exc
-
-
-def check_recordable() -> None:
-    """Raise unless a forward can record its graph here: not under ``torch.inference_mode()``.
-
-    Inference tensors cannot be saved for backward, so such a forward would
-    leave a record with no graph. ``no_grad`` is no obstacle: the forward
-    records under ``enable_grad`` (the caller's grad mode is for its own autograd).
-    """
-    if torch.is_inference_mode_enabled():
-        raise ConfigError(
-            "forward",
-            "a call under torch.inference_mode()",
-            "a forward outside inference_mode (it records the graph its backward needs)",
-            "for reference log-probs pass checkpoint=rt.BASE, which inference_mode allows; otherwise leave inference_mode",
-        )
 
 
 def flatten_inputs(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:

@@ -32,7 +32,6 @@ from .graphs import (
     PaddedBatch,
     RecordTable,
     base_logprobs,
-    check_recordable,
     check_token_range,
     cotangents_by_record,
     flatten_inputs,
@@ -43,10 +42,10 @@ from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .planner import Placement
-from .residency import check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
+from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
-from .staleness import check_age, check_origins, staleness
+from .staleness import check_age, staleness
 from .timing import start_stopwatch
 
 __all__ = ["Trainer", "StepReport", "CheckpointStep", "BackwardReport", "RecordReport"]
@@ -181,6 +180,7 @@ class Trainer:
         are then dropped and older graphs raise ``CheckpointReplacedError`` at
         backward.
         """
+        self.rank_gradients.check_caller("load_checkpoint")
         checkpoint = self.checkpoint(name)
         checkpoint.check_state_dict(state_dict)
         live = self.records.count(name)
@@ -289,6 +289,7 @@ class Trainer:
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
             decision=decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
+            logical_rank=self.rank_gradients.current_rank(),
         )
         record.usage = self._admission.observe(record, cost, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)
@@ -315,7 +316,7 @@ class Trainer:
             raise ConfigError("retain_graph", retain_graph, "a bool")
         transaction = GradientTransaction(sink or self._live_grads, self.checkpoint, self.records.release, coordinator)
         try:
-            records, reports = self._stage(loss, retain_graph, transaction)
+            records, reports = self._stage(loss, retain_graph, transaction, sink)
             transaction.commit()
         except BaseException as exc:
             # Staged tensors must not outlive the failure through the traceback's frames.
@@ -330,10 +331,12 @@ class Trainer:
         return BackwardReport(records=reports)
 
     def _stage(
-        self, loss: torch.Tensor, retain_graph: bool, transaction: GradientTransaction
+        self, loss: torch.Tensor, retain_graph: bool, transaction: GradientTransaction, sink: GradientSink | None
     ) -> tuple[list[ForwardRecord], list[RecordReport]]:
-        """Cotangents of the consumed outputs, then each record's checks and model backward into staging."""
+        """Where the records may commit, cotangents of the consumed outputs, then each record's checks
+        and model backward into staging."""
         leaves, records = self.records.consumed_by(loss)
+        self.rank_gradients.check_route([r.logical_rank for r in records], sink)
         cotangents = output_cotangents(loss, leaves, retain_graph)
         self._admit_backward(records)
         by_record = cotangents_by_record(leaves, cotangents)
@@ -388,7 +391,7 @@ class Trainer:
         """
         check_step_arguments(lr, max_grad_norm)
         selected = self._selected(checkpoints)
-        self.rank_gradients.flush(selected, check_origins)
+        self.rank_gradients.flush(selected)
         return StepReport(checkpoints={c.name: c.step(lr, max_grad_norm) for c in selected})
 
     def zero_grad(self, *, checkpoints: Iterable[str] | None = None) -> None:
