@@ -295,3 +295,22 @@ def test_load_checkpoint_on_one_logical_rank_is_refused_and_loads_nothing() -> N
         run_logical(body, trainer, logical_dp=2)
     assert trainer.checkpoint(ds.POLICY).version == rt.CheckpointVersion(ds.POLICY, 0, 0)
     trainer.load_checkpoint(ds.POLICY, saved)  # on every process, outside fn: allowed
+
+
+def test_a_plain_backward_inside_fn_is_refused_even_for_an_output_made_outside() -> None:
+    """Only ``view.backward`` commits inside ``fn``: a plain backward there would write ``.grad`` on one
+    logical rank's behalf, whoever made the output."""
+    trainer = ds.make_trainer()
+    run_logical(lambda view: None, trainer, logical_dp=2)
+    items, advantages = ds.micro_batch(0, 0)
+    outputs = trainer.forward(items)  # outside fn: no logical rank owns it
+
+    def body(view: object) -> None:
+        if view.logical_rank == 0:
+            trainer.backward(ds.rank_loss(outputs, advantages, 10))
+
+    with pytest.raises(rt.ConfigError, match="view.backward"):
+        run_logical(body, trainer, logical_dp=2)
+    _assert_nothing_committed(trainer)
+    trainer.backward(ds.rank_loss(outputs, advantages, 10))  # outside fn it is a plain backward, as before
+    assert trainer.checkpoint(ds.POLICY).has_gradients()
