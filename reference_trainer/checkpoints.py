@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adamw import AdamWConfig, check_adamw_state
 from .errors import ConfigError, GradientCommitError
 from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
@@ -56,26 +57,6 @@ class CheckpointVersion:
     name: str
     generation: int
     revision: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdamWConfig:
-    """AdamW settings; defaults are ``torch.optim.AdamW``'s."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"AdamWConfig.{name}", value, "a finite number >= 0")
-        betas = tuple(self.betas)
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-            raise ConfigError("AdamWConfig.betas", self.betas, "two numbers in [0, 1)")
-        object.__setattr__(self, "betas", betas)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,32 +334,9 @@ class Checkpoint:
                 raise ConfigError(where, tuple(value.shape), f"shape {shape}")
 
     def _check_optimizer_state(self, optimizer: Any) -> None:
-        """The AdamW state must hold one group over exactly these parameters, slots shaped like them."""
-        where = "state_dict['optimizer']"
-        if not isinstance(optimizer, Mapping) or not {"state", "param_groups"} <= set(optimizer):
-            found = sorted(optimizer) if isinstance(optimizer, Mapping) else type(optimizer).__name__
-            raise ConfigError(where, found, "an AdamW state dict with keys 'state' and 'param_groups'")
-        groups = optimizer["param_groups"]
-        count = len(self._params)
-        if (
-            not isinstance(groups, (list, tuple))
-            or len(groups) != 1
-            or not isinstance(groups[0], Mapping)
-            or len(groups[0].get("params", ())) != count
-        ):
-            raise ConfigError(f"{where}['param_groups']", groups, f"one group holding {count} parameter ids")
-        shapes = dict(zip(groups[0]["params"], (tuple(p.shape) for p in self._params.values())))
-        slots = optimizer["state"]
-        if not isinstance(slots, Mapping) or not set(slots) <= set(shapes):
-            found = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
-            raise ConfigError(f"{where}['state']", found, f"a mapping keyed by the group's parameter ids {sorted(shapes)}")
-        for key, entry in slots.items():
-            if not isinstance(entry, Mapping):
-                raise ConfigError(f"{where}['state'][{key!r}]", type(entry).__name__, "a mapping of AdamW slots")
-            for slot, value in entry.items():
-                # "step" is a scalar; exp_avg / exp_avg_sq are shaped like their parameter.
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[key]:
-                    raise ConfigError(f"{where}['state'][{key!r}][{slot!r}]", tuple(value.shape), f"shape {shapes[key]}")
+        """An AdamW state this checkpoint's optimizer can step: one group over these parameters (``adamw.py``)."""
+        shapes = [tuple(p.shape) for p in self._params.values()]
+        check_adamw_state(optimizer, self._optimizer.state_dict(), shapes, "state_dict['optimizer']")
 
     def load(self, state: Mapping[str, Any], generation: int) -> None:
         """Copy ``state`` in (already checked) and take ``generation``."""

@@ -167,6 +167,7 @@ class ForwardRecord:
     rng_state: dict[str, Any]
     decision: PlacementDecision
     root: torch.Tensor | None = None
+    logical_rank: int | None = None  # the logical rank whose fn made it (rank mode), which alone may backpropagate it
     forward_logprobs: torch.Tensor | None = None
     id: int = field(default_factory=lambda: next(_record_ids))
     live_outputs: int = 0
@@ -341,7 +342,7 @@ class RecordTable:
         outputs = []
         for row, length in enumerate(record.batch.lengths):
             leaf = record.forward_logprobs[row, :length].clone().requires_grad_(True)
-            leaf._rt_record_id, leaf._rt_row = record.id, row
+            leaf._rt_record_id, leaf._rt_row, leaf._rt_table = record.id, row, weakref.ref(self)
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
             outputs.append(
                 ForwardOutput(
@@ -374,9 +375,18 @@ class RecordTable:
         """The tagged outputs ``loss`` reaches, and their records in submission order (Rule 3)."""
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ConfigError("loss", type(loss).__name__, "a tensor that depends on trainer outputs")
+        if loss.numel() != 1:
+            raise ConfigError("loss", f"a tensor of shape {tuple(loss.shape)}", "a one-element tensor", "reduce it first, e.g. loss.sum()")
         leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, "_rt_record_id")]
         records: dict[int, ForwardRecord] = {}
         for leaf in leaves:
+            if leaf._rt_table() is not self:
+                raise ConfigError(
+                    "loss",
+                    f"a loss built from another trainer's output (forward record {leaf._rt_record_id})",
+                    "a loss built from this trainer's forward outputs only",
+                    "backpropagate each trainer's outputs through that trainer's backward",
+                )
             record = self._records.get(leaf._rt_record_id)
             if record is None:
                 raise GradientCommitError(

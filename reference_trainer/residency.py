@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .checkpoints import Checkpoint, WeightCapture
-from .errors import GradientCommitError, UnsupportedSavedStateError
+from .errors import ConfigError, GradientCommitError, UnsupportedSavedStateError
 from .graphs import ForwardRecord, PaddedBatch, run_model
 from .host_arena import HostArena, host_block_bytes
 from .model import DecoderLM
@@ -59,6 +59,7 @@ from .rng import restored_forward_state
 __all__ = [
     "FLOAT8_DTYPES",
     "SavedStateLedger",
+    "check_recordable",
     "check_restorable",
     "has_quantized_module",
     "mark_quantized_saved_state",
@@ -240,6 +241,22 @@ def _tampered(stamp: int, found: int) -> GradientCommitError:
 def weight_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     """Storage keys of tensors that must never be copied (Rule 2)."""
     return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def check_recordable() -> None:
+    """Raise unless a forward can record its graph here: not under ``torch.inference_mode()``.
+
+    Inference tensors cannot be saved for backward, so such a forward would
+    leave a record with no graph. ``no_grad`` is no obstacle: the forward
+    records under ``enable_grad`` (the caller's grad mode is for its own autograd).
+    """
+    if torch.is_inference_mode_enabled():
+        raise ConfigError(
+            "forward",
+            "a call under torch.inference_mode()",
+            "a forward outside inference_mode (it records the graph its backward needs)",
+            "for reference log-probs pass checkpoint=rt.BASE, which inference_mode allows; otherwise leave inference_mode",
+        )
 
 
 def record_forward(

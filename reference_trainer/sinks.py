@@ -18,8 +18,9 @@ from typing import Protocol
 import torch
 
 from .checkpoints import Checkpoint, CheckpointVersion
+from .errors import ConfigError, TrainerError
 from .grad_norms import KnownNorm
-from .staleness import check_age
+from .staleness import check_age, check_origins
 
 __all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
 
@@ -61,6 +62,7 @@ class LiveGradSink:
 class BufferGradSink:
     """Commit into one logical rank's private buffer, summed into ``.grad`` by ``optim_step``."""
 
+    logical_rank: int | None = None
     grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     origins: dict[str, set[Origin]] = field(default_factory=dict)
 
@@ -109,6 +111,14 @@ class RankHost(Protocol):
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
         ...
 
+    def current_rank(self) -> int | None:
+        """The logical rank whose ``fn`` runs on this thread; ``None`` outside ``fn``."""
+        ...
+
+    def agree(self, error: Exception | None, label: str) -> None:
+        """Raise on every process the lowest failing process's ``error``, or return on every process."""
+        ...
+
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
         """Sum every logical rank's buffers (on every process) in logical order."""
         ...
@@ -125,29 +135,66 @@ class RankGradients:
         """Host ``host``'s logical ranks from now on (only while nothing is pending)."""
         assert not self.pending(), "a new layout over pending logical gradients"
         self.host = host
-        self.buffers = {logical_rank: BufferGradSink() for logical_rank in host.hosted}
+        self.buffers = {logical_rank: BufferGradSink(logical_rank) for logical_rank in host.hosted}
 
     def pending(self, checkpoint: str | None = None) -> int:
         """Buffered gradient tensors, of one checkpoint or of all."""
         return sum(1 for b in self.buffers.values() for key in b.grads if checkpoint in (None, key[0]))
 
-    def clear(self, names: Iterable[str], *, call: str = "zero_grad") -> None:
-        """Drop the buffered gradients and origins of the checkpoints ``names``."""
+    def check_caller(self, call: str) -> None:
+        """Refuse ``trainer.<call>()`` from inside ``run_logical``'s ``fn``: it would act on one logical rank's
+        behalf outside the buffers every logical rank shares (NOTE [Logical ranks] Rule 5)."""
         if self.host is not None:
             self.host.check_caller(call)
+
+    def current_rank(self) -> int | None:
+        """The logical rank a forward made here belongs to (rank mode's ``fn``), ``None`` elsewhere (Rule 2)."""
+        return None if self.host is None else self.host.current_rank()
+
+    def check_route(self, owners: Iterable[int | None], sink: GradientSink | None) -> None:
+        """Raise ``ConfigError`` unless a backward into ``sink`` may consume records of logical ranks ``owners``.
+
+        ``sink`` None is a plain ``trainer.backward`` into ``.grad``: refused
+        inside ``fn`` (use ``view.backward``). A record made by a logical rank's
+        ``fn`` commits only into that rank's buffer, through its view (Rule 2).
+        """
+        target = sink.logical_rank if isinstance(sink, BufferGradSink) else None
+        if sink is None:
+            self.check_caller("backward")
+        for owner in owners:
+            if owner is not None and owner != target:
+                where = "trainer.backward into .grad" if target is None else f"the view of logical rank {target}"
+                raise ConfigError(
+                    "loss",
+                    f"a loss using an output of logical rank {owner}, backpropagated through {where}",
+                    f"each output backpropagated through the view of its own logical rank ({owner})",
+                    f"call view.backward in logical rank {owner}'s fn (a later run_logical call is fine)",
+                )
+
+    def clear(self, names: Iterable[str], *, call: str = "zero_grad") -> None:
+        """Drop the buffered gradients and origins of the checkpoints ``names``."""
+        self.check_caller(call)
         for buffer in self.buffers.values():
             for name in names:
                 buffer.clear(name)
 
     def flush(self, checkpoints: list[Checkpoint]) -> None:
-        """Add every logical rank's buffers of ``checkpoints`` to ``.grad``, in logical order, then empty them.
+        """Validate every origin, then add every logical rank's buffers of ``checkpoints`` to ``.grad`` and empty them.
 
-        Every buffered origin is validated (NOTE [Staleness]) before any
-        ``.grad`` changes; a violation changes nothing. Runs on every process.
+        The origins already committed to ``.grad`` (``check_origins``, NOTE
+        [Staleness] Rule 4) are validated for every checkpoint first;
+        with logical ranks that outcome is agreed across processes (an error on
+        one makes every process raise it, NOTE [Logical ranks] Rule 6), then the
+        buffers are summed and every buffered origin (the same on every process
+        after the sum) is validated. Only then does any ``.grad`` change, in
+        logical order: a violation anywhere changes nothing. Runs on every process.
         """
         if self.host is None:
+            for checkpoint in checkpoints:
+                check_origins(checkpoint)
             return
-        self.host.check_caller("optim_step")
+        self.check_caller("optim_step")
+        self.host.agree(_first_error(checkpoints), "optim_step: committed origins")
         summed = self.host.sum_buffers(self.buffers, checkpoints)
         by_name = {c.name: c for c in checkpoints}
         for name, origins in summed.origins.items():
@@ -160,3 +207,13 @@ class RankGradients:
         for name, origins in summed.origins.items():
             live.record_origins(by_name[name], origins)
         self.clear(by_name, call="optim_step")
+
+
+def _first_error(checkpoints: list[Checkpoint]) -> TrainerError | None:
+    """The first checkpoint's error from ``check_origins``, or ``None`` when every checkpoint passes."""
+    for checkpoint in checkpoints:
+        try:
+            check_origins(checkpoint)
+        except TrainerError as exc:
+            return exc
+    return None

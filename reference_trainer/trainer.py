@@ -42,10 +42,10 @@ from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .planner import Placement
-from .residency import check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
+from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
-from .staleness import check_age, check_origins, staleness
+from .staleness import check_age, staleness
 from .timing import start_stopwatch
 
 __all__ = ["Trainer", "StepReport", "CheckpointStep", "BackwardReport", "RecordReport"]
@@ -102,6 +102,8 @@ class Trainer:
         memory_limit_bytes: int | None = None,
         host_memory_limit_bytes: int | None = None,
     ) -> None:
+        if not isinstance(model, DecoderLM):
+            raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
         for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
@@ -141,6 +143,8 @@ class Trainer:
             raise ConfigError("name", name, "a non-empty str")
         if name in self._checkpoints:
             raise ConfigError("name", name, f"a name not already used (existing: {sorted(self._checkpoints)})")
+        if not isinstance(full, bool):
+            raise ConfigError("full", full, "a bool")
         if (lora is None) == (not full):
             raise ConfigError("lora/full", (lora, full), "exactly one of lora=LoRAConfig(...) or full=True")
         if lora is not None and not isinstance(lora, LoRAConfig):
@@ -155,10 +159,9 @@ class Trainer:
         return checkpoint
 
     def checkpoint(self, name: str) -> Checkpoint:
-        try:
-            return self._checkpoints[name]
-        except KeyError:
-            raise ConfigError("checkpoint", name, f"one of {sorted(self._checkpoints)}") from None
+        if not isinstance(name, str) or name not in self._checkpoints:
+            raise ConfigError("checkpoint", name, f"a checkpoint name, one of {sorted(self._checkpoints)}")
+        return self._checkpoints[name]
 
     @property
     def checkpoints(self) -> Mapping[str, Checkpoint]:
@@ -177,6 +180,7 @@ class Trainer:
         are then dropped and older graphs raise ``CheckpointReplacedError`` at
         backward.
         """
+        self.rank_gradients.check_caller("load_checkpoint")
         checkpoint = self.checkpoint(name)
         checkpoint.check_state_dict(state_dict)
         live = self.records.count(name)
@@ -205,8 +209,10 @@ class Trainer:
         """The checkpoints a ``checkpoints=`` argument names, each once, in order (a str is one name)."""
         if checkpoints is None:
             return list(self._checkpoints.values())
-        names = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
-        return [self.checkpoint(name) for name in dict.fromkeys(names)]
+        names = [checkpoints] if isinstance(checkpoints, str) else checkpoints
+        if not isinstance(names, Iterable):
+            raise ConfigError("checkpoints", checkpoints, "None, a checkpoint name or an iterable of names")
+        return list({id(c): c for c in map(self.checkpoint, names)}.values())
 
     def policy(self, checkpoint: Any = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], CheckpointVersion | None]:
         """A no-grad ``logits_fn(input_ids (B, T)) -> logits (B, T, V)`` at the current weights, and their version.
@@ -240,7 +246,11 @@ class Trainer:
         """Run ``inputs`` (a ``ForwardInput`` or nested lists) and return outputs of the same shape.
 
         ``checkpoint=BASE`` runs the frozen base in eval mode (no dropout, no
-        RNG drawn, no record): reference log-probs.
+        RNG drawn, no record): reference log-probs, also under
+        ``torch.inference_mode()``. Any other forward records the graph its
+        backward needs whatever the caller's grad mode (``no_grad`` included)
+        and is refused under ``inference_mode``, where no graph can be
+        recorded (``check_recordable``).
         """
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
@@ -248,6 +258,7 @@ class Trainer:
         check_token_range(flat, self.model.config.vocab_size)
         if checkpoint is BASE:
             return rebuild(base_logprobs(self.model, flat, self.device))
+        check_recordable()
         selected = self._select_checkpoint(checkpoint)
         groups: dict[ResolvedOptions, list[int]] = {}
         for index, item in enumerate(flat):
@@ -278,6 +289,7 @@ class Trainer:
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
             decision=decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
+            logical_rank=self.rank_gradients.current_rank(),
         )
         record.usage = self._admission.observe(record, cost, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)
@@ -300,9 +312,11 @@ class Trainer:
         rank's error or ``None`` after local publication, and raises if any
         peer failed, so every rank commits or none does.
         """
+        if not isinstance(retain_graph, bool):
+            raise ConfigError("retain_graph", retain_graph, "a bool")
         transaction = GradientTransaction(sink or self._live_grads, self.checkpoint, self.records.release, coordinator)
         try:
-            records, reports = self._stage(loss, retain_graph, transaction)
+            records, reports = self._stage(loss, retain_graph, transaction, sink)
             transaction.commit()
         except BaseException as exc:
             # Staged tensors must not outlive the failure through the traceback's frames.
@@ -317,10 +331,12 @@ class Trainer:
         return BackwardReport(records=reports)
 
     def _stage(
-        self, loss: torch.Tensor, retain_graph: bool, transaction: GradientTransaction
+        self, loss: torch.Tensor, retain_graph: bool, transaction: GradientTransaction, sink: GradientSink | None
     ) -> tuple[list[ForwardRecord], list[RecordReport]]:
-        """Cotangents of the consumed outputs, then each record's checks and model backward into staging."""
+        """Where the records may commit, cotangents of the consumed outputs, then each record's checks
+        and model backward into staging."""
         leaves, records = self.records.consumed_by(loss)
+        self.rank_gradients.check_route([r.logical_rank for r in records], sink)
         cotangents = output_cotangents(loss, leaves, retain_graph)
         self._admit_backward(records)
         by_record = cotangents_by_record(leaves, cotangents)
@@ -368,14 +384,14 @@ class Trainer:
     ) -> StepReport:
         """Step every selected checkpoint that holds gradients, once per call (NOTE [Staleness] Rule 4 first).
 
-        Logical ranks' buffered gradients are summed into ``.grad`` first, in
-        logical-rank order (NOTE [Logical ranks] Rule 5).
+        Every origin, committed or buffered, of every selected checkpoint is
+        checked first; then logical ranks' buffered gradients are summed into
+        ``.grad`` in logical-rank order (NOTE [Logical ranks] Rule 5); then each
+        checkpoint steps. A refused step changes nothing.
         """
         check_step_arguments(lr, max_grad_norm)
         selected = self._selected(checkpoints)
         self.rank_gradients.flush(selected)
-        for checkpoint in selected:
-            check_origins(checkpoint)
         return StepReport(checkpoints={c.name: c.step(lr, max_grad_norm) for c in selected})
 
     def zero_grad(self, *, checkpoints: Iterable[str] | None = None) -> None:

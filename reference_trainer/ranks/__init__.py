@@ -20,7 +20,9 @@ NOTE [Logical ranks]
      rank), so what a logical rank computes does not depend on which process
      hosts it. A view's outputs belong to its logical rank: backpropagate
      them through the view of that logical rank (in a later ``run_logical``
-     call if need be).
+     call if need be): any other backward of them is refused, and so are
+     ``trainer.backward`` and ``load_checkpoint`` inside ``fn``, which would
+     bypass the logical ranks' buffers (``RankGradients.check_route``).
   3. Rounds (``fibers.py``): at a collective point (``reduce``, a backward's
      agreement, the end of ``fn``) every process runs its fibers to their
      next point, then all processes exchange what each logical rank asked
@@ -40,9 +42,10 @@ NOTE [Logical ranks]
      commits into its logical rank's own buffer in the trainer's
      ``rank_gradients`` sink (NOTE [Gradient commit] Rule 5) and agrees with
      every other logical rank (Rule 6): all commit or none. ``optim_step``,
-     called on every process, sums the buffers by Rule 4, validates every
-     buffered origin, adds the sums to ``.grad`` and steps, the same
-     everywhere; ``zero_grad`` clears the buffers, ``load_checkpoint`` refuses
+     called on every process, validates every origin already in ``.grad``
+     (the outcome agreed by every process, Rule 6), sums the buffers by
+     Rule 4, validates every buffered origin, and only then adds the sums to
+     ``.grad`` and steps, the same everywhere; ``zero_grad`` clears the buffers, ``load_checkpoint`` refuses
      while any are pending (``discard_graphs=True`` drops them).
   6. Errors (``peers.py`` carries them; ``fibers.py`` and ``zero.py`` pick
      the common one): the lowest logical rank's own error (not one it

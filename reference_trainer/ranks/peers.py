@@ -241,6 +241,21 @@ class Comm:
         self._fan_out((label, parts), label)
         return parts
 
+    def agree(self, error: Exception | None, label: str) -> None:
+        """Every process's outcome of one local step; the lowest failing physical rank's error is raised everywhere.
+
+        Returns only when every process succeeded. The failing process raises
+        its own exception object, the others the same type rebuilt (Rule 6).
+        """
+        failure = None if error is None else PeerFailure.of(error, f"physical rank {self.rank}")
+        failures = self.exchange(failure, label)
+        first = next((rank for rank, f in enumerate(failures) if f is not None), None)
+        if first is None:
+            return
+        if first == self.rank:
+            raise error
+        raise failures[first].rebuild()
+
     def broadcast_command(self, header: dict) -> None:
         """Rank 0 sends a zero-mode command to every other process."""
         self._fan_out((header["label"], header), header["label"])

@@ -28,6 +28,10 @@ __all__ = ["BUCKET_NUMEL", "LogicalState"]
 BUCKET_NUMEL = 1 << 24  # elements per gradient gather: bounds the L/W-fold staging copy
 
 
+# What fn calls instead of a trainer method that must not run on one logical rank's behalf.
+_INSIDE_FN = {"backward": "view.backward(loss), which commits into this logical rank's buffer"}
+
+
 class LogicalState:
     """A trainer's logical layout, transport, RNG streams and zero-mode outputs."""
 
@@ -60,9 +64,19 @@ class LogicalState:
     def check_caller(self, call: str) -> None:
         """``trainer.<call>()`` runs on every process, from its own code: not in ``fn``, not in a zero-mode ``fn``."""
         if current_fiber() is not None:
-            raise ConfigError(call, "a call inside run_logical's fn", "a call after run_logical returns, once per process")
+            allowed = _INSIDE_FN.get(call, "a call after run_logical returns, once per process")
+            raise ConfigError(call, "a call inside run_logical's fn", allowed)
         if self.leading:
             raise ConfigError(call, f"trainer.{call}() inside a zero-mode fn", f"zero.{call}(), which runs it on every process")
+
+    def agree(self, error: Exception | None, label: str) -> None:
+        """Every process raises the lowest failing process's error, or none does (Rule 6)."""
+        self.comm.agree(error, label)
+
+    def current_rank(self) -> int | None:
+        """The logical rank whose ``fn`` runs on this thread (its fiber's), ``None`` outside ``fn``."""
+        fiber = current_fiber()
+        return None if fiber is None else fiber.logical_rank
 
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
         """Every logical rank's buffers of ``checkpoints``, summed in logical order on every process (Rules 4-5)."""

@@ -196,14 +196,8 @@ class ZeroSession:
             result = work()
         except Exception as exc:
             error, result = exc, None
-        failure = None if error is None else PeerFailure.of(error, f"physical rank {self.comm.rank}")
-        failures = self.comm.exchange(failure, f"{label}: outcome")
-        first = next((rank for rank, f in enumerate(failures) if f is not None), None)
-        if first is None:
-            return result
-        if first == self.comm.rank:
-            raise error
-        raise failures[first].rebuild()
+        self.comm.agree(error, f"{label}: outcome")
+        return result
 
     def _release(self, handles: list[int]) -> None:
         for handle in handles:

@@ -234,3 +234,83 @@ def test_trainer_step_inside_a_zero_mode_fn_is_refused_and_zero_step_works() -> 
 
     assert run_logical(fn, trainer, mode="zero", logical_dp=2) == "stepped"
     run_logical(lambda view: None, trainer, logical_dp=2)  # usable again once fn returned
+
+
+# --- calls that would escape fn's logical rank (NOTE [Logical ranks] Rules 2 and 5) -----------------
+
+
+def _forward_on_every_rank(trainer: rt.Trainer, logical_dp: int = 2) -> dict[int, tuple]:
+    made: dict[int, tuple] = {}
+
+    def body(view: object) -> None:
+        items, advantages = ds.micro_batch(0, view.logical_rank)
+        made[view.logical_rank] = (view.forward(items), advantages)
+
+    run_logical(body, trainer, logical_dp=logical_dp)
+    return made
+
+
+def _assert_nothing_committed(trainer: rt.Trainer, logical_dp: int = 2) -> None:
+    assert not trainer.checkpoint(ds.POLICY).has_gradients(), "a refused call wrote .grad"
+    assert logical_gradients(trainer) == {rank: {} for rank in range(logical_dp)}, "a refused call filled a buffer"
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda trainer, view, made: trainer.backward(ds.rank_loss(*made[view.logical_rank], 10)), "view.backward"),
+        (lambda trainer, view, made: view.backward(ds.rank_loss(*made[1 - view.logical_rank], 10)), "logical rank"),
+    ],
+    ids=["plain-backward-in-fn", "another-ranks-output"],
+)
+def test_a_call_inside_fn_that_bypasses_the_logical_buffers_is_refused_and_commits_nothing(call, match: str) -> None:
+    trainer = ds.make_trainer()
+    made = _forward_on_every_rank(trainer)
+    with pytest.raises(rt.ConfigError, match=match):
+        run_logical(lambda view: call(trainer, view, made), trainer, logical_dp=2)
+    _assert_nothing_committed(trainer)
+    # Through the right views the same outputs still commit (a later run_logical call, Rule 2).
+    run_logical(lambda view: view.backward(ds.rank_loss(*made[view.logical_rank], 10)), trainer, logical_dp=2)
+    assert all(logical_gradients(trainer).values())
+
+
+def test_a_logical_ranks_output_backpropagated_outside_fn_is_refused() -> None:
+    trainer = ds.make_trainer()
+    made = _forward_on_every_rank(trainer)
+    with pytest.raises(rt.ConfigError, match="logical rank 0"):
+        trainer.backward(ds.rank_loss(*made[0], 10))
+    _assert_nothing_committed(trainer)
+
+
+def test_load_checkpoint_on_one_logical_rank_is_refused_and_loads_nothing() -> None:
+    trainer = ds.make_trainer()
+    saved = trainer.checkpoint(ds.POLICY).state_dict()
+    run_logical(lambda view: None, trainer, logical_dp=2)  # the trainer hosts logical ranks now
+
+    def body(view: object) -> None:
+        if view.logical_rank == 1:
+            trainer.load_checkpoint(ds.POLICY, saved)
+
+    with pytest.raises(rt.ConfigError, match="after run_logical returns"):
+        run_logical(body, trainer, logical_dp=2)
+    assert trainer.checkpoint(ds.POLICY).version == rt.CheckpointVersion(ds.POLICY, 0, 0)
+    trainer.load_checkpoint(ds.POLICY, saved)  # on every process, outside fn: allowed
+
+
+def test_a_plain_backward_inside_fn_is_refused_even_for_an_output_made_outside() -> None:
+    """Only ``view.backward`` commits inside ``fn``: a plain backward there would write ``.grad`` on one
+    logical rank's behalf, whoever made the output."""
+    trainer = ds.make_trainer()
+    run_logical(lambda view: None, trainer, logical_dp=2)
+    items, advantages = ds.micro_batch(0, 0)
+    outputs = trainer.forward(items)  # outside fn: no logical rank owns it
+
+    def body(view: object) -> None:
+        if view.logical_rank == 0:
+            trainer.backward(ds.rank_loss(outputs, advantages, 10))
+
+    with pytest.raises(rt.ConfigError, match="view.backward"):
+        run_logical(body, trainer, logical_dp=2)
+    _assert_nothing_committed(trainer)
+    trainer.backward(ds.rank_loss(outputs, advantages, 10))  # outside fn it is a plain backward, as before
+    assert trainer.checkpoint(ds.POLICY).has_gradients()

@@ -123,3 +123,67 @@ def test_optim_step_validates_every_buffered_origin_before_any_grad_changes() ->
     assert not checkpoint.has_gradients() and checkpoint.revision == 0, "a refused step changed the checkpoint"
     after = logical_gradients(trainer)
     assert all(torch.equal(buffers[r][k], after[r][k]) for r in buffers for k in buffers[r]), "a refused step changed a buffer"
+
+
+# --- live .grad beside logical-rank buffers ----------------------------------------------------
+
+STRICT = rt.ForwardOptions(corrections=(), max_gradient_staleness=0)
+
+
+def _plain_gradient(trainer: rt.Trainer, batches: list[tuple[list, list]], count: int) -> dict[str, torch.Tensor]:
+    """Oracle: plain autograd of ``sum_b rank_loss(batch b)`` on a deep copy of the model at the live weights."""
+    import copy
+
+    model = copy.deepcopy(trainer.model)
+    weights = {n: p.detach().clone().requires_grad_(True) for n, p in trainer.checkpoint(ds.POLICY).named_parameters()}
+    total = 0.0
+    for items, advantages in batches:
+        for item, advantage in zip(items, advantages):
+            logits = torch.func.functional_call(model, weights, (item.input_tokens[None],))[0]  # (T, V)
+            targets = item.targets()
+            picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            logprobs = torch.where(targets >= 0, picked, torch.zeros_like(picked))  # a masked target: log-prob 0
+            total = total - (logprobs * advantage).sum() / count
+    return dict(zip(weights, torch.autograd.grad(total, list(weights.values()))))
+
+
+def test_flush_adds_the_logical_sum_to_a_gradient_already_committed_to_grad() -> None:
+    """A plain backward committed to ``.grad``, then logical ranks' buffers: the step sees both (oracle: autograd)."""
+    trainer = ds.make_trainer()
+    live = ds.micro_batch(7, 0)
+    trainer.backward(ds.rank_loss(trainer.forward(live[0]), live[1], 10))
+    _backward_on_every_rank(trainer)
+    expected = _plain_gradient(trainer, [live, ds.micro_batch(0, 0), ds.micro_batch(0, 1)], 10)
+    trainer.optim_step(lr=0.0)
+    for name, param in trainer.checkpoint(ds.POLICY).named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_step_refused_for_a_stale_live_origin_leaves_grad_buffers_and_revision_unchanged() -> None:
+    """NOTE [Staleness] Rule 4: every origin, buffered and live, is checked before the buffers are flushed."""
+    trainer = ds.make_trainer()
+    checkpoint = trainer.checkpoint(ds.POLICY)
+    items, advantages = ds.micro_batch(7, 0)
+    trainer.backward(ds.rank_loss(trainer.forward(items, options=STRICT), advantages, 10))
+    trainer.optim_step()  # revision 1: the live origin (revision 0, bound 0) is now 1 stale
+
+    def body(view: Any) -> None:
+        items, advantages = ds.micro_batch(0, view.logical_rank)
+        view.backward(ds.rank_loss(view.forward(items, options=STRICT), advantages, 10))
+
+    run_logical(body, trainer, logical_dp=2)
+    grads = {n: (p.grad, p.grad.clone()) for n, p in checkpoint.named_parameters()}
+    params, buffers = ds.params(trainer), logical_gradients(trainer)
+    with pytest.raises(rt.StaleGradientError) as info:
+        trainer.optim_step()
+    assert (info.value.staleness, info.value.bound, info.value.forward_revision) == (1, 0, 0)
+    for name, param in checkpoint.named_parameters():
+        assert param.grad is grads[name][0] and torch.equal(param.grad, grads[name][1]), f"{name}: .grad changed"
+        assert torch.equal(param, params[name]), f"{name}: parameter changed"
+    after = logical_gradients(trainer)
+    assert after.keys() == buffers.keys() and all(after[r].keys() == buffers[r].keys() for r in buffers)
+    assert all(torch.equal(buffers[r][k], after[r][k]) for r in buffers for k in buffers[r]), "a refused step changed a buffer"
+    assert checkpoint.revision == 1
+    trainer.zero_grad()  # the way out: drop the stale gradients, then train on
+    _backward_on_every_rank(trainer)
+    assert trainer.optim_step()[ds.POLICY].stepped

@@ -155,6 +155,25 @@ def test_load_is_refused_while_gradients_are_pending_and_nothing_changes() -> No
     assert trainer.checkpoint("policy").revision == 0
 
 
+def test_the_busy_check_counts_only_the_loaded_checkpoint() -> None:
+    """A live graph and committed gradients on "policy" do not make loading "ref" busy, nor touch "policy"."""
+    trainer = make_trainer("full", dropout=0.0)
+    trainer.add_checkpoint("ref", lora=rt.LoRAConfig(rank=4), seed=3)
+    saved = trainer.checkpoint("ref").state_dict()
+    _commit(trainer, seed=1, checkpoint="ref")
+    trainer.optim_step(checkpoints=["ref"])
+    trainer.zero_grad(checkpoints=["ref"])
+    _commit(trainer, seed=2, checkpoint="policy")
+    out = _forward(trainer, seed=3, checkpoint="policy")
+    grads, before = grad_snapshot(trainer), _unchanged(trainer)
+    trainer.load_checkpoint("ref", saved)
+    assert trainer.checkpoint("ref").revision == 0
+    _assert_params_equal(trainer, saved["parameters"], "ref")
+    _assert_unchanged(trainer, before)
+    assert_grads_unchanged(trainer, grads)
+    trainer.backward(_loss(out, 3))  # policy's record is still good
+
+
 def test_discard_graphs_drops_gradients_and_older_graphs_raise_replaced() -> None:
     trainer = make_trainer("full", dropout=0.0)
     saved = trainer.checkpoint("policy").state_dict()

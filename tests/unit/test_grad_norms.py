@@ -127,3 +127,22 @@ def test_a_known_norm_keeps_no_gradient_alive() -> None:
     gc.collect()
     assert ref() is None
     assert not known.matches([torch.ones(4)])
+
+
+def test_a_gradient_set_that_shrank_is_measured_again_and_clipped_like_clip_grad_norm() -> None:
+    """``.grad = None`` on the last parameter after the commit: the remaining tensors are a prefix of the
+    measured ones, unmodified, so only the length tells the known norm does not apply (Rule 3)."""
+    trainer = _trainer()
+    _backward(trainer, 0)
+    last = list(trainer.checkpoint("policy").parameters())[-1]
+    assert last.grad is not None and last.grad.abs().sum() > 0, "the dropped gradient must carry signal"
+    last.grad = None
+    copies = []  # the independent oracle: fresh tensors holding copies of the remaining gradients
+    for grad in _grads(trainer):
+        copies.append(torch.zeros_like(grad, requires_grad=True))
+        copies[-1].grad = grad.detach().clone()
+    true_norm = float(torch.nn.utils.clip_grad_norm_(copies, max_norm=1.0))
+    report = trainer.optim_step(max_grad_norm=1.0, lr=0.0)["policy"]
+    assert report.grad_norm == pytest.approx(true_norm, rel=1e-6) and report.clipped
+    for grad, expected in zip(_grads(trainer), copies, strict=True):
+        torch.testing.assert_close(grad, expected.grad, rtol=1e-6, atol=0.0)
