@@ -104,6 +104,7 @@ class RankHost(Protocol):
     """The logical-rank runtime (``reference_trainer.ranks``) that fills a trainer's buffers."""
 
     hosted: range
+    running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
@@ -126,6 +127,10 @@ class RankGradients:
         assert not self.pending(), "a new layout over pending logical gradients"
         self.host = host
         self.buffers = {logical_rank: BufferGradSink() for logical_rank in host.hosted}
+
+    def running(self) -> int | None:
+        """The logical rank whose code runs now (a forward's owner, NOTE [Importance correction] Rule 7); None outside."""
+        return None if self.host is None else self.host.running
 
     def pending(self, checkpoint: str | None = None) -> int:
         """Buffered gradient tensors, of one checkpoint or of all."""
