@@ -104,6 +104,39 @@ def test_the_one_step_stale_loop_keeps_no_more_tensors_as_it_goes(repeated: bool
     assert corrected == (28 if repeated else 0)  # every backward but the first, which is fresh
 
 
+def _unusable_rows_schedule(trainer: rt.Trainer) -> list[int]:
+    """A stale record of X stays pending; X is scored again at revision 1, then the revision moves
+    on, then other tokens Y are forwarded and backpropagated; then X is scored at revision 2 and the
+    stale record backpropagated. Tensors alive after Y's forward, after its backward and after the
+    stale record's backward, relative to the start."""
+    stale = trainer.forward(_item(1))
+    _step(trainer, seed=50)
+    start = _live_tensors()
+    again = trainer.forward(_item(1))  # usable by the stale record while revision 1 is current
+    trainer.backward(-again.target_logprobs.sum())
+    del again
+    trainer.optim_step()  # revision 2: X's revision-1 log-probs can never be used
+    trainer.zero_grad()
+    other = trainer.forward(_item(2))  # nothing pending has Y's tokens: none of its rows is usable
+    counts = [_live_tensors()]
+    trainer.backward(-other.target_logprobs.sum())
+    del other
+    counts.append(_live_tensors())
+    again = trainer.forward(_item(1))  # X at revision 2: usable by the stale record ...
+    trainer.backward(-stale.target_logprobs.sum())  # ... which uses it and is gone: nothing can use it now
+    counts.append(_live_tensors())
+    del again, stale
+    return [c - start for c in counts]
+
+
+def test_rows_no_pending_record_can_use_are_not_kept() -> None:
+    """Against a twin without corrections run through the same schedule: no extra tensor is alive,
+    neither the revision-1 rows of X, nor a copy of Y's rows, nor X's rows once their last user is gone."""
+    plain = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
+    plain.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2))
+    assert _unusable_rows_schedule(_trainer()) == _unusable_rows_schedule(plain)
+
+
 # --- let-through: no token keys read without an older record pending ------------------------------
 
 
