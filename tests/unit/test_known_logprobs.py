@@ -75,7 +75,7 @@ def test_a_logical_rank_is_corrected_only_with_logprobs_its_own_forwards_compute
 
 def _live_tensors() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no proxy __class__
 
 
 @pytest.mark.parametrize("repeated", [False, True], ids=["new-tokens", "a-repeated-row"])
@@ -88,7 +88,7 @@ def test_the_one_step_stale_loop_keeps_no_more_tensors_as_it_goes(repeated: bool
     trainer = _trainer()
     previous = None
     counts, corrected = {}, 0
-    for k in range(30):
+    for k in range(20):
         batch = [_item(1000 + k)] + ([_item(1)] if repeated else [_item(2000 + k)])
         outputs = trainer.forward(batch)
         if previous is not None:
@@ -98,10 +98,10 @@ def test_the_one_step_stale_loop_keeps_no_more_tensors_as_it_goes(repeated: bool
             trainer.zero_grad()
         previous = outputs
         del outputs
-        if k in (8, 29):
+        if k in (6, 19):
             counts[k] = _live_tensors()
-    assert counts[29] <= counts[8], f"tensors alive grew from {counts[8]} to {counts[29]} in 21 iterations"
-    assert corrected == (28 if repeated else 0)  # every backward but the first, which is fresh
+    assert counts[19] <= counts[6], f"tensors alive grew from {counts[6]} to {counts[19]} in 13 iterations"
+    assert corrected == (18 if repeated else 0)  # every backward but the first, which is fresh
 
 
 def _unusable_rows_schedule(trainer: rt.Trainer) -> list[int]:
