@@ -32,7 +32,7 @@ NOTE [Importance correction]
      for ``"when_available"`` and has the same tokens, and the checkpoint is
      still at the row's revision. Entries that lose either are dropped at the
      next forward or release of the scope, so the cache never holds more
-     rows than the pending records of its scope.
+     rows than the pending records of its scope have distinct rows.
   8. Dropout: the ratio compares two forwards of the same tokens, which is
      meaningful only if both used the same dropout masks. Two different
      forwards draw the same masks only if neither draws any, so
@@ -146,7 +146,8 @@ def _token_keys(batches: list[PaddedBatch]) -> list[list[TokenKey]]:
     for batch in batches:
         size, width = batch.input_ids.numel(), batch.input_ids.shape[1]
         ids, targets = flat[start : start + size], flat[start + size : start + 2 * size]
-        keys.append([(tuple(ids[r * width :][:n]), tuple(targets[r * width :][:n])) for r, n in enumerate(batch.lengths)])
+        rows = [(r * width, r * width + n) for r, n in enumerate(batch.lengths)]  # (start, end) of each row's real tokens
+        keys.append([(tuple(ids[a:b]), tuple(targets[a:b])) for a, b in rows])
         start += 2 * size
     return keys
 

@@ -3,7 +3,8 @@
 :class:`LogicalState` is the trainer's ``RankHost`` (``sinks.py``): it lives
 on the trainer (``trainer.rank_gradients.host``), not in any registry here,
 and holds the layout, the transport, each hosted logical rank's RNG stream
-(NOTE [Logical ranks] Rule 2, in ``ranks/__init__.py``) and the zero-mode
+and which of them runs now (NOTE [Logical ranks] Rule 2, in
+``ranks/__init__.py``: :meth:`LogicalState.as_rank`) and the zero-mode
 outputs (Rule 7). The gradient buffers themselves live in the trainer's
 ``RankGradients`` sink; :meth:`LogicalState.sum_buffers` sums them over
 every process in logical order (Rules 4-5).
