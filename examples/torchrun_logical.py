@@ -8,8 +8,12 @@ Trains a tiny model for a few steps twice, in rank mode (every logical rank
 computes its own loss, normalised by the global token count) and in zero mode
 (rank 0 computes one loss over every logical rank's outputs), each with
 backwards two optimizer steps stale, and prints a digest of the parameters.
-On CPU in FP32 the digests do not depend on ``--nproc-per-node``, as long as
-it divides ``--logical-dp``.
+The trainer uses the default options: a ``when_available`` importance
+correction, which reweights a stale record whose tokens its own logical rank
+scored again at the current revision (every micro-batch repeats one sequence
+of two steps before), so it prints how many records were corrected too.
+On CPU in FP32 the digests and counts do not depend on ``--nproc-per-node``,
+as long as it divides ``--logical-dp``.
 """
 
 from __future__ import annotations
@@ -26,18 +30,22 @@ from reference_trainer.ranks import init_distributed, run_logical
 def build_trainer() -> rt.Trainer:
     torch.manual_seed(0)  # every process builds the same weights
     model = rt.DecoderLM(rt.ModelConfig.tiny())
-    trainer = rt.Trainer(model, options=rt.ForwardOptions(corrections=()))
+    trainer = rt.Trainer(model)  # default options: corrections on (when_available)
     trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2))
     return trainer
 
 
 def micro_batch(step: int, logical_rank: int) -> tuple[list[rt.ForwardInput], list[torch.Tensor]]:
-    """Two sequences and their per-token advantages; a pure function of (step, logical rank)."""
+    """Two sequences and their per-token advantages; a pure function of (step, logical rank).
+
+    The second sequence depends on the step's parity only (a prompt sampled again two steps later).
+    """
     generator = torch.Generator().manual_seed(10_000 * step + logical_rank)
+    repeated = torch.Generator().manual_seed(10_000 * (step % 2) + logical_rank + 5_000)
     items, advantages = [], []
-    for _ in range(2):
-        length = int(torch.randint(4, 11, (1,), generator=generator))
-        items.append(rt.ForwardInput(torch.randint(0, 64, (length,), generator=generator)))
+    for tokens in (generator, repeated):
+        length = int(torch.randint(4, 11, (1,), generator=tokens))
+        items.append(rt.ForwardInput(torch.randint(0, 64, (length,), generator=tokens)))
         advantages.append(torch.randn(length, generator=generator))
     return items, advantages
 
@@ -47,31 +55,35 @@ def loss_of(outputs: list, advantages: list[torch.Tensor], tokens: int) -> torch
     return -total / tokens
 
 
-def train_rank_mode(logical_dp: int, steps: int) -> rt.Trainer:
+def train_rank_mode(logical_dp: int, steps: int) -> tuple[rt.Trainer, int]:
+    """The trained trainer and the number of records corrected over every logical rank."""
     trainer = build_trainer()
     pending: dict[tuple[int, int], tuple] = {}
+    corrected = 0
     for step in range(steps):
 
-        def body(view) -> None:
+        def body(view) -> int:
             items, advantages = micro_batch(step, view.logical_rank)
             outputs = view.forward(items)
             tokens = view.global_token_count([item.targets() >= 0 for item in items])
             pending[(step, view.logical_rank)] = (outputs, advantages, tokens)
             stale = pending.pop((step - 2, view.logical_rank), None)  # forward two steps ago
-            if stale is not None:
-                view.backward(loss_of(*stale))
+            mine = len(view.backward(loss_of(*stale)).corrected) if stale is not None else 0
+            return int(view.reduce(torch.tensor(mine)))  # over every logical rank, whichever process
 
-        run_logical(body, trainer, logical_dp=logical_dp)
+        corrected += run_logical(body, trainer, logical_dp=logical_dp)[0]
         trainer.optim_step()  # on every process: sums the logical ranks' gradients in logical order
         trainer.zero_grad()
-    return trainer
+    return trainer, corrected
 
 
-def train_zero_mode(logical_dp: int, steps: int) -> rt.Trainer:
+def train_zero_mode(logical_dp: int, steps: int) -> tuple[rt.Trainer, int]:
+    """The trained trainer and the number of records corrected (counted on rank 0, 0 elsewhere)."""
     trainer = build_trainer()
 
-    def fn(zero) -> None:  # runs on global rank 0 only; it drives every process
+    def fn(zero) -> int:  # runs on global rank 0 only; it drives every process
         pending: dict[int, tuple] = {}
+        corrected = 0
         for step in range(steps):
             batches = [micro_batch(step, rank) for rank in range(logical_dp)]
             items = [item for batch, _ in batches for item in batch]
@@ -80,12 +92,13 @@ def train_zero_mode(logical_dp: int, steps: int) -> rt.Trainer:
             pending[step] = (outputs, [adv for _, advs in batches for adv in advs], tokens)
             stale = pending.pop(step - 2, None)
             if stale is not None:
-                zero.backward(loss_of(*stale))
+                corrected += len(zero.backward(loss_of(*stale)).corrected)
             zero.optim_step()
             zero.zero_grad()
+        return corrected
 
-    run_logical(fn, trainer, mode="zero", logical_dp=logical_dp)
-    return trainer
+    corrected = run_logical(fn, trainer, mode="zero", logical_dp=logical_dp)
+    return trainer, corrected or 0
 
 
 def digest(trainer: rt.Trainer) -> str:
@@ -96,22 +109,23 @@ def digest(trainer: rt.Trainer) -> str:
     return sha.hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> dict[str, str]:
+def main(argv: list[str] | None = None) -> dict[str, tuple[str, int]]:
+    """``{mode: (parameter digest, records corrected)}``, printed on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logical-dp", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # bitwise comparisons across launches want one kernel schedule
     rank, world_size = init_distributed(device="cpu")  # the model is on the CPU: gloo even where CUDA exists
-    digests = {
-        "rank": digest(train_rank_mode(args.logical_dp, args.steps)),
-        "zero": digest(train_zero_mode(args.logical_dp, args.steps)),
-    }
+    results = {}
+    for mode, train in (("rank", train_rank_mode), ("zero", train_zero_mode)):
+        trainer, corrected = train(args.logical_dp, args.steps)
+        results[mode] = (digest(trainer), corrected)
     if rank == 0:
         print(f"processes={world_size} logical_dp={args.logical_dp}")
-        for mode, value in digests.items():
-            print(f"{mode}-mode digest {value}")
-    return digests
+        for mode, (value, corrected) in results.items():
+            print(f"{mode}-mode digest {value} corrected {corrected}")
+    return results
 
 
 if __name__ == "__main__":

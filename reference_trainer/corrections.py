@@ -22,13 +22,30 @@ NOTE [Importance correction]
      inputs at the current weights, with the forward's RNG, train/eval mode
      and autocast restored. ``"when_available"`` corrects only the rows whose
      tokens a forward at the current revision already scored
-     (:class:`KnownLogprobs`, kept only while an older record of the
-     checkpoint is pending); it never adds a forward.
+     (:class:`KnownLogprobs`); it never adds a forward.
+  7. ``"when_available"`` scope and bound: log-probs are known per logical
+     rank (the one whose code made the forward, NOTE [Logical ranks] Rule 2;
+     the process's own code is one more scope) and checkpoint, so a logical
+     rank is corrected only by its own forwards and the result does not
+     depend on how many processes host the logical ranks. A row is kept only
+     while it can still be used: a pending older record of its scope asks
+     for ``"when_available"`` and has the same tokens, and the checkpoint is
+     still at the row's revision. Entries that lose either are dropped at the
+     next forward or release of the scope, so the cache never holds more
+     rows than the pending records of its scope have distinct rows.
+  8. Dropout: the ratio compares two forwards of the same tokens, which is
+     meaningful only if both used the same dropout masks. Two different
+     forwards draw the same masks only if neither draws any, so
+     ``"when_available"`` pairs only forwards made without dropout (model in
+     eval mode or ``config.dropout == 0``); a record that drew masks is never
+     corrected by it, and its log-probs are never kept. ``"always"`` restores
+     the forward's RNG instead (Rule 6), so it corrects with dropout too.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -118,12 +135,25 @@ def correct_cotangent(
 
 
 TokenKey = tuple[tuple[int, ...], tuple[int, ...]]  # (input ids, target ids) of one row
+Scope = tuple[int | None, str]  # (logical rank that made the records, None: the process's own; checkpoint name)
+Rows = dict[TokenKey, tuple[CheckpointVersion, torch.Tensor]]  # one scope's known rows: (revision, log-probs)
 
 
-def _token_keys(batch: PaddedBatch) -> list[TokenKey]:
-    """Every row's key, from one host read of the batch (NOTE [Host syncs])."""
-    ids, targets = read_on_host(torch.stack((batch.input_ids, batch.targets)), "token keys")
-    return [(tuple(ids[row][:n]), tuple(targets[row][:n])) for row, n in enumerate(batch.lengths)]
+def _token_keys(batches: list[PaddedBatch]) -> list[list[TokenKey]]:
+    """Every row's key of each batch, from one host read of them all (NOTE [Host syncs])."""
+    flat = read_on_host(torch.cat([torch.stack((b.input_ids, b.targets)).reshape(-1) for b in batches]), "token keys")
+    keys, start = [], 0
+    for batch in batches:
+        size, width = batch.input_ids.numel(), batch.input_ids.shape[1]
+        ids, targets = flat[start : start + size], flat[start + size : start + 2 * size]
+        rows = [(r * width, r * width + n) for r, n in enumerate(batch.lengths)]  # (start, end) of each row's real tokens
+        keys.append([(tuple(ids[a:b]), tuple(targets[a:b])) for a, b in rows])
+        start += 2 * size
+    return keys
+
+
+def _scope(record: ForwardRecord) -> Scope:
+    return record.owner, record.checkpoint.name
 
 
 def _wants_current(record: ForwardRecord) -> bool:
@@ -132,35 +162,89 @@ def _wants_current(record: ForwardRecord) -> bool:
 
 
 class KnownLogprobs:
-    """Current-revision log-probs by checkpoint and token content, for ``"when_available"`` (Rule 6)."""
+    """Current-revision log-probs by scope and token content, for ``"when_available"`` (Rules 6-8).
 
-    def __init__(self) -> None:
-        self._known: dict[str, dict[TokenKey, tuple[CheckpointVersion, torch.Tensor]]] = {}
+    ``dropout``: the model's ``config.dropout``; with it, a forward in train
+    mode draws masks and takes no part (Rule 8). Each record's token keys are
+    read on the host at most once, and only when a row of it may be kept or
+    looked up.
+    """
+
+    def __init__(self, dropout: float) -> None:
+        self._dropout = dropout
+        self._known: dict[Scope, Rows] = {}
+        self._keys: weakref.WeakKeyDictionary[ForwardRecord, list[TokenKey]] = weakref.WeakKeyDictionary()
+
+    def _maskless(self, record: ForwardRecord) -> bool:
+        """The record's forward drew no dropout masks (Rule 8)."""
+        return self._dropout == 0 or not record.rng_state.training
+
+    def _read_keys(self, records: list[ForwardRecord]) -> None:
+        """Read the token keys of those of ``records`` not read yet, all in one host read."""
+        unread = [r for r in records if r not in self._keys]
+        if unread:
+            for record, keys in zip(unread, _token_keys([r.batch for r in unread])):
+                self._keys[record] = keys
+
+    def _users(self, scope: Scope, version: CheckpointVersion, pending: Iterable[ForwardRecord]) -> list[ForwardRecord]:
+        """Pending records of ``scope`` that could use log-probs made at ``version``: older, ``when_available``, maskless."""
+        return [
+            r for r in pending
+            if _scope(r) == scope and r.version != version and _wants_current(r) and self._maskless(r)
+        ]
+
+    def _prune(self, scope: Scope, current: CheckpointVersion, pending: Iterable[ForwardRecord]) -> Rows:
+        """Drop the rows of ``scope`` nothing can use any more (Rule 7); returns what is left.
+
+        Only the keys already read count: a row exists only if every record that
+        could use it was pending, and its keys read, when the row was kept.
+        """
+        known = {k: e for k, e in self._known.pop(scope, {}).items() if e[0] == current}
+        if known:
+            wanted = {key for r in self._users(scope, current, pending) for key in self._keys.get(r, ())}
+            known = {k: e for k, e in known.items() if k in wanted}
+        if known:
+            self._known[scope] = known
+        return known
 
     def remember(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
-        """Keep ``record``'s log-probs if an older pending record of its checkpoint may use them.
+        """Keep the rows of ``record`` that an older pending record of its scope may use (Rule 7).
 
-        Only a ``"when_available"`` correction reads them, so without such a
-        record pending nothing is kept and the token keys are not read.
+        Nothing is read on the host unless such a record is pending.
         """
-        name = record.checkpoint.name
-        if not any(r.checkpoint.name == name and r.version != record.version and _wants_current(r) for r in pending):
+        scope, pending = _scope(record), list(pending)
+        users = self._users(scope, record.version, pending) if self._maskless(record) else []
+        if not users:
+            self._prune(scope, record.version, pending)
             return
-        known = self._known.setdefault(name, {})
-        for row, key in enumerate(_token_keys(record.batch)):
-            known[key] = (record.version, record.forward_logprobs[row, : record.batch.lengths[row]])
+        self._read_keys(users + [record])
+        wanted = {key for r in users for key in self._keys[r]}
+        known = self._prune(scope, record.version, pending)
+        for row, key in enumerate(self._keys[record]):
+            if key in wanted:  # a copy of the row: the padded batch's storage is not kept alive
+                known[key] = (record.version, record.forward_logprobs[row, : record.batch.lengths[row]].clone())
+        if known:
+            self._known[scope] = known
+
+    def released(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
+        """``record`` is no longer pending: forget its keys and the rows only it could use."""
+        self._keys.pop(record, None)
+        self._prune(_scope(record), record.checkpoint.version, pending)
 
     def forget(self, name: str) -> None:
-        self._known.pop(name, None)
+        """Drop every scope of checkpoint ``name`` (its weights were replaced)."""
+        for scope in [s for s in self._known if s[1] == name]:
+            del self._known[scope]
 
     def current(self, record: ForwardRecord) -> tuple[torch.Tensor, list[int]]:
         """Padded current log-probs of ``record``'s rows (NaN where unknown) and the rows known."""
-        known = self._known.get(record.checkpoint.name, {})
+        known = self._known.get(_scope(record), {}) if self._maskless(record) else {}
         current = torch.full_like(record.forward_logprobs, math.nan)
         rows: list[int] = []
         if not known:
             return current, rows
-        for row, key in enumerate(_token_keys(record.batch)):
+        self._read_keys([record])
+        for row, key in enumerate(self._keys[record]):
             entry = known.get(key)
             if entry is not None and entry[0] == record.checkpoint.version:
                 current[row, : record.batch.lengths[row]] = entry[1]

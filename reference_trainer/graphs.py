@@ -167,13 +167,13 @@ class ForwardRecord:
     rng_state: dict[str, Any]
     decision: PlacementDecision
     root: torch.Tensor | None = None
-    logical_rank: int | None = None  # the logical rank whose fn made it (rank mode), which alone may backpropagate it
     forward_logprobs: torch.Tensor | None = None
     id: int = field(default_factory=lambda: next(_record_ids))
     live_outputs: int = 0
     released: bool = False
     ledger: Any = None  # residency.SavedStateLedger (retain/offload) or None (replay)
     usage: Any = None  # admission.RecordUsage: what the record holds
+    owner: int | None = None  # the logical rank whose code made it, which alone may backpropagate it (NOTE [Logical ranks] Rule 2)
 
     @property
     def version(self) -> CheckpointVersion:
@@ -319,13 +319,13 @@ def record_cotangent(record: ForwardRecord, leaves: list[tuple[torch.Tensor, tor
 class RecordTable:
     """The pending records of one trainer, by id; outputs find their record through the tag they carry.
 
-    ``on_idle(name)`` runs when the last pending record of checkpoint ``name``
-    is released (the ``when_available`` cache forgets it then).
+    ``on_release(record)`` runs after a pending record is released (the
+    ``when_available`` cache drops what only that record could use then).
     """
 
-    def __init__(self, on_idle: Callable[[str], None]) -> None:
+    def __init__(self, on_release: Callable[[ForwardRecord], None]) -> None:
         self._records: dict[int, ForwardRecord] = {}
-        self._on_idle = on_idle
+        self._on_release = on_release
 
     def __iter__(self) -> Iterator[ForwardRecord]:
         return iter(list(self._records.values()))
@@ -361,8 +361,8 @@ class RecordTable:
     def release(self, record: ForwardRecord) -> None:
         """Drop ``record``'s graph and state (Rule 4); idempotent."""
         record.release()
-        if self._records.pop(record.id, None) is not None and not self.count(record.checkpoint.name):
-            self._on_idle(record.checkpoint.name)
+        if self._records.pop(record.id, None) is not None:
+            self._on_release(record)
 
     def release_outputs(self, outputs: Sequence[ForwardOutput | None]) -> None:
         """Release the records behind ``outputs`` (a forward call that failed part-way)."""

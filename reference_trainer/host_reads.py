@@ -10,9 +10,11 @@ which tests observe with ``testing.observe_host_reads``:
 - the padded forward reads nothing: the trainer builds its masks right-padded,
   so ``DecoderLM.forward`` skips its padding check inside
   :func:`trusted_padding`;
-- a forward made while an older record of its checkpoint is pending with a
-  ``"when_available"`` correction reads its token keys once (the log-prob
-  cache of ``corrections.KnownLogprobs``); otherwise it reads nothing more;
+- a forward made while an older record of its checkpoint (and logical rank)
+  is pending with a ``"when_available"`` correction reads token keys once:
+  its own and those of such records not read before, together (the log-prob
+  cache of ``corrections.KnownLogprobs``, which reads each record's keys at
+  most once); otherwise it reads nothing more;
 - a backward reads once, accumulating or not: the fused norms of the
   gradients it will publish, one per checkpoint, read together
   (``commit.staged_norms``); they prove the gradients finite, and

@@ -106,13 +106,10 @@ class RankHost(Protocol):
     """The logical-rank runtime (``reference_trainer.ranks``) that fills a trainer's buffers."""
 
     hosted: range
+    running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
-        ...
-
-    def current_rank(self) -> int | None:
-        """The logical rank whose ``fn`` runs on this thread; ``None`` outside ``fn``."""
         ...
 
     def agree(self, error: Exception | None, label: str) -> None:
@@ -137,6 +134,10 @@ class RankGradients:
         self.host = host
         self.buffers = {logical_rank: BufferGradSink(logical_rank) for logical_rank in host.hosted}
 
+    def running(self) -> int | None:
+        """The logical rank whose code runs now (a forward's owner, NOTE [Importance correction] Rule 7); None outside."""
+        return None if self.host is None else self.host.running
+
     def pending(self, checkpoint: str | None = None) -> int:
         """Buffered gradient tensors, of one checkpoint or of all."""
         return sum(1 for b in self.buffers.values() for key in b.grads if checkpoint in (None, key[0]))
@@ -146,10 +147,6 @@ class RankGradients:
         behalf outside the buffers every logical rank shares (NOTE [Logical ranks] Rule 5)."""
         if self.host is not None:
             self.host.check_caller(call)
-
-    def current_rank(self) -> int | None:
-        """The logical rank a forward made here belongs to (rank mode's ``fn``), ``None`` elsewhere (Rule 2)."""
-        return None if self.host is None else self.host.current_rank()
 
     def check_route(self, owners: Iterable[int | None], sink: GradientSink | None) -> None:
         """Raise ``ConfigError`` unless a backward into ``sink`` may consume records of logical ranks ``owners``.

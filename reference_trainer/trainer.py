@@ -119,8 +119,8 @@ class Trainer:
         self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
         self._checkpoints: dict[str, Checkpoint] = {}
         self._generations = itertools.count()
-        self._known_logprobs = KnownLogprobs()
-        self.records = RecordTable(on_idle=self._known_logprobs.forget)
+        self._known_logprobs = KnownLogprobs(model.config.dropout)
+        self.records = RecordTable(on_release=lambda record: self._known_logprobs.released(record, self.records))
         """The pending forward records (for inspection and tests)."""
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
@@ -289,7 +289,7 @@ class Trainer:
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
             decision=decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
-            logical_rank=self.rank_gradients.current_rank(),
+            owner=self.rank_gradients.running(),
         )
         record.usage = self._admission.observe(record, cost, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)
@@ -336,7 +336,7 @@ class Trainer:
         """Where the records may commit, cotangents of the consumed outputs, then each record's checks
         and model backward into staging."""
         leaves, records = self.records.consumed_by(loss)
-        self.rank_gradients.check_route([r.logical_rank for r in records], sink)
+        self.rank_gradients.check_route([r.owner for r in records], sink)
         cotangents = output_cotangents(loss, leaves, retain_graph)
         self._admit_backward(records)
         by_record = cotangents_by_record(leaves, cotangents)

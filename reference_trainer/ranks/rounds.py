@@ -57,9 +57,8 @@ def drive(state: LogicalState, label: str, bodies: dict[int, Callable[[], Any]],
         while True:
             for fiber in fibers:
                 if not fiber.done:
-                    set_rng_state(state.rng[fiber.logical_rank], state.device)
-                    fiber.step(replies[fiber.logical_rank])
-                    state.rng[fiber.logical_rank] = rng_state(state.device)
+                    with state.as_rank(fiber.logical_rank):
+                        fiber.step(replies[fiber.logical_rank])
             local = [_status(state, f, share) for f in fibers]
             statuses = [s for part in state.comm.exchange(local, label) for s in part]
             if all(s.kind in ("done", "error") for s in statuses):

@@ -3,7 +3,8 @@
 :class:`LogicalState` is the trainer's ``RankHost`` (``sinks.py``): it lives
 on the trainer (``trainer.rank_gradients.host``), not in any registry here,
 and holds the layout, the transport, each hosted logical rank's RNG stream
-(NOTE [Logical ranks] Rule 2, in ``ranks/__init__.py``) and the zero-mode
+and which of them runs now (NOTE [Logical ranks] Rule 2, in
+``ranks/__init__.py``: :meth:`LogicalState.as_rank`) and the zero-mode
 outputs (Rule 7). The gradient buffers themselves live in the trainer's
 ``RankGradients`` sink; :meth:`LogicalState.sum_buffers` sums them over
 every process in logical order (Rules 4-5).
@@ -12,12 +13,14 @@ every process in logical order (Rules 4-5).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from ..checkpoints import Checkpoint
 from ..errors import ConfigError
-from ..rng import RngState, seeded_rng_state, stream_seed
+from ..rng import RngState, rng_state, seeded_rng_state, set_rng_state, stream_seed
 from ..sinks import BufferGradSink, SummedGradients
 from .fibers import current_fiber
 from .layout import LogicalLayout, ordered_sum
@@ -40,6 +43,7 @@ class LogicalState:
         self.comm = comm
         self.device = device
         self.rng: dict[int, RngState] = {r: seeded_rng_state(stream_seed(seed, r), device) for r in layout.hosted}
+        self.running: int | None = None  # the hosted logical rank whose code runs now (``as_rank``)
         self.commands = 0
         self.leading = False  # rank 0 is inside a zero-mode fn
         # Zero mode: the outputs hosted here by handle; on rank 0 also the caller's copies,
@@ -53,6 +57,20 @@ class LogicalState:
     @property
     def hosted(self) -> range:
         return self.layout.hosted
+
+    @contextmanager
+    def as_rank(self, logical_rank: int) -> Iterator[None]:
+        """Run the block as ``logical_rank``: on its own RNG stream (Rule 2), its forwards owned by it.
+
+        The stream advances only if the block returns; the caller restores its own RNG.
+        """
+        set_rng_state(self.rng[logical_rank], self.device)
+        self.running = logical_rank
+        try:
+            yield
+            self.rng[logical_rank] = rng_state(self.device)
+        finally:
+            self.running = None
 
     def holds_outputs(self) -> bool:
         return bool(self.outputs or self.proxies)
@@ -72,11 +90,6 @@ class LogicalState:
     def agree(self, error: Exception | None, label: str) -> None:
         """Every process raises the lowest failing process's error, or none does (Rule 6)."""
         self.comm.agree(error, label)
-
-    def current_rank(self) -> int | None:
-        """The logical rank whose ``fn`` runs on this thread (its fiber's), ``None`` outside ``fn``."""
-        fiber = current_fiber()
-        return None if fiber is None else fiber.logical_rank
 
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
         """Every logical rank's buffers of ``checkpoints``, summed in logical order on every process (Rules 4-5)."""

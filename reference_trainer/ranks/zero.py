@@ -227,11 +227,10 @@ class ZeroSession:
                 for logical_rank in state.layout.hosted:
                     if not chunks[logical_rank]:
                         continue
-                    set_rng_state(state.rng[logical_rank], state.device)
-                    outputs = self.trainer.forward(
-                        [item(i) for i in chunks[logical_rank]], checkpoint=header["checkpoint"], options=header["call_options"]
-                    )
-                    state.rng[logical_rank] = rng_state(state.device)
+                    with state.as_rank(logical_rank):
+                        outputs = self.trainer.forward(
+                            [item(i) for i in chunks[logical_rank]], checkpoint=header["checkpoint"], options=header["call_options"]
+                        )
                     made.extend((header["first"] + i, logical_rank, out) for i, out in zip(chunks[logical_rank], outputs))
             finally:
                 set_rng_state(caller, state.device)

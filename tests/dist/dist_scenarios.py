@@ -33,9 +33,9 @@ HANG_S, HANG_TIMEOUT_S = 2.0, 0.5  # a stalled peer, and the timeout that must n
 
 
 def make_trainer(kind: str = "full", *, dropout: float = 0.0) -> rt.Trainer:
-    """Tiny model, importance correction off; ``kind`` "full" or "lora" (B moved off zero)."""
+    """Tiny model, default options (a ``when_available`` correction); ``kind`` "full" or "lora" (B moved off zero)."""
     torch.manual_seed(0)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout)), options=rt.ForwardOptions(corrections=()))
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout)))
     optimizer = rt.AdamWConfig(lr=1e-2)
     if kind == "full":
         trainer.add_checkpoint(POLICY, full=True, optimizer=optimizer)
@@ -51,12 +51,20 @@ def make_trainer(kind: str = "full", *, dropout: float = 0.0) -> rt.Trainer:
 
 
 def micro_batch(step: int, logical_rank: int, size: int = 2) -> tuple[list[rt.ForwardInput], list[torch.Tensor]]:
-    """Deterministic inputs of varied lengths (so batches pad) and per-token advantages."""
+    """Deterministic inputs of varied lengths (so batches pad) and per-token advantages.
+
+    The last sequence's tokens depend on the step's parity only: a staleness-2
+    backward finds them scored at the current revision by its own logical
+    rank's forward of that step, so the default ``when_available`` correction
+    applies. Tokens never repeat across logical ranks.
+    """
     generator = torch.Generator().manual_seed(10_000 * step + logical_rank)
+    repeated = torch.Generator().manual_seed(10_000 * (step % 2) + logical_rank + 5_000)
     items, advantages = [], []
-    for _ in range(size):
-        length = int(torch.randint(4, 11, (1,), generator=generator))
-        items.append(rt.ForwardInput(torch.randint(0, 64, (length,), generator=generator)))
+    for index in range(size):
+        tokens = repeated if index == size - 1 else generator
+        length = int(torch.randint(4, 11, (1,), generator=tokens))
+        items.append(rt.ForwardInput(torch.randint(0, 64, (length,), generator=tokens)))
         advantages.append(torch.randn(length, generator=generator))
     return items, advantages
 
@@ -109,9 +117,13 @@ def error_facts(exc: BaseException) -> dict[str, Any]:
 # --- training schedules --------------------------------------------------------------------
 
 
-def train_rank(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Rank mode: each logical rank forwards its micro-batch and backpropagates the one from two steps ago."""
+def train_rank(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, Any]:
+    """Rank mode: each logical rank forwards its micro-batch and backpropagates the one from two steps ago.
+
+    Returns ``{"params": ..., "corrected": records this process's logical ranks corrected}``.
+    """
     pending: dict[tuple[int, int], tuple] = {}
+    corrected = []
     for step in range(steps):
 
         def body(view: Any) -> None:
@@ -121,16 +133,20 @@ def train_rank(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict
             pending[(step, view.logical_rank)] = (outputs, advantages, count)
             old = pending.pop((step - 2, view.logical_rank), None)
             if old is not None:
-                view.backward(rank_loss(*old))
+                corrected.extend(view.backward(rank_loss(*old)).corrected)
 
         run_logical(body, trainer, logical_dp=logical_dp, timeout_s=TIMEOUT_S)
         trainer.optim_step()
         trainer.zero_grad()
-    return params(trainer)
+    return {"params": params(trainer), "corrected": len(corrected)}
 
 
-def train_zero(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Zero mode: rank 0 spreads every logical rank's micro-batch and backpropagates one global loss."""
+def train_zero(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, Any]:
+    """Zero mode: rank 0 spreads every logical rank's micro-batch and backpropagates one global loss.
+
+    ``"corrected"``: the records the backwards corrected (rank 0 sees them all; 0 elsewhere).
+    """
+    corrected = []
 
     def fn(zero: Any) -> None:
         pending: dict[int, tuple] = {}
@@ -142,30 +158,31 @@ def train_zero(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict
             pending[step] = (per_rank, [batch[1] for batch in batches], token_count(items))
             old = pending.pop(step - 2, None)
             if old is not None:
-                zero.backward(global_loss(*old))
+                corrected.extend(zero.backward(global_loss(*old)).corrected)
             zero.optim_step()
             zero.zero_grad()
 
     run_logical(fn, trainer, mode="zero", logical_dp=logical_dp, timeout_s=TIMEOUT_S)
-    return params(trainer)
+    return {"params": params(trainer), "corrected": len(corrected)}
 
 
-def train_plain(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
+def train_plain(trainer: rt.Trainer, logical_dp: int, steps: int = STEPS) -> dict[str, Any]:
     """No logical ranks: one forward per logical rank's micro-batch, one backward of the global loss."""
     pending: dict[int, tuple] = {}
+    corrected = []
     for step in range(steps):
         batches = [micro_batch(step, rank) for rank in range(logical_dp)]
         per_rank = [trainer.forward(batch[0]) for batch in batches]
         pending[step] = (per_rank, [batch[1] for batch in batches], token_count([i for b in batches for i in b[0]]))
         old = pending.pop(step - 2, None)
         if old is not None:
-            trainer.backward(global_loss(*old))
+            corrected.extend(trainer.backward(global_loss(*old)).corrected)
         trainer.optim_step()
         trainer.zero_grad()
-    return params(trainer)
+    return {"params": params(trainer), "corrected": len(corrected)}
 
 
-INVARIANCE_CASES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
+INVARIANCE_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "rank-L2-full": lambda: train_rank(make_trainer("full"), 2),
     "rank-L4-full": lambda: train_rank(make_trainer("full"), 4),
     "rank-L4-lora": lambda: train_rank(make_trainer("lora"), 4),
@@ -174,6 +191,37 @@ INVARIANCE_CASES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
     "zero-L4-full": lambda: train_zero(make_trainer("full"), 4),
     "zero-L4-lora": lambda: train_zero(make_trainer("lora"), 4),
 }
+
+
+def shared_tokens() -> dict[str, Any]:
+    """Logical ranks 0 and 1 (L=2) forward the same tokens; after a step only logical rank 0 scores them again.
+
+    Each backpropagates its stale record of them: by NOTE [Importance correction] Rule 7 only
+    logical rank 0's is corrected, on one process as on two. Returns whether each hosted
+    logical rank's stale record was corrected, and the parameters after a second step.
+    """
+    trainer = make_trainer("full")
+    shared, advantages = micro_batch(0, 0)
+    kept: dict[int, list[Any]] = {}
+
+    def first(view: Any) -> None:
+        kept[view.logical_rank] = view.forward(shared)  # pending across the step
+        items, fresh_advantages = micro_batch(1, view.logical_rank)
+        view.backward(rank_loss(view.forward(items), fresh_advantages, 100))
+
+    def second(view: Any) -> dict[int, bool]:
+        loss = rank_loss(kept[view.logical_rank], advantages, 100)
+        if view.logical_rank == 0:
+            loss = loss + rank_loss(view.forward(shared), advantages, 100)
+        report = view.backward(loss)
+        return {view.logical_rank: any(r.staleness == 1 for r in report.corrected)}
+
+    run_logical(first, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    trainer.optim_step()
+    trainer.zero_grad()
+    flags = run_logical(second, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    trainer.optim_step()
+    return {"corrected": {rank: flag for hosted in flags for rank, flag in hosted.items()}, "params": params(trainer)}
 
 
 # --- more zero mode ------------------------------------------------------------------------
@@ -429,6 +477,7 @@ def two_process_suite() -> dict[str, Any]:
     scenarios.update(
         {
             "zero-eight-ranks": zero_eight_ranks,
+            "shared-tokens": shared_tokens,
             "rank-fault": lambda: rank_fault(rank),
             "rank-stale": lambda: rank_stale(rank),
             "rank-user-error": lambda: rank_user_error(rank),
