@@ -34,7 +34,7 @@ from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
 
-__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments"]
+__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments", "needs_master"]
 
 
 class _Base:
@@ -121,8 +121,9 @@ class Checkpoint:
     """A named set of trainable parameters with its AdamW state and version counters.
 
     ``revision`` counts successful optimizer steps; ``generation`` changes when
-    the checkpoint is loaded over. Low-precision parameters step through FP32
-    master copies; FP32 parameters step in place.
+    the checkpoint is loaded over. Parameters below FP32 (BF16, FP16) step
+    through FP32 master copies; FP32 and FP64 parameters step in place, at
+    their own precision (:func:`needs_master`).
     """
 
     def __init__(
@@ -151,7 +152,7 @@ class Checkpoint:
         self._masters = {
             n: p.detach().float().clone().requires_grad_(True)
             for n, p in params.items()
-            if p.dtype != torch.float32
+            if needs_master(p.dtype)
         }
         self._master_grads: dict[str, torch.Tensor] = {}  # FP32 gradient buffers, allocated at the first step
         stepped = [self._masters.get(n, p) for n, p in params.items()]
@@ -237,8 +238,8 @@ class Checkpoint:
         self.origins.clear()
 
     def _stepped_tensors(self) -> list[torch.Tensor]:
-        """The tensors AdamW steps, each with its ``.grad`` set: FP32 parameters as they are,
-        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32.
+        """The tensors AdamW steps, each with its ``.grad`` set: FP32 and FP64 parameters as they are,
+        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32 or better.
 
         A master's gradient is upcast into one buffer allocated at the first
         step and reused by every later one (held between steps: allocating
@@ -393,6 +394,14 @@ class Checkpoint:
                     self._masters[name].copy_(masters.get(name, state["parameters"][name]))
         self.revision = state["revision"]
         self.generation = generation
+
+
+def needs_master(dtype: torch.dtype) -> bool:
+    """Whether a parameter of ``dtype`` steps through an FP32 master: only below FP32 (BF16, FP16).
+
+    An FP64 parameter steps in place: an FP32 master would round it (and its
+    norm and clipped gradient) to FP32 at every step."""
+    return dtype.itemsize < torch.float32.itemsize
 
 
 def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
