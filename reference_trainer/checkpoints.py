@@ -191,7 +191,15 @@ class Checkpoint:
         return any(p.grad is not None for p in self._params.values())
 
     def trainable_nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params.values())
+        return sum(_nbytes(p) for p in self._params.values())
+
+    def held_nbytes(self) -> int:
+        """Device bytes held, what the next step allocates included (NOTE [Memory admission] Rule 1): parameters,
+        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``."""
+        masters = sum(_nbytes(m) for m in self._masters.values())
+        moments = sum(_nbytes(self._masters.get(n, p)) for n, p in self._params.items())
+        grads = sum(_nbytes(p.grad) for p in self._params.values() if p.grad is not None)
+        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads
 
     # --- captures (NOTE [Weight captures]) -------------------------------------------
 
@@ -397,10 +405,7 @@ class Checkpoint:
 
 
 def needs_master(dtype: torch.dtype) -> bool:
-    """Whether a parameter of ``dtype`` steps through an FP32 master: only below FP32 (BF16, FP16).
-
-    An FP64 parameter steps in place: an FP32 master would round it (and its
-    norm and clipped gradient) to FP32 at every step."""
+    """Whether a ``dtype`` parameter steps through an FP32 master: only below FP32 (an FP64 one would be rounded)."""
     return dtype.itemsize < torch.float32.itemsize
 
 
@@ -416,6 +421,10 @@ def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
             raise ConfigError(label, value, allowed)
         if label == "max_grad_norm" and value == 0:
             raise ConfigError(label, value, allowed)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _clone_nested(value: Any) -> Any:

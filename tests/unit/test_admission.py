@@ -282,7 +282,7 @@ def _replay_ms(trainer: rt.Trainer, seed: int) -> float:
 
 def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_finished() -> None:
     """On CUDA a forward returns before its kernels ran: its time is read later, from events, never guessed."""
-    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=520_000)  # one retained record, not two
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=570_000)  # one retained record, not two (the LoRA state holds 49,152 B)
     _DeviceStopwatch.finished = False
     with substitute_stopwatch(lambda device: _DeviceStopwatch()):
         unknown = _replay_ms(trainer, 0)
@@ -296,6 +296,7 @@ def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_f
 def _predicted(trainer: rt.Trainer, length: int) -> int:
     out = trainer.forward(rt.ForwardInput(*sequence(length, length=length)), options=rt.ForwardOptions(corrections=()))
     trainer.backward(out.target_logprobs.sum())
+    trainer.zero_grad()  # committed gradients are in the budget too: compare saved bytes alone
     return out.decision.predicted_bytes
 
 
@@ -305,3 +306,77 @@ def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
     first_short = _predicted(trainer, 8)
     assert _predicted(trainer, 40) == fresh, "a scale measured at length 8 changed the estimate at length 40"
     assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"
+
+
+# --- held <= admitted: the estimate covers what a forward really saves (issue 21, defect 5) ------
+
+
+def _trainer_in_census(rank: int, *, dropout: float = 0.1, **limits) -> tuple[rt.Trainer, StorageCensus]:
+    """A tiny LoRA trainer and a census of everything it allocated since it was built (checkpoint included)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0), **limits)
+    census = StorageCensus()
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=rank), seed=1)
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())  # the in-flight peak
+    return trainer, census
+
+
+def _admit_until_refused(trainer: rt.Trainer, census: StorageCensus, seeds: range, **options) -> list:
+    """Forwards (kept pending) until one is refused; after each admitted one, what is held fits the limits."""
+    outs = []
+    for seed in seeds:
+        try:
+            outs.append(_forward(trainer, seed, **options))
+        except rt.MemoryAdmissionError:
+            break
+        held = census.measure()
+        assert trainer.memory_limit_bytes is None or census.peak_device <= trainer.memory_limit_bytes, (
+            f"forward {len(outs)} admitted, then the device held {census.peak_device} B "
+            f"against a limit of {trainer.memory_limit_bytes} B"
+        )
+        limit = trainer.host_memory_limit_bytes
+        assert limit is None or held.host <= limit, f"forward {len(outs)} admitted, then the host held {held.host} B against {limit} B"
+    return outs
+
+
+def _assert_saved_within_admitted(outs: list) -> None:
+    """Per record: the saved bytes it holds (device for retain, host for offload) <= the saved bytes admitted."""
+    for out in outs:
+        held, admitted = out[0].usage.saved_bytes, out[0].decision.saved_bytes
+        assert held <= admitted, f"{out[0].placement} record {out[0].record_id}: holds {held} B, admitted {admitted} B"
+
+
+def test_a_scale_learned_in_eval_mode_never_admits_a_train_forward_over_the_host_limit() -> None:
+    """Eval mode saves no dropout masks or attention probabilities: its scale must not price train mode."""
+    trainer, census = _trainer_in_census(4, host_memory_limit_bytes=340_000)
+    trainer.model.eval()
+    outs = _admit_until_refused(trainer, census, range(1), backward_state="offload")  # learns this class in eval mode
+    assert outs, "non-vacuous: the eval-mode forward is admitted"
+    trainer.model.train()
+    outs += _admit_until_refused(trainer, census, range(1, 6), backward_state="offload")
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_every_forward_holds_at_most_the_saved_bytes_admitted_in_eval_then_train(placement: str) -> None:
+    """Both budgets: a retained record's saved bytes are on the device, an offloaded one's on the host."""
+    trainer, census = _trainer_in_census(4)
+    trainer.model.eval()
+    outs = _admit_until_refused(trainer, census, range(2), backward_state=placement)
+    trainer.model.train()
+    outs += _admit_until_refused(trainer, census, range(2, 5), backward_state=placement)
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("host_limit", [500_000, 800_000])
+def test_a_first_lora_forward_is_priced_with_its_rank_on_the_host(host_limit: int) -> None:
+    """Rank 256 on tiny: the adapters' ``x A^T`` intermediates are about half of what a forward saves."""
+    trainer, census = _trainer_in_census(256, dropout=0.0, host_memory_limit_bytes=host_limit)
+    outs = _admit_until_refused(trainer, census, range(4), backward_state="offload")
+    assert outs or host_limit < 800_000, "non-vacuous: the larger limit admits a forward"
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_a_first_lora_forward_holds_at_most_the_saved_bytes_admitted(placement: str) -> None:
+    trainer, census = _trainer_in_census(256, dropout=0.0)
+    _assert_saved_within_admitted(_admit_until_refused(trainer, census, range(2), backward_state=placement))
