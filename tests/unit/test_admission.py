@@ -10,7 +10,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
-from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
+from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, analytic_saved_bytes, plan_placement
 from reference_trainer.testing import substitute_device_capacity, substitute_stopwatch
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
@@ -380,3 +380,145 @@ def test_a_first_lora_forward_is_priced_with_its_rank_on_the_host(host_limit: in
 def test_a_first_lora_forward_holds_at_most_the_saved_bytes_admitted(placement: str) -> None:
     trainer, census = _trainer_in_census(256, dropout=0.0)
     _assert_saved_within_admitted(_admit_until_refused(trainer, census, range(2), backward_state=placement))
+
+
+# --- the budget covers the checkpoints' own state (issue 21, defect 6) ------------------------
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _prediction_with(dtype: torch.dtype, other: str) -> int:
+    """The predicted peak of one LoRA forward beside a full checkpoint ``other`` ("none", "fresh", "stepped", "grads")."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    if other != "none":
+        trainer.add_checkpoint("other", full=True)
+    if other in ("stepped", "grads"):
+        out = trainer.forward(rt.ForwardInput(*sequence(7, length=3)), checkpoint="other", options=NO_CORRECTION)
+        trainer.backward(out.target_logprobs.sum())
+        trainer.optim_step(checkpoints=["other"])
+        trainer.zero_grad()
+    if other == "grads":
+        out = trainer.forward(rt.ForwardInput(*sequence(8, length=3)), checkpoint="other", options=NO_CORRECTION)
+        trainer.backward(out.target_logprobs.sum())
+    return trainer.forward(rt.ForwardInput(*sequence(1)), checkpoint="policy", options=NO_CORRECTION).decision.predicted_bytes
+
+
+def _held_by_oracle(dtype: torch.dtype, with_grads: bool) -> int:
+    """What a stepped full checkpoint holds, counted from torch's own AdamW state (an independent run)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+    other = trainer.add_checkpoint("other", full=True)
+    out = trainer.forward(rt.ForwardInput(*sequence(7, length=3)), options=NO_CORRECTION)
+    trainer.backward(out.target_logprobs.sum())
+    trainer.optim_step()
+    state = other.state_dict()
+    moments = _nbytes(t for slots in state["optimizer"]["state"].values() for k, t in slots.items() if k != "step")
+    masters = _nbytes(state.get("master_parameters", {}).values())
+    grads = _nbytes(p.grad for p in other.parameters()) if with_grads else 0
+    # Masters count twice: each has an FP32 gradient buffer of its own shape and dtype.
+    return _nbytes(other.parameters()) + moments + 2 * masters + grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_counts_every_checkpoints_parameters_optimizer_state_masters_and_grads(dtype: torch.dtype) -> None:
+    alone = _prediction_with(dtype, "none")
+    stepped = _held_by_oracle(dtype, with_grads=False)
+    assert _prediction_with(dtype, "stepped") - alone == stepped
+    assert _prediction_with(dtype, "fresh") - alone == stepped, "the first step's state is reserved before it is allocated"
+    assert _prediction_with(dtype, "grads") - alone == _held_by_oracle(dtype, with_grads=True)
+
+
+def test_a_default_limit_counts_what_others_use_and_refuses_what_the_checkpoints_would_overflow() -> None:
+    total, others = 3_000_000, 400_000
+    with substitute_device_capacity(total, in_use=others):
+        trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    assert trainer.memory_limit_bytes == int(total * (1 - DEVICE_MARGIN_FRACTION)) - others
+    names = [f"c{k}" for k in range(8)]
+    for name in names:
+        trainer.add_checkpoint(name, full=True)
+    held = sum(_held_by_oracle(torch.float32, with_grads=False) for _ in names)  # each: parameters + AdamW moments
+    assert held < trainer.memory_limit_bytes, "non-vacuous: the checkpoints alone fit"
+    with pytest.raises(rt.MemoryAdmissionError) as info:  # but not with a forward beside them
+        trainer.forward(rt.ForwardInput(*sequence(1)), checkpoint="c0", options=NO_CORRECTION)
+    assert info.value.predicted_peak_bytes > held and info.value.limit_bytes == trainer.memory_limit_bytes
+    assert trainer.live_records() == 0
+
+
+# --- a refused call changes nothing (issue 21, defect 7) --------------------------------------
+
+
+def _state(trainer: rt.Trainer) -> dict:
+    checkpoint = trainer.checkpoint("policy")
+    return {
+        "params": {n: p.detach().clone() for n, p in checkpoint.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in checkpoint.named_parameters()},
+        "records": [(r.id, r.placement, r.ledger.placement if r.ledger else None) for r in trainer.records],
+        "rng": torch.get_rng_state(),
+        "revision": (checkpoint.revision, checkpoint.generation),
+    }
+
+
+def _assert_same_state(before: dict, after: dict) -> None:
+    for key in ("params", "grads"):
+        for name, value in before[key].items():
+            other = after[key][name]
+            assert (value is None) == (other is None) and (value is None or torch.equal(value, other)), f"{key} {name}"
+    assert before["records"] == after["records"], "records or their placements changed"
+    assert torch.equal(before["rng"], after["rng"]), "the global RNG advanced"
+    assert before["revision"] == after["revision"]
+
+
+def test_a_call_refused_in_its_second_group_ran_nothing_demoted_nothing_and_drew_nothing() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=1_050_000)
+    committed = _forward(trainer, 0)
+    trainer.backward(-committed[0].target_logprobs.sum())  # committed .grad to protect
+    pending = [_forward(trainer, seed) for seed in (1, 2, 3)]
+    assert [r.placement for r in trainer.records] == ["retain"] * 3, "retained records the first group must demote"
+    before = _state(trainer)
+    # The first group (replay off) fits only by demoting a pending record; the second, a forced retain, not at all.
+    no_replay = rt.ForwardOptions(allow_replay=False, corrections=())
+    first = [rt.ForwardInput(*sequence(40 + k, length=16), options=no_replay) for k in range(2)]
+    forced = rt.ForwardInput(*sequence(50, length=16), options=rt.ForwardOptions(backward_state="retain", corrections=()))
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward([*first, forced], options=NO_CORRECTION)
+    _assert_same_state(before, _state(trainer))
+    out = trainer.forward(first, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
+    assert "demoted 1" in out[0].decision.reason and [r.placement for r in trainer.records][0] == "offload"
+    del pending
+
+
+def test_each_group_of_a_call_is_planned_beside_the_groups_before_it() -> None:
+    """Two groups that each fit alone but not together are refused together, before either runs."""
+    trainer = make_trainer("lora", dropout=0.1, host_memory_limit_bytes=HOST_LIMIT)
+    offload = rt.ForwardOptions(backward_state="offload")
+    one = [rt.ForwardInput(*sequence(k, length=16), options=offload) for k in range(2)]
+    alone = trainer.forward(one, options=NO_CORRECTION)
+    assert alone[0].decision.saved_bytes > HOST_LIMIT / 2, "two such groups cannot share the host budget"
+    del alone
+    retain_too = rt.ForwardOptions(backward_state="offload", max_gradient_staleness=2)  # another group, same size
+    other = [rt.ForwardInput(*sequence(10 + k, length=16), options=retain_too) for k in range(2)]
+    before = _state(trainer)
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward(one + other, options=NO_CORRECTION)
+    _assert_same_state(before, _state(trainer))
+
+
+# --- the measured scale is the class maximum (a let-through bug of issue 21) -------------------
+
+
+def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> None:
+    """Lengths 32 and 17 share a shape class; the short one's ratio to the analytic estimate is lower."""
+    trainer = make_trainer("lora", dropout=0.1)
+    outs = [_forward_length(trainer, 0, 32), _forward_length(trainer, 1, 17)]
+    config, lora = trainer.model.config, trainer.checkpoint("policy").lora_config
+    large, small = (o[0].usage.saved_bytes / analytic_saved_bytes(config, 2, n, lora=lora) for o, n in zip(outs, (32, 17)))
+    assert small < large / 1.05, "non-vacuous: the second scale is lower than the first by more than the margin"
+    outs.append(_forward_length(trainer, 2, 32))
+    _assert_saved_within_admitted(outs)
+
+
+def _forward_length(trainer: rt.Trainer, seed: int, length: int) -> list[rt.ForwardOutput]:
+    inputs = [rt.ForwardInput(*sequence(seed * 10 + k, length=length)) for k in range(2)]
+    return trainer.forward(inputs, options=NO_CORRECTION)
