@@ -1,17 +1,20 @@
-"""Memory admission for one trainer: the device limit, what pending records hold, and the next forward's plan.
+"""Memory admission for one trainer: the device limit, what the trainer holds, and the next forward's plan.
 
 The stateful half of planning (the pure half is ``planner.py``, NOTE [Memory
-admission]): it sums what pending records actually hold (measured by their
-saved-state ledgers), learns the model's saved bytes and forward speed from
-forwards that ran, asks :func:`plan_placement` for the next forward and
-demotes pending retained records when that makes it fit (Rule 6).
+admission]): it sums what checkpoints and pending records actually hold
+(records measured by their saved-state ledgers), learns the model's saved
+bytes and forward speed from forwards that ran, asks :func:`plan_placement`
+for each record of a forward call and demotes pending retained records when
+that makes it fit (Rule 6), once the whole call is admitted (Rule 4).
 
 The device limit: an explicit ``memory_limit_bytes`` wins. Otherwise, on
-CUDA, the trainer plans against the device's capacity as it sees it when it
-is built: :func:`device_capacity` (the free device memory), plus the bytes its
-own records already hold (none, at construction), minus a safety margin of
-``DEVICE_MARGIN_FRACTION`` of the capacity for the allocator's rounding and
-fragmentation and for kernels' workspaces the estimate does not see. On CPU
+CUDA, the trainer plans against the device's capacity, not its free memory
+at one moment: the total memory less a safety margin of
+``DEVICE_MARGIN_FRACTION`` of it (the allocator's rounding and
+fragmentation, kernels' workspaces the estimate does not see), less what was
+in use when the trainer was built (the frozen base model, other processes,
+other tensors: not the trainer's to plan). Everything the trainer allocates
+afterwards, checkpoints included, is counted by the plan (Rule 1). On CPU
 the limit is ``None``: unbounded.
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import testing
-from .checkpoints import Checkpoint
+from .checkpoints import Checkpoint, CheckpointVersion
 from .graphs import ForwardRecord, PlacementDecision
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
@@ -34,6 +37,7 @@ from .planner import (
     PendingUsage,
     Placement,
     PlanRequest,
+    SavedClass,
     analytic_saved_bytes,
     attention_saves_scores,
     estimate_forward_cost,
@@ -42,36 +46,46 @@ from .planner import (
     shape_class,
 )
 
-__all__ = ["Admission", "DEVICE_MARGIN_FRACTION", "RecordUsage", "default_device_limit", "device_capacity"]
+__all__ = ["Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "RecordUsage", "default_device_limit", "device_capacity"]
 
 # Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
 _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
 DEVICE_MARGIN_FRACTION = 0.05
-"""Share of the device capacity the planner leaves unplanned (allocator rounding, fragmentation, kernel workspaces)."""
+"""Share of the device's total memory the planner leaves unplanned (allocator rounding, fragmentation, kernel workspaces)."""
 
 
-def device_capacity(device: torch.device) -> int | None:
-    """Bytes the trainer may still allocate on ``device``: free CUDA memory, ``None`` (unbounded) elsewhere.
+@dataclass(frozen=True)
+class DeviceCapacity:
+    """A device's total memory and what of it is free now, in bytes."""
+
+    total: int
+    free: int
+
+
+def device_capacity(device: torch.device) -> DeviceCapacity | None:
+    """The total and free memory of ``device`` on CUDA, ``None`` (unbounded) elsewhere.
 
     The one place the trainer reads the device's capacity; tests substitute it
     with ``reference_trainer.testing.substitute_device_capacity``.
     """
     override = testing.capacity_override()
     if override is not None:
-        return override(device)
+        sizes = override(device)
+        return None if sizes is None else DeviceCapacity(total=sizes[0], free=sizes[1])
     if device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceCapacity(total=int(total), free=int(free))
 
 
-def default_device_limit(device: torch.device, held_bytes: int = 0) -> int | None:
-    """The device limit when ``memory_limit_bytes`` is ``None``: capacity + ``held_bytes`` - margin."""
+def default_device_limit(device: torch.device) -> int | None:
+    """The device limit when ``memory_limit_bytes`` is ``None``: total less the margin, less what others use now."""
     capacity = device_capacity(device)
     if capacity is None:
         return None
-    return max(0, int((capacity + held_bytes) * (1.0 - DEVICE_MARGIN_FRACTION)))
+    in_use = capacity.total - capacity.free
+    return max(0, int(capacity.total * (1.0 - DEVICE_MARGIN_FRACTION)) - in_use)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +112,43 @@ class RecordUsage:
             workspace_bytes=self.workspace_bytes + self.saved_bytes,
         )
 
+    @classmethod
+    def of(cls, cost: ForwardCost, placement: Placement, saved: int, host: int, snapshot: int) -> RecordUsage:
+        """What a record of ``cost`` under ``placement`` holds with ``saved`` saved bytes (``host`` of them on the host)."""
+        kept = saved if placement is Placement.RETAIN else 0
+        return cls(
+            saved_bytes=saved,
+            snapshot_bytes=snapshot,
+            device_bytes=kept + cost.input_bytes + snapshot,
+            host_bytes=host if placement is Placement.OFFLOAD else 0,
+            workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
+        )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One record of a forward call, admitted: its decision, its cost and the class it learns the saved scale for."""
+
+    decision: PlacementDecision
+    cost: ForwardCost
+    saved_class: SavedClass
+
+
+@dataclass
+class _Held:
+    """A pending record, or an earlier record of the call being planned, as the plan sees it."""
+
+    version: CheckpointVersion
+    checkpoint: Checkpoint
+    usage: RecordUsage
+    record: ForwardRecord | None  # None: planned in this call, not run yet (never demoted)
+    demote: bool = False  # planned: demote once the whole call is admitted
+
+    @property
+    def demotable(self) -> bool:
+        record = self.record
+        return not self.demote and record is not None and record.ledger is not None and record.ledger.placement is Placement.RETAIN
+
 
 class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
@@ -109,70 +160,89 @@ class Admission:
         self.device_limit = device_limit
         self.host_limit = host_limit
         self.device_type = device_type
-        # Measured / analytic saved bytes, by shape class and whether attention saved its scores.
-        self._saved_scales: dict[tuple[tuple[int, int], bool], float] = {}
+        # The largest measured/analytic saved bytes of each class (Rule 5): never below any forward that ran.
+        self._saved_scales: dict[SavedClass, float] = {}
         self._seconds_per_token: float | None = None
         self._timing: list[tuple[Stopwatch, int]] = []  # forwards whose device time is not known yet, with their tokens
 
-    def plan(
+    def plan_call(
         self,
         checkpoint: Checkpoint,
-        lengths: list[int],
-        options: ResolvedOptions,
+        groups: list[tuple[list[int], ResolvedOptions]],
         pending: Iterable[ForwardRecord],
+        checkpoints: Iterable[Checkpoint],
         *,
         quantized: bool,
-    ) -> tuple[PlacementDecision, ForwardCost]:
-        """Plan the next forward and demote the pending records that must make room for it first."""
-        decision, cost, demote = self.decide(checkpoint, lengths, options, pending, quantized=quantized)
-        for record in demote:
-            record.ledger.demote()
-            record.usage = record.usage.demoted()
-        return decision, cost
+        training: bool,
+    ) -> list[Admitted]:
+        """Admit every record of one forward call (``groups``: each record's sequence lengths and options), or none.
 
-    def decide(
+        Each group is planned counting the ones before it as pending (Rule 4);
+        the demotions they need are made only once every group is admitted,
+        so a refusal leaves every pending record as it was.
+        """
+        held = [_Held(r.version, r.checkpoint, r.usage, r) for r in pending if r.usage is not None]
+        holdings = sum(c.held_nbytes() for c in checkpoints)
+        admitted = []
+        for lengths, options in groups:
+            plan, demote = self._decide(checkpoint, lengths, options, held, holdings, quantized, training)
+            for entry in demote:
+                entry.usage, entry.demote = entry.usage.demoted(), True
+            snapshot = checkpoint.trainable_nbytes()
+            placement = Placement(plan.decision.placement)
+            saved = plan.cost.saved_bytes
+            held.append(_Held(checkpoint.version, checkpoint, RecordUsage.of(plan.cost, placement, saved, saved, snapshot), None))
+            admitted.append(plan)
+        for entry in held:
+            if entry.demote:
+                entry.record.ledger.demote()
+                entry.record.usage = entry.usage
+        return admitted
+
+    def _decide(
         self,
         checkpoint: Checkpoint,
         lengths: list[int],
         options: ResolvedOptions,
-        pending: Iterable[ForwardRecord],
-        *,
+        held: list[_Held],
+        holdings: int,
         quantized: bool,
-    ) -> tuple[PlacementDecision, ForwardCost, list[ForwardRecord]]:
-        """Plan the next forward; returns its decision, its cost and the records to demote first.
+        training: bool,
+    ) -> tuple[Admitted, list[_Held]]:
+        """Plan one record; returns it admitted and the held records to demote first.
 
         When nothing fits an ``auto`` forward, pending retained records are
         demoted to host copies, oldest first, as few as make it fit (NOTE
         [Memory admission] Rule 6); a forced placement is honoured or refused.
         """
-        pending = list(pending)
-        shares_snapshot = any(r.version == checkpoint.version for r in pending)
-        involved = {r.checkpoint.name: r.checkpoint for r in pending} | {checkpoint.name: checkpoint}
+        shares_snapshot = any(h.version == checkpoint.version for h in held)
+        involved = {h.checkpoint.name: h.checkpoint for h in held} | {checkpoint.name: checkpoint}
         # Weight snapshots are shared by every record of a version: counted once per pending version.
-        snapshots = sum({r.version: r.checkpoint.trainable_nbytes() for r in pending}.values())
+        snapshots = sum({h.version: h.checkpoint.trainable_nbytes() for h in held}.values())
+        saved_class = self._saved_class(checkpoint, len(lengths), max(lengths), training)
         cost = self._cost(
+            saved_class,
             len(lengths),
             max(lengths),
             snapshot_bytes=0 if shares_snapshot else checkpoint.trainable_nbytes(),
-            staging_bytes=sum(c.trainable_nbytes() for c in involved.values()),
+            staging_bytes=sum(_staging_nbytes(c) for c in involved.values()),
         )
         requested = options.backward_state
         if quantized and requested == "auto" and options.allow_replay:
             requested = "replay"  # quantized saved state can only be rebuilt (NOTE [Saved-state lifetime] 6)
-        demotable = [
-            r for r in pending if r.ledger is not None and r.ledger.placement is Placement.RETAIN
-        ]
+        demotable = [h for h in held if h.demotable]
         reclaim = requested == "auto" and options.allow_offload
         refusal: MemoryAdmissionError | None = None
         for count in range(len(demotable) + 1 if reclaim else 1):
-            demoted = {id(r) for r in demotable[:count]}
-            usage = [r.usage.demoted() if id(r) in demoted else r.usage for r in pending if r.usage is not None]
+            demoted = {id(h) for h in demotable[:count]}
+            usage = [h.usage.demoted() if id(h) in demoted else h.usage for h in held]
             request = PlanRequest(
                 cost=cost,
                 pending=PendingUsage(
                     device_persistent=sum(u.device_bytes - u.snapshot_bytes for u in usage) + snapshots,
                     host_bytes=sum(u.host_bytes for u in usage),
                     max_workspace=max((u.workspace_bytes for u in usage), default=0),
+                    checkpoint_bytes=holdings,
                 ),
                 requested=requested,
                 allow_offload=options.allow_offload and not quantized,
@@ -187,9 +257,12 @@ class Admission:
                 continue
             reason = result.reason + (f"; demoted {count} pending retained record(s) to host" if count else "")
             decision = PlacementDecision(
-                placement=result.placement.value, predicted_bytes=result.predicted_peak_bytes, reason=reason
+                placement=result.placement.value,
+                predicted_bytes=result.predicted_peak_bytes,
+                saved_bytes=cost.saved_bytes,
+                reason=reason,
             )
-            return decision, cost, demotable[:count]
+            return Admitted(decision, cost, saved_class), demotable[:count]
         raise refusal
 
     def _learn_speed(self) -> None:
@@ -205,45 +278,49 @@ class Admission:
             self._seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
         self._timing = waiting
 
-    def _scores_saved(self) -> bool:
-        """Whether attention saves its probabilities now (the enabled backends may change between forwards)."""
+    def _saved_class(self, checkpoint: Checkpoint, batch: int, seq_len: int, training: bool) -> SavedClass:
+        """What decides the saved bytes of this forward now (the enabled attention backends may change between calls)."""
+        dropout = self.config.dropout if training else 0.0
         fused = fused_attention_enabled(self.device_type)
-        return attention_saves_scores(self.config.dtype, self.device_type, self.config.dropout, fused)
+        autocast = torch.is_autocast_enabled(self.device_type)
+        return SavedClass(
+            shape=shape_class(batch, seq_len),
+            scores_saved=attention_saves_scores(self.config.dtype, self.device_type, dropout, fused),
+            dropout_active=dropout > 0,
+            autocast=torch.get_autocast_dtype(self.device_type) if autocast else None,
+            lora=checkpoint.lora_config,
+        )
 
-    def _cost(self, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
+    def _cost(self, saved_class: SavedClass, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
         self._learn_speed()
-        scores = self._scores_saved()
         return estimate_forward_cost(
             self.config,
             batch=batch,
             seq_len=seq_len,
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
-            saved_scale=self._saved_scales.get((shape_class(batch, seq_len), scores)),
+            saved_scale=self._saved_scales.get(saved_class),
             measured_seconds_per_token=self._seconds_per_token,
             transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
-            scores_saved=scores,
+            scores_saved=saved_class.scores_saved,
+            lora=saved_class.lora,
         )
 
-    def observe(self, record: ForwardRecord, cost: ForwardCost, stopwatch: Stopwatch) -> RecordUsage:
+    def observe(self, record: ForwardRecord, admitted: Admitted, stopwatch: Stopwatch) -> RecordUsage:
         """Learn from a forward that ran (its speed once ``stopwatch`` knows it); returns what its record now holds."""
         batch, seq_len = record.batch.input_ids.shape
         self._timing.append((stopwatch, batch * seq_len))
-        saved = cost.saved_bytes
-        ledger = record.ledger
+        saved, ledger, key = admitted.cost.saved_bytes, record.ledger, admitted.saved_class
         if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
             saved = ledger.device_bytes + ledger.copied_bytes
-            scores = self._scores_saved()
-            scale = saved / analytic_saved_bytes(self.config, batch, seq_len, scores_saved=scores)
-            key = (shape_class(batch, seq_len), scores)
-            self._saved_scales[key] = max(scale, self._saved_scales.get(key, 0.0))
-        placement = Placement(record.decision.placement)
-        kept = saved if placement is Placement.RETAIN else 0
+            analytic = analytic_saved_bytes(self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora)
+            self._saved_scales[key] = max(saved / analytic, self._saved_scales.get(key, 0.0))
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
-        return RecordUsage(
-            saved_bytes=saved,
-            snapshot_bytes=record.checkpoint.trainable_nbytes(),
-            device_bytes=kept + cost.input_bytes + record.checkpoint.trainable_nbytes(),
-            host_bytes=held_on_host if placement is Placement.OFFLOAD else 0,
-            workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
-        )
+        placement = Placement(record.decision.placement)
+        return RecordUsage.of(admitted.cost, placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+
+
+def _staging_nbytes(checkpoint: Checkpoint) -> int:
+    """Gradients a backward stages for ``checkpoint``, plus the out-of-place sums onto committed ``.grad`` (Rule 1)."""
+    sums = sum(p.grad.numel() * p.grad.element_size() for p in checkpoint.parameters() if p.grad is not None)
+    return checkpoint.trainable_nbytes() + sums

@@ -35,7 +35,7 @@ from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
 
-__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments"]
+__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments", "needs_master"]
 
 
 class _Base:
@@ -102,8 +102,9 @@ class Checkpoint:
     """A named set of trainable parameters with its AdamW state and version counters.
 
     ``revision`` counts successful optimizer steps; ``generation`` changes when
-    the checkpoint is loaded over. Low-precision parameters step through FP32
-    master copies; FP32 parameters step in place.
+    the checkpoint is loaded over. Parameters below FP32 (BF16, FP16) step
+    through FP32 master copies; FP32 and FP64 parameters step in place, at
+    their own precision (:func:`needs_master`).
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class Checkpoint:
         self._masters = {
             n: p.detach().float().clone().requires_grad_(True)
             for n, p in params.items()
-            if p.dtype != torch.float32
+            if needs_master(p.dtype)
         }
         self._master_grads: dict[str, torch.Tensor] = {}  # FP32 gradient buffers, allocated at the first step
         stepped = [self._masters.get(n, p) for n, p in params.items()]
@@ -171,7 +172,15 @@ class Checkpoint:
         return any(p.grad is not None for p in self._params.values())
 
     def trainable_nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params.values())
+        return sum(_nbytes(p) for p in self._params.values())
+
+    def held_nbytes(self) -> int:
+        """Device bytes held, what the next step allocates included (NOTE [Memory admission] Rule 1): parameters,
+        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``."""
+        masters = sum(_nbytes(m) for m in self._masters.values())
+        moments = sum(_nbytes(self._masters.get(n, p)) for n, p in self._params.items())
+        grads = sum(_nbytes(p.grad) for p in self._params.values() if p.grad is not None)
+        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads
 
     # --- captures (NOTE [Weight captures]) -------------------------------------------
 
@@ -218,8 +227,8 @@ class Checkpoint:
         self.origins.clear()
 
     def _stepped_tensors(self) -> list[torch.Tensor]:
-        """The tensors AdamW steps, each with its ``.grad`` set: FP32 parameters as they are,
-        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32.
+        """The tensors AdamW steps, each with its ``.grad`` set: FP32 and FP64 parameters as they are,
+        FP32 masters (gradient upcast) for lower-precision ones, so norms and clipping run in FP32 or better.
 
         A master's gradient is upcast into one buffer allocated at the first
         step and reused by every later one (held between steps: allocating
@@ -353,6 +362,11 @@ class Checkpoint:
         self.generation = generation
 
 
+def needs_master(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` parameter steps through an FP32 master: only below FP32 (an FP64 one would be rounded)."""
+    return dtype.itemsize < torch.float32.itemsize
+
+
 def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
     """Raise ``ConfigError`` unless ``lr`` is None or finite >= 0 and ``max_grad_norm`` None or finite > 0."""
     for label, value, allowed in (
@@ -365,6 +379,10 @@ def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
             raise ConfigError(label, value, allowed)
         if label == "max_grad_norm" and value == 0:
             raise ConfigError(label, value, allowed)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _clone_nested(value: Any) -> Any:

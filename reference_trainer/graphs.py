@@ -103,10 +103,16 @@ def _describe(value: object) -> object:
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementDecision:
-    """Where a forward keeps what its backward needs, and why."""
+    """Where a forward keeps what its backward needs, and why.
+
+    ``predicted_bytes``: the device peak the plan admitted; ``saved_bytes``: the
+    saved bytes it admitted for this record (on the device for retain, the host
+    for offload, rebuilt at backward for replay), never fewer than it holds.
+    """
 
     placement: str
     predicted_bytes: int
+    saved_bytes: int
     reason: str
 
 

@@ -1,30 +1,48 @@
 """Where a forward keeps what its backward needs: a pure function of sizes and costs.
 
 NOTE [Memory admission]
-  1. The device budget covers everything the trainer holds plus the transient
-     peak of the work being run:
+  1. The device budget covers everything the trainer allocated since it was
+     built (the frozen base model is outside it) plus the transient peak of
+     the work being run:
+       checkpoints = for every checkpoint: its live parameters, FP32 masters
+                     and their gradient buffers, AdamW's ``exp_avg`` and
+                     ``exp_avg_sq`` (as the step will allocate them, counted
+                     before the first step allocates them) and its committed
+                     ``.grad`` (``Checkpoint.held_nbytes``);
        persistent  = for every pending record: retained saved bytes (retain),
-                     its weight snapshot, its input snapshot;
-       staging     = one copy of each involved checkpoint's trainable bytes
-                     (gradient staging at backward);
+                     its weight snapshot (once per pending version; for the
+                     current version it is the copy the next step's copy on
+                     write makes), its input snapshot;
+       staging     = for each involved checkpoint: one copy of its trainable
+                     bytes (gradients staged at backward) plus, for each
+                     parameter with a committed ``.grad``, the out-of-place
+                     sum the commit builds (NOTE [Gradient commit] Rule 2);
        workspace   = the largest transient need of any pending or new record:
                      its forward/backward transient, plus its saved bytes for an
                      offloaded or replayed record (restored or rebuilt at
                      backward, one record at a time).
-     predicted peak = persistent + staging + workspace.
+     predicted peak = checkpoints + persistent + staging + workspace.
+     Not counted: logical-rank gradient buffers, AdamW's host ``step`` scalars.
   2. Offloaded saved bytes count against the separate host budget instead.
   3. ``auto`` keeps a forward's saved state in place (retain) if that fits;
      otherwise it prices offload (bytes moved both ways) against replay (one
      more forward) and takes the cheaper that fits, within ``allow_offload``
      and ``allow_replay``. A forced placement is honoured or refused.
   4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes,
-     suggestion)``, raised before the forward allocates anything.
+     suggestion)``, raised before the forward allocates anything. A call whose
+     inputs form several records (NOTE [Forward records] Rule 1) is planned
+     whole, each group counting the ones planned before it, before any runs:
+     one refusal refuses the call, and nothing ran, moved or was drawn.
   5. Sizes come from a conservative analytic estimate of the model's saved
      activations (with the ``2·H·B·T²`` attention probabilities and dropout
      mask only where the attention backend in use saves them:
-     :func:`attention_saves_scores`), scaled by what was measured once a
-     forward of the same shape class (:func:`shape_class`) has run; times come from measurements when there are
-     any (a default transfer bandwidth and forward speed otherwise).
+     :func:`attention_saves_scores`, and each LoRA target's ``x·Aᵀ``),
+     scaled by the largest measured/analytic ratio of forwards of the same
+     :class:`SavedClass`: everything that decides what a forward saves but its
+     exact length (shape class, whether attention saves scores, whether
+     dropout is active, autocast, the LoRA rank and targets). Times come from
+     measurements when there are any (a default transfer bandwidth and
+     forward speed otherwise).
   6. Reclamation (``auto`` only): when nothing fits, pending retained records
      are demoted to host copies (as offload would have made them), oldest
      first, as few as make the new forward fit; only then is it refused.
@@ -38,6 +56,7 @@ from enum import Enum
 import torch
 
 from .errors import MemoryAdmissionError
+from .lora import LoRAConfig
 from .model import ModelConfig
 
 __all__ = [
@@ -46,6 +65,7 @@ __all__ = [
     "PendingUsage",
     "PlanRequest",
     "PlanResult",
+    "SavedClass",
     "plan_placement",
     "estimate_forward_cost",
     "analytic_saved_bytes",
@@ -99,6 +119,7 @@ class PendingUsage:
     device_persistent: int = 0
     host_bytes: int = 0
     max_workspace: int = 0
+    checkpoint_bytes: int = 0  # what every checkpoint holds (Rule 1)
 
 
 @dataclass(frozen=True)
@@ -123,7 +144,8 @@ class PlanResult:
 def _peak(request: PlanRequest, placement: Placement) -> int:
     cost, pending = request.cost, request.pending
     workspace = max(pending.max_workspace, cost.workspace(placement))
-    return pending.device_persistent + cost.persistent(placement) + cost.staging_bytes + workspace
+    persistent = pending.checkpoint_bytes + pending.device_persistent + cost.persistent(placement)
+    return persistent + cost.staging_bytes + workspace
 
 
 def _fits(request: PlanRequest, placement: Placement) -> tuple[bool, int, int]:
@@ -197,13 +219,30 @@ def shape_class(batch: int, seq_len: int) -> tuple[int, int]:
     return batch, max(seq_len - 1, 0).bit_length()
 
 
-def analytic_saved_bytes(config: ModelConfig, batch: int, seq_len: int, *, scores_saved: bool = True) -> int:
-    """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward."""
+@dataclass(frozen=True)
+class SavedClass:
+    """Forwards whose measured/analytic saved-bytes ratio is shared (Rule 5): all that decides what is saved."""
+
+    shape: tuple[int, int]  # shape_class
+    scores_saved: bool  # attention saves its probabilities (math backend)
+    dropout_active: bool  # train mode and p > 0: residual dropout masks are saved
+    autocast: torch.dtype | None  # the ambient autocast dtype, None when off
+    lora: LoRAConfig | None  # None: a full checkpoint
+
+
+def analytic_saved_bytes(
+    config: ModelConfig, batch: int, seq_len: int, *, scores_saved: bool = True, lora: LoRAConfig | None = None
+) -> int:
+    """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward.
+
+    A LoRA target saves its ``(B, T, rank)`` ``x·Aᵀ`` for ``B``'s gradient."""
     tokens = batch * seq_len
     elem = _element_size(config)
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
+    if lora is not None:
+        per_layer_token += lora.rank * len(lora.targets)
     # Attention probabilities and their dropout mask (math attention saves them).
     per_layer_square = 2 * config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     per_layers = config.num_hidden_layers * (per_layer_token * tokens + per_layer_square) * elem
@@ -221,6 +260,7 @@ def estimate_forward_cost(
     measured_seconds_per_token: float | None,
     transfer_bytes_per_second: float,
     scores_saved: bool = True,
+    lora: LoRAConfig | None = None,
 ) -> ForwardCost:
     """The cost of one ``(batch, seq_len)`` forward of ``config``.
 
@@ -229,7 +269,7 @@ def estimate_forward_cost(
     """
     tokens = batch * seq_len
     elem = _element_size(config)
-    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved)
+    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora)
     if saved_scale is not None:
         saved = int(saved * saved_scale * 1.05) + 4096
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -89,24 +89,33 @@ def maybe_fail(stage: str, index: int | None = None) -> None:
             raise InjectedFault(f"injected fault at stage {stage!r}" + (f" index {index}" if index is not None else ""))
 
 
-_capacities: list[Callable[[torch.device], int | None]] = []
+_capacities: list[Callable[[torch.device], tuple[int, int] | None]] = []
 
 
 @contextmanager
-def substitute_device_capacity(capacity: int | Callable[[torch.device], int | None]) -> Iterator[None]:
-    """Inside the block, a trainer built with ``memory_limit_bytes=None`` sees ``capacity`` as its device's capacity.
+def substitute_device_capacity(capacity: int | Callable[[torch.device], int | None], *, in_use: int = 0) -> Iterator[None]:
+    """Inside the block, a trainer built with ``memory_limit_bytes=None`` sees a device of ``capacity`` total bytes.
 
     ``capacity``: bytes (any device, CPU included), or a function of the
-    device returning bytes or ``None`` (unbounded).
+    device returning bytes or ``None`` (unbounded). ``in_use``: bytes of it
+    that others use (not free) when the trainer is built.
     """
     if not callable(capacity) and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ConfigError("capacity", capacity, "an int >= 0 or a function of the device")
-    with _pushed(_capacities, capacity if callable(capacity) else (lambda device: capacity)):
+    if isinstance(in_use, bool) or not isinstance(in_use, int) or in_use < 0:
+        raise ConfigError("in_use", in_use, "an int >= 0")
+    total_of = capacity if callable(capacity) else (lambda device: capacity)
+
+    def sizes(device: torch.device) -> tuple[int, int] | None:
+        total = total_of(device)
+        return None if total is None else (total, max(0, total - in_use))
+
+    with _pushed(_capacities, sizes):
         yield
 
 
-def capacity_override() -> Callable[[torch.device], int | None] | None:
-    """The innermost substituted capacity function, or ``None``."""
+def capacity_override() -> Callable[[torch.device], tuple[int, int] | None] | None:
+    """The innermost substituted capacity, a function of the device returning ``(total, free)`` or ``None``."""
     return _capacities[-1] if _capacities else None
 
 

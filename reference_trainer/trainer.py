@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import testing
-from .admission import Admission, default_device_limit
+from .admission import Admission, Admitted, default_device_limit
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import CorrectionStats, KnownLogprobs, correct_record
@@ -88,8 +88,9 @@ class Trainer:
 
     ``options``: trainer-level :class:`ForwardOptions`. ``memory_limit_bytes``
     bounds the device pool the planner admits forwards into: ``None`` means
-    the device's capacity on CUDA (free memory at construction, less a safety
-    margin: ``admission.default_device_limit``) and unbounded on CPU; an
+    the device's capacity on CUDA (total memory less a safety margin, less
+    what was in use at construction: ``admission.default_device_limit``) and
+    unbounded on CPU; it covers the checkpoints' own state too; an
     explicit value always wins. ``host_memory_limit_bytes`` bounds the host
     pool for offloaded state (``None``: unbounded).
     """
@@ -263,35 +264,45 @@ class Trainer:
         groups: dict[ResolvedOptions, list[int]] = {}
         for index, item in enumerate(flat):
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
+        quantized = has_quantized_module(self.model)
+        # The whole call is admitted before any group runs (NOTE [Memory admission] Rule 4).
+        admitted = self._admission.plan_call(
+            selected,
+            [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
+            self.records,
+            self._checkpoints.values(),
+            quantized=quantized,
+            training=self.model.training,
+        )
         outputs: list[ForwardOutput | None] = [None] * len(flat)
         try:
-            for resolved, indices in groups.items():
-                for index, output in zip(indices, self._submit(selected, [flat[i] for i in indices], resolved)):
+            for (resolved, indices), plan in zip(groups.items(), admitted):
+                items = [flat[i] for i in indices]
+                for index, output in zip(indices, self._submit(selected, items, resolved, plan, quantized)):
                     outputs[index] = output
         except BaseException:
             self.records.release_outputs(outputs)  # one call is all or nothing
             raise
         return rebuild(outputs)
 
-    def _submit(self, checkpoint: Checkpoint, items: list[ForwardInput], options: ResolvedOptions) -> list[ForwardOutput]:
-        """One record: admission (before anything is allocated), the forward, then its tagged outputs."""
-        quantized = has_quantized_module(self.model)
-        lengths = [int(i.input_tokens.numel()) for i in items]
-        decision, cost = self._admission.plan(checkpoint, lengths, options, self.records, quantized=quantized)
+    def _submit(
+        self, checkpoint: Checkpoint, items: list[ForwardInput], options: ResolvedOptions, plan: Admitted, quantized: bool
+    ) -> list[ForwardOutput]:
+        """One admitted record: the forward, then its tagged outputs."""
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
         state = capture_forward_state(self.model, self.device)
         capture = checkpoint.capture()
         stopwatch = start_stopwatch(self.device)
         root, ledger = record_forward(
-            self.model, checkpoint, capture, batch, Placement(decision.placement),
-            frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=cost.saved_bytes,
+            self.model, checkpoint, capture, batch, Placement(plan.decision.placement),
+            frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=plan.cost.saved_bytes,
         )
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
-            decision=decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
+            decision=plan.decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
             owner=self.rank_gradients.running(),
         )
-        record.usage = self._admission.observe(record, cost, stopwatch.stop())
+        record.usage = self._admission.observe(record, plan, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)
         return self.records.add(record)
 

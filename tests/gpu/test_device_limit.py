@@ -6,17 +6,19 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from reference_trainer.admission import DEVICE_MARGIN_FRACTION
 
 pytestmark = pytest.mark.gpu
 
 HEADROOM = 192 << 20  # what a blocker leaves free for the trainer
 
 
-def test_default_limit_follows_the_free_memory_the_allocator_reports() -> None:
+def test_default_limit_is_the_capacity_less_the_margin_less_what_others_use() -> None:
     with torch.device("cuda"):
         trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.small(), seed=0))
     free, total = torch.cuda.mem_get_info()
-    assert 0 < trainer.memory_limit_bytes <= free + (64 << 20) and trainer.memory_limit_bytes > 0.8 * free
+    expected = int(total * (1 - DEVICE_MARGIN_FRACTION)) - (total - free)
+    assert abs(trainer.memory_limit_bytes - expected) <= 64 << 20, (trainer.memory_limit_bytes, expected)
 
 
 def test_auto_offloads_replays_or_refuses_instead_of_running_out_of_memory() -> None:
@@ -24,7 +26,8 @@ def test_auto_offloads_replays_or_refuses_instead_of_running_out_of_memory() -> 
         model = rt.DecoderLM(rt.ModelConfig.small(), seed=0)
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
-    blocker = torch.empty(max(free - HEADROOM, 0), dtype=torch.uint8, device="cuda")  # leave HEADROOM free
+    margin = int(DEVICE_MARGIN_FRACTION * torch.cuda.mem_get_info()[1])
+    blocker = torch.empty(max(free - HEADROOM - margin, 0), dtype=torch.uint8, device="cuda")  # plannable: HEADROOM
     try:
         trainer = rt.Trainer(model)
         assert trainer.memory_limit_bytes < HEADROOM + (64 << 20)

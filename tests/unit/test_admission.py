@@ -10,7 +10,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
-from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, plan_placement
+from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, analytic_saved_bytes, plan_placement
 from reference_trainer.testing import substitute_device_capacity, substitute_stopwatch
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
@@ -282,7 +282,7 @@ def _replay_ms(trainer: rt.Trainer, seed: int) -> float:
 
 def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_finished() -> None:
     """On CUDA a forward returns before its kernels ran: its time is read later, from events, never guessed."""
-    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=520_000)  # one retained record, not two
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=570_000)  # one retained record, not two (the LoRA state holds 49,152 B)
     _DeviceStopwatch.finished = False
     with substitute_stopwatch(lambda device: _DeviceStopwatch()):
         unknown = _replay_ms(trainer, 0)
@@ -296,6 +296,7 @@ def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_f
 def _predicted(trainer: rt.Trainer, length: int) -> int:
     out = trainer.forward(rt.ForwardInput(*sequence(length, length=length)), options=rt.ForwardOptions(corrections=()))
     trainer.backward(out.target_logprobs.sum())
+    trainer.zero_grad()  # committed gradients are in the budget too: compare saved bytes alone
     return out.decision.predicted_bytes
 
 
@@ -305,3 +306,221 @@ def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
     first_short = _predicted(trainer, 8)
     assert _predicted(trainer, 40) == fresh, "a scale measured at length 8 changed the estimate at length 40"
     assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"
+
+
+# --- held <= admitted: the estimate covers what a forward really saves (issue 21, defect 5) ------
+
+
+def _trainer_in_census(rank: int, *, dropout: float = 0.1, **limits) -> tuple[rt.Trainer, StorageCensus]:
+    """A tiny LoRA trainer and a census of everything it allocated since it was built (checkpoint included)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0), **limits)
+    census = StorageCensus()
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=rank), seed=1)
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())  # the in-flight peak
+    return trainer, census
+
+
+def _admit_until_refused(trainer: rt.Trainer, census: StorageCensus, seeds: range, **options) -> list:
+    """Forwards (kept pending) until one is refused; after each admitted one, what is held fits the limits."""
+    outs = []
+    for seed in seeds:
+        try:
+            outs.append(_forward(trainer, seed, **options))
+        except rt.MemoryAdmissionError:
+            break
+        held = census.measure()
+        assert trainer.memory_limit_bytes is None or census.peak_device <= trainer.memory_limit_bytes, (
+            f"forward {len(outs)} admitted, then the device held {census.peak_device} B "
+            f"against a limit of {trainer.memory_limit_bytes} B"
+        )
+        limit = trainer.host_memory_limit_bytes
+        assert limit is None or held.host <= limit, f"forward {len(outs)} admitted, then the host held {held.host} B against {limit} B"
+    return outs
+
+
+def _assert_saved_within_admitted(outs: list) -> None:
+    """Per record: the saved bytes it holds (device for retain, host for offload) <= the saved bytes admitted."""
+    for out in outs:
+        held, admitted = out[0].usage.saved_bytes, out[0].decision.saved_bytes
+        assert held <= admitted, f"{out[0].placement} record {out[0].record_id}: holds {held} B, admitted {admitted} B"
+
+
+def test_a_scale_learned_in_eval_mode_never_admits_a_train_forward_over_the_host_limit() -> None:
+    """Eval mode saves no dropout masks or attention probabilities: its scale must not price train mode."""
+    trainer, census = _trainer_in_census(4, host_memory_limit_bytes=340_000)
+    trainer.model.eval()
+    outs = _admit_until_refused(trainer, census, range(1), backward_state="offload")  # learns this class in eval mode
+    assert outs, "non-vacuous: the eval-mode forward is admitted"
+    trainer.model.train()
+    outs += _admit_until_refused(trainer, census, range(1, 6), backward_state="offload")
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_every_forward_holds_at_most_the_saved_bytes_admitted_in_eval_then_train(placement: str) -> None:
+    """Both budgets: a retained record's saved bytes are on the device, an offloaded one's on the host."""
+    trainer, census = _trainer_in_census(4)
+    trainer.model.eval()
+    outs = _admit_until_refused(trainer, census, range(2), backward_state=placement)
+    trainer.model.train()
+    outs += _admit_until_refused(trainer, census, range(2, 5), backward_state=placement)
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("host_limit", [500_000, 800_000])
+def test_a_first_lora_forward_is_priced_with_its_rank_on_the_host(host_limit: int) -> None:
+    """Rank 256 on tiny: the adapters' ``x A^T`` intermediates are about half of what a forward saves."""
+    trainer, census = _trainer_in_census(256, dropout=0.0, host_memory_limit_bytes=host_limit)
+    outs = _admit_until_refused(trainer, census, range(4), backward_state="offload")
+    assert outs or host_limit < 800_000, "non-vacuous: the larger limit admits a forward"
+    _assert_saved_within_admitted(outs)
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_a_first_lora_forward_holds_at_most_the_saved_bytes_admitted(placement: str) -> None:
+    trainer, census = _trainer_in_census(256, dropout=0.0)
+    _assert_saved_within_admitted(_admit_until_refused(trainer, census, range(2), backward_state=placement))
+
+
+# --- the budget covers the checkpoints' own state (issue 21, defect 6) ------------------------
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _prediction_with(dtype: torch.dtype, other: str) -> int:
+    """The predicted peak of one LoRA forward beside a full checkpoint ``other`` ("none", "fresh", "stepped", "grads")."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    if other != "none":
+        trainer.add_checkpoint("other", full=True)
+    if other in ("stepped", "grads"):
+        out = trainer.forward(rt.ForwardInput(*sequence(7, length=3)), checkpoint="other", options=NO_CORRECTION)
+        trainer.backward(out.target_logprobs.sum())
+        trainer.optim_step(checkpoints=["other"])
+        trainer.zero_grad()
+    if other == "grads":
+        out = trainer.forward(rt.ForwardInput(*sequence(8, length=3)), checkpoint="other", options=NO_CORRECTION)
+        trainer.backward(out.target_logprobs.sum())
+    return trainer.forward(rt.ForwardInput(*sequence(1)), checkpoint="policy", options=NO_CORRECTION).decision.predicted_bytes
+
+
+def _held_by_oracle(dtype: torch.dtype, with_grads: bool) -> int:
+    """What a stepped full checkpoint holds, counted from torch's own AdamW state (an independent run)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
+    other = trainer.add_checkpoint("other", full=True)
+    out = trainer.forward(rt.ForwardInput(*sequence(7, length=3)), options=NO_CORRECTION)
+    trainer.backward(out.target_logprobs.sum())
+    trainer.optim_step()
+    state = other.state_dict()
+    moments = _nbytes(t for slots in state["optimizer"]["state"].values() for k, t in slots.items() if k != "step")
+    masters = _nbytes(state.get("master_parameters", {}).values())
+    grads = _nbytes(p.grad for p in other.parameters()) if with_grads else 0
+    # Masters count twice: each has an FP32 gradient buffer of its own shape and dtype.
+    return _nbytes(other.parameters()) + moments + 2 * masters + grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_counts_every_checkpoints_parameters_optimizer_state_masters_and_grads(dtype: torch.dtype) -> None:
+    alone = _prediction_with(dtype, "none")
+    stepped = _held_by_oracle(dtype, with_grads=False)
+    assert _prediction_with(dtype, "stepped") - alone == stepped
+    assert _prediction_with(dtype, "fresh") - alone == stepped, "the first step's state is reserved before it is allocated"
+    assert _prediction_with(dtype, "grads") - alone == _held_by_oracle(dtype, with_grads=True)
+
+
+def test_a_default_limit_counts_what_others_use_and_refuses_what_the_checkpoints_would_overflow() -> None:
+    total, others = 3_000_000, 400_000
+    with substitute_device_capacity(total, in_use=others):
+        trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    assert trainer.memory_limit_bytes == int(total * (1 - DEVICE_MARGIN_FRACTION)) - others
+    names = [f"c{k}" for k in range(8)]
+    for name in names:
+        trainer.add_checkpoint(name, full=True)
+    held = sum(_held_by_oracle(torch.float32, with_grads=False) for _ in names)  # each: parameters + AdamW moments
+    assert held < trainer.memory_limit_bytes, "non-vacuous: the checkpoints alone fit"
+    with pytest.raises(rt.MemoryAdmissionError) as info:  # but not with a forward beside them
+        trainer.forward(rt.ForwardInput(*sequence(1)), checkpoint="c0", options=NO_CORRECTION)
+    assert info.value.predicted_peak_bytes > held and info.value.limit_bytes == trainer.memory_limit_bytes
+    assert trainer.live_records() == 0
+
+
+# --- a refused call changes nothing (issue 21, defect 7) --------------------------------------
+
+
+def _state(trainer: rt.Trainer) -> dict:
+    checkpoint = trainer.checkpoint("policy")
+    return {
+        "params": {n: p.detach().clone() for n, p in checkpoint.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in checkpoint.named_parameters()},
+        "records": [(r.id, r.placement, r.ledger.placement if r.ledger else None) for r in trainer.records],
+        "rng": torch.get_rng_state(),
+        "revision": (checkpoint.revision, checkpoint.generation),
+    }
+
+
+def _assert_same_state(before: dict, after: dict) -> None:
+    for key in ("params", "grads"):
+        for name, value in before[key].items():
+            other = after[key][name]
+            assert (value is None) == (other is None) and (value is None or torch.equal(value, other)), f"{key} {name}"
+    assert before["records"] == after["records"], "records or their placements changed"
+    assert torch.equal(before["rng"], after["rng"]), "the global RNG advanced"
+    assert before["revision"] == after["revision"]
+
+
+def test_a_call_refused_in_its_second_group_ran_nothing_demoted_nothing_and_drew_nothing() -> None:
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=1_050_000)
+    committed = _forward(trainer, 0)
+    trainer.backward(-committed[0].target_logprobs.sum())  # committed .grad to protect
+    pending = [_forward(trainer, seed) for seed in (1, 2, 3)]
+    assert [r.placement for r in trainer.records] == ["retain"] * 3, "retained records the first group must demote"
+    before = _state(trainer)
+    # The first group (replay off) fits only by demoting a pending record; the second, a forced retain, not at all.
+    no_replay = rt.ForwardOptions(allow_replay=False, corrections=())
+    first = [rt.ForwardInput(*sequence(40 + k, length=16), options=no_replay) for k in range(2)]
+    retain = rt.ForwardOptions(backward_state="retain", corrections=())
+    forced = [rt.ForwardInput(*sequence(50 + k, length=16), options=retain) for k in range(8)]
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward([*first, *forced], options=NO_CORRECTION)
+    _assert_same_state(before, _state(trainer))
+    out = trainer.forward(first, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
+    assert "demoted 1" in out[0].decision.reason and [r.placement for r in trainer.records][0] == "offload"
+    del pending
+
+
+def test_each_group_of_a_call_is_planned_beside_the_groups_before_it() -> None:
+    """Two groups that each fit alone but not together are refused together, before either runs."""
+    host_limit = 400_000
+    trainer = make_trainer("lora", dropout=0.1, host_memory_limit_bytes=host_limit)
+    offload = rt.ForwardOptions(backward_state="offload")
+    one = [rt.ForwardInput(*sequence(k, length=16), options=offload) for k in range(2)]
+    alone = trainer.forward(one, options=NO_CORRECTION)
+    assert alone[0].usage.host_bytes > host_limit / 2, "two such groups cannot share the host budget"
+    del alone
+    offload_too = rt.ForwardOptions(backward_state="offload", max_gradient_staleness=2)  # another group, same size
+    other = [rt.ForwardInput(*sequence(10 + k, length=16), options=offload_too) for k in range(2)]
+    before = _state(trainer)
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward(one + other, options=NO_CORRECTION)
+    _assert_same_state(before, _state(trainer))
+
+
+# --- the measured scale is the class maximum (a let-through bug of issue 21) -------------------
+
+
+def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> None:
+    """Lengths 32 and 17 share a shape class; the short one's ratio to the analytic estimate is lower."""
+    trainer = make_trainer("lora", dropout=0.1)
+    outs = [_forward_length(trainer, 0, 32), _forward_length(trainer, 1, 17)]
+    config = trainer.model.config
+    large, small = (o[0].usage.saved_bytes / analytic_saved_bytes(config, 2, n) for o, n in zip(outs, (32, 17)))
+    assert small < large / 1.05, "non-vacuous: the second scale is lower than the first by more than the margin"
+    outs.append(_forward_length(trainer, 2, 32))
+    _assert_saved_within_admitted(outs)
+
+
+def _forward_length(trainer: rt.Trainer, seed: int, length: int) -> list[rt.ForwardOutput]:
+    inputs = [rt.ForwardInput(*sequence(seed * 10 + k, length=length)) for k in range(2)]
+    return trainer.forward(inputs, options=NO_CORRECTION)

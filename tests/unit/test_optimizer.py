@@ -337,3 +337,32 @@ def test_bf16_norm_and_clipping_run_in_fp32_on_the_masters() -> None:
     after = trainer.checkpoint("policy").state_dict()["master_parameters"]
     for name, tensor in zip(names, replica):
         assert torch.equal(after[name], tensor.detach()), name
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_fp64_lr_zero_step_leaves_every_parameter_bitwise_unchanged(kind: str) -> None:
+    """FP64 is not lower precision: no FP32 master may round it (contract §3)."""
+    trainer = _trainer(kind, dtype=torch.float64)
+    _commit(trainer, seed=45)
+    params = _params(trainer)
+    assert trainer.optim_step(lr=0.0)["policy"].stepped
+    _assert_params_equal(trainer, params)
+    assert "master_parameters" not in trainer.checkpoint("policy").state_dict()
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_fp64_norm_clipping_and_step_equal_torch_on_an_fp64_copy(kind: str) -> None:
+    """Bitwise, not within a tolerance: the oracle runs the same FP64 ops (get_total_norm,
+    clip by that norm, AdamW) on the same FP64 tensors, so any FP32 detour shows in the last bits."""
+    trainer = _trainer(kind, dtype=torch.float64)
+    reference = _Reference(trainer)
+    for step in range(2):
+        _commit(trainer, seed=46 + step)
+        norm = reference.step(trainer, max_grad_norm=1e-3)
+        report = trainer.optim_step(max_grad_norm=1e-3)["policy"]
+        assert report.clipped and report.grad_norm == norm
+        for n, p in trainer.checkpoint("policy").named_parameters():
+            assert p.dtype == p.grad.dtype == torch.float64
+            assert torch.equal(p.grad, reference.params[n].grad), f"{n}: clipped FP64 gradient differs"
+            assert torch.equal(p, reference.params[n].detach()), f"{n}: FP64 parameter differs"
+        trainer.zero_grad()
