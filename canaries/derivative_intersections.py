@@ -49,6 +49,10 @@ from .oracle_pair import CanaryFailure, sequences
 from .presets import Preset
 
 __all__ = [
+    "Busy",
+    "busy_trainer",
+    "plain_trainer",
+    "admission_limit",
     "TrainerState",
     "REFUSED_CALLS",
     "check_refused_call",
@@ -56,10 +60,12 @@ __all__ = [
     "check_logical_default_options",
     "check_fp64_lr0_step",
     "fp64_preset",
+    "tiny_model",
     "INTERSECTIONS",
 ]
 
-TrainerFactory = Callable[..., rt.Trainer]
+TrainerFactory = Callable[..., rt.Trainer]  # (preset, memory_limit_bytes=...) -> a trainer with checkpoint "policy"
+_VOCAB = rt.ModelConfig.tiny().vocab_size
 
 
 def _digest(trainer: rt.Trainer) -> str:
@@ -75,8 +81,16 @@ def _digest(trainer: rt.Trainer) -> str:
 _STEPS = 3
 
 
+def tiny_model(config: Preset, dtype: torch.dtype = torch.float32) -> rt.ModelConfig:
+    """The shape every intersection check runs on, whatever the preset: tiny, with the preset's dropout.
+
+    The intersections are about semantics, not scale; on a GPU preset the 8B shape in FP64 would not fit.
+    """
+    return rt.ModelConfig.tiny(dtype=dtype, dropout=config.model.dropout)
+
+
 def _logical_trainer(config: Preset) -> rt.Trainer:
-    model = rt.DecoderLM(config.model.replace(dtype=torch.float32), seed=0)
+    model = rt.DecoderLM(tiny_model(config), seed=0)
     trainer = rt.Trainer(model)
     trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
     return trainer
@@ -107,7 +121,7 @@ def _train_logical(config: Preset, logical_dp: int, options: rt.ForwardOptions |
 
         def body(view: Any) -> None:
             rank = view.logical_rank
-            data = sequences(500 + step + rank, [6, 4], config.model.vocab_size)  # rank r + 1's of the step before
+            data = sequences(500 + step + rank, [6, 4], _VOCAB)  # rank r + 1's of the step before
             outs = view.forward([rt.ForwardInput(ids, t) for ids, t, _ in data], options=options)
             count = view.global_token_count([t >= 0 for _, t, _ in data])
             pending[(step, rank)] = (outs, [a for _, _, a in data], count)
@@ -219,7 +233,7 @@ def _same_nested(a: Any, b: Any) -> bool:
 
 
 def _item(seed: int, length: int, config: Preset, options: rt.ForwardOptions | None = None) -> rt.ForwardInput:
-    (ids, targets, _), = sequences(seed, [length], config.model.vocab_size)
+    (ids, targets, _), = sequences(seed, [length], _VOCAB)
     return rt.ForwardInput(ids, targets, options=options)
 
 
@@ -253,8 +267,8 @@ def busy_trainer(config: Preset, make: TrainerFactory, *, memory_limit_bytes: in
     return Busy(trainer, config, pending)
 
 
-def _plain_trainer(config: Preset, **limits: Any) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(config.model.replace(dtype=torch.float32), seed=0), **limits)
+def plain_trainer(config: Preset, **limits: Any) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config), seed=0), **limits)
     trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
     return trainer
 
@@ -280,7 +294,7 @@ REFUSED_CALLS: dict[str, Callable[[Busy], Any]] = {
         "policy", b.trainer.checkpoint("policy").state_dict()),
     "optim_step(lr=-1)": lambda b: b.trainer.optim_step(lr=-1.0),
     "forward with an out-of-range token": lambda b: b.trainer.forward(
-        rt.ForwardInput(torch.tensor([1, b.config.model.vocab_size]))),
+        rt.ForwardInput(torch.tensor([1, _VOCAB]))),
     "forward of an unknown checkpoint": lambda b: b.trainer.forward(_item(740, 3, b.config), checkpoint="nope"),
     "zero_grad of an unknown checkpoint": lambda b: b.trainer.zero_grad(checkpoints=["nope"]),
 }
@@ -294,7 +308,7 @@ def admission_limit(config: Preset, make: TrainerFactory) -> int:
     return first[0].decision.predicted_bytes - 1
 
 
-def check_refused_call(config: Preset, name: str, make: TrainerFactory = _plain_trainer) -> str:
+def check_refused_call(config: Preset, name: str, make: TrainerFactory = plain_trainer) -> str:
     """Rule 2 for one refused call: it raises a ``TrainerError`` and changes nothing; the error's type."""
     busy = busy_trainer(config, make, memory_limit_bytes=admission_limit(config, make))
     placements = {entry[2] for entry in TrainerState.of(busy.trainer).records.values()}
@@ -320,14 +334,14 @@ def check_refused_call(config: Preset, name: str, make: TrainerFactory = _plain_
 
 
 def fp64_preset(config: Preset) -> Preset:
-    """``config`` with an FP64 model (the oracle's own precision)."""
-    return dataclasses.replace(config, model=config.model.replace(dtype=torch.float64), oracle_layers=None)
+    """``config`` with the tiny model in FP64 (the oracle's own precision), on the preset's device."""
+    return dataclasses.replace(config, model=tiny_model(config, torch.float64), oracle_layers=None)
 
 
 def check_fp64_lr0_step(config: Preset) -> float:
     """Rule 3: ``optim_step(lr=0)`` on an FP64 full checkpoint leaves every parameter bitwise unchanged and
     reports the FP64 norm of ``.grad``; the norm's relative error."""
-    trainer = rt.Trainer(rt.DecoderLM(fp64_preset(config).model, seed=0))
+    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config, torch.float64), seed=0))
     checkpoint = trainer.add_checkpoint("policy", full=True, seed=1)
     out = trainer.forward([_item(750, 7, config), _item(751, 4, config)])
     trainer.backward(-sum(o.target_logprobs.sum() for o in out))

@@ -87,7 +87,8 @@ def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:
     """Rule 2 for one scenario: ``(passed, detail, values)``; runs in eval/train as the scenario says and
     leaves the model in train mode."""
     dropout, rank, forwards = SCENARIOS[name]
-    model = rt.DecoderLM(spec.model.replace(dropout=dropout), seed=0).to(spec.device)
+    with torch.device(spec.device):  # built in place, as ``canaries.memory_lifecycle.Workload`` does
+        model = rt.DecoderLM(spec.model.replace(dropout=dropout), seed=0)
     twin = forwards(_trainer(model, rank), spec)
     held = twin[0].usage.host_bytes  # what the judged forward really holds (one record for the whole call)
     limit = held - 1
