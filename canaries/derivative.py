@@ -2,6 +2,7 @@
 
 The judging is ``canaries.oracle_harness`` (Rules 1-6 below); the
 fixed scenarios and the logical-rank check are ``canaries.derivative_scenarios``,
+the intersection checks ``canaries.derivative_intersections`` (Rule 10),
 the exploration ``canaries.derivative_machine``. :func:`run` is the registry's
 entry point (``canaries.registry``): it writes one write-once evidence record.
 
@@ -43,6 +44,11 @@ NOTE [Derivative canary]
      of the preset) must hold at least one judged record, and when the
      exploration runs at least :data:`MIN_BACKPROPAGATING` of its examples
      must backpropagate. The evidence counts records per cell.
+  10. Intersections (every profile, after the fixed scenarios): logical ranks
+     at W = 1 and W = 2 with the default options, refused calls that must
+     change nothing, FP64 checkpoints (NOTE [Intersection checks] in
+     ``canaries.derivative_intersections``). The scenarios run first so that
+     a bug either catches keeps failing the check named for it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from tqdm import tqdm
 from validation.evidence import evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
+from .derivative_intersections import INTERSECTIONS
 from .derivative_machine import explore
 from .derivative_scenarios import SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
@@ -127,7 +134,7 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
         why = "preset swapped to CPU (no CUDA device)" if config.swapped else "CPU preset"
         result.skipped["cuda_rng_unchanged_by_backward"] = why
     fixed = _fixed_checks(config)
-    bar = tqdm(total=len(fixed) + 1 + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
+    bar = tqdm(total=len(fixed) + 1 + len(INTERSECTIONS) + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
                disable=not progress, leave=False)
     error = result.record_check("logical_global_normalisation",
                                 lambda: check_logical_ranks(config, max(2, config.logical_dp)))
@@ -140,6 +147,11 @@ def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progres
         bar.update()
         if measured is not None:
             result.measured.merge(measured)
+    for check, intersection in INTERSECTIONS.items():  # Rule 10: after the scenarios, so older bugs fail there
+        if not result.passed:
+            break
+        result.record_check(check, lambda: intersection(config))
+        bar.update()
     if result.passed:
         _explore(config, profile, result, bound_cap, bar)
     bar.close()

@@ -26,7 +26,10 @@ Then admission: a trainer under a small ``memory_limit_bytes`` (calibrated
 from the trainer's own predictions so that two retained forwards fit, not
 more) takes several pending forwards; every decision's predicted bytes, and
 the census's sampled device peak, must stay within the limit, and the limit
-must bind (some forward not retained).
+must bind (some forward not retained); after every forward the pending
+records hold no more than the limits (held <= admitted). Then the
+intersections of ``canaries.memory_intersections`` (NOTE [Admission
+intersections]): train mode after eval mode with dropout, LoRA rank 256.
 
 On CUDA the same points also read the allocator: bytes back to the baseline
 after backward (two witnesses: allocator and driver, each read twice),
@@ -54,6 +57,7 @@ from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from . import presets
 from .gpu_memory import check_fits
+from .memory_intersections import SCENARIOS, check_scenario, held_within_limits
 from .memory_lifecycle import (
     PLACEMENTS,
     POINTS,
@@ -115,6 +119,7 @@ def _admission(
         baseline = cuda_reading(work.device).allocated
         torch.cuda.reset_peak_memory_stats(work.device)
     decisions: list[rt.PlacementDecision] = []
+    held: list[tuple[bool, str]] = []  # NOTE [Admission intersections] Rule 1, after every forward
     refused: str | None = None
     try:
         for k in range(_PENDING_FORWARDS):
@@ -124,6 +129,7 @@ def _admission(
                 refused = str(error)
                 break
             decisions.append(pending[-1][0].decision)
+            held.append(held_within_limits(trainer, limit, host_limit))
             census.measure(ignore=callers())
         while pending:
             trainer.backward(negative_logprob_sum(pending[0]))
@@ -155,6 +161,11 @@ def _admission(
         f"predicted {predicted} B; limit {limit} B",
     )
     verdicts.check(
+        "admission: held <= admitted after every forward",
+        bool(held) and all(ok for ok, _ in held),
+        "; ".join(f"forward {k}: {detail}" for k, (_, detail) in enumerate(held)) or "no forward admitted",
+    )
+    verdicts.check(
         "admission: census device peak within the limit",
         0 < census.peak.device <= limit,
         f"sampled peak {census.peak.device} B (device pool); limit {limit} B",
@@ -173,6 +184,15 @@ def _admission(
             peak <= limit,
             f"max_memory_allocated {peak} B above the baseline {baseline} B; limit {limit} B",
         )
+    return values
+
+
+def _intersections(spec: presets.Preset, verdicts: Verdicts) -> dict[str, dict]:
+    """NOTE [Admission intersections] Rule 2: each scenario refused, or admitted within its limit."""
+    values = {}
+    for name in SCENARIOS:
+        passed, detail, values[name] = check_scenario(spec, name)
+        verdicts.check(f"admission: {name}: held <= admitted", passed, detail)
     return values
 
 
@@ -208,6 +228,7 @@ def run(preset: str, profile: str, out_dir: Path) -> Path:
             per = {p: lifecycle(work, lifecycle_trainer, p, verdicts, cuda) for p in PLACEMENTS}
             offload = offload_checks(per, verdicts, cuda)
             admission = _admission(work, calibration_trainer, verdicts, cuda)
+            intersections = _intersections(spec, verdicts)
     if not cuda:
         reason = (
             f"no CUDA device: preset {spec.name!r} swapped for the CPU" if spec.swapped
@@ -220,6 +241,7 @@ def run(preset: str, profile: str, out_dir: Path) -> Path:
         "lifecycle_values": {p: per[p].values for p in PLACEMENTS},
         "offload": offload,
         "admission": admission,
+        "admission_intersections": intersections,
         "details": verdicts.details,
         "skipped_checks": verdicts.skipped,
     }

@@ -144,8 +144,9 @@ class DerivativeHarness:
             self._expect(out.version == expected_version, "forward version", expected_version, out.version)
             self._expect(placement == "auto" or out.placement == placement, "placement", placement, out.placement)
             leaf = out.target_logprobs
-            self._expect(leaf.dtype == torch.float32 and leaf.requires_grad and leaf.is_leaf, "output",
-                         "an FP32 leaf that requires grad", f"{leaf.dtype}, requires_grad={leaf.requires_grad}")
+            dtype = torch.float64 if self.config.model.dtype == torch.float64 else torch.float32  # contract §3
+            self._expect(leaf.dtype == dtype and leaf.requires_grad and leaf.is_leaf, "output",
+                         f"a {dtype} leaf that requires grad", f"{leaf.dtype}, requires_grad={leaf.requires_grad}")
             error = self._relative("log-probs", leaf, reference)
             self.measured.worst_logprob_error = max(self.measured.worst_logprob_error, error)
             self._expect(error <= self.tol.logprobs, "log-prob relative L2", f"<= {self.tol.logprobs}", error)
@@ -235,9 +236,10 @@ class DerivativeHarness:
         if not expected.stepped:
             self._weights_equal(self.oracle.weights(NAME), "weights after a skipped optim_step")
             return
-        # The norm of the very gradients stepped (their values were judged at each backward), in FP32.
+        # The norm of the very gradients stepped (their values were judged at each backward), in FP32 (FP64 for FP64).
         norm_error = abs(report.grad_norm - expected.grad_norm) / expected.grad_norm
-        self._expect(norm_error <= 1e-5, "grad norm of the stepped gradients", expected.grad_norm, report.grad_norm)
+        self._expect(norm_error <= self.tol.grad_norm, "grad norm of the stepped gradients", expected.grad_norm,
+                     report.grad_norm)
         if max_grad_norm is not None and abs(expected.grad_norm - max_grad_norm) > 1e-3 * max_grad_norm:
             self._expect(report.clipped == expected.clipped, "clipped", expected.clipped, report.clipped)
         after = self.checkpoint.state_dict()

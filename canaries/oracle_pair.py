@@ -70,6 +70,9 @@ class Tolerances:
     After many steps on the same data the predictions sharpen, the
     log-softmax gradient cancels and plain FP32 itself drifts to ~1e-4 (seen
     in nightly runs): the baseline lets the threshold follow, up to 1e-2.
+    FP64: the oracle's own precision, so every bound is a few orders above
+    FP64 rounding (NOTE [Intersection checks] Rule 3): an FP32 step, norm or
+    clip inside an FP64 checkpoint is off by ~1e-7 and fails.
     BF16: the forward rounds at 2^-8; plain BF16 is ~1e-2 to 1e-1 off FP64,
     so BF16 runs catch gross errors only and the FP32 preset is the sharp
     instrument. The optimizer step is judged from identical inputs, so it
@@ -84,6 +87,7 @@ class Tolerances:
     logprobs: float
     step: float
     weight_mean: float
+    grad_norm: float = 1e-5  # the reported norm of the stepped gradients, relative
 
 
 TOLERANCES = {
@@ -91,6 +95,8 @@ TOLERANCES = {
                               logprobs=1e-5, step=1e-4, weight_mean=1e-4),
     torch.bfloat16: Tolerances(gradient=5e-2, gradient_global=5e-2, floor=1e-2, baseline_factor=4.0, max_gradient=0.5,
                                logprobs=1e-2, step=1e-3, weight_mean=5e-2),
+    torch.float64: Tolerances(gradient=1e-9, gradient_global=1e-9, floor=1e-2, baseline_factor=4.0, max_gradient=1e-8,
+                              logprobs=1e-11, step=1e-9, weight_mean=1e-10, grad_norm=1e-12),
 }
 
 def sequences(seed: int, lengths: Sequence[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -18,6 +18,7 @@ from hypothesis import settings
 
 import reference_trainer as rt
 from canaries import derivative
+from canaries.derivative_intersections import INTERSECTIONS
 from canaries.derivative_machine import explore
 from canaries import derivative_scenarios
 from canaries.derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
@@ -31,7 +32,10 @@ from validation.oracle import OracleTrainer
 from validation.profiles import EXPLORATION
 from validation.reference import plain_gradients, relative_error, snapshot_weights
 
-FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), "scenario:stale_grid[full]"]
+# The intersection checks (NOTE [Intersection checks]) fail on 0369375 until the issue-21 fixes of defects
+# 1, 3, 4 and 7 merge: so do the tests here that need a passing canary.
+FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), "scenario:stale_grid[full]",
+         *INTERSECTIONS]
 
 
 def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 import reference_trainer as rt
 from canaries import memory
+from canaries.memory_intersections import SCENARIOS
 from canaries.memory_lifecycle import PLACEMENTS, POINTS
 from canaries.mutations import mutation
 from canaries.registry import canary
@@ -59,6 +60,10 @@ def test_canary_passes_on_the_reference_trainer_and_writes_verified_evidence(cle
             assert checks[f"{p}: {name}"] is True
     assert OFFLOAD_CHECKS <= set(checks)
     assert {name for name in checks if name.startswith("admission:")} and not any(n.startswith("cuda") for n in checks)
+    # NOTE [Admission intersections]; these fail on 0369375 until the fix of issue 21's defect 5 merges.
+    assert checks["admission: held <= admitted after every forward"] is True
+    for name in SCENARIOS:
+        assert checks[f"admission: {name}: held <= admitted"] is True
     # One line per check, in order of making, and the record path last.
     lines = stdout.splitlines()
     assert sum(line.startswith(("PASS  ", "FAIL  ")) for line in lines) == len(checks)

@@ -1,0 +1,374 @@
+"""The derivative canary's intersection checks: where two features meet (issue 21, Build 2).
+
+Each feature alone is judged by the scenarios and the exploration
+(``canaries.derivative_scenarios``, ``canaries.derivative_machine``); these
+checks put two together, cheaply and deterministically, where the trainer's
+own tests did not look. :data:`INTERSECTIONS` maps a check name to a function
+of the preset (``canaries.derivative`` runs them after the fixed scenarios);
+the building blocks take a trainer factory so tests can feed them a broken
+trainer (negative controls).
+
+NOTE [Intersection checks]
+  1. Logical ranks with the default options: the same schedule of logical
+     ranks that share token content (logical rank r forwards at step k what
+     rank r + 1 forwarded at step k - 1), backwards one step stale, corrections
+     on (``when_available``), gives the same parameter bits, the same
+     staleness and the same corrected flags per logical rank at W = 1 (one
+     process) and W = 2 (two spawned gloo processes). With ``corrections=()``
+     the same comparison is the control: it must hold on any correct trainer.
+  2. Refused calls change nothing: each call of :data:`REFUSED_CALLS` is
+     made on a trainer holding everything at once (a live ``.grad`` one
+     revision old, logical-rank buffers, a pending retained record, a memory
+     limit) and must raise a ``TrainerError``; then parameters, ``.grad``
+     (objects and values), the logical-rank buffers, the pending records and
+     their placements, the caller's RNG, revisions, generations and the
+     optimizer state are exactly as before (:class:`TrainerState`).
+  3. FP64 models: an FP64 checkpoint keeps FP64 arithmetic end to end; its
+     stale scenario is judged by the FP64 oracle at FP64 tolerances
+     (``oracle_pair.TOLERANCES[torch.float64]``), and ``optim_step(lr=0)``
+     leaves its parameters bitwise unchanged and reports the FP64 norm of
+     ``.grad`` (relative 1e-12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import reference_trainer as rt
+from reference_trainer.ranks import logical_gradients, run_logical
+from validation.spawn import spawn_ranks
+
+from .derivative_scenarios import run_scenario
+from .oracle_pair import CanaryFailure, sequences
+from .presets import Preset
+
+__all__ = [
+    "Busy",
+    "busy_trainer",
+    "plain_trainer",
+    "admission_limit",
+    "TrainerState",
+    "REFUSED_CALLS",
+    "check_refused_call",
+    "logical_run",
+    "check_logical_default_options",
+    "check_fp64_lr0_step",
+    "fp64_preset",
+    "tiny_model",
+    "INTERSECTIONS",
+]
+
+TrainerFactory = Callable[..., rt.Trainer]  # (preset, memory_limit_bytes=...) -> a trainer with checkpoint "policy"
+_VOCAB = rt.ModelConfig.tiny().vocab_size
+
+
+def _digest(trainer: rt.Trainer) -> str:
+    sha = hashlib.sha256()
+    for name, param in trainer.checkpoint("policy").named_parameters():
+        sha.update(name.encode())
+        sha.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()[:16]
+
+
+# --- Rule 1: logical ranks at W = 1 and W = 2 with the default options -----------------------
+
+_STEPS = 3
+
+
+def tiny_model(config: Preset, dtype: torch.dtype = torch.float32) -> rt.ModelConfig:
+    """The shape every intersection check runs on, whatever the preset: tiny, with the preset's dropout.
+
+    The intersections are about semantics, not scale; on a GPU preset the 8B shape in FP64 would not fit.
+    """
+    return rt.ModelConfig.tiny(dtype=dtype, dropout=config.model.dropout)
+
+
+def _logical_trainer(config: Preset) -> rt.Trainer:
+    model = rt.DecoderLM(tiny_model(config), seed=0)
+    trainer = rt.Trainer(model)
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    return trainer
+
+
+def logical_run(config: Preset, logical_dp: int) -> dict[str, dict[str, Any]]:
+    """The Rule 1 schedule on this process's logical ranks, with ``corrections=()`` (``"control"``) and with
+    the default options (``"default"``): each the digest and, per (step, logical rank), the ``(staleness,
+    corrected)`` of each record its stale backward consumed. The caller's RNG and thread count are restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise comparisons across processes want one kernel schedule
+    try:
+        runs = {}
+        for label, options in (("control", rt.ForwardOptions(corrections=())), ("default", None)):
+            with torch.random.fork_rng():
+                torch.manual_seed(0)  # run_logical seeds the logical ranks' streams from rank 0's initial seed
+                runs[label] = _train_logical(config, logical_dp, options)
+        return runs
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_logical(config: Preset, logical_dp: int, options: rt.ForwardOptions | None) -> dict[str, Any]:
+    trainer = _logical_trainer(config)
+    pending: dict[tuple[int, int], tuple] = {}
+    flags: dict[str, list[tuple[int, bool]]] = {}
+    for step in range(_STEPS):
+
+        def body(view: Any) -> None:
+            rank = view.logical_rank
+            data = sequences(500 + step + rank, [6, 4], _VOCAB)  # rank r + 1's of the step before
+            outs = view.forward([rt.ForwardInput(ids, t) for ids, t, _ in data], options=options)
+            count = view.global_token_count([t >= 0 for _, t, _ in data])
+            pending[(step, rank)] = (outs, [a for _, _, a in data], count)
+            stale = pending.pop((step - 1, rank), None)
+            if stale is not None:
+                outputs, advantages, tokens = stale
+                loss = -sum((o.target_logprobs * a).sum() for o, a in zip(outputs, advantages)) / tokens
+                report = view.backward(loss)
+                flags[f"{step}/{rank}"] = [(r.staleness, r.correction is not None) for r in report.records]
+
+        run_logical(body, trainer, logical_dp=logical_dp)
+        trainer.optim_step()
+        trainer.zero_grad()
+    return {"digest": _digest(trainer), "flags": flags}
+
+
+def _compare(label: str, one: dict[str, Any], two: list[dict[str, Any]], logical_dp: int) -> None:
+    what = f"logical ranks L={logical_dp} ({'default options' if label == 'default' else 'corrections=()'})"
+    if not any(staleness > 0 for records in one["flags"].values() for staleness, _ in records):
+        raise CanaryFailure(f"{what}: expected stale backwards, found none in {one['flags']}")
+    flags_two = dict(sorted((k, v) for part in two for k, v in part["flags"].items()))
+    if flags_two != one["flags"]:
+        raise CanaryFailure(f"{what}: (staleness, corrected) per step/logical rank: expected W=1's {one['flags']} "
+                            f"at W=2 too, found {flags_two}")
+    digests = {part["digest"] for part in two}
+    if digests != {one["digest"]}:
+        raise CanaryFailure(f"{what}: parameter digest: expected W=1's {one['digest']} at W=2, found {sorted(digests)}")
+
+
+def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
+    """Rule 1: W=1 and W=2 agree with ``corrections=()`` (the control, first) and with the default options;
+    the number of stale records compared."""
+    one = logical_run(config, logical_dp)
+    two = spawn_ranks(logical_run, 2, config, logical_dp, timeout_s=300.0, dist_timeout_s=60.0)
+    for label in ("control", "default"):
+        _compare(label, one[label], [part[label] for part in two], logical_dp)
+    return sum(staleness > 0 for records in one["default"]["flags"].values() for staleness, _ in records)
+
+
+# --- Rule 2: refused calls change nothing -------------------------------------------------------
+
+
+@dataclass
+class TrainerState:
+    """Everything a refused call must leave as it was (NOTE [Intersection checks] Rule 2)."""
+
+    params: dict[str, torch.Tensor]
+    grads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]  # (object, value)
+    buffers: dict[int, dict[tuple[str, str], torch.Tensor]]
+    records: dict[int, tuple[str, Any, str, Any]]  # id -> (checkpoint, version, placement, usage)
+    rng: torch.Tensor
+    versions: dict[str, tuple[int, int]]
+    optimizer: dict[str, Any]
+
+    @classmethod
+    def of(cls, trainer: rt.Trainer) -> TrainerState:
+        checkpoints = trainer.checkpoints
+        named = [(f"{c}.{n}", p) for c, ckpt in checkpoints.items() for n, p in ckpt.named_parameters()]
+        return cls(
+            params={n: p.detach().clone() for n, p in named},
+            grads={n: (p.grad, None if p.grad is None else p.grad.detach().clone()) for n, p in named},
+            buffers=logical_gradients(trainer),
+            records={r.id: (r.checkpoint.name, r.version, "replay" if r.ledger is None else r.ledger.placement.value,
+                            r.usage) for r in trainer.records},
+            rng=torch.get_rng_state(),
+            versions={c: (ckpt.revision, ckpt.generation) for c, ckpt in checkpoints.items()},
+            optimizer={c: ckpt.state_dict().get("optimizer") for c, ckpt in checkpoints.items()},
+        )
+
+    def differences(self, after: TrainerState) -> list[str]:
+        """What changed from ``self`` to ``after``, one phrase each (empty: nothing)."""
+        found = []
+        changed = [n for n in self.params if not torch.equal(self.params[n], after.params[n])]
+        found += [f"parameters changed ({len(changed)}, first {changed[0]})"] if changed else []
+        replaced = [n for n, (obj, _) in self.grads.items() if after.grads[n][0] is not obj]
+        found += [f".grad objects replaced ({len(replaced)}, first {replaced[0]})"] if replaced else []
+        values = [n for n, (_, v) in self.grads.items()
+                  if v is not None and after.grads[n][1] is not None and not torch.equal(v, after.grads[n][1])]
+        found += [f".grad values changed ({len(values)} of {len(self.grads)}, first {values[0]})"] if values else []
+        if _flat(self.buffers).keys() != _flat(after.buffers).keys() or any(
+                not torch.equal(v, _flat(after.buffers)[k]) for k, v in _flat(self.buffers).items()):
+            found.append(f"logical-rank buffers changed ({len(_flat(self.buffers))} tensors before, "
+                         f"{len(_flat(after.buffers))} after)")
+        if self.records != after.records:
+            found.append(f"records or placements changed: {_placements(self.records)} -> {_placements(after.records)}")
+        found += ["the global RNG advanced"] if not torch.equal(self.rng, after.rng) else []
+        found += [f"revision/generation {self.versions} -> {after.versions}"] if self.versions != after.versions else []
+        if not _same_nested(self.optimizer, after.optimizer):
+            found.append("optimizer state changed")
+        return found
+
+
+def _flat(buffers: dict[int, dict[tuple[str, str], torch.Tensor]]) -> dict[tuple, torch.Tensor]:
+    return {(rank, *key): value for rank, grads in buffers.items() for key, value in grads.items()}
+
+
+def _placements(records: dict[int, tuple]) -> dict[int, str]:
+    return {rid: entry[2] for rid, entry in records.items()}
+
+
+def _same_nested(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_nested(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _item(seed: int, length: int, config: Preset, options: rt.ForwardOptions | None = None) -> rt.ForwardInput:
+    (ids, targets, _), = sequences(seed, [length], _VOCAB)
+    return rt.ForwardInput(ids, targets, options=options)
+
+
+_STRICT = rt.ForwardOptions(max_gradient_staleness=0)
+_RETAIN = rt.ForwardOptions(backward_state="retain")
+
+
+@dataclass
+class Busy:
+    """A trainer holding everything at once (Rule 2), and the pending outputs that keep its records alive."""
+
+    trainer: rt.Trainer
+    config: Preset
+    outputs: list[Any]
+
+
+def busy_trainer(config: Preset, make: TrainerFactory, *, memory_limit_bytes: int | None = None) -> Busy:
+    """A full FP32 checkpoint with: a strict (bound 0) ``.grad`` one revision old, logical-rank buffers of
+    both logical ranks, and one pending retained record (NOTE [Intersection checks] Rule 2)."""
+    trainer = make(config, memory_limit_bytes=memory_limit_bytes)
+    out = trainer.forward(_item(700, 6, config), options=_STRICT)
+    trainer.backward(-out.target_logprobs.sum())
+    trainer.optim_step()  # .grad stays: its origin is now one revision old for a bound of 0
+
+    def body(view: Any) -> None:
+        (outs,) = [view.forward([_item(710 + view.logical_rank, 5, config)])]
+        view.backward(-outs[0].target_logprobs.sum())
+
+    run_logical(body, trainer, logical_dp=2)
+    pending = trainer.forward([_item(720, 6, config)])  # auto: retained while the limit allows
+    return Busy(trainer, config, pending)
+
+
+def plain_trainer(config: Preset, **limits: Any) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config), seed=0), **limits)
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    return trainer
+
+
+def _two_group_forward(busy: Busy) -> Any:
+    """Group 1 (auto) makes room by demoting the pending record; group 2 (forced retain) is refused."""
+    c = busy.config
+    # Group 2 saves twice what group 1 does: no plan of the whole call fits it.
+    return busy.trainer.forward([_item(730, 6, c), _item(731, 12, c, _RETAIN)])
+
+
+def _bad_state_load(busy: Busy) -> None:
+    state = busy.trainer.checkpoint("policy").state_dict()
+    name = next(iter(state["parameters"]))
+    state["parameters"][name] = state["parameters"][name][:1].clone()  # wrong shape
+    busy.trainer.load_checkpoint("policy", state, discard_graphs=True)
+
+
+REFUSED_CALLS: dict[str, Callable[[Busy], Any]] = {
+    "optim_step over a stale live .grad with logical-rank buffers pending": lambda b: b.trainer.optim_step(),
+    "forward whose second option group is refused by admission": _two_group_forward,
+    "load_checkpoint of a wrong-shape state (discard_graphs=True)": _bad_state_load,
+    "load_checkpoint while records and gradients are pending": lambda b: b.trainer.load_checkpoint(
+        "policy", b.trainer.checkpoint("policy").state_dict()),
+    "optim_step(lr=-1)": lambda b: b.trainer.optim_step(lr=-1.0),
+    "forward with an out-of-range token": lambda b: b.trainer.forward(
+        rt.ForwardInput(torch.tensor([1, _VOCAB]))),
+    "forward of an unknown checkpoint": lambda b: b.trainer.forward(_item(740, 3, b.config), checkpoint="nope"),
+    "zero_grad of an unknown checkpoint": lambda b: b.trainer.zero_grad(checkpoints=["nope"]),
+}
+
+
+def admission_limit(config: Preset, make: TrainerFactory) -> int:
+    """A device limit one byte under what retaining group 1 of :func:`_two_group_forward` needs on a busy
+    trainer: group 1 fits only by demoting the pending record, and group 2 (forced retain) not at all."""
+    busy = busy_trainer(config, make)
+    first = busy.trainer.forward([_item(730, 6, config)])
+    return first[0].decision.predicted_bytes - 1
+
+
+def check_refused_call(config: Preset, name: str, make: TrainerFactory = plain_trainer) -> str:
+    """Rule 2 for one refused call: it raises a ``TrainerError`` and changes nothing; the error's type."""
+    busy = busy_trainer(config, make, memory_limit_bytes=admission_limit(config, make))
+    placements = {entry[2] for entry in TrainerState.of(busy.trainer).records.values()}
+    if placements != {"retain"} or not logical_gradients(busy.trainer) or not busy.trainer.checkpoint("policy").has_gradients():
+        raise CanaryFailure(f"refused call {name!r}: expected a busy trainer (a retained record, logical-rank "
+                            f"buffers, a live .grad), found placements {placements}")
+    before = TrainerState.of(busy.trainer)
+    try:
+        REFUSED_CALLS[name](busy)
+    except rt.TrainerError as error:
+        error.__traceback__ = None
+        refused = type(error).__name__
+    else:
+        raise CanaryFailure(f"{name}: expected a TrainerError (refused), found success")
+    changed = before.differences(TrainerState.of(busy.trainer))
+    if changed:
+        raise CanaryFailure(f"{name}: refused with {refused}; expected the state unchanged, found: "
+                            + "; ".join(changed))
+    return refused
+
+
+# --- Rule 3: FP64 models ---------------------------------------------------------------------------
+
+
+def fp64_preset(config: Preset) -> Preset:
+    """``config`` with the tiny model in FP64 (the oracle's own precision), on the preset's device."""
+    return dataclasses.replace(config, model=tiny_model(config, torch.float64), oracle_layers=None)
+
+
+def check_fp64_lr0_step(config: Preset) -> float:
+    """Rule 3: ``optim_step(lr=0)`` on an FP64 full checkpoint leaves every parameter bitwise unchanged and
+    reports the FP64 norm of ``.grad``; the norm's relative error."""
+    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config, torch.float64), seed=0))
+    checkpoint = trainer.add_checkpoint("policy", full=True, seed=1)
+    out = trainer.forward([_item(750, 7, config), _item(751, 4, config)])
+    trainer.backward(-sum(o.target_logprobs.sum() for o in out))
+    before = {n: p.detach().clone() for n, p in checkpoint.named_parameters()}
+    expected = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in checkpoint.parameters()])))
+    report = trainer.optim_step(lr=0.0)["policy"]
+    changed = [n for n, p in checkpoint.named_parameters() if not torch.equal(p.detach(), before[n])]
+    if changed:
+        raise CanaryFailure(f"FP64 optim_step(lr=0): expected every parameter bitwise unchanged, found "
+                            f"{len(changed)} of {len(before)} changed (first {changed[0]})")
+    error = abs(report.grad_norm - expected) / expected
+    if error > 1e-12:
+        raise CanaryFailure(f"FP64 optim_step: grad norm: expected the FP64 norm {expected!r}, found "
+                            f"{report.grad_norm!r} (relative error {error:.2e})")
+    return error
+
+
+def _fp64_scenario(config: Preset) -> Any:
+    return run_scenario(fp64_preset(config), "stale_exact", kind="full")
+
+
+INTERSECTIONS: dict[str, Callable[[Preset], Any]] = {
+    "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)":
+        check_logical_default_options,
+    **{f"intersection: refused {name} changes nothing": (lambda config, name=name: check_refused_call(config, name))
+       for name in REFUSED_CALLS},
+    "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance": _fp64_scenario,
+    "intersection: FP64 optim_step(lr=0) changes no parameter and reports the FP64 norm": check_fp64_lr0_step,
+}

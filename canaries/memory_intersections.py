@@ -1,0 +1,105 @@
+"""The memory canary's intersection checks: admission where two features meet (issue 21, Build 2).
+
+NOTE [Admission intersections]
+  1. Held <= admitted: after every admitted forward, what the pending records
+     hold (their ``usage``, measured by the saved-state ledgers: device bytes
+     with each version's weight snapshot once, host bytes) is within the
+     device and host limits the forward was admitted under
+     (:func:`held_within_limits`). ``canaries.memory``'s admission run checks
+     it after each of its forwards.
+  2. Each scenario below calibrates a limit one byte under what a forward
+     really holds (measured on an unlimited twin trainer), then makes that
+     forward under the limit: a correct trainer refuses it
+     (``MemoryAdmissionError``) or admits it within the limit; admitting it
+     over the limit is the failure.
+     - ``train after eval``: dropout on; a first forward in eval mode
+       (``model.eval()``) teaches admission its saved-bytes scale, then a
+       forced offload in train mode (dropout masks saved too) under a host
+       limit.
+     - ``LoRA rank 256``: a first forced offload on LoRA rank 256 (its
+       ``x·Aᵀ`` intermediates are a large share of what is saved) under a
+       host limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import reference_trainer as rt
+
+from .presets import Preset
+
+__all__ = ["held_within_limits", "SCENARIOS", "check_scenario"]
+
+_OFFLOAD = rt.ForwardOptions(backward_state="offload", corrections=())
+_RETAIN = rt.ForwardOptions(backward_state="retain", corrections=())
+
+
+def held_within_limits(trainer: rt.Trainer, device_limit: int | None, host_limit: int | None) -> tuple[bool, str]:
+    """Rule 1: the pending records' held bytes within the limits; ``(ok, detail)``."""
+    records = list(trainer.records)
+    snapshots = {r.version: r.usage.snapshot_bytes for r in records}
+    device = sum(r.usage.device_bytes - r.usage.snapshot_bytes for r in records) + sum(snapshots.values())
+    host = sum(r.usage.host_bytes for r in records)
+    ok = (device_limit is None or device <= device_limit) and (host_limit is None or host <= host_limit)
+    return ok, f"{len(records)} pending records hold {device} B on the device (limit {device_limit}), {host} B on the host (limit {host_limit})"
+
+
+def _inputs(spec: Preset, seed: int) -> list[rt.ForwardInput]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.model.vocab_size, (spec.sequences, spec.seq_len + 1), generator=g)
+    return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
+
+
+def _trainer(model: rt.DecoderLM, lora_rank: int | None, **limits: int | None) -> rt.Trainer:
+    trainer = rt.Trainer(model, **limits)
+    if lora_rank is None:
+        trainer.add_checkpoint("policy", full=True, seed=1)
+    else:
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=lora_rank), seed=1)
+    return trainer
+
+
+def _train_after_eval(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
+    trainer.model.eval()
+    try:
+        learned = trainer.forward(_inputs(spec, 900), options=_RETAIN)  # teaches admission its scale (eval)
+        trainer.backward(-sum(o.target_logprobs.sum() for o in learned))
+    finally:
+        trainer.model.train()
+    return trainer.forward(_inputs(spec, 901), options=_OFFLOAD)
+
+
+def _first_offload(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
+    return trainer.forward(_inputs(spec, 902), options=_OFFLOAD)
+
+
+# name -> (dropout, LoRA rank or None for full, the forwards; the last one is judged)
+SCENARIOS: dict[str, tuple[float, int | None, Callable[[rt.Trainer, Preset], list[rt.ForwardOutput]]]] = {
+    "train-mode forward after an eval-mode one (dropout on)": (0.1, None, _train_after_eval),
+    "first forward of LoRA rank 256": (0.0, 256, _first_offload),
+}
+
+
+def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:
+    """Rule 2 for one scenario: ``(passed, detail, values)``; runs in eval/train as the scenario says and
+    leaves the model in train mode."""
+    dropout, rank, forwards = SCENARIOS[name]
+    with torch.device(spec.device):  # built in place, as ``canaries.memory_lifecycle.Workload`` does
+        model = rt.DecoderLM(spec.model.replace(dropout=dropout), seed=0)
+    twin = forwards(_trainer(model, rank), spec)
+    held = twin[0].usage.host_bytes  # what the judged forward really holds (one record for the whole call)
+    limit = held - 1
+    del twin
+    trainer = _trainer(model, rank, host_memory_limit_bytes=limit)
+    values: dict = {"host_limit_bytes": limit, "held_unlimited_bytes": held}
+    try:
+        outputs = forwards(trainer, spec)
+    except rt.MemoryAdmissionError as error:
+        values["refused"] = str(error)
+        return True, f"refused under host limit {limit} B (it holds {held} B): {error}", values
+    ok, detail = held_within_limits(trainer, None, limit)
+    values["predicted_bytes"] = outputs[0].decision.predicted_bytes
+    return ok, f"admitted ({outputs[0].decision.reason}); {detail}", values

@@ -1,0 +1,129 @@
+"""The canaries' intersection checks (NOTE [Intersection checks], NOTE [Admission intersections]; issue 21).
+
+Two kinds of tests. The checks pass on a correct trainer: these fail on
+0369375 (defects 1, 3, 4, 5, 7 of issue 21) until the fixes are merged, and
+each names the defect it waits for. The negative controls feed each check a
+trainer that breaks the invariant deterministically (a factory or a patch at
+the public surface), so they pass with or without the fixes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from canaries import derivative_intersections as di
+from canaries.derivative_intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
+from canaries.memory_intersections import SCENARIOS, check_scenario, held_within_limits
+from canaries.oracle_pair import CanaryFailure
+from canaries.presets import preset
+
+CPU = preset("cpu").on_this_machine()
+
+# --- the checks pass on a correct trainer (fail before the issue-21 fixes merge) ---------------
+
+WAITS_FOR = {
+    "optim_step over a stale live .grad with logical-rank buffers pending": "defect 3",
+    "forward whose second option group is refused by admission": "defect 7",
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CALLS))
+def test_each_refused_call_raises_and_changes_nothing(name: str) -> None:
+    """Fails on 0369375 for the calls in WAITS_FOR (defects 3 and 7 of issue 21)."""
+    assert issubclass(getattr(rt, check_refused_call(CPU, name)), rt.TrainerError)
+
+
+def test_logical_ranks_agree_at_w1_and_w2_with_default_options() -> None:
+    """Fails on 0369375 (defect 1: one when_available cache shared by the logical ranks of a process)."""
+    assert di.check_logical_default_options(CPU) >= 2  # stale records compared
+
+
+def test_fp64_checkpoint_steps_in_fp64() -> None:
+    """Fails on 0369375 (defect 4: FP64 parameters step through FP32 masters)."""
+    assert di.check_fp64_lr0_step(CPU) <= 1e-12
+    measured = INTERSECTIONS["intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance"](CPU)
+    assert measured.steps >= 3 and measured.stale_records >= 3
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_admission_scenarios_hold_no_more_than_admitted(name: str) -> None:
+    """Fails on 0369375 (defect 5: eval-mode scale reused in train mode; LoRA x·Aᵀ not estimated)."""
+    passed, detail, values = check_scenario(CPU, name)
+    assert passed, detail
+    assert values["host_limit_bytes"] == values["held_unlimited_bytes"] - 1
+
+
+# --- negative controls (pass with or without the fixes) ------------------------------------------
+
+
+def grad_zeroing_trainer(config: Any, **limits: Any) -> rt.Trainer:
+    """A trainer whose optim_step with a negative lr zeroes .grad in place before it refuses."""
+
+    class Leaky(rt.Trainer):
+        def optim_step(self, **kwargs: Any) -> Any:
+            if (kwargs.get("lr") or 0) < 0:
+                for p in self.checkpoint("policy").parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            return super().optim_step(**kwargs)
+
+    trainer = Leaky(rt.DecoderLM(config.model.replace(dtype=torch.float32), seed=0), **limits)
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    return trainer
+
+
+def test_a_refused_call_that_changes_grad_fails_its_check() -> None:
+    with pytest.raises(CanaryFailure, match=r"optim_step\(lr=-1\): refused with ConfigError; expected the state "
+                                            r"unchanged, found: \.grad values changed"):
+        check_refused_call(CPU, "optim_step(lr=-1)", make=grad_zeroing_trainer)
+
+
+def test_trainer_state_names_every_kind_of_change() -> None:
+    busy = di.busy_trainer(CPU, di.plain_trainer)
+    before = TrainerState.of(busy.trainer)
+    assert before.differences(TrainerState.of(busy.trainer)) == []
+    torch.rand(1)  # the global RNG advances
+    busy.trainer.zero_grad()  # .grad objects and logical-rank buffers go
+    kept = busy.trainer.forward(rt.ForwardInput(torch.arange(1, 5)))  # another record, kept pending
+    found = " | ".join(before.differences(TrainerState.of(busy.trainer)))
+    del kept
+    for phrase in ("the global RNG advanced", ".grad objects replaced", "logical-rank buffers changed",
+                   "records or placements changed"):
+        assert phrase in found, found
+
+
+def test_fp64_check_fails_when_fp64_parameters_round_to_fp32() -> None:
+    original = rt.Trainer.optim_step
+
+    def rounding_step(self: rt.Trainer, **kwargs: Any) -> Any:
+        report = original(self, **kwargs)
+        with torch.no_grad():
+            for p in self.checkpoint("policy").parameters():
+                p.copy_(p.float().double())  # what stepping through FP32 masters does
+        return report
+
+    with mock.patch.object(rt.Trainer, "optim_step", rounding_step), pytest.raises(
+            CanaryFailure, match="expected every parameter bitwise unchanged"):
+        di.check_fp64_lr0_step(CPU)
+
+
+def test_held_within_limits_flags_a_record_over_the_host_limit() -> None:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True)
+    out = trainer.forward(rt.ForwardInput(torch.arange(1, 9)), options=rt.ForwardOptions(backward_state="offload"))
+    held = out.usage.host_bytes
+    assert held > 0
+    assert held_within_limits(trainer, None, held)[0] is True
+    ok, detail = held_within_limits(trainer, None, held - 1)
+    assert ok is False and f"{held} B on the host (limit {held - 1})" in detail
+
+
+def test_every_intersection_is_a_named_check_of_the_quick_profile() -> None:
+    names = list(INTERSECTIONS)
+    assert len(names) == len(set(names)) == 3 + len(REFUSED_CALLS)
+    assert all(name.startswith("intersection: ") for name in names)
