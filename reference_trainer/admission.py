@@ -304,6 +304,7 @@ class Admission:
             transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
             scores_saved=saved_class.scores_saved,
             lora=saved_class.lora,
+            dropout_active=saved_class.dropout_active,
         )
 
     def observe(self, record: ForwardRecord, admitted: Admitted, stopwatch: Stopwatch) -> RecordUsage:
@@ -313,7 +314,9 @@ class Admission:
         saved, ledger, key = admitted.cost.saved_bytes, record.ledger, admitted.saved_class
         if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
             saved = ledger.device_bytes + ledger.copied_bytes
-            analytic = analytic_saved_bytes(self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora)
+            analytic = analytic_saved_bytes(
+                self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora, dropout_active=key.dropout_active
+            )
             self._saved_scales[key] = max(saved / analytic, self._saved_scales.get(key, 0.0))
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         placement = Placement(record.decision.placement)

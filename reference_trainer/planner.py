@@ -36,7 +36,8 @@ NOTE [Memory admission]
   5. Sizes come from a conservative analytic estimate of the model's saved
      activations (with the ``2·H·B·T²`` attention probabilities and dropout
      mask only where the attention backend in use saves them:
-     :func:`attention_saves_scores`, and each LoRA target's ``x·Aᵀ``),
+     :func:`attention_saves_scores`, each LoRA target's ``x·Aᵀ``, and every
+     element at FP32 or wider while dropout is active: its masks are FP32),
      scaled by the largest measured/analytic ratio of forwards of the same
      :class:`SavedClass`: everything that decides what a forward saves but its
      exact length (shape class, whether attention saves scores, whether
@@ -231,13 +232,23 @@ class SavedClass:
 
 
 def analytic_saved_bytes(
-    config: ModelConfig, batch: int, seq_len: int, *, scores_saved: bool = True, lora: LoRAConfig | None = None
+    config: ModelConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    scores_saved: bool = True,
+    lora: LoRAConfig | None = None,
+    dropout_active: bool = False,
 ) -> int:
     """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward.
 
-    A LoRA target saves its ``(B, T, rank)`` ``x·Aᵀ`` for ``B``'s gradient."""
+    A LoRA target saves its ``(B, T, rank)`` ``x·Aᵀ`` for ``B``'s gradient.
+    With dropout active every element is priced at FP32 or wider: keep-masks
+    are drawn in FP32 (``model.residual_dropout``) and math attention's dropout
+    path saves FP32 intermediates, so a BF16 model saves more than half of
+    what its FP32 twin does."""
     tokens = batch * seq_len
-    elem = _element_size(config)
+    elem = max(_element_size(config), 4) if dropout_active else _element_size(config)
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
@@ -261,6 +272,7 @@ def estimate_forward_cost(
     transfer_bytes_per_second: float,
     scores_saved: bool = True,
     lora: LoRAConfig | None = None,
+    dropout_active: bool = False,
 ) -> ForwardCost:
     """The cost of one ``(batch, seq_len)`` forward of ``config``.
 
@@ -269,7 +281,7 @@ def estimate_forward_cost(
     """
     tokens = batch * seq_len
     elem = _element_size(config)
-    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora)
+    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora, dropout_active=dropout_active)
     if saved_scale is not None:
         saved = int(saved * saved_scale * 1.05) + 4096
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size

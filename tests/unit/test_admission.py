@@ -357,6 +357,18 @@ def test_a_scale_learned_in_eval_mode_never_admits_a_train_forward_over_the_host
 
 
 @pytest.mark.parametrize("placement", ["retain", "offload"])
+def test_a_first_bf16_train_forward_with_dropout_is_priced_with_its_fp32_masks(placement: str) -> None:
+    """No measured scale yet: the analytic estimate alone must cover the FP32 keep-masks of a BF16 model."""
+    model = rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1, dtype=torch.bfloat16), seed=0)
+    trainer = rt.Trainer(model)
+    trainer.add_checkpoint("policy", full=True, seed=1)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    options = rt.ForwardOptions(backward_state=placement, corrections=())
+    outs = trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)
+    _assert_saved_within_admitted([outs])
+
+
+@pytest.mark.parametrize("placement", ["retain", "offload"])
 def test_every_forward_holds_at_most_the_saved_bytes_admitted_in_eval_then_train(placement: str) -> None:
     """Both budgets: a retained record's saved bytes are on the device, an offloaded one's on the host."""
     trainer, census = _trainer_in_census(4)
