@@ -113,7 +113,11 @@ def correct_cotangent(
     correction: ImportanceCorrection,
     staleness: int,
 ) -> tuple[torch.Tensor, CorrectionStats]:
-    """Reweight ``cotangent`` (any shape) token by token; returns it and the statistics."""
+    """Reweight ``cotangent`` (any shape) token by token; returns it and the statistics.
+
+    With no active token (an all-zero cotangent) nothing is reweighted and
+    every statistic is 0 (``tokens=0``): there is no weight to average.
+    """
     active = cotangent != 0
     weights, clipped = correction_weights(current[active], forward[active], correction)
     corrected = cotangent.clone()

@@ -275,3 +275,10 @@ def test_statistics_of_extreme_weights_stay_finite(low, high, ratio, mean):
     _, stats = correct_cotangent(torch.ones(3), current, torch.zeros(3), correction, staleness=1)
     assert stats.mean == mean and stats.max == mean
     assert stats.effective_sample_size == 3.0
+
+
+def test_an_all_zero_cotangent_is_returned_as_is_with_zero_statistics():
+    cotangent, logprobs = torch.zeros(2, 3), torch.full((2, 3), -1.0)
+    corrected, stats = correct_cotangent(cotangent, logprobs + 0.5, logprobs, rt.ImportanceCorrection(), staleness=1)
+    assert corrected.tolist() == cotangent.tolist()
+    assert (stats.tokens, stats.mean, stats.max, stats.fraction_clipped, stats.effective_sample_size) == (0, 0.0, 0.0, 0.0, 0.0)

@@ -26,18 +26,19 @@ def _other_trainers_loss(trainer: rt.Trainer) -> None:
     trainer.backward(_loss(_output(other)))
 
 
-# (name, the call, the field the error names)
-CASES: list[tuple[str, Callable[[rt.Trainer], Any], str]] = [
-    ("forward-checkpoint-list", lambda t: t.forward(rt.ForwardInput(*sequence(0)), checkpoint=["policy"]), "checkpoint"),
-    ("optim_step-checkpoints-int", lambda t: t.optim_step(checkpoints=5), "checkpoints"),
-    ("optim_step-checkpoints-unhashable", lambda t: t.optim_step(checkpoints=[["policy"]]), "checkpoint"),
-    ("zero_grad-checkpoints-int", lambda t: t.zero_grad(checkpoints=5), "checkpoints"),
-    ("adamw-betas-none", lambda t: rt.AdamWConfig(betas=None), "AdamWConfig.betas"),
-    ("trainer-none", lambda t: rt.Trainer(None), "model"),
-    ("add_checkpoint-full-str", lambda t: t.add_checkpoint("other", full="yes"), "full"),
-    ("backward-non-scalar", lambda t: t.backward(_output(t).target_logprobs * 2.0), "loss"),
-    ("backward-retain-str", lambda t: t.backward(_loss(_output(t)), retain_graph="yes"), "retain_graph"),
-    ("backward-other-trainer", _other_trainers_loss, "loss"),
+# (name, the call, the field the error names, what the message must say it found)
+CASES: list[tuple[str, Callable[[rt.Trainer], Any], str, str]] = [
+    ("forward-checkpoint-list", lambda t: t.forward(rt.ForwardInput(*sequence(0)), checkpoint=["policy"]), "checkpoint", "found ['policy']"),
+    ("optim_step-checkpoints-int", lambda t: t.optim_step(checkpoints=5), "checkpoints", "found 5"),
+    ("optim_step-checkpoints-unhashable", lambda t: t.optim_step(checkpoints=[["policy"]]), "checkpoint", "found ['policy']"),
+    ("zero_grad-checkpoints-int", lambda t: t.zero_grad(checkpoints=5), "checkpoints", "found 5"),
+    ("adamw-betas-none", lambda t: rt.AdamWConfig(betas=None), "AdamWConfig.betas", "found None"),
+    ("adamw-lr-str", lambda t: rt.AdamWConfig(lr="fast"), "AdamWConfig.lr", "found 'fast'"),
+    ("trainer-none", lambda t: rt.Trainer(None), "model", "found 'NoneType'"),
+    ("add_checkpoint-full-str", lambda t: t.add_checkpoint("other", full="yes"), "full", "found 'yes'"),
+    ("backward-non-scalar", lambda t: t.backward(_output(t).target_logprobs * 2.0), "loss", "a tensor of shape (9,)"),
+    ("backward-retain-str", lambda t: t.backward(_loss(_output(t)), retain_graph="yes"), "retain_graph", "found 'yes'"),
+    ("backward-other-trainer", _other_trainers_loss, "loss", "another trainer's output"),
 ]
 
 
@@ -47,8 +48,10 @@ def _state(trainer: rt.Trainer) -> tuple:
     return params, checkpoint.version, sorted(trainer.checkpoints), grad_snapshot(trainer)
 
 
-@pytest.mark.parametrize(("call", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_bad_argument_is_a_config_error_with_expected_and_found_and_changes_nothing(call: Callable, field: str) -> None:
+@pytest.mark.parametrize(("call", "field", "found"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_argument_is_a_config_error_with_expected_and_found_and_changes_nothing(
+    call: Callable, field: str, found: str
+) -> None:
     trainer = make_trainer("full", dropout=0.0)
     trainer.backward(_loss(_output(trainer, 1), 1))  # committed gradients a refusal must not touch
     params, version, names, grads = _state(trainer)
@@ -56,7 +59,7 @@ def test_a_bad_argument_is_a_config_error_with_expected_and_found_and_changes_no
         call(trainer)
     assert info.value.field == field
     message = str(info.value)
-    assert "expected" in message and "found" in message and "already backpropagated" not in message, message
+    assert "expected" in message and found in message and "already backpropagated" not in message, message
     for n, p in trainer.checkpoint("policy").named_parameters():
         assert torch.equal(p, params[n]), n
     assert trainer.checkpoint("policy").version == version and sorted(trainer.checkpoints) == names

@@ -201,6 +201,11 @@ def test_group_advantages_degenerate_groups_are_zero():
     torch.testing.assert_close(group_advantages([1.0, 3.0], eps=0.0), torch.tensor([-1.0, 1.0]))
 
 
+def test_pad_sequences_pads_with_the_value_asked_for():
+    padded, real = pad_sequences([torch.tensor([1, 2]), torch.tensor([3])], padding_value=-100)
+    assert padded.tolist() == [[1, 2], [3, -100]] and real.tolist() == [[True, True], [True, False]]
+
+
 def test_pad_sequences_pads_and_marks_real_positions():
     padded, real = pad_sequences([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
     torch.testing.assert_close(padded, torch.tensor([[1.0, 2.0], [3.0, 0.0]]))
