@@ -36,6 +36,7 @@ CASES: list[tuple[str, Callable[[rt.Trainer], Any], str, str]] = [
     ("adamw-lr-str", lambda t: rt.AdamWConfig(lr="fast"), "AdamWConfig.lr", "found 'fast'"),
     ("trainer-none", lambda t: rt.Trainer(None), "model", "found 'NoneType'"),
     ("add_checkpoint-full-str", lambda t: t.add_checkpoint("other", full="yes"), "full", "found 'yes'"),
+    ("backward-not-a-tensor", lambda t: t.backward(1.0), "loss", "found 'float'"),
     ("backward-non-scalar", lambda t: t.backward(_output(t).target_logprobs * 2.0), "loss", "a tensor of shape (9,)"),
     ("backward-retain-str", lambda t: t.backward(_loss(_output(t)), retain_graph="yes"), "retain_graph", "found 'yes'"),
     ("backward-other-trainer", _other_trainers_loss, "loss", "another trainer's output"),
