@@ -49,6 +49,10 @@ NOTE [Derivative canary]
      change nothing, FP64 checkpoints (NOTE [Intersection checks] in
      ``canaries.derivative_intersections``). The scenarios run first so that
      a bug either catches keeps failing the check named for it.
+  11. Focused runs (``checks=``, the mutation suite's NOTE [Mutation
+     verdicts] Rule 4): only the named checks run, in the usual order, and
+     the coverage checks (which judge a whole run) are left out; a name that
+     is no check of the preset is a ``SetupError``.
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
@@ -74,11 +79,14 @@ from . import presets
 from .gpu_memory import check_fits
 from .presets import Preset
 
-__all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "CanaryResult", "claimed_cells", "judge", "run"]
+__all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
+           "check_names", "CanaryResult", "claimed_cells", "judge", "run"]
 
 KIND = "derivative-canary"
 MIN_BACKPROPAGATING = 0.9
 COVERAGE_CHECK = "coverage: a judged record in every claimed cell"
+LOGICAL_CHECK = "logical_global_normalisation"
+EXPLORATION_CHECK = "state_machine"
 BACKPROPAGATING_CHECK = f"coverage: >= {MIN_BACKPROPAGATING:.0%} of examples backpropagate"
 
 
@@ -123,39 +131,59 @@ def _fixed_checks(config: Preset) -> list[tuple[str, str, str]]:
     ]
 
 
-def judge(config: Preset, *, profile: str = "quick", bound_cap: int = 2, progress: bool = False) -> CanaryResult:
-    """The scenarios, the logical-rank check, the exploration and the coverage checks (Rules 8-9).
+def check_names(config: Preset) -> list[str]:
+    """Every check a whole run of ``config`` may make, in order (the coverage checks last)."""
+    return [LOGICAL_CHECK, *(c for c, _, _ in _fixed_checks(config)), *INTERSECTIONS, EXPLORATION_CHECK,
+            BACKPROPAGATING_CHECK, COVERAGE_CHECK]
+
+
+def judge(
+    config: Preset,
+    *,
+    profile: str = "quick",
+    bound_cap: int = 2,
+    progress: bool = False,
+    checks: Collection[str] | None = None,
+) -> CanaryResult:
+    """The scenarios, the logical-rank check, the exploration and the coverage checks (Rules 8-9); only
+    ``checks`` when given (Rule 11).
 
     ``bound_cap`` caps every forward's staleness bound (0: no stale backward
     succeeds, so the coverage check must fail: its negative control).
     """
+    unknown = sorted(set(checks or ()) - set(check_names(config)))
+    if unknown:
+        raise SetupError(f"derivative canary: no checks named {unknown}", fix=f"use some of {check_names(config)}")
+    wanted = (lambda name: True) if checks is None else checks.__contains__
     result = CanaryResult()
     if not config.cuda_checks:
         why = "preset swapped to CPU (no CUDA device)" if config.swapped else "CPU preset"
         result.skipped["cuda_rng_unchanged_by_backward"] = why
-    fixed = _fixed_checks(config)
-    bar = tqdm(total=len(fixed) + 1 + len(INTERSECTIONS) + EXPLORATION[profile].max_examples, desc="derivative", unit="check",
+    fixed = [entry for entry in _fixed_checks(config) if wanted(entry[0])]
+    intersections = {name: check for name, check in INTERSECTIONS.items() if wanted(name)}
+    explored = EXPLORATION[profile].max_examples if wanted(EXPLORATION_CHECK) else 0
+    bar = tqdm(total=len(fixed) + 1 + len(intersections) + explored, desc="derivative", unit="check",
                disable=not progress, leave=False)
-    error = result.record_check("logical_global_normalisation",
-                                lambda: check_logical_ranks(config, max(2, config.logical_dp)))
-    result.worst_logical_error = error or 0.0
+    if wanted(LOGICAL_CHECK):
+        error = result.record_check(LOGICAL_CHECK, lambda: check_logical_ranks(config, max(2, config.logical_dp)))
+        result.worst_logical_error = error or 0.0
     bar.update()
     for check, scenario, kind in fixed:
-        if not result.passed:
+        if not all(result.checks.values()):
             break
         measured = result.record_check(check, lambda: run_scenario(config, scenario, kind=kind, bound_cap=bound_cap))
         bar.update()
         if measured is not None:
             result.measured.merge(measured)
-    for check, intersection in INTERSECTIONS.items():  # Rule 10: after the scenarios, so older bugs fail there
-        if not result.passed:
+    for check, intersection in intersections.items():  # Rule 10: after the scenarios, so older bugs fail there
+        if not all(result.checks.values()):
             break
         result.record_check(check, lambda: intersection(config))
         bar.update()
-    if result.passed:
+    if explored and all(result.checks.values()):
         _explore(config, profile, result, bound_cap, bar)
     bar.close()
-    if result.passed:
+    if checks is None and result.passed:
         _check_coverage(config, result)
     return result
 
@@ -182,9 +210,9 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
         bar.update()
 
     failure = explore(config, EXPLORATION[profile], on_example=on_example, bound_cap=bound_cap)
-    result.checks["state_machine"] = failure is None
+    result.checks[EXPLORATION_CHECK] = failure is None
     if failure is not None:
-        result.failures["state_machine"] = failure
+        result.failures[EXPLORATION_CHECK] = failure
         return
     share = result.examples_backpropagated / max(1, result.examples)
     result.checks[BACKPROPAGATING_CHECK] = share >= MIN_BACKPROPAGATING
@@ -193,15 +221,16 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
             f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
 
 
-def run(preset: str, profile: str, out_dir: Path) -> Path:
-    """Run the canary on the preset (its CPU stand-in without CUDA); returns the evidence path."""
+def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
+    """Run the canary on the preset (its CPU stand-in without CUDA), only ``checks`` when given (Rule 11);
+    returns the evidence path."""
     config = presets.preset(preset).on_this_machine()
     if config.device == "cuda":
         check_fits(config, oracle=True)  # prints the estimate; SetupError before any model is built
     started = time.perf_counter()
-    result = judge(config, profile=profile, progress=True)
+    result = judge(config, profile=profile, progress=True, checks=checks)
     path = write_once(evidence_path(out_dir, f"derivative-{config.name}"),
-                      _record(result, config, profile, time.perf_counter() - started))
+                      _record(result, config, profile, time.perf_counter() - started, checks))
     for name, ok in result.checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
     print(f"derivative canary {'PASSED' if result.passed else 'FAILED'}: {path}", flush=True)
@@ -209,13 +238,14 @@ def run(preset: str, profile: str, out_dir: Path) -> Path:
 
 
 
-def _record(result: CanaryResult, config: Preset, profile: str, seconds: float) -> dict:
+def _record(result: CanaryResult, config: Preset, profile: str, seconds: float, checks: Sequence[str] | None) -> dict:
     m = result.measured
     stale = sum(n for (staleness, *_), n in m.cells.items() if staleness > 0)
     return make_record(
         KIND,
         config={"preset": config.describe(), "profile": profile, "checkpoint_kinds": list(checkpoint_kinds(config)),
-                "tolerances": TOLERANCES[config.model.dtype].__dict__, "learning_rate": LR},
+                "tolerances": TOLERANCES[config.model.dtype].__dict__, "learning_rate": LR,
+                "checks": None if checks is None else list(checks)},
         checks=result.checks,
         measurements={
             "examples": result.examples,

@@ -12,7 +12,8 @@ NOTE [Intersection checks]
   1. Logical ranks with the default options: the same schedule of logical
      ranks that share token content (logical rank r forwards at step k what
      rank r + 1 forwarded at step k - 1), backwards one step stale, corrections
-     on (``when_available``), gives the same parameter bits, the same
+     on (``when_available``, so without dropout: it pairs only maskless
+     forwards), gives the same parameter bits, the same
      staleness and the same corrected flags per logical rank at W = 1 (one
      process) and W = 2 (two spawned gloo processes). With ``corrections=()``
      the same comparison is the control: it must hold on any correct trainer.
@@ -90,7 +91,9 @@ def tiny_model(config: Preset, dtype: torch.dtype = torch.float32) -> rt.ModelCo
 
 
 def _logical_trainer(config: Preset) -> rt.Trainer:
-    model = rt.DecoderLM(tiny_model(config), seed=0)
+    # Without dropout: ``when_available`` never pairs forwards that drew masks (NOTE [Importance correction]
+    # Rule 8), so with dropout the default options would correct nothing and the cache's scope could not show.
+    model = rt.DecoderLM(tiny_model(config).replace(dropout=0.0), seed=0)
     trainer = rt.Trainer(model)
     trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
     return trainer

@@ -21,6 +21,7 @@ imported only when a canary runs, so ``rtv --help`` stays instant.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class Canary:
     whose verdicts are shown rather than gated (throughput) are not, unless
     the user asks with ``--gate``. ``takes_gate``: the module's ``run``
     also accepts ``gate=True`` (enforce its comparisons, not only show them).
+    ``takes_checks``: the module's ``run`` also accepts ``checks=`` (the
+    names of the only checks to run; the mutation suite's focused runs,
+    NOTE [Mutation verdicts] Rule 4).
     """
 
     name: str
@@ -48,16 +52,23 @@ class Canary:
     summary: str
     enforced: bool = True
     takes_gate: bool = False
+    takes_checks: bool = False
 
-    def run(self, preset: str, profile: str, out_dir: Path, *, gate: bool = False) -> Path:
-        """Run the canary; returns its evidence path (see the module docstring)."""
+    def run(
+        self, preset: str, profile: str, out_dir: Path, *, gate: bool = False, checks: Sequence[str] | None = None
+    ) -> Path:
+        """Run the canary (only ``checks``, when given); returns its evidence path (see the module docstring)."""
         if preset not in PRESETS:
             raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESETS)}")
         if profile not in PROFILES:
             raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
         if gate and not self.takes_gate:
             raise SetupError(f"canary {self.name!r} has no gate option", fix="run it without gate")
-        options = {"gate": True} if gate else {}
+        if checks is not None and not self.takes_checks:
+            raise SetupError(f"canary {self.name!r} runs all its checks", fix="run it without checks=")
+        options: dict[str, object] = {"gate": True} if gate else {}
+        if checks is not None:
+            options["checks"] = tuple(checks)
         return importlib.import_module(self.module).run(preset, profile, Path(out_dir), **options)
 
 
@@ -65,7 +76,7 @@ CANARIES: dict[str, Canary] = {
     c.name: c
     for c in (
         Canary(name="derivative", module="canaries.derivative",
-               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)"),
+               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)", takes_checks=True),
         Canary(name="memory", module="canaries.memory",
                summary="no saved state, graph or staging outlives its backward; admission stays under the limit"),
         Canary(name="mutations", module="canaries.mutations",

@@ -1,0 +1,232 @@
+"""The catalogue of injected bugs the mutation suite runs (``canaries.mutations``, NOTE [Mutation verdicts]).
+
+Each :class:`Mutation` puts one realistic bug back into the real trainer for
+the duration of a ``with mutation.apply():`` block, by patching a named seam
+of the fixed code with ``unittest.mock.patch`` (a small wrapper or a one-line
+replacement, never a hand copy of a large function), and names the canary
+and the check meant to catch it. Issue 21's defects and let-through bugs are
+reintroduced here one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+
+from reference_trainer import adamw as adamw_module
+from reference_trainer import checkpoints as checkpoints_module
+from reference_trainer import commit as commit_module
+from reference_trainer import corrections as corrections_module
+from reference_trainer import residency as residency_module
+from reference_trainer import sinks as sinks_module
+from reference_trainer import staleness as staleness_module
+from reference_trainer import testing
+from reference_trainer.admission import Admission
+from reference_trainer.checkpoints import Checkpoint, WeightCapture
+from reference_trainer.commit import GradientTransaction
+from reference_trainer.corrections import KnownLogprobs
+from reference_trainer.grad_norms import KnownNorm
+from reference_trainer.graphs import RecordTable
+from reference_trainer.planner import analytic_saved_bytes
+from reference_trainer.ranks import LogicalRank
+from reference_trainer.residency import SavedStateLedger
+from reference_trainer.sinks import LiveGradSink, RankGradients
+from reference_trainer.staleness import check_origins
+from validation.errors import SetupError
+
+from .presets import Preset
+
+__all__ = ["Mutation", "MUTATIONS", "mutation"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A known bug: what it breaks, which registered canary (and which of its checks) must catch it, how to inject it."""
+
+    name: str
+    description: str
+    caught_by: str
+    inject: Callable[[], contextlib.AbstractContextManager[Any]]
+    check: str | None = None  # the check of ``caught_by`` meant to catch it (NOTE [Mutation verdicts] Rule 4)
+    needs_dropout: bool = False
+
+    def apply(self) -> contextlib.AbstractContextManager[Any]:
+        """The bug, active inside the returned context."""
+        return self.inject()
+
+    def applies_to(self, config: Preset) -> bool:
+        return not self.needs_dropout or config.model.dropout > 0
+
+
+def _patched(target: Any, attribute: str, value: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """An injector that replaces ``target.attribute`` by ``value`` inside its block."""
+    return lambda: mock.patch.object(target, attribute, value)
+
+
+# --- the original bugs ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stale_weights() -> Iterator[None]:
+    """No copy-on-write and no ledger: an old graph silently sees the live weights an optimizer step wrote."""
+    with mock.patch.object(Checkpoint, "_copy_on_write", lambda self: None), \
+            mock.patch.object(WeightCapture, "check_ledger", lambda self: None):
+        yield
+
+
+def _publish_without_rollback(self: GradientTransaction) -> None:
+    """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
+    for index, staged in enumerate(self._staged.values()):
+        old = self._sink.current(staged.checkpoint, staged.name)
+        testing.maybe_fail("publish", index)
+        self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
+    self.agree(None)
+    for name, origins in self._origins.items():
+        self._sink.record_origins(self._checkpoints(name), origins)
+    self.discard()
+
+
+@contextlib.contextmanager
+def _staleness_off_by_one() -> Iterator[None]:
+    """Every module's ``check_age`` admits staleness ``bound + 1``."""
+    original = staleness_module.check_age
+
+    def check_age(checkpoint: Any, version: Any, bound: int) -> None:
+        original(checkpoint, version, bound + 1)
+
+    with contextlib.ExitStack() as stack:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("reference_trainer") and getattr(module, "check_age", None) is original:
+                stack.enter_context(mock.patch.object(module, "check_age", check_age))
+        yield
+
+
+def _fresh_as_stale(checkpoint: Any, version: Any) -> int:
+    """The importance correction's staleness, at least 1: fresh records are treated as stale."""
+    return max(1, staleness_module.staleness(checkpoint, version))
+
+
+def _local_count(self: LogicalRank, mask: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    """``global_token_count`` returning the logical rank's own count: per-rank instead of global normalisation."""
+    masks = [mask] if isinstance(mask, torch.Tensor) else list(mask)
+    return sum(int(torch.count_nonzero(m)) for m in masks)
+
+
+def _aliasing_copy(self: SavedStateLedger, tensor: torch.Tensor) -> torch.Tensor:
+    """A byte view of the original storage instead of a host copy."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+# --- issue 21: the defects ---------------------------------------------------------------------------
+
+
+def _process_scope(record: Any) -> tuple[None, str]:
+    """Defect 1: the ``when_available`` scope ignores the record's owner: one cache for every logical rank."""
+    return None, record.checkpoint.name
+
+
+_REAL_FLUSH = RankGradients.flush
+
+
+def _flush_then_check(self: RankGradients, checkpoints: list[Checkpoint]) -> None:
+    """Defect 3: the buffers are summed into ``.grad`` first, the committed origins checked after."""
+    with mock.patch.object(sinks_module, "_first_error", lambda checkpoints: None):
+        _REAL_FLUSH(self, checkpoints)
+    for checkpoint in checkpoints:
+        check_origins(checkpoint)
+
+
+_REAL_SAVED_CLASS = Admission._saved_class
+
+
+def _saved_class_of_config(self: Admission, checkpoint: Checkpoint, batch: int, seq_len: int, training: bool) -> Any:
+    """Defect 5a: the saved-bytes class follows ``config.dropout`` only, as if the model were always training."""
+    return _REAL_SAVED_CLASS(self, checkpoint, batch, seq_len, True)
+
+
+def _without_lora(config: Any, batch: int, seq_len: int, **options: Any) -> int:
+    """Defect 5b: the analytic estimate without LoRA's ``x·Aᵀ`` intermediates."""
+    return analytic_saved_bytes(config, batch, seq_len, **{**options, "lora": None})
+
+
+@contextlib.contextmanager
+def _lora_term_uncounted() -> Iterator[None]:
+    from reference_trainer import admission as admission_module, planner as planner_module
+
+    with mock.patch.object(planner_module, "analytic_saved_bytes", _without_lora), \
+            mock.patch.object(admission_module, "analytic_saved_bytes", _without_lora):
+        yield
+
+
+_REAL_DECIDE = Admission._decide
+
+
+def _decide_and_demote(self: Admission, *args: Any) -> Any:
+    """Defect 7: each group's demotions are made as soon as it is planned, before the call is admitted whole."""
+    plan, demote = _REAL_DECIDE(self, *args)
+    for entry in demote:
+        entry.record.ledger.demote()
+        entry.record.usage = entry.usage.demoted()
+    return plan, demote
+
+
+MUTATIONS: dict[str, Mutation] = {
+    m.name: m
+    for m in (
+        Mutation("stale_weights", "backward differentiates the live weights, not the forward's (no copy-on-write, "
+                 "no ledger)", "derivative", _stale_weights, "scenario:stale_exact"),
+        Mutation("replay_without_rng", "replay re-runs the forward without restoring its RNG state (other dropout "
+                 "masks)", "derivative", _patched(residency_module, "restored_forward_state",
+                                                  lambda state, model: contextlib.nullcontext()),
+                 "scenario:stale_exact", needs_dropout=True),
+        Mutation("partial_commit", "a failure during publication keeps the gradients already published (no "
+                 "rollback)", "derivative", _patched(GradientTransaction, "publish", _publish_without_rollback),
+                 "scenario:faults"),
+        Mutation("commit_non_finite", "the commit's validation skips the finiteness check (a first NaN backward "
+                 "commits)", "derivative", _patched(commit_module, "first_non_finite", lambda staged, norms: None),
+                 "scenario:non_finite"),
+        Mutation("staleness_off_by_one", "the staleness check admits bound + 1", "derivative", _staleness_off_by_one,
+                 "scenario:bounds"),
+        Mutation("correct_fresh_records", "the importance correction is applied to fresh records", "derivative",
+                 _patched(corrections_module, "staleness", _fresh_as_stale), "scenario:corrections"),
+        Mutation("offload_alias", "offload keeps an alias of the saved storage instead of a host copy", "memory",
+                 _patched(SavedStateLedger, "_copy_storage", _aliasing_copy),
+                 "offload: host copies hold what retain keeps on the device"),
+        Mutation("per_rank_normalisation", "each logical rank normalises its loss by its own token count",
+                 "derivative", _patched(LogicalRank, "global_token_count", _local_count),
+                 "logical_global_normalisation"),
+        # issue 21's defects, one at a time
+        Mutation("shared_correction_cache", "defect 1: one when_available cache shared by every logical rank of a "
+                 "process", "derivative", _patched(corrections_module, "_scope", _process_scope),
+                 "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)"),
+        Mutation("flush_before_checks", "defect 3: optim_step sums the logical-rank buffers into .grad before it "
+                 "checks the committed origins", "derivative", _patched(RankGradients, "flush", _flush_then_check),
+                 "intersection: refused optim_step over a stale live .grad with logical-rank buffers pending "
+                 "changes nothing"),
+        Mutation("fp32_masters_for_fp64", "defect 4: FP32 masters for every dtype other than FP32, FP64 included",
+                 "derivative", _patched(checkpoints_module, "needs_master", lambda dtype: dtype != torch.float32),
+                 "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance"),
+        Mutation("saved_scale_ignores_training", "defect 5a: the saved-bytes class ignores train/eval mode (dropout "
+                 "active follows the config only)", "memory", _patched(Admission, "_saved_class", _saved_class_of_config),
+                 "admission: train-mode forward after an eval-mode one (dropout on): held <= admitted"),
+        Mutation("lora_term_uncounted", "defect 5b: the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
+                 "memory", _lora_term_uncounted, "admission: first forward of LoRA rank 256: held <= admitted"),
+        Mutation("groups_admitted_one_by_one", "defect 7: a multi-group forward makes each group's demotions before "
+                 "the whole call is admitted", "derivative", _patched(Admission, "_decide", _decide_and_demote),
+                 "intersection: refused forward whose second option group is refused by admission changes nothing"),
+    )
+}
+
+
+def mutation(name: str) -> Mutation:
+    """The mutation ``name``; :class:`SetupError` naming the known ones otherwise."""
+    try:
+        return MUTATIONS[name]
+    except KeyError:
+        raise SetupError(f"unknown mutation {name!r}", fix=f"use one of {', '.join(MUTATIONS)}") from None
