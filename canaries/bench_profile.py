@@ -7,7 +7,7 @@ on the workload's own shapes in alternating order (A B B A, so drift cancels):
 - ``saved_tensor_hooks``: a plain forward and backward run inside a retain
   ledger's saved-tensor hooks, minus the same without them (the median of
   paired differences). The hooks are what lets the
-  trainer count the bytes a forward holds (admission, contract §6), demote a
+  trainer count the bytes a forward holds (admission, docs/semantics.md#placements-and-memory-admission), demote a
   retained forward to host memory under pressure, and refuse a backward whose
   saved tensors were modified in place (NOTE [Saved-state lifetime]).
 - ``gradient_norm``: one fused norm pass over the trainable gradients. The

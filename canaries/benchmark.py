@@ -100,7 +100,7 @@ def _arms(placements: tuple[str, ...], stalenesses: tuple[int, ...]) -> tuple[st
 
 
 def plan(preset: str, profile: str) -> Plan:
-    """What ``preset`` x ``profile`` runs (sized so ``rtv bench`` stays within contract §11's budgets here)."""
+    """What ``preset`` x ``profile`` runs (sized so ``rtv bench`` stays within docs/harness.md#time-budgets here)."""
     quick, nightly = profile == "quick", profile == "nightly"
     every = _arms(PLACEMENTS, (0, 2))
     if preset == "cpu":

@@ -14,7 +14,7 @@ prints where it is. Canary modules are imported inside the commands, so
 ``rtv --help`` stays instant. This is the only module that may import every
 package.
 
-Exit status (contract §11): 0 when every enforced check passed, 1 when one
+Exit status (docs/harness.md#exit-codes): 0 when every enforced check passed, 1 when one
 failed or a step raised (a shown-not-enforced canary, the benchmark, fails
 the run only under ``--gate``), 2 for usage and setup errors. The console
 script enters through ``canaries.entry`` (Python and torch checked first). A

@@ -2,7 +2,7 @@
 
 Before anything heavy is imported (``canaries.cli`` needs Python 3.10
 syntax, tqdm and the packages), it refuses with one line of reason, one of
-fix and exit code 2 (contract §11) when:
+fix and exit code 2 (docs/harness.md#exit-codes) when:
 
 - Python is older than :data:`MINIMUM_PYTHON` (``pyproject.toml``'s ``requires-python``);
 - torch is not installed (looked up, not imported, so ``rtv --help`` stays fast).

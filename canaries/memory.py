@@ -10,7 +10,7 @@ and the storage census split into a device and a host pool
   its activations on the device; offload and replay keep none of them
   (activation storages are watched with storage weak references), offload's
   device bytes fall to replay's floor and its host copies hold what retain
-  kept on the device (contract §6: offload copies, never aliases);
+  kept on the device (offload copies, never aliases: NOTE [Saved-state lifetime] Rule 4);
 - ``after_backward``: nothing the forward made outlives its backward;
 - ``after_drop``: nothing outlives an output dropped without backward;
 - ``after_failed_commit``: after a backward that failed at publication the

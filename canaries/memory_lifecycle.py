@@ -222,7 +222,7 @@ def _after_drop(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts,
 
 
 def _after_failed_commit(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
-    """A backward that fails at publication frees graph, saved state and staging (contract §4)."""
+    """A backward that fails at publication frees graph, saved state and staging (docs/semantics.md#transactions)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
         outputs = trainer.forward(work.inputs(300), options=_options(p))
@@ -294,7 +294,7 @@ def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def offload_checks(per: dict[str, LifecyclePoint], verdicts: Verdicts, cuda: bool) -> dict[str, int]:
-    """Offload against the other two placements on the same workload (contract §6)."""
+    """Offload against the other two placements on the same workload (NOTE [Saved-state lifetime])."""
     after = {p: per[p].bytes_at["after_forward"] for p in PLACEMENTS}
     kept = after["retain"]["device"] - after["replay"]["device"]  # what retain keeps on the device
     floor = after["replay"]["device"] + int(_FLOOR_SLACK * kept)

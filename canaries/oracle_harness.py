@@ -144,7 +144,8 @@ class DerivativeHarness:
             self._expect(out.version == expected_version, "forward version", expected_version, out.version)
             self._expect(placement == "auto" or out.placement == placement, "placement", placement, out.placement)
             leaf = out.target_logprobs
-            dtype = torch.float64 if self.config.model.dtype == torch.float64 else torch.float32  # contract §3
+            # FP64 log-probs for an FP64 model, FP32 otherwise (docs/semantics.md#precision)
+            dtype = torch.float64 if self.config.model.dtype == torch.float64 else torch.float32
             self._expect(leaf.dtype == dtype and leaf.requires_grad and leaf.is_leaf, "output",
                          f"a {dtype} leaf that requires grad", f"{leaf.dtype}, requires_grad={leaf.requires_grad}")
             error = self._relative("log-probs", leaf, reference)
@@ -193,7 +194,7 @@ class DerivativeHarness:
         self._compare("gradient added by the backward", found, expected.increments[NAME], expected.baselines[NAME])
 
     def non_finite_backward(self, chosen: Sequence[OutputRef]) -> None:
-        """A NaN loss is refused at validation: ``GradientCommitError``, every ``.grad`` as it was (contract §4)."""
+        """A NaN loss: ``GradientCommitError`` at validation, every ``.grad`` as it was (NOTE [Gradient commit] Rule 4)."""
         self._note(f"non_finite_backward(outputs={[r.number for r in chosen]})")
         before = self._grads()
         snapshot = {n: None if g is None else g.detach().clone() for n, g in before.items()}

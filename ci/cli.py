@@ -11,7 +11,7 @@ instant; without it they exit 2 with the fix.
     rtv gpu receipts [--in DIR]    every termination receipt under rtv-out/
     rtv gpu local TASK [--out DIR] [--skip-setup] [--venv DIR]
 
-Exit codes: contract §11 (NOTE [Exit codes] in ``ci.launcher``).
+Exit codes: docs/harness.md#exit-codes (NOTE [Exit codes] in ``ci.launcher``).
 """
 
 from __future__ import annotations

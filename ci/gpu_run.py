@@ -2,7 +2,7 @@
 
 What the GPU CI jobs run on the cluster (``ci/*.sky.yaml``). Part of the
 ``rtv`` command line (it imports the canary registry, as only the command
-line may). It refuses, with exit 2 and the reason (contract §11):
+line may). It refuses, with exit 2 and the reason (docs/harness.md#exit-codes):
 
 - without CUDA (``rtv gpu local`` runs a task's commands on CPU presets instead);
 - with ``--nproc`` above the number of visible GPUs.

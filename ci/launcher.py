@@ -24,7 +24,7 @@ the backstops for a cluster that appears later. The launcher never starts
 or stops a SkyPilot API server itself (``sky`` starts a local one on first
 use unless an endpoint is configured).
 
-NOTE [Exit codes] (contract §11; :func:`exit_code` implements them)
+NOTE [Exit codes] (docs/harness.md#exit-codes; :func:`exit_code` implements them)
 
 1. Absence of the cluster after teardown unproven: 6, whatever else happened.
 2. The run was interrupted: by SIGINT/SIGTERM 4, by a call timeout or the

@@ -1,6 +1,6 @@
 """Reference trainer: versioned backward graphs and logical-rank training in plain PyTorch.
 
-The public API (contract §2-§9) is re-exported here; ``import reference_trainer as rt``.
+The public API (docs/api.md) is re-exported here; ``import reference_trainer as rt``.
 This package imports nothing of the harness (``validation``, ``canaries``, ...).
 """
 

@@ -15,7 +15,7 @@ NOTE [Gradient commit]
   4. On any failure, staging is freed and the error is raised as a
      ``GradientCommitError``; existing gradients keep their values and objects.
   5. Where gradients go is a *sink* (``sinks.py``): the live ``.grad`` fields
-     by default, or a logical rank's own buffer (contract §8), so staging is
+     by default, or a logical rank's own buffer (NOTE [Logical ranks] Rule 5), so staging is
      written once.
   6. With peers (logical ranks on several processes), a coordinator agrees
      once per backward: after local publication on success, or with the error

@@ -18,7 +18,7 @@ NOTE [Gradient norm]
      master copies), a ``.grad`` written or modified in place (the version
      counter moves), a gradient the commit did not write. Not seen: a write
      through ``.grad.data``, which has a version counter of its own (writing
-     ``.grad`` by hand is outside the contract).
+     ``.grad`` by hand is not supported: docs/semantics.md#transactions).
   4. Every write of a live ``.grad`` through the trainer forgets the known
      norm first (``LiveGradSink.assign``, ``Checkpoint.clear_gradients``), so
      a stale norm is never even compared.

@@ -35,7 +35,7 @@ NOTE [Loss inputs]
    where their log-probs are ``-inf``. Losses are computed in FP32, or FP64 for
    FP64 inputs.
 
-With the trainer's importance correction (contract section 7) a stale
+With the trainer's importance correction (NOTE [Importance correction]) a stale
 forward's cotangents ``dL/dlogp_t`` are multiplied by
 ``w_t = clip(exp(logp_current - logp_forward))``; these objectives need no
 change for it.

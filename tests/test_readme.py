@@ -50,3 +50,13 @@ def test_the_layout_table_matches_the_tree() -> None:
     test_folders = {p.name for p in (root / "tests").iterdir() if p.is_dir() and any(p.glob("*.py"))}
     described = set(re.findall(r"`([a-z_]+)/`", rows["tests/"]))
     assert test_folders <= described, f"test folders the table does not list: {sorted(test_folders - described)}"
+
+
+def test_the_docs_row_and_index_name_every_page() -> None:
+    docs = README.parent / "docs"
+    pages = sorted(p.name for p in docs.glob("*.md"))
+    assert {"api.md", "semantics.md", "harness.md", "README.md"} <= set(pages)
+    row, index = _layout_rows()["docs/"], (docs / "README.md").read_text()
+    for page in pages:
+        assert f"`{page}`" in row, f"the Layout table's docs/ row does not name {page}"
+        assert page == "README.md" or f"]({page})" in index, f"docs/README.md does not link {page}"

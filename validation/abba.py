@@ -1,4 +1,4 @@
-"""Paired comparisons in alternating blocks: ``compare`` (contract §11).
+"""Paired comparisons in alternating blocks: ``compare`` (docs/harness.md#paired-comparisons).
 
 NOTE [Alternating blocks]
 1. Arms measured on one machine drift together (thermal state, other load), so

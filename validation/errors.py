@@ -5,7 +5,7 @@ dependency, no GPU for a GPU-only preset, invalid evidence) subclasses
 :class:`HarnessError`. ``rtv`` prints ``str(error)`` (the cause, then
 ``fix: ...``) on one line per part and exits with ``error.exit_code``:
 2 for usage and setup errors, 1 when the error means a check failed
-(contract §11).
+(docs/harness.md#exit-codes).
 """
 
 from __future__ import annotations

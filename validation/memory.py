@@ -11,7 +11,7 @@ NOTE [Memory census]
      freed and replaced at the same address counts as new.
   2. Two pools. On CUDA the device pool is what lives on a CUDA device and the
      host pool is CPU memory (the pinned offload copies). On CPU the device
-     pool is modelled, as the trainer models it (contract §6): raw byte
+     pool is modelled, as the trainer models it (NOTE [Memory admission]): raw byte
      (``uint8``) storages are host copies, everything else is the device pool.
      A storage marked with :meth:`StorageCensus.mark_device` (an activation the
      model computed) stays in the device pool whatever dtype later views it,

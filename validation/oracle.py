@@ -55,8 +55,8 @@ __all__ = [
 # --- the FP64 oracle trainer ---------------------------------------------------------
 #
 # NOTE [Oracle trainer]
-#   The oracle predicts what a Trainer must do, op by op, from the contract
-#   alone. It shares the model definition (DecoderLM, token_logprobs,
+#   The oracle predicts what a Trainer must do, op by op, from the documented
+#   semantics alone (docs/semantics.md). It shares the model definition (DecoderLM, token_logprobs,
 #   attach_lora) and the public error types, nothing else.
 #   1. Versions: a checkpoint is at (generation, revision). The oracle keeps an
 #      FP64 copy of the trainable weights of every version it has seen and

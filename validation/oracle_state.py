@@ -3,8 +3,8 @@
 The data half of ``validation.oracle`` (NOTE [Oracle trainer] there): the
 predictions it returns (:class:`OracleBackward`, :class:`OracleStep`,
 :class:`OracleRecordReport`, :class:`OracleState`), its bookkeeping per
-checkpoint and per forward, and :func:`check_age`, the contract's staleness
-rule (§4) stated independently of the trainer's code.
+checkpoint and per forward, and :func:`check_age`, the documented staleness
+rule (docs/semantics.md#staleness) stated independently of the trainer's code.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class OracleRecord:
 
 
 def check_age(ckpt: OracleCheckpoint, generation: int, revision: int, bound: int) -> None:
-    """The contract's staleness rule (§4), stated independently of the trainer's code."""
+    """The documented staleness rule (docs/semantics.md#staleness), stated independently of the trainer's code."""
     if generation != ckpt.generation:
         raise CheckpointReplacedError(ckpt.name, generation, ckpt.generation)
     age = ckpt.revision - revision

@@ -14,7 +14,7 @@ NOTE [Verdicts under repeated looks]
    Bonferroni: each look uses the level ``1 - alpha / looks``, so the chance of
    any false verdict over the whole sequence stays <= ``alpha`` per comparison
    whenever the run stops.
-3. Verdicts against the band ``[1 - gate, 1 + gate]`` (contract §11): ``tie``
+3. Verdicts against the band ``[1 - gate, 1 + gate]`` (docs/harness.md#paired-comparisons): ``tie``
    when the whole interval lies inside it, ``regression`` when it lies above
    ``1 + gate``, ``gain`` when below ``1 - gate``, ``inconclusive`` otherwise
    (and when there is no interval).

@@ -1,4 +1,7 @@
-"""The memory-lifetime canary and the censuses it stands on (contract §4, §6, §8; validation.memory).
+"""The memory-lifetime canary and the censuses it stands on (validation.memory).
+
+What they check: docs/semantics.md#transactions, docs/semantics.md#placements-and-memory-admission and
+docs/semantics.md#logical-ranks.
 
 Negative controls: a record the trainer forgets to let go must be flagged at
 every release point, and the "offload that aliases instead of copies"

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "ci" / "local_slurm"
 OUT = Path(os.environ.get("RTV_SLURM_OUT", "rtv-out/local_slurm")).resolve()
 CHAOS = pytest.mark.skipif(os.environ.get("RTV_SLURM_CHAOS") != "1", reason="chaos cases run with RTV_SLURM_CHAOS=1")
-PASSED, FAILED, CANCELLED = 0, 3, 4  # rtv gpu's exit codes (contract §11)
+PASSED, FAILED, CANCELLED = 0, 3, 4  # rtv gpu's exit codes (docs/harness.md#exit-codes)
 
 
 def rtv_gpu(*args: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Logical ranks give the same bits on one process and on two (contract §8), with default options.
+"""Logical ranks give the same bits on one process and on two (NOTE [Logical ranks] Rule 4), with default options.
 
 W=2 results come from one spawned gloo suite (``two_process`` fixture); W=1
 results are computed here, in the test process, with no process group. The

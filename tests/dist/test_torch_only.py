@@ -1,4 +1,4 @@
-"""The trainer's runtime needs only torch and the standard library (contract §10).
+"""The trainer's runtime needs only torch and the standard library (docs/semantics.md#runtime-dependencies).
 
 A stub ``numpy`` that raises ``ModuleNotFoundError`` (an ``ImportError``) goes first on ``PYTHONPATH`` of a
 job (``torch_only_job.py``) that starts its second rank with a plain

@@ -1,4 +1,4 @@
-"""Every GPU test runs with deterministic kernels, where the contract promises bitwise results.
+"""Every GPU test runs with deterministic kernels, where the docs promise bitwise results.
 
 ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts, so it is set
 when this file is imported (before any test touches CUDA);

@@ -1,4 +1,4 @@
-"""Importance weights and corrected cotangents (NOTE [Importance correction], contract §7).
+"""Importance weights and corrected cotangents (NOTE [Importance correction], docs/semantics.md#importance-correction).
 
 Pure functions, no model: ``correction_weights`` and ``correct_cotangent`` over
 random log-probs in FP16 / BF16 / FP32 / FP64 and random bounds

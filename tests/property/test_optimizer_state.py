@@ -1,4 +1,6 @@
-"""``load_checkpoint`` checks the optimizer state like the parameters: one that cannot step is refused (contract §3).
+"""``load_checkpoint`` checks the optimizer state like the parameters: one that cannot step is refused.
+
+See docs/semantics.md#refusals-change-nothing.
 
 A corrupted AdamW state (a slot or hyperparameter missing, a value of the
 wrong type, out of range or non-finite) is a ``ConfigError`` naming the

@@ -1,4 +1,4 @@
-"""Retain, offload and replay give the same exact gradients (contract §6)."""
+"""Retain, offload and replay give the same exact gradients (docs/semantics.md#placements-and-memory-admission)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exact unbiasedness oracle at trainer level (contract §7; second half of
+"""The exact unbiasedness oracle at trainer level (docs/semantics.md#importance-correction; second half of
 ``test_importance_oracle.py``).
 
 An FP64 policy over a 3-token vocabulary: ``DecoderLM(vocab_size=3)`` after one
@@ -14,7 +14,7 @@ sampling noise. It is compared with
   weights (``bias``), and
 - the same-Jacobian target ``-sum_y pi_cur(y) A(y) grad log pi(y)`` at the
   FORWARD's weights (``gap to T_J``): what importance weighting alone can reach,
-  since the trainer differentiates the forward's weights (contract §7).
+  since the trainer differentiates the forward's weights (NOTE [Importance correction] Rule 5).
 
 Both are plain autograd on a fresh FP64 model (``validation.oracle``). What we
 found (the table is printed with ``pytest -s`` and written as JSON):

@@ -1,4 +1,7 @@
-"""Memory admission under a small budget, checked by an independent storage census (contract §6)."""
+"""Memory admission under a small budget, checked by an independent storage census.
+
+See docs/semantics.md#placements-and-memory-admission.
+"""
 
 from __future__ import annotations
 

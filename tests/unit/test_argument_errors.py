@@ -1,4 +1,7 @@
-"""Every bad argument is a typed error saying what was expected and what was found, and changes nothing (contract §9)."""
+"""Every bad argument is a typed error saying what was expected and what was found, and changes nothing.
+
+See docs/semantics.md#refusals-change-nothing.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def test_a_loss_refused_for_its_shape_or_retain_graph_leaves_its_outputs_usable(
     assert trainer.checkpoint("policy").has_gradients()
 
 
-# --- grad modes (contract §4: a forward records the graph its backward needs) -------------------
+# --- grad modes (docs/semantics.md#versioned-backward: a forward records the graph its backward needs) ----
 
 
 def test_a_forward_under_inference_mode_is_refused_with_the_fix_and_records_nothing() -> None:

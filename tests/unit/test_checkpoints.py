@@ -1,4 +1,7 @@
-"""Checkpoints: versions, state dicts, loading, BASE and copy on write (contract §3, NOTE [Weight captures])."""
+"""Checkpoints: versions, state dicts, loading, BASE and copy on write (NOTE [Weight captures]).
+
+See docs/api.md#checkpoints.
+"""
 
 from __future__ import annotations
 

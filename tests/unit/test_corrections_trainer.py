@@ -1,4 +1,4 @@
-"""Importance correction inside the trainer (contract §7, NOTE [Importance correction]).
+"""Importance correction inside the trainer (docs/semantics.md#importance-correction, NOTE [Importance correction]).
 
 FP64 models throughout, so ``target_logprobs`` are FP64 and every expected
 gradient is recomputed independently (``validation.oracle.plain_gradients``) to

@@ -1,4 +1,7 @@
-"""``optim_step`` and ``zero_grad``: AdamW, lr override, clipping, skips, BF16 masters (contract §3-§4)."""
+"""``optim_step`` and ``zero_grad``: AdamW, lr override, clipping, skips, BF16 masters.
+
+See docs/semantics.md#transactions and docs/semantics.md#precision.
+"""
 
 from __future__ import annotations
 
@@ -341,7 +344,7 @@ def test_bf16_norm_and_clipping_run_in_fp32_on_the_masters() -> None:
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_fp64_lr_zero_step_leaves_every_parameter_bitwise_unchanged(kind: str) -> None:
-    """FP64 is not lower precision: no FP32 master may round it (contract §3)."""
+    """FP64 is not lower precision: no FP32 master may round it (docs/semantics.md#precision)."""
     trainer = _trainer(kind, dtype=torch.float64)
     _commit(trainer, seed=45)
     params = _params(trainer)

@@ -1,4 +1,7 @@
-"""Forward options: validation, per-field precedence, capture at submission (contract §5, NOTE [Option resolution])."""
+"""Forward options: validation, per-field precedence, capture at submission (NOTE [Option resolution]).
+
+See docs/semantics.md#options.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import reference_trainer as rt
 from reference_trainer.options import _Unset
 from tests.support import make_trainer, sequence, train_step
 
-# The contract's defaults, written out so a changed default fails here.
+# The documented defaults (docs/semantics.md#options), written out so a changed default fails here.
 DEFAULTS = {
     "max_gradient_staleness": 2,
     "corrections": (rt.ImportanceCorrection(),),

@@ -1,4 +1,7 @@
-"""Offload copies, replay, the saved-state ledger and quantized-state refusal (contract §6)."""
+"""Offload copies, replay, the saved-state ledger and quantized-state refusal.
+
+See docs/semantics.md#placements-and-memory-admission.
+"""
 
 from __future__ import annotations
 

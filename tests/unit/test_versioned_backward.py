@@ -1,4 +1,4 @@
-"""Stale-but-exact gradients and the staleness bound (contract §4, NOTE [Staleness])."""
+"""Stale-but-exact gradients and the staleness bound (docs/semantics.md#staleness, NOTE [Staleness])."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""The docs the repository ships: every citation of them resolves, nothing cites a document outside it, every public name is documented.
+
+Conventions (``docs/README.md``):
+
+- a citation is ``docs/<page>`` with an optional ``#anchor`` (from anywhere in
+  the tree), or a relative Markdown link ``[text](page.md#anchor)`` /
+  ``[text](#anchor)`` (from a Markdown file); the page must exist and the
+  anchor must be the GitHub slug of one of its headings;
+- no file cites a section sign or a contract document kept outside the
+  repository (the shared spec folder beside the checkout);
+- every name in ``reference_trainer.__all__`` has a heading `` ### `Name` ``
+  in ``docs/api.md``, and every such heading names a public name.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import reference_trainer as rt
+
+ROOT = Path(__file__).parents[1]
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".txt", ".sh"}
+TEXT_NAMES = {"Makefile", "run", "local_slurm_stage"}  # extension-less scripts (.ci/run, ...)
+SKIPPED_DIRS = {".git", ".venv", "rtv-out", "build", "mutants", "node_modules", "__pycache__", ".pytest_cache",
+                ".hypothesis", ".mypy_cache", ".ruff_cache", "fixtures"}
+
+_DOC_REF = re.compile(r"(?<![\w./-])docs/([\w./-]*[\w-])(?:#([\w-]+))?")
+_MD_LINK = re.compile(r"\]\((?!https?:|mailto:)([^)\s#]*)(?:#([^)\s]+))?\)")
+# Written with escapes and character classes so that this file does not match itself.
+_OUTSIDE = re.compile("\u00a7|contract[.]md|contract[ ]section|shared[/]spec|[.][.]/shared")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_API_HEADING = re.compile(r"^### `([^`]+)`\s*$", re.MULTILINE)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to hyphens."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    """Every heading anchor of a Markdown text (outside code fences; repeats get ``-1``, ``-2``, ...)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        match = None if fenced else _HEADING.match(line)
+        if match:
+            base = slug(match.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def source_files(root: Path) -> list[Path]:
+    """The tree's text files, without generated folders, virtual environments and recorded fixtures."""
+    files = []
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in parts[:-1]):
+            continue
+        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES):
+            files.append(path)
+    return files
+
+
+def _resolve(root: Path, page: Path, anchor: str | None, where: str) -> list[str]:
+    if not page.is_file():
+        return [f"{where}: cites {page.relative_to(root) if page.is_relative_to(root) else page}, which does not exist"]
+    if not page.resolve().is_relative_to(root.resolve()):
+        return [f"{where}: cites {page}, outside the repository"]
+    if anchor and page.suffix == ".md" and anchor not in anchors(page.read_text()):
+        return [f"{where}: cites {page.relative_to(root)}#{anchor}, a heading that page does not have"]
+    return []
+
+
+def citation_problems(root: Path) -> list[str]:
+    """Every citation under ``root`` that does not resolve, and every citation of a document outside it."""
+    problems: list[str] = []
+    for path in source_files(root):
+        name = path.relative_to(root).as_posix()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            where = f"{name}:{number}"
+            if _OUTSIDE.search(line):
+                problems.append(f"{where}: cites a document outside the repository: {line.strip()}")
+            for target, anchor in _DOC_REF.findall(line):
+                problems += _resolve(root, root / "docs" / target, anchor or None, where)
+            if path.suffix == ".md":
+                for target, anchor in _MD_LINK.findall(line):
+                    page = path if not target else path.parent / target
+                    if target and not (target.endswith(".md") or page.exists()):
+                        continue  # not a page link (an image with a URL scheme, ...)
+                    problems += _resolve(root, page, anchor or None, where)
+    return problems
+
+
+def api_problems(api_markdown: str, names: list[str]) -> list[str]:
+    """Public names without their `` ### `Name` `` heading in the API page, and headings of no public name."""
+    documented = set(_API_HEADING.findall(api_markdown))
+    missing = [f"{name} has no ### `{name}` heading in docs/api.md" for name in names if name not in documented]
+    stale = [f"docs/api.md documents {name}, which reference_trainer.__all__ lacks"
+             for name in sorted(documented - set(names))]
+    return missing + stale
+
+
+def test_every_citation_in_the_tree_resolves_inside_the_repository() -> None:
+    problems = citation_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_api_page_documents_every_public_name() -> None:
+    problems = api_problems((ROOT / "docs" / "api.md").read_text(), list(rt.__all__))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_sends_readers_to_the_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for page in ("docs/api.md", "docs/semantics.md", "docs/harness.md"):
+        assert f"]({page}" in readme, f"the README does not link {page}"
+
+
+# --- negative controls: the checkers see what they must ------------------------------------------------
+
+
+def test_slugs_follow_github() -> None:
+    assert slug("Placements and memory admission") == "placements-and-memory-admission"
+    assert slug("`Trainer.forward`") == "trainerforward"
+    assert slug("Refusals change nothing!") == "refusals-change-nothing"
+    assert anchors("# A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1"}
+
+
+def test_broken_and_outside_citations_are_reported(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "semantics.md").write_text("# Semantics\n\n## Staleness\n\nSee [x](#staleness), [y](api.md).\n")
+    (tmp_path / "pkg").mkdir()
+    sign, docs = "\u00a7", "docs" + "/"  # split so that the real tree's check does not see them
+    (tmp_path / "pkg" / "good.py").write_text('"""Rules: docs/semantics.md#staleness."""\n')
+    (tmp_path / "pkg" / "bad.py").write_text(
+        '"""See ' + docs + 'semantics.md#stalenes, ' + docs + 'missing.md and the contract ' + sign + '4."""\n'
+        "# as in ../" + "shared/" + "spec/contract" + ".md\n"
+    )
+    problems = citation_problems(tmp_path)
+    assert not [p for p in problems if p.startswith("pkg/good.py")]
+    bad = [p for p in problems if p.startswith("pkg/bad.py:1")]
+    assert any(p.endswith(f"cites {docs}semantics.md#stalenes, a heading that page does not have") for p in bad), bad
+    assert any(p.endswith(f"cites {docs}missing.md, which does not exist") for p in bad), bad
+    assert len(bad) == 3, bad  # the broken anchor, the missing page, the section sign
+    assert any(p.startswith("pkg/bad.py:2") and "outside the repository" in p for p in problems), problems
+    assert any(p.startswith("docs/semantics.md:5") and "api.md" in p for p in problems), problems  # a page link
+    assert len([p for p in problems if p.startswith("docs/semantics.md")]) == 1  # #staleness resolves
+
+
+def test_a_missing_or_stale_api_name_is_reported() -> None:
+    page = "# API\n\n### `Trainer`\n\n### `Gone`\n\n`ForwardInput` in prose is not a heading.\n"
+    problems = api_problems(page, ["Trainer", "ForwardInput"])
+    assert problems == ["ForwardInput has no ### `ForwardInput` heading in docs/api.md",
+                        "docs/api.md documents Gone, which reference_trainer.__all__ lacks"]
