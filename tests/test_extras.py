@@ -64,6 +64,20 @@ def test_the_harness_extra_carries_every_runtime_import_of_the_harness() -> None
     assert not missing, f"add these to the `harness` extra in pyproject.toml: {missing}"
 
 
+# Imports a test may make without its extra installed: the tests needing them skip with the reason
+# (``sky``: every test requesting ``sky_sandbox``, tests/ci/conftest.py).
+SKIPPED_WITHOUT = {"sky": "ci"}
+
+
+def test_test_and_harness_carry_every_import_of_the_tests() -> None:
+    """``pip install -e '.[test,harness]'`` then ``pytest``: no test fails to import what it needs (tests/README.md)."""
+    declared = _declared(None) | _declared("harness") | _declared("test")
+    local = {path.stem for folder in ("tests", "examples") for path in (ROOT / folder).rglob("*.py")}  # put on sys.path
+    missing = {name: why for name, why in missing_from_extras([ROOT / "tests"], declared).items()
+               if name not in SKIPPED_WITHOUT and name not in local}
+    assert not missing, f"add these to the `test` extra in pyproject.toml: {missing}"
+
+
 def distributions_imported(folders: list[Path]) -> set[str]:
     """Distributions providing the third-party imports under ``folders``."""
     distributions = packages_distributions()
