@@ -1,4 +1,5 @@
-"""Transactional commit: faults, mixed batches, accumulation, lifetime (NOTE [Gradient commit])."""
+"""Transactional commit (NOTE [Gradient commit]): faults, mixed batches, accumulation, lifetime, the finiteness check,
+and ``GradientTransaction``'s own checks driven directly."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from reference_trainer.commit import GradientTransaction
+from reference_trainer.sinks import LiveGradSink
 from reference_trainer.testing import inject_fault
-from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
+from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence, train_step
 from validation.lifetime import TensorCensus, live_tensors_like
 from validation.oracle import plain_gradients, snapshot_weights
 
@@ -199,3 +202,94 @@ def test_loss_that_reaches_no_output_is_a_config_error() -> None:
     trainer = make_trainer("lora", dropout=0.0)
     with pytest.raises(rt.ConfigError):
         trainer.backward(torch.ones(2, requires_grad=True).sum())
+
+
+# --- the finiteness check: one fused norm, then an exact per-tensor check; refuses NaN, keeps huge finite values
+
+
+def _trainer_and_output() -> tuple[rt.Trainer, rt.ForwardOutput]:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True)
+    tokens = torch.randint(0, trainer.model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    return trainer, trainer.forward(rt.ForwardInput(tokens[:-1], tokens[1:]))
+
+
+def test_a_first_backward_with_a_nan_loss_commits_nothing() -> None:
+    trainer, out = _trainer_and_output()
+    with pytest.raises(rt.GradientCommitError, match="expected a finite gradient"):
+        trainer.backward(out.target_logprobs.sum() * float("nan"))
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+
+
+def test_finite_gradients_whose_squares_overflow_still_commit() -> None:
+    trainer, out = _trainer_and_output()
+    trainer.backward(out.target_logprobs.sum() * 1e25)
+    grads = [p.grad for p in trainer.checkpoint("policy").parameters() if p.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    assert max(float(g.abs().max()) for g in grads) > 1e20  # the fused norm overflowed: the exact path decided
+
+
+# --- GradientTransaction driven directly (NOTE [Gradient commit] Rule 2)
+# Through the trainer most of these are also caught earlier (ages are checked
+# before any model backward runs) or cannot arise (a backward's gradients have
+# the capture's shapes); the transaction still validates everything it
+# publishes, so each check is exercised here on purpose-built staging.
+
+
+def _transaction(trainer: rt.Trainer, lookup=None) -> GradientTransaction:  # noqa: ANN001
+    released: list = []
+    return GradientTransaction(LiveGradSink(), lookup or trainer.checkpoint, released.append)
+
+def _grads(capture, transform=lambda g: g) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {n: transform(torch.ones_like(t)) for n, t in capture.tensors.items()}
+
+def _assert_nothing_published(trainer: rt.Trainer) -> None:
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+
+def test_validate_refuses_an_origin_that_grew_too_old_after_staging() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    capture = trainer.checkpoint("policy").capture()
+    transaction = _transaction(trainer)
+    transaction.stage(capture, _grads(capture), 0)
+    train_step(trainer, seed=5)  # revision 0 -> 1: the staged origin is now stale beyond bound 0
+    with pytest.raises(rt.StaleGradientError):
+        transaction.commit()
+    _assert_nothing_published(trainer)
+
+def test_validate_refuses_a_replaced_checkpoint_object() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    other = make_trainer("full", dropout=0.0)
+    capture = trainer.checkpoint("policy").capture()
+    lookup = {"policy": trainer.checkpoint("policy")}
+    transaction = _transaction(trainer, lookup.__getitem__)
+    transaction.stage(capture, _grads(capture), 2)
+    lookup["policy"] = other.checkpoint("policy")  # the name now resolves to another checkpoint
+    with pytest.raises(rt.GradientCommitError, match="gradient target was replaced"):
+        transaction.commit()
+    _assert_nothing_published(trainer)
+
+@pytest.mark.parametrize(
+    ("what", "transform"),
+    [
+        ("shape", lambda g: g.reshape(-1)[:-1] if g.numel() > 1 else g.reshape(2, -1)),
+        ("dtype", lambda g: g.double()),
+        ("device", lambda g: g.to("meta")),
+    ],
+)
+def test_validate_refuses_a_gradient_of_the_wrong_shape_dtype_or_device(what: str, transform) -> None:  # noqa: ANN001
+    trainer = make_trainer("full", dropout=0.0)
+    capture = trainer.checkpoint("policy").capture()
+    transaction = _transaction(trainer)
+    transaction.stage(capture, _grads(capture, transform), 2)
+    with pytest.raises(rt.GradientCommitError, match=f"gradient {what} expected"):
+        transaction.commit()
+    _assert_nothing_published(trainer)
+
+def test_validate_refuses_a_non_finite_first_gradient() -> None:
+    trainer = make_trainer("full", dropout=0.0)
+    capture = trainer.checkpoint("policy").capture()
+    transaction = _transaction(trainer)
+    transaction.stage(capture, _grads(capture, lambda g: g * float("nan")), 2)
+    with pytest.raises(rt.GradientCommitError, match="expected a finite gradient"):
+        transaction.commit()
+    _assert_nothing_published(trainer)
