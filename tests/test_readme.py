@@ -60,3 +60,13 @@ def test_the_docs_row_and_index_name_every_page() -> None:
     for page in pages:
         assert f"`{page}`" in row, f"the Layout table's docs/ row does not name {page}"
         assert page == "README.md" or f"]({page})" in index, f"docs/README.md does not link {page}"
+
+
+def test_the_tests_readme_names_every_test_folder_and_marker() -> None:
+    tests = README.parent / "tests"
+    text = (tests / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([a-z_]+)/` \|", text, re.MULTILINE))
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert listed == folders, f"tests/README.md's table and the test folders differ: {sorted(listed ^ folders)}"
+    markers = set(re.findall(r'addinivalue_line\("markers", "([a-z]+):', (tests / "conftest.py").read_text()))
+    assert markers and all(f"- `{marker}`:" in text for marker in markers), f"tests/README.md must describe {sorted(markers)}"
