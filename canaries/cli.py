@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ci.cli import add_gpu_commands, run_with_preset
 from validation.errors import HarnessError, OutOfSpace, SetupError
+from validation.evidence import DEFAULT_OUT
 
 from .registry import CANARIES, PRESETS, PROFILES, canary
 
@@ -48,7 +49,6 @@ __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
 MUTATION_ENV = "RTV_INJECT_MUTATION"
-DEFAULT_OUT = Path("rtv-out")
 RUN_PROFILE = "quick"
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from validation.errors import HarnessError, SetupError
+from validation.evidence import DEFAULT_OUT
 
 __all__ = ["add_gpu_commands", "run_with_preset"]
 
-DEFAULT_OUT = Path("rtv-out")
 
 
 def _sky() -> Any:
@@ -79,12 +79,12 @@ def _status(args: argparse.Namespace) -> int:
 def _receipts(args: argparse.Namespace) -> int:
     from reports.records import load_records
 
-    from .receipts import KIND
+    from reports.kinds import RECEIPT_KIND
 
     if not args.in_dir.is_dir():
         raise SetupError(f"{args.in_dir} is not a folder", fix="pass --in DIR (default ./rtv-out)")
     # A tampered receipt no longer verifies, so its kind is unknown: its file name still says what it was.
-    receipts = [r for r in load_records(args.in_dir) if r.kind == KIND or r.path.name.startswith(f"{KIND}-")]
+    receipts = [r for r in load_records(args.in_dir) if r.kind == RECEIPT_KIND or r.path.name.startswith(f"{RECEIPT_KIND}-")]
     for r in receipts:
         m = r.record.get("measurements", {})
         cost = m.get("cost", {}).get("estimate", "?")

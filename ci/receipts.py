@@ -20,11 +20,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from reports.kinds import RECEIPT_KIND
 from validation.evidence import evidence_path, make_record, source_fingerprint, write_once
 
-__all__ = ["KIND", "hourly_price", "commit", "write_receipt"]
-
-KIND = "gpu-receipt"
+__all__ = ["hourly_price", "commit", "write_receipt"]
 
 
 def hourly_price(handle: Any) -> tuple[float | None, str]:
@@ -83,6 +82,6 @@ def write_receipt(
         "gpu_minutes": round(gpus * billed_s / 60, 3),
     }
     measurements["cost"] = _cost(price, reason, billed_s)
-    record = make_record(KIND, config={"command": command, "cluster": cluster, "task": requested.get("task")},
+    record = make_record(RECEIPT_KIND, config={"command": command, "cluster": cluster, "task": requested.get("task")},
                          checks=checks, measurements=measurements)
-    return write_once(evidence_path(out_dir, KIND), record)
+    return write_once(evidence_path(out_dir, RECEIPT_KIND), record)

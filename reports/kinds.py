@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Kind", "KINDS", "kind"]
+__all__ = ["RECEIPT_KIND", "Kind", "KINDS", "kind"]
+
+RECEIPT_KIND = "gpu-receipt"  # written by ci.receipts, shown by reports.receipts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +48,7 @@ KINDS: dict[str, Kind] = {
              measurements=("seconds",), builder="reports.benchmark"),
         Kind(name="mutation-score", title="Mutation score: the suite's strength, measured with mutmut",
              builder="reports.mutation"),
-        Kind(name="gpu-receipt", title="GPU CI termination receipt", builder="reports.receipts"),
+        Kind(name=RECEIPT_KIND, title="GPU CI termination receipt", builder="reports.receipts"),
     )
 }
 

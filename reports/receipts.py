@@ -14,10 +14,9 @@ from typing import Any
 import pandas as pd
 
 from .context import Section
+from .kinds import RECEIPT_KIND
 
-__all__ = ["KIND", "section"]
-
-KIND = "gpu-receipt"
+__all__ = ["section"]
 
 
 def _cost(cost: dict[str, Any]) -> str:
@@ -57,7 +56,7 @@ def section(record: dict[str, Any], folder: Path) -> Section:
         tables["Teardown"] = pd.DataFrame(steps)
     tables["Timings (s)"] = pd.DataFrame(sorted((m.get("timings_s") or {}).items()), columns=["phase", "seconds"])
     return Section(
-        kind=KIND,
+        kind=RECEIPT_KIND,
         title=f"GPU CI receipt: {m.get('cluster')}",
         passed=bool(record.get("passed")),
         verdict=str(m.get("outcome")),

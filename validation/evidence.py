@@ -29,6 +29,7 @@ from typing import Any
 from .errors import CheckFailed, OutOfSpace
 
 __all__ = [
+    "DEFAULT_OUT",
     "SCHEMA_VERSION",
     "EvidenceError",
     "evidence_path",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+DEFAULT_OUT = Path("rtv-out")  # where every command writes (and the report reads) unless --out/--in says
 _REQUIRED = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed", "measurements", "digest"}
 _TYPES = {"schema_version": int, "kind": str, "created": str, "config": dict, "environment": dict, "source": dict,
           "checks": dict, "passed": bool, "measurements": dict, "digest": str}
