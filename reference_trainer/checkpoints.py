@@ -79,11 +79,6 @@ class WeightCapture:
     stamps: dict[str, int]
     targets: dict[str, nn.Parameter] = field(repr=False)
 
-    @property
-    def nbytes_if_detached(self) -> int:
-        """Bytes this capture holds of its own once the live weights move on."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
     def check_ledger(self) -> None:
         """Raise if a live parameter that still shares storage was written in place (Rule 3)."""
         for name, tensor in self.tensors.items():

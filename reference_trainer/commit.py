@@ -134,10 +134,6 @@ class GradientTransaction:
         self._origins: dict[str, set[tuple[CheckpointVersion, int]]] = {}
         self._norms: _Norms | None = None  # set by validate
 
-    @property
-    def staged_nbytes(self) -> int:
-        return sum(s.value.numel() * s.value.element_size() for s in self._staged.values())
-
     def start(self, record: ForwardRecord) -> None:
         """``record``'s model backward is about to run: a failure from now on releases it."""
         self._started.append(record)

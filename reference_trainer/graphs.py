@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "flatten_inputs",
     "output_cotangents",
     "record_cotangent",
+    "model_logits",
     "run_model",
 ]
 
@@ -157,10 +158,6 @@ class PaddedBatch:
             mask = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
         return cls(ids, mask, targets, lengths)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.input_ids, self.targets))
-
 
 @dataclass(eq=False, kw_only=True)
 class ForwardRecord:
@@ -202,18 +199,34 @@ class ForwardRecord:
         self.released = True
 
 
+def model_logits(
+    model: DecoderLM,
+    checkpoint: Checkpoint | None,
+    tensors: Mapping[str, torch.Tensor] | None,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(B, T, V)`` logits of ``model`` with ``checkpoint``'s weights taken from ``tensors`` (the frozen base if None).
+
+    The one place that runs the model for a checkpoint: a full checkpoint's
+    ``tensors`` replace the model's parameters (``functional_call``); a LoRA
+    checkpoint's are its adapter factors, attached for the call. ``tensors``
+    may be live parameters or a capture's snapshot of them.
+    """
+    args, kwargs = (input_ids,), {"attention_mask": attention_mask}
+    if checkpoint is None:
+        return model(*args, **kwargs)
+    if checkpoint.is_full:
+        return functional_call(model, dict(tensors), args, kwargs)
+    with attach_lora(model, checkpoint.lora_config, tensors):
+        return model(*args, **kwargs)
+
+
 def run_model(model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCapture | None, batch: PaddedBatch) -> torch.Tensor:
     """Padded ``(B, T)`` FP32 target log-probs of ``batch`` under ``capture``'s weights (base if None)."""
-    args = (batch.input_ids,)
-    kwargs = {"attention_mask": batch.attention_mask}
+    tensors = None if capture is None else capture.tensors
     with trusted_padding():  # PaddedBatch.build made the mask right-padded: no host read per call
-        if checkpoint is None:
-            logits = model(*args, **kwargs)
-        elif checkpoint.is_full:
-            logits = functional_call(model, capture.tensors, args, kwargs)
-        else:
-            with attach_lora(model, checkpoint.lora_config, capture.tensors):
-                logits = model(*args, **kwargs)
+        logits = model_logits(model, checkpoint, tensors, batch.input_ids, batch.attention_mask)
     return token_logprobs(logits, batch.targets)
 
 

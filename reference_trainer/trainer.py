@@ -35,6 +35,7 @@ from .graphs import (
     check_token_range,
     cotangents_by_record,
     flatten_inputs,
+    model_logits,
     output_cotangents,
     record_cotangent,
 )
@@ -230,12 +231,8 @@ class Trainer:
             self.model.eval()
             try:
                 with torch.no_grad():
-                    if selected is None:
-                        return self.model(input_ids)
-                    if selected.is_full:
-                        return torch.func.functional_call(self.model, dict(selected.named_parameters()), (input_ids,))
-                    with selected.adapter.attached(self.model):
-                        return self.model(input_ids)
+                    tensors = None if selected is None else dict(selected.named_parameters())
+                    return model_logits(self.model, selected, tensors, input_ids)
             finally:
                 self.model.train(training)
 
