@@ -26,13 +26,13 @@ from reference_trainer import corrections as corrections_module
 from reference_trainer import residency as residency_module
 from reference_trainer import sinks as sinks_module
 from reference_trainer import staleness as staleness_module
-from reference_trainer import testing
+from reference_trainer import seams
 from reference_trainer.admission import Admission
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.corrections import KnownLogprobs
 from reference_trainer.grad_norms import KnownNorm
-from reference_trainer.graphs import RecordTable
+from reference_trainer.records import RecordTable
 from reference_trainer.planner import analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
 from reference_trainer.residency import SavedStateLedger
@@ -84,7 +84,7 @@ def _publish_without_rollback(self: GradientTransaction) -> None:
     """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
     for index, staged in enumerate(self._staged.values()):
         old = self._sink.current(staged.checkpoint, staged.name)
-        testing.maybe_fail("publish", index)
+        seams.maybe_fail("publish", index)
         self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
     self.agree(None)
     for name, origins in self._origins.items():

@@ -33,11 +33,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from . import testing
+from . import seams
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
 from .grad_norms import KnownNorm, total_norm
-from .graphs import ForwardRecord
+from .records import ForwardRecord
 from .host_reads import read_on_host
 from .sinks import GradientSink
 from .staleness import check_age
@@ -152,7 +152,7 @@ class GradientTransaction:
 
     def validate(self) -> None:
         """Check everything before anything is written (Rule 2)."""
-        testing.maybe_fail("validate")
+        seams.maybe_fail("validate")
         for name, origins in self._origins.items():
             checkpoint = self._checkpoints(name)
             for version, bound in sorted(origins, key=lambda o: o[0].revision):
@@ -195,7 +195,7 @@ class GradientTransaction:
         done: list[tuple[_Staged, torch.Tensor | None]] = []
         try:
             for index, staged in enumerate(self._staged.values()):
-                testing.maybe_fail("publish", index)
+                seams.maybe_fail("publish", index)
                 self._sink.assign(staged.checkpoint, staged.name, staged.new)
                 done.append((staged, staged.old))
             self.agree(None)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, GradientCommitError, PeerError
-from ..graphs import ForwardInput, ForwardOutput, flatten_inputs, output_cotangents
+from ..cotangents import output_cotangents
+from ..inputs import ForwardInput, ForwardOutput, flatten_inputs
 from ..rng import rng_state, set_rng_state
 from ..trainer import BackwardReport, StepReport, Trainer
 from .fibers import FiberCoordinator

@@ -25,7 +25,7 @@ from canaries.memory_lifecycle import PLACEMENTS, POINTS
 from canaries.mutations import mutation
 from canaries.registry import canary
 from validation.errors import SetupError
-from reference_trainer.graphs import RecordTable
+from reference_trainer.records import RecordTable
 from validation.evidence import verify
 
 OFFLOAD_CHECKS = {
