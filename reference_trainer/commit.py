@@ -40,7 +40,7 @@ from .grad_norms import KnownNorm, total_norm
 from .records import ForwardRecord
 from .host_reads import read_on_host
 from .sinks import GradientSink
-from .staleness import check_age
+from .staleness import check_each
 
 __all__ = ["Coordinator", "GradientTransaction", "first_non_finite", "staged_norms"]
 
@@ -154,9 +154,7 @@ class GradientTransaction:
         """Check everything before anything is written (Rule 2)."""
         seams.maybe_fail("validate")
         for name, origins in self._origins.items():
-            checkpoint = self._checkpoints(name)
-            for version, bound in sorted(origins, key=lambda o: o[0].revision):
-                check_age(checkpoint, version, bound)
+            check_each(self._checkpoints(name), origins)
         for (ckpt_name, name), staged in self._staged.items():
             live = staged.checkpoint.parameter(name)
             where = f"checkpoint {ckpt_name!r} parameter {name!r}"
