@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .adamw import AdamWConfig, check_adamw_state
-from .errors import ConfigError, GradientCommitError
+from .errors import ConfigError, GradientCommitError, int_at_least
 from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
@@ -324,7 +324,7 @@ class Checkpoint:
         self._check_tensors("master_parameters", masters)
         self._check_optimizer_state(state["optimizer"])
         revision = state["revision"]
-        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        if not int_at_least(revision, 0):
             raise ConfigError("state_dict['revision']", revision, "an int >= 0")
 
     def _check_tensors(self, key: str, tensors: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import seams
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least
 from .seams import FAULT_STAGES, InjectedFault
 
 __all__ = [
@@ -61,9 +61,9 @@ def substitute_device_capacity(capacity: int | Callable[[torch.device], int | No
     device returning bytes or ``None`` (unbounded). ``in_use``: bytes of it
     that others use (not free) when the trainer is built.
     """
-    if not callable(capacity) and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+    if not callable(capacity) and not int_at_least(capacity, 0):
         raise ConfigError("capacity", capacity, "an int >= 0 or a function of the device")
-    if isinstance(in_use, bool) or not isinstance(in_use, int) or in_use < 0:
+    if not int_at_least(in_use, 0):
         raise ConfigError("in_use", in_use, "an int >= 0")
     total_of = capacity if callable(capacity) else (lambda device: capacity)
 

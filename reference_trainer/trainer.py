@@ -24,7 +24,7 @@ from .admission import Admission, Admitted, default_device_limit
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import CorrectionStats, KnownLogprobs, correct_record
-from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError
+from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
 from .cotangents import cotangents_by_record, output_cotangents, record_cotangent
 from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs
 from .records import ForwardRecord, RecordTable
@@ -98,7 +98,7 @@ class Trainer:
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
         for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and not int_at_least(value, 0):
                 raise ConfigError(name, value, "None or an int >= 0")
         self.model = freeze(model)
         self.options = options
