@@ -48,7 +48,10 @@ from .planner import (
     shape_class,
 )
 
-__all__ = ["Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity"]
+__all__ = [
+    "Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity",
+    "merged_saved_scale",
+]
 
 # Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
 _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
@@ -277,9 +280,15 @@ class Admission:
             analytic = analytic_saved_bytes(
                 self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora, dropout_active=key.dropout_active
             )
-            self._saved_scales[key] = max(saved / analytic, self._saved_scales.get(key, 0.0))
+            self._saved_scales[key] = merged_saved_scale(self._saved_scales.get(key), saved / analytic)
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         return RecordUsage.of(admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+
+
+def merged_saved_scale(known: float | None, measured: float) -> float:
+    """A class's saved-bytes scale after one more measured forward: the largest seen (NOTE [Memory admission]
+    Rule 5), so the estimate is never below a forward of the class that ran (``known`` None: the first)."""
+    return measured if known is None else max(known, measured)
 
 
 def _staging_nbytes(checkpoint: Checkpoint) -> int:
