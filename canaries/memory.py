@@ -42,7 +42,8 @@ admission and the entry point :func:`run` (``canaries.registry``'s
 signature; every profile runs the same checks, which take seconds). It
 prints a line per check and writes one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
-``canaries.mutations``.
+``canaries.mutation_catalogue``; the mutation suite may ask for the
+intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4).
 """
 
 from __future__ import annotations

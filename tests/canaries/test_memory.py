@@ -5,7 +5,7 @@ docs/semantics.md#logical-ranks.
 
 Negative controls: a record the trainer forgets to let go must be flagged at
 every release point, and the "offload that aliases instead of copies"
-mutation (``canaries.mutations``) must fail the canary for the right reasons.
+mutation (``canaries.mutation_catalogue``) must fail the canary for the right reasons.
 The censuses themselves are tested in ``tests/validation/test_memory.py``.
 """
 
