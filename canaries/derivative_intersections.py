@@ -29,6 +29,14 @@ NOTE [Intersection checks]
      (``oracle_pair.TOLERANCES[torch.float64]``), and ``optim_step(lr=0)``
      leaves its parameters bitwise unchanged and reports the FP64 norm of
      ``.grad`` (relative 1e-12).
+  4. Committed gradients meeting a later call (a flush onto a live
+     ``.grad``, a ``.grad`` dropped before the step, a load while another
+     checkpoint is busy): NOTE [Gradient intersections] in
+     ``canaries.derivative_gradients``, run last.
+  5. ``when_available`` with dropout (train mode, ``p > 0``) and unchanged
+     weights (``lr=0``): a stale record whose tokens a later forward scored
+     with other masks is not corrected, or only with every weight exactly 1
+     (NOTE [Importance correction] Rule 8).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
 from validation.spawn import spawn_ranks
 
+from .derivative_gradients import GRADIENT_INTERSECTIONS
 from .derivative_scenarios import run_scenario
 from .oracle_pair import CanaryFailure, sequences
 from .presets import Preset
@@ -60,6 +69,7 @@ __all__ = [
     "logical_run",
     "check_logical_default_options",
     "check_fp64_lr0_step",
+    "check_when_available_dropout",
     "fp64_preset",
     "tiny_model",
     "INTERSECTIONS",
@@ -290,10 +300,19 @@ def _bad_state_load(busy: Busy) -> None:
     busy.trainer.load_checkpoint("policy", state, discard_graphs=True)
 
 
+def _bad_optimizer_load(busy: Busy) -> None:
+    state = busy.trainer.checkpoint("policy").state_dict()  # a copy: the live AdamW state is not touched
+    slots = state["optimizer"]["state"]
+    first = next(iter(slots))
+    slots[first] = {k: v for k, v in slots[first].items() if k != "exp_avg"}  # an AdamW state that cannot step
+    busy.trainer.load_checkpoint("policy", state, discard_graphs=True)
+
+
 REFUSED_CALLS: dict[str, Callable[[Busy], Any]] = {
     "optim_step over a stale live .grad with logical-rank buffers pending": lambda b: b.trainer.optim_step(),
     "forward whose second option group is refused by admission": _two_group_forward,
     "load_checkpoint of a wrong-shape state (discard_graphs=True)": _bad_state_load,
+    "load_checkpoint of an AdamW state without exp_avg (discard_graphs=True)": _bad_optimizer_load,
     "load_checkpoint while records and gradients are pending": lambda b: b.trainer.load_checkpoint(
         "policy", b.trainer.checkpoint("policy").state_dict()),
     "optim_step(lr=-1)": lambda b: b.trainer.optim_step(lr=-1.0),
@@ -363,6 +382,28 @@ def check_fp64_lr0_step(config: Preset) -> float:
     return error
 
 
+# --- Rule 5: when_available and dropout ----------------------------------------------------------------
+
+
+def check_when_available_dropout(config: Preset) -> int:
+    """Rule 5: with dropout on and unchanged weights (``lr=0``), a stale record of the default options is not
+    corrected, or only with every weight 1; the number of records the stale backward consumed."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))  # train mode: masks drawn
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=0.0), seed=1)
+    stale = trainer.forward(_item(760, 7, config))
+    trainer.backward(-trainer.forward(_item(761, 5, config)).target_logprobs.sum())
+    trainer.optim_step()  # revision 1, the weights unchanged
+    fresh = trainer.forward(_item(760, 7, config))  # the stale record's tokens, other dropout masks
+    report = trainer.backward(-stale.target_logprobs.sum())
+    for record in report.records:
+        stats = record.correction
+        if record.staleness != 1 or (stats is not None and (stats.mean, stats.max) != (1.0, 1.0)):
+            raise CanaryFailure(f"when_available with dropout, lr=0: expected a record one step stale, uncorrected "
+                                f"or with weights 1, found staleness {record.staleness}, weights {stats}")
+    del fresh
+    return len(report.records)
+
+
 def _fp64_scenario(config: Preset) -> Any:
     return run_scenario(fp64_preset(config), "stale_exact", kind="full")
 
@@ -374,4 +415,6 @@ INTERSECTIONS: dict[str, Callable[[Preset], Any]] = {
        for name in REFUSED_CALLS},
     "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance": _fp64_scenario,
     "intersection: FP64 optim_step(lr=0) changes no parameter and reports the FP64 norm": check_fp64_lr0_step,
+    "intersection: when_available with dropout and unchanged weights reweights nothing": check_when_available_dropout,
+    **GRADIENT_INTERSECTIONS,  # NOTE [Gradient intersections]
 }

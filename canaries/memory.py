@@ -29,7 +29,8 @@ the census's sampled device peak, must stay within the limit, and the limit
 must bind (some forward not retained); after every forward the pending
 records hold no more than the limits (held <= admitted). Then the
 intersections of ``canaries.memory_intersections`` (NOTE [Admission
-intersections]): train mode after eval mode with dropout, LoRA rank 256.
+intersections]): train mode after eval mode with dropout, LoRA rank 256,
+a long forward after a shorter one of its class, the checkpoints' state.
 
 On CUDA the same points also read the allocator: bytes back to the baseline
 after backward (two witnesses: allocator and driver, each read twice),
@@ -41,11 +42,13 @@ admission and the entry point :func:`run` (``canaries.registry``'s
 signature; every profile runs the same checks, which take seconds). It
 prints a line per check and writes one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
-``canaries.mutations``.
+``canaries.mutation_catalogue``; the mutation suite may ask for the
+intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,7 @@ from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from . import presets
 from .gpu_memory import check_fits
-from .memory_intersections import SCENARIOS, check_scenario, held_within_limits
+from .memory_intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from .memory_lifecycle import (
     PLACEMENTS,
     POINTS,
@@ -70,7 +73,7 @@ from .memory_lifecycle import (
     offload_checks,
 )
 
-__all__ = ["KIND", "CUDA_CHECKS", "run"]
+__all__ = ["KIND", "CUDA_CHECKS", "CHECKPOINT_STATE_CHECK", "INTERSECTION_CHECKS", "run"]
 
 KIND = "memory-canary"
 _PENDING_FORWARDS = 5
@@ -187,13 +190,43 @@ def _admission(
     return values
 
 
-def _intersections(spec: presets.Preset, verdicts: Verdicts) -> dict[str, dict]:
-    """NOTE [Admission intersections] Rule 2: each scenario refused, or admitted within its limit."""
+CHECKPOINT_STATE_CHECK = "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"
+INTERSECTION_CHECKS = (*(f"admission: {name}: held <= admitted" for name in SCENARIOS), CHECKPOINT_STATE_CHECK)
+
+
+def _intersections(spec: presets.Preset, verdicts: Verdicts, wanted: Collection[str] | None) -> dict[str, dict]:
+    """NOTE [Admission intersections] Rules 2-3: each scenario (each of ``wanted``, when given) refused, or
+    admitted within its limit."""
     values = {}
-    for name in SCENARIOS:
-        passed, detail, values[name] = check_scenario(spec, name)
-        verdicts.check(f"admission: {name}: held <= admitted", passed, detail)
+    for name, check in zip(SCENARIOS, INTERSECTION_CHECKS):
+        if wanted is None or check in wanted:
+            passed, detail, values[name] = check_scenario(spec, name)
+            verdicts.check(check, passed, detail)
+    if wanted is None or CHECKPOINT_STATE_CHECK in wanted:
+        passed, detail, values["checkpoint state"] = check_checkpoint_budget(spec)
+        verdicts.check(CHECKPOINT_STATE_CHECK, passed, detail)
     return values
+
+
+def _lifecycle_and_admission(spec: presets.Preset, verdicts: Verdicts, cuda: bool) -> dict[str, Any]:
+    """The lifecycle points for every placement, offload's checks and the admission run (the module docstring)."""
+    work = Workload(spec)
+    lifecycle_trainer = work.trainer()
+    calibration_trainer = work.trainer()
+    # Warm up allocator, kernels and caches before any baseline is taken.
+    warm = lifecycle_trainer.forward(work.inputs(0))
+    lifecycle_trainer.backward(negative_logprob_sum(warm))
+    del warm
+    with frozen_heap():
+        per = {p: lifecycle(work, lifecycle_trainer, p, verdicts, cuda) for p in PLACEMENTS}
+        offload = offload_checks(per, verdicts, cuda)
+        admission = _admission(work, calibration_trainer, verdicts, cuda)
+    return {
+        "lifecycle_bytes": {p: per[p].bytes_at for p in PLACEMENTS},
+        "lifecycle_values": {p: per[p].values for p in PLACEMENTS},
+        "offload": offload,
+        "admission": admission,
+    }
 
 
 CUDA_CHECKS = (
@@ -203,51 +236,41 @@ CUDA_CHECKS = (
 )
 
 
-def run(preset: str, profile: str, out_dir: Path) -> Path:
+def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
     """Run the canary on the preset (its CPU stand-in without CUDA); returns the evidence path.
 
-    A failed check is not an exception: read ``passed`` in the record.
+    ``checks`` (the mutation suite's focused runs, NOTE [Mutation verdicts]
+    Rule 4): when every one is an intersection check (:data:`INTERSECTION_CHECKS`)
+    only those run; otherwise the whole canary runs. A failed check is not an
+    exception: read ``passed`` in the record.
     """
     spec = presets.preset(preset).on_this_machine()
     if spec.device == "cuda":
         check_fits(spec, oracle=False)  # prints the estimate; SetupError before any model is built
     cuda = spec.cuda_checks
     verdicts = Verdicts()
+    whole = checks is None or not set(checks) <= set(INTERSECTION_CHECKS)
     print(f"memory canary: preset {spec.name} on {spec.device}", flush=True)
+    measurements: dict[str, Any] = {}
     # The caller's RNG streams are left as they were.
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         torch.manual_seed(0)
-        work = Workload(spec)
-        lifecycle_trainer = work.trainer()
-        calibration_trainer = work.trainer()
-        # Warm up allocator, kernels and caches before any baseline is taken.
-        warm = lifecycle_trainer.forward(work.inputs(0))
-        lifecycle_trainer.backward(negative_logprob_sum(warm))
-        del warm
+        if whole:
+            measurements.update(_lifecycle_and_admission(spec, verdicts, cuda))
         with frozen_heap():
-            per = {p: lifecycle(work, lifecycle_trainer, p, verdicts, cuda) for p in PLACEMENTS}
-            offload = offload_checks(per, verdicts, cuda)
-            admission = _admission(work, calibration_trainer, verdicts, cuda)
-            intersections = _intersections(spec, verdicts)
-    if not cuda:
+            measurements["admission_intersections"] = _intersections(spec, verdicts, None if whole else checks)
+    if whole and not cuda:
         reason = (
             f"no CUDA device: preset {spec.name!r} swapped for the CPU" if spec.swapped
             else f"preset {spec.name!r} runs on {spec.device}"
         )
         for name in CUDA_CHECKS:
             verdicts.skip(name, reason)
-    measurements = {
-        "lifecycle_bytes": {p: per[p].bytes_at for p in PLACEMENTS},
-        "lifecycle_values": {p: per[p].values for p in PLACEMENTS},
-        "offload": offload,
-        "admission": admission,
-        "admission_intersections": intersections,
-        "details": verdicts.details,
-        "skipped_checks": verdicts.skipped,
-    }
+    measurements.update(details=verdicts.details, skipped_checks=verdicts.skipped)
     record = make_record(
         KIND,
-        config={**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS)},
+        config={**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
+                "checks": None if whole else list(checks)},
         checks=verdicts.checks,
         measurements=measurements,
     )

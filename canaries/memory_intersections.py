@@ -19,6 +19,16 @@ NOTE [Admission intersections]
      - ``LoRA rank 256``: a first forced offload on LoRA rank 256 (its
        ``x·Aᵀ`` intermediates are a large share of what is saved) under a
        host limit.
+     - ``long after short``: dropout on, forwards of 32 then 17 tokens (one
+       shape class; with dropout the measured/analytic ratio grows with the
+       length), then a forced offload of 32 tokens under a host limit: the
+       class's scale must be the largest ratio seen, not the latest.
+  3. The checkpoints' state is in the budget (:func:`check_checkpoint_budget`):
+     beside a stepped full checkpoint (parameters and AdamW's moments,
+     measured from its public ``state_dict``), a forced retain under a
+     device limit one byte under what the checkpoint and that forward hold
+     together is refused, or admitted with the records within what the
+     checkpoint leaves of the limit.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import reference_trainer as rt
 
 from .presets import Preset
 
-__all__ = ["held_within_limits", "SCENARIOS", "check_scenario"]
+__all__ = ["held_within_limits", "SCENARIOS", "check_scenario", "checkpoint_state_bytes", "check_checkpoint_budget"]
 
 _OFFLOAD = rt.ForwardOptions(backward_state="offload", corrections=())
 _RETAIN = rt.ForwardOptions(backward_state="retain", corrections=())
@@ -47,9 +57,9 @@ def held_within_limits(trainer: rt.Trainer, device_limit: int | None, host_limit
     return ok, f"{len(records)} pending records hold {device} B on the device (limit {device_limit}), {host} B on the host (limit {host_limit})"
 
 
-def _inputs(spec: Preset, seed: int) -> list[rt.ForwardInput]:
+def _inputs(spec: Preset, seed: int, length: int | None = None) -> list[rt.ForwardInput]:
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, spec.model.vocab_size, (spec.sequences, spec.seq_len + 1), generator=g)
+    tokens = torch.randint(0, spec.model.vocab_size, (spec.sequences, (length or spec.seq_len) + 1), generator=g)
     return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
 
 
@@ -72,6 +82,13 @@ def _train_after_eval(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutpu
     return trainer.forward(_inputs(spec, 901), options=_OFFLOAD)
 
 
+def _long_after_short(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
+    for seed, length in ((903, 32), (904, 17)):  # one shape class: (length - 1).bit_length() == 5
+        learned = trainer.forward(_inputs(spec, seed, length), options=_RETAIN)
+        trainer.backward(-sum(o.target_logprobs.sum() for o in learned))
+    return trainer.forward(_inputs(spec, 905, 32), options=_OFFLOAD)
+
+
 def _first_offload(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
     return trainer.forward(_inputs(spec, 902), options=_OFFLOAD)
 
@@ -80,7 +97,49 @@ def _first_offload(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
 SCENARIOS: dict[str, tuple[float, int | None, Callable[[rt.Trainer, Preset], list[rt.ForwardOutput]]]] = {
     "train-mode forward after an eval-mode one (dropout on)": (0.1, None, _train_after_eval),
     "first forward of LoRA rank 256": (0.0, 256, _first_offload),
+    "long forward after a shorter one of its shape class (dropout on)": (0.1, None, _long_after_short),
 }
+
+
+def checkpoint_state_bytes(trainer: rt.Trainer) -> int:
+    """Rule 3: what the checkpoints hold, from their public state: parameters, masters, AdamW's moment
+    tensors and ``.grad``."""
+    total = 0
+    for checkpoint in trainer.checkpoints.values():
+        state = checkpoint.state_dict()
+        moments = [t for slots in state["optimizer"]["state"].values() for t in slots.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the 0-d step counters
+        grads = [p.grad for p in checkpoint.parameters() if p.grad is not None]
+        tensors = [*state["parameters"].values(), *state.get("master_parameters", {}).values(), *moments, *grads]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def check_checkpoint_budget(spec: Preset) -> tuple[bool, str, dict]:
+    """Rule 3: a forced retain beside a stepped checkpoint (AdamW moments) under a device limit one byte under
+    what the checkpoint and the forward hold together: refused, or admitted within it."""
+    with torch.device(spec.device):
+        model = rt.DecoderLM(spec.model.replace(dropout=0.0), seed=0)
+    twin = _trainer(model, None)
+    twin.backward(-sum(o.target_logprobs.sum() for o in twin.forward(_inputs(spec, 906))))
+    twin.optim_step()
+    twin.zero_grad()
+    state = twin.checkpoint("policy").state_dict()
+    outputs = twin.forward(_inputs(spec, 907), options=_RETAIN)
+    limit = outputs[0].usage.device_bytes + checkpoint_state_bytes(twin) - 1
+    del outputs, twin
+    trainer = _trainer(model, None, memory_limit_bytes=limit)
+    trainer.load_checkpoint("policy", state)  # the moments, without a forward under the limit first
+    values: dict = {"limit_bytes": limit, "checkpoint_state_bytes": checkpoint_state_bytes(trainer)}
+    try:
+        outputs = trainer.forward(_inputs(spec, 907), options=_RETAIN)
+    except rt.MemoryAdmissionError as error:
+        values["refused"] = str(error)
+        return True, f"refused under device limit {limit} B: {error}", values
+    ok, detail = held_within_limits(trainer, limit - values["checkpoint_state_bytes"], None)
+    values["predicted_bytes"] = outputs[0].decision.predicted_bytes
+    return ok, (f"admitted ({outputs[0].decision.reason}) under {limit} B beside {values['checkpoint_state_bytes']} B "
+                f"of checkpoint state; the records may hold the rest: {detail}"), values
 
 
 def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:

@@ -19,20 +19,21 @@ from unittest import mock
 
 import torch
 
-from reference_trainer import adamw as adamw_module
+from reference_trainer import admission as admission_module
 from reference_trainer import checkpoints as checkpoints_module
 from reference_trainer import commit as commit_module
 from reference_trainer import corrections as corrections_module
+from reference_trainer import planner as planner_module
 from reference_trainer import residency as residency_module
 from reference_trainer import sinks as sinks_module
 from reference_trainer import staleness as staleness_module
-from reference_trainer import testing
+from reference_trainer import seams
 from reference_trainer.admission import Admission
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.corrections import KnownLogprobs
 from reference_trainer.grad_norms import KnownNorm
-from reference_trainer.graphs import RecordTable
+from reference_trainer.records import RecordTable
 from reference_trainer.planner import analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
 from reference_trainer.residency import SavedStateLedger
@@ -84,7 +85,7 @@ def _publish_without_rollback(self: GradientTransaction) -> None:
     """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
     for index, staged in enumerate(self._staged.values()):
         old = self._sink.current(staged.checkpoint, staged.name)
-        testing.maybe_fail("publish", index)
+        seams.maybe_fail("publish", index)
         self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
     self.agree(None)
     for name, origins in self._origins.items():
@@ -157,8 +158,6 @@ def _without_lora(config: Any, batch: int, seq_len: int, **options: Any) -> int:
 
 @contextlib.contextmanager
 def _lora_term_uncounted() -> Iterator[None]:
-    from reference_trainer import admission as admission_module, planner as planner_module
-
     with mock.patch.object(planner_module, "analytic_saved_bytes", _without_lora), \
             mock.patch.object(admission_module, "analytic_saved_bytes", _without_lora):
         yield
@@ -174,6 +173,29 @@ def _decide_and_demote(self: Admission, *args: Any) -> Any:
         entry.record.ledger.demote()
         entry.record.usage = entry.usage.demoted()
     return plan, demote
+
+
+# --- issue 21: the bugs the suite let through -----------------------------------------------------------
+
+
+def _matches_without_length(self: KnownNorm, grads: Sequence[torch.Tensor]) -> bool:
+    """``KnownNorm.matches`` without its length check: a gradient set that shrank still matches."""
+    return all(ref() is grad and grad._version == version for ref, grad, version in zip(self._refs, grads, self._versions))
+
+
+class _AssigningSink(LiveGradSink):
+    """A live sink that sees no existing ``.grad``: the flush assigns the logical sum instead of adding it."""
+
+    def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
+        return None
+
+
+_REAL_COUNT = RecordTable.count
+
+
+def _count_every_checkpoint(self: RecordTable, checkpoint: str | None = None) -> int:
+    """The busy check's record count over every checkpoint, whichever one is asked for."""
+    return _REAL_COUNT(self, None)
 
 
 MUTATIONS: dict[str, Mutation] = {
@@ -220,6 +242,29 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("groups_admitted_one_by_one", "defect 7: a multi-group forward makes each group's demotions before "
                  "the whole call is admitted", "derivative", _patched(Admission, "_decide", _decide_and_demote),
                  "intersection: refused forward whose second option group is refused by admission changes nothing"),
+        Mutation("optimizer_state_unchecked", "defect 8: load_checkpoint accepts an AdamW state that cannot step",
+                 "derivative", _patched(checkpoints_module, "check_adamw_state", lambda *args: None),
+                 "intersection: refused load_checkpoint of an AdamW state without exp_avg (discard_graphs=True) "
+                 "changes nothing"),
+        Mutation("known_norm_without_length", "KnownNorm.matches without its length check: a stale norm after "
+                 ".grad = None", "derivative", _patched(KnownNorm, "matches", _matches_without_length),
+                 "intersection: a .grad dropped after its backward is left out of the step's norm"),
+        Mutation("flush_assigns", "RankGradients.flush assigns the logical sum instead of adding it to .grad",
+                 "derivative", _patched(sinks_module, "LiveGradSink", _AssigningSink),
+                 "intersection: logical-rank buffers flushed onto a live .grad add to it"),
+        Mutation("busy_counts_every_checkpoint", "the busy check counts every checkpoint's records", "derivative",
+                 _patched(RecordTable, "count", _count_every_checkpoint),
+                 "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds"),
+        Mutation("scale_from_latest_forward", "admission's saved-bytes scale is the latest forward's, not the "
+                 "class maximum", "memory", _patched(admission_module, "merged_saved_scale",
+                                                     lambda known, measured: measured),
+                 "admission: long forward after a shorter one of its shape class (dropout on): held <= admitted"),
+        Mutation("when_available_across_dropout", "defect 12: when_available pairs forwards that drew dropout masks",
+                 "derivative", _patched(KnownLogprobs, "_maskless", lambda self, record: True),
+                 "intersection: when_available with dropout and unchanged weights reweights nothing"),
+        Mutation("budget_ignores_checkpoints", "defect 6: the plan leaves out what the checkpoints hold (AdamW "
+                 "state, masters, .grad)", "memory", _patched(Checkpoint, "held_nbytes", lambda self: 0),
+                 "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"),
     )
 }
 

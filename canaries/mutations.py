@@ -20,12 +20,12 @@ NOTE [Mutation verdicts]
      restore needs dropout) is listed as inapplicable, never silently passed.
   4. A mutation names the check meant to catch it (``Mutation.check``).
      Where its canary runs single checks (``Canary.takes_checks``), the
-     unmutated baseline runs exactly the selected mutations' checks and each
-     mutated run only its own check: a mutation then costs one check, not a
-     whole canary run (the whole canary runs unmutated in ``rtv run`` and
-     ``rtv canary``), and it is caught exactly when its check fails. A
-     canary that cannot (memory: seconds, all checks) runs whole, and the
-     evidence lists every check that failed.
+     unmutated baseline runs the selected mutations' checks and each mutated
+     run only its own: a mutation then costs about one check, not a whole
+     canary run (the whole canary runs unmutated in ``rtv run`` and ``rtv
+     canary``). The derivative canary runs exactly the checks named; the
+     memory canary runs its admission intersections alone, and the whole
+     canary for any other check. The evidence lists every check that failed.
 """
 
 from __future__ import annotations

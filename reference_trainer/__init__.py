@@ -17,7 +17,8 @@ from .errors import (
     TrainerError,
     UnsupportedSavedStateError,
 )
-from .graphs import ForwardInput, ForwardOutput, PlacementDecision
+from .inputs import ForwardInput, ForwardOutput
+from .planner import PlacementDecision
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
 from .ranks import (

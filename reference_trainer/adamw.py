@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, is_number
 
 __all__ = ["AdamWConfig", "SLOTS", "check_adamw_state"]
 
@@ -27,8 +27,6 @@ SLOTS = ("step", "exp_avg", "exp_avg_sq")
 """The per-parameter state AdamW keeps once a parameter has stepped (``amsgrad=False``)."""
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,14 +44,14 @@ class AdamWConfig:
     def __post_init__(self) -> None:
         for name in ("lr", "eps", "weight_decay"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_number(value) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"AdamWConfig.{name}", value, "a finite number >= 0")
         betas = self.betas
         if (
             not isinstance(betas, Sequence)
             or isinstance(betas, str)
             or len(betas) != 2
-            or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
+            or not all(is_number(b) and 0.0 <= b < 1.0 for b in betas)
         ):
             raise ConfigError("AdamWConfig.betas", betas, "two numbers in [0, 1), e.g. (0.9, 0.999)")
         object.__setattr__(self, "betas", tuple(betas))

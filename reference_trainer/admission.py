@@ -21,13 +21,13 @@ the limit is ``None``: unbounded.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import testing
+from . import seams
 from .checkpoints import Checkpoint, CheckpointVersion
-from .graphs import ForwardRecord, PlacementDecision
+from .records import ForwardRecord
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
 from .options import ResolvedOptions
@@ -36,7 +36,9 @@ from .planner import (
     ForwardCost,
     PendingUsage,
     Placement,
+    PlacementDecision,
     PlanRequest,
+    RecordUsage,
     SavedClass,
     analytic_saved_bytes,
     attention_saves_scores,
@@ -46,7 +48,10 @@ from .planner import (
     shape_class,
 )
 
-__all__ = ["Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "RecordUsage", "default_device_limit", "device_capacity"]
+__all__ = [
+    "Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity",
+    "merged_saved_scale",
+]
 
 # Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
 _DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
@@ -69,7 +74,7 @@ def device_capacity(device: torch.device) -> DeviceCapacity | None:
     The one place the trainer reads the device's capacity; tests substitute it
     with ``reference_trainer.testing.substitute_device_capacity``.
     """
-    override = testing.capacity_override()
+    override = seams.capacity_override()
     if override is not None:
         sizes = override(device)
         return None if sizes is None else DeviceCapacity(total=sizes[0], free=sizes[1])
@@ -86,43 +91,6 @@ def default_device_limit(device: torch.device) -> int | None:
         return None
     in_use = capacity.total - capacity.free
     return max(0, int(capacity.total * (1.0 - DEVICE_MARGIN_FRACTION)) - in_use)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecordUsage:
-    """What one pending record holds: on the device, on the host, and needs at backward.
-
-    ``device_bytes`` includes the weight snapshot of the record's version
-    (``snapshot_bytes``); admission counts each pending version's snapshot once.
-    """
-
-    saved_bytes: int
-    snapshot_bytes: int
-    device_bytes: int
-    host_bytes: int
-    workspace_bytes: int
-
-    def demoted(self) -> RecordUsage:
-        """The same record once its retained saved bytes moved to host copies."""
-        return RecordUsage(
-            saved_bytes=self.saved_bytes,
-            snapshot_bytes=self.snapshot_bytes,
-            device_bytes=self.device_bytes - self.saved_bytes,
-            host_bytes=self.host_bytes + self.saved_bytes,
-            workspace_bytes=self.workspace_bytes + self.saved_bytes,
-        )
-
-    @classmethod
-    def of(cls, cost: ForwardCost, placement: Placement, saved: int, host: int, snapshot: int) -> RecordUsage:
-        """What a record of ``cost`` under ``placement`` holds with ``saved`` saved bytes (``host`` of them on the host)."""
-        kept = saved if placement is Placement.RETAIN else 0
-        return cls(
-            saved_bytes=saved,
-            snapshot_bytes=snapshot,
-            device_bytes=kept + cost.input_bytes + snapshot,
-            host_bytes=host if placement is Placement.OFFLOAD else 0,
-            workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
-        )
 
 
 @dataclass(frozen=True)
@@ -189,9 +157,9 @@ class Admission:
             for entry in demote:
                 entry.usage, entry.demote = entry.usage.demoted(), True
             snapshot = checkpoint.trainable_nbytes()
-            placement = Placement(plan.decision.placement)
             saved = plan.cost.saved_bytes
-            held.append(_Held(checkpoint.version, checkpoint, RecordUsage.of(plan.cost, placement, saved, saved, snapshot), None))
+            usage = RecordUsage.of(plan.cost, plan.decision.placement, saved, saved, snapshot)
+            held.append(_Held(checkpoint.version, checkpoint, usage, None))
             admitted.append(plan)
         for entry in held:
             if entry.demote:
@@ -251,17 +219,12 @@ class Admission:
                 host_limit=self.host_limit,
             )
             try:
-                result = plan_placement(request)
+                decision = plan_placement(request)
             except MemoryAdmissionError as error:
                 refusal = refusal or error
                 continue
-            reason = result.reason + (f"; demoted {count} pending retained record(s) to host" if count else "")
-            decision = PlacementDecision(
-                placement=result.placement.value,
-                predicted_bytes=result.predicted_peak_bytes,
-                saved_bytes=cost.saved_bytes,
-                reason=reason,
-            )
+            if count:
+                decision = replace(decision, reason=f"{decision.reason}; demoted {count} pending retained record(s) to host")
             return Admitted(decision, cost, saved_class), demotable[:count]
         raise refusal
 
@@ -317,10 +280,15 @@ class Admission:
             analytic = analytic_saved_bytes(
                 self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora, dropout_active=key.dropout_active
             )
-            self._saved_scales[key] = max(saved / analytic, self._saved_scales.get(key, 0.0))
+            self._saved_scales[key] = merged_saved_scale(self._saved_scales.get(key), saved / analytic)
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
-        placement = Placement(record.decision.placement)
-        return RecordUsage.of(admitted.cost, placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+        return RecordUsage.of(admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+
+
+def merged_saved_scale(known: float | None, measured: float) -> float:
+    """A class's saved-bytes scale after one more measured forward: the largest seen (NOTE [Memory admission]
+    Rule 5), so the estimate is never below a forward of the class that ran (``known`` None: the first)."""
+    return measured if known is None else max(known, measured)
 
 
 def _staging_nbytes(checkpoint: Checkpoint) -> int:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .adamw import AdamWConfig, check_adamw_state
-from .errors import ConfigError, GradientCommitError
+from .errors import ConfigError, GradientCommitError, int_at_least
 from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
@@ -78,11 +78,6 @@ class WeightCapture:
     tensors: dict[str, torch.Tensor]
     stamps: dict[str, int]
     targets: dict[str, nn.Parameter] = field(repr=False)
-
-    @property
-    def nbytes_if_detached(self) -> int:
-        """Bytes this capture holds of its own once the live weights move on."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def check_ledger(self) -> None:
         """Raise if a live parameter that still shares storage was written in place (Rule 3)."""
@@ -329,7 +324,7 @@ class Checkpoint:
         self._check_tensors("master_parameters", masters)
         self._check_optimizer_state(state["optimizer"])
         revision = state["revision"]
-        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        if not int_at_least(revision, 0):
             raise ConfigError("state_dict['revision']", revision, "an int >= 0")
 
     def _check_tensors(self, key: str, tensors: Mapping[str, Any]) -> None:

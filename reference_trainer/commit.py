@@ -33,14 +33,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from . import testing
+from . import seams
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
 from .grad_norms import KnownNorm, total_norm
-from .graphs import ForwardRecord
+from .records import ForwardRecord
 from .host_reads import read_on_host
 from .sinks import GradientSink
-from .staleness import check_age
+from .staleness import check_each
 
 __all__ = ["Coordinator", "GradientTransaction", "first_non_finite", "staged_norms"]
 
@@ -134,10 +134,6 @@ class GradientTransaction:
         self._origins: dict[str, set[tuple[CheckpointVersion, int]]] = {}
         self._norms: _Norms | None = None  # set by validate
 
-    @property
-    def staged_nbytes(self) -> int:
-        return sum(s.value.numel() * s.value.element_size() for s in self._staged.values())
-
     def start(self, record: ForwardRecord) -> None:
         """``record``'s model backward is about to run: a failure from now on releases it."""
         self._started.append(record)
@@ -156,11 +152,9 @@ class GradientTransaction:
 
     def validate(self) -> None:
         """Check everything before anything is written (Rule 2)."""
-        testing.maybe_fail("validate")
+        seams.maybe_fail("validate")
         for name, origins in self._origins.items():
-            checkpoint = self._checkpoints(name)
-            for version, bound in sorted(origins, key=lambda o: o[0].revision):
-                check_age(checkpoint, version, bound)
+            check_each(self._checkpoints(name), origins)
         for (ckpt_name, name), staged in self._staged.items():
             live = staged.checkpoint.parameter(name)
             where = f"checkpoint {ckpt_name!r} parameter {name!r}"
@@ -199,7 +193,7 @@ class GradientTransaction:
         done: list[tuple[_Staged, torch.Tensor | None]] = []
         try:
             for index, staged in enumerate(self._staged.values()):
-                testing.maybe_fail("publish", index)
+                seams.maybe_fail("publish", index)
                 self._sink.assign(staged.checkpoint, staged.name, staged.new)
                 done.append((staged, staged.old))
             self.agree(None)

@@ -53,7 +53,9 @@ import torch
 
 from .checkpoints import CheckpointVersion
 from .errors import GradientCommitError
-from .graphs import ForwardRecord, PaddedBatch, run_model
+from .inputs import PaddedBatch
+from .records import ForwardRecord
+from .running import run_model
 from .host_reads import read_on_host
 from .model import DecoderLM
 from .options import ImportanceCorrection

@@ -8,6 +8,8 @@ attributes, so callers never parse messages.
 from __future__ import annotations
 
 __all__ = [
+    "int_at_least",
+    "is_number",
     "TrainerError",
     "ConfigError",
     "CheckpointBusyError",
@@ -140,3 +142,17 @@ class PeerError(TrainerError):
         self.command = command
         self.peer = peer
         super().__init__(message)
+
+
+def int_at_least(value: object, minimum: int) -> bool:
+    """True iff ``value`` is an int, not a bool (``True`` is an ``int`` in Python), and ``>= minimum``.
+
+    The one check behind every integer argument; each caller raises its own
+    :class:`ConfigError` naming the field and what it allows.
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_number(value: object) -> bool:
+    """True iff ``value`` is an int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import testing
+from . import seams
 
 __all__ = ["padding_trusted", "read_on_host", "trusted_padding"]
 
@@ -41,7 +41,7 @@ _TRUSTED = contextvars.ContextVar("trusted_right_padding", default=False)
 
 def read_on_host(value: torch.Tensor, why: str) -> Any:
     """``value.tolist()`` (a Python scalar for a 0-d tensor): one transfer, one sync on a device."""
-    testing.note_host_read(why, value.device)
+    seams.note_host_read(why, value.device)
     return value.tolist()
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least
 from .model import DecoderLM, Projection
 
 __all__ = ["LoRAConfig", "LoRAAdapter", "attach_lora", "freeze", "ALL_PROJECTIONS"]
@@ -36,7 +36,7 @@ class LoRAConfig:
     targets: tuple[str, ...] = ALL_PROJECTIONS
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        if not int_at_least(self.rank, 1):
             raise ConfigError("LoRAConfig.rank", self.rank, "a positive int")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
             raise ConfigError("LoRAConfig.alpha", self.alpha, "a finite positive number")

@@ -50,7 +50,7 @@ from typing import Literal, Union
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least, is_number
 
 __all__ = [
     "Reduction",
@@ -183,8 +183,7 @@ def group_advantages(
             raise ConfigError("groups", tuple(groups.shape), f"shape {(n,)} (one id per reward)")
         index = torch.unique(groups, return_inverse=True)[1].to(r.device)
     elif group_size is not None:
-        valid = isinstance(group_size, int) and not isinstance(group_size, bool)
-        if not valid or group_size < 1 or n % group_size:
+        if not int_at_least(group_size, 1) or n % group_size:
             allowed = f"a positive int dividing the number of rewards ({n})"
             raise ConfigError("group_size", group_size, allowed)
         index = torch.arange(n, device=r.device) // group_size
@@ -214,7 +213,7 @@ def _check_reduction(reduction: str) -> None:
 
 
 def _check_bound(field: str, value: object, low: float, high: float) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number(value)
     if not ok or not math.isfinite(value) or not low <= value <= high:
         raise ConfigError(field, value, f"a finite number in [{low}, {high}]")
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least
 from .host_reads import padding_trusted, read_on_host
 
 __all__ = ["ModelConfig", "DecoderLM", "Projection", "token_logprobs", "check_right_padded"]
@@ -60,7 +60,7 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not int_at_least(value, 1):
                 raise ConfigError(name, value, "a positive int")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least, is_number
 
 __all__ = [
     "UNSET",
@@ -60,8 +60,6 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +79,7 @@ class ImportanceCorrection:
     def __post_init__(self) -> None:
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_number(value) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"ImportanceCorrection.{name}", value, "a finite number >= 0")
         if self.clip_low > self.clip_high:
             raise ConfigError(
@@ -112,9 +110,7 @@ class ForwardOptions:
 
     def __post_init__(self) -> None:
         staleness = self.max_gradient_staleness
-        if staleness is not UNSET and (
-            isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0
-        ):
+        if staleness is not UNSET and not int_at_least(staleness, 0):
             raise ConfigError("max_gradient_staleness", staleness, "an int >= 0 (not bool or float)")
         if self.corrections is not UNSET:
             object.__setattr__(self, "corrections", _validate_corrections(self.corrections))

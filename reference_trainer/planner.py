@@ -65,7 +65,8 @@ __all__ = [
     "ForwardCost",
     "PendingUsage",
     "PlanRequest",
-    "PlanResult",
+    "PlacementDecision",
+    "RecordUsage",
     "SavedClass",
     "plan_placement",
     "estimate_forward_cost",
@@ -77,9 +78,17 @@ __all__ = [
 
 
 class Placement(str, Enum):
+    """Where a record keeps its saved state; a string enum, equal to and printed as its value."""
+
     RETAIN = "retain"
     OFFLOAD = "offload"
     REPLAY = "replay"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -134,12 +143,59 @@ class PlanRequest:
     host_limit: int | None
 
 
-@dataclass(frozen=True)
-class PlanResult:
+@dataclass(frozen=True, kw_only=True)
+class PlacementDecision:
+    """Where a forward keeps what its backward needs, and why: the one plan result.
+
+    ``placement`` is a :class:`Placement`, a string enum: it equals (and
+    prints as) ``"retain"``, ``"offload"`` or ``"replay"``.
+
+    ``predicted_bytes``: the device peak the plan admitted; ``saved_bytes``: the
+    saved bytes it admitted for this record (on the device for retain, the host
+    for offload, rebuilt at backward for replay), never fewer than it holds.
+    """
+
     placement: Placement
-    predicted_peak_bytes: int
-    host_bytes: int
+    predicted_bytes: int
+    saved_bytes: int
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordUsage:
+    """What one pending record holds: on the device, on the host, and needs at backward.
+
+    ``device_bytes`` includes the weight snapshot of the record's version
+    (``snapshot_bytes``); admission counts each pending version's snapshot once.
+    """
+
+    saved_bytes: int
+    snapshot_bytes: int
+    device_bytes: int
+    host_bytes: int
+    workspace_bytes: int
+
+    def demoted(self) -> RecordUsage:
+        """The same record once its retained saved bytes moved to host copies."""
+        return RecordUsage(
+            saved_bytes=self.saved_bytes,
+            snapshot_bytes=self.snapshot_bytes,
+            device_bytes=self.device_bytes - self.saved_bytes,
+            host_bytes=self.host_bytes + self.saved_bytes,
+            workspace_bytes=self.workspace_bytes + self.saved_bytes,
+        )
+
+    @classmethod
+    def of(cls, cost: ForwardCost, placement: Placement, saved: int, host: int, snapshot: int) -> RecordUsage:
+        """What a record of ``cost`` under ``placement`` holds with ``saved`` saved bytes (``host`` of them on the host)."""
+        kept = saved if placement is Placement.RETAIN else 0
+        return cls(
+            saved_bytes=saved,
+            snapshot_bytes=snapshot,
+            device_bytes=kept + cost.input_bytes + snapshot,
+            host_bytes=host if placement is Placement.OFFLOAD else 0,
+            workspace_bytes=cost.transient_bytes + (0 if placement is Placement.RETAIN else saved),
+        )
 
 
 def _peak(request: PlanRequest, placement: Placement) -> int:
@@ -157,26 +213,30 @@ def _fits(request: PlanRequest, placement: Placement) -> tuple[bool, int, int]:
     return device_ok and host_ok, peak, host
 
 
-def plan_placement(request: PlanRequest) -> PlanResult:
+def plan_placement(request: PlanRequest) -> PlacementDecision:
     """Choose a placement per NOTE [Memory admission], or raise ``MemoryAdmissionError``."""
     if request.requested != "auto":
         forced = Placement(request.requested)
         ok, peak, host = _fits(request, forced)
         if not ok:
             raise _refusal(request, peak, host, f"forced backward_state={forced.value!r} does not fit")
-        return PlanResult(forced, peak, host, f"forced {forced.value}")
+        return _decision(request, forced, peak, f"forced {forced.value}")
     ok, peak, host = _fits(request, Placement.RETAIN)
     if ok:
-        return PlanResult(Placement.RETAIN, peak, host, "auto: retain fits the memory limit")
+        return _decision(request, Placement.RETAIN, peak, "auto: retain fits the memory limit")
     candidates = [Placement.OFFLOAD] * request.allow_offload + [Placement.REPLAY] * request.allow_replay
     fitting = [(request.cost.extra_seconds(p), p) for p in candidates if _fits(request, p)[0]]
     if not fitting:
         allowed = ", ".join(p.value for p in [Placement.RETAIN, *candidates])
         raise _refusal(request, peak, host, f"no allowed placement ({allowed}) fits")
     seconds, choice = min(fitting, key=lambda item: item[0])
-    _, peak, host = _fits(request, choice)
+    _, peak, _ = _fits(request, choice)
     others = ", ".join(f"{p.value} {s * 1e3:.2f} ms" for s, p in fitting)
-    return PlanResult(choice, peak, host, f"auto: retain does not fit; cheapest that fits ({others})")
+    return _decision(request, choice, peak, f"auto: retain does not fit; cheapest that fits ({others})")
+
+
+def _decision(request: PlanRequest, placement: Placement, peak: int, reason: str) -> PlacementDecision:
+    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason)
 
 
 def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdmissionError:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, int_at_least, is_number
 
 __all__ = ["PatternTask", "Sample", "sample", "PATTERNS"]
 
@@ -42,12 +42,10 @@ PATTERNS = ("count_up", "repeat")
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over seed space
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_int(field: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not int_at_least(value, minimum):
         raise ConfigError(field, value, f"an int >= {minimum}")
 
 
@@ -197,11 +195,11 @@ def sample(
     """
     ids = _prompt_batch(prompts)
     _check_int("max_new_tokens", max_new_tokens, 1)
-    if not _is_number(temperature) or not 0.0 < temperature < math.inf:
+    if not is_number(temperature) or not 0.0 < temperature < math.inf:
         raise ConfigError("temperature", temperature, "a finite float > 0", "top_k=1 is greedy")
     if top_k is not None:
         _check_int("top_k", top_k, 1)
-    if top_p is not None and (not _is_number(top_p) or not 0.0 < top_p <= 1.0):
+    if top_p is not None and (not is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ConfigError("top_p", top_p, "None or a float in (0, 1]")
 
     prompt_len = ids.shape[1]

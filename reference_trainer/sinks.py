@@ -20,7 +20,7 @@ import torch
 from .checkpoints import Checkpoint, CheckpointVersion
 from .errors import ConfigError, TrainerError
 from .grad_norms import KnownNorm
-from .staleness import check_age, check_origins
+from .staleness import check_each, check_origins
 
 __all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
 
@@ -195,8 +195,7 @@ class RankGradients:
         summed = self.host.sum_buffers(self.buffers, checkpoints)
         by_name = {c.name: c for c in checkpoints}
         for name, origins in summed.origins.items():
-            for version, bound in sorted(origins, key=lambda o: o[0].revision):
-                check_age(by_name[name], version, bound)
+            check_each(by_name[name], origins)
         live = LiveGradSink()
         for name, pname, total in summed.totals:
             old = live.current(by_name[name], pname)

@@ -15,10 +15,12 @@ NOTE [Staleness]
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .checkpoints import Checkpoint, CheckpointVersion
 from .errors import CheckpointReplacedError, StaleGradientError
 
-__all__ = ["check_age", "check_origins", "staleness"]
+__all__ = ["check_age", "check_each", "check_origins", "staleness"]
 
 
 def staleness(checkpoint: Checkpoint, version: CheckpointVersion) -> int:
@@ -35,7 +37,12 @@ def check_age(checkpoint: Checkpoint, version: CheckpointVersion, bound: int) ->
         raise StaleGradientError(checkpoint.name, age, bound, version.revision, checkpoint.revision)
 
 
-def check_origins(checkpoint: Checkpoint) -> None:
-    """Rule 4 for ``optim_step``: every committed gradient's origin, oldest first."""
-    for version, bound in sorted(checkpoint.origins, key=lambda o: o[0].revision):
+def check_each(checkpoint: Checkpoint, origins: Iterable[tuple[CheckpointVersion, int]]) -> None:
+    """Rule 4: ``check_age`` for every ``(forward version, bound)`` origin, oldest first (the first violation raises)."""
+    for version, bound in sorted(origins, key=lambda o: o[0].revision):
         check_age(checkpoint, version, bound)
+
+
+def check_origins(checkpoint: Checkpoint) -> None:
+    """Rule 4 for ``optim_step``: every committed gradient's origin."""
+    check_each(checkpoint, checkpoint.origins)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import testing
+from . import seams
 
 __all__ = ["Stopwatch", "start_stopwatch"]
 
@@ -50,5 +50,5 @@ class Stopwatch:
 
 def start_stopwatch(device: torch.device) -> Stopwatch:
     """A running stopwatch for work on ``device`` (the substituted one inside ``testing.substitute_stopwatch``)."""
-    factory = testing.stopwatch_override()
+    factory = seams.stopwatch_override()
     return factory(device) if factory is not None else Stopwatch(device)

@@ -1,7 +1,7 @@
 """The trainer: checkpoints, versioned forwards, transactional backwards, optimizer steps.
 
 Read top to bottom: checkpoints (NOTE [Weight captures] in ``checkpoints.py``),
-``forward`` (NOTE [Forward records] in ``graphs.py``, NOTE [Memory admission]
+``forward`` (NOTE [Forward records] in ``records.py``, NOTE [Memory admission]
 in ``planner.py``, NOTE [Saved-state lifetime] in ``residency.py``),
 ``backward`` (NOTE [Staleness] in ``staleness.py``, NOTE [Importance
 correction] in ``corrections.py``, NOTE [Gradient commit] in ``commit.py``),
@@ -19,29 +19,19 @@ from typing import Any
 
 import torch
 
-from . import testing
+from . import seams
 from .admission import Admission, Admitted, default_device_limit
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import CorrectionStats, KnownLogprobs, correct_record
-from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError
-from .graphs import (
-    ForwardInput,
-    ForwardOutput,
-    ForwardRecord,
-    PaddedBatch,
-    RecordTable,
-    base_logprobs,
-    check_token_range,
-    cotangents_by_record,
-    flatten_inputs,
-    output_cotangents,
-    record_cotangent,
-)
+from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
+from .cotangents import cotangents_by_record, output_cotangents, record_cotangent
+from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs
+from .records import ForwardRecord, RecordTable
+from .running import base_logprobs, model_logits
 from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
-from .planner import Placement
 from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
@@ -108,7 +98,7 @@ class Trainer:
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
         for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and not int_at_least(value, 0):
                 raise ConfigError(name, value, "None or an int >= 0")
         self.model = freeze(model)
         self.options = options
@@ -230,12 +220,8 @@ class Trainer:
             self.model.eval()
             try:
                 with torch.no_grad():
-                    if selected is None:
-                        return self.model(input_ids)
-                    if selected.is_full:
-                        return torch.func.functional_call(self.model, dict(selected.named_parameters()), (input_ids,))
-                    with selected.adapter.attached(self.model):
-                        return self.model(input_ids)
+                    tensors = None if selected is None else dict(selected.named_parameters())
+                    return model_logits(self.model, selected, tensors, input_ids)
             finally:
                 self.model.train(training)
 
@@ -294,7 +280,7 @@ class Trainer:
         capture = checkpoint.capture()
         stopwatch = start_stopwatch(self.device)
         root, ledger = record_forward(
-            self.model, checkpoint, capture, batch, Placement(plan.decision.placement),
+            self.model, checkpoint, capture, batch, plan.decision.placement,
             frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=plan.cost.saved_bytes,
         )
         record = ForwardRecord(
@@ -373,7 +359,7 @@ class Trainer:
         """Correct the record's cotangent, run its model backward and stage the gradients."""
         cotangent, stats = correct_record(self.model, record, record_cotangent(record, leaves), self._known_logprobs)
         transaction.start(record)
-        testing.maybe_fail("model_backward")
+        seams.maybe_fail("model_backward")
         grads = record_backward(self.model, record, cotangent, retain_graph)
         transaction.stage(record.capture, grads, record.options.max_gradient_staleness)
         return RecordReport(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, int_at_least
 from .layout import spread
 
 __all__ = ["LogicalBatch", "logical_batches"]
@@ -76,7 +76,7 @@ def logical_batches(source: Iterable[Any], size: int = 1, *, drop_last: bool = F
     The previous batch is released before the next micro-batch is pulled
     (NOTE [Logical-batch lifetime]).
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not int_at_least(size, 1):
         raise ConfigError("size", size, "an int >= 1 (physical micro-batches per logical batch)")
     return _generate(iter(source), size, drop_last)
 

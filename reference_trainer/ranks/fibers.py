@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..testing import device_context
+from ..seams import device_context
 
 __all__ = ["AUTOCAST_DEVICE_TYPES", "Fiber", "FiberCoordinator", "Raise", "Request", "ThreadContext", "current_fiber"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, int_at_least
 
 __all__ = ["LogicalLayout", "ordered_sum", "spread"]
 
@@ -29,7 +29,7 @@ class LogicalLayout:
     def __post_init__(self) -> None:
         for name in ("logical_dp", "world_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not int_at_least(value, 1):
                 raise ConfigError(name, value, "an int >= 1")
         if self.logical_dp % self.world_size:
             raise ConfigError(

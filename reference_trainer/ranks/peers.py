@@ -256,11 +256,11 @@ class Comm:
             raise error
         raise failures[first].rebuild()
 
-    def broadcast_command(self, header: dict) -> None:
-        """Rank 0 sends a zero-mode command to every other process."""
-        self._fan_out((header["label"], header), header["label"])
+    def broadcast_command(self, header: Any, label: str) -> None:
+        """Rank 0 sends a zero-mode command (``zero.Header``) to every other process."""
+        self._fan_out((label, header), label)
 
-    def next_command(self, after: str) -> dict:
+    def next_command(self, after: str) -> Any:
         label = f"waiting for rank 0's next command (after {after})"
         return self._expect(0, label, self.idle_timeout_s, any_label=True)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextvars
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 
 from ..errors import ConfigError, GradientCommitError, PeerError
-from ..graphs import ForwardInput, ForwardOutput, flatten_inputs, output_cotangents
+from ..cotangents import output_cotangents
+from ..inputs import ForwardInput, ForwardOutput, flatten_inputs
 from ..rng import rng_state, set_rng_state
 from ..trainer import BackwardReport, StepReport, Trainer
 from .fibers import FiberCoordinator
@@ -27,15 +29,63 @@ from .peers import PeerFailure
 from .rounds import drive
 from .state import LogicalState
 
-__all__ = ["RankZero", "ZeroSession", "payload_buffer"]
+__all__ = ["Backward", "Exit", "Forward", "Header", "RankZero", "TrainerCall", "ZeroSession", "payload_buffer"]
 
 
-def payload_buffer(header: dict) -> torch.Tensor:
-    """The buffer a serving process receives a backward's cotangents into: rank 0's dtype, from the header."""
-    dtype = getattr(torch, header["dtype"], None)
+@dataclass(frozen=True)
+class Forward:
+    """Run a forward of ``len(lengths)`` inputs spread over the logical ranks; tokens follow as the payload."""
+
+    lengths: tuple[int, ...]  # each input's length; the payload holds its input then its target ids
+    options: tuple[Any, ...]  # each input's own ForwardOptions (or None)
+    checkpoint: Any
+    call_options: Any
+    first: int  # the handle of the first output; the others follow in order
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Backpropagate the cotangents of the outputs in ``used``; the cotangents follow as the payload."""
+
+    used: tuple[tuple[int, int, int], ...]  # (handle, owning logical rank, elements) in payload order
+    retain_graph: bool
+    dtype: str  # the payload's dtype name: receivers allocate what rank 0 sends
+
+
+@dataclass(frozen=True)
+class TrainerCall:
+    """``trainer.<method>(**kwargs)`` on every process (``optim_step`` or ``zero_grad``)."""
+
+    method: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Rank 0's ``fn`` returned (``error=None``) or raised ``error``: every process stops serving."""
+
+    error: PeerFailure | None
+
+
+Command = Union[Forward, Backward, TrainerCall, Exit]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What rank 0 broadcasts: the command, its label and sequence number, the output handles dropped since the last."""
+
+    command: Command
+    label: str
+    seq: int
+    release: tuple[int, ...]
+
+
+def payload_buffer(command: Backward) -> torch.Tensor:
+    """The buffer a serving process receives a backward's cotangents into: rank 0's dtype, from the command."""
+    dtype = getattr(torch, command.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise ConfigError("header['dtype']", header["dtype"], "the name of a torch dtype, e.g. 'bfloat16'")
-    return torch.empty(sum(n for _, _, n in header["used"]), dtype=dtype)
+        raise ConfigError("Backward.dtype", command.dtype, "the name of a torch dtype, e.g. 'bfloat16'")
+    return torch.empty(sum(n for _, _, n in command.used), dtype=dtype)
 
 
 class RankZero:
@@ -67,11 +117,11 @@ class RankZero:
 
     def optim_step(self, **kwargs: Any) -> StepReport:
         """``trainer.optim_step(**kwargs)`` on every process."""
-        return self._session.run({"cmd": "optim_step", "kwargs": kwargs})
+        return self._session.run(TrainerCall("optim_step", kwargs))
 
     def zero_grad(self, **kwargs: Any) -> None:
         """``trainer.zero_grad(**kwargs)`` on every process."""
-        self._session.run({"cmd": "zero_grad", "kwargs": kwargs})
+        self._session.run(TrainerCall("zero_grad", kwargs))
 
 
 _LEADING: contextvars.ContextVar[bool] = contextvars.ContextVar("zero_mode_fn_running", default=False)
@@ -100,22 +150,23 @@ class ZeroSession:
             result = fn(RankZero(self))
         except BaseException as exc:
             try:
-                self.run({"cmd": "exit", "error": PeerFailure.of(exc, "rank 0's fn")})
+                self.run(Exit(PeerFailure.of(exc, "rank 0's fn")))
             except PeerError:
                 pass
             raise
         finally:
             self.state.leading = False
             _LEADING.reset(token)
-        self.run({"cmd": "exit", "error": None})
+        self.run(Exit(None))
         return result
 
-    def run(self, header: dict, payload: torch.Tensor | None = None) -> Any:
-        header["label"] = self.state.label(f"zero.{header['cmd']}")
-        header["seq"] = self.state.commands
-        header["release"] = self.state.dropped[:]
-        del self.state.dropped[: len(header["release"])]  # the same list: proxies' finalizers append to it
-        self.comm.broadcast_command(header)
+    def run(self, command: Command, payload: torch.Tensor | None = None) -> Any:
+        """Send ``command`` to every process and execute it here (rank 0)."""
+        name = _NAMES[type(command)] if not isinstance(command, TrainerCall) else command.method
+        release = tuple(self.state.dropped)
+        del self.state.dropped[: len(release)]  # the same list: proxies' finalizers append to it
+        header = Header(command, self.state.label(f"zero.{name}"), self.state.commands, release)
+        self.comm.broadcast_command(header, header.label)
         leading, self.state.leading = self.state.leading, False  # the trainer calls below are this command's own
         try:
             return self.execute(header, payload)
@@ -129,15 +180,14 @@ class ZeroSession:
         )
         first = self.state.next_handle
         self.state.next_handle += len(flat)
-        header = {
-            "cmd": "forward",
-            "lengths": [int(item.input_tokens.numel()) for item in flat],
-            "options": [item.options for item in flat],
-            "checkpoint": checkpoint,
-            "call_options": options,
-            "first": first,
-        }
-        return rebuild(self.run(header, tokens))
+        command = Forward(
+            lengths=tuple(int(item.input_tokens.numel()) for item in flat),
+            options=tuple(item.options for item in flat),
+            checkpoint=checkpoint,
+            call_options=options,
+            first=first,
+        )
+        return rebuild(self.run(command, tokens))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool) -> BackwardReport:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
@@ -150,13 +200,12 @@ class ZeroSession:
         if not used:
             raise ConfigError("loss", "a loss that reaches no zero.forward output", "a loss built from them")
         payload = torch.cat([c.reshape(-1) for _, c in used])
-        header = {
-            "cmd": "backward",
-            "used": [(h, self.state.owners[h], c.numel()) for h, c in used],
-            "retain_graph": retain_graph,
-            "dtype": str(payload.dtype).removeprefix("torch."),  # receivers allocate what rank 0 sends
-        }
-        return self.run(header, payload)
+        command = Backward(
+            used=tuple((h, self.state.owners[h], c.numel()) for h, c in used),
+            retain_graph=retain_graph,
+            dtype=str(payload.dtype).removeprefix("torch."),
+        )
+        return self.run(command, payload)
 
     # every process ---------------------------------------------------------------------
 
@@ -164,11 +213,11 @@ class ZeroSession:
         """Execute rank 0's commands until it exits; a command's common error is rank 0's to handle."""
         while True:
             header = self.comm.next_command(self.last)
-            self.last, self.state.commands = header["label"], header["seq"]
-            if header["cmd"] == "exit":
-                self._release(header["release"])
-                if header["error"] is not None:
-                    raise header["error"].rebuild()
+            self.last, self.state.commands = header.label, header.seq
+            if isinstance(header.command, Exit):
+                self._release(header.release)
+                if header.command.error is not None:
+                    raise header.command.error.rebuild()
                 return None
             try:
                 self.execute(header, None)
@@ -177,17 +226,17 @@ class ZeroSession:
             except Exception:
                 continue  # every process raised it at this command; rank 0's fn decides what follows
 
-    def execute(self, header: dict, payload: torch.Tensor | None) -> Any:
-        self._release(header["release"])
-        cmd = header["cmd"]
-        if cmd == "forward":
-            return self._forward(header, payload)
-        if cmd == "backward":
-            return self._backward(header, payload)
-        if cmd == "exit":
-            return None
-        call = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}[cmd]
-        return self._agreed(header["label"], lambda: call(**header["kwargs"]))
+    def execute(self, header: Header, payload: torch.Tensor | None) -> Any:
+        """Execute one command here: the function of its type (``_EXECUTORS``), after dropping the released outputs."""
+        self._release(header.release)
+        return _EXECUTORS[type(header.command)](self, header.command, header.label, payload)
+
+    def _trainer_call(self, command: TrainerCall, label: str, payload: None) -> Any:
+        call = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}[command.method]
+        return self._agreed(label, lambda: call(**command.kwargs))
+
+    def _exit(self, command: Exit, label: str, payload: None) -> None:
+        return None
 
     def _agreed(self, label: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` here, then make every process raise the same error if any failed."""
@@ -199,74 +248,97 @@ class ZeroSession:
         self.comm.agree(error, f"{label}: outcome")
         return result
 
-    def _release(self, handles: list[int]) -> None:
+    def _release(self, handles: tuple[int, ...]) -> None:
         for handle in handles:
             self.state.outputs.pop(handle, None)
             self.state.proxies.pop(handle, None)
             self.state.owners.pop(handle, None)
 
-    def _forward(self, header: dict, tokens: torch.Tensor | None) -> Any:
-        state, label = self.state, header["label"]
-        lengths = header["lengths"]
+    def _forward(self, command: Forward, label: str, tokens: torch.Tensor | None) -> list[ForwardOutput] | None:
+        """Every process: receive the tokens, run its logical ranks' inputs, gather the outputs on rank 0 as proxies."""
+        state = self.state
+        tokens = self._received_tokens(command, label, tokens)
+        chunks = spread(len(command.lengths), state.layout.logical_dp)
+        made = self._agreed(label, lambda: self._forward_hosted(command, chunks, tokens))
+        for handle, logical_rank, out in made:
+            state.outputs[handle] = (logical_rank, out.target_logprobs)
+        gathered, described = self._gathered(command, chunks, made, label)
+        if gathered is None:  # not rank 0: its outputs stay here, rank 0 holds the proxies
+            return None
+        return self._proxies(command, chunks, gathered, described)
+
+    def _received_tokens(self, command: Forward, label: str, tokens: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's token payload, on the CPU: each input's ids then its target ids."""
         if tokens is None:
-            tokens = torch.empty(2 * sum(lengths), dtype=torch.long)
-        tokens = self.comm.broadcast(tokens, label).cpu()
-        chunks = spread(len(lengths), state.layout.logical_dp)
+            tokens = torch.empty(2 * sum(command.lengths), dtype=torch.long)
+        return self.comm.broadcast(tokens, label).cpu()
+
+    def _forward_hosted(
+        self, command: Forward, chunks: list[list[int]], tokens: torch.Tensor
+    ) -> list[tuple[int, int, ForwardOutput]]:
+        """``(handle, logical rank, output)`` for the inputs of every logical rank this process hosts; the caller's RNG kept."""
+        state = self.state
         offsets = [0]
-        for n in lengths:
+        for n in command.lengths:
             offsets.append(offsets[-1] + 2 * n)
 
         def item(i: int) -> ForwardInput:
             ids = tokens[offsets[i] : offsets[i + 1]].view(2, -1)
-            return ForwardInput(ids[0].to(state.device), ids[1].to(state.device), header["options"][i])
+            return ForwardInput(ids[0].to(state.device), ids[1].to(state.device), command.options[i])
 
-        def work() -> list[tuple[int, int, ForwardOutput]]:
-            made = []
-            caller = rng_state(state.device)
-            try:
-                for logical_rank in state.layout.hosted:
-                    if not chunks[logical_rank]:
-                        continue
-                    with state.as_rank(logical_rank):
-                        outputs = self.trainer.forward(
-                            [item(i) for i in chunks[logical_rank]], checkpoint=header["checkpoint"], options=header["call_options"]
-                        )
-                    made.extend((header["first"] + i, logical_rank, out) for i, out in zip(chunks[logical_rank], outputs))
-            finally:
-                set_rng_state(caller, state.device)
-            return made
+        made = []
+        caller = rng_state(state.device)
+        try:
+            for logical_rank in state.layout.hosted:
+                if not chunks[logical_rank]:
+                    continue
+                with state.as_rank(logical_rank):
+                    outputs = self.trainer.forward(
+                        [item(i) for i in chunks[logical_rank]], checkpoint=command.checkpoint, options=command.call_options
+                    )
+                made.extend((command.first + i, logical_rank, out) for i, out in zip(chunks[logical_rank], outputs))
+        finally:
+            set_rng_state(caller, state.device)
+        return made
 
-        made = self._agreed(label, work)
-        for handle, logical_rank, out in made:
-            state.outputs[handle] = (logical_rank, out.target_logprobs)
-        per_process = state.layout.per_process
+    def _gathered(
+        self, command: Forward, chunks: list[list[int]], made: list[tuple[int, int, ForwardOutput]], label: str
+    ) -> tuple[list[torch.Tensor] | None, list[tuple[Any, ...]]]:
+        """Every process's output values (rank 0 only; ``None`` elsewhere) and their descriptions, in process order."""
+        per_process = self.state.layout.per_process
         sizes = [  # output elements each process hosts
-            sum(lengths[i] for logical_rank in range(p * per_process, (p + 1) * per_process) for i in chunks[logical_rank])
+            sum(command.lengths[i] for logical_rank in range(p * per_process, (p + 1) * per_process) for i in chunks[logical_rank])
             for p in range(self.comm.world_size)
         ]
         local = torch.cat([out.target_logprobs.detach().reshape(-1) for _, _, out in made]) if made else torch.zeros(0)
         gathered = self.comm.gather(local.to(self.comm.device), sizes, label)
         described = [(h, out.version, out.placement, out.decision) for h, _, out in made]
         metas = self.comm.exchange(described, f"{label}: outputs")
-        if gathered is None:
-            return None
+        return gathered, [m for part in metas for m in part]
+
+    def _proxies(
+        self, command: Forward, chunks: list[list[int]], gathered: list[torch.Tensor], described: list[tuple[Any, ...]]
+    ) -> list[ForwardOutput]:
+        """Rank 0's outputs: a leaf copy of each gathered output, released everywhere once the caller drops it."""
+        state = self.state
         values = torch.cat([g.to(state.device) for g in gathered])
         results, offset = [], 0
-        for (handle, version, placement, decision) in (m for part in metas for m in part):
-            n = lengths[handle - header["first"]]
+        for handle, version, placement, decision in described:
+            index = handle - command.first
+            n = command.lengths[index]
             proxy = values[offset : offset + n].clone().requires_grad_(version is not None)
             offset += n
             state.proxies[handle] = weakref.ref(proxy)
-            state.owners[handle] = next(logical_rank for logical_rank, c in enumerate(chunks) if handle - header["first"] in c)
+            state.owners[handle] = next(logical_rank for logical_rank, c in enumerate(chunks) if index in c)
             weakref.finalize(proxy, state.dropped.append, handle)
             results.append(ForwardOutput(target_logprobs=proxy, version=version, placement=placement, decision=decision))
         return results
 
-    def _backward(self, header: dict, cotangents: torch.Tensor | None) -> BackwardReport | None:
-        state, label = self.state, header["label"]
-        used = header["used"]
+    def _backward(self, command: Backward, label: str, cotangents: torch.Tensor | None) -> BackwardReport | None:
+        state = self.state
+        used = command.used
         if cotangents is None:
-            cotangents = payload_buffer(header)
+            cotangents = payload_buffer(command)
         cotangents = self.comm.broadcast(cotangents, label).to(state.device)
         per_rank: dict[int, list[tuple[int, torch.Tensor]]] = {logical_rank: [] for logical_rank in state.layout.hosted}
         offset = 0
@@ -289,9 +361,18 @@ class ZeroSession:
             surrogate = torch.stack(terms).sum() if len(terms) > 1 else terms[0]
             sink = self.trainer.rank_gradients.buffers[logical_rank]
             return self.trainer.backward(
-                surrogate, retain_graph=header["retain_graph"], sink=sink, coordinator=FiberCoordinator()
+                surrogate, retain_graph=command.retain_graph, sink=sink, coordinator=FiberCoordinator()
             )
 
         bodies = {rank: (lambda rank=rank: body(rank)) for rank in state.layout.hosted}
         reports = drive(state, label, bodies, share=True)
         return BackwardReport(records=[r for report in reports for r in report.records])
+
+
+_NAMES: dict[type, str] = {Forward: "forward", Backward: "backward", Exit: "exit"}
+_EXECUTORS: dict[type, Callable[[ZeroSession, Any, str, torch.Tensor | None], Any]] = {
+    Forward: ZeroSession._forward,
+    Backward: ZeroSession._backward,
+    TrainerCall: ZeroSession._trainer_call,
+    Exit: ZeroSession._exit,
+}

@@ -18,7 +18,8 @@ import torch
 import reference_trainer as rt
 from canaries import derivative_intersections as di
 from canaries.derivative_intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
-from canaries.memory_intersections import SCENARIOS, check_scenario, held_within_limits
+from canaries.derivative_gradients import GRADIENT_INTERSECTIONS
+from canaries.memory_intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from canaries.oracle_pair import CanaryFailure
 from canaries.presets import preset
 
@@ -56,6 +57,25 @@ def test_admission_scenarios_hold_no_more_than_admitted(name: str) -> None:
     passed, detail, values = check_scenario(CPU, name)
     assert passed, detail
     assert values["host_limit_bytes"] == values["held_unlimited_bytes"] - 1
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_INTERSECTIONS))
+def test_each_gradient_intersection_holds_on_a_correct_trainer(name: str) -> None:
+    """Their negative controls are the mutations flush_assigns, known_norm_without_length and
+    busy_counts_every_checkpoint (tests/canaries/test_mutations.py)."""
+    GRADIENT_INTERSECTIONS[name](CPU)
+
+
+def test_when_available_with_dropout_at_lr0_reweights_nothing() -> None:
+    """Negative control: the mutation when_available_across_dropout (defect 12)."""
+    assert di.check_when_available_dropout(CPU) == 1
+
+
+def test_the_checkpoints_state_is_in_the_admission_budget() -> None:
+    """Negative control: the mutation budget_ignores_checkpoints (defect 6)."""
+    passed, detail, values = check_checkpoint_budget(CPU)
+    assert passed and "refused" in values, detail
+    assert values["checkpoint_state_bytes"] > 0
 
 
 # --- negative controls (pass with or without the fixes) ------------------------------------------
@@ -125,5 +145,5 @@ def test_held_within_limits_flags_a_record_over_the_host_limit() -> None:
 
 def test_every_intersection_is_a_named_check_of_the_quick_profile() -> None:
     names = list(INTERSECTIONS)
-    assert len(names) == len(set(names)) == 3 + len(REFUSED_CALLS)
+    assert len(names) == len(set(names)) == 4 + len(REFUSED_CALLS) + len(GRADIENT_INTERSECTIONS)
     assert all(name.startswith("intersection: ") for name in names)

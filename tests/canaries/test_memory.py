@@ -5,7 +5,7 @@ docs/semantics.md#logical-ranks.
 
 Negative controls: a record the trainer forgets to let go must be flagged at
 every release point, and the "offload that aliases instead of copies"
-mutation (``canaries.mutations``) must fail the canary for the right reasons.
+mutation (``canaries.mutation_catalogue``) must fail the canary for the right reasons.
 The censuses themselves are tested in ``tests/validation/test_memory.py``.
 """
 
@@ -25,7 +25,7 @@ from canaries.memory_lifecycle import PLACEMENTS, POINTS
 from canaries.mutations import mutation
 from canaries.registry import canary
 from validation.errors import SetupError
-from reference_trainer.graphs import RecordTable
+from reference_trainer.records import RecordTable
 from validation.evidence import verify
 
 OFFLOAD_CHECKS = {

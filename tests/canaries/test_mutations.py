@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from canaries import mutations as mutations_module
+from canaries.memory import CHECKPOINT_STATE_CHECK
 from canaries.mutations import MUTATIONS, Mutation, judge_mutation, mutation, run_suite
 from canaries.registry import CANARIES, canary
 from validation.errors import SetupError
@@ -15,35 +17,97 @@ from validation.evidence import verify
 from validation.profiles import EXPLORATION
 
 
-def test_the_whole_suite_catches_every_mutation_on_the_cpu_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Verdicts, not exploration depth, are under test: one explored example keeps the unmutated baseline cheap.
+# A fragment of each mutation's first failure: caught where it shows, by the check meant for it, for the right reason.
+FIRST_FAILURE = {
+    "staleness_off_by_one": "StaleGradientError",
+    "correct_fresh_records": "corrected (staleness 0): expected False, found True",
+    "per_rank_normalisation": "gradient of the globally normalised loss",
+    "stale_weights": "agreement with the FP64 oracle",  # silently wrong, not refused
+    "partial_commit": "expected unchanged, found replaced",
+    "commit_non_finite": "expected GradientCommitError, found no error",
+    "replay_without_rng": "caller's CPU RNG after backward: expected unchanged, found changed",
+    "offload_alias": "census",
+    # issue 21's defects
+    "shared_correction_cache": "(staleness, corrected) per step/logical rank: expected W=1's",
+    "flush_before_checks": "refused with StaleGradientError; expected the state unchanged, found: .grad objects replaced",
+    "fp32_masters_for_fp64": "grad norm of the stepped gradients",
+    "saved_scale_ignores_training": "admitted (forced offload)",
+    "lora_term_uncounted": "admitted (forced offload)",
+    "groups_admitted_one_by_one": "refused with MemoryAdmissionError; expected the state unchanged, found: records or placements",
+    "optimizer_state_unchecked": "expected a TrainerError (refused), found success",
+    "when_available_across_dropout": "uncorrected or with weights 1, found staleness 1",
+    "budget_ignores_checkpoints": "admitted (forced retain)",
+    # the bugs the suite let through
+    "known_norm_without_length": "grad norm: expected the norm of the",
+    "flush_assigns": "expected the committed .grad plus both logical ranks' buffers",
+    "busy_counts_every_checkpoint": "found CheckpointBusyError",
+    "scale_from_latest_forward": "admitted (forced offload)",
+}
+
+
+def test_every_mutation_has_its_first_failure_pinned() -> None:
+    assert sorted(FIRST_FAILURE) == sorted(MUTATIONS)
+
+
+# One test per mutation (xdist spreads them): each is run_suite on that mutation alone, so its unmutated baseline
+# is its own check (NOTE [Mutation verdicts] Rule 4) and the whole catalogue costs about one check per mutation.
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_the_suite_catches_each_mutation_on_the_cpu_preset_by_the_check_meant_for_it(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Verdicts, not exploration depth, are under test: one explored example if a run explores at all.
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))
-    record = verify(canary("mutations").run("cpu", "quick", tmp_path))
+    m = MUTATIONS[name]
+    record = verify(run_suite("cpu", "quick", tmp_path, names=[name]))
 
     assert record["kind"] == "mutation-suite" and record["passed"] is True, record["measurements"]
-    assert record["checks"]["unmutated:derivative passes"] is True
-    assert record["checks"]["unmutated:memory passes"] is True
-    results = record["measurements"]["mutations"]
-    assert sorted(record["measurements"]["caught"]) == sorted(MUTATIONS)
-    assert record["measurements"]["inapplicable"] == []
-    for name in MUTATIONS:
-        assert results[name]["caught"] and results[name]["failed_checks"], name
-    # Each bug is caught where it shows, by the check meant for it.
-    assert results["staleness_off_by_one"]["failed_checks"] == ["scenario:bounds"]
-    assert "StaleGradientError" in results["staleness_off_by_one"]["first_failure"]
-    assert results["correct_fresh_records"]["failed_checks"] == ["scenario:corrections"]
-    assert "corrected (staleness 0): expected False, found True" in results["correct_fresh_records"]["first_failure"]
-    assert results["per_rank_normalisation"]["failed_checks"] == ["logical_global_normalisation"]
-    assert "agreement with the FP64 oracle" in results["stale_weights"]["first_failure"]  # silently wrong, not refused
-    assert "expected unchanged, found replaced" in results["partial_commit"]["first_failure"]
-    assert results["offload_alias"]["caught_by"] == "memory"
-    assert "offload" in " ".join(results["offload_alias"]["failed_checks"])
+    assert record["checks"] == {f"unmutated:{m.caught_by} passes": True, f"caught:{name}": True}
+    result = record["measurements"]["mutations"][name]
+    assert result["caught"] and m.check in result["failed_checks"], result
+    if m.caught_by == "derivative":  # focused on its check; the run stops at the first failure anyway
+        assert result["failed_checks"] == [m.check]
+    assert FIRST_FAILURE[name] in result["first_failure"], result["first_failure"]
     # Mutated runs are failures by design: their records stay out of the run's folder.
     assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["mutations"]
 
 
+def test_the_registry_entry_point_runs_every_mutation_of_the_catalogue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = {"busy_counts_every_checkpoint": MUTATIONS["busy_counts_every_checkpoint"]}  # a cheap stand-in catalogue
+    monkeypatch.setattr(mutations_module, "MUTATIONS", one)
+    record = verify(canary("mutations").run("cpu", "quick", tmp_path))
+    assert record["passed"] is True and record["measurements"]["caught"] == list(one)
+    assert record["config"]["checks"] == {name: m.check for name, m in one.items()}
+
+
+def test_every_mutation_names_a_check_of_its_canary() -> None:
+    from canaries import derivative, memory
+    from canaries.presets import preset
+
+    names = {"derivative": set(derivative.check_names(preset("cpu").on_this_machine())),
+             "memory": set(memory.INTERSECTION_CHECKS) | {"offload: host copies hold what retain keeps on the device"}}
+    for m in MUTATIONS.values():
+        assert m.check in names[m.caught_by], m.name
+
+
+def test_focused_runs_refuse_unknown_checks_and_canaries_without_them(tmp_path: Path) -> None:
+    with pytest.raises(SetupError, match="no checks named"):
+        canary("derivative").run("cpu", "quick", tmp_path, checks=["scenario:typo"])
+    with pytest.raises(SetupError, match="runs all its checks"):
+        canary("learning").run("cpu", "quick", tmp_path, checks=["anything"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_focused_memory_run_makes_only_the_intersection_checks_asked(tmp_path: Path) -> None:
+    record = verify(canary("memory").run("cpu", "quick", tmp_path, checks=[CHECKPOINT_STATE_CHECK]))
+    assert record["checks"] == {CHECKPOINT_STATE_CHECK: True}
+    assert record["config"]["checks"] == [CHECKPOINT_STATE_CHECK]
+
+
 def test_a_mutation_that_is_not_caught_fails_the_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    harmless = Mutation("harmless", "changes nothing (negative control of the suite)", "memory", nullcontext)
+    harmless = Mutation("harmless", "changes nothing (negative control of the suite)", "memory", nullcontext,
+                        CHECKPOINT_STATE_CHECK)
     monkeypatch.setitem(MUTATIONS, "harmless", harmless)
     record = verify(run_suite("cpu", "quick", tmp_path, names=["harmless"]))
 

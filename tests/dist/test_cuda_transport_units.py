@@ -9,6 +9,7 @@ device selection take the device queries as arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 
@@ -19,7 +20,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.ranks import run_logical
 from reference_trainer.ranks.peers import select_backend, transport_device, watchdog_timeout_s
-from reference_trainer.ranks.zero import payload_buffer
+from reference_trainer.ranks.zero import Backward, payload_buffer
 from reference_trainer.testing import substitute_device_context
 
 
@@ -88,8 +89,8 @@ def test_the_group_outlives_every_transport_wait() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_zero_mode_receivers_allocate_the_senders_dtype(dtype: torch.dtype) -> None:
-    header = {"used": [(0, 0, 3), (1, 1, 4)], "dtype": str(dtype).removeprefix("torch.")}
-    buffer = payload_buffer(header)
+    command = Backward(used=((0, 0, 3), (1, 1, 4)), retain_graph=False, dtype=str(dtype).removeprefix("torch."))
+    buffer = payload_buffer(command)
     assert (buffer.dtype, buffer.numel()) == (dtype, 7)
     with pytest.raises(rt.ConfigError, match="torch dtype"):
-        payload_buffer(header | {"dtype": "Tensor"})
+        payload_buffer(dataclasses.replace(command, dtype="Tensor"))

@@ -11,7 +11,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.planner import Placement
 from reference_trainer.host_arena import HostArena, host_block_bytes
-from reference_trainer.residency import FLOAT8_DTYPES, SavedStateLedger
+from reference_trainer.ledger import FLOAT8_DTYPES, SavedStateLedger
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 from validation.allocations import AllocationPeak
 from validation.lifetime import TensorCensus
