@@ -1,4 +1,4 @@
-"""Versioned backward: a stale gradient is the exact gradient at the forward's weights; the ledger; FP64 (docs/semantics.md#staleness)."""
+"""Versioned backward through forward records (NOTE [Forward records]): a stale gradient is the exact gradient at the forward's weights; the ledger; FP64 (docs/semantics.md#staleness)."""
 
 from __future__ import annotations
 
