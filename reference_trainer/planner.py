@@ -34,10 +34,11 @@ NOTE [Memory admission]
      whole, each group counting the ones planned before it, before any runs:
      one refusal refuses the call, and nothing ran, moved or was drawn.
   5. Sizes come from a conservative analytic estimate of the model's saved
-     activations (with the ``2·H·B·T²`` attention probabilities and dropout
-     mask only where the attention backend in use saves them:
-     :func:`attention_saves_scores`, each LoRA target's ``x·Aᵀ``, and every
-     element at FP32 or wider while dropout is active: its masks are FP32),
+     activations (with ``H·B·T²`` attention terms only where the attention
+     backend in use saves them, :func:`attention_saves_scores`: two, or
+     three with dropout active (probabilities, mask, dropped probabilities);
+     each LoRA target's ``x·Aᵀ``; and every element at FP32 or wider while
+     dropout is active: its masks are FP32),
      scaled by the largest measured/analytic ratio of forwards of the same
      :class:`SavedClass`: everything that decides what a forward saves but its
      exact length (shape class, whether attention saves scores, whether
@@ -314,8 +315,9 @@ def analytic_saved_bytes(
     per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
     if lora is not None:
         per_layer_token += lora.rank * len(lora.targets)
-    # Attention probabilities and their dropout mask (math attention saves them).
-    per_layer_square = 2 * config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
+    # Math attention saves its probabilities; with dropout also the mask and the dropped probabilities.
+    squares = 3 if dropout_active else 2
+    per_layer_square = squares * config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     per_layers = config.num_hidden_layers * (per_layer_token * tokens + per_layer_square) * elem
     return per_layers + tokens * (4 * c * elem + 3 * v * 4 + 16)  # final norm, logits, FP32 log-softmax, ids
 

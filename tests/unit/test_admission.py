@@ -371,6 +371,28 @@ def test_a_first_bf16_train_forward_with_dropout_is_priced_with_its_fp32_masks(p
     _assert_saved_within_admitted([outs])
 
 
+@pytest.mark.parametrize("seq_len", [16, 128])
+def test_a_first_train_forward_with_dropout_is_priced_with_its_three_attention_squares(seq_len: int) -> None:
+    """Math attention with dropout saves probabilities, mask and dropped probabilities: 3·H·B·T², dominant when long."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
+    trainer.add_checkpoint("policy", full=True, seed=1)
+    tokens = torch.randint(0, trainer.model.config.vocab_size, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    options = rt.ForwardOptions(backward_state="offload", corrections=())
+    _assert_saved_within_admitted([trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)])
+
+
+def test_a_scale_learned_on_a_shorter_forward_with_dropout_covers_a_longer_one_of_its_class() -> None:
+    """17 and 32 tokens share a shape class: the scale learned at 17 must price 32, whose T² share is larger."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
+    trainer.add_checkpoint("policy", full=True, seed=1)
+    options = rt.ForwardOptions(backward_state="offload", corrections=())
+    outs = []
+    for seed, length in enumerate((17, 32)):
+        tokens = torch.randint(0, trainer.model.config.vocab_size, (3, length + 1), generator=torch.Generator().manual_seed(seed))
+        outs.append(trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options))
+    _assert_saved_within_admitted(outs)
+
+
 @pytest.mark.parametrize("placement", ["retain", "offload"])
 def test_every_forward_holds_at_most_the_saved_bytes_admitted_in_eval_then_train(placement: str) -> None:
     """Both budgets: a retained record's saved bytes are on the device, an offloaded one's on the host."""
@@ -526,13 +548,18 @@ def test_each_group_of_a_call_is_planned_beside_the_groups_before_it() -> None:
 
 
 def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> None:
-    """Lengths 32 and 17 share a shape class; the short one's ratio to the analytic estimate is lower."""
-    trainer = make_trainer("lora", dropout=0.1)
-    outs = [_forward_length(trainer, 0, 32), _forward_length(trainer, 1, 17)]
-    config = trainer.model.config
-    large, small = (o[0].usage.saved_bytes / analytic_saved_bytes(config, 2, n) for o, n in zip(outs, (32, 17)))
+    """Lengths 64 and 33 share a shape class; in BF16 with dropout the short one's ratio to the analytic
+    estimate is lower by more than the estimate's 5% margin (its FP32-priced per-token terms weigh more)."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1, dtype=torch.bfloat16), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    outs = [_forward_length(trainer, 0, 64), _forward_length(trainer, 1, 33)]
+    lora, config = rt.LoRAConfig(rank=4), trainer.model.config
+    large, small = (
+        o[0].usage.saved_bytes / analytic_saved_bytes(config, 2, n, lora=lora, dropout_active=True)
+        for o, n in zip(outs, (64, 33))
+    )
     assert small < large / 1.05, "non-vacuous: the second scale is lower than the first by more than the margin"
-    outs.append(_forward_length(trainer, 2, 32))
+    outs.append(_forward_length(trainer, 2, 64))
     _assert_saved_within_admitted(outs)
 
 
