@@ -65,8 +65,12 @@ def launch(fake, spec, out: Path, clock: FakeClock | None = None):
     from ci.launcher import Launcher, Timeouts
 
     clock = clock or FakeClock()
-    timeouts = Timeouts(request=0.3, provision=0.3, poll=0.3, poll_interval=15, logs=0.3, outputs=0.3,
-                        cancel=0.3, down=0.3, absence=60, absence_interval=10)
+    # Per-call limits are real seconds (``bounded``); the clock fakes only deadlines and sleeps. Short only
+    # where a call is made to hang, so a loaded machine's slow but answering fake never times out.
+    hangs = any(fault in ("timeout", "slow_result") for fault, _ in fake.faults.values())
+    call = 0.3 if hangs else 10.0
+    timeouts = Timeouts(request=call, provision=call, poll=call, poll_interval=15, logs=call, outputs=call,
+                        cancel=call, down=call, absence=60, absence_interval=10)
     launcher = Launcher(fake, fetch_outputs=fake.fetch_outputs, timeouts=timeouts, clock=clock,
                         sleep=clock.sleep, echo=lambda line: None)
     try:
