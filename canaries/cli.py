@@ -97,11 +97,11 @@ def _threads(threads: int) -> Iterator[None]:
 
 @contextmanager
 def _mutation(name: str | None) -> Iterator[None]:
-    """Negative control for the whole run: the named bug of ``canaries.mutation_catalogue`` stays in while the canaries run."""
+    """Negative control for the whole run: the named bug of ``canaries.mutations.catalogue`` stays in while the canaries run."""
     if name is None:
         yield
         return
-    from .mutation_catalogue import mutation
+    from .mutations.catalogue import mutation
 
     bug = mutation(name)  # SetupError naming the known ones
     print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
@@ -173,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
     from reports.benchmark import comparison_line
     from validation.evidence import evidence_path, verify
 
-    from . import benchmark
+    from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
     path = benchmark.run(args.preset, args.profile, run_dir, gate=args.gate, target=args.target,
@@ -251,7 +251,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--inject-mutation", metavar="NAME", default=os.environ.get(MUTATION_ENV) or None,
-        help=f"negative control: leave the named bug of canaries.mutation_catalogue in for the whole run (also {MUTATION_ENV}=NAME); "
+        help=f"negative control: leave the named bug of canaries.mutations.catalogue in for the whole run (also {MUTATION_ENV}=NAME); "
         "the canary that must catch it fails and the run exits 1",
     )
     run.add_argument("--gate", action="store_true",

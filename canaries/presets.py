@@ -10,7 +10,7 @@ logical-rank parts still spawned, on at most two gloo processes); the checks
 that need CUDA then report themselves as skipped. ``processes`` is what
 ``rtv run --nproc`` asks for (``RTV_NPROC``) when given; a GPU preset's FP64
 oracle canaries may run a declared subset of its layers (``oracle_layers``,
-recorded in the evidence), and ``canaries.gpu_memory`` checks its memory
+recorded in the evidence), and ``canaries.preset_budget`` checks its memory
 estimate against the device before anything is built.
 """
 

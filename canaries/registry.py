@@ -75,17 +75,17 @@ class Canary:
 CANARIES: dict[str, Canary] = {
     c.name: c
     for c in (
-        Canary(name="derivative", module="canaries.derivative",
+        Canary(name="derivative", module="canaries.derivative.canary",
                summary="exact stale gradients against an FP64 oracle (stateful op interleavings)", takes_checks=True),
-        Canary(name="memory", module="canaries.memory",
+        Canary(name="memory", module="canaries.memory.canary",
                summary="no saved state, graph or staging outlives its backward; admission stays under the limit",
                takes_checks=True),
-        Canary(name="mutations", module="canaries.mutations",
+        Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
-        Canary(name="learning", module="canaries.learning",
+        Canary(name="learning", module="canaries.learning.canary",
                summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
                takes_gate=True),
-        Canary(name="benchmark", module="canaries.benchmark",
+        Canary(name="benchmark", module="canaries.benchmark.canary",
                summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
                enforced=False),
     )

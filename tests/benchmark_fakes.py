@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from canaries import benchmark
-from canaries.bench_arms import Arm, Workload
+from canaries.benchmark import canary as benchmark
+from canaries.benchmark.arms import Arm, Workload
 from validation.evidence import verify
 
 __all__ = ["TINY", "FakeProbe", "FakeMachine", "tiny_plan", "run_fake"]

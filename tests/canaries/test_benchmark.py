@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from canaries import benchmark
-from canaries.bench_arms import Workload, device_clock, plain_arm, versioned_arm
+from canaries.benchmark import canary as benchmark
+from canaries.benchmark.arms import Workload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
 from validation.evidence import verify

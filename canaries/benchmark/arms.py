@@ -129,7 +129,7 @@ def plain_arm(
     """The baseline: a plain PyTorch step (module docstring). ``model`` (LoRA only): a shared base.
 
     ``optimizer_step=False``: forward and backward only, the gradients dropped
-    (``bench_profile`` times saved-tensor hooks on it, without the optimizer's noise).
+    (``profiling`` times saved-tensor hooks on it, without the optimizer's noise).
     """
     if model is not None and not workload.lora:
         raise ValueError("a plain full-weight arm trains its model: it cannot share a base model")

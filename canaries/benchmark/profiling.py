@@ -40,7 +40,7 @@ from reference_trainer.planner import Placement
 from reference_trainer.residency import SavedStateLedger, weight_storages
 from validation.abba import run_block
 
-from .bench_arms import Arm, Workload, device_clock, plain_arm
+from .arms import Arm, Workload, device_clock, plain_arm
 
 __all__ = ["COMPONENTS", "profile"]
 

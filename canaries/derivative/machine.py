@@ -41,7 +41,7 @@ from hypothesis.stateful import (
 
 from .oracle_harness import DerivativeHarness, OutputRef, SavedRef
 from .oracle_pair import FAULTS, PLACEMENTS, checkpoint_kinds
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["MAX_PENDING", "machine_for", "explore"]
 

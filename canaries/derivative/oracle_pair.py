@@ -1,6 +1,6 @@
 """The trainer and its FP64 oracle, side by side: what they are built from and what judges them.
 
-The building blocks of ``canaries.oracle_harness`` (NOTE [Derivative
+The building blocks of ``canaries.derivative.oracle_harness`` (NOTE [Derivative
 canary] there): the checkpoint name, placements, faults and correction the
 canary uses, the tolerances (Rule 5), the deterministic data, a trainer and
 its oracle built from a preset, the gradient comparison, and
@@ -22,7 +22,7 @@ from validation.compare import compare_gradients
 from validation.errors import CheckFailed
 from validation.oracle import OracleTrainer
 
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = [
     "NAME",

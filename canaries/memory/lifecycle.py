@@ -3,7 +3,7 @@
 For one placement (forced per forward) :func:`lifecycle` reads two independent
 witnesses (the weakref tensor census, ``validation.lifetime``; the storage
 census split into a device and a host pool, ``validation.memory``) at each of
-:data:`POINTS` (see ``canaries.memory`` for what each point asserts);
+:data:`POINTS` (see ``canaries.memory.canary`` for what each point asserts);
 :func:`offload_checks` then compares offload with retain and replay on the
 same workload. :class:`Verdicts` collects the checks as they are made;
 :class:`Workload` is the model, inputs and trainers every census measures
@@ -31,7 +31,7 @@ from validation.memory import (
     two_witnesses,
 )
 
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["PLACEMENTS", "POINTS", "Verdicts", "Workload", "LifecyclePoint", "committed_grads",
            "negative_logprob_sum", "bytes_left", "lifecycle", "offload_checks"]

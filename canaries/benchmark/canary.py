@@ -1,12 +1,12 @@
 """The benchmark: versioned-trainer arms against a plain PyTorch step, in alternating blocks, with gates.
 
 ``run(preset, profile, out_dir)`` (the canary interface, ``canaries.registry``)
-builds the arms of :func:`plan` (``canaries.bench_arms``) for each workload,
+builds the arms of :func:`plan` (``canaries.benchmark.arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
 measures each arm's step time, tokens/s, bytes held and allocation peak,
 profiles where ``retain@s0``'s extra time over ``plain`` goes
-(``bench_profile``), and writes one evidence record of kind ``benchmark``.
+(``profiling``), and writes one evidence record of kind ``benchmark``.
 
 Gates are enforced on named comparisons only, on the preset's gated workload,
 whose gated arms run first in blocks of their own (:func:`split_gated`):
@@ -39,8 +39,8 @@ from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 
-from . import bench_profile
-from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, device_clock, plain_arm, versioned_arm
+from . import profiling
+from .arms import PLACEMENTS, Arm, Workload, arm_name, base_model, device_clock, plain_arm, versioned_arm
 
 __all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "run", "TARGET_RATIO", "KIND"]
 
@@ -200,11 +200,11 @@ def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload
 
 
 def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
-    """Where retain@s0's extra time over plain goes (``bench_profile``), on groups that have both arms."""
+    """Where retain@s0's extra time over plain goes (``profiling``), on groups that have both arms."""
     if not {"plain", "retain@s0"} <= set(measured):
         return None
     plain = measured["plain"]["step_seconds"]
-    return bench_profile.profile(group.workload, plain_seconds=plain,
+    return profiling.profile(group.workload, plain_seconds=plain,
                                  extra_seconds=measured["retain@s0"]["step_seconds"] - plain, seed=seed)
 
 
