@@ -40,7 +40,7 @@ from ci.cli import add_gpu_commands, run_with_preset
 from validation.errors import HarnessError, OutOfSpace, SetupError
 from validation.evidence import DEFAULT_OUT
 
-from .registry import CANARIES, PRESETS, PROFILES, canary
+from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 
 if TYPE_CHECKING:
     from .smoke import Check
@@ -257,7 +257,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gate", action="store_true",
                      help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts")
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
-    run.add_argument("--preset", choices=PRESETS, default="cpu",
+    run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
     run.add_argument("--nproc", type=_positive, default=None, help="processes for the logical-rank parts (default: 1)")
     run.set_defaults(handler=_run)
@@ -268,7 +268,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     canary_parser.add_argument("name", choices=list(CANARIES), metavar="NAME", help="a registered canary (below)")
-    canary_parser.add_argument("--preset", choices=PRESETS, default="cpu",
+    canary_parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                                help="cpu, or a GPU preset (without CUDA it runs on CPU with a small shape)")
     canary_parser.add_argument("--profile", choices=PROFILES, default="default",
                                help="depth: quick (seconds), default, nightly (minutes)")
@@ -282,7 +282,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "with a plain PyTorch step in alternating blocks, and render a report. Exits 1 when an enforced gate fails "
         "(retain@s0 vs plain, replay@s0 vs its floor: a regression beyond --gate; --target if given).",
     )
-    bench.add_argument("--preset", choices=PRESETS, default="cpu",
+    bench.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                        help="cpu, or a GPU preset (on a machine without CUDA it runs CPU shapes and says so)")
     bench.add_argument("--profile", choices=PROFILES, default="default",
                        help="quick (<= 60 s), default (<= 5 min here), nightly (every arm and workload)")

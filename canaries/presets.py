@@ -24,11 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from reference_trainer import LoRAConfig, ModelConfig
+from reference_trainer.planner import Placement
 from validation.errors import SetupError
 
-__all__ = ["NPROC_ENV", "Preset", "PRESETS", "preset"]
+__all__ = ["NPROC_ENV", "PLACEMENTS", "PLACEMENT_REQUESTS", "Preset", "PRESETS", "preset"]
 
 NPROC_ENV = "RTV_NPROC"  # how ``rtv run --nproc`` passes the process count to the canaries
+# Every canary names placements through these, derived from the trainer's own enum, so none keeps a copy.
+PLACEMENTS: tuple[str, ...] = tuple(p.value for p in Placement)  # where a record keeps its saved state
+PLACEMENT_REQUESTS: tuple[str, ...] = (*PLACEMENTS, "auto")  # what a forward may ask for ("auto": the planner picks)
 
 
 @dataclass(frozen=True)

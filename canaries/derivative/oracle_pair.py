@@ -26,7 +26,6 @@ from ..presets import Preset
 
 __all__ = [
     "NAME",
-    "PLACEMENTS",
     "FAULTS",
     "CORRECTION",
     "LR",
@@ -42,7 +41,6 @@ __all__ = [
 ]
 
 NAME = "policy"
-PLACEMENTS = ("retain", "offload", "replay", "auto")
 FAULTS = ("user_autograd", "model_backward", "validate", "publish@0", "publish@1", "publish@last")
 CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always")
 LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance

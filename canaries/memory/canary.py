@@ -60,12 +60,12 @@ from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from .. import presets
 from ..preset_budget import check_fits
+from ..presets import PLACEMENTS
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from .lifecycle import (
-    PLACEMENTS,
     POINTS,
     Verdicts,
-    Workload,
+    CensusWorkload,
     bytes_left,
     committed_grads,
     lifecycle,
@@ -79,7 +79,7 @@ KIND = "memory-canary"
 _PENDING_FORWARDS = 5
 
 
-def _calibrate(work: Workload, trainer: rt.Trainer, cuda: bool) -> tuple[int, int]:
+def _calibrate(work: CensusWorkload, trainer: rt.Trainer, cuda: bool) -> tuple[int, int]:
     """A device limit where two retained forwards fit and a third does not; a host limit for two offloads.
 
     From the trainer's own prediction for one pending forward and what that
@@ -98,7 +98,7 @@ def _calibrate(work: Workload, trainer: rt.Trainer, cuda: bool) -> tuple[int, in
 
 
 def _admission(
-    work: Workload, calibration: rt.Trainer, verdicts: Verdicts, cuda: bool
+    work: CensusWorkload, calibration: rt.Trainer, verdicts: Verdicts, cuda: bool
 ) -> dict[str, Any]:
     """Several pending forwards under a small limit: predictions and the measured peak stay within it."""
     limit, host_limit = _calibrate(work, calibration, cuda)
@@ -210,7 +210,7 @@ def _intersections(spec: presets.Preset, verdicts: Verdicts, wanted: Collection[
 
 def _lifecycle_and_admission(spec: presets.Preset, verdicts: Verdicts, cuda: bool) -> dict[str, Any]:
     """The lifecycle points for every placement, offload's checks and the admission run (the module docstring)."""
-    work = Workload(spec)
+    work = CensusWorkload(spec)
     lifecycle_trainer = work.trainer()
     calibration_trainer = work.trainer()
     # Warm up allocator, kernels and caches before any baseline is taken.

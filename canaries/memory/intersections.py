@@ -150,7 +150,7 @@ def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:
     """Rule 2 for one scenario: ``(passed, detail, values)``; runs in eval/train as the scenario says and
     leaves the model in train mode."""
     changes, rank, forwards = SCENARIOS[name]
-    with torch.device(spec.device):  # built in place, as ``canaries.memory.lifecycle.Workload`` does
+    with torch.device(spec.device):  # built in place, as ``canaries.memory.lifecycle.CensusWorkload`` does
         model = rt.DecoderLM(spec.model.replace(**changes), seed=0)
     twin = forwards(_trainer(model, rank), spec)
     held = twin[0].usage.host_bytes  # what the judged forward really holds (one record for the whole call)

@@ -7,10 +7,10 @@ from unittest import mock
 import pytest
 
 from canaries.benchmark import profiling
-from canaries.benchmark.arms import Workload
+from canaries.benchmark.arms import TimedWorkload
 from reference_trainer.residency import SavedStateLedger
 
-TINY = Workload(model="tiny", sequences=1, seq_len=4)
+TINY = TimedWorkload(model="tiny", sequences=1, seq_len=4)
 
 
 def test_the_profile_splits_the_extra_time_into_its_components_and_a_remainder() -> None:

@@ -21,7 +21,8 @@ import pytest
 import reference_trainer as rt
 from canaries.memory import canary as memory
 from canaries.memory.intersections import SCENARIOS
-from canaries.memory.lifecycle import PLACEMENTS, POINTS
+from canaries.memory.lifecycle import POINTS
+from canaries.presets import PLACEMENTS
 from canaries.mutations.catalogue import mutation
 from canaries.registry import canary
 from validation.errors import SetupError
