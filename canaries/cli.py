@@ -40,7 +40,7 @@ from ci.cli import add_gpu_commands, run_with_preset
 from validation.errors import HarnessError, OutOfSpace, SetupError
 from validation.evidence import DEFAULT_OUT
 
-from .registry import CANARIES, PRESETS, PROFILES, canary
+from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 
 if TYPE_CHECKING:
     from .smoke import Check
@@ -97,11 +97,11 @@ def _threads(threads: int) -> Iterator[None]:
 
 @contextmanager
 def _mutation(name: str | None) -> Iterator[None]:
-    """Negative control for the whole run: the named bug of ``canaries.mutation_catalogue`` stays in while the canaries run."""
+    """Negative control for the whole run: the named bug of ``canaries.mutations.catalogue`` stays in while the canaries run."""
     if name is None:
         yield
         return
-    from .mutation_catalogue import mutation
+    from .mutations.catalogue import mutation
 
     bug = mutation(name)  # SetupError naming the known ones
     print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
@@ -173,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
     from reports.benchmark import comparison_line
     from validation.evidence import evidence_path, verify
 
-    from . import benchmark
+    from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
     path = benchmark.run(args.preset, args.profile, run_dir, gate=args.gate, target=args.target,
@@ -251,13 +251,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--inject-mutation", metavar="NAME", default=os.environ.get(MUTATION_ENV) or None,
-        help=f"negative control: leave the named bug of canaries.mutation_catalogue in for the whole run (also {MUTATION_ENV}=NAME); "
+        help=f"negative control: leave the named bug of canaries.mutations.catalogue in for the whole run (also {MUTATION_ENV}=NAME); "
         "the canary that must catch it fails and the run exits 1",
     )
     run.add_argument("--gate", action="store_true",
                      help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts")
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
-    run.add_argument("--preset", choices=PRESETS, default="cpu",
+    run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
     run.add_argument("--nproc", type=_positive, default=None, help="processes for the logical-rank parts (default: 1)")
     run.set_defaults(handler=_run)
@@ -268,7 +268,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     canary_parser.add_argument("name", choices=list(CANARIES), metavar="NAME", help="a registered canary (below)")
-    canary_parser.add_argument("--preset", choices=PRESETS, default="cpu",
+    canary_parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                                help="cpu, or a GPU preset (without CUDA it runs on CPU with a small shape)")
     canary_parser.add_argument("--profile", choices=PROFILES, default="default",
                                help="depth: quick (seconds), default, nightly (minutes)")
@@ -282,7 +282,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "with a plain PyTorch step in alternating blocks, and render a report. Exits 1 when an enforced gate fails "
         "(retain@s0 vs plain, replay@s0 vs its floor: a regression beyond --gate; --target if given).",
     )
-    bench.add_argument("--preset", choices=PRESETS, default="cpu",
+    bench.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                        help="cpu, or a GPU preset (on a machine without CUDA it runs CPU shapes and says so)")
     bench.add_argument("--profile", choices=PROFILES, default="default",
                        help="quick (<= 60 s), default (<= 5 min here), nightly (every arm and workload)")

@@ -10,7 +10,7 @@ logical-rank parts still spawned, on at most two gloo processes); the checks
 that need CUDA then report themselves as skipped. ``processes`` is what
 ``rtv run --nproc`` asks for (``RTV_NPROC``) when given; a GPU preset's FP64
 oracle canaries may run a declared subset of its layers (``oracle_layers``,
-recorded in the evidence), and ``canaries.gpu_memory`` checks its memory
+recorded in the evidence), and ``canaries.preset_budget`` checks its memory
 estimate against the device before anything is built.
 """
 
@@ -24,11 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from reference_trainer import LoRAConfig, ModelConfig
+from reference_trainer.planner import Placement
 from validation.errors import SetupError
 
-__all__ = ["NPROC_ENV", "Preset", "PRESETS", "preset"]
+__all__ = ["NPROC_ENV", "PLACEMENTS", "PLACEMENT_REQUESTS", "Preset", "PRESETS", "preset"]
 
 NPROC_ENV = "RTV_NPROC"  # how ``rtv run --nproc`` passes the process count to the canaries
+# Every canary names placements through these, derived from the trainer's own enum, so none keeps a copy.
+PLACEMENTS: tuple[str, ...] = tuple(p.value for p in Placement)  # where a record keeps its saved state
+PLACEMENT_REQUESTS: tuple[str, ...] = (*PLACEMENTS, "auto")  # what a forward may ask for ("auto": the planner picks)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A canary is a module ``canaries.<name>`` with one entry point::
 
     def run(preset: str, profile: str, out_dir: Path) -> Path
 
-``preset`` is one of :data:`PRESETS` (a GPU preset on a machine without CUDA
+``preset`` is one of :data:`PRESET_NAMES` (a GPU preset on a machine without CUDA
 either runs its CPU stand-in and says so in the evidence, or raises
 ``validation.errors.SetupError`` when it cannot); ``profile`` is one of
 :data:`PROFILES` (``quick`` for ``rtv run`` and the test suite, ``default``
@@ -27,9 +27,11 @@ from pathlib import Path
 
 from validation.errors import SetupError
 
-__all__ = ["Canary", "CANARIES", "PRESETS", "PROFILES", "canary"]
+__all__ = ["Canary", "CANARIES", "PRESET_NAMES", "PROFILES", "canary"]
 
-PRESETS = ("cpu", "gpu", "gpu-8b")
+# The names of ``canaries.presets.PRESETS``, written here so ``rtv --help`` needs no torch
+# (tests/canaries/test_cli.py checks they agree).
+PRESET_NAMES = ("cpu", "gpu", "gpu-8b")
 PROFILES = ("quick", "default", "nightly")
 
 
@@ -58,8 +60,8 @@ class Canary:
         self, preset: str, profile: str, out_dir: Path, *, gate: bool = False, checks: Sequence[str] | None = None
     ) -> Path:
         """Run the canary (only ``checks``, when given); returns its evidence path (see the module docstring)."""
-        if preset not in PRESETS:
-            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESETS)}")
+        if preset not in PRESET_NAMES:
+            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
         if profile not in PROFILES:
             raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
         if gate and not self.takes_gate:
@@ -75,17 +77,17 @@ class Canary:
 CANARIES: dict[str, Canary] = {
     c.name: c
     for c in (
-        Canary(name="derivative", module="canaries.derivative",
+        Canary(name="derivative", module="canaries.derivative.canary",
                summary="exact stale gradients against an FP64 oracle (stateful op interleavings)", takes_checks=True),
-        Canary(name="memory", module="canaries.memory",
+        Canary(name="memory", module="canaries.memory.canary",
                summary="no saved state, graph or staging outlives its backward; admission stays under the limit",
                takes_checks=True),
-        Canary(name="mutations", module="canaries.mutations",
+        Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
-        Canary(name="learning", module="canaries.learning",
+        Canary(name="learning", module="canaries.learning.canary",
                summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
                takes_gate=True),
-        Canary(name="benchmark", module="canaries.benchmark",
+        Canary(name="benchmark", module="canaries.benchmark.canary",
                summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
                enforced=False),
     )

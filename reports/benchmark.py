@@ -48,7 +48,7 @@ def comparison_line(comparison: dict, workload: str, gate: float) -> str:
 
 
 def _enforced(comparison: dict) -> bool:
-    """The gated comparisons (``canaries.benchmark``): retain@s0 vs plain, and replay@s0 vs its floor."""
+    """The gated comparisons (``canaries.benchmark.canary``): retain@s0 vs plain, and replay@s0 vs its floor."""
     against_plain = comparison["baseline"] == "plain"
     return (comparison["arm"], against_plain) in {("retain@s0", True), ("replay@s0", False)}
 
@@ -142,7 +142,7 @@ def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
 
 
 def _profile_table(groups: list[dict]) -> pd.DataFrame:
-    """Where retain@s0's extra time goes, per workload that has a profile (``canaries.bench_profile``)."""
+    """Where retain@s0's extra time goes, per workload that has a profile (``canaries.benchmark.profiling``)."""
     rows = [{"workload": g["label"], "component": c["name"], "ms per step": c["seconds"] * 1e3,
              "% of plain step": 100 * c["seconds"] / g["profile"]["plain_step_seconds"], "what it buys": c["buys"]}
             for g in groups if g.get("profile") for c in g["profile"]["components"]]

@@ -1,6 +1,6 @@
 """The learning comparison's section of the report: curves with seed bands, paired differences, verdicts.
 
-Reads only a ``learning`` evidence record (``canaries.learning``); never
+Reads only a ``learning`` evidence record (``canaries.learning.canary``); never
 trains. Per workload it draws:
 
 - :func:`curves_figure`: the metric against the optimizer step, one panel per

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from canaries import benchmark
-from canaries.bench_arms import Arm, Workload
+from canaries.benchmark import canary as benchmark
+from canaries.benchmark.arms import TimedArm, TimedWorkload
 from validation.evidence import verify
 
 __all__ = ["TINY", "FakeProbe", "FakeMachine", "tiny_plan", "run_fake"]
 
-TINY = Workload(model="tiny", sequences=1, seq_len=4)
+TINY = TimedWorkload(model="tiny", sequences=1, seq_len=4)
 
 
 class FakeProbe:
@@ -40,7 +40,7 @@ class FakeMachine:
     def clock(self) -> float:
         return self.now
 
-    def build(self, group: benchmark.Group, seed: int) -> dict[str, Arm]:
+    def build(self, group: benchmark.Group, seed: int) -> dict[str, TimedArm]:
         arms = benchmark.build_arms(group, seed)
         for name, arm in arms.items():
             arm.step = self.advancing(name, arm.step)

@@ -18,7 +18,14 @@ is imported) and reports, per rule:
 - ``note``: a ``NOTE [Name]`` written in more than one file (a NOTE lives in
   one place; ``(continued)`` parts elsewhere count), or one referred to that
   no file writes. A NOTE is written where a line starts with it and goes on
-  with nothing, ``:`` or ``(``; any other mention is a reference.
+  with nothing, ``:`` or ``(``; any other mention is a reference;
+- ``canary-folder``: a module at the top of ``canaries/`` named for one canary's
+  family (:data:`CANARY_PREFIXES`), or a registered canary (``canaries/registry.py``)
+  whose module is not inside ``canaries/<name>/``: a canary and what only it uses
+  live in its folder, the shared pieces beside them (issue 22);
+- ``defined-twice``: a public top-level class or UPPER_CASE constant defined in
+  two harness modules (one name per concept; :data:`DEFINED_TWICE` lists the
+  deliberate ones, each with why).
 
 A permanent negative control feeds it a small fake package tree that breaks
 every rule and expects each violation to be reported.
@@ -42,6 +49,15 @@ PRIVATE_ALLOWED = ("reference_trainer.testing",)
 MAX_LINES = 450
 MAX_TRAINER_LINES = 420
 TRAINER_CALLERS = (TRAINER, f"{TRAINER}.ranks")  # the boundary and the runtime that drive a Trainer
+CANARY_PREFIXES = ("derivative_", "memory_", "learning_", "bench_", "oracle_", "mutation_")
+DEFINED_TWICE = {  # name -> why each module keeps its own
+    "KIND": "each record writer's evidence kind, read as ``module.KIND`` (a different value in each)",
+    "SCENARIOS": "each canary's own scenario table (derivative, memory), read through its folder's module",
+    "LR": "two learning rates with opposite reasons: large for the derivative oracle, small for benchmark stability",
+    "VERDICTS": "two verdict vocabularies: paired equivalence (validation.equivalence) and timing (validation.stats)",
+    "NPROC_ENV": "nproc travels as an argument, never through os.environ (issue 22, Build 1 removes both)",
+    "Outcome": "a canary's result (canaries.suite) and a SkyPilot job's (ci.launcher); Build 1 reshapes the run path",
+}
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
 @functools.lru_cache(maxsize=None)
@@ -51,7 +67,7 @@ def _tree(path: Path) -> ast.Module:
 
 @dataclass(frozen=True)
 class Violation:
-    rule: str  # layering | private | cycle | size
+    rule: str  # layering | private | cycle | size | callback | note | canary-folder | defined-twice
     module: str
     detail: str
 
@@ -178,8 +194,40 @@ def _notes(root: Path, modules: dict[str, Path]) -> list[Violation]:
     return found
 
 
+def _canary_folders(root: Path, modules: dict[str, Path]) -> list[Violation]:
+    """The ``canary-folder`` rule: prefix families at the top of ``canaries/``, registered canaries outside their folder."""
+    found = [Violation("canary-folder", name, "a canary's own module: move it into its folder canaries/<name>/")
+             for name in modules if name.count(".") == 1 and name.startswith("canaries.")
+             and name.split(".")[1].startswith(CANARY_PREFIXES)]
+    registry = modules.get("canaries.registry")
+    for node in ast.walk(_tree(registry)) if registry else ():
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Canary":
+            given = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
+            if not given.get("module", "").startswith(f"canaries.{given.get('name')}."):
+                found.append(Violation("canary-folder", given.get("module", "?"),
+                                       f"registered canary {given.get('name')!r} lives outside canaries/{given.get('name')}/"))
+    return found
+
+
+def _defined_twice(modules: dict[str, Path]) -> list[Violation]:
+    """The ``defined-twice`` rule over the harness's modules (classes and UPPER_CASE constants at module level)."""
+    where: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        if name.split(".")[0] not in HARNESS:
+            continue
+        for node in _tree(path).body:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+            names = [node.name] if isinstance(node, ast.ClassDef) else [t.id for t in targets if isinstance(t, ast.Name)]
+            for defined in names:
+                public_class = isinstance(node, ast.ClassDef) and not defined.startswith("_")
+                if (public_class or (defined.isupper() and not defined.startswith("_"))) and defined not in DEFINED_TWICE:
+                    where.setdefault(defined, []).append(name)
+    return [Violation("defined-twice", module, f"{defined} is also defined in {sorted(set(found) - {module})}")
+            for defined, found in where.items() if len(set(found)) > 1 for module in sorted(set(found))]
+
+
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the six rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the eight rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
@@ -210,7 +258,7 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
     for component in _cycles(graph):
         for member in component:
             found.append(Violation("cycle", member, " <-> ".join(component)))
-    return found + _notes(root, modules)
+    return found + _notes(root, modules) + _canary_folders(root, modules) + _defined_twice(modules)
 
 
 @functools.lru_cache(maxsize=1)
@@ -253,6 +301,15 @@ def test_each_note_is_written_in_one_file_and_every_reference_has_one() -> None:
     assert [v for v in _current() if v.rule == "note"] == []
 
 
+def test_each_canary_and_what_only_it_uses_live_in_its_folder() -> None:
+    assert _in("canaries", "canary-folder") == []
+
+
+@pytest.mark.parametrize("package", _params(HARNESS))
+def test_no_class_or_constant_name_is_defined_in_two_harness_modules(package: str) -> None:
+    assert _in(package, "defined-twice") == []
+
+
 def _write(root: Path, relative: str, text: str) -> None:
     path = root / relative
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,7 +331,16 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "reference_trainer/ranks/__init__.py", "from ..trainer import x\n")  # allowed: drives a trainer
     _write(tmp_path, "validation/e.py", '"""NOTE [Commit] (continued)\n\nSee NOTE [Nowhere]."""\n')  # note x2
 
-    found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation"))}
+    _write(tmp_path, "canaries/__init__.py", "")
+    _write(tmp_path, "canaries/oracle_pair.py", "class Arm:\n    pass\n")  # canary-folder; defined-twice (Arm)
+    _write(tmp_path, "canaries/learning/arms.py", "class Arm:\n    pass\nKIND = 'a'\n")  # KIND: allowed twice
+    _write(tmp_path, "canaries/derivative/canary.py", "KIND = 'b'\nPLACEMENTS = ('retain',)\n")
+    _write(tmp_path, "validation/f.py", "PLACEMENTS: tuple = ('retain',)\n_PRIVATE = 1\n")  # defined-twice; private ok
+    _write(tmp_path, "validation/g.py", "_PRIVATE = 2\n")
+    _write(tmp_path, "canaries/registry.py", "Canary(name='derivative', module='canaries.derivative.canary')\n"
+                                             "Canary(name='memory', module='canaries.memory_canary')\n")  # canary-folder
+
+    found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation", "canaries"))}
 
     assert found == {
         ("layering", "reference_trainer.core"),
@@ -287,4 +353,10 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
         ("callback", "reference_trainer.commit"),
         ("note", "reference_trainer.commit"),
         ("note", "validation.e"),
+        ("canary-folder", "canaries.oracle_pair"),
+        ("canary-folder", "canaries.memory_canary"),
+        ("defined-twice", "canaries.oracle_pair"),
+        ("defined-twice", "canaries.learning.arms"),
+        ("defined-twice", "canaries.derivative.canary"),
+        ("defined-twice", "validation.f"),
     }

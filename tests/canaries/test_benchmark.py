@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from canaries import benchmark
-from canaries.bench_arms import Workload, device_clock, plain_arm, versioned_arm
+from canaries.benchmark import canary as benchmark
+from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
 from validation.evidence import verify
@@ -20,7 +20,7 @@ from validation.evidence import verify
 
 def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
     gated, others = benchmark.plan("cpu", "default").groups
-    small = Workload(model="small", sequences=4, seq_len=64)
+    small = TimedWorkload(model="small", sequences=4, seq_len=64)
     assert gated.workload == others.workload == small and gated.gated and not others.gated
     assert gated.arms == ("plain", "retain@s0", "replay@s0"), "the gates are decided in blocks of their own, first"
     every = {"plain"} | {f"{p}@s{s}" for p in ("retain", "offload", "replay", "auto") for s in (0, 2)}
@@ -42,7 +42,7 @@ def test_gpu_presets_swap_to_cpu_shapes_and_say_so(preset: str) -> None:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_every_arm_computes_plain_pytorchs_first_loss(lora: bool) -> None:
-    workload = Workload(model="tiny", sequences=1, seq_len=4, lora=lora)
+    workload = TimedWorkload(model="tiny", sequences=1, seq_len=4, lora=lora)
     model = rt.DecoderLM(workload.config(), seed=0)
     ids, targets, advantages = workload.batch(model.config.vocab_size, 0)
     with torch.no_grad():

@@ -17,12 +17,12 @@ import torch
 from hypothesis import settings
 
 import reference_trainer as rt
-from canaries import derivative
-from canaries.derivative_intersections import INTERSECTIONS
-from canaries.derivative_machine import explore
-from canaries import derivative_scenarios
-from canaries.derivative_scenarios import SCENARIOS, check_logical_normalisation, run_scenario
-from canaries.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
+from canaries.derivative import canary as derivative
+from canaries.derivative.intersections import INTERSECTIONS
+from canaries.derivative.machine import explore
+from canaries.derivative import scenarios as derivative_scenarios
+from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation, run_scenario
+from canaries.derivative.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset
 from canaries.registry import canary
 from reference_trainer import trainer as trainer_module

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from canaries import derivative_intersections as di
-from canaries.derivative_intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
-from canaries.derivative_gradients import GRADIENT_INTERSECTIONS
-from canaries.memory_intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
-from canaries.oracle_pair import CanaryFailure
+from canaries.derivative import intersections as di
+from canaries.derivative.intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
+from canaries.derivative.gradients import GRADIENT_INTERSECTIONS
+from canaries.memory.intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
+from canaries.derivative.oracle_pair import CanaryFailure
 from canaries.presets import preset
 
 CPU = preset("cpu").on_this_machine()

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from canaries.learning import SEEDS, plan, run_plan, tiny_plan
-from canaries.learning_arms import ARMS, arm, run_arm
-from canaries.learning_summary import area_under_curve, expected_staleness
-from canaries.learning_workloads import Schedule
+from canaries.learning.canary import SEEDS, plan, run_plan, tiny_plan
+from canaries.learning.arms import ARMS, arm, run_arm
+from canaries.learning.summary import area_under_curve, expected_staleness
+from canaries.learning.workloads import Schedule
 from canaries.registry import CANARIES
 from validation.errors import SetupError
 from validation.evidence import verify

@@ -5,7 +5,7 @@ docs/semantics.md#logical-ranks.
 
 Negative controls: a record the trainer forgets to let go must be flagged at
 every release point, and the "offload that aliases instead of copies"
-mutation (``canaries.mutation_catalogue``) must fail the canary for the right reasons.
+mutation (``canaries.mutations.catalogue``) must fail the canary for the right reasons.
 The censuses themselves are tested in ``tests/validation/test_memory.py``.
 """
 
@@ -19,10 +19,11 @@ from unittest import mock
 import pytest
 
 import reference_trainer as rt
-from canaries import memory
-from canaries.memory_intersections import SCENARIOS
-from canaries.memory_lifecycle import PLACEMENTS, POINTS
-from canaries.mutations import mutation
+from canaries.memory import canary as memory
+from canaries.memory.intersections import SCENARIOS
+from canaries.memory.lifecycle import POINTS
+from canaries.presets import PLACEMENTS
+from canaries.mutations.catalogue import mutation
 from canaries.registry import canary
 from validation.errors import SetupError
 from reference_trainer.records import RecordTable

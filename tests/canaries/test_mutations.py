@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from canaries import mutations as mutations_module
-from canaries.memory import CHECKPOINT_STATE_CHECK
-from canaries.mutations import MUTATIONS, Mutation, judge_mutation, mutation, run_suite
+from canaries.mutations import canary as mutations_module
+from canaries.memory.canary import CHECKPOINT_STATE_CHECK
+from canaries.mutations.canary import MUTATIONS, Mutation, judge_mutation, mutation, run_suite
 from canaries.registry import CANARIES, canary
 from validation.errors import SetupError
 from validation.evidence import verify
@@ -82,7 +82,8 @@ def test_the_registry_entry_point_runs_every_mutation_of_the_catalogue(
 
 
 def test_every_mutation_names_a_check_of_its_canary() -> None:
-    from canaries import derivative, memory
+    from canaries.derivative import canary as derivative
+    from canaries.memory import canary as memory
     from canaries.presets import preset
 
     names = {"derivative": set(derivative.check_names(preset("cpu").on_this_machine())),

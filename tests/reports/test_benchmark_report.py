@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from canaries import bench_profile, benchmark
+from canaries.benchmark import canary as benchmark
+from canaries.benchmark import profiling
 from reports import render_report
 from reports.benchmark import comparison_line, section
 from validation.evidence import make_record, write_once
@@ -66,11 +67,11 @@ def test_the_page_shows_where_the_extra_time_goes_with_what_each_cost_buys(evide
     record = json.loads(evidence.read_text())
     (group,) = record["measurements"]["groups"]
     components = [c["name"] for c in group["profile"]["components"]]
-    assert components == list(bench_profile.COMPONENTS)
+    assert components == list(profiling.COMPONENTS)
     report = render_report(evidence.parent, tmp_path / "report" / "index.md")
     page, markdown = report.html.read_text(), report.markdown.read_text()
     assert "Where retain@s0&#39;s extra time goes" in page or "Where retain@s0's extra time goes" in page
-    for name, buys in bench_profile.COMPONENTS.items():
+    for name, buys in profiling.COMPONENTS.items():
         assert f"| {name} |" in markdown and buys in markdown
     assert "one norm pass where it made two" in markdown
 

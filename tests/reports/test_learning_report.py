@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from matplotlib.collections import PolyCollection
 
-from canaries.learning import run_plan, tiny_plan
+from canaries.learning.canary import run_plan, tiny_plan
 from reports.learning import GROUPS, curves_figure, differences_figure, section
 from validation.evidence import verify
 

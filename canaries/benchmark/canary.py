@@ -1,12 +1,12 @@
 """The benchmark: versioned-trainer arms against a plain PyTorch step, in alternating blocks, with gates.
 
 ``run(preset, profile, out_dir)`` (the canary interface, ``canaries.registry``)
-builds the arms of :func:`plan` (``canaries.bench_arms``) for each workload,
+builds the arms of :func:`plan` (``canaries.benchmark.arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
 measures each arm's step time, tokens/s, bytes held and allocation peak,
 profiles where ``retain@s0``'s extra time over ``plain`` goes
-(``bench_profile``), and writes one evidence record of kind ``benchmark``.
+(``profiling``), and writes one evidence record of kind ``benchmark``.
 
 Gates are enforced on named comparisons only, on the preset's gated workload,
 whose gated arms run first in blocks of their own (:func:`split_gated`):
@@ -39,8 +39,9 @@ from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 
-from . import bench_profile
-from .bench_arms import PLACEMENTS, Arm, Workload, arm_name, base_model, device_clock, plain_arm, versioned_arm
+from . import profiling
+from ..presets import PLACEMENT_REQUESTS
+from .arms import TimedArm, TimedWorkload, arm_name, base_model, device_clock, plain_arm, versioned_arm
 
 __all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "run", "TARGET_RATIO", "KIND"]
 
@@ -59,7 +60,7 @@ class Group:
     ``"other arms"``, see :func:`split_gated`); empty for a group of them all.
     """
 
-    workload: Workload
+    workload: TimedWorkload
     arms: tuple[str, ...]
     gated: bool
     part: str = ""
@@ -69,7 +70,7 @@ class Group:
         return f"{self.workload.label} · {self.part}" if self.part else self.workload.label
 
 
-def split_gated(workload: Workload, arms: tuple[str, ...]) -> tuple[Group, ...]:
+def split_gated(workload: TimedWorkload, arms: tuple[str, ...]) -> tuple[Group, ...]:
     """The gated comparisons in blocks of their own, first; the other arms after, reported only.
 
     Arms in one process share its allocator and caches: measured here on
@@ -102,33 +103,33 @@ def _arms(placements: tuple[str, ...], stalenesses: tuple[int, ...]) -> tuple[st
 def plan(preset: str, profile: str) -> Plan:
     """What ``preset`` x ``profile`` runs (sized so ``rtv bench`` stays within docs/harness.md#time-budgets here)."""
     quick, nightly = profile == "quick", profile == "nightly"
-    every = _arms(PLACEMENTS, (0, 2))
+    every = _arms(PLACEMENT_REQUESTS, (0, 2))
     if preset == "cpu":
-        small = Workload(model="small", sequences=4, seq_len=64)
+        small = TimedWorkload(model="small", sequences=4, seq_len=64)
         if quick:
             return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 35.0, False)
         if not nightly:
             return Plan(split_gated(small, every), 64, 200.0, False)
-        others = tuple(Group(Workload(model=m, sequences=4, seq_len=64, lora=lora), every, False)
+        others = tuple(Group(TimedWorkload(model=m, sequences=4, seq_len=64, lora=lora), every, False)
                        for m, lora in (("small", True), ("tiny", False), ("tiny", True)))
         return Plan(split_gated(small, every) + others, 64, 1200.0, False)
     if preset not in ("gpu", "gpu-8b"):
         raise SetupError(f"unknown preset {preset!r}", fix="use one of cpu, gpu, gpu-8b")
     if not torch.cuda.is_available():  # the GPU code path on CPU shapes, said in the evidence
-        tiny = Workload(model="tiny", sequences=4, seq_len=64, lora=True)
+        tiny = TimedWorkload(model="tiny", sequences=4, seq_len=64, lora=True)
         arms = _arms(("retain", "replay"), (0,)) if quick else every
         # Not gated: the fixed per-step cost dominates a tiny step; the gates are for the real shapes.
         return Plan((Group(tiny, arms, False),), 16 if quick else 32, 40.0 if quick else 120.0, True)
     cuda = dict(lora=True, dtype="bfloat16", device="cuda")
-    arms = _arms(("retain", "replay"), (0,)) if quick else (every if nightly else _arms(PLACEMENTS, (0,)))
+    arms = _arms(("retain", "replay"), (0,)) if quick else (every if nightly else _arms(PLACEMENT_REQUESTS, (0,)))
     if preset == "gpu":
-        return Plan(split_gated(Workload(model="small", sequences=4, seq_len=1024, **cuda), arms), 64, 300.0, False)
-    groups = split_gated(Workload(model="qwen3_8b", sequences=4, seq_len=1024, **cuda), arms) + (
-        Group(Workload(model="qwen3_8b", sequences=4, seq_len=4096, **cuda), arms, False),)
+        return Plan(split_gated(TimedWorkload(model="small", sequences=4, seq_len=1024, **cuda), arms), 64, 300.0, False)
+    groups = split_gated(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=1024, **cuda), arms) + (
+        Group(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=4096, **cuda), arms, False),)
     return Plan(groups, 32 if quick else 64, 300.0 if quick else 900.0, False)
 
 
-def build_arms(group: Group, seed: int) -> dict[str, Arm]:
+def build_arms(group: Group, seed: int) -> dict[str, TimedArm]:
     """The group's arms; those that leave the base weights alone share one base model."""
     workload = group.workload
     shared = base_model(workload, seed)
@@ -142,10 +143,10 @@ def build_arms(group: Group, seed: int) -> dict[str, Arm]:
     return built
 
 
-Builder = Callable[[Group, int], dict[str, Arm]]
+Builder = Callable[[Group, int], dict[str, TimedArm]]
 
 
-def _first_losses(arms: dict[str, Arm]) -> dict[str, float]:
+def _first_losses(arms: dict[str, TimedArm]) -> dict[str, float]:
     """Each arm's first real loss (a staleness-2 arm fills its pipeline first)."""
     losses = {}
     for name, arm in arms.items():
@@ -181,7 +182,7 @@ def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float
     }
 
 
-def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload) -> dict[str, dict]:
+def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: TimedWorkload) -> dict[str, dict]:
     """Per arm: median step seconds (unloaded blocks), tokens/s, bytes held, allocation peak, phase medians."""
     first = results[0]
     keep = [i for i in range(len(first.ratios)) if i not in set(first.loaded)]
@@ -200,11 +201,11 @@ def _measure(arms: dict[str, Arm], results: list[Comparison], workload: Workload
 
 
 def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
-    """Where retain@s0's extra time over plain goes (``bench_profile``), on groups that have both arms."""
+    """Where retain@s0's extra time over plain goes (``profiling``), on groups that have both arms."""
     if not {"plain", "retain@s0"} <= set(measured):
         return None
     plain = measured["plain"]["step_seconds"]
-    return bench_profile.profile(group.workload, plain_seconds=plain,
+    return profiling.profile(group.workload, plain_seconds=plain,
                                  extra_seconds=measured["retain@s0"]["step_seconds"] - plain, seed=seed)
 
 

@@ -40,8 +40,9 @@ from hypothesis.stateful import (
 )
 
 from .oracle_harness import DerivativeHarness, OutputRef, SavedRef
-from .oracle_pair import FAULTS, PLACEMENTS, checkpoint_kinds
-from .presets import Preset
+from ..presets import PLACEMENT_REQUESTS, PLACEMENTS
+from .oracle_pair import FAULTS, checkpoint_kinds
+from ..presets import Preset
 
 __all__ = ["MAX_PENDING", "machine_for", "explore"]
 
@@ -57,7 +58,7 @@ def machine_for(
     harness's (0 empties every stale cell: the coverage check's negative control).
     """
     forward_args = dict(
-        placement=st.sampled_from(PLACEMENTS),
+        placement=st.sampled_from(PLACEMENT_REQUESTS),
         bound=st.sampled_from((2, 1, 0)),
         correct=st.booleans(),
         lengths=st.lists(st.integers(1, max(2, config.seq_len)), min_size=1, max_size=3),
@@ -70,7 +71,7 @@ def machine_for(
         saved = Bundle("saved")
 
         @initialize(target=outputs, kind=st.sampled_from(checkpoint_kinds(config)),
-                    placements=st.lists(st.sampled_from(PLACEMENTS[:3]), min_size=4, max_size=4),
+                    placements=st.lists(st.sampled_from(PLACEMENTS), min_size=4, max_size=4),
                     correct=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 255))
         def start(self, kind: str, placements: list[str], correct: list[bool], seed: int) -> Any:
             self.h = DerivativeHarness(config, kind=kind, bound_cap=bound_cap)

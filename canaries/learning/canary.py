@@ -1,15 +1,15 @@
 """Learning-comparison canary: do stale, corrected and relocated backwards learn as well as strict training?
 
 Exact gradients are necessary, not sufficient. This canary trains every arm
-of ``canaries.learning_arms.ARMS`` (a plain PyTorch loop, the versioned
+of ``canaries.learning.arms.ARMS`` (a plain PyTorch loop, the versioned
 trainer strict, stale by 1 and 2 steps with and without importance
 correction, retain / offload / replay, and deliberately broken sensitivity
-arms) on the two workloads of ``canaries.learning_workloads`` (next-byte
+arms) on the two workloads of ``canaries.learning.workloads`` (next-byte
 prediction on standard-library source, the synthetic RL task), on a matched
 schedule, for several seeds each; then judges each arm against its baseline
 with paired TOST verdicts across seeds (``validation.equivalence``) and
 checks what must hold exactly (NOTE [Learning checks] in
-``canaries.learning_summary``). A workload whose untrained model already
+``canaries.learning.summary``). A workload whose untrained model already
 meets its criterion is not run: the canary fails with that reason.
 
 Profiles (seeds per arm; every profile runs every arm on both workloads):
@@ -46,9 +46,9 @@ import torch
 from tqdm import tqdm
 
 import reference_trainer as rt
-from canaries.learning_arms import ARMS, Arm, ArmRun, initial_metric, run_arm
-from canaries.learning_summary import summarize_workload
-from canaries.learning_workloads import NextByteWorkload, PatternRLWorkload, Schedule, Workload
+from canaries.learning.arms import ARMS, Arm, ArmRun, initial_metric, run_arm
+from canaries.learning.summary import summarize_workload
+from canaries.learning.workloads import NextByteWorkload, PatternRLWorkload, Schedule, Workload
 from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 

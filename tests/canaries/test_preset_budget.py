@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from canaries.gpu_memory import check_fits, estimate, parameter_count
+from canaries.preset_budget import check_fits, estimate, parameter_count
 from canaries.presets import preset
 from validation.errors import SetupError
 from validation.oracle import OracleTrainer

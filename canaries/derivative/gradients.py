@@ -3,7 +3,7 @@
 Three places where a gradient the trainer already holds meets a later call;
 each check is cheap, deterministic and judged against an independent twin
 (NOTE [Gradient intersections]). :data:`GRADIENT_INTERSECTIONS` maps a check
-name to a function of the preset; ``canaries.derivative`` runs them with the
+name to a function of the preset; ``canaries.derivative.canary`` runs them with the
 other intersection checks (NOTE [Derivative canary] Rule 10).
 
 NOTE [Gradient intersections]
@@ -32,7 +32,7 @@ import reference_trainer as rt
 from reference_trainer.ranks import run_logical
 
 from .oracle_pair import CanaryFailure, sequences
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["check_flush_adds", "check_dropped_grad_norm", "check_busy_per_checkpoint", "GRADIENT_INTERSECTIONS"]
 

@@ -5,10 +5,10 @@ preset) and one :class:`~validation.oracle.OracleTrainer`; each public method
 is one op (forward, backward, step, zero_grad, save, load, drop) that runs on
 both and raises :class:`CanaryFailure` the moment they disagree, naming what
 was expected, what was found and the ops that led there. ``check`` is the
-invariant run after every op. It is built from ``canaries.oracle_pair``; the
-drivers are ``canaries.derivative_scenarios`` and ``canaries.derivative_machine``.
+invariant run after every op. It is built from ``canaries.derivative.oracle_pair``; the
+drivers are ``canaries.derivative.scenarios`` and ``canaries.derivative.machine``.
 
-What it checks is NOTE [Derivative canary] (``canaries.derivative``), Rules 1-6.
+What it checks is NOTE [Derivative canary] (``canaries.derivative.canary``), Rules 1-6.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .oracle_pair import (
     judge_gradients,
     sequences,
 )
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["OutputRef", "SavedRef", "DerivativeHarness"]
 

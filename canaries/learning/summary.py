@@ -1,6 +1,6 @@
 """From the runs of every arm and seed of one workload to curves, verdicts and checks.
 
-Pure functions of :class:`canaries.learning_arms.ArmRun` lists: nothing here
+Pure functions of :class:`canaries.learning.arms.ArmRun` lists: nothing here
 trains. :func:`summarize_workload` returns the workload's part of the
 evidence and its checks (NOTE [Learning checks]).
 
@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 
 from scipy.integrate import trapezoid
 
-from canaries.learning_arms import Arm, ArmRun
-from canaries.learning_workloads import Workload
+from canaries.learning.arms import Arm, ArmRun
+from canaries.learning.workloads import Workload
 from validation.equivalence import paired_equivalence
 
 __all__ = ["area_under_curve", "expected_staleness", "summarize_workload"]

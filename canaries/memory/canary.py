@@ -28,7 +28,7 @@ more) takes several pending forwards; every decision's predicted bytes, and
 the census's sampled device peak, must stay within the limit, and the limit
 must bind (some forward not retained); after every forward the pending
 records hold no more than the limits (held <= admitted). Then the
-intersections of ``canaries.memory_intersections`` (NOTE [Admission
+intersections of ``canaries.memory.intersections`` (NOTE [Admission
 intersections]): train mode after eval mode with dropout, LoRA rank 256,
 a long forward after a shorter one of its class, the checkpoints' state.
 
@@ -37,12 +37,12 @@ after backward (two witnesses: allocator and driver, each read twice),
 offload's device bytes down to replay's floor, and ``max_memory_allocated``
 within the admitted budget. Elsewhere those checks are reported as skipped.
 
-The lifecycle points live in ``canaries.memory_lifecycle``; this module holds
+The lifecycle points live in ``canaries.memory.lifecycle``; this module holds
 admission and the entry point :func:`run` (``canaries.registry``'s
 signature; every profile runs the same checks, which take seconds). It
 prints a line per check and writes one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
-``canaries.mutation_catalogue``; the mutation suite may ask for the
+``canaries.mutations.catalogue``; the mutation suite may ask for the
 intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4).
 """
 
@@ -58,14 +58,14 @@ import reference_trainer as rt
 from validation.evidence import evidence_path, make_record, write_once
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
-from . import presets
-from .gpu_memory import check_fits
-from .memory_intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
-from .memory_lifecycle import (
-    PLACEMENTS,
+from .. import presets
+from ..preset_budget import check_fits
+from ..presets import PLACEMENTS
+from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
+from .lifecycle import (
     POINTS,
     Verdicts,
-    Workload,
+    CensusWorkload,
     bytes_left,
     committed_grads,
     lifecycle,
@@ -79,7 +79,7 @@ KIND = "memory-canary"
 _PENDING_FORWARDS = 5
 
 
-def _calibrate(work: Workload, trainer: rt.Trainer, cuda: bool) -> tuple[int, int]:
+def _calibrate(work: CensusWorkload, trainer: rt.Trainer, cuda: bool) -> tuple[int, int]:
     """A device limit where two retained forwards fit and a third does not; a host limit for two offloads.
 
     From the trainer's own prediction for one pending forward and what that
@@ -98,7 +98,7 @@ def _calibrate(work: Workload, trainer: rt.Trainer, cuda: bool) -> tuple[int, in
 
 
 def _admission(
-    work: Workload, calibration: rt.Trainer, verdicts: Verdicts, cuda: bool
+    work: CensusWorkload, calibration: rt.Trainer, verdicts: Verdicts, cuda: bool
 ) -> dict[str, Any]:
     """Several pending forwards under a small limit: predictions and the measured peak stay within it."""
     limit, host_limit = _calibrate(work, calibration, cuda)
@@ -210,7 +210,7 @@ def _intersections(spec: presets.Preset, verdicts: Verdicts, wanted: Collection[
 
 def _lifecycle_and_admission(spec: presets.Preset, verdicts: Verdicts, cuda: bool) -> dict[str, Any]:
     """The lifecycle points for every placement, offload's checks and the admission run (the module docstring)."""
-    work = Workload(spec)
+    work = CensusWorkload(spec)
     lifecycle_trainer = work.trainer()
     calibration_trainer = work.trainer()
     # Warm up allocator, kernels and caches before any baseline is taken.

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 import reference_trainer as rt
-from canaries.learning_workloads import Batch, Workload
+from canaries.learning.workloads import Batch, Workload
 
 __all__ = ["Arm", "ArmRun", "ARMS", "DROP_EVERY", "FLIPPED_LAYER", "arm", "initial_metric", "run_arm"]
 

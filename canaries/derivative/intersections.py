@@ -1,10 +1,10 @@
 """The derivative canary's intersection checks: where two features meet (issue 21, Build 2).
 
 Each feature alone is judged by the scenarios and the exploration
-(``canaries.derivative_scenarios``, ``canaries.derivative_machine``); these
+(``canaries.derivative.scenarios``, ``canaries.derivative.machine``); these
 checks put two together, cheaply and deterministically, where the trainer's
 own tests did not look. :data:`INTERSECTIONS` maps a check name to a function
-of the preset (``canaries.derivative`` runs them after the fixed scenarios);
+of the preset (``canaries.derivative.canary`` runs them after the fixed scenarios);
 the building blocks take a trainer factory so tests can feed them a broken
 trainer (negative controls).
 
@@ -32,7 +32,7 @@ NOTE [Intersection checks]
   4. Committed gradients meeting a later call (a flush onto a live
      ``.grad``, a ``.grad`` dropped before the step, a load while another
      checkpoint is busy): NOTE [Gradient intersections] in
-     ``canaries.derivative_gradients``, run last.
+     ``canaries.derivative.gradients``, run last.
   5. ``when_available`` with dropout (train mode, ``p > 0``) and unchanged
      weights (``lr=0``): a stale record whose tokens a later forward scored
      with other masks is not corrected, or only with every weight exactly 1
@@ -53,10 +53,10 @@ import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
 from validation.spawn import spawn_ranks
 
-from .derivative_gradients import GRADIENT_INTERSECTIONS
-from .derivative_scenarios import run_scenario
+from .gradients import GRADIENT_INTERSECTIONS
+from .scenarios import run_scenario
 from .oracle_pair import CanaryFailure, sequences
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = [
     "Busy",

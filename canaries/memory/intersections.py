@@ -5,7 +5,7 @@ NOTE [Admission intersections]
      hold (their ``usage``, measured by the saved-state ledgers: device bytes
      with each version's weight snapshot once, host bytes) is within the
      device and host limits the forward was admitted under
-     (:func:`held_within_limits`). ``canaries.memory``'s admission run checks
+     (:func:`held_within_limits`). ``canaries.memory.canary``'s admission run checks
      it after each of its forwards.
   2. Each scenario below calibrates a limit one byte under what a forward
      really holds (measured on an unlimited twin trainer), then makes that
@@ -41,7 +41,7 @@ import torch
 
 import reference_trainer as rt
 
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["held_within_limits", "SCENARIOS", "check_scenario", "checkpoint_state_bytes", "check_checkpoint_budget"]
 
@@ -150,7 +150,7 @@ def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:
     """Rule 2 for one scenario: ``(passed, detail, values)``; runs in eval/train as the scenario says and
     leaves the model in train mode."""
     changes, rank, forwards = SCENARIOS[name]
-    with torch.device(spec.device):  # built in place, as ``canaries.memory_lifecycle.Workload`` does
+    with torch.device(spec.device):  # built in place, as ``canaries.memory.lifecycle.CensusWorkload`` does
         model = rt.DecoderLM(spec.model.replace(**changes), seed=0)
     twin = forwards(_trainer(model, rank), spec)
     held = twin[0].usage.host_bytes  # what the judged forward really holds (one record for the whole call)

@@ -1,12 +1,12 @@
 """The derivative canary's fixed scenarios and its logical-rank check.
 
 Fixed :data:`SCENARIOS` exercise every feature at least once, cheaply and
-deterministically, on a fresh :class:`~canaries.oracle_harness.DerivativeHarness`
+deterministically, on a fresh :class:`~canaries.derivative.oracle_harness.DerivativeHarness`
 each (the invariant checked after every op). ``stale_grid`` backpropagates a
 record of every placement, with and without a correction, at staleness 1 and
 2: the coverage floor the canary claims (NOTE [Derivative canary] Rule 6).
 :func:`check_logical_normalisation` is Rule 7 of NOTE [Derivative canary]
-(``canaries.derivative``).
+(``canaries.derivative.canary``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from validation.spawn import spawn_ranks
 
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["SCENARIOS", "run_scenario", "check_logical_normalisation"]
 

@@ -1,6 +1,6 @@
 """Sensitivity suite: deliberately injected trainer bugs that the canaries must catch.
 
-Every injected bug is declared and implemented in ``canaries.mutation_catalogue``:
+Every injected bug is declared and implemented in ``canaries.mutations.catalogue``:
 each :class:`Mutation` monkeypatches the trainer in this process for the
 duration of a ``with mutation.apply():`` block (``unittest.mock.patch``), so
 nothing outside the block is affected. :func:`run` (the registry's entry point) runs each
@@ -41,9 +41,9 @@ from tqdm import tqdm
 
 from validation.evidence import evidence_path, make_record, verify, write_once
 
-from . import presets
-from .mutation_catalogue import MUTATIONS, Mutation, mutation
-from .registry import canary
+from .. import presets
+from .catalogue import MUTATIONS, Mutation, mutation
+from ..registry import canary
 
 __all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "run_suite", "run"]
 

@@ -1,6 +1,6 @@
 """The trainer and its FP64 oracle, side by side: what they are built from and what judges them.
 
-The building blocks of ``canaries.oracle_harness`` (NOTE [Derivative
+The building blocks of ``canaries.derivative.oracle_harness`` (NOTE [Derivative
 canary] there): the checkpoint name, placements, faults and correction the
 canary uses, the tolerances (Rule 5), the deterministic data, a trainer and
 its oracle built from a preset, the gradient comparison, and
@@ -22,11 +22,10 @@ from validation.compare import compare_gradients
 from validation.errors import CheckFailed
 from validation.oracle import OracleTrainer
 
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = [
     "NAME",
-    "PLACEMENTS",
     "FAULTS",
     "CORRECTION",
     "LR",
@@ -42,7 +41,6 @@ __all__ = [
 ]
 
 NAME = "policy"
-PLACEMENTS = ("retain", "offload", "replay", "auto")
 FAULTS = ("user_autograd", "model_backward", "validate", "publish@0", "publish@1", "publish@last")
 CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always")
 LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance

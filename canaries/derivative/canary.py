@@ -1,9 +1,9 @@
 """The derivative canary: fixed scenarios and a steered exploration, every op judged against the FP64 oracle.
 
-The judging is ``canaries.oracle_harness`` (Rules 1-6 below); the
-fixed scenarios and the logical-rank check are ``canaries.derivative_scenarios``,
-the intersection checks ``canaries.derivative_intersections`` (Rule 10),
-the exploration ``canaries.derivative_machine``. :func:`run` is the registry's
+The judging is ``canaries.derivative.oracle_harness`` (Rules 1-6 below); the
+fixed scenarios and the logical-rank check are ``canaries.derivative.scenarios``,
+the intersection checks ``canaries.derivative.intersections`` (Rule 10),
+the exploration ``canaries.derivative.machine``. :func:`run` is the registry's
 entry point (``canaries.registry``): it writes one write-once evidence record.
 
 NOTE [Derivative canary]
@@ -47,7 +47,7 @@ NOTE [Derivative canary]
   10. Intersections (every profile, after the fixed scenarios): logical ranks
      at W = 1 and W = 2 with the default options, refused calls that must
      change nothing, FP64 checkpoints (NOTE [Intersection checks] in
-     ``canaries.derivative_intersections``). The scenarios run first so that
+     ``canaries.derivative.intersections``). The scenarios run first so that
      a bug either catches keeps failing the check named for it.
   11. Focused runs (``checks=``, the mutation suite's NOTE [Mutation
      verdicts] Rule 4): only the named checks run, in the usual order, and
@@ -70,14 +70,14 @@ from validation.errors import SetupError
 from validation.evidence import evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
-from .derivative_intersections import INTERSECTIONS
-from .derivative_machine import explore
-from .derivative_scenarios import SCENARIOS, check_logical_ranks, run_scenario
+from .intersections import INTERSECTIONS
+from .machine import explore
+from .scenarios import SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
-from . import presets
-from .gpu_memory import check_fits
-from .presets import Preset
+from .. import presets
+from ..preset_budget import check_fits
+from ..presets import Preset
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
            "check_names", "CanaryResult", "claimed_cells", "judge", "run"]

@@ -3,10 +3,10 @@
 For one placement (forced per forward) :func:`lifecycle` reads two independent
 witnesses (the weakref tensor census, ``validation.lifetime``; the storage
 census split into a device and a host pool, ``validation.memory``) at each of
-:data:`POINTS` (see ``canaries.memory`` for what each point asserts);
+:data:`POINTS` (see ``canaries.memory.canary`` for what each point asserts);
 :func:`offload_checks` then compares offload with retain and replay on the
 same workload. :class:`Verdicts` collects the checks as they are made;
-:class:`Workload` is the model, inputs and trainers every census measures
+:class:`CensusWorkload` is the model, inputs and trainers every census measures
 against.
 """
 
@@ -31,12 +31,11 @@ from validation.memory import (
     two_witnesses,
 )
 
-from .presets import Preset
+from ..presets import PLACEMENTS, Preset
 
-__all__ = ["PLACEMENTS", "POINTS", "Verdicts", "Workload", "LifecyclePoint", "committed_grads",
+__all__ = ["POINTS", "Verdicts", "CensusWorkload", "LifecyclePoint", "committed_grads",
            "negative_logprob_sum", "bytes_left", "lifecycle", "offload_checks"]
 
-PLACEMENTS = ("retain", "offload", "replay")
 POINTS = ("after_forward", "after_backward", "after_drop", "after_failed_commit", "before_next_logical_batch")
 
 # Offload's pending device bytes may exceed replay's floor by this share of what retain keeps.
@@ -66,7 +65,7 @@ class Verdicts:
         print(f"SKIP  {name}: {reason}", flush=True)
 
 
-class Workload:
+class CensusWorkload:
     """One model, inputs drawn from a seed, and trainers over the model (the baseline of every census)."""
 
     def __init__(self, spec: Preset) -> None:
@@ -144,7 +143,7 @@ def _nothing_outlives(verdicts: Verdicts, name: str, left: WitnessVerdict, lefto
 
 
 def _after_forward_and_backward(
-    work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool, out: LifecyclePoint
+    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool, out: LifecyclePoint
 ) -> None:
     """The pending graph is visible; activations are kept (retain) or gone (offload, replay); then nothing is left."""
     before_cuda = cuda_reading(work.device) if cuda else None
@@ -205,7 +204,7 @@ def _after_forward_and_backward(
         )
 
 
-def _after_drop(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
+def _after_drop(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
     """Outputs dropped without a backward take their record with them (NOTE [Forward records] Rule 4)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
@@ -221,7 +220,7 @@ def _after_drop(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts,
     )
 
 
-def _after_failed_commit(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
+def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
     """A backward that fails at publication frees graph, saved state and staging (docs/semantics.md#transactions)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
@@ -250,7 +249,7 @@ def _after_failed_commit(work: Workload, trainer: rt.Trainer, p: str, verdicts: 
 
 
 def _before_next_logical_batch(
-    work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint
+    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint
 ) -> None:
     """At the first pull of each logical batch the previous one is gone (NOTE [Logical-batch lifetime])."""
     per_batch, batches = 2, 3
@@ -279,7 +278,7 @@ def _before_next_logical_batch(
     )
 
 
-def lifecycle(work: Workload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool) -> LifecyclePoint:
+def lifecycle(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool) -> LifecyclePoint:
     """The lifecycle points (:data:`POINTS`) for one placement."""
     out = LifecyclePoint()
     _after_forward_and_backward(work, trainer, p, verdicts, cuda, out)

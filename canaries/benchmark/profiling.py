@@ -40,7 +40,7 @@ from reference_trainer.planner import Placement
 from reference_trainer.residency import SavedStateLedger, weight_storages
 from validation.abba import run_block
 
-from .bench_arms import Arm, Workload, device_clock, plain_arm
+from .arms import TimedArm, TimedWorkload, device_clock, plain_arm
 
 __all__ = ["COMPONENTS", "profile"]
 
@@ -60,7 +60,7 @@ def _paired_difference(a: Callable[[], object], b: Callable[[], object], blocks:
     return float(np.median([(t := run_block({"a": a, "b": b}, block, clock))["b"] - t["a"] for block in range(blocks)]))
 
 
-def _hooked(arm: Arm) -> Callable[[], float]:
+def _hooked(arm: TimedArm) -> Callable[[], float]:
     """``arm``'s step inside a fresh retain ledger's saved-tensor hooks, as the trainer runs a retained forward."""
     weights = weight_storages(arm.model.parameters())
 
@@ -71,14 +71,14 @@ def _hooked(arm: Arm) -> Callable[[], float]:
     return run
 
 
-def _norm_pass(workload: Workload, model: rt.DecoderLM, seed: int) -> Callable[[], bool]:
+def _norm_pass(workload: TimedWorkload, model: rt.DecoderLM, seed: int) -> Callable[[], bool]:
     """One commit's finiteness check: the fused norm of gradients shaped like the trainable tensors, read once."""
     trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
     grads = [torch.ones_like(p) for p in trainable]
     return lambda: read_on_host(torch.isfinite(total_norm(grads)), "benchmark profile")
 
 
-def profile(workload: Workload, *, plain_seconds: float, extra_seconds: float, seed: int = 0,
+def profile(workload: TimedWorkload, *, plain_seconds: float, extra_seconds: float, seed: int = 0,
             blocks: int = 12) -> dict:
     """Where ``extra_seconds`` goes (module docstring): the benchmark's median retain@s0 step minus its
     median ``plain_seconds``, both from the same alternating blocks.

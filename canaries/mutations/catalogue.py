@@ -1,4 +1,4 @@
-"""The catalogue of injected bugs the mutation suite runs (``canaries.mutations``, NOTE [Mutation verdicts]).
+"""The catalogue of injected bugs the mutation suite runs (``canaries.mutations.canary``, NOTE [Mutation verdicts]).
 
 Each :class:`Mutation` puts one realistic bug back into the real trainer for
 the duration of a ``with mutation.apply():`` block, by patching a named seam
@@ -41,7 +41,7 @@ from reference_trainer.sinks import LiveGradSink, RankGradients
 from reference_trainer.staleness import check_origins
 from validation.errors import SetupError
 
-from .presets import Preset
+from ..presets import Preset
 
 __all__ = ["Mutation", "MUTATIONS", "mutation"]
 

@@ -37,14 +37,15 @@ import torch
 
 import reference_trainer as rt
 
-__all__ = ["Workload", "Arm", "base_model", "device_clock", "plain_arm", "versioned_arm", "arm_name", "PLACEMENTS"]
+from ..presets import PLACEMENT_REQUESTS
 
-PLACEMENTS = ("retain", "offload", "replay", "auto")
+__all__ = ["TimedWorkload", "TimedArm", "base_model", "device_clock", "plain_arm", "versioned_arm", "arm_name"]
+
 LR = 1e-5  # small: many steps on one fixed batch must stay finite in every arm
 
 
 @dataclass(frozen=True, kw_only=True)
-class Workload:
+class TimedWorkload:
     """``sequences`` x ``seq_len`` tokens on ``model`` (a ``ModelConfig`` factory name), full or LoRA."""
 
     model: str
@@ -77,7 +78,7 @@ class Workload:
 
 
 @dataclass(kw_only=True)
-class Arm:
+class TimedArm:
     """A timed step and what it records: per-run forward and rest-of-step seconds, bytes held; the model it runs."""
 
     name: str
@@ -117,19 +118,19 @@ def _loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     return -(logprobs.float() * advantages).sum() / advantages.numel()
 
 
-def base_model(workload: Workload, seed: int) -> rt.DecoderLM:
+def base_model(workload: TimedWorkload, seed: int) -> rt.DecoderLM:
     """The workload's model, built directly on its device from ``seed`` (random init, no download)."""
     with torch.device(workload.device):
         return rt.DecoderLM(workload.config(), seed=seed)
 
 
 def plain_arm(
-    workload: Workload, *, seed: int = 0, model: rt.DecoderLM | None = None, optimizer_step: bool = True
-) -> Arm:
+    workload: TimedWorkload, *, seed: int = 0, model: rt.DecoderLM | None = None, optimizer_step: bool = True
+) -> TimedArm:
     """The baseline: a plain PyTorch step (module docstring). ``model`` (LoRA only): a shared base.
 
     ``optimizer_step=False``: forward and backward only, the gradients dropped
-    (``bench_profile`` times saved-tensor hooks on it, without the optimizer's noise).
+    (``profiling`` times saved-tensor hooks on it, without the optimizer's noise).
     """
     if model is not None and not workload.lora:
         raise ValueError("a plain full-weight arm trains its model: it cannot share a base model")
@@ -143,7 +144,7 @@ def plain_arm(
     else:
         params, attached = list(model.parameters()), None
     optimizer = torch.optim.AdamW(params, lr=LR)
-    arm = Arm(name="plain", step=lambda: 0.0, model=model)
+    arm = TimedArm(name="plain", step=lambda: 0.0, model=model)
     clock = device_clock(workload.device)
 
     def step() -> float:
@@ -168,11 +169,11 @@ def plain_arm(
 
 
 def versioned_arm(
-    workload: Workload, placement: str, staleness: int, *, seed: int = 0, model: rt.DecoderLM | None = None
-) -> Arm:
+    workload: TimedWorkload, placement: str, staleness: int, *, seed: int = 0, model: rt.DecoderLM | None = None
+) -> TimedArm:
     """The versioned trainer's step with ``placement`` at staleness 0 or 2 (module docstring)."""
-    if placement not in PLACEMENTS or staleness not in (0, 2):
-        raise ValueError(f"expected a placement in {PLACEMENTS} and staleness 0 or 2, found {placement!r}, {staleness}")
+    if placement not in PLACEMENT_REQUESTS or staleness not in (0, 2):
+        raise ValueError(f"expected a placement in {PLACEMENT_REQUESTS} and staleness 0 or 2, found {placement!r}, {staleness}")
     trainer = rt.Trainer(model if model is not None else base_model(workload, seed))
     kind = {"lora": rt.LoRAConfig()} if workload.lora else {"full": True}
     trainer.add_checkpoint("policy", optimizer=rt.AdamWConfig(lr=LR), seed=seed, **kind)
@@ -180,7 +181,7 @@ def versioned_arm(
     inputs = [rt.ForwardInput(ids[row], targets[row]) for row in range(workload.sequences)]
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     pending: deque[list[rt.ForwardOutput]] = deque()
-    arm = Arm(name=arm_name(placement, staleness), step=lambda: 0.0, model=trainer.model)
+    arm = TimedArm(name=arm_name(placement, staleness), step=lambda: 0.0, model=trainer.model)
     clock = device_clock(workload.device)
 
     def step() -> float:
