@@ -314,3 +314,13 @@ def test_a_plain_backward_inside_fn_is_refused_even_for_an_output_made_outside()
     _assert_nothing_committed(trainer)
     trainer.backward(ds.rank_loss(outputs, advantages, 10))  # outside fn it is a plain backward, as before
     assert trainer.checkpoint(ds.POLICY).has_gradients()
+
+
+def test_a_transport_timeout_is_any_positive_number_of_seconds() -> None:
+    from reference_trainer.ranks.peers import timeout_seconds
+
+    assert timeout_seconds(0.5, "RTV_UNSET_TIMEOUT", 60) == 0.5  # sub-second limits are valid
+    assert timeout_seconds(None, "RTV_UNSET_TIMEOUT", 60) == 60.0
+    for bad in (0, -1, True):
+        with pytest.raises(rt.ConfigError, match="timeout_s"):
+            timeout_seconds(bad, "RTV_UNSET_TIMEOUT", 60)

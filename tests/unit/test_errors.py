@@ -38,6 +38,8 @@ CASES: list[tuple[str, Callable[[rt.Trainer], Any], str, str]] = [
     ("adamw-betas-none", lambda t: rt.AdamWConfig(betas=None), "AdamWConfig.betas", "found None"),
     ("adamw-lr-str", lambda t: rt.AdamWConfig(lr="fast"), "AdamWConfig.lr", "found 'fast'"),
     ("trainer-none", lambda t: rt.Trainer(None), "model", "found 'NoneType'"),
+    ("add_checkpoint-optimizer-dict", lambda t: t.add_checkpoint("other", full=True, optimizer={"lr": 1}), "optimizer",
+     "found {'lr': 1}"),
     ("add_checkpoint-full-str", lambda t: t.add_checkpoint("other", full="yes"), "full", "found 'yes'"),
     ("backward-not-a-tensor", lambda t: t.backward(1.0), "loss", "found 'float'"),
     ("backward-non-scalar", lambda t: t.backward(_output(t).target_logprobs * 2.0), "loss", "a tensor of shape (9,)"),
@@ -91,7 +93,7 @@ def test_a_forward_under_inference_mode_is_refused_with_the_fix_and_records_noth
     with torch.inference_mode(), pytest.raises(rt.ConfigError) as info:
         _output(trainer)
     message = str(info.value)
-    assert "inference_mode" in message and "checkpoint=rt.BASE" in message, message
+    assert info.value.field == "forward" and "inference_mode" in message and "checkpoint=rt.BASE" in message, message
     assert trainer.live_records() == 0
     assert torch.equal(torch.get_rng_state(), rng), "a refused forward drew from the RNG"
     with torch.inference_mode():  # reference log-probs: the documented way
