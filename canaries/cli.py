@@ -43,7 +43,7 @@ from validation.evidence import DEFAULT_OUT
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 
 if TYPE_CHECKING:
-    from .smoke import Check
+    from validation.evidence import Check
 
 __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
@@ -58,11 +58,11 @@ def _smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
     from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
 
     def show(check: Check) -> None:
-        tqdm.write(f"{'PASS' if check.passed else 'FAIL'}  {check.name}: {check.detail}")
+        tqdm.write(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
 
     result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
     path = write_once(evidence_path(out, KIND), result.record())
-    failed = sum(not check.passed for check in result.checks)
+    failed = sum(not check.ok for check in result.checks)
     print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
     print(f"wrote {path}", flush=True)
     return path

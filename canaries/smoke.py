@@ -3,8 +3,8 @@
 Builds ``DecoderLM(ModelConfig.tiny())`` from a seed, attaches a LoRA adapter,
 runs forward, loss (mean negative token log-prob), backward and one AdamW step
 on synthetic tokens, and checks each step. ``SmokeResult.record()`` is an
-evidence record (``validation.evidence.make_record``, kind ``"smoke"``): check
-name -> passed, with each check's detail under ``measurements.details``.
+evidence record (``validation.evidence.make_record``, kind ``"smoke"``) with
+each check's verdict and detail, recorded through ``validation.evidence.Checks``.
 
 Negative control: ``inject_failure=True`` (``rtv run --inject-failure`` or
 ``RTV_SMOKE_INJECT_FAILURE=1``) leaves ``lm_head`` trainable, so the check that
@@ -22,18 +22,11 @@ import torch
 
 from reference_trainer.lora import LoRAAdapter, LoRAConfig, freeze
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
-from validation.evidence import SCHEMA_VERSION, make_record
+from validation.evidence import SCHEMA_VERSION, Check, Checks, make_record
 
 __all__ = ["Check", "SmokeResult", "run_smoke", "SCHEMA_VERSION", "KIND"]
 
 KIND = "smoke"
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -43,15 +36,21 @@ class SmokeResult:
 
     @property
     def passed(self) -> bool:
-        return all(check.passed for check in self.checks)
+        return all(check.ok for check in self.checks)
+
+    def _collected(self) -> Checks:
+        collected = Checks()
+        for c in self.checks:
+            collected.check(c.name, c.ok, c.detail)
+        return collected
 
     def record(self) -> dict[str, Any]:
         """The evidence record: checks, verdict, details, config, environment and source fingerprints."""
         return make_record(
             KIND,
             config=self.config,
-            checks={check.name: check.passed for check in self.checks},
-            measurements={"details": {check.name: check.detail for check in self.checks}},
+            checks=self._collected(),
+            measurements={},
         )
 
 
@@ -70,7 +69,7 @@ def run_smoke(
     checks: list[Check] = []
 
     def check(name: str, passed: bool, detail: str) -> None:
-        checks.append(Check(name, bool(passed), detail))
+        checks.append(Check(name, bool(passed), str(detail)))
         on_check(checks[-1])
 
     model = freeze(DecoderLM(model_config, seed=seed))

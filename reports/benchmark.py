@@ -22,6 +22,7 @@ import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
+from .generic import checks_table
 from .plots import save_png
 
 __all__ = ["section", "comparison_line", "samples_table"]
@@ -201,6 +202,6 @@ def section(record: dict, folder: Path) -> Section:
         verdict=verdict, key_figure=key_figure, lines=lines,
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
-                "Checks": pd.DataFrame({"check": list(record["checks"]), "passed": list(record["checks"].values())})},
+                "Checks": checks_table(record)},
         figures=figures,
     )

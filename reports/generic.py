@@ -7,6 +7,8 @@ from typing import Any
 
 import pandas as pd
 
+from validation.evidence import checks_of
+
 from .context import Section
 from .kinds import Kind, kind
 
@@ -14,12 +16,9 @@ __all__ = ["checks_table", "measurements_table", "section", "base_section"]
 
 
 def checks_table(record: dict[str, Any]) -> pd.DataFrame:
-    """One row per check (pass / FAIL) and per skipped check, with the detail the record gives for it."""
-    m = record.get("measurements", {})
-    details = {**m.get("details", {}), **m.get("failures", {})}
-    rows = [{"check": name, "result": "pass" if ok else "FAIL", "detail": str(details.get(name, ""))}
-            for name, ok in record.get("checks", {}).items()]
-    rows += [{"check": name, "result": "skipped", "detail": str(why)} for name, why in m.get("skipped_checks", {}).items()]
+    """One row per check (pass / FAIL) and per skipped check, with the detail the record gives for it (``checks_of``)."""
+    rows = [{"check": c.name, "result": "skipped" if c.skipped else "pass" if c.ok else "FAIL", "detail": c.detail}
+            for c in checks_of(record)]
     return pd.DataFrame(rows, columns=["check", "result", "detail"])
 
 

@@ -24,6 +24,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
+from validation.evidence import checks_of
+
 from reports.context import Figure, Section
 from reports.plots import save_png
 
@@ -165,8 +167,7 @@ def section(record: dict, folder: Path) -> Section:
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
         tables[f"{name}: arms"] = arms_table(workload)
     key_figure, lines = _headline(workloads)
-    failed = [check for check, ok in record["checks"].items() if not ok]
-    lines += [f"failed: {check}" for check in failed]
+    lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     lines += list(record["config"].get("notes", []))
     return Section(
         kind=record["kind"],

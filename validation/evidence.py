@@ -9,6 +9,20 @@ and so is writing a record that would not verify (wrong field types, a
 digest that does not match its content). ``verify`` re-reads a record,
 checks its schema (fields and their types) and its content digest, so a
 tampered file is detected.
+
+Checks are recorded one way: a :class:`Checks` collector
+(``checks.check(name, ok, detail)``, ``checks.skip(name, why)``) handed to
+:func:`make_record`; readers get them back with :func:`checks_of`, whatever
+the record's schema version, and never probe ``measurements`` for reasons.
+
+Schema changelog (:data:`SCHEMA_CHANGELOG`; ``verify`` reads every version listed):
+
+- 1: ``checks`` is ``{name: bool}``; a check's reason, when a writer kept
+  one, lives in ``measurements["failures"]`` or ``measurements["details"]``
+  and skipped checks in ``measurements["skipped_checks"]``.
+- 2: adds ``details`` (``{name: str}``, exactly the names of ``checks``: why
+  each check passed or failed) and ``skips`` (``{name: why}``, names disjoint
+  from ``checks``) as fields of their own; ``checks`` keeps its shape.
 """
 
 from __future__ import annotations
@@ -21,7 +35,8 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,6 +46,10 @@ from .errors import CheckFailed, OutOfSpace
 __all__ = [
     "DEFAULT_OUT",
     "SCHEMA_VERSION",
+    "SCHEMA_CHANGELOG",
+    "Check",
+    "Checks",
+    "checks_of",
     "EvidenceError",
     "evidence_path",
     "environment_fingerprint",
@@ -41,12 +60,81 @@ __all__ = [
     "verify",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_CHANGELOG = {  # version -> what changed (module docstring); the last one is what make_record writes
+    1: "checks {name: bool}; reasons, if any, in measurements failures/details, skips in measurements skipped_checks",
+    2: "details {name: str} for every check and skips {name: why} as fields of their own",
+}
 DEFAULT_OUT = Path("rtv-out")  # where every command writes (and the report reads) unless --out/--in says
-_REQUIRED = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed", "measurements", "digest"}
+_REQUIRED_V1 = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed",
+                "measurements", "digest"}
+_REQUIRED = {1: _REQUIRED_V1, 2: _REQUIRED_V1 | {"details", "skips"}}
 _TYPES = {"schema_version": int, "kind": str, "created": str, "config": dict, "environment": dict, "source": dict,
-          "checks": dict, "passed": bool, "measurements": dict, "digest": str}
+          "checks": dict, "passed": bool, "measurements": dict, "digest": str, "details": dict, "skips": dict}
 _PACKAGES = ("reference_trainer", "validation", "canaries")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check as a record holds it: its verdict and why; a skipped check has ``skipped`` and ``ok`` true.
+
+    A skip is not a failure (it does not make a record fail) and not a pass
+    (``passed`` counts only checks that ran): readers that count use ``failed``.
+    """
+
+    name: str
+    ok: bool
+    detail: str = ""
+    skipped: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return not self.ok and not self.skipped
+
+
+@dataclass
+class Checks:
+    """The collector every writer records its checks with (the one way; see the module docstring).
+
+    A name is checked or skipped once: recording it again is a programming
+    error (``ValueError``), since two verdicts under one name would hide one.
+    """
+
+    _checks: dict[str, Check] = field(default_factory=dict)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        """Record ``name`` as passed or failed with ``detail`` (why); returns ``ok`` for chaining."""
+        self._add(Check(name, bool(ok), str(detail)))
+        return bool(ok)
+
+    def skip(self, name: str, why: str) -> None:
+        """Record that ``name`` did not run, and why (a skip neither passes nor fails the record)."""
+        self._add(Check(name, True, str(why), skipped=True))
+
+    def _add(self, check: Check) -> None:
+        if check.name in self._checks:
+            raise ValueError(f"check {check.name!r} recorded twice; give each check its own name")
+        self._checks[check.name] = check
+
+    def __iter__(self) -> Iterator[Check]:
+        return iter(self._checks.values())
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    @property
+    def passed(self) -> bool:
+        """True iff at least one check ran and every check that ran passed."""
+        ran = [c for c in self if not c.skipped]
+        return bool(ran) and all(c.ok for c in ran)
+
+    @classmethod
+    def of(cls, verdicts: Mapping[str, bool]) -> Checks:
+        """A collector from plain ``{name: ok}`` verdicts with no details (records of tests and stubs)."""
+        collected = cls()
+        for name, ok in verdicts.items():
+            collected.check(name, ok)
+        return collected
 
 
 class EvidenceError(CheckFailed):
@@ -110,10 +198,16 @@ def make_record(
     kind: str,
     *,
     config: Mapping[str, Any],
-    checks: Mapping[str, bool],
+    checks: Checks | Mapping[str, bool],
     measurements: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """A complete record; ``passed`` is True iff every check passed (and there is at least one)."""
+    """A complete record of the current schema; ``passed`` is True iff every check passed (and there is at least one).
+
+    ``checks`` is a :class:`Checks` collector; a plain ``{name: ok}`` mapping
+    is shorthand for checks without details (:meth:`Checks.of`).
+    """
+    collected = checks if isinstance(checks, Checks) else Checks.of(checks)
+    ran = [c for c in collected if not c.skipped]
     record: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
@@ -121,8 +215,10 @@ def make_record(
         "config": dict(config),
         "environment": environment_fingerprint(),
         "source": source_fingerprint(),
-        "checks": {name: bool(ok) for name, ok in checks.items()},
-        "passed": bool(checks) and all(checks.values()),
+        "checks": {c.name: c.ok for c in ran},
+        "details": {c.name: c.detail for c in ran},
+        "skips": {c.name: c.detail for c in collected if c.skipped},
+        "passed": collected.passed,
         "measurements": dict(measurements),
     }
     record = json.loads(json.dumps(record, default=str))  # plain JSON types only
@@ -195,20 +291,26 @@ def _fsync_dir(folder: Path) -> None:
 def _check(record: Any, where: object) -> dict[str, Any]:
     """Schema (fields and types), version, digest and verdict; raises :class:`EvidenceError`."""
     if not isinstance(record, dict):
-        raise EvidenceError(f"{where}: expected a JSON object with fields {sorted(_REQUIRED)}, found {type(record).__name__}")
-    missing = _REQUIRED - set(record)
+        raise EvidenceError(f"{where}: expected a JSON object with fields {sorted(_REQUIRED[SCHEMA_VERSION])}, "
+                            f"found {type(record).__name__}")
+    version = record.get("schema_version")
+    if type(version) is int and version not in _REQUIRED:
+        raise EvidenceError(f"{where}: expected schema_version one of {sorted(SCHEMA_CHANGELOG)}, found {version!r}")
+    # A missing or mistyped version is named below with the other missing or mistyped fields.
+    required = _REQUIRED.get(version, _REQUIRED[SCHEMA_VERSION]) if type(version) is int else _REQUIRED[SCHEMA_VERSION]
+    missing = required - set(record)
     if missing:
-        raise EvidenceError(f"{where}: expected fields {sorted(_REQUIRED)}, missing {sorted(missing)}")
+        raise EvidenceError(f"{where}: expected fields {sorted(required)}, missing {sorted(missing)}")
     wrong = {
         name: type(record[name]).__name__
         for name, kind in _TYPES.items()
-        if not isinstance(record[name], kind) or (kind is int and isinstance(record[name], bool))
+        if name in required and (not isinstance(record[name], kind) or (kind is int and isinstance(record[name], bool)))
     }
     if wrong:
         expected = {name: _TYPES[name].__name__ for name in wrong}
         raise EvidenceError(f"{where}: fields of the wrong type: expected {expected}, found {wrong}")
-    if record["schema_version"] != SCHEMA_VERSION:
-        raise EvidenceError(f"{where}: expected schema_version {SCHEMA_VERSION}, found {record['schema_version']!r}")
+    if version >= 2:  # an int from here on: the type check above held
+        _check_reasons(record, where)
     bad_checks = {name: type(ok).__name__ for name, ok in record["checks"].items() if not isinstance(ok, bool)}
     if bad_checks:
         raise EvidenceError(f"{where}: every check must be true or false; found {bad_checks}")
@@ -217,6 +319,34 @@ def _check(record: Any, where: object) -> dict[str, Any]:
     if record["passed"] != (bool(record["checks"]) and all(record["checks"].values())):
         raise EvidenceError(f"{where}: 'passed' disagrees with its checks")
     return record
+
+
+def _check_reasons(record: dict[str, Any], where: object) -> None:
+    """Schema 2: ``details`` names exactly the checks, ``skips`` none of them, every reason is text."""
+    if set(record["details"]) != set(record["checks"]):
+        raise EvidenceError(f"{where}: expected a detail for exactly the checks {sorted(record['checks'])}, "
+                            f"found details for {sorted(record['details'])}")
+    both = set(record["skips"]) & set(record["checks"])
+    if both:
+        raise EvidenceError(f"{where}: a check is either run or skipped; found {sorted(both)} in checks and skips")
+    not_text = sorted(n for part in ("details", "skips") for n, why in record[part].items() if not isinstance(why, str))
+    if not_text:
+        raise EvidenceError(f"{where}: every detail and skip reason must be text; found others for {not_text}")
+
+
+def checks_of(record: Mapping[str, Any]) -> list[Check]:
+    """The record's checks, then its skips, each with its reason: the one reader, for every schema version.
+
+    Schema 1 kept reasons (if any) in ``measurements["failures"]`` (preferred)
+    or ``measurements["details"]``, and skips in ``measurements["skipped_checks"]``.
+    """
+    m = record.get("measurements", {})
+    if record.get("schema_version", 1) >= 2:
+        details, skips = record.get("details", {}), record.get("skips", {})
+    else:
+        details, skips = {**m.get("details", {}), **m.get("failures", {})}, m.get("skipped_checks", {})
+    ran = [Check(name, bool(ok), str(details.get(name, ""))) for name, ok in record.get("checks", {}).items()]
+    return ran + [Check(name, True, str(why), skipped=True) for name, why in skips.items()]
 
 
 def verify(path: Path) -> dict[str, Any]:

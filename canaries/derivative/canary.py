@@ -67,7 +67,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.errors import SetupError
-from validation.evidence import evidence_path, make_record, write_once
+from validation.evidence import Checks, evidence_path, make_record, write_once
 from validation.profiles import EXPLORATION
 
 from .intersections import INTERSECTIONS
@@ -97,30 +97,37 @@ def claimed_cells(config: Preset) -> list[Cell]:
 
 @dataclass
 class CanaryResult:
-    """What one canary run found: per-check verdicts, failures (with op sequences), measurements."""
+    """What one canary run found: its checks (``recorded``; failures say why, with op sequences), measurements."""
 
-    checks: dict[str, bool] = field(default_factory=dict)
-    failures: dict[str, str] = field(default_factory=dict)
+    recorded: Checks = field(default_factory=Checks)
     measured: Measurements = field(default_factory=Measurements)
     examples: int = 0
     examples_backpropagated: int = 0
     worst_logical_error: float = 0.0
-    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checks(self) -> dict[str, bool]:
+        """The verdicts of the checks that ran, by name."""
+        return {c.name: c.ok for c in self.recorded if not c.skipped}
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Why each failed check failed, by name."""
+        return {c.name: c.detail for c in self.recorded if c.failed}
 
     @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(self.checks.values())
+        return self.recorded.passed
 
     def record_check(self, name: str, action: Callable[[], object]) -> object:
         """Run one check; a crash is a failure too (fail closed)."""
         try:
             value = action()
-            self.checks[name] = True
-            return value
         except Exception as failure:  # noqa: BLE001
-            self.checks[name] = False
-            self.failures[name] = f"{type(failure).__name__}: {failure}"
+            self.recorded.check(name, False, f"{type(failure).__name__}: {failure}")
             return None
+        self.recorded.check(name, True, "agrees with the FP64 oracle")
+        return value
 
 
 def _fixed_checks(config: Preset) -> list[tuple[str, str, str]]:
@@ -158,7 +165,7 @@ def judge(
     result = CanaryResult()
     if not config.cuda_checks:
         why = "preset swapped to CPU (no CUDA device)" if config.swapped else "CPU preset"
-        result.skipped["cuda_rng_unchanged_by_backward"] = why
+        result.recorded.skip("cuda_rng_unchanged_by_backward", why)
     fixed = [entry for entry in _fixed_checks(config) if wanted(entry[0])]
     intersections = {name: check for name, check in INTERSECTIONS.items() if wanted(name)}
     explored = EXPLORATION[profile].max_examples if wanted(EXPLORATION_CHECK) else 0
@@ -190,9 +197,8 @@ def judge(
 
 def _check_coverage(config: Preset, result: CanaryResult) -> None:
     empty = [cell for cell in claimed_cells(config) if not result.measured.cells[cell]]
-    result.checks[COVERAGE_CHECK] = not empty
-    if empty:
-        result.failures[COVERAGE_CHECK] = f"expected a judged record in each claimed cell, found none in {empty}"
+    result.recorded.check(COVERAGE_CHECK, not empty, f"expected a judged record in each claimed cell, found none in {empty}"
+                          if empty else f"every one of the {len(claimed_cells(config))} claimed cells has a judged record")
 
 
 def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int, bar: tqdm) -> None:
@@ -210,15 +216,12 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
         bar.update()
 
     failure = explore(config, EXPLORATION[profile], on_example=on_example, bound_cap=bound_cap)
-    result.checks[EXPLORATION_CHECK] = failure is None
+    result.recorded.check(EXPLORATION_CHECK, failure is None, failure or f"{result.examples} examples agree")
     if failure is not None:
-        result.failures[EXPLORATION_CHECK] = failure
         return
     share = result.examples_backpropagated / max(1, result.examples)
-    result.checks[BACKPROPAGATING_CHECK] = share >= MIN_BACKPROPAGATING
-    if share < MIN_BACKPROPAGATING:
-        result.failures[BACKPROPAGATING_CHECK] = (
-            f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
+    result.recorded.check(BACKPROPAGATING_CHECK, share >= MIN_BACKPROPAGATING,
+                          f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
 
 
 def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
@@ -246,7 +249,7 @@ def _record(result: CanaryResult, config: Preset, profile: str, seconds: float, 
         config={"preset": config.describe(), "profile": profile, "checkpoint_kinds": list(checkpoint_kinds(config)),
                 "tolerances": TOLERANCES[config.model.dtype].__dict__, "learning_rate": LR,
                 "checks": None if checks is None else list(checks)},
-        checks=result.checks,
+        checks=result.recorded,
         measurements={
             "examples": result.examples,
             "examples_backpropagated": result.examples_backpropagated,
@@ -267,8 +270,6 @@ def _record(result: CanaryResult, config: Preset, profile: str, seconds: float, 
             "worst_step_relative_l2": m.worst_step_error,
             "worst_logical_relative_l2": result.worst_logical_error,
             "min_reference_norm": None if math.isinf(m.min_reference_norm) else m.min_reference_norm,
-            "failures": result.failures,
-            "skipped_checks": result.skipped,
             "seconds": round(seconds, 3),
         },
     )

@@ -266,17 +266,17 @@ def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | Non
         )
         for name in CUDA_CHECKS:
             verdicts.skip(name, reason)
-    measurements.update(details=verdicts.details, skipped_checks=verdicts.skipped)
     record = make_record(
         KIND,
         config={**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
                 "checks": None if whole else list(checks)},
-        checks=verdicts.checks,
+        checks=verdicts,
         measurements=measurements,
     )
     path = write_once(evidence_path(out_dir, f"memory-{spec.name}"), record)
-    failed = [name for name, ok in verdicts.checks.items() if not ok]
-    verdict = "PASSED" if not failed else f"FAILED ({len(failed)} of {len(verdicts.checks)} checks)"
-    print(f"memory canary: {verdict}; {len(verdicts.skipped)} skipped")
+    ran = [c for c in verdicts if not c.skipped]
+    failed = [c for c in ran if not c.ok]
+    verdict = "PASSED" if not failed else f"FAILED ({len(failed)} of {len(ran)} checks)"
+    print(f"memory canary: {verdict}; {len(verdicts) - len(ran)} skipped")
     print(f"wrote {path}", flush=True)
     return path

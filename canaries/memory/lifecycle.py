@@ -20,6 +20,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.testing import inject_fault
+from validation.evidence import Checks
 from validation.lifetime import TensorCensus
 from validation.memory import (
     ActivationWitness,
@@ -46,23 +47,16 @@ _HOST_SHARE = 0.95
 _CUDA_TOLERANCE = 2 * 1024 * 1024
 
 
-class Verdicts:
-    """Checks as they are made: pass/fail, a detail line with the values, or skipped with a reason."""
+class Verdicts(Checks):
+    """The evidence collector, printing each check as it is made (pass/fail with its values, or skipped and why)."""
 
-    def __init__(self) -> None:
-        self.checks: dict[str, bool] = {}
-        self.details: dict[str, str] = {}
-        self.skipped: dict[str, str] = {}
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+        return super().check(name, ok, detail)
 
-    def check(self, name: str, passed: bool, detail: str) -> bool:
-        self.checks[name] = bool(passed)
-        self.details[name] = detail
-        print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}", flush=True)
-        return bool(passed)
-
-    def skip(self, name: str, reason: str) -> None:
-        self.skipped[name] = reason
-        print(f"SKIP  {name}: {reason}", flush=True)
+    def skip(self, name: str, why: str) -> None:
+        print(f"SKIP  {name}: {why}", flush=True)
+        super().skip(name, why)
 
 
 class CensusWorkload:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from validation.evidence import evidence_path, make_record, verify, write_once
+from validation.evidence import checks_of, evidence_path, make_record, verify, write_once
 
 from .. import presets
 from .catalogue import MUTATIONS, Mutation, mutation
@@ -65,10 +65,9 @@ class MutationOutcome:
 
 
 def _failures(record: dict) -> tuple[tuple[str, ...], str]:
-    failed = tuple(name for name, ok in record["checks"].items() if not ok)  # sorted by name in the file
-    notes = record["measurements"].get("failures") or record["measurements"].get("details") or {}
-    first = next((str(notes[name]) for name in failed if name in notes), failed[0] if failed else "")
-    return failed, first[:2000]
+    failed = [c for c in checks_of(record) if c.failed]  # sorted by name in the file
+    first = next((c.detail for c in failed if c.detail), failed[0].name if failed else "")
+    return tuple(c.name for c in failed), first[:2000]
 
 
 def _focus(name: str, selected: Sequence[Mutation]) -> tuple[str, ...] | None:

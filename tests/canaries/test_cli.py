@@ -110,7 +110,7 @@ def test_canary_memory_on_a_gpu_preset_runs_here(tmp_path: Path, capsys: pytest.
     assert f"rtv canary memory: PASSED; evidence: {path}" in capsys.readouterr().out
     if not torch.cuda.is_available():
         assert record["config"]["swapped_for_cpu"] is True and record["config"]["device"] == "cpu"
-        skipped = record["measurements"]["skipped_checks"]
+        skipped = record["skips"]
         assert len(skipped) == 5 and all("swapped for the CPU" in why for why in skipped.values())
         assert not any(name.startswith("cuda") for name in record["checks"])
     else:

@@ -100,7 +100,7 @@ def test_admission_stays_within_a_limit_that_binds(clean) -> None:
 
 def test_cuda_checks_are_reported_as_skipped_on_cpu(clean) -> None:
     record, stdout, _ = clean
-    skipped = record["measurements"]["skipped_checks"]
+    skipped = record["skips"]
     assert set(skipped) == set(memory.CUDA_CHECKS)
     assert all("runs on cpu" in reason for reason in skipped.values())
     assert all(f"SKIP  {name}" in stdout for name in memory.CUDA_CHECKS)
@@ -111,7 +111,7 @@ def test_offload_that_aliases_instead_of_copying_is_caught(tmp_path: Path) -> No
         record, _, _ = _run(tmp_path / "mutated")
     failed = {name for name, ok in record["checks"].items() if not ok}
     assert record["passed"] is False and failed == OFFLOAD_CHECKS, failed
-    details = record["measurements"]["details"]
+    details = record["details"]
     assert "still allocated" in details["offload: no activation outlives the forward"]
     # The bug lived only inside its block: the same canary passes again afterwards.
     assert _run(tmp_path / "after")[0]["passed"] is True

@@ -12,17 +12,21 @@ import pytest
 from reports import build_context, load_records, render_report
 from reports.kinds import KINDS
 from validation.errors import SetupError
-from validation.evidence import make_record, write_once
+from validation.evidence import Checks, make_record, write_once
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _memory_like(passed: bool) -> dict:
+def _memory_like(passed: bool, why: str = "offload 4096 B on the device; allowed up to 1024 B") -> dict:
+    checks = Checks()
+    checks.check("offload: device bytes fall", passed, why)
+    checks.check("retain: nothing outlives backward", True, "0 B left")
+    checks.skip("cuda: allocator back to baseline", "no CUDA device")
     return make_record(
         "memory-canary",
         config={"name": "cpu", "placements": ["retain", "offload"],
                 "points": ["after_forward", "after_backward"]},
-        checks={"offload: device bytes fall": passed, "retain: nothing outlives backward": True},
+        checks=checks,
         measurements={
             "lifecycle_bytes": {
                 "retain": {"after_forward": {"device": 4096, "host": 0}, "after_backward": {"device": 0, "host": 0}},
@@ -32,8 +36,6 @@ def _memory_like(passed: bool) -> dict:
             "admission": {"limit_bytes": 600_000, "census_peak_device": 348_318},
             "offload": {"retain_keeps": 4096},
             "undeclared_key": "never shown: the memory kind does not declare it",
-            "details": {"offload: device bytes fall": "offload 4096 B on the device; allowed up to 1024 B"},
-            "skipped_checks": {"cuda: allocator back to baseline": "no CUDA device"},
         },
     )
 
@@ -196,10 +198,7 @@ def test_a_passing_run_has_no_failure_box(tmp_path: Path) -> None:
 
 def test_a_pipe_in_a_cell_stays_in_its_cell(tmp_path: Path) -> None:
     """Markdown tables escape ``|`` with one backslash (two would end the cell and shift the row)."""
-    record = _memory_like(passed=False)
-    record["measurements"]["details"]["offload: device bytes fall"] = "found a | b"
-    record = make_record(record["kind"], config=record["config"], checks=record["checks"],
-                         measurements=record["measurements"])
+    record = _memory_like(passed=False, why="found a | b")
     write_once(tmp_path / "in" / "memory.json", record)
     markdown = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
     assert "found a \\| b" in markdown and "found a \\\\| b" not in markdown
