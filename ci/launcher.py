@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from validation.errors import SetupError
+from validation.evidence import Checks
 
 from .interrupts import CallTimeout, Interrupted, bounded, signals_deferred, signals_raise
 from .outputs import EvidenceVerdict, judge_outputs, rsync_outputs
@@ -359,16 +360,22 @@ class Launcher:
         status = getattr(run.job_status, "value", run.job_status)
         evidence_passed = run.evidence is not None and run.evidence.passed
         kind = None if run.interruption is None else run.interruption["kind"]
-        checks = {"absence_confirmed": run.absence_confirmed, "not_interrupted": run.interruption is None}
+        checks = Checks()
+        checks.check("absence_confirmed", run.absence_confirmed, f"last seen: {run.last_seen}")
+        checks.check("not_interrupted", run.interruption is None, f"interruption: {run.interruption}")
         if command == "launch":
             code = exit_code(absence_confirmed=run.absence_confirmed, interruption=kind, job_status=status,
                              evidence_passed=evidence_passed)
             mismatch = code == 3 and status == "SUCCEEDED" and kind is None
             word = "evidence mismatch" if mismatch else _WORDS[code]
-            checks |= {"job_succeeded": status == "SUCCEEDED",
-                       "evidence_verified": run.evidence is not None and run.evidence.fetched
-                       and run.evidence.records > 0 and run.evidence.verified == run.evidence.records,
-                       "evidence_passed": evidence_passed}
+            evidence = run.evidence
+            checks.check("job_succeeded", status == "SUCCEEDED", f"job status {status}")
+            checks.check("evidence_verified", evidence is not None and evidence.fetched
+                         and evidence.records > 0 and evidence.verified == evidence.records,
+                         "no evidence fetched" if evidence is None or not evidence.fetched
+                         else f"{evidence.verified} of {evidence.records} records verified")
+            checks.check("evidence_passed", evidence_passed, "every fetched record passed" if evidence_passed
+                         else "a fetched record failed, or none was fetched")
         else:  # down: only absence and interruption count
             code = 6 if not run.absence_confirmed else (4 if kind else 0)
             word = "absent" if code == 0 else _WORDS[code]

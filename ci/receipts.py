@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from reports.kinds import RECEIPT_KIND
-from validation.evidence import evidence_path, make_record, source_fingerprint, write_once
+from validation.evidence import Checks, evidence_path, make_record, source_fingerprint, write_once
 
 __all__ = ["hourly_price", "commit", "write_receipt"]
 
@@ -59,7 +59,7 @@ def write_receipt(
     cluster: str,
     requested: dict[str, Any],
     observed: dict[str, Any],
-    checks: dict[str, bool],
+    checks: Checks,
     outcome: str,
     exit_code: int,
     timings: dict[str, float],
@@ -76,7 +76,7 @@ def write_receipt(
         "observed": observed,
         "outcome": outcome,
         "exit_code": exit_code,
-        "absence": "confirmed" if checks.get("absence_confirmed") else "unproven",
+        "absence": "confirmed" if any(c.name == "absence_confirmed" and c.ok for c in checks) else "unproven",
         "timings_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "billed_s": round(billed_s, 3),
         "gpu_minutes": round(gpus * billed_s / 60, 3),

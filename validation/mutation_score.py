@@ -44,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .errors import SetupError
-from .evidence import evidence_path, make_record, write_once
+from .evidence import Checks, evidence_path, make_record, write_once
 
 __all__ = ["KIND", "TOOL", "MutationConfig", "parse_results", "sample_names", "summarize", "locate", "run_mutation_score"]
 
@@ -231,8 +231,11 @@ def _measure(root: Path, out_dir: Path, scratch: Path, config: MutationConfig) -
     statuses = {name: results.get(name, "not checked") for name in names}
     survivors = [{**locate(name, _mutmut(config, scratch, "show", name, timeout=120).stdout, root), "status": status}
                  for name, status in statuses.items() if status not in KILLED]
-    checks = {"mutmut ran to the end": clean,
-              "every sampled mutant was checked": all(s != "not checked" for s in statuses.values())}
+    unchecked = [name for name, status in statuses.items() if status == "not checked"]
+    checks = Checks()
+    checks.check("mutmut ran to the end", clean, f"log: {log}")
+    checks.check("every sampled mutant was checked", not unchecked,
+                 f"not checked: {unchecked}" if unchecked else f"{len(names)} of {len(names)} checked")
     measurements = {"tool": TOOL, "generated": len(_generated(scratch)), "sampled": len(names),
                     "by_package": summarize(statuses), "survivors": survivors, "seconds": round(seconds, 1),
                     "log": str(log)}

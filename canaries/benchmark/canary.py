@@ -37,7 +37,7 @@ from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
 from validation.errors import SetupError
-from validation.evidence import evidence_path, make_record, write_once
+from validation.evidence import Checks, evidence_path, make_record, write_once
 
 from . import profiling
 from ..presets import PLACEMENT_REQUESTS
@@ -242,23 +242,34 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     }
 
 
-def _checks(groups: list[dict], gate: float, target: float | None) -> dict[str, bool]:
-    checks = {}
+def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
+    checks = Checks()
     for group in groups:
         label = group["label"]
-        checks[f"{label}: every arm's first loss equals plain's"] = group["arms_agree"]
+        checks.check(f"{label}: every arm's first loss equals plain's", group["arms_agree"],
+                     "first losses agree" if group["arms_agree"] else "an arm's first loss differs from plain's")
         if not group["gated"]:
             continue
         by_arm = {c["arm"]: c for c in group["comparisons"]}
         if "retain@s0" in by_arm:
-            checks[f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)"] = (
-                by_arm["retain@s0"]["verdict"] != "regression")
+            retain = by_arm["retain@s0"]
+            checks.check(f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)",
+                         retain["verdict"] != "regression", _verdict_detail(retain))
             if target is not None:
-                checks[f"{label}: retain@s0 / plain median <= {target}"] = by_arm["retain@s0"]["ratio"] <= target
+                checks.check(f"{label}: retain@s0 / plain median <= {target}", retain["ratio"] <= target,
+                             f"median ratio {retain['ratio']:.4f}")
         if group["replay_floor"] is not None:
-            checks[f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)"] = (
-                group["replay_floor"]["verdict"] != "regression")
+            floor = group["replay_floor"]
+            checks.check(f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)",
+                         floor["verdict"] != "regression", _verdict_detail(floor))
     return checks
+
+
+def _verdict_detail(comparison: dict) -> str:
+    """Why a comparison check holds or not: its verdict and the interval it came from."""
+    low, high = comparison["ci95"]
+    return (f"{comparison['verdict']}: median ratio {comparison['ratio']:.4f}, 95% CI [{low:.4f}, {high:.4f}] "
+            f"over {comparison['blocks']} blocks")
 
 
 def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target: float | None = None,

@@ -50,7 +50,7 @@ from canaries.learning.arms import ARMS, Arm, ArmRun, initial_metric, run_arm
 from canaries.learning.summary import summarize_workload
 from canaries.learning.workloads import NextByteWorkload, PatternRLWorkload, Schedule, Workload
 from validation.errors import SetupError
-from validation.evidence import evidence_path, make_record, write_once
+from validation.evidence import Checks, checks_of, evidence_path, make_record, write_once
 
 __all__ = ["KIND", "SEEDS", "LearningPlan", "cpu_workloads", "plan", "run", "run_plan", "tiny_plan"]
 
@@ -220,39 +220,33 @@ def _train_all(workload: Workload, plan_: LearningPlan, pool: Executor | None) -
     return {arm.name: [done[arm.name, seed] for seed in plan_.seeds] for arm in plan_.arms}
 
 
-def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None) -> tuple[dict, dict[str, bool]]:
-    """The workload's evidence and checks; its arms train only if its precondition holds."""
+def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks) -> dict:
+    """The workload's evidence (its checks go to ``checks``); its arms train only if its precondition holds."""
     precondition = _precondition(workload, plan_.seeds)
-    checks = {f"{workload.name}: precondition (untrained model misses {workload.criterion()})": precondition["passed"]}
+    checks.check(f"{workload.name}: precondition (untrained model misses {workload.criterion()})",
+                 precondition["passed"], precondition["reason"] or f"untrained values {precondition['initial']}")
     entry = {"precondition": precondition, "metric": workload.metric, "unit": workload.unit,
              "higher_is_better": workload.higher_is_better, "success": workload.success,
              "criterion": workload.criterion()}
     if not precondition["passed"]:
         print(f"learning: {workload.name}: {precondition['reason']}")
-        return entry, checks
-    evidence, workload_checks = summarize_workload(
-        workload, plan_.arms, _train_all(workload, plan_, pool), exact_enforced=plan_.exact_enforced, gate=plan_.gate
-    )
-    entry.update(evidence)
-    checks.update(workload_checks)
-    return entry, checks
+        return entry
+    entry.update(summarize_workload(workload, plan_.arms, _train_all(workload, plan_, pool),
+                                    exact_enforced=plan_.exact_enforced, gate=plan_.gate, checks=checks))
+    return entry
 
 
 def run_plan(plan_: LearningPlan, out_dir: Path) -> Path:
     """Train and judge every workload of ``plan_``; write one evidence record and return its path."""
     start = time.perf_counter()
-    checks: dict[str, bool] = {}
-    workloads: dict[str, dict] = {}
+    checks = Checks()
     with _pool(plan_.workers) as pool:
-        for workload in plan_.workloads:
-            entry, workload_checks = _judge_workload(workload, plan_, pool)
-            workloads[workload.name] = entry
-            checks.update(workload_checks)
+        workloads = {w.name: _judge_workload(w, plan_, pool, checks) for w in plan_.workloads}
     sensitivity = [s for w in workloads.values() for s in w.get("sensitivity", [])]
     if sensitivity:
-        checks["sensitivity: a broken arm meets its criterion and is still judged worse"] = any(
-            s["meets_and_worse"] for s in sensitivity
-        )
+        shown = [s["arm"] for s in sensitivity if s["meets_and_worse"]]
+        checks.check("sensitivity: a broken arm meets its criterion and is still judged worse", bool(shown),
+                     f"shown by {shown}" if shown else "no broken arm both meets its criterion and is judged worse")
     measurements = {"workloads": workloads, "wall_s": time.perf_counter() - start}
     record = make_record(KIND, config=plan_.describe(), checks=checks, measurements=measurements)
     path = write_once(evidence_path(out_dir, KIND), record)
@@ -267,9 +261,9 @@ def _print_summary(record: dict, path: Path) -> None:
                 print(f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
                       f"(final, mean difference {verdict['mean_difference']:+.4f}, 90% CI "
                       f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f})")
-    for check, ok in record["checks"].items():
-        if not ok:
-            print(f"learning: FAILED {check}")
+    for check in checks_of(record):
+        if check.failed:
+            print(f"learning: FAILED {check.name}: {check.detail}")
     status = "passed" if record["passed"] else "FAILED"
     print(f"learning: {status} in {record['measurements']['wall_s']:.1f} s; evidence {path}")
 

@@ -2,7 +2,8 @@
 
 Pure functions of :class:`canaries.learning.arms.ArmRun` lists: nothing here
 trains. :func:`summarize_workload` returns the workload's part of the
-evidence and its checks (NOTE [Learning checks]).
+evidence and records its checks, each with the values it judged, in the
+run's ``validation.evidence.Checks`` collector (NOTE [Learning checks]).
 
 NOTE [Learning checks]
   1. Exactness (enforced where owed: FP32 on CPU): an arm with ``exact_with``
@@ -32,6 +33,7 @@ from scipy.integrate import trapezoid
 
 from canaries.learning.arms import Arm, ArmRun
 from canaries.learning.workloads import Workload
+from validation.evidence import Checks
 from validation.equivalence import paired_equivalence
 
 __all__ = ["area_under_curve", "expected_staleness", "summarize_workload"]
@@ -119,42 +121,48 @@ def _sensitivity(arms: Sequence[Arm], summaries: Mapping[str, dict], verdicts: S
 
 def _checks(
     workload: Workload, arms: Sequence[Arm], evidence: dict, runs: Mapping[str, Sequence[ArmRun]], *,
-    exact_enforced: bool, gate: bool,
-) -> dict[str, bool]:
+    exact_enforced: bool, gate: bool, checks: Checks,
+) -> None:
+    """Record the workload's checks (NOTE [Learning checks]) in ``checks``, each with the values it judged."""
     name, summaries = workload.name, evidence["arms"]
-    checks: dict[str, bool] = {}
     if exact_enforced:
         for pair in evidence["exact"]:
-            checks[f"{name}: {pair['arm']} bitwise equal to {pair['with']} on every seed"] = pair["equal"]
+            checks.check(f"{name}: {pair['arm']} bitwise equal to {pair['with']} on every seed", pair["equal"],
+                         "equal digests" if pair["equal"] else "the digests differ on some seed")
     for arm in arms:
         summary = summaries[arm.name]
         if not arm.sensitivity:
-            checks[f"{name}: {arm.name} meets {workload.criterion()} on every seed"] = summary["meets_all"]
+            checks.check(f"{name}: {arm.name} meets {workload.criterion()} on every seed", summary["meets_all"],
+                         f"final {workload.metric} per seed {summary['final']}")
         if arm.delay:
             expected = expected_staleness(arm, workload.schedule.steps)
-            checks[f"{name}: {arm.name} records had staleness min(t, {arm.delay})"] = all(
-                r.staleness == expected for r in runs[arm.name]
-            )
+            wrong = [r.seed for r in runs[arm.name] if r.staleness != expected]
+            checks.check(f"{name}: {arm.name} records had staleness min(t, {arm.delay})", not wrong,
+                         f"other staleness on seeds {wrong}" if wrong else "as expected on every seed")
         fractions = summary["fraction_corrected"]
         if arm.corrected:
-            checks[f"{name}: {arm.name} corrected a fraction > 0 of its records"] = all(f > 0 for f in fractions)
+            checks.check(f"{name}: {arm.name} corrected a fraction > 0 of its records", all(f > 0 for f in fractions),
+                         f"fractions corrected per seed {fractions}")
         elif arm.delay:
-            checks[f"{name}: {arm.name} corrected no record"] = all(f == 0 for f in fractions)
+            checks.check(f"{name}: {arm.name} corrected no record", all(f == 0 for f in fractions),
+                         f"fractions corrected per seed {fractions}")
     for entry in evidence["sensitivity"]:
-        checks[f"{name}: sensitivity arm {entry['arm']} caught (judged worse or misses the criterion)"] = entry["caught"]
+        checks.check(f"{name}: sensitivity arm {entry['arm']} caught (judged worse or misses the criterion)",
+                     entry["caught"], "caught" if entry["caught"] else "neither judged worse nor missing the criterion")
     if gate:
         for verdict in evidence["verdicts"]:
             if not summaries[verdict["arm"]]["sensitivity"]:
                 label = f"{name}: {verdict['arm']} equivalent to {verdict['baseline']} ({verdict['metric']}, gated)"
-                checks[label] = verdict["verdict"] == "equivalent"
-    return checks
+                checks.check(label, verdict["verdict"] == "equivalent",
+                             f"{verdict['verdict']}: mean difference {verdict['mean_difference']:+.4f}, 90% CI "
+                             f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f}")
 
 
 def summarize_workload(
     workload: Workload, arms: Sequence[Arm], runs: Mapping[str, Sequence[ArmRun]], *,
-    exact_enforced: bool, gate: bool = False,
-) -> tuple[dict, dict[str, bool]]:
-    """``(evidence, checks)`` for one workload whose arms all ran (NOTE [Learning checks])."""
+    exact_enforced: bool, checks: Checks, gate: bool = False,
+) -> dict:
+    """The evidence of one workload whose arms all ran; its checks go to ``checks`` (NOTE [Learning checks])."""
     summaries = {arm.name: _arm_summary(workload, arm, runs[arm.name]) for arm in arms}
     verdicts = _verdicts(workload, arms, summaries)
     evidence = {
@@ -164,4 +172,5 @@ def summarize_workload(
         "exact_enforced": exact_enforced,
         "sensitivity": _sensitivity(arms, summaries, verdicts),
     }
-    return evidence, _checks(workload, arms, evidence, runs, exact_enforced=exact_enforced, gate=gate)
+    _checks(workload, arms, evidence, runs, exact_enforced=exact_enforced, gate=gate, checks=checks)
+    return evidence

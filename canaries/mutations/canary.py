@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from validation.evidence import checks_of, evidence_path, make_record, verify, write_once
+from validation.evidence import Checks, checks_of, evidence_path, make_record, verify, write_once
 
 from .. import presets
 from .catalogue import MUTATIONS, Mutation, mutation
@@ -95,21 +95,25 @@ def run_suite(preset: str, profile: str, out_dir: Path, *, names: Sequence[str] 
     """Unmutated canaries (must pass), then every selected mutation (each must be caught); the evidence path."""
     config = presets.preset(preset).on_this_machine()
     selected = [mutation(n) for n in (names if names is not None else MUTATIONS)]
-    checks: dict[str, bool] = {}
+    checks = Checks()
     unmutated: dict[str, str] = {}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="rtv-mutations-") as scratch:
         for name in dict.fromkeys(m.caught_by for m in selected):
             with contextlib.redirect_stdout(None):
                 record = verify(canary(name).run(preset, MUTATED_PROFILE, Path(scratch), checks=_focus(name, selected)))
-            checks[f"unmutated:{name} passes"] = record["passed"]
             unmutated[name] = _failures(record)[1]
+            checks.check(f"unmutated:{name} passes", record["passed"], unmutated[name] or "every check passed")
             print(f"unmutated {name} canary: {'PASS' if record['passed'] else 'FAIL'}", flush=True)
         for m in tqdm(selected, desc="mutations", unit="mutation", leave=False):
             outcome = judge_mutation(m, preset, scratch=Path(scratch))
             outcomes.append(outcome)
             if outcome.applicable:
-                checks[f"caught:{m.name}"] = outcome.caught
+                checks.check(f"caught:{m.name}", outcome.caught,
+                             f"failed {', '.join(outcome.failed_checks)}: {outcome.first_failure}" if outcome.caught
+                             else f"every check of the {m.caught_by} canary passed with the bug injected")
+            else:
+                checks.skip(f"caught:{m.name}", f"does not apply to preset {config.name!r}")
             verdict = "inapplicable" if not outcome.applicable else "caught" if outcome.caught else "NOT CAUGHT"
             tqdm.write(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}")
     record = make_record(

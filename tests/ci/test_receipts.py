@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from validation.evidence import EvidenceError, verify
+from validation.evidence import Checks, EvidenceError, verify
 
 from .conftest import H200_TYPES
 
@@ -20,7 +20,7 @@ def _receipt(tmp_path: Path, *, handle, absent: bool = True, billed_s: float = 1
         requested={"task": "ci/gate.sky.yaml", "accelerators": {"H200": 2}, "job_deadline_s": 3720,
                    "evidence_dir": "rtv-out/ci/gate"},
         observed={"job_status": "SUCCEEDED", "last_seen": "UP", "teardown": [{"step": "down", "ok": absent}]},
-        checks={"absence_confirmed": absent, "job_succeeded": True},
+        checks=Checks.of({"absence_confirmed": absent, "job_succeeded": True}),
         outcome="passed" if absent else "absence unproven", exit_code=0 if absent else 6,
         timings={"job": 1500.0, "teardown": 60.0}, gpus=2, billed_s=billed_s, handle=handle,
     )
