@@ -12,7 +12,7 @@ import pytest
 from reports import build_context, load_records, render_report
 from reports.kinds import KINDS
 from validation.errors import SetupError
-from validation.evidence import Checks, make_record, write_once
+from validation.evidence import Checks, content_digest, make_record, write_once
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -202,3 +202,41 @@ def test_a_pipe_in_a_cell_stays_in_its_cell(tmp_path: Path) -> None:
     write_once(tmp_path / "in" / "memory.json", record)
     markdown = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
     assert "found a \\| b" in markdown and "found a \\\\| b" not in markdown
+
+
+def test_the_failure_box_reads_a_schema_2_reason_from_the_records_own_field(tmp_path: Path) -> None:
+    """The reason shown is ``details``, never a ``measurements`` key that happens to be called failures/details."""
+    record = _memory_like(passed=False, why="the field's reason")
+    record["measurements"]["failures"] = {"offload: device bytes fall": "a measurement, not the reason"}
+    record["digest"] = content_digest(record)
+    write_once(tmp_path / "in" / "memory.json", record)
+    page = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
+    why = page[page.index("## What failed, and why"):page.index("## Verdict board")]
+    assert "**offload: device bytes fall**: the field's reason" in why and "a measurement" not in why
+    assert "cuda: allocator back to baseline" not in why  # a skip is not a failure
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "evidence"
+
+
+def test_the_committed_schema_1_records_still_render(tmp_path: Path) -> None:
+    report = render_report(FIXTURES, tmp_path / "index.md", title="schema 1")
+    page = report.markdown.read_text()
+    assert report.passed and report.records == len(list(FIXTURES.glob("*.json"))) == 6
+    assert "What failed" not in page and "invalid" not in page.lower().split("## details")[0]
+    context = build_context(FIXTURES, tmp_path / "page", title="t")
+    smoke = next(v for v in context.records if v.name == "smoke").section.tables["checks"].set_index("check")
+    assert smoke.loc["AdamW step changed the adapter", "detail"].endswith("tensors changed")  # v1 measurements.details
+
+
+def test_a_failed_schema_1_check_shows_the_reason_its_measurements_kept(tmp_path: Path) -> None:
+    record = json.loads((FIXTURES / "derivative.json").read_text())
+    first = sorted(record["checks"])[0]
+    record["checks"][first] = False
+    record["passed"] = False
+    record["measurements"]["failures"] = {first: "AssertionError: the v1 reason"}
+    record["digest"] = content_digest(record)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "derivative.json").write_text(json.dumps(record))
+    page = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
+    assert f"**{first}**: AssertionError: the v1 reason" in page[:page.index("## Verdict board")]

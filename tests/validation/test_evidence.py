@@ -151,3 +151,86 @@ def test_a_concurrent_writer_that_wins_with_other_content_is_an_error(tmp_path: 
         write_once(path, mine)
     assert verify(path)["measurements"]["peak_bytes"] == 7
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_the_schema_changelog_names_every_version_up_to_the_one_written() -> None:
+    assert sorted(evidence.SCHEMA_CHANGELOG) == list(range(1, SCHEMA_VERSION + 1)) and SCHEMA_VERSION == 2
+    assert all(evidence.SCHEMA_CHANGELOG[v] and f"- {v}: " in evidence.__doc__ for v in evidence.SCHEMA_CHANGELOG)
+
+
+def _collected() -> evidence.Checks:
+    checks = evidence.Checks()
+    checks.check("bytes freed", True, "0 B left")
+    checks.check("peak within limit", False, "peak 2048 B, limit 1024 B")
+    checks.skip("cuda: allocator back", "no CUDA device")
+    return checks
+
+
+def test_a_schema_2_record_round_trips_checks_details_and_skips(tmp_path: Path) -> None:
+    record = verify(write_once(tmp_path / "r.json", make_record("k", config={}, checks=_collected(), measurements={})))
+    assert record["schema_version"] == 2 and record["passed"] is False
+    assert record["checks"] == {"bytes freed": True, "peak within limit": False}
+    assert record["details"] == {"bytes freed": "0 B left", "peak within limit": "peak 2048 B, limit 1024 B"}
+    assert record["skips"] == {"cuda: allocator back": "no CUDA device"}
+    assert evidence.checks_of(record) == [
+        evidence.Check("bytes freed", True, "0 B left"),
+        evidence.Check("peak within limit", False, "peak 2048 B, limit 1024 B"),
+        evidence.Check("cuda: allocator back", True, "no CUDA device", skipped=True),
+    ]
+    assert [c.name for c in evidence.checks_of(record) if c.failed] == ["peak within limit"]
+
+
+def test_skips_alone_do_not_pass_a_record_and_a_name_is_recorded_once() -> None:
+    checks = evidence.Checks()
+    checks.skip("cuda: allocator back", "no CUDA device")
+    assert make_record("k", config={}, checks=checks, measurements={})["passed"] is False
+    with pytest.raises(ValueError, match="recorded twice"):
+        checks.check("cuda: allocator back", True)
+
+
+def _resealed(record: dict, change) -> dict:
+    """``record`` changed by ``change`` with its digest recomputed: well formed, but inconsistent."""
+    change(record)
+    record["digest"] = evidence.content_digest(record)
+    return record
+
+
+@pytest.mark.parametrize(
+    "what,change,message",
+    [
+        ("passed disagrees", lambda r: r.__setitem__("passed", True), "'passed' disagrees with its checks"),
+        ("a detail without its check", lambda r: r["details"].__setitem__("ghost", "?"), "a detail for exactly"),
+        ("a check without its detail", lambda r: r["details"].pop("bytes freed"), "a detail for exactly"),
+        ("run and skipped", lambda r: r["skips"].__setitem__("bytes freed", "?"), "either run or skipped"),
+        ("a reason that is not text", lambda r: r["details"].__setitem__("bytes freed", 1), "must be text"),
+        ("no skips field", lambda r: r.pop("skips"), r"missing \['skips'\]"),
+        ("an unknown version", lambda r: r.__setitem__("schema_version", 3), "schema_version one of \\[1, 2\\]"),
+    ],
+)
+def test_verify_refuses_an_inconsistent_schema_2_record(tmp_path: Path, what: str, change, message: str) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_resealed(make_record("k", config={}, checks=_collected(), measurements={}), change)))
+    with pytest.raises(EvidenceError, match=message):
+        verify(path)
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "evidence"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.json")))
+def test_the_committed_schema_1_records_still_verify_and_read(name: str) -> None:
+    record = verify(FIXTURES / name)
+    assert record["schema_version"] == 1
+    read = evidence.checks_of(record)
+    ran = [c for c in read if not c.skipped]
+    assert {c.name: c.ok for c in ran} == record["checks"]
+    skipped = record["measurements"].get("skipped_checks", {})
+    assert {c.name: c.detail for c in read if c.skipped} == skipped
+    details = record["measurements"].get("details", {})
+    assert all(c.detail == details[c.name] for c in ran if c.name in details)
+
+
+def test_a_schema_1_reason_is_read_from_failures_before_details() -> None:
+    record = {"schema_version": 1, "checks": {"a": False, "b": True},
+              "measurements": {"failures": {"a": "why a failed"}, "details": {"a": "shadowed", "b": "b held"}}}
+    assert evidence.checks_of(record) == [evidence.Check("a", False, "why a failed"), evidence.Check("b", True, "b held")]
