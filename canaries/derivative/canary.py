@@ -75,8 +75,7 @@ from .machine import explore
 from .scenarios import SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
-from .. import presets
-from ..preset_budget import check_fits
+from ..preset_budget import preset_here
 from ..presets import Preset
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
@@ -227,9 +226,7 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
 def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
     """Run the canary on the preset (its CPU stand-in without CUDA), only ``checks`` when given (Rule 11);
     returns the evidence path."""
-    config = presets.preset(preset).on_this_machine()
-    if config.device == "cuda":
-        check_fits(config, oracle=True)  # prints the estimate; SetupError before any model is built
+    config = preset_here(preset, oracle=True)
     started = time.perf_counter()
     result = judge(config, profile=profile, progress=True, checks=checks)
     path = write_once(evidence_path(out_dir, f"derivative-{config.name}"),

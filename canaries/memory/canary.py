@@ -59,7 +59,7 @@ from validation.evidence import evidence_path, make_record, write_once
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from .. import presets
-from ..preset_budget import check_fits
+from ..preset_budget import preset_here
 from ..presets import PLACEMENTS
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from .lifecycle import (
@@ -244,9 +244,7 @@ def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | Non
     only those run; otherwise the whole canary runs. A failed check is not an
     exception: read ``passed`` in the record.
     """
-    spec = presets.preset(preset).on_this_machine()
-    if spec.device == "cuda":
-        check_fits(spec, oracle=False)  # prints the estimate; SetupError before any model is built
+    spec = preset_here(preset, oracle=False)
     cuda = spec.cuda_checks
     verdicts = Verdicts()
     whole = checks is None or not set(checks) <= set(INTERSECTION_CHECKS)
