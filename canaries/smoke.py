@@ -24,7 +24,7 @@ from reference_trainer.lora import LoRAAdapter, LoRAConfig, freeze
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
 from validation.evidence import SCHEMA_VERSION, Check, Checks, make_record
 
-__all__ = ["Check", "SmokeResult", "run_smoke", "SCHEMA_VERSION", "KIND"]
+__all__ = ["SmokeResult", "run_smoke", "SCHEMA_VERSION", "KIND"]
 
 KIND = "smoke"
 
