@@ -1,7 +1,9 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
-    rtv run [--out DIR] [--gate] [--inject-mutation NAME] [--preset P]
-                                          the main job: smoke, every registered canary (quick), one report
+    rtv run [--preset cpu|gpu|gpu-8b] [--nproc N] [--inject-mutation NAME] [--inject-failure]
+            [--threads N] [--seed S] [--gate] [--out DIR]
+                                          the main job, one path for every preset (canaries.suite):
+                                          smoke, every registered canary, one report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
     rtv report [--in DIR] [--out FILE]
@@ -27,45 +29,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
-from ci.cli import add_gpu_commands, run_with_preset
-from validation.errors import HarnessError, OutOfSpace, SetupError
+from ci.cli import add_gpu_commands
+from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT
 
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
-
-if TYPE_CHECKING:
-    from validation.evidence import Check
+from . import suite
 
 __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
 MUTATION_ENV = "RTV_INJECT_MUTATION"
-RUN_PROFILE = "quick"
-
-
-def _smoke(out: Path, *, seed: int = 0, inject_failure: bool = False) -> Path:
-    from validation.evidence import evidence_path, write_once
-
-    from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
-
-    def show(check: Check) -> None:
-        tqdm.write(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
-
-    result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
-    path = write_once(evidence_path(out, KIND), result.record())
-    failed = sum(not check.ok for check in result.checks)
-    print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
-    print(f"wrote {path}", flush=True)
-    return path
 
 
 def _passed(path: Path) -> bool:
@@ -74,93 +51,18 @@ def _passed(path: Path) -> bool:
     return bool(verify(path)["passed"])
 
 
-# --- rtv run ------------------------------------------------------------------------
-
-
-@contextmanager
-def _threads(threads: int) -> Iterator[None]:
-    """Torch CPU threads for the block (restored after, for in-process callers).
-
-    The CPU canaries' tiny shapes gain nothing from more threads and lose a
-    lot to contention on a busy machine (``rtv run`` took 180 s instead of 20 s
-    with 2 threads on 2 loaded cores).
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextmanager
-def _mutation(name: str | None) -> Iterator[None]:
-    """Negative control for the whole run: the named bug of ``canaries.mutations.catalogue`` stays in while the canaries run."""
-    if name is None:
-        yield
-        return
-    from .mutations.catalogue import mutation
-
-    bug = mutation(name)  # SetupError naming the known ones
-    print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
-    with bug.apply():
-        yield
-
-
 def _run(args: argparse.Namespace) -> int:
-    if (code := run_with_preset(args)) is not None:  # --preset gpu|gpu-8b: ci.gpu_run
-        return code
-    with _threads(args.threads), _mutation(args.inject_mutation):
-        return _run_steps(args)
-
-
-def _run_steps(args: argparse.Namespace) -> int:
-    from validation.evidence import evidence_path
-
-    from .suite import run_canaries
-
-    run_dir = evidence_path(args.out, "run").with_suffix("")  # named like the records it holds
-    run_dir.mkdir(parents=True, exist_ok=False)
-    print(f"rtv run: evidence goes to {run_dir}", flush=True)
-    started = time.perf_counter()
-    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
-    try:
-        smoke = _smoke(run_dir, seed=args.seed, inject_failure=args.inject_failure)
-        outcomes.append(("PASS" if _passed(smoke) else "FAIL", "smoke", str(smoke)))
-    except OutOfSpace:
-        raise  # nothing later could be written either: exit 2 with the fix
-    except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
-        traceback.print_exc()
-        outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
-    for outcome in run_canaries("cpu", RUN_PROFILE, run_dir, gate=args.gate, echo=tqdm.write):
-        outcomes.append(("FAIL" if outcome.fails_run else outcome.state, outcome.label, outcome.where))
-    print("\n== report ==", flush=True)
-    report = None
-    try:
-        from reports import render_report
-
-        report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run {run_dir.name}")
-    except Exception as error:  # noqa: BLE001
-        traceback.print_exc()
-        outcomes.append(("FAIL", "report", f"raised {type(error).__name__}: {error}"))
-    seconds = time.perf_counter() - started
-    print(f"\nrtv run summary ({seconds:.1f} s; SHOWN: a verdict shown, not enforced without --gate):")
-    for state, label, where in outcomes:
-        print(f"  {state:5} {label:28} {where}")
-    failed = [label for state, label, _ in outcomes if state == "FAIL"]
-    print(f"rtv run: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}; everything is in {run_dir}")
-    if report is not None:
-        print(f"report: {report.html}\n  (Markdown: {report.markdown}; {len(report.plots)} plots)")
-    return 0 if not failed else 1
+    """``rtv run``: the one run path of every preset (``canaries.suite.run``)."""
+    request = suite.RunRequest(preset=args.preset, out=args.out, nproc=args.nproc, inject_mutation=args.inject_mutation,
+                         inject_failure=args.inject_failure, threads=args.threads, seed=args.seed, gate=args.gate)
+    return suite.run(request)
 
 
 # --- rtv canary / bench / report ---------------------------------------------------------
 
 
 def _canary_command(args: argparse.Namespace) -> int:
-    with _threads(args.threads):
+    with suite.threads(args.threads):
         path = canary(args.name).run(args.preset, args.profile, args.out)
     passed = _passed(path)
     print(f"rtv canary {args.name}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
@@ -236,10 +138,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="the main job: smoke, every CPU canary, a report",
-        description=f"Run the CPU smoke, every registered canary ({', '.join(CANARIES)}) on the cpu preset "
-        f"and its {RUN_PROFILE} profile, and render a report, all in a new folder under --out. "
-        "Exits 1 if anything failed.",
+        help="the main job: smoke, every canary, a report (any preset)",
+        description=f"Run the smoke, every registered canary ({', '.join(CANARIES)}) on --preset "
+        f"(profile: {', '.join(f'{p} {q}' for p, q in suite.RUN_PROFILES.items())}), and render a report, all in a new "
+        "folder under --out; every flag applies to every preset. Exits 1 if anything failed, 2 when refused "
+        "(a GPU preset without CUDA, --nproc above the GPUs, a mutation that cannot show on the preset).",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./rtv-out)")
     run.add_argument("--seed", type=int, default=0, help="seed for the smoke's weights and tokens (default: 0)")
@@ -259,7 +162,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
     run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
-    run.add_argument("--nproc", type=_positive, default=None, help="processes for the logical-rank parts (default: 1)")
+    run.add_argument("--nproc", type=_positive, default=None,
+                     help="processes for the logical-rank parts (default: the preset's; a GPU preset: at most its GPUs)")
     run.set_defaults(handler=_run)
 
     listing = "\n".join(f"  {c.name:12} {c.summary}" for c in CANARIES.values())

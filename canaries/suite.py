@@ -1,13 +1,29 @@
-"""Every registered canary, one after another, into one run folder: the loop ``rtv run`` uses on every preset.
+"""``rtv run``, the one run path of every preset: smoke, every registered canary, one report, in one new folder.
 
-:func:`run_canaries` runs each canary of ``canaries.registry.CANARIES`` on
-one preset and profile, prints a line per canary as it finishes, and returns
-one :class:`Outcome` per canary. A canary that raises is recorded as failed
-(its traceback printed) and the others still run, with one exception: a
-full disk (:class:`validation.errors.OutOfSpace`) stops the run, since no
-later canary could write its evidence either.
+:func:`run` takes a :class:`RunRequest` (the flags of ``rtv run``) and goes
+through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
 
-Whether an outcome fails the run is :attr:`Outcome.fails_run`: a canary
+1. refusals, before anything is written (exit 2, docs/harness.md#exit-codes):
+   a GPU preset without CUDA (:func:`cuda_devices`, the seam tests stand in
+   for), ``--nproc`` above the visible GPUs, an unknown ``--inject-mutation``
+   or one whose bug cannot show on the preset, and a preset whose memory
+   estimate (``canaries.preset_budget``, with the FP64 oracle beside it)
+   exceeds the device;
+2. inside ``--threads`` torch CPU threads, the ``--nproc`` process count
+   (``canaries.presets.process_count``: an argument all the way, never an
+   environment variable) and the injected mutation, if any: the smoke
+   (``--seed``, ``--inject-failure``), then :func:`run_canaries` on the
+   preset's profile (:data:`RUN_PROFILES`), then the report;
+3. a summary; exit 1 if a step failed, else 0.
+
+The run folder is ``<out>/run-<preset>-<stamp>`` (``validation.evidence.evidence_path``)
+on every preset. :func:`run_canaries` runs each canary of
+``canaries.registry.CANARIES``: one that raises is recorded as failed (its
+traceback printed) and the others still run, except on a full disk
+(:class:`validation.errors.OutOfSpace`), which stops the run, since no later
+step could write its evidence either.
+
+Whether an outcome fails the run is :attr:`CanaryOutcome.fails_run`: a canary
 registered ``enforced`` fails it when its evidence does not say passed;
 a shown-not-enforced canary (the benchmark) fails it only under ``gate``
 (``rtv run --gate``), which also asks the canaries that take it (the learning
@@ -16,21 +32,41 @@ canary's equivalence verdicts) to enforce their comparisons.
 
 from __future__ import annotations
 
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from validation.errors import OutOfSpace
-from validation.evidence import verify
+from tqdm import tqdm
+
+from validation.errors import OutOfSpace, SetupError
+from validation.evidence import DEFAULT_OUT, evidence_path, verify, write_once
 
 from . import registry
 
-__all__ = ["Outcome", "run_canaries"]
+__all__ = ["CanaryOutcome", "RUN_PROFILES", "RunRequest", "cuda_devices", "run", "run_canaries", "threads"]
+
+RUN_PROFILES = {"cpu": "quick", "gpu": "default", "gpu-8b": "default"}  # the depth ``rtv run`` runs each preset at
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RunRequest:
+    """What ``rtv run`` was asked for (its flags, docs/harness.md#commands); the defaults are ``rtv run``'s."""
+
+    preset: str = "cpu"
+    out: Path = DEFAULT_OUT
+    nproc: int | None = None  # processes of the logical-rank parts (None: the preset's own)
+    inject_mutation: str | None = None
+    inject_failure: bool = False
+    threads: int = 1
+    seed: int = 0
+    gate: bool = False
+
+
+@dataclass(frozen=True)
+class CanaryOutcome:
     """One canary's result: its evidence (None when it raised), whether it passed, whether that fails the run."""
 
     name: str
@@ -50,8 +86,132 @@ class Outcome:
         return "FAIL" if self.enforced else "SHOWN"  # a failed verdict the run shows but does not enforce
 
 
+def cuda_devices() -> int:
+    """The CUDA devices this process sees (0 without CUDA): the one CUDA check of the run, a seam for tests."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _require_gpus(preset: str, nproc: int | None) -> None:
+    """:class:`SetupError` for a GPU preset unless CUDA is present with at least ``nproc`` devices."""
+    if preset == "cpu":
+        return
+    import torch
+
+    count = cuda_devices()
+    if count == 0:
+        raise SetupError(f"rtv run --preset {preset}: no CUDA device on this machine (torch {torch.__version__}, "
+                         f"cuda build: {torch.version.cuda})",
+                         fix="run it on a GPU machine (rtv gpu launch ci/gate.sky.yaml), "
+                             "or here with --preset cpu (rtv gpu local ci/gate.sky.yaml does that)")
+    if nproc is not None and nproc > count:
+        raise SetupError(f"rtv run --preset {preset} --nproc {nproc}: expected at most {count} processes, "
+                         f"one per visible GPU, found --nproc {nproc}", fix=f"pass --nproc {count} or fewer")
+
+
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    """Torch CPU threads for the block (restored after, for in-process callers).
+
+    The CPU canaries' tiny shapes gain nothing from more threads and lose a
+    lot to contention on a busy machine (``rtv run`` took 180 s instead of 20 s
+    with 2 threads on 2 loaded cores).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def _mutation(name: str | None, config: object) -> Iterator[None]:
+    """The run's negative control: the named bug of ``canaries.mutations.catalogue`` stays in while the steps run."""
+    if name is None:
+        yield
+        return
+    from .mutations.catalogue import mutation
+
+    bug = mutation(name)  # SetupError naming the known ones
+    if not bug.applies_to(config):
+        raise SetupError(f"mutation {name!r} cannot show on preset {config.name!r} ({bug.description})",  # type: ignore[attr-defined]
+                         fix="pick a mutation that applies to the preset, or another preset")
+    print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
+    with bug.apply():
+        yield
+
+
+def run(request: RunRequest) -> int:
+    """Run ``request`` (module docstring); returns the exit code, raises :class:`SetupError` (exit 2) for a refusal."""
+    from .preset_budget import check_fits
+    from .presets import preset, process_count
+
+    _require_gpus(request.preset, request.nproc)
+    config = preset(request.preset, request.nproc).on_this_machine()
+    check_fits(config, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
+    with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config):
+        return _steps(request)
+
+
+def _smoke(out: Path, *, seed: int, inject_failure: bool) -> Path:
+    from validation.evidence import Check
+
+    from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
+
+    def show(check: Check) -> None:
+        tqdm.write(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+
+    result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
+    path = write_once(evidence_path(out, KIND), result.record())
+    failed = sum(not check.ok for check in result.checks)
+    print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def _steps(request: RunRequest) -> int:
+    run_dir = evidence_path(request.out, f"run-{request.preset}").with_suffix("")  # named like the records it holds
+    run_dir.mkdir(parents=True, exist_ok=False)
+    print(f"rtv run --preset {request.preset}: evidence goes to {run_dir}", flush=True)
+    started = time.perf_counter()
+    outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
+    try:
+        smoke = _smoke(run_dir, seed=request.seed, inject_failure=request.inject_failure)
+        outcomes.append(("PASS" if verify(smoke)["passed"] else "FAIL", "smoke", str(smoke)))
+    except OutOfSpace:
+        raise  # nothing later could be written either: exit 2 with the fix
+    except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
+        traceback.print_exc()
+        outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
+    profile = RUN_PROFILES[request.preset]
+    for outcome in run_canaries(request.preset, profile, run_dir, gate=request.gate, echo=tqdm.write):
+        outcomes.append(("FAIL" if outcome.fails_run else outcome.state, outcome.label, outcome.where))
+    print("\n== report ==", flush=True)
+    report = None
+    try:
+        from reports import render_report
+
+        report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv run {run_dir.name}")
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc()
+        outcomes.append(("FAIL", "report", f"raised {type(error).__name__}: {error}"))
+    seconds = time.perf_counter() - started
+    print(f"\nrtv run summary ({seconds:.1f} s; SHOWN: a verdict shown, not enforced without --gate):")
+    for state, label, where in outcomes:
+        print(f"  {state:5} {label:28} {where}")
+    failed = [label for state, label, _ in outcomes if state == "FAIL"]
+    print(f"rtv run: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}; everything is in {run_dir}")
+    if report is not None:
+        print(f"report: {report.html}\n  (Markdown: {report.markdown}; {len(report.plots)} plots)")
+    return 0 if not failed else 1
+
+
 def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False,
-                 echo: Callable[[str], None] = print) -> list[Outcome]:
+                 echo: Callable[[str], None] = print) -> list[CanaryOutcome]:
     """Run every registered canary on ``preset`` x ``profile`` into ``run_dir`` (module docstring)."""
     outcomes = []
     for canary in registry.CANARIES.values():
@@ -67,7 +227,7 @@ def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False
         except Exception as error:  # noqa: BLE001 - one broken canary must not hide the others (HarnessError too)
             traceback.print_exc()
             passed, where = False, f"raised {type(error).__name__}: {error}"
-        outcome = Outcome(canary.name, label, passed, enforced, where)
+        outcome = CanaryOutcome(canary.name, label, passed, enforced, where)
         echo(f"{outcome.state}  {label}: {where}")
         outcomes.append(outcome)
     return outcomes

@@ -1,7 +1,8 @@
-"""``rtv gpu launch|status|down|receipts|local`` and ``rtv run --preset/--nproc``: the GPU CI part of the command line.
+"""``rtv gpu launch|status|down|receipts|local``: the GPU CI part of the command line.
 
-``canaries.cli`` calls :func:`add_gpu_commands` once and, at the start of
-``rtv run``, :func:`run_with_preset`. SkyPilot (the ``ci`` extra) is
+``canaries.cli`` (the ``rtv`` parser) calls :func:`add_gpu_commands` once;
+nothing here imports ``canaries``: a GPU job runs the harness through its
+command line (the task files call ``rtv run --preset gpu ...``). SkyPilot (the ``ci`` extra) is
 imported only by the commands that talk to it, so ``rtv --help`` stays
 instant; without it they exit 2 with the fix.
 
@@ -17,7 +18,6 @@ Exit codes: docs/harness.md#exit-codes (NOTE [Exit codes] in ``ci.launcher``).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -26,8 +26,7 @@ from typing import Any
 from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT
 
-__all__ = ["add_gpu_commands", "run_with_preset"]
-
+__all__ = ["add_gpu_commands"]
 
 
 def _sky() -> Any:
@@ -155,17 +154,3 @@ def add_gpu_commands(subparsers: Any) -> None:
                        help="the environment the commands use as RTV_VENV (default: the one rtv runs from)")
     local.set_defaults(handler=_guarded(_local))
 
-
-def run_with_preset(args: argparse.Namespace) -> int | None:
-    """``rtv run``'s ``--preset``/``--nproc``: the GPU run's exit code, or None to go on with the CPU run.
-
-    ``--nproc`` (default 1) reaches the canaries as ``RTV_NPROC``; on the CPU
-    preset it is set only when given, so the CPU run is unchanged without it.
-    """
-    from .gpu_run import NPROC_ENV, run_gpu_preset
-
-    if args.preset != "cpu":
-        return run_gpu_preset(args.preset, args.nproc or 1, args.out, environ=os.environ, gate=args.gate)
-    if args.nproc is not None:
-        os.environ[NPROC_ENV] = str(args.nproc)
-    return None

@@ -3,7 +3,10 @@
 :func:`violations` scans the five packages' sources (``ast`` only, nothing
 is imported) and reports, per rule:
 
-- ``layering``: ``reference_trainer`` imports a harness package;
+- ``layering``: ``reference_trainer`` imports a harness package, or ``ci``
+  imports ``canaries`` (:data:`NEVER_IMPORTS`: the harness's top, the ``rtv``
+  command line in ``canaries``, drives ``ci``; a GPU job reaches the canaries
+  through ``rtv run``, issue 22);
 - ``private``: package code imports a private name (``_x``) from another
   module, by ``from m import _x`` or as ``m._x`` on an imported module
   (``reference_trainer.testing`` is the allowed hook; tests are not scanned);
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("reference_trainer", "validation", "canaries", "reports", "ci")
 TRAINER = "reference_trainer"
 HARNESS = ("validation", "canaries", "reports", "ci")
+NEVER_IMPORTS = {TRAINER: HARNESS, "ci": ("canaries",)}  # package -> the packages it never imports
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
 MAX_LINES = 450
 MAX_TRAINER_LINES = 420
@@ -55,8 +59,6 @@ DEFINED_TWICE = {  # name -> why each module keeps its own
     "SCENARIOS": "each canary's own scenario table (derivative, memory), read through its folder's module",
     "LR": "two learning rates with opposite reasons: large for the derivative oracle, small for benchmark stability",
     "VERDICTS": "two verdict vocabularies: paired equivalence (validation.equivalence) and timing (validation.stats)",
-    "NPROC_ENV": "nproc travels as an argument, never through os.environ (issue 22, Build 1 removes both)",
-    "Outcome": "a canary's result (canaries.suite) and a SkyPilot job's (ci.launcher); Build 1 reshapes the run path",
 }
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
@@ -238,8 +240,9 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
             found.append(Violation("size", name, f"{lines} lines, at most {limit}"))
         for target, imported in _imports(name, path, modules):
             top = target.split(".")[0]
-            if name.split(".")[0] == TRAINER and top in HARNESS:
-                found.append(Violation("layering", name, f"imports {target}: the trainer imports nothing of the harness"))
+            if top in NEVER_IMPORTS.get(name.split(".")[0], ()):
+                found.append(Violation("layering", name, f"imports {target}: {name.split('.')[0]} never imports "
+                                                         f"{', '.join(NEVER_IMPORTS[name.split('.')[0]])}"))
             owner = _owner(target, modules)
             if owner is None:
                 continue
@@ -276,6 +279,11 @@ def _params(rule_packages: tuple[str, ...]) -> list:
 
 def test_the_trainer_imports_nothing_of_the_harness() -> None:
     assert _in(TRAINER, "layering") == []
+
+
+def test_ci_imports_nothing_of_canaries() -> None:
+    """The one run path lives in ``canaries``; ``ci`` reaches it through the command line (``rtv run --preset gpu``)."""
+    assert _in("ci", "layering") == []
 
 
 @pytest.mark.parametrize("package", _params(PACKAGES))
@@ -337,13 +345,18 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "canaries/derivative/canary.py", "KIND = 'b'\nPLACEMENTS = ('retain',)\n")
     _write(tmp_path, "validation/f.py", "PLACEMENTS: tuple = ('retain',)\n_PRIVATE = 1\n")  # defined-twice; private ok
     _write(tmp_path, "validation/g.py", "_PRIVATE = 2\n")
+    _write(tmp_path, "ci/__init__.py", "")
+    _write(tmp_path, "ci/run.py", "def f():\n    from canaries.suite import run\n")  # layering: ci -> canaries
+    _write(tmp_path, "canaries/suite.py", "from ci import cli\n")  # allowed: canaries drives ci
+    _write(tmp_path, "ci/cli.py", "")
     _write(tmp_path, "canaries/registry.py", "Canary(name='derivative', module='canaries.derivative.canary')\n"
                                              "Canary(name='memory', module='canaries.memory_canary')\n")  # canary-folder
 
-    found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation", "canaries"))}
+    found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation", "canaries", "ci"))}
 
     assert found == {
         ("layering", "reference_trainer.core"),
+        ("layering", "ci.run"),
         ("size", "reference_trainer.trainer"),
         ("private", "validation.a"),
         ("private", "validation.c"),

@@ -17,7 +17,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from canaries import cli, smoke
+from canaries import cli, smoke, suite
 from canaries.cli import main
 from canaries.registry import CANARIES, PRESET_NAMES, Canary
 from validation.errors import CheckFailed
@@ -243,16 +243,30 @@ def test_a_shown_verdict_fails_the_run_only_under_gate(
     assert ("FAIL  canary benchmark (quick)" if gate else "SHOWN canary benchmark (quick)") in stdout
 
 
+@pytest.mark.parametrize("preset", ["cpu", "gpu"], ids=["preset-cpu", "preset-gpu"])  # "gpu" alone is a marker
 def test_a_mutation_left_in_fails_the_run_and_tops_the_report_with_its_reason(
-    tmp_path: Path, quick_smoke: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    preset: str, tmp_path: Path, quick_smoke: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The negative control of ``rtv run`` itself, with the real derivative canary and a real bug of the mutation suite."""
+    """The negative control of ``rtv run`` itself, with the real derivative canary and a real bug of the mutation suite.
+
+    ``gpu`` goes through the same run function: its CUDA check stood in by the
+    seam ``suite.cuda_devices``, the canary's shapes swapped for CPU ones as
+    ``rtv canary --preset gpu`` does here, and its profile the quick one (the
+    ``default`` the GPU run uses takes 20 s here, for the same verdict).
+    """
     monkeypatch.setattr("canaries.registry.CANARIES", {"derivative": REAL["derivative"]})
-    monkeypatch.setenv(cli.MUTATION_ENV, "staleness_off_by_one")
-    assert main(["run", "--out", str(tmp_path)]) == 1
+    if preset == "gpu":
+        monkeypatch.setattr(suite, "cuda_devices", lambda: 2)
+        monkeypatch.setitem(suite.RUN_PROFILES, "gpu", "quick")
+        argv = ["run", "--preset", "gpu", "--inject-mutation", "staleness_off_by_one"]
+    else:
+        monkeypatch.setenv(cli.MUTATION_ENV, "staleness_off_by_one")
+        argv = ["run"]
+    assert main([*argv, "--out", str(tmp_path)]) == 1
     stdout = capsys.readouterr().out
     assert "mutation 'staleness_off_by_one' left in on purpose" in stdout
     assert "rtv run: FAILED: canary derivative (quick)" in stdout
+    assert only_run_dir(tmp_path).name.startswith(f"run-{preset}-")
     html_path = Path(stdout.rsplit("report: ", 1)[1].split()[0])
     page = html_path.with_suffix(".md").read_text()
     (derivative,) = only_run_dir(tmp_path).glob("derivative-*.json")

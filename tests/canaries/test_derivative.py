@@ -23,7 +23,7 @@ from canaries.derivative.machine import explore
 from canaries.derivative import scenarios as derivative_scenarios
 from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation, run_scenario
 from canaries.derivative.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
-from canaries.presets import preset
+from canaries.presets import preset, process_count
 from canaries.registry import canary
 from reference_trainer import trainer as trainer_module
 from validation.errors import SetupError
@@ -231,11 +231,18 @@ def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> No
     assert ratios[torch.float32] == pytest.approx(ratios[torch.bfloat16], rel=1e-2), ratios
 
 
-def test_rtv_nproc_sets_the_processes_and_logical_dp_follows() -> None:
-    assert preset("gpu", environ={}).processes == 2
-    eight = preset("gpu", environ={"RTV_NPROC": "8"})
+def test_nproc_sets_the_processes_and_logical_dp_follows() -> None:
+    """``rtv run --nproc``: an argument of ``preset``, or the scope of one run (``process_count``), never the environment."""
+    assert preset("gpu").processes == 2
+    eight = preset("gpu", processes=8)
     assert (eight.processes, eight.logical_dp) == (8, 8)
-    assert (preset("cpu", environ={"RTV_NPROC": "2"}).logical_dp) == 2
-    with pytest.raises(SetupError, match="RTV_NPROC"):
-        preset("gpu", environ={"RTV_NPROC": "two"})
+    assert (preset("cpu", processes=2).logical_dp) == 2
+    with process_count(3):
+        with process_count(None):  # a nested scope without a count keeps the run's
+            assert (preset("gpu").processes, preset("gpu").logical_dp) == (3, 3)
+        assert preset("gpu", processes=1).processes == 1, "an explicit count wins over the scope"
+    assert preset("gpu").processes == 2, "the scope ends with its block"
+    for bad in (0, True, "2"):
+        with pytest.raises(SetupError, match="expected a positive int"):
+            preset("gpu", processes=bad)
 

@@ -1,0 +1,126 @@
+"""``rtv run`` on every preset through the one run function (``canaries.suite.run``).
+
+A GPU preset refuses without CUDA (exit 2, with the reason); with the CUDA
+check stood in by its seam (``canaries.suite.cuda_devices``) it runs the same
+steps as ``cpu``: smoke, every registered canary, one report, in a
+``run-<preset>-...`` folder, every flag honoured. The canaries here are
+registered fakes that record what they were given; the mutation left in with
+the real derivative canary is in ``test_cli.py`` (on ``cpu`` and ``gpu``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from canaries import presets, registry, smoke, suite
+from canaries.cli import main
+from validation.evidence import evidence_path, make_record, verify, write_once
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("preset", ["gpu", "gpu-8b"], ids=["preset-gpu", "preset-gpu-8b"])  # "gpu" alone is a marker
+def test_a_gpu_preset_without_cuda_exits_2_with_the_reason(preset, tmp_path, capsys):
+    assert main(["run", "--preset", preset, "--nproc", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "fix:" in err and "--preset cpu" in err
+    assert not any(tmp_path.iterdir()), "nothing may be written when the run is refused"
+
+
+class FakeCanary:
+    """A registered stand-in: records the preset, profile, folder, process count and torch threads it ran with."""
+
+    def __init__(self, name: str, *, passed: bool = True, enforced: bool = True, raises: bool = False) -> None:
+        self.name, self.passed, self.enforced, self.raises = name, passed, enforced, raises
+        self.takes_gate = False
+        self.calls: list[tuple] = []
+
+    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
+        processes = presets.preset(preset).processes  # how a real canary reads --nproc
+        self.calls.append((preset, profile, Path(out_dir), processes, torch.get_num_threads()))
+        if self.raises:
+            raise RuntimeError("the canary broke")
+        record = make_record(f"canary-{self.name}", config={}, checks={"ok": self.passed}, measurements={})
+        return write_once(evidence_path(out_dir, f"canary-{self.name}"), record)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's CUDA check stood in: two GPUs seen (the canaries' shapes still swap for CPU ones without CUDA)."""
+    monkeypatch.setattr(suite, "cuda_devices", lambda: 2)
+
+
+@pytest.fixture
+def smokes(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """A smoke stand-in that records its arguments and fails one check under ``inject_failure``, as the real one does."""
+    calls: list[dict] = []
+
+    def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
+        calls.append({"seed": seed, "inject_failure": inject_failure})
+        record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": not inject_failure}, measurements={})
+        return SimpleNamespace(checks=[], record=lambda: record)
+
+    monkeypatch.setattr(smoke, "run_smoke", quick)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("canaries", "code"),
+    [
+        ([FakeCanary("a"), FakeCanary("b")], 0),
+        ([FakeCanary("a"), FakeCanary("b", passed=False)], 1),
+        ([FakeCanary("a"), FakeCanary("b", passed=False, enforced=False)], 0),
+        ([FakeCanary("a", raises=True), FakeCanary("b")], 1),
+    ],
+)
+def test_every_registered_canary_runs_on_the_gpu_preset(two_gpus, smokes, monkeypatch, tmp_path, canaries, code):
+    monkeypatch.setattr(registry, "CANARIES", {c.name: c for c in canaries})
+    assert main(["run", "--preset", "gpu", "--nproc", "2", "--out", str(tmp_path)]) == code
+    (run_dir,) = tmp_path.glob("run-gpu-*")
+    for canary in canaries:
+        ((preset, profile, out_dir, nproc, _),) = canary.calls
+        assert (preset, profile, nproc, out_dir) == ("gpu", "default", 2, run_dir)
+    assert smokes and list(run_dir.glob("smoke-*.json")), "the smoke runs on every preset"
+    assert (run_dir / "report" / "index.md").exists()
+
+
+def test_more_processes_than_gpus_exits_2(two_gpus, tmp_path, capsys):
+    assert main(["run", "--preset", "gpu", "--nproc", "4", "--out", str(tmp_path)]) == 2
+    assert "--nproc 2 or fewer" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu", "gpu-8b"], ids=["preset-cpu", "preset-gpu", "preset-gpu-8b"])
+def test_every_flag_is_honoured_on_every_preset(preset, two_gpus, smokes, monkeypatch, tmp_path, capsys):
+    """``--nproc``, ``--threads``, ``--seed``, ``--inject-failure`` reach the steps on ``cpu`` and the GPU presets alike."""
+    fake = FakeCanary("a")
+    monkeypatch.setattr(registry, "CANARIES", {"a": fake})
+    monkeypatch.delenv("RTV_NPROC", raising=False)
+    environ = dict(os.environ)
+    argv = ["run", "--preset", preset, "--nproc", "2", "--threads", "3", "--seed", "7", "--inject-failure"]
+    assert main([*argv, "--out", str(tmp_path)]) == 1, "the injected smoke failure fails the run"
+    ((_, profile, _, nproc, threads),) = fake.calls
+    assert (profile, nproc, threads) == (suite.RUN_PROFILES[preset], 2, 3)
+    assert smokes == [{"seed": 7, "inject_failure": True}]
+    (smoke_record,) = tmp_path.glob(f"run-{preset}-*/smoke-*.json")
+    assert verify(smoke_record)["config"]["seed"] == 7
+    assert "rtv run: FAILED: smoke" in capsys.readouterr().out
+    assert dict(os.environ) == environ, "nothing travels through the environment"
+    assert presets.preset(preset).processes == presets.PRESETS[preset].processes, "the count ends with the run"
+
+
+def test_a_mutation_that_cannot_show_on_the_preset_is_a_usage_error(two_gpus, tmp_path, capsys):
+    """``replay_without_rng`` needs dropout; the GPU presets have none: exit 2, never a run that ignores the flag."""
+    assert main(["run", "--preset", "gpu", "--inject-mutation", "replay_without_rng", "--out", str(tmp_path)]) == 2
+    assert "cannot show on preset 'gpu'" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_a_preset_over_the_device_memory_is_refused_before_anything_is_written(two_gpus, monkeypatch, tmp_path, capsys):
+    from canaries import preset_budget
+
+    monkeypatch.setattr(preset_budget, "device_bytes", lambda device: 10**6)
+    assert main(["run", "--preset", "gpu", "--out", str(tmp_path)]) == 2
+    assert "the device has 0.0 GB" in capsys.readouterr().err and not any(tmp_path.iterdir())
