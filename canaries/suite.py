@@ -42,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
-from validation.evidence import DEFAULT_OUT, evidence_path, verify, write_once
+from validation.evidence import DEFAULT_OUT, Check, evidence_path, verify, write_once
 
 from . import registry
 
@@ -158,8 +158,6 @@ def run(request: RunRequest) -> int:
 
 
 def _smoke(out: Path, *, seed: int, inject_failure: bool) -> Path:
-    from validation.evidence import Check
-
     from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
 
     def show(check: Check) -> None:
