@@ -198,13 +198,17 @@ class GradientTransaction:
                 done.append((staged, staged.old))
             self.agree(None)
         except BaseException:
-            for staged, old in reversed(done):
-                self._sink.assign(staged.checkpoint, staged.name, old)
+            self._rollback(done)
             raise
         for name, origins in self._origins.items():
             self._sink.record_origins(self._checkpoints(name), origins)
         self._record_norms()
         self.discard()
+
+    def _rollback(self, done: list[tuple[_Staged, torch.Tensor | None]]) -> None:
+        """Put back what each assignment in ``done`` replaced, latest first (Rule 3)."""
+        for staged, old in reversed(done):
+            self._sink.assign(staged.checkpoint, staged.name, old)
 
     def _record_norms(self) -> None:
         """Tell the sink each checkpoint's norm: its new gradients are the tensors measured (NOTE [Gradient norm])."""

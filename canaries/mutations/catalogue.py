@@ -27,7 +27,6 @@ from reference_trainer import planner as planner_module
 from reference_trainer import residency as residency_module
 from reference_trainer import sinks as sinks_module
 from reference_trainer import staleness as staleness_module
-from reference_trainer import seams
 from reference_trainer.admission import Admission
 from reference_trainer.checkpoints import Checkpoint, WeightCapture
 from reference_trainer.commit import GradientTransaction
@@ -79,18 +78,6 @@ def _stale_weights() -> Iterator[None]:
     with mock.patch.object(Checkpoint, "_copy_on_write", lambda self: None), \
             mock.patch.object(WeightCapture, "check_ledger", lambda self: None):
         yield
-
-
-def _publish_without_rollback(self: GradientTransaction) -> None:
-    """``GradientTransaction.publish`` that leaves earlier assignments in place when a later one fails."""
-    for index, staged in enumerate(self._staged.values()):
-        old = self._sink.current(staged.checkpoint, staged.name)
-        seams.maybe_fail("publish", index)
-        self._sink.assign(staged.checkpoint, staged.name, staged.value if old is None else old + staged.value)
-    self.agree(None)
-    for name, origins in self._origins.items():
-        self._sink.record_origins(self._checkpoints(name), origins)
-    self.discard()
 
 
 @contextlib.contextmanager
@@ -208,7 +195,7 @@ MUTATIONS: dict[str, Mutation] = {
                                                   lambda state, model: contextlib.nullcontext()),
                  "scenario:stale_exact", needs_dropout=True),
         Mutation("partial_commit", "a failure during publication keeps the gradients already published (no "
-                 "rollback)", "derivative", _patched(GradientTransaction, "publish", _publish_without_rollback),
+                 "rollback)", "derivative", _patched(GradientTransaction, "_rollback", lambda self, done: None),
                  "scenario:faults"),
         Mutation("commit_non_finite", "the commit's validation skips the finiteness check (a first NaN backward "
                  "commits)", "derivative", _patched(commit_module, "first_non_finite", lambda staged, norms: None),
