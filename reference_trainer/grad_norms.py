@@ -59,10 +59,14 @@ class KnownNorm:
 
     def matches(self, grads: Sequence[torch.Tensor]) -> bool:
         """True iff ``grads`` are the measured tensors, in order, none modified since (Rule 3)."""
-        return len(grads) == len(self._refs) and all(
+        return self._same_count(grads) and all(
             ref() is grad and grad._version == version
             for ref, grad, version in zip(self._refs, grads, self._versions)
         )
+
+    def _same_count(self, grads: Sequence[torch.Tensor]) -> bool:
+        """As many tensors as were measured: a set that shrank (a ``.grad`` dropped) is measured again."""
+        return len(grads) == len(self._refs)
 
     def tensor(self) -> torch.Tensor:
         """The norm as ``total_norm`` returned it (a float holds an FP32 or BF16 value exactly)."""
