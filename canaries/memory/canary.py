@@ -38,9 +38,9 @@ offload's device bytes down to replay's floor, and ``max_memory_allocated``
 within the admitted budget. Elsewhere those checks are reported as skipped.
 
 The lifecycle points live in ``canaries.memory.lifecycle``; this module holds
-admission and the entry point :func:`run` (``canaries.registry``'s
-signature; every profile runs the same checks, which take seconds). It
-prints a line per check and writes one write-once evidence record. Its
+admission and the entry point :func:`judge` (``canaries.registry``'s
+interface; every profile runs the same checks, which take seconds). The
+registry writes its one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
 ``canaries.mutations.catalogue``; the mutation suite may ask for the
 intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4).
