@@ -78,8 +78,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    path = benchmark.run(args.preset, args.profile, run_dir, gate=args.gate, target=args.target,
-                         threads=args.threads, progress=True)
+    judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
+                             progress=True)
+    path = canary("benchmark").record(args.preset, judged, run_dir)
     report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv bench {run_dir.name}")
     record = verify(path)
     for group in record["measurements"]["groups"]:

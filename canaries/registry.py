@@ -1,38 +1,62 @@
-"""The canary spine: one interface, one registry.
+"""The canary spine: one interface, one registry, one way a canary's evidence is written.
 
-A canary is a module ``canaries.<name>`` with one entry point::
+A canary is a module ``canaries.<name>`` that supplies only what is its own::
 
-    def run(preset: str, profile: str, out_dir: Path) -> Path
+    def judge(preset: str, profile: str) -> Judged
 
 ``preset`` is one of :data:`PRESET_NAMES` (a GPU preset on a machine without CUDA
 either runs its CPU stand-in and says so in the evidence, or raises
 ``validation.errors.SetupError`` when it cannot); ``profile`` is one of
 :data:`PROFILES` (``quick`` for ``rtv run`` and the test suite, ``default``
-for ``rtv canary NAME``, ``nightly`` for deep runs). It writes one
-write-once evidence record (``validation.evidence.make_record`` at
-``validation.evidence.evidence_path``) and returns its path; a failed check
-is a ``passed: false`` record, never an exception.
+for ``rtv canary NAME``, ``nightly`` for deep runs). A canary that takes
+``gate=True`` or ``checks=`` accepts them as keywords (:class:`Canary`).
+:func:`judge` returns a :class:`Judged`: the record's kind and config, its
+checks (the ``validation.evidence.Checks`` collector, details and skips
+included) and its measurements. A failed check is a failed check in there,
+never an exception. The canary prints its own PASS/FAIL lines as it goes.
 
-Adding a canary is one module plus one line in :data:`CANARIES`. Modules are
-imported only when a canary runs, so ``rtv --help`` stays instant.
-``rtv canary``, ``rtv run`` and the mutation suite all go through here.
+:meth:`Canary.run` does the part every canary shares, once: it checks the
+preset and profile names, calls ``judge``, writes one schema-2 write-once
+record (``validation.evidence.make_record``) at
+``validation.evidence.evidence_path(out_dir, "<name>-<preset>")``, prints
+the verdict and the path, and returns the path. :meth:`Canary.record` is
+that tail alone, for callers that judge with options of their own
+(``rtv bench``'s clock and threads, the mutation suite on some mutations,
+the learning canary's tiny test plans).
+
+Adding a canary is one module with ``judge`` plus one line in
+:data:`CANARIES`. Modules are imported only when a canary runs, so
+``rtv --help`` stays instant. ``rtv canary``, ``rtv run`` and the mutation
+suite all go through here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from validation.errors import SetupError
+from validation.evidence import Checks, evidence_path, make_record, write_once
 
-__all__ = ["Canary", "CANARIES", "PRESET_NAMES", "PROFILES", "canary"]
+__all__ = ["Canary", "CANARIES", "Judged", "PRESET_NAMES", "PROFILES", "canary"]
 
 # The names of ``canaries.presets.PRESETS``, written here so ``rtv --help`` needs no torch
 # (tests/canaries/test_cli.py checks they agree).
 PRESET_NAMES = ("cpu", "gpu", "gpu-8b")
 PROFILES = ("quick", "default", "nightly")
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What a canary's ``judge`` found: the record's ``kind`` and ``config``, its ``checks``, its ``measurements``."""
+
+    kind: str
+    config: Mapping[str, Any]
+    checks: Checks
+    measurements: Mapping[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +66,9 @@ class Canary:
     ``enforced``: whether ``rtv run`` fails (exit 1) when this canary's
     evidence says failed. Correctness canaries are enforced; comparisons
     whose verdicts are shown rather than gated (throughput) are not, unless
-    the user asks with ``--gate``. ``takes_gate``: the module's ``run``
+    the user asks with ``--gate``. ``takes_gate``: the module's ``judge``
     also accepts ``gate=True`` (enforce its comparisons, not only show them).
-    ``takes_checks``: the module's ``run`` also accepts ``checks=`` (the
+    ``takes_checks``: the module's ``judge`` also accepts ``checks=`` (the
     names of the only checks to run; the mutation suite's focused runs,
     NOTE [Mutation verdicts] Rule 4).
     """
@@ -59,9 +83,8 @@ class Canary:
     def run(
         self, preset: str, profile: str, out_dir: Path, *, gate: bool = False, checks: Sequence[str] | None = None
     ) -> Path:
-        """Run the canary (only ``checks``, when given); returns its evidence path (see the module docstring)."""
-        if preset not in PRESET_NAMES:
-            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
+        """Judge the canary (only ``checks``, when given) and write its record; returns the path (module docstring)."""
+        self._check_preset(preset)
         if profile not in PROFILES:
             raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
         if gate and not self.takes_gate:
@@ -71,7 +94,39 @@ class Canary:
         options: dict[str, object] = {"gate": True} if gate else {}
         if checks is not None:
             options["checks"] = tuple(checks)
-        return importlib.import_module(self.module).run(preset, profile, Path(out_dir), **options)
+        return self.record(preset, self._judge()(preset, profile, **options), out_dir)
+
+    def record(self, preset: str, judged: Judged, out_dir: Path) -> Path:
+        """Write ``judged`` as one schema-2 record of this canary on ``preset``; print the verdict; return the path."""
+        self._check_preset(preset)
+        if not isinstance(judged, Judged):
+            raise SetupError(f"canary {self.name!r}: expected judge to return a Judged, found {type(judged).__name__}",
+                             fix=f"return canaries.registry.Judged(kind, config, checks, measurements) from {self.module}.judge")
+        record = make_record(judged.kind, config=judged.config, checks=judged.checks,
+                             measurements=judged.measurements)
+        path = write_once(evidence_path(Path(out_dir), f"{self.name}-{preset}"), record)
+        ran = [c for c in judged.checks if not c.skipped]
+        failed = [c for c in ran if not c.ok]
+        verdict = "PASSED" if record["passed"] else f"FAILED ({len(failed)} of {len(ran)} checks)"
+        print(f"{self.name} canary: {verdict}; {len(judged.checks) - len(ran)} skipped", flush=True)
+        print(f"wrote {path}", flush=True)
+        return path
+
+    def _check_preset(self, preset: str) -> None:
+        if preset not in PRESET_NAMES:
+            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
+
+    def _judge(self) -> Any:
+        """The module's ``judge``; :class:`SetupError` for a module without one (an old-style ``run`` included)."""
+        module = importlib.import_module(self.module)
+        judge = getattr(module, "judge", None)
+        if not callable(judge):
+            found = "an old-style run(preset, profile, out_dir)" if hasattr(module, "run") else "no judge"
+            raise SetupError(f"canary {self.name!r}: expected {self.module}.judge(preset, profile) -> Judged, "
+                             f"found {found}",
+                             fix="give the module judge(preset, profile) returning canaries.registry.Judged; "
+                                 "the registry writes the record")
+        return judge
 
 
 CANARIES: dict[str, Canary] = {

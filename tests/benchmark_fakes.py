@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from canaries.benchmark import canary as benchmark
+from canaries.registry import canary
 from canaries.benchmark.arms import TimedArm, TimedWorkload
 from validation.evidence import verify
 
@@ -65,6 +66,5 @@ def tiny_plan(preset: str, profile: str) -> benchmark.Plan:
 
 def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:
     machine = FakeMachine(costs, real_steps)
-    path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=machine.build,
-                         **kwargs)
-    return verify(path)
+    judged = benchmark.judge("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=machine.build, **kwargs)
+    return verify(canary("benchmark").record("cpu", judged, tmp_path))

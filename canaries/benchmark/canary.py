@@ -1,6 +1,6 @@
 """The benchmark: versioned-trainer arms against a plain PyTorch step, in alternating blocks, with gates.
 
-``run(preset, profile, out_dir)`` (the canary interface, ``canaries.registry``)
+``judge(preset, profile)`` (the canary interface, ``canaries.registry``)
 builds the arms of :func:`plan` (``canaries.benchmark.arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,13 +36,14 @@ from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
 from validation.errors import SetupError
-from validation.evidence import Checks, evidence_path, make_record, write_once
+from validation.evidence import Checks
 
 from . import profiling
 from ..presets import PLACEMENT_REQUESTS
+from ..registry import Judged
 from .arms import TimedArm, TimedWorkload, arm_name, base_model, device_clock, plain_arm, versioned_arm
 
-__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "run", "TARGET_RATIO", "KIND"]
+__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "judge", "TARGET_RATIO", "KIND"]
 
 KIND = "benchmark"
 TARGET_RATIO = 1.03
@@ -272,11 +272,15 @@ def _verdict_detail(comparison: dict) -> str:
             f"over {comparison['blocks']} blocks")
 
 
-def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target: float | None = None,
-        threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
-        load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms) -> Path:
-    """Run the benchmark of ``preset`` x ``profile``; returns the evidence path (module docstring).
+def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
+          threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
+          load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms) -> Judged:
+    """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
+    The keywords are for ``rtv bench`` and the tests, which judge with them and
+    write through ``canaries.registry.Canary.record``; the registry's own
+    ``run`` passes none (the benchmark is not registered ``takes_gate``: its
+    ``gate`` is the width of the equivalence band, not the run's ``--gate``).
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
     reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
     makes a group's arms (tests fake all three). Raises :class:`SetupError` for an unknown preset or a bad gate.
@@ -292,13 +296,12 @@ def run(preset: str, profile: str, out_dir: Path, *, gate: float = 0.05, target:
                              build=build) for g in plan_.groups]
     finally:
         torch.set_num_threads(before)
-    record = make_record(
+    return Judged(
         KIND,
-        config={"preset": preset, "profile": profile, "gate": gate, "target": target, "target_reported": TARGET_RATIO,
-                "threads": threads, "seed": seed, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s,
-                "warmup_blocks": WARMUP_BLOCKS, "swapped_for_cpu": plan_.swapped,
-                "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)), "note": NOISE_NOTE},
-        checks=_checks(groups, gate, target),
-        measurements={"groups": groups, "seconds": time.perf_counter() - started},
+        {"preset": preset, "profile": profile, "gate": gate, "target": target, "target_reported": TARGET_RATIO,
+         "threads": threads, "seed": seed, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s,
+         "warmup_blocks": WARMUP_BLOCKS, "swapped_for_cpu": plan_.swapped,
+         "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)), "note": NOISE_NOTE},
+        _checks(groups, gate, target),
+        {"groups": groups, "seconds": time.perf_counter() - started},
     )
-    return write_once(evidence_path(out_dir, KIND), record)

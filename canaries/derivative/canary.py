@@ -3,8 +3,9 @@
 The judging is ``canaries.derivative.oracle_harness`` (Rules 1-6 below); the
 fixed scenarios and the logical-rank check are ``canaries.derivative.scenarios``,
 the intersection checks ``canaries.derivative.intersections`` (Rule 10),
-the exploration ``canaries.derivative.machine``. :func:`run` is the registry's
-entry point (``canaries.registry``): it writes one write-once evidence record.
+the exploration ``canaries.derivative.machine``. :func:`judge` is the registry's
+entry point (``canaries.registry``, which writes the record); :func:`examine`
+judges a preset already resolved, with the negative control's ``bound_cap``.
 
 NOTE [Derivative canary]
   1. Forward: outputs carry the current version; forced placements are
@@ -62,12 +63,11 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
 from validation.errors import SetupError
-from validation.evidence import Checks, evidence_path, make_record, write_once
+from validation.evidence import Checks
 from validation.profiles import EXPLORATION
 
 from .intersections import INTERSECTIONS
@@ -77,9 +77,10 @@ from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from ..preset_budget import preset_here
 from ..presets import Preset
+from ..registry import Judged
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
-           "check_names", "CanaryResult", "claimed_cells", "judge", "run"]
+           "check_names", "CanaryResult", "claimed_cells", "examine", "judge"]
 
 KIND = "derivative-canary"
 MIN_BACKPROPAGATING = 0.9
@@ -143,7 +144,7 @@ def check_names(config: Preset) -> list[str]:
             BACKPROPAGATING_CHECK, COVERAGE_CHECK]
 
 
-def judge(
+def examine(
     config: Preset,
     *,
     profile: str = "quick",
@@ -223,31 +224,27 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
                           f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
 
 
-def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
-    """Run the canary on the preset (its CPU stand-in without CUDA), only ``checks`` when given (Rule 11);
-    returns the evidence path."""
+def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> Judged:
+    """The registry's entry point: the canary on the preset (its CPU stand-in without CUDA), only ``checks``
+    when given (Rule 11); prints a PASS/FAIL line per check."""
     config = preset_here(preset, oracle=True)
     started = time.perf_counter()
-    result = judge(config, profile=profile, progress=True, checks=checks)
-    path = write_once(evidence_path(out_dir, f"derivative-{config.name}"),
-                      _record(result, config, profile, time.perf_counter() - started, checks))
+    result = examine(config, profile=profile, progress=True, checks=checks)
     for name, ok in result.checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
-    print(f"derivative canary {'PASSED' if result.passed else 'FAILED'}: {path}", flush=True)
-    return path
+    return _judged(result, config, profile, time.perf_counter() - started, checks)
 
 
-
-def _record(result: CanaryResult, config: Preset, profile: str, seconds: float, checks: Sequence[str] | None) -> dict:
+def _judged(result: CanaryResult, config: Preset, profile: str, seconds: float, checks: Sequence[str] | None) -> Judged:
     m = result.measured
     stale = sum(n for (staleness, *_), n in m.cells.items() if staleness > 0)
-    return make_record(
+    return Judged(
         KIND,
-        config={"preset": config.describe(), "profile": profile, "checkpoint_kinds": list(checkpoint_kinds(config)),
+        {"preset": config.describe(), "profile": profile, "checkpoint_kinds": list(checkpoint_kinds(config)),
                 "tolerances": TOLERANCES[config.model.dtype].__dict__, "learning_rate": LR,
                 "checks": None if checks is None else list(checks)},
-        checks=result.recorded,
-        measurements={
+        result.recorded,
+        {
             "examples": result.examples,
             "examples_backpropagated": result.examples_backpropagated,
             "ops": m.ops,

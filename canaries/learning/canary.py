@@ -26,8 +26,9 @@ more seeds; on a machine without CUDA it runs the CPU shapes and seeds and
 says so); ``gpu-8b`` is refused (:class:`SetupError`): a matched-schedule
 comparison of ten arms over several seeds does not fit an 8B model's budget.
 
-Entry point: :func:`run` (``canaries.registry``); :func:`run_plan` runs any
-:class:`LearningPlan` (the tests use tiny ones).
+Entry point: :func:`judge` (``canaries.registry``, which writes the record);
+:func:`judge_plan` judges any :class:`LearningPlan` (the tests use tiny ones
+and write them with ``canaries.registry.Canary.record``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -50,9 +50,11 @@ from canaries.learning.arms import ARMS, Arm, ArmRun, initial_metric, run_arm
 from canaries.learning.summary import summarize_workload
 from canaries.learning.workloads import NextByteWorkload, PatternRLWorkload, Schedule, Workload
 from validation.errors import SetupError
-from validation.evidence import Checks, checks_of, evidence_path, make_record, write_once
+from validation.evidence import Checks
 
-__all__ = ["KIND", "SEEDS", "LearningPlan", "cpu_workloads", "plan", "run", "run_plan", "tiny_plan"]
+from ..registry import Judged
+
+__all__ = ["KIND", "SEEDS", "LearningPlan", "cpu_workloads", "judge", "judge_plan", "plan", "tiny_plan"]
 
 KIND = "learning"
 SEEDS = {"cpu": {"quick": 3, "default": 5, "nightly": 10}, "gpu": {"quick": 3, "default": 8, "nightly": 16}}
@@ -170,9 +172,9 @@ def tiny_plan(*, seeds: Sequence[int] = (0, 1), arms: Sequence[str] | None = Non
                         arms=tuple(a for a in ARMS if a.name in names), notes=("tiny test configuration",))
 
 
-def run(preset: str, profile: str, out_dir: Path, *, gate: bool = False) -> Path:
-    """Run the canary (``canaries.registry`` interface); returns the evidence path."""
-    return run_plan(plan(preset, profile, gate=gate), out_dir)
+def judge(preset: str, profile: str, *, gate: bool = False) -> Judged:
+    """The registry's entry point: :func:`judge_plan` of :func:`plan`."""
+    return judge_plan(plan(preset, profile, gate=gate))
 
 
 def _precondition(workload: Workload, seeds: Sequence[int]) -> dict:
@@ -236,8 +238,8 @@ def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | No
     return entry
 
 
-def run_plan(plan_: LearningPlan, out_dir: Path) -> Path:
-    """Train and judge every workload of ``plan_``; write one evidence record and return its path."""
+def judge_plan(plan_: LearningPlan) -> Judged:
+    """Train and judge every workload of ``plan_``; prints its verdicts and failed checks."""
     start = time.perf_counter()
     checks = Checks()
     with _pool(plan_.workers) as pool:
@@ -247,23 +249,19 @@ def run_plan(plan_: LearningPlan, out_dir: Path) -> Path:
         shown = [s["arm"] for s in sensitivity if s["meets_and_worse"]]
         checks.check("sensitivity: a broken arm meets its criterion and is still judged worse", bool(shown),
                      f"shown by {shown}" if shown else "no broken arm both meets its criterion and is judged worse")
-    measurements = {"workloads": workloads, "wall_s": time.perf_counter() - start}
-    record = make_record(KIND, config=plan_.describe(), checks=checks, measurements=measurements)
-    path = write_once(evidence_path(out_dir, KIND), record)
-    _print_summary(record, path)
-    return path
+    judged = Judged(KIND, plan_.describe(), checks, {"workloads": workloads, "wall_s": time.perf_counter() - start})
+    _print_summary(judged)
+    return judged
 
 
-def _print_summary(record: dict, path: Path) -> None:
-    for name, workload in record["measurements"]["workloads"].items():
+def _print_summary(judged: Judged) -> None:
+    for name, workload in judged.measurements["workloads"].items():
         for verdict in workload.get("verdicts", []):
             if verdict["metric"] == "final":
                 print(f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
                       f"(final, mean difference {verdict['mean_difference']:+.4f}, 90% CI "
                       f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f})")
-    for check in checks_of(record):
+    for check in judged.checks:
         if check.failed:
             print(f"learning: FAILED {check.name}: {check.detail}")
-    status = "passed" if record["passed"] else "FAILED"
-    print(f"learning: {status} in {record['measurements']['wall_s']:.1f} s; evidence {path}")
-
+    print(f"learning: {'passed' if judged.checks.passed else 'FAILED'} in {judged.measurements['wall_s']:.1f} s")

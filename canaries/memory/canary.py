@@ -38,9 +38,9 @@ offload's device bytes down to replay's floor, and ``max_memory_allocated``
 within the admitted budget. Elsewhere those checks are reported as skipped.
 
 The lifecycle points live in ``canaries.memory.lifecycle``; this module holds
-admission and the entry point :func:`run` (``canaries.registry``'s
-signature; every profile runs the same checks, which take seconds). It
-prints a line per check and writes one write-once evidence record. Its
+admission and the entry point :func:`judge` (``canaries.registry``'s
+interface; every profile runs the same checks, which take seconds). The
+registry writes its one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
 ``canaries.mutations.catalogue``; the mutation suite may ask for the
 intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4).
@@ -49,17 +49,16 @@ intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4)
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import reference_trainer as rt
-from validation.evidence import evidence_path, make_record, write_once
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
 from .. import presets
 from ..preset_budget import preset_here
+from ..registry import Judged
 from ..presets import PLACEMENTS
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from .lifecycle import (
@@ -73,7 +72,7 @@ from .lifecycle import (
     offload_checks,
 )
 
-__all__ = ["KIND", "CUDA_CHECKS", "CHECKPOINT_STATE_CHECK", "INTERSECTION_CHECKS", "run"]
+__all__ = ["KIND", "CUDA_CHECKS", "CHECKPOINT_STATE_CHECK", "INTERSECTION_CHECKS", "judge"]
 
 KIND = "memory-canary"
 _PENDING_FORWARDS = 5
@@ -236,8 +235,8 @@ CUDA_CHECKS = (
 )
 
 
-def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | None = None) -> Path:
-    """Run the canary on the preset (its CPU stand-in without CUDA); returns the evidence path.
+def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> Judged:
+    """The registry's entry point: the canary on the preset (its CPU stand-in without CUDA).
 
     ``checks`` (the mutation suite's focused runs, NOTE [Mutation verdicts]
     Rule 4): when every one is an intersection check (:data:`INTERSECTION_CHECKS`)
@@ -264,17 +263,10 @@ def run(preset: str, profile: str, out_dir: Path, *, checks: Sequence[str] | Non
         )
         for name in CUDA_CHECKS:
             verdicts.skip(name, reason)
-    record = make_record(
+    return Judged(
         KIND,
-        config={**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
-                "checks": None if whole else list(checks)},
-        checks=verdicts,
-        measurements=measurements,
+        {**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
+         "checks": None if whole else list(checks)},
+        verdicts,
+        measurements,
     )
-    path = write_once(evidence_path(out_dir, f"memory-{spec.name}"), record)
-    ran = [c for c in verdicts if not c.skipped]
-    failed = [c for c in ran if not c.ok]
-    verdict = "PASSED" if not failed else f"FAILED ({len(failed)} of {len(ran)} checks)"
-    print(f"memory canary: {verdict}; {len(verdicts) - len(ran)} skipped")
-    print(f"wrote {path}", flush=True)
-    return path

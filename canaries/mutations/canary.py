@@ -3,10 +3,10 @@
 Every injected bug is declared and implemented in ``canaries.mutations.catalogue``:
 each :class:`Mutation` monkeypatches the trainer in this process for the
 duration of a ``with mutation.apply():`` block (``unittest.mock.patch``), so
-nothing outside the block is affected. :func:`run` (the registry's entry point) runs each
+nothing outside the block is affected. :func:`judge` (the registry's entry point) runs each
 catching canary unmutated (it must pass), then, through the registry, the
-catching canary once per mutation (it must fail), and writes evidence listing
-what ran, what was caught, and what did not apply to the preset.
+catching canary once per mutation (it must fail); its record (written by the
+registry) lists what ran, what was caught, and what did not apply to the preset.
 
 NOTE [Mutation verdicts]
   1. A mutation is caught when the canary named by ``caught_by`` (a name in
@@ -39,13 +39,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from validation.evidence import Checks, checks_of, evidence_path, make_record, verify, write_once
+from validation.evidence import Checks, checks_of, verify
 
 from .. import presets
 from .catalogue import MUTATIONS, Mutation, mutation
-from ..registry import canary
+from ..registry import Judged, canary
 
-__all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "run_suite", "run"]
+__all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "judge"]
 
 MUTATED_PROFILE = "quick"
 
@@ -91,8 +91,10 @@ def judge_mutation(mutation_: Mutation, preset: str, *, scratch: Path) -> Mutati
                            time.perf_counter() - started)
 
 
-def run_suite(preset: str, profile: str, out_dir: Path, *, names: Sequence[str] | None = None) -> Path:
-    """Unmutated canaries (must pass), then every selected mutation (each must be caught); the evidence path."""
+def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> Judged:
+    """The registry's entry point: the unmutated canaries (must pass), then every selected mutation (each must
+    be caught; all of :data:`MUTATIONS` by default). The canaries run through the registry into a scratch
+    folder that is removed after: only the suite's own record is evidence of this run."""
     config = presets.preset(preset).on_this_machine()
     selected = [mutation(n) for n in (names if names is not None else MUTATIONS)]
     checks = Checks()
@@ -116,13 +118,13 @@ def run_suite(preset: str, profile: str, out_dir: Path, *, names: Sequence[str] 
                 checks.skip(f"caught:{m.name}", f"does not apply to preset {config.name!r}")
             verdict = "inapplicable" if not outcome.applicable else "caught" if outcome.caught else "NOT CAUGHT"
             tqdm.write(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}")
-    record = make_record(
+    return Judged(
         "mutation-suite",
-        config={"preset": config.describe(), "profile": profile, "mutated_profile": MUTATED_PROFILE,
+        {"preset": config.describe(), "profile": profile, "mutated_profile": MUTATED_PROFILE,
                 "mutations": [m.name for m in selected],
                 "checks": {m.name: m.check for m in selected}},
-        checks=checks,
-        measurements={
+        checks,
+        {
             "mutations": {
                 o.name: {
                     "description": MUTATIONS[o.name].description,
@@ -141,11 +143,3 @@ def run_suite(preset: str, profile: str, out_dir: Path, *, names: Sequence[str] 
             "unmutated_failures": {name: text for name, text in unmutated.items() if text},
         },
     )
-    path = write_once(evidence_path(out_dir, f"mutations-{config.name}"), record)
-    print(f"mutation suite {'PASSED' if record['passed'] else 'FAILED'}: {path}", flush=True)
-    return path
-
-
-def run(preset: str, profile: str, out_dir: Path) -> Path:
-    """The registry's entry point: every mutation in :data:`MUTATIONS` (see :func:`run_suite`)."""
-    return run_suite(preset, profile, out_dir)

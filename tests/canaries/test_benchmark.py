@@ -12,6 +12,7 @@ import torch
 
 import reference_trainer as rt
 from canaries.benchmark import canary as benchmark
+from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
@@ -93,8 +94,8 @@ def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floo
 def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture, argv: list[str], costs: dict, code: int) -> None:
     machine = FakeMachine(costs, real_steps=3)
-    monkeypatch.setattr(benchmark, "run", functools.partial(
-        benchmark.run, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(benchmark, "judge", functools.partial(
+        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     with pytest.raises(SystemExit) if code == 2 else _no_raise() as exit_info:
         assert main(["bench", "--profile", "quick", "--out", str(tmp_path), *argv]) == code
     if code == 2:
@@ -127,7 +128,8 @@ def test_arms_on_different_weights_fail_the_like_with_like_check(tmp_path: Path,
         arms["retain@s0"] = other
         return arms
 
-    path = benchmark.run("cpu", "quick", tmp_path, clock=machine.clock, load_probe=FakeProbe(), build=build)
+    judged = benchmark.judge("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=build)
+    path = canary("benchmark").record("cpu", judged, tmp_path)
     checks = verify(path)["checks"]
     assert checks == {**checks, "tiny 1x4 full: every arm's first loss equals plain's": False}
 

@@ -19,9 +19,9 @@ import torch
 
 from canaries import cli, smoke, suite
 from canaries.cli import main
-from canaries.registry import CANARIES, PRESET_NAMES, Canary
+from canaries.registry import CANARIES, PRESET_NAMES, Canary, Judged
 from validation.errors import CheckFailed
-from validation.evidence import evidence_path, make_record, verify, write_once
+from validation.evidence import Checks, make_record, verify, write_once
 
 SUBCOMMANDS = ("run", "canary", "bench", "report")
 REAL = dict(CANARIES)
@@ -41,21 +41,19 @@ class FakeCanaries:
         self.raising: set[str] = set()
         for name in REAL:
             module = ModuleType(f"fake_canary_{name}")
-            module.run = self._runner(name)
+            module.judge = self._judge(name)
             monkeypatch.setitem(sys.modules, module.__name__, module)
             monkeypatch.setitem(CANARIES, name, Canary(name=name, module=module.__name__, summary=f"fake {name}"))
 
-    def _runner(self, name: str):
-        def run(preset: str, profile: str, out_dir: Path) -> Path:
-            self.calls.append((name, preset, profile, out_dir))
+    def _judge(self, name: str):
+        def judge(preset: str, profile: str) -> Judged:
+            self.calls.append((name, preset, profile))
             self.threads.append(torch.get_num_threads())
             if name in self.raising:
                 raise RuntimeError(f"{name} blew up")
-            record = make_record(f"{name}-fake", config={"preset": preset},
-                                 checks={f"{name} ok": name not in self.failing}, measurements={})
-            return write_once(evidence_path(out_dir, name), record)
+            return Judged(f"{name}-fake", {"preset": preset}, Checks.of({f"{name} ok": name not in self.failing}), {})
 
-        return run
+        return judge
 
 
 @pytest.fixture
@@ -89,8 +87,7 @@ def test_run_writes_every_record_and_a_report_and_passes(
     assert set(records) == {"smoke", *REAL}
     assert all(record["passed"] for record in records.values())
     assert records["smoke"]["kind"] == "smoke" and records["smoke"]["config"]["model"]["vocab_size"] == 64
-    assert [call[:3] for call in fakes.calls] == [(name, "cpu", "quick") for name in REAL]
-    assert all(call[3] == run_dir for call in fakes.calls) and fakes.threads == [1] * len(REAL)
+    assert fakes.calls == [(name, "cpu", "quick") for name in REAL] and fakes.threads == [1] * len(REAL)
     stdout = capsys.readouterr().out
     for label in ("smoke", *(f"canary {name} (quick)" for name in REAL)):
         assert f"PASS  {label}" in stdout
@@ -163,7 +160,7 @@ def test_canary_command_passes_preset_profile_and_out_through(
     threads = torch.get_num_threads()
     argv = ["canary", "derivative", "--preset", "gpu", "--profile", "nightly", "--out", str(tmp_path), "--threads", "3"]
     assert main(argv) == (1 if failing else 0)
-    assert fakes.calls == [("derivative", "gpu", "nightly", tmp_path)]
+    assert fakes.calls == [("derivative", "gpu", "nightly")]
     assert fakes.threads == [3] and torch.get_num_threads() == threads, "threads set for the canary, then restored"
     (path,) = tmp_path.glob("derivative-*.json")
     assert f"evidence: {path}" in capsys.readouterr().out
@@ -202,10 +199,10 @@ def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.
 def test_a_harness_error_becomes_its_reason_its_fix_and_its_exit_code(
     tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def refuse(preset: str, profile: str, out_dir: Path) -> Path:
+    def refuse(preset: str, profile: str) -> Judged:
         raise CheckFailed("the evidence did not verify", fix="re-run the canary")
 
-    monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "run", refuse)
+    monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "judge", refuse)
     assert main(["canary", "memory", "--out", str(tmp_path)]) == 1
     assert capsys.readouterr().err.splitlines() == ["rtv canary: the evidence did not verify", "fix: re-run the canary"]
 

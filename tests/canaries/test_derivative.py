@@ -64,12 +64,13 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
     assert 0 < m["worst_logprob_relative_l2"] <= TOLERANCES[torch.float32].logprobs
     assert m["min_reference_norm"] > 0
     assert record["skips"] == {"cuda_rng_unchanged_by_backward": "CPU preset"}
-    assert f"derivative canary PASSED: {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "derivative canary: PASSED; 1 skipped" in out and f"wrote {path}" in out
 
 
 def test_coverage_fails_when_no_stale_backward_can_succeed() -> None:
     """Negative control of the coverage check: every staleness bound capped at 0 empties the stale cells."""
-    result = derivative.judge(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
+    result = derivative.examine(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
 
     assert list(result.failures) == [derivative.COVERAGE_CHECK]  # everything else agrees with the oracle
     assert "(1, 'retain', False, 'lora')" in result.failures[derivative.COVERAGE_CHECK]
@@ -89,7 +90,7 @@ def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:
     config = preset("cpu").on_this_machine()
     with _gradients_off_by_a_tenth_of_a_percent():
         report = explore(config, EXPLORATION["quick"], on_example=lambda harness: None)
-        result = derivative.judge(config, profile="quick")
+        result = derivative.examine(config, profile="quick")
 
     assert report is not None and report.startswith("CanaryFailure: ") and "agreement with the FP64 oracle" in report
     assert "state = DerivativeMachine()" in report
@@ -143,7 +144,7 @@ def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
     spawned = mock.patch.object(derivative_scenarios, "spawn_ranks", wraps=derivative_scenarios.spawn_ranks)
     with spawned as spawn:
-        record = verify(derivative.run("gpu", "quick", tmp_path))
+        record = verify(canary("derivative").run("gpu", "quick", tmp_path))
     assert [c.args[1] for c in spawn.call_args_list] == [2], "the logical-rank check runs on the preset's 2 processes"
     assert spawn.call_args.kwargs["backend"] == "gloo"  # a CPU model: gloo even where CUDA exists
     assert record["config"]["preset"]["swapped_for_cpu"] is True

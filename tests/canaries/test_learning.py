@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canaries.learning.canary import SEEDS, plan, run_plan, tiny_plan
+from canaries.learning.canary import SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.arms import ARMS, arm, run_arm
 from canaries.learning.summary import area_under_curve, expected_staleness
 from canaries.learning.workloads import Schedule
@@ -20,7 +20,7 @@ from validation.evidence import verify
 
 @pytest.fixture(scope="module")
 def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return verify(run_plan(tiny_plan(), tmp_path_factory.mktemp("learning")))
+    return verify(CANARIES["learning"].record("cpu", judge_plan(tiny_plan()), tmp_path_factory.mktemp("learning")))
 
 
 def test_the_tiny_run_passes_every_check(record: dict) -> None:
@@ -75,7 +75,7 @@ def test_verdicts_pair_the_seeds_of_arm_and_baseline(record: dict) -> None:
 
 def test_a_workload_already_solved_at_init_fails_the_canary_with_that_reason(tmp_path: Path) -> None:
     # 10 nats/byte is above the untrained model's ~5.5: the criterion is met before any training.
-    result = verify(run_plan(tiny_plan(success=10.0), tmp_path))
+    result = verify(CANARIES["learning"].record("cpu", judge_plan(tiny_plan(success=10.0)), tmp_path))
     workload = result["measurements"]["workloads"]["next_byte"]
     assert not result["passed"]
     assert result["checks"] == {"next_byte: precondition (untrained model misses held-out loss <= 10.0 nats/byte after 12 steps)": False}
@@ -85,7 +85,7 @@ def test_a_workload_already_solved_at_init_fails_the_canary_with_that_reason(tmp
 
 def test_gate_enforces_equivalence(tmp_path: Path) -> None:
     gated = dataclasses.replace(tiny_plan(arms=("plain", "strict", "stale2_corrected")), gate=True)
-    result = verify(run_plan(gated, tmp_path))
+    result = verify(CANARIES["learning"].record("cpu", judge_plan(gated), tmp_path))
     gates = {c: ok for c, ok in result["checks"].items() if "gated" in c}
     assert gates["next_byte: strict equivalent to plain (final, gated)"]
     # Staleness 2 learns measurably slower than strict on this short schedule: the gate fails it.

@@ -10,7 +10,7 @@ from hypothesis import settings
 
 from canaries.mutations import canary as mutations_module
 from canaries.memory.canary import CHECKPOINT_STATE_CHECK
-from canaries.mutations.canary import MUTATIONS, Mutation, judge_mutation, mutation, run_suite
+from canaries.mutations.canary import MUTATIONS, Mutation, judge, judge_mutation, mutation
 from canaries.registry import CANARIES, canary
 from validation.errors import SetupError
 from validation.evidence import verify
@@ -49,7 +49,7 @@ def test_every_mutation_has_its_first_failure_pinned() -> None:
     assert sorted(FIRST_FAILURE) == sorted(MUTATIONS)
 
 
-# One test per mutation (xdist spreads them): each is run_suite on that mutation alone, so its unmutated baseline
+# One test per mutation (xdist spreads them): each is the suite (judge) on that mutation alone, so its unmutated baseline
 # is its own check (NOTE [Mutation verdicts] Rule 4) and the whole catalogue costs about one check per mutation.
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_the_suite_catches_each_mutation_on_the_cpu_preset_by_the_check_meant_for_it(
@@ -58,7 +58,7 @@ def test_the_suite_catches_each_mutation_on_the_cpu_preset_by_the_check_meant_fo
     # Verdicts, not exploration depth, are under test: one explored example if a run explores at all.
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))
     m = MUTATIONS[name]
-    record = verify(run_suite("cpu", "quick", tmp_path, names=[name]))
+    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=[name]), tmp_path))
 
     assert record["kind"] == "mutation-suite" and record["passed"] is True, record["measurements"]
     assert record["checks"] == {f"unmutated:{m.caught_by} passes": True, f"caught:{name}": True}
@@ -110,7 +110,7 @@ def test_a_mutation_that_is_not_caught_fails_the_suite(tmp_path: Path, monkeypat
     harmless = Mutation("harmless", "changes nothing (negative control of the suite)", "memory", nullcontext,
                         CHECKPOINT_STATE_CHECK)
     monkeypatch.setitem(MUTATIONS, "harmless", harmless)
-    record = verify(run_suite("cpu", "quick", tmp_path, names=["harmless"]))
+    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=["harmless"]), tmp_path))
 
     assert record["passed"] is False
     assert record["checks"] == {"unmutated:memory passes": True, "caught:harmless": False}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from matplotlib.collections import PolyCollection
 
-from canaries.learning.canary import run_plan, tiny_plan
+from canaries.learning.canary import judge_plan, tiny_plan
+from canaries.registry import canary
 from reports.learning import GROUPS, curves_figure, differences_figure, section
 from validation.evidence import verify
 
@@ -17,7 +18,7 @@ from validation.evidence import verify
 def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A real record of the canary's tiny configuration, with arms in every panel group."""
     arms = ("plain", "strict", "stale2_corrected", "stale2_corrected_replay", "broken_dropped_updates")
-    return verify(run_plan(tiny_plan(arms=arms), tmp_path_factory.mktemp("learning")))
+    return verify(canary("learning").record("cpu", judge_plan(tiny_plan(arms=arms)), tmp_path_factory.mktemp("learning")))
 
 
 def _panels(name: str, workload: dict):
