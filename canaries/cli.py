@@ -22,6 +22,10 @@ the run only under ``--gate``), 2 for usage and setup errors. The console
 script enters through ``canaries.entry`` (Python and torch checked first). A
 ``validation.errors.HarnessError`` is printed as its cause and its fix, and
 exits with its ``exit_code``.
+
+Under ``torchrun`` (one node or many) every process runs the same command:
+rank 0 runs it, the logical-rank parts run on every process of the world,
+and only rank 0 writes (NOTE [Joined worlds] in ``validation.world``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from ci.cli import add_gpu_commands
 from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT
+from validation.world import given_world, joined
 
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 from . import suite
@@ -224,11 +229,29 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _in_world(args: argparse.Namespace, processes: int) -> int:
+    """Rank 0 of a torchrun world (NOTE [Joined worlds] in ``validation.world``): the command's logical-rank
+    parts run on every process of the world, so the run's process count is the world's size."""
+    from .presets import process_count
+
+    if getattr(args, "nproc", None) not in (None, processes):
+        raise SetupError(f"rtv {args.command} --nproc {args.nproc} under torchrun: expected the world's "
+                         f"{processes} processes, found --nproc {args.nproc}",
+                         fix=f"drop --nproc (it is the world's size under torchrun), or start {args.nproc} processes")
+    if hasattr(args, "nproc"):
+        args.nproc = processes
+    with process_count(processes):
+        return args.handler(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the command; a :class:`HarnessError` becomes its reason, its fix and its exit code."""
     args = _build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        world = given_world()
+        if world is None:
+            return args.handler(args)
+        return joined(world, lambda: _in_world(args, world.world_size))
     except HarnessError as error:
         print(f"rtv {args.command}: {error.cause}\nfix: {error.fix}", file=sys.stderr)
         return error.exit_code

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
 from validation.evidence import DEFAULT_OUT, Check, evidence_path, verify, write_once
+from validation.world import world_facts
 
 from . import registry
 
@@ -150,7 +151,7 @@ def run(request: RunRequest) -> int:
     from .preset_budget import check_fits
     from .presets import preset, process_count
 
-    _require_gpus(request.preset, request.nproc)
+    _require_gpus(request.preset, None if world_facts() is not None else request.nproc)  # a world: a GPU each
     config = preset(request.preset, request.nproc).on_this_machine()
     check_fits(config, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
     with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config):

@@ -14,6 +14,14 @@ GPU can run the gate by hand. What changes from a cluster, and why:
 4. ``RTV_OUT`` becomes a fresh folder (``--out``, default
    ``rtv-out/local/<task>-<time>``), so evidence from an earlier run is
    never judged again.
+5. A task of ``num_nodes: N`` runs setup once and its run N times at once,
+   one per "node" on 127.0.0.1, each with the variables SkyPilot sets on a
+   node (``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``: 127.0.0.1 N times,
+   ``SKYPILOT_NUM_NODES``, ``SKYPILOT_NUM_GPUS_PER_NODE``: the GPUs each
+   node is given here, one a node without CUDA) and a free port for
+   ``RTV_MASTER_PORT`` when the task declares one (so two local runs never
+   meet). The run fails when any node's does; the nodes share ``RTV_OUT``,
+   as only the world's rank 0 writes there.
 
 The outcome is judged as the launcher judges a remote job (``ci.outputs``;
 NOTE [Exit codes] in ``ci.launcher``): setup or run failing is 3, the run's
@@ -24,6 +32,8 @@ not verify or says failed is 3, else 0.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,10 +43,11 @@ from pathlib import Path
 from .outputs import judge_outputs
 from .tasks import TaskSpec
 
-__all__ = ["GPU_PRESETS", "local_env", "run_local"]
+__all__ = ["GPU_PRESETS", "local_env", "node_envs", "run_local"]
 
 GPU_PRESETS = ("gpu", "gpu-8b")
 TIMEOUT_EXIT = 124  # coreutils timeout's status when the limit expired
+NODE_GRACE_S = 10.0  # a stopped node's time to exit before SIGKILL
 
 
 def local_env(spec: TaskSpec, *, out: Path, cuda: bool, venv: Path | None = None) -> dict[str, str]:
@@ -58,6 +69,67 @@ def local_env(spec: TaskSpec, *, out: Path, cuda: bool, venv: Path | None = None
     return env
 
 
+def node_envs(env: dict[str, str], num_nodes: int, *, cuda: bool) -> list[dict[str, str]]:
+    """One environment per node (rule 5 of the module docstring); ``[env]`` with node variables for one node."""
+    visible = _visible_gpus() if cuda else 0
+    per_node = max(1, visible // num_nodes)
+    shared = {"SKYPILOT_NUM_NODES": str(num_nodes), "SKYPILOT_NODE_IPS": "\n".join(["127.0.0.1"] * num_nodes),
+              "SKYPILOT_NUM_GPUS_PER_NODE": str(per_node)}
+    if "RTV_MASTER_PORT" in env:
+        shared["RTV_MASTER_PORT"] = str(_free_port())
+    nodes = []
+    for rank in range(num_nodes):
+        node = env | shared | {"SKYPILOT_NODE_RANK": str(rank)}
+        if visible:  # each "node" its own GPUs, as on separate machines
+            node["CUDA_VISIBLE_DEVICES"] = ",".join(str((rank * per_node + i) % visible) for i in range(per_node))
+        nodes.append(node)
+    return nodes
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_nodes(script: str, workdir: Path, nodes: list[dict[str, str]]) -> int:
+    """``script`` once per node environment, all at once; the first non-zero exit code by node rank, else 0.
+
+    A node that fails takes the others down (SIGTERM, then SIGKILL after
+    :data:`NODE_GRACE_S`): its peers would otherwise wait for it until the
+    run's own limit.
+    """
+    running = [subprocess.Popen(["bash", "-c", script], cwd=workdir, env=node, start_new_session=True)
+               for node in nodes]
+    try:
+        while any(process.poll() is None for process in running):
+            if any(process.poll() not in (None, 0) for process in running):
+                break
+            time.sleep(0.2)
+    finally:  # also on Ctrl-C: each node runs in a session of its own, so nothing else would stop it
+        for process in running:
+            _stop(process)
+    codes = [process.wait() for process in running]
+    return next((code for code in codes if code != 0), 0)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the node's process group, SIGKILL if it outlives the grace."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=NODE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def _workdir(spec: TaskSpec) -> Path:
     workdir = spec.task.workdir
     return Path(workdir) if isinstance(workdir, str) and workdir else Path.cwd()
@@ -76,7 +148,10 @@ def run_local(spec: TaskSpec, *, out: Path | None = None, cuda: bool, skip_setup
     steps = [("run", spec.run)] if skip_setup else [("setup", spec.setup), ("run", spec.run)]
     for label, script in steps:
         echo(f"rtv gpu local: {label} of {spec.path} in {workdir}")
-        code = subprocess.run(["bash", "-c", script], cwd=workdir, env=env).returncode
+        nodes = node_envs(env, spec.num_nodes, cuda=cuda) if label == "run" else [env]
+        if len(nodes) > 1:
+            echo(f"rtv gpu local: {len(nodes)} nodes on 127.0.0.1 (SKYPILOT_NODE_RANK 0..{len(nodes) - 1})")
+        code = _run_nodes(script, workdir, nodes)
         if code != 0:
             timed_out = label == "run" and code == TIMEOUT_EXIT
             echo(f"rtv gpu local: {label} {'timed out' if timed_out else f'failed (exit {code})'}")

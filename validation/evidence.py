@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckFailed, OutOfSpace
+from .world import world_facts
 
 __all__ = [
     "DEFAULT_OUT",
@@ -185,6 +186,7 @@ def environment_fingerprint() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "world": world_facts(),  # every process of a torchrun world (NOTE [Joined worlds]); None: this one alone
     }
 
 

@@ -51,7 +51,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
-from validation.spawn import spawn_ranks
+from validation.world import run_ranks
 
 from .gradients import GRADIENT_INTERSECTIONS
 from .scenarios import run_scenario
@@ -158,17 +158,19 @@ def _compare(label: str, one: dict[str, Any], two: list[dict[str, Any]], logical
     flags_two = dict(sorted((k, v) for part in two for k, v in part["flags"].items()))
     if flags_two != one["flags"]:
         raise CanaryFailure(f"{what}: (staleness, corrected) per step/logical rank: expected W=1's {one['flags']} "
-                            f"at W=2 too, found {flags_two}")
+                            f"at W={len(two)} too, found {flags_two}")
     digests = {part["digest"] for part in two}
     if digests != {one["digest"]}:
-        raise CanaryFailure(f"{what}: parameter digest: expected W=1's {one['digest']} at W=2, found {sorted(digests)}")
+        raise CanaryFailure(f"{what}: parameter digest: expected W=1's {one['digest']} at W={len(two)}, found {sorted(digests)}")
 
 
 def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
-    """Rule 1: W=1 and W=2 agree with ``corrections=()`` (the control, first) and with the default options;
-    the number of stale records compared."""
+    """Rule 1: W=1 and W=2 (or the preset's process count, when more) agree with ``corrections=()`` (the
+    control, first) and with the default options; the number of stale records compared."""
+    processes = max(2, config.processes)
+    logical_dp = -(-max(logical_dp, processes) // processes) * processes
     one = logical_run(config, logical_dp)
-    two = spawn_ranks(logical_run, 2, config, logical_dp, timeout_s=300.0, dist_timeout_s=60.0)
+    two = run_ranks(logical_run, processes, config, logical_dp, timeout_s=300.0, dist_timeout_s=60.0)
     for label in ("control", "default"):
         _compare(label, one[label], [part[label] for part in two], logical_dp)
     return sum(staleness > 0 for records in one["default"]["flags"].values() for staleness, _ in records)

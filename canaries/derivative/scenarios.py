@@ -22,7 +22,7 @@ import torch.distributed as dist
 import reference_trainer as rt
 from reference_trainer.ranks import run_logical
 from reference_trainer.ranks.peers import select_backend
-from validation.spawn import spawn_ranks
+from validation.world import run_ranks
 
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
@@ -174,7 +174,7 @@ def check_logical_ranks(config: Preset, logical_dp: int) -> float:
     if config.processes == 1:
         return check_logical_normalisation(config, logical_dp)
     backend = select_backend(config.device, torch.cuda.is_available())
-    errors = spawn_ranks(check_logical_normalisation, config.processes, config, logical_dp, backend=backend,
+    errors = run_ranks(check_logical_normalisation, config.processes, config, logical_dp, backend=backend,
                          timeout_s=600.0, dist_timeout_s=120.0)
     return max(errors)
 

@@ -142,7 +142,7 @@ def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu preset is not swapped")
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
-    spawned = mock.patch.object(derivative_scenarios, "spawn_ranks", wraps=derivative_scenarios.spawn_ranks)
+    spawned = mock.patch.object(derivative_scenarios, "run_ranks", wraps=derivative_scenarios.run_ranks)
     with spawned as spawn:
         record = verify(canary("derivative").run("gpu", "quick", tmp_path))
     assert [c.args[1] for c in spawn.call_args_list] == [2], "the logical-rank check runs on the preset's 2 processes"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,11 @@ def stubs(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
     venv, bin_dir, calls = tmp_path / "venv", tmp_path / "venv" / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(parents=True)
     (tmp_path / "writer.py").write_text(WRITE_EVIDENCE)
-    _script(bin_dir / "python", f'echo "python $*" >> {calls}\n')
+    _script(bin_dir / "python", f'echo "python $*" >> {calls}\n'  # node 0 of a torchrun world writes, as rank 0
+            f'case "$*" in *torch.distributed.run*"--node-rank 0"*) '
+            f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT";; esac\n'
+            f'[ "${{STUB_NODE_FAILS:-x}}" != "$SKYPILOT_NODE_RANK" ] || exit 1\n'
+            f'[ "${{STUB_NODE_SLEEP:-0}}" = 0 ] || sleep "$STUB_NODE_SLEEP"\n')
     _script(bin_dir / "rtv", f'echo "rtv $*" >> {calls}\n'
             f'[ "${{STUB_SLEEP:-0}}" = 0 ] || sleep "$STUB_SLEEP"\n'
             f'[ "${{STUB_RTV_EXIT:-0}}" = 0 ] || exit "$STUB_RTV_EXIT"\n'
@@ -104,6 +109,68 @@ def test_gpu_presets_stay_when_cuda_is_there(gate, tmp_path):
 
     assert local_env(gate, out=tmp_path, cuda=True)["RTV_PRESET"] == "gpu"
     assert local_env(gate, out=tmp_path, cuda=False)["RTV_PRESET"] == "cpu"
+
+
+@pytest.fixture
+def two_nodes(sky_sandbox, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
+    from ci.tasks import load_task
+
+    monkeypatch.chdir(repo_root)
+    return load_task(repo_root / "ci" / "canaries-2node.sky.yaml")
+
+
+def test_each_local_node_gets_skypilots_node_variables_and_a_free_master_port(two_nodes, tmp_path):
+    from ci.local import local_env, node_envs
+
+    env = local_env(two_nodes, out=tmp_path, cuda=False)
+    nodes = node_envs(env, 2, cuda=False)
+    assert [n["SKYPILOT_NODE_RANK"] for n in nodes] == ["0", "1"]
+    for node in nodes:
+        assert node["SKYPILOT_NUM_NODES"] == "2" and node["SKYPILOT_NUM_GPUS_PER_NODE"] == "1"
+        assert node["SKYPILOT_NODE_IPS"].splitlines() == ["127.0.0.1", "127.0.0.1"]
+        assert node["RTV_PRESET"] == "cpu" and "CUDA_VISIBLE_DEVICES" not in node
+    assert nodes[0]["RTV_MASTER_PORT"] == nodes[1]["RTV_MASTER_PORT"] != two_nodes.envs["RTV_MASTER_PORT"]
+
+
+def test_local_runs_both_nodes_commands_and_judges_node_zeros_evidence(two_nodes, stubs, tmp_path, monkeypatch):
+    venv, calls = stubs
+    out = tmp_path / "out"
+    assert main(["gpu", "local", str(two_nodes.path), "--out", str(out), "--venv", str(venv)]) == 0
+    runs = sorted(line for line in calls.read_text().splitlines() if "torch.distributed.run" in line)
+    assert len(runs) == 2, runs
+    for node_rank, line in enumerate(runs):
+        assert f"--nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1" in line
+        assert line.endswith(f"--nproc-per-node 1 -m canaries.entry run --preset cpu --out {out.resolve()}")
+    assert len(list(out.rglob("canary-stub-*.json"))) == 1
+
+
+def test_a_failed_node_takes_the_waiting_one_down(two_nodes, stubs, tmp_path, monkeypatch):
+    from ci.local import run_local
+
+    venv, _ = stubs
+    monkeypatch.setenv("STUB_NODE_FAILS", "1")
+    monkeypatch.setenv("STUB_NODE_SLEEP", "300")  # node 0 would wait for its peer until the run's limit
+    started = time.monotonic()
+    node_zero_waits = dataclasses.replace(two_nodes, run=two_nodes.run.replace("--node-rank", "--node-rank-x"))
+    assert run_local(node_zero_waits, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True,
+                     echo=lambda line: None) == 3
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_local_runs_the_two_node_task_for_real_on_cpu(two_nodes, tmp_path: Path):
+    """Both nodes' torchrun on 127.0.0.1, ``rtv run --preset cpu`` in one world of two: one set of evidence."""
+    from ci.local import run_local
+    from validation.evidence import verify
+
+    out = tmp_path / "out"
+    assert run_local(two_nodes, out=out, cuda=False, skip_setup=True, echo=print) == 0
+    records = [verify(path) for path in out.rglob("*.json") if "report" not in path.parts]
+    assert records and all(r["passed"] for r in records)
+    derivative = [r for r in records if r["kind"] == "derivative"]
+    assert len(derivative) == 1, "rank 0 alone writes, once"
+    assert [f["node_rank"] for f in derivative[0]["environment"]["world"]] == [0, 1]
+    assert derivative[0]["config"]["preset"]["processes"] == 2
 
 
 @pytest.mark.slow

@@ -87,6 +87,22 @@ def test_durations_follow_timeouts_syntax(text: str, seconds: float):
     assert parse_duration(text) == seconds
 
 
+def test_the_two_node_task_runs_one_torchrun_world_across_its_nodes(sky_sandbox, repo_root: Path):
+    from ci.tasks import load_task
+
+    spec = load_task(repo_root / "ci" / "canaries-2node.sky.yaml", validate=True)
+    (resources,) = spec.task.resources
+    assert spec.num_nodes == 2 and resources.accelerators == {"H200": 8} and spec.gpus == 16
+    assert resources.network_tier.value == "best"
+    assert resources.autostop_config.enabled and resources.autostop_config.down
+    for flag in ('--nnodes "$SKYPILOT_NUM_NODES"', '--node-rank "$SKYPILOT_NODE_RANK"',
+                 '--master-addr "$RTV_HEAD_IP"', '--nproc-per-node "$SKYPILOT_NUM_GPUS_PER_NODE"',
+                 '--master-port "$RTV_MASTER_PORT"'):
+        assert flag in spec.run, flag
+    assert '"$SKYPILOT_NODE_IPS" | head -n 1' in spec.run, "the master is the first of the node IPs (the head)"
+    assert "--nproc" not in spec.run.replace("--nproc-per-node", ""), "the world's size is the process count"
+
+
 def test_a_cpu_variant_on_slurm_loads_too(sky_sandbox, repo_root: Path, tmp_path: Path):
     """The loopback-Slurm CI launches a CPU copy of the gate through the same contract."""
     from ci.tasks import load_task

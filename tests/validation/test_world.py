@@ -1,0 +1,43 @@
+"""The harness's process world read from the launcher's variables, and spawned ranks where there is none.
+
+A torchrun world itself (two "nodes" on 127.0.0.1) is in tests/dist/test_torchrun_world.py.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+from validation.errors import SetupError
+from validation.world import GivenWorld, given_world, run_ranks, world_facts
+
+WORLD = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_no_launcher_variables_is_no_world_and_checks_are_spawned():
+    assert given_world({"PATH": "/bin"}) is None
+    assert world_facts() is None
+    assert run_ranks(_rank_and_size, 2) == [(0, 2), (1, 2)]
+
+
+def _rank_and_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_torchruns_variables_are_read_as_the_world():
+    assert given_world(WORLD) == GivenWorld(rank=1, world_size=2, local_rank=0, master_addr="10.0.0.1",
+                                            master_port=29500)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"MASTER_PORT": None}, "but not MASTER_PORT"),
+    ({"RANK": "one"}, "expected integers"),
+    ({"RANK": "2"}, "0 <= RANK < WORLD_SIZE"),
+])
+def test_a_partial_or_broken_world_is_refused_with_a_fix(change: dict, message: str):
+    environ = {k: v for k, v in (WORLD | change).items() if v is not None}
+    with pytest.raises(SetupError, match=message) as info:
+        given_world(environ)
+    assert "torchrun" in info.value.fix
