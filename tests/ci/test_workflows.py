@@ -77,23 +77,79 @@ def test_launch_and_the_always_run_down_use_the_launchers_cluster_name(sky_sandb
     from ci.launcher import cluster_name
     from ci.tasks import load_task
 
-    launch = _load("gpu-launch.yml")["jobs"]["launch"]
-    template = launch["env"]["RTV_CLUSTER"]
-    steps = launch["steps"]
-    (launch_step,) = [s for s in steps if "rtv gpu launch" in s.get("run", "")]
-    (down_step,) = [s for s in steps if "rtv gpu down" in s.get("run", "")]
+    workflow = _load("gpu-launch.yml")
+    template = workflow["env"]["RTV_CLUSTER"]
+    launch, teardown = workflow["jobs"]["launch"], workflow["jobs"]["teardown"]
+    (launch_step,) = [s for s in launch["steps"] if "rtv gpu launch" in s.get("run", "")]
+    (down_step,) = [s for s in teardown["steps"] if "rtv gpu down" in s.get("run", "")]
     assert '--cluster "$RTV_CLUSTER"' in launch_step["run"] and '"$RTV_CLUSTER"' in down_step["run"]
-    assert down_step["if"] == "always()"
-    uploads = [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact")]
-    assert uploads and uploads[0]["if"] == "always()" and uploads[0]["with"]["path"] == "rtv-out/gpu"
+    for job in (launch, teardown):
+        uploads = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+        assert uploads and uploads[0]["if"] == "always()" and uploads[0]["with"]["path"] == "rtv-out/gpu"
     for caller, task in CALLERS.items():
-        inputs = _load(caller)["jobs"]
-        (job,) = inputs.values()
+        jobs = _load(caller)["jobs"]
+        (job,) = [j for j in jobs.values() if j.get("uses") == "./.github/workflows/gpu-launch.yml"]
         assert job["with"]["task"] == task
         spec = load_task(repo_root / task)
         name = (template.replace("${{ inputs.name }}", job["with"]["name"])
                 .replace("${{ github.run_id }}", "123456").replace("${{ github.run_attempt }}", "2"))
         assert name == cluster_name(spec.name, "123456", 2)
+
+
+ENVIRONMENT = "trainer-rank-gpu-validation"
+
+
+def test_gpu_jobs_run_in_the_protected_environment_after_a_guard_that_needs_no_secrets():
+    jobs = _load("gpu-launch.yml")["jobs"]
+    guard = jobs["guard"]
+    assert "environment" not in guard, "a fork PR is skipped before anything waits for a reviewer"
+    assert "secrets." not in yaml.safe_dump(guard)
+    (check,) = [s for s in guard["steps"] if "guard.py" in s.get("run", "")]
+    assert check["run"] == "python3 ci/guard.py event" and guard["outputs"]["launch"] == "${{ steps.event.outputs.launch }}"
+    assert guard["timeout-minutes"] <= 5
+    assert jobs["launch"]["needs"] == "guard" and jobs["launch"]["if"] == "needs.guard.outputs.launch == 'true'"
+    for name in ("launch", "teardown"):
+        assert jobs[name]["environment"] == ENVIRONMENT, name
+        env = jobs[name]["env"]
+        assert env["SKYPILOT_SERVICE_ACCOUNT_TOKEN"] == "${{ secrets.SKYPILOT_SERVICE_ACCOUNT_TOKEN }}", name
+        assert env["SKYPILOT_API_SERVER_ENDPOINT"] == "${{ secrets.SKYPILOT_API_SERVER_ENDPOINT }}", name
+    runs = [s.get("run", "") for s in jobs["launch"]["steps"]]
+    assert runs.index("python3 ci/guard.py endpoint") < next(i for i, r in enumerate(runs) if "make install" in r), \
+        "an empty endpoint fails before anything is installed"
+    summary = next(r for r in runs if "GITHUB_STEP_SUMMARY" in r)
+    assert "report/index.md" in summary and "gpu-receipt-" in summary
+
+
+def test_teardown_is_its_own_always_run_job_on_a_fresh_runner_above_its_worst_case():
+    from ci.launcher import Timeouts
+
+    workflow = _load("gpu-launch.yml")
+    teardown = workflow["jobs"]["teardown"]
+    assert set(teardown["needs"]) == {"guard", "launch"}
+    assert teardown["if"] == "always() && needs.guard.outputs.launch == 'true'"
+    assert not any("rtv gpu down" in s.get("run", "") for s in workflow["jobs"]["launch"]["steps"])
+    t = Timeouts()
+    install_minutes = 15  # checkout, Python, the CPU torch wheel and the project
+    worst = install_minutes + math.ceil((t.request + t.down + t.absence) / 60)
+    limit = _triggers(workflow)["workflow_call"]["inputs"]["teardown-minutes"]["default"]
+    assert teardown["timeout-minutes"] == "${{ inputs.teardown-minutes }}" and limit > worst
+
+
+def test_one_repository_wide_gpu_group_and_the_token_passed_by_every_caller():
+    groups = {_load(caller)["concurrency"]["group"] for caller in CALLERS}
+    assert groups == {"gpu-${{ github.repository }}"}
+    for caller in CALLERS:
+        (job,) = [j for j in _load(caller)["jobs"].values() if "uses" in j]
+        assert set(job["secrets"]) == {"SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN"}
+
+
+def test_pull_requests_start_the_gate_when_labelled_and_comment_only_on_failure():
+    workflow = _load("gpu-gate.yml")
+    assert "labeled" in _triggers(workflow)["pull_request"]["types"]
+    comment = workflow["jobs"]["comment"]
+    assert comment["needs"] == "gate" and comment["if"] == "failure() && github.event_name == 'pull_request'"
+    assert comment["permissions"] == {"pull-requests": "write"}
+    assert _load("gpu-launch.yml")["permissions"] == {"contents": "read"}, "the GPU jobs cannot write to the repository"
 
 
 def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_root: Path):
@@ -103,7 +159,7 @@ def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_roo
 
     t = dataclasses.asdict(Timeouts())
     for caller, task in CALLERS.items():
-        (job,) = _load(caller)["jobs"].values()
+        (job,) = [j for j in _load(caller)["jobs"].values() if "uses" in j]
         spec = load_task(repo_root / task)
         needed = (t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"]
                   + t["cancel"] + t["down"] + t["absence"])
