@@ -7,10 +7,11 @@ GPU can run the gate by hand. What changes from a cluster, and why:
    SkyPilot runs them (``bash -c``), under the run's own ``timeout``.
 2. ``RTV_VENV`` is the environment ``rtv`` itself runs from (when it is a
    venv): the project is already installed there, so setup's
-   ``make install`` finds it and a second environment is not built.
+   ``ci/node_install.sh`` keeps it as it is and a second environment is not built.
 3. Without CUDA, every ``RTV_*PRESET`` that names a GPU preset (``gpu``,
    ``gpu-8b``) becomes ``cpu``, and the run says so: ``rtv run --preset gpu``
-   refuses to run without CUDA (exit 2), by design.
+   refuses to run without CUDA (exit 2), by design. ``RTV_CUDA`` (the CUDA
+   build the node install checks) becomes ``none``.
 4. ``RTV_OUT`` becomes a fresh folder (``--out``, default
    ``rtv-out/local/<task>-<time>``), so evidence from an earlier run is
    never judged again.
@@ -62,6 +63,8 @@ def local_env(spec: TaskSpec, *, out: Path, cuda: bool, venv: Path | None = None
     elif sys.prefix != sys.base_prefix:
         env["RTV_VENV"] = sys.prefix
     if not cuda:
+        if "RTV_CUDA" in env:
+            env["RTV_CUDA"] = "none"
         for name, value in spec.envs.items():
             if name.startswith("RTV_") and name.endswith("PRESET") and value in GPU_PRESETS:
                 env[name] = "cpu"

@@ -75,7 +75,7 @@ def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Pa
     assert code == 0
     lines = calls.read_text().splitlines()
     assert lines == [
-        f"make install VENV={venv.resolve()}",
+        "python - none",  # ci/node_install.sh keeps rtv's own venv and checks it (no CUDA here: RTV_CUDA=none)
         "python -m pytest tests/gpu -q",
         f"rtv run --preset cpu --nproc 2 --out {out.resolve()}",
     ]

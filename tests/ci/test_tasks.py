@@ -23,7 +23,8 @@ def test_task_files_load_and_validate_offline(sky_sandbox, repo_root: Path, name
     assert spec.evidence_dir == out
     assert spec.time_limit_s == parse_duration(spec.envs["RTV_TIME_LIMIT"]) > 0
     assert spec.job_deadline_s > spec.time_limit_s
-    assert "make install" in spec.setup and "--system-site-packages" in spec.setup
+    assert 'bash ci/node_install.sh "$RTV_VENV"' in spec.setup, "the node installs from the committed lock"
+    assert spec.envs["RTV_TORCH_INDEX"].endswith("/cu" + spec.envs["RTV_CUDA"].replace(".", ""))
     assert f'--nproc "$RTV_NPROC"' in spec.run and spec.envs["RTV_NPROC"] == str(count)
     assert "pytest tests/gpu" in spec.run and '--preset "$RTV_PRESET"' in spec.run
     if count == 8:

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 WORKFLOWS = Path(__file__).resolve().parents[2] / ".github" / "workflows"
-CALLERS = {"gpu-gate.yml": "ci/gate.sky.yaml", "nightly.yml": "ci/canaries.sky.yaml"}
+CALLERS = {"gpu-gate.yml": "ci/gate.sky.yaml", "nightly.yml": "ci/canaries.sky.yaml",
+           "gpu-2node.yml": "ci/canaries-2node.sky.yaml"}
 
 
 def _actionlint() -> str:
