@@ -53,7 +53,7 @@ NOTE [Importance correction]
      sequence objective ``E_{pi_cur}[R(y)]`` and ``"token"`` for the sum of
      per-token objectives; ``"geometric"`` and ``"average"`` are biased for
      both (their bias is measured exactly in
-     ``tests/property/test_importance_levels.py``).
+     ``tests/property/test_importance_level_oracle.py``).
   10. Statistics (``CorrectionStats``): the weights applied per active token
      (mean, max, fraction clipped, effective sample size), and per unit of
      the level the raw ratios (``exp(min(r, max_log_ratio))``: before the

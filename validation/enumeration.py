@@ -27,6 +27,8 @@ __all__ = [
     "sequence_logprobs",
     "exact_expectation",
     "table_policy",
+    "level_weights",
+    "per_token_objective",
 ]
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -99,3 +101,34 @@ def table_policy(theta: torch.Tensor) -> LogitsFn:
         return theta[t, int(prefix[-1]) if t else vocab]
 
     return logits_fn
+
+
+def level_weights(ratios: torch.Tensor, level: str) -> torch.Tensor:
+    """``(N, L)``: each token's importance weight at ``level`` from the token ratios ``(N, L)``, unclipped.
+
+    Formed from the ratios themselves, not their logarithms (the oracle's own
+    reading of docs/semantics.md#importance-correction): ``token`` each ratio;
+    ``sequence`` the row's product, ``geometric`` its ``L``-th root,
+    ``average`` the row's mean, on every token of the row.
+    """
+    if level == "token":
+        return ratios
+    unit = {"sequence": ratios.prod(-1), "geometric": ratios.prod(-1) ** (1.0 / ratios.shape[-1]),
+            "average": ratios.mean(-1)}[level]
+    return unit[:, None].expand_as(ratios)
+
+
+def per_token_objective(theta: torch.Tensor, theta_old: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """0-d: ``sum_t E[R(y)]`` with ``y_t ~ pi_theta(. | y_<t)`` and every other token from ``pi_old``.
+
+    The objective the token-level correction is unbiased for: its gradient at
+    ``theta`` is ``E_{y ~ pi_old}[R(y) sum_t rho_t grad log pi_theta(y_t | y_<t)]``
+    (``rho_t`` the token ratio). Tables as in :func:`table_policy`.
+    """
+    length, _, vocab = theta.shape
+    sequences = enumerate_sequences(vocab, length)
+    new, old = table_policy(theta), table_policy(theta_old)
+    token_new = torch.stack([sequence_token_logprobs(new, y) for y in sequences])  # (N, L)
+    token_old = torch.stack([sequence_token_logprobs(old, y) for y in sequences])
+    swapped = token_old.sum(-1, keepdim=True) - token_old + token_new  # log of pi_old with token t from pi_theta
+    return (rewards[:, None] * swapped.exp()).sum()
