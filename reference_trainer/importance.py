@@ -127,10 +127,13 @@ def sequence_log_ratios(log_ratio: torch.Tensor, mask: torch.Tensor, level: str)
     return total if level == "sequence" else total / mask.sum(-1).to(log_ratio.dtype)
 
 
-def _unit_log_ratios(
+def unit_log_ratios(
     log_ratio: torch.Tensor, mask: torch.Tensor, active: torch.Tensor, level: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(units' log-ratios, index of each active token's unit)`` for ``(R, T)`` log-ratios (Rule 9)."""
+    """``(units' log-ratios, index of each active token's unit)`` for ``(R, T)`` log-ratios (Rule 9).
+
+    A named seam: the mutation suite patches it (``sequence_weight_per_token``).
+    """
     if level == "token":
         return log_ratio[active], torch.arange(int(active.sum()), device=log_ratio.device)
     rows = active.any(-1)
@@ -162,13 +165,13 @@ def correct_cotangent(
     dtype = _weight_dtype(forward, correction)
     current, forward = current.detach().to(dtype).reshape(-1, width), forward.detach().to(dtype).reshape(-1, width)
     _check_logprobs(current[read], forward[read])
-    unit_log_ratios, unit = _unit_log_ratios(current - forward, rows_mask, active, correction.level)
-    unit_weights, unit_clipped = clipped_exp(unit_log_ratios, correction)
+    log_ratios, unit = unit_log_ratios(current - forward, rows_mask, active, correction.level)
+    unit_weights, unit_clipped = clipped_exp(log_ratios, correction)
     weights, clipped = unit_weights[unit], unit_clipped[unit]
     flat = cotangent.reshape(-1, width)
     corrected = flat.masked_fill(~rows_mask, 0.0)
     corrected[active] = (flat[active].to(weights.dtype) * weights).to(cotangent.dtype)
-    raw = torch.exp(unit_log_ratios.double().clamp(max=correction.max_log_ratio))
+    raw = torch.exp(log_ratios.double().clamp(max=correction.max_log_ratio))
     return corrected.reshape(cotangent.shape), _stats(weights, clipped, correction, staleness, raw, unit_weights)
 
 

@@ -103,19 +103,23 @@ def table_policy(theta: torch.Tensor) -> LogitsFn:
     return logits_fn
 
 
-def level_weights(ratios: torch.Tensor, level: str) -> torch.Tensor:
+def level_weights(ratios: torch.Tensor, level: str, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``(N, L)``: each token's importance weight at ``level`` from the token ratios ``(N, L)``, unclipped.
 
     Formed from the ratios themselves, not their logarithms (the oracle's own
-    reading of docs/semantics.md#importance-correction): ``token`` each ratio;
-    ``sequence`` the row's product, ``geometric`` its ``L``-th root,
-    ``average`` the row's mean, on every token of the row.
+    reading of docs/semantics.md#importance-correction), over each row's
+    ``mask``-ed tokens (``None``: all): ``token`` each ratio; ``sequence`` the
+    row's product, ``geometric`` its ``n``-th root (``n`` tokens),
+    ``average`` the row's mean, on every token of the row. Tokens outside
+    the mask weigh 0.
     """
-    if level == "token":
-        return ratios
-    unit = {"sequence": ratios.prod(-1), "geometric": ratios.prod(-1) ** (1.0 / ratios.shape[-1]),
-            "average": ratios.mean(-1)}[level]
-    return unit[:, None].expand_as(ratios)
+    mask = torch.ones_like(ratios, dtype=torch.bool) if mask is None else mask
+    kept = torch.where(mask, ratios, 1.0)
+    count = mask.sum(-1).to(ratios.dtype)
+    unit = {"token": ratios, "sequence": kept.prod(-1, keepdim=True),
+            "geometric": kept.prod(-1, keepdim=True) ** (1.0 / count[:, None]),
+            "average": torch.where(mask, ratios, 0.0).sum(-1, keepdim=True) / count[:, None]}[level]
+    return torch.where(mask, unit.expand_as(ratios), 0.0)
 
 
 def per_token_objective(theta: torch.Tensor, theta_old: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
