@@ -66,6 +66,7 @@ def test_level_arms_are_shown_with_their_raw_ratios_and_not_enforced(record: dic
         assert raw["records"] == clipped["records"] == seeds * (steps - 1)
         assert raw["min"] <= raw["quantiles"]["0.5"] <= raw["max"] and raw["min"] != raw["max"]
         assert clipped["max"] <= 5.0  # the default clip_high
+    assert arms["stale2_sequence"]["raw_ratio"]["max"] > 5.0  # before the clip: a product of 16 ratios
     for name in ("plain", "strict", "stale2_uncorrected"):
         assert arms[name]["raw_ratio"] is None and arms[name]["level"] is None
 

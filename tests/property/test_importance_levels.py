@@ -134,6 +134,22 @@ def test_the_log_ratio_bound_caps_weights_below_a_higher_clip():
     assert stats.fraction_clipped == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric", "average"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "+inf"])
+def test_a_bad_current_logprob_anywhere_in_a_used_row_raises_at_the_sequence_levels(level, bad):
+    # Token 1 has a zero cotangent but is a real target: it takes part in its row's ratio, so it is read.
+    current, forward = torch.tensor([[-1.0, bad, -2.0]]), torch.tensor([[-1.0, -1.0, -1.0]])
+    cotangent = torch.tensor([[0.5, 0.0, 0.5]])
+    with pytest.raises(rt.GradientCommitError, match="NaN or \\+inf"):
+        correct_cotangent(cotangent, current, forward, rt.ImportanceCorrection(level=level), 1)
+    # Masked, it takes part in nothing and is never read; nor is a row without an active token.
+    mask = torch.tensor([[True, False, True]])
+    corrected, _ = correct_cotangent(cotangent, current, forward, rt.ImportanceCorrection(level=level), 1, mask=mask)
+    assert bool(torch.isfinite(corrected).all())
+    unused = torch.zeros(1, 3)
+    assert correct_cotangent(unused, current, forward, rt.ImportanceCorrection(level=level), 1)[0].tolist() == [[0.0] * 3]
+
+
 # --- statistics, by hand --------------------------------------------------------------------
 
 
