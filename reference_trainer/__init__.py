@@ -5,7 +5,7 @@ This package imports nothing of the harness (``validation``, ``canaries``, ...).
 """
 
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
-from .corrections import CorrectionStats
+from .importance import CorrectionStats, RatioStats
 from .errors import (
     CheckpointBusyError,
     CheckpointReplacedError,
@@ -68,6 +68,7 @@ __all__ = [
     "PlacementDecision",
     "RecordReport",
     "ResolvedOptions",
+    "RatioStats",
     "StaleGradientError",
     "StepReport",
     "Trainer",

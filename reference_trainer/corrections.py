@@ -4,12 +4,16 @@ NOTE [Importance correction]
   1. Eligible: only ``target_logprobs`` cotangents of a *stale* record
      (staleness > 0) whose options carry an ``ImportanceCorrection``. Fresh
      records are never touched.
-  2. Each active (non-zero cotangent) token is multiplied by
-     ``w = clip(exp(lp_current - lp_forward), clip_low, clip_high)``, computed
-     detached, in log space (the log-ratio is clipped to
-     ``[log clip_low, log clip_high]`` before ``exp``), so no ratio overflows.
-     A clipped token's weight is the bound itself (``exp(log b)`` need not be
-     ``b``). Inactive tokens are never read.
+  2. Each active token (target not masked, non-zero cotangent) is multiplied
+     by ``w = clip(exp(min(r, max_log_ratio)), clip_low, clip_high)``, ``r``
+     the log-ratio of its level's unit (Rule 9), computed detached, in log
+     space (``r`` is clipped to ``[log clip_low, min(log clip_high,
+     max_log_ratio)]`` before ``exp``), so no ratio overflows: ``e**20`` at
+     most by default, whatever the log-probs. A token clipped at a bound gets
+     the bound itself (``exp(log b)`` need not be ``b``). Masked targets take
+     part in no ratio and their cotangent is 0, at every level; rows without
+     an active token are never read, nor are the inactive tokens at level
+     ``"token"``.
   3. Weights are FP32, or FP64 for FP64 inputs and when either bound is not a
      normal FP32 number (above FP32's max or positive below its smallest
      normal, e.g. 1e300 or 1e-300).
@@ -40,6 +44,22 @@ NOTE [Importance correction]
      eval mode or ``config.dropout == 0``); a record that drew masks is never
      corrected by it, and its log-probs are never kept. ``"always"`` restores
      the forward's RNG instead (Rule 6), so it corrects with dropout too.
+  9. Levels (``ImportanceCorrection.level``), with ``r_t`` the log-ratio of
+     token ``t`` and the sums over a row's unmasked targets (``n`` of them):
+     ``"token"`` (default): each token its own ``r_t``; ``"sequence"``: every
+     token of the row ``sum r_t`` (the clipped product of its ratios);
+     ``"geometric"``: ``sum r_t / n``; ``"average"``: ``log(sum exp(r_t) / n)``,
+     by ``logsumexp``. Without clipping, ``"sequence"`` is unbiased for the
+     sequence objective ``E_{pi_cur}[R(y)]`` and ``"token"`` for the sum of
+     per-token objectives; ``"geometric"`` and ``"average"`` are biased for
+     both (their bias is measured exactly in
+     ``tests/property/test_importance_level_oracle.py``).
+  10. Statistics (``CorrectionStats``): the weights applied per active token
+     (mean, max, fraction clipped, effective sample size), and per unit of
+     the level the raw ratios (``exp(min(r, max_log_ratio))``: before the
+     clip, after the overflow bound, so finite) beside the clipped ones, each
+     with min, max, mean and quantiles; with the level, the bound and the
+     record's staleness.
 """
 
 from __future__ import annotations
@@ -47,97 +67,20 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from .checkpoints import CheckpointVersion
-from .errors import GradientCommitError
 from .inputs import PaddedBatch
 from .records import ForwardRecord
 from .running import run_model
 from .host_reads import read_on_host
 from .model import DecoderLM
-from .options import ImportanceCorrection
+from .importance import CorrectionStats, correct_cotangent
 from .rng import restored_forward_state
 from .staleness import staleness
 
-__all__ = ["CorrectionStats", "KnownLogprobs", "correct_cotangent", "correct_record", "correction_weights"]
-
-_F32 = torch.finfo(torch.float32)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CorrectionStats:
-    """Per-record weight statistics over active tokens."""
-
-    mean: float
-    max: float
-    fraction_clipped: float
-    effective_sample_size: float
-    tokens: int
-    staleness: int
-
-
-def _weight_dtype(reference: torch.Tensor, correction: ImportanceCorrection) -> torch.dtype:
-    bounds = (correction.clip_low, correction.clip_high)
-    extreme = any(b > _F32.max or 0.0 < b < _F32.tiny for b in bounds)
-    return torch.float64 if reference.dtype == torch.float64 or extreme else torch.float32
-
-
-def correction_weights(
-    current: torch.Tensor, forward: torch.Tensor, correction: ImportanceCorrection
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, clipped)`` for the active tokens given as 1-D tensors (Rules 2-4)."""
-    dtype = _weight_dtype(forward, correction)
-    current, forward = current.detach().to(dtype), forward.detach().to(dtype)
-    if not bool(torch.isfinite(forward).all()):
-        raise GradientCommitError("importance correction: expected finite forward log-probs on active tokens, found non-finite")
-    if bool((torch.isnan(current) | (current == math.inf)).any()):
-        raise GradientCommitError(
-            "importance correction: expected current log-probs that are finite or -inf on active "
-            "tokens, found NaN or +inf; check the current-weight forward"
-        )
-    low, high = correction.clip_low, correction.clip_high
-    log_low = math.log(low) if low > 0 else -math.inf
-    log_high = math.log(high) if high > 0 else -math.inf
-    log_ratio = current - forward
-    clipped = (log_ratio < log_low) | (log_ratio > log_high)
-    weights = torch.exp(log_ratio.clamp(min=log_low, max=log_high)).clamp(min=low, max=high)
-    weights = weights.masked_fill(log_ratio >= log_high, high).masked_fill(log_ratio <= log_low, low)
-    return weights, clipped
-
-
-def correct_cotangent(
-    cotangent: torch.Tensor,
-    current: torch.Tensor,
-    forward: torch.Tensor,
-    correction: ImportanceCorrection,
-    staleness: int,
-) -> tuple[torch.Tensor, CorrectionStats]:
-    """Reweight ``cotangent`` (any shape) token by token; returns it and the statistics.
-
-    With no active token (an all-zero cotangent) nothing is reweighted and
-    every statistic is 0 (``tokens=0``): there is no weight to average.
-    """
-    active = cotangent != 0
-    weights, clipped = correction_weights(current[active], forward[active], correction)
-    corrected = cotangent.clone()
-    corrected[active] = (cotangent[active].to(weights.dtype) * weights).to(cotangent.dtype)
-    count = int(weights.numel())
-    peak = float(weights.max()) if count else 0.0
-    # Scaled by the largest weight, so bounds like 1e300 or 1e-300 neither overflow nor underflow.
-    scaled = weights.double() / peak if peak > 0 else torch.zeros_like(weights, dtype=torch.float64)
-    total, squares = float(scaled.sum()), float((scaled * scaled).sum())
-    stats = CorrectionStats(
-        mean=peak * (total / count) if count else 0.0,
-        max=peak,
-        fraction_clipped=float(clipped.double().mean()) if count else 0.0,
-        effective_sample_size=total * total / squares if squares > 0 else 0.0,
-        tokens=count,
-        staleness=staleness,
-    )
-    return corrected, stats
+__all__ = ["KnownLogprobs", "correct_record"]
 
 
 TokenKey = tuple[tuple[int, ...], tuple[int, ...]]  # (input ids, target ids) of one row
@@ -280,5 +223,7 @@ def correct_record(
         if not rows:
             return cotangent, None
     corrected = cotangent.clone()
-    corrected[rows], stats = correct_cotangent(cotangent[rows], current[rows], record.forward_logprobs[rows], correction, age)
+    corrected[rows], stats = correct_cotangent(
+        cotangent[rows], current[rows], record.forward_logprobs[rows], correction, age, record.batch.targets[rows] >= 0
+    )
     return corrected, stats

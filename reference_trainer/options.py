@@ -28,10 +28,18 @@ __all__ = [
     "resolve_options",
     "BACKWARD_STATES",
     "CORRECTION_POLICIES",
+    "CORRECTION_LEVELS",
+    "MAX_LOG_RATIO",
 ]
 
 BACKWARD_STATES = ("auto", "retain", "offload", "replay")
 CORRECTION_POLICIES = ("when_available", "always")
+CORRECTION_LEVELS = ("token", "sequence", "geometric", "average")
+# The default bound on a level's log-ratio before ``exp`` (NOTE [Importance correction] Rule 2): verl clamps
+# its log-ratio at 20 the same way; ``e**20`` (4.9e8) times any sane cotangent stays finite in FP32.
+MAX_LOG_RATIO = 20.0
+# The largest bound allowed: ``e**700`` is finite in FP64 (the statistics' dtype), ``e**710`` is not.
+_LOG_RATIO_CEILING = 700.0
 
 
 class _Unset:
@@ -70,11 +78,19 @@ class ImportanceCorrection:
     ``policy``: ``"when_available"`` corrects only with current log-probs the
     trainer already has (never adds a forward); ``"always"`` runs one no-grad
     forward at the current weights to get them.
+    ``level`` (NOTE [Importance correction] Rule 9): ``"token"`` weighs each
+    token by its own ratio; ``"sequence"`` every token of a sequence by the
+    product of its tokens' ratios, ``"geometric"`` by their geometric mean,
+    ``"average"`` by their arithmetic mean (each then clipped).
+    ``max_log_ratio``: the level's log-ratio is bounded above by it before
+    ``exp``, so no ratio overflows; a number in ``[0, 700]`` (default 20).
     """
 
     clip_low: float = 0.0
     clip_high: float = 5.0
     policy: str = "when_available"
+    level: str = "token"
+    max_log_ratio: float = MAX_LOG_RATIO
 
     def __post_init__(self) -> None:
         for name in ("clip_low", "clip_high"):
@@ -89,6 +105,13 @@ class ImportanceCorrection:
             )
         if self.policy not in CORRECTION_POLICIES:
             raise ConfigError("ImportanceCorrection.policy", self.policy, f"one of {CORRECTION_POLICIES}")
+        if self.level not in CORRECTION_LEVELS:
+            raise ConfigError("ImportanceCorrection.level", self.level, f"one of {CORRECTION_LEVELS}")
+        bound = self.max_log_ratio
+        if not is_number(bound) or not 0 <= bound <= _LOG_RATIO_CEILING:
+            raise ConfigError(
+                "ImportanceCorrection.max_log_ratio", bound, f"a number >= 0 and <= {_LOG_RATIO_CEILING:g}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,8 @@ from . import seams
 from .admission import Admission, Admitted, default_device_limit
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
-from .corrections import CorrectionStats, KnownLogprobs, correct_record
+from .corrections import KnownLogprobs, correct_record
+from .importance import CorrectionStats
 from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
 from .cotangents import cotangents_by_record, output_cotangents, record_cotangent
 from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs

@@ -31,7 +31,7 @@ from reports.plots import save_png
 
 __all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
 
-GROUPS = ("staleness", "placement", "sensitivity")
+GROUPS = ("staleness", "placement", "levels", "sensitivity")
 _METRIC_TITLES = {"final": "final metric", "auc": "area under the curve (mean over steps)"}
 
 
@@ -111,8 +111,15 @@ def verdict_table(workload: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _ratios(distribution: dict | None) -> str:
+    """A ratio distribution of the evidence (``canaries.learning.summary.ratio_distribution``) in one cell."""
+    if not distribution:
+        return "-"
+    return f"{distribution['min']:.3g} / {distribution['quantiles']['0.5']:.3g} / {distribution['max']:.3g}"
+
+
 def arms_table(workload: dict) -> pd.DataFrame:
-    """One row per arm: criterion met, final metric, staleness seen, fraction corrected."""
+    """One row per arm: criterion met, final metric, staleness seen, fraction corrected, importance ratios."""
     rows = []
     for name, arm in workload["arms"].items():
         finals = np.asarray(arm["final"])
@@ -121,6 +128,8 @@ def arms_table(workload: dict) -> pd.DataFrame:
             "final (mean ± SD)": f"{finals.mean():.4g} ± {finals.std(ddof=1) if finals.size > 1 else 0.0:.2g}",
             "records by staleness": ", ".join(f"{k}: {n}" for k, n in arm["staleness_counts"].items()),
             "fraction corrected": f"{np.mean(arm['fraction_corrected']):.3g}",
+            "raw ratio (min / median / max)": _ratios(arm.get("raw_ratio")),
+            "clipped ratio (min / median / max)": _ratios(arm.get("clipped_ratio")),
         })
     return pd.DataFrame(rows)
 

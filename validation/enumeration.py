@@ -27,6 +27,8 @@ __all__ = [
     "sequence_logprobs",
     "exact_expectation",
     "table_policy",
+    "level_weights",
+    "per_token_objective",
 ]
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -99,3 +101,38 @@ def table_policy(theta: torch.Tensor) -> LogitsFn:
         return theta[t, int(prefix[-1]) if t else vocab]
 
     return logits_fn
+
+
+def level_weights(ratios: torch.Tensor, level: str, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(N, L)``: each token's importance weight at ``level`` from the token ratios ``(N, L)``, unclipped.
+
+    Formed from the ratios themselves, not their logarithms (the oracle's own
+    reading of docs/semantics.md#importance-correction), over each row's
+    ``mask``-ed tokens (``None``: all): ``token`` each ratio; ``sequence`` the
+    row's product, ``geometric`` its ``n``-th root (``n`` tokens),
+    ``average`` the row's mean, on every token of the row. Tokens outside
+    the mask weigh 0.
+    """
+    mask = torch.ones_like(ratios, dtype=torch.bool) if mask is None else mask
+    kept = torch.where(mask, ratios, 1.0)
+    count = mask.sum(-1).to(ratios.dtype)
+    unit = {"token": ratios, "sequence": kept.prod(-1, keepdim=True),
+            "geometric": kept.prod(-1, keepdim=True) ** (1.0 / count[:, None]),
+            "average": torch.where(mask, ratios, 0.0).sum(-1, keepdim=True) / count[:, None]}[level]
+    return torch.where(mask, unit.expand_as(ratios), 0.0)
+
+
+def per_token_objective(theta: torch.Tensor, theta_old: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """0-d: ``sum_t E[R(y)]`` with ``y_t ~ pi_theta(. | y_<t)`` and every other token from ``pi_old``.
+
+    The objective the token-level correction is unbiased for: its gradient at
+    ``theta`` is ``E_{y ~ pi_old}[R(y) sum_t rho_t grad log pi_theta(y_t | y_<t)]``
+    (``rho_t`` the token ratio). Tables as in :func:`table_policy`.
+    """
+    length, _, vocab = theta.shape
+    sequences = enumerate_sequences(vocab, length)
+    new, old = table_policy(theta), table_policy(theta_old)
+    token_new = torch.stack([sequence_token_logprobs(new, y) for y in sequences])  # (N, L)
+    token_old = torch.stack([sequence_token_logprobs(old, y) for y in sequences])
+    swapped = token_old.sum(-1, keepdim=True) - token_old + token_new  # log of pi_old with token t from pi_theta
+    return (rewards[:, None] * swapped.exp()).sum()

@@ -27,6 +27,7 @@ from reference_trainer import (
 from reference_trainer.lora import attach_lora
 from reference_trainer.model import RotaryEmbedding
 
+from .enumeration import level_weights
 from .oracle_state import (
     OracleBackward,
     OracleCheckpoint,
@@ -75,8 +76,10 @@ __all__ = [
 #      number of staged parameters (every consumed record released). Any
 #      failure changes no gradient.
 #   4. A stale record with a correction gets token cotangents
-#      ``adv * clip(exp(lp_current - lp_forward), low, high)`` on active
-#      tokens (non-zero cotangent, target not masked), ``lp_current`` from
+#      ``adv * clip(min(W, e**max_log_ratio), low, high)`` on active tokens
+#      (non-zero cotangent, target not masked), ``W`` the level's weight
+#      formed from the ratios ``exp(lp_current - lp_forward)`` over the row's
+#      unmasked targets (``validation.enumeration.level_weights``), ``lp_current`` from
 #      the current weights with the forward's RNG state; the gradient is
 #      still taken at the forward's weights. Fresh records are never corrected. Only ``policy="always"``
 #      is modelled (``"when_available"`` depends on what the trainer cached).
@@ -324,9 +327,9 @@ class OracleTrainer:
         if age > 0 and record.correction is not None:
             with torch.no_grad():
                 current = self._run(record, ckpt.weights)
-            active = cotangent != 0
-            low, high = record.correction.clip_low, record.correction.clip_high
-            weights = torch.exp(current[active] - logprobs.detach()[active]).clamp(low, high)
+            active, c = cotangent != 0, record.correction
+            ratios = level_weights(torch.exp(current - logprobs.detach()), c.level, record.targets >= 0)
+            weights = ratios.clamp(max=math.exp(c.max_log_ratio)).clamp(c.clip_low, c.clip_high)[active]
             cotangent = cotangent.clone()
             cotangent[active] = cotangent[active] * weights
             corrected, mean, tokens = True, float(weights.mean()), int(weights.numel())

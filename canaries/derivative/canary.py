@@ -27,7 +27,7 @@ NOTE [Derivative canary]
      error in the model's dtype (:data:`TOLERANCES`); every backward's
      reference must be non-zero (``validation.compare``).
   6. Coverage: every record whose gradient is judged is counted in its cell
-     (staleness, placement, corrected, checkpoint kind); ``bound_cap`` lowers
+     (staleness, placement, corrected, checkpoint kind, level); ``bound_cap`` lowers
      every forward's staleness bound (0: no stale backward can succeed), the
      negative control of the coverage check.
   7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss
@@ -41,8 +41,10 @@ NOTE [Derivative canary]
      short op sequence, and shrinking a second failure would cost minutes
      (the mutation suite runs the canary once per injected bug).
   9. Coverage is a check (made once the others passed): every cell of :func:`claimed_cells` (staleness 1
-     and 2 x retain/offload/replay x corrected or not x each checkpoint kind
-     of the preset) must hold at least one judged record, and when the
+     and 2 x retain/offload/replay x corrected (level ``"token"``) or not x
+     each checkpoint kind of the preset, and staleness 1 and 2 x retain x
+     levels ``"sequence"``, ``"geometric"``, ``"average"`` x each kind)
+     must hold at least one judged record, and when the
      exploration runs at least :data:`MIN_BACKPROPAGATING` of its examples
      must backpropagate. The evidence counts records per cell.
   10. Intersections (every profile, after the fixed scenarios): logical ranks
@@ -72,7 +74,7 @@ from validation.profiles import EXPLORATION
 
 from .intersections import INTERSECTIONS
 from .machine import explore
-from .scenarios import SCENARIOS, check_logical_ranks, run_scenario
+from .scenarios import LEVELS, SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from ..preset_budget import preset_here
@@ -91,8 +93,11 @@ BACKPROPAGATING_CHECK = f"coverage: >= {MIN_BACKPROPAGATING:.0%} of examples bac
 
 
 def claimed_cells(config: Preset) -> list[Cell]:
-    """The (staleness, placement, corrected, checkpoint kind) cells the canary claims on ``config`` (Rule 9)."""
-    return list(itertools.product((1, 2), ("retain", "offload", "replay"), (False, True), checkpoint_kinds(config)))
+    """The (staleness, placement, corrected, checkpoint kind, level) cells the canary claims on ``config`` (Rule 9)."""
+    kinds = checkpoint_kinds(config)
+    grid = itertools.product((1, 2), ("retain", "offload", "replay"), (False, True), kinds)
+    levels = itertools.product((1, 2), kinds, LEVELS)
+    return [(s, p, c, k, "token" if c else None) for s, p, c, k in grid] + [(s, "retain", True, k, l) for s, k, l in levels]
 
 
 @dataclass
@@ -255,8 +260,8 @@ def _judged(result: CanaryResult, config: Preset, profile: str, seconds: float, 
             "stale_records_backpropagated": m.stale_records,
             "stale_share_of_checked": stale / max(1, m.records_checked),
             "corrected_records": m.corrected_records,
-            "cells": [{"staleness": s, "placement": p, "corrected": c, "checkpoint": k, "records": m.cells[(s, p, c, k)]}
-                      for (s, p, c, k) in sorted(m.cells, key=str)],
+            "cells": [{"staleness": s, "placement": p, "corrected": c, "checkpoint": k, "level": level,
+                       "records": m.cells[(s, p, c, k, level)]} for (s, p, c, k, level) in sorted(m.cells, key=str)],
             "claimed_cells_empty": [list(cell) for cell in claimed_cells(config) if not m.cells[cell]],
             "worst_gradient_relative_l2": m.worst_gradient_error,
             "worst_gradient_error_over_threshold": m.worst_gradient_margin,

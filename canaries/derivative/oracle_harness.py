@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class _Output:
     oracle_record: int
     row: int
     placement: str
+    level: str  # the correction's level, if the record is corrected
 
 
 def _error_facts(error: BaseException) -> dict[str, Any]:
@@ -119,11 +120,13 @@ class DerivativeHarness:
 
     # --- ops ---------------------------------------------------------------------------
 
-    def forward(self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int) -> list[OutputRef]:
-        self._note(f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, seed={seed})")
-        bound = min(bound, self.bound_cap)
+    def forward(self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int,
+                level: str = "token") -> list[OutputRef]:
+        self._note(f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, "
+                   f"seed={seed}, level={level!r})")
+        bound, correction = min(bound, self.bound_cap), replace(CORRECTION, level=level) if correct else None
         options = rt.ForwardOptions(
-            backward_state=placement, max_gradient_staleness=bound, corrections=(CORRECTION,) if correct else ()
+            backward_state=placement, max_gradient_staleness=bound, corrections=(correction,) if correct else ()
         )
         data = sequences(seed, lengths, self.config.model.vocab_size)
         inputs = [rt.ForwardInput(ids.clone(), targets.clone()) for ids, targets, _ in data]
@@ -136,7 +139,7 @@ class DerivativeHarness:
             item.target_tokens.fill_(1)
         record = self.oracle.forward(
             NAME, [(ids, t) for ids, t, _ in data], rng_state=rng, cuda_rng_state=cuda_rng,
-            bound=bound, correction=CORRECTION if correct else None,
+            bound=bound, correction=correction,
         )
         expected_version = rt.CheckpointVersion(NAME, self._generation(), self.oracle.revision(NAME))
         refs = []
@@ -153,7 +156,7 @@ class DerivativeHarness:
             self._expect(error <= self.tol.logprobs, "log-prob relative L2", f"<= {self.tol.logprobs}", error)
             self._counter += 1
             advantages = data[row][2].to(self.device)
-            self.outputs[self._counter] = _Output(leaf, advantages, out.record_id, record, row, out.placement)
+            self.outputs[self._counter] = _Output(leaf, advantages, out.record_id, record, row, out.placement, level)
             refs.append(OutputRef(self._counter))
         return refs
 
@@ -418,12 +421,14 @@ class DerivativeHarness:
             self.measured.stale_records += found.staleness > 0
             self._expect(found.placement == out.placement, "report placement", out.placement, found.placement)
             corrected = found.correction is not None
-            self.measured.cells[(found.staleness, found.placement, corrected, self.kind)] += 1
+            level = found.correction.level if corrected else None
+            self.measured.cells[(found.staleness, found.placement, corrected, self.kind, level)] += 1
             self._expect(corrected == predicted.corrected, f"record {found.record_id} corrected (staleness "
                          f"{predicted.staleness})", predicted.corrected, corrected)
             if corrected:
                 self.measured.corrected_records += 1
                 stats = found.correction
+                self._expect(level == out.level, "correction level", out.level, level)
                 self._expect(stats.tokens == predicted.tokens, "corrected tokens", predicted.tokens, stats.tokens)
                 self._expect(stats.staleness == predicted.staleness, "correction staleness", predicted.staleness,
                              stats.staleness)

@@ -152,7 +152,8 @@ def judge_gradients(found: dict, reference: dict, baseline: dict, tol: Tolerance
 
 
 
-Cell = tuple[int, str, bool, str]  # (staleness, placement, corrected, checkpoint kind) of a checked record
+# (staleness, placement, corrected, checkpoint kind, correction level or None) of a checked record
+Cell = tuple[int, str, bool, str, str | None]
 
 
 @dataclass

@@ -3,8 +3,8 @@
 Fixed :data:`SCENARIOS` exercise every feature at least once, cheaply and
 deterministically, on a fresh :class:`~canaries.derivative.oracle_harness.DerivativeHarness`
 each (the invariant checked after every op). ``stale_grid`` backpropagates a
-record of every placement, with and without a correction, at staleness 1 and
-2: the coverage floor the canary claims (NOTE [Derivative canary] Rule 6).
+record of every placement, with and without a correction, and one of every
+other correction level, at staleness 1 and 2: the coverage floor the canary claims (NOTE [Derivative canary] Rule 6).
 :func:`check_logical_normalisation` is Rule 7 of NOTE [Derivative canary]
 (``canaries.derivative.canary``).
 """
@@ -28,7 +28,9 @@ from .oracle_harness import DerivativeHarness
 from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
 from ..presets import Preset
 
-__all__ = ["SCENARIOS", "run_scenario", "check_logical_normalisation"]
+__all__ = ["LEVELS", "SCENARIOS", "run_scenario", "check_logical_normalisation"]
+
+LEVELS = ("sequence", "geometric", "average")  # the correction levels beside the default "token" the grid covers
 
 
 # --- fixed scenarios ------------------------------------------------------------------------
@@ -118,11 +120,14 @@ def _drops(h: DerivativeHarness) -> None:
 
 
 def _stale_grid(h: DerivativeHarness) -> None:
-    """Every placement, with and without a correction, backpropagated at staleness 2 and 1 in one backward (Rule 6)."""
+    """Every placement, with and without a correction, and every other correction level (retained, two rows),
+    backpropagated at staleness 2 and 1 in one backward (Rule 6)."""
     pending = []
     for age in (2, 1):
         grid = itertools.product(("retain", "offload", "replay"), (False, True))
         pending += [h.forward(p, 2, correct, [3], seed=90 + 10 * age + i) for i, (p, correct) in enumerate(grid)]
+        pending += [h.forward("retain", 2, True, [3, 4], seed=96 + 10 * age + i, level=level)
+                    for i, level in enumerate(LEVELS)]
         h.train_step(90 + age)
     h.backward([ref for refs in pending for ref in refs])
     h.step()

@@ -13,9 +13,11 @@ NOTE [Arms]
      has staleness ``min(t, k)``, which the run records from each
      ``BackwardReport``. Every batch gets one backward and one step: the
      last k are drained at the end, so every arm takes ``steps`` steps.
-  3. ``corrected``: ``ImportanceCorrection(policy="always")``; otherwise no
+  3. ``corrected``: ``ImportanceCorrection(policy="always", level=level)``
+     (``level`` ``"token"`` unless the arm says otherwise); otherwise no
      correction (``corrections=()``). ``placement``: the forced
-     ``backward_state`` (retain, offload, replay).
+     ``backward_state`` (retain, offload, replay). The run keeps each
+     corrected record's raw (pre-clip) and clipped ratio statistics.
   4. Arms differ from their ``baseline`` in one thing. ``exact_with`` names an
      arm whose curve and final weights must be bitwise equal per seed
      (FP32 on CPU).
@@ -28,6 +30,12 @@ NOTE [Arms]
        - ``flipped_layer``: the gradient sign flipped on every parameter of
          one decoder layer (:data:`FLIPPED_LAYER`): that layer ascends the
          loss, and the arm misses its criterion.
+  6. Shown arms (``enforced=False``): the other correction levels at
+     staleness 2 (``sequence``, ``geometric``, ``average``, group
+     ``levels``), each against ``strict`` like ``stale2_corrected`` (the
+     token level), so the verdicts show which level learns best on each
+     workload. Their success and equivalence are reported, never checks;
+     their records are checked as every arm's are.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -61,9 +69,11 @@ class Arm:
     delay: int = 0
     corrected: bool = False
     placement: str = "retain"
+    level: str = "token"
     sabotage: str | None = None
     baseline: str | None = None
     exact_with: str | None = None
+    enforced: bool = True
 
     @property
     def sensitivity(self) -> bool:
@@ -88,6 +98,9 @@ ARMS: tuple[Arm, ...] = (
         delay=2, corrected=True, placement="offload", baseline="stale2_corrected", exact_with="stale2_corrected"),
     Arm(name="stale2_corrected_replay", summary="stale2_corrected with replayed forwards", group="placement",
         delay=2, corrected=True, placement="replay", baseline="stale2_corrected", exact_with="stale2_corrected"),
+    *(Arm(name=f"stale2_{level}", summary=f"stale2_corrected at importance level {level!r} (shown)", group="levels",
+          delay=2, corrected=True, level=level, baseline="strict", enforced=False)
+      for level in ("sequence", "geometric", "average")),
     Arm(name="broken_dropped_updates", summary=f"plain loop, one optimizer update in {DROP_EVERY} lost (broken)",
         group="sensitivity", loop="plain", sabotage="dropped_updates", baseline="plain"),
     Arm(name="broken_flipped_layer", summary=f"plain loop, gradient sign flipped on {FLIPPED_LAYER}* (broken)",
@@ -113,6 +126,8 @@ class ArmRun:
     staleness: list[int] = field(default_factory=list)  # per backward record, in step order
     corrected: list[bool] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # mean importance weight of each corrected record
+    raw_ratios: list[dict] = field(default_factory=list)  # each corrected record's raw (pre-clip) RatioStats, as a dict
+    clipped_ratios: list[dict] = field(default_factory=list)  # and its clipped one
     digest: str = ""  # SHA-256 of the final trainable weights
     wall_s: float = 0.0
 
@@ -208,7 +223,7 @@ def _plain_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> Non
 
 
 def _options(spec: Arm) -> rt.ForwardOptions:
-    corrections = (rt.ImportanceCorrection(policy="always"),) if spec.corrected else ()
+    corrections = (rt.ImportanceCorrection(policy="always", level=spec.level),) if spec.corrected else ()
     return rt.ForwardOptions(max_gradient_staleness=spec.delay, corrections=corrections, backward_state=spec.placement)
 
 
@@ -227,6 +242,8 @@ def _versioned_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) ->
         result.staleness.append(max(r.staleness for r in report.records))
         result.corrected.append(bool(report.corrected))
         result.weights.extend(r.correction.mean for r in report.corrected)
+        result.raw_ratios.extend(asdict(r.correction.raw) for r in report.corrected)
+        result.clipped_ratios.extend(asdict(r.correction.clipped) for r in report.corrected)
         step = len(result.staleness) - 1
         trainer.optim_step(lr=schedule.lr(step))
         trainer.zero_grad()

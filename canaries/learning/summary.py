@@ -9,19 +9,24 @@ NOTE [Learning checks]
   1. Exactness (enforced where owed: FP32 on CPU): an arm with ``exact_with``
      has, per seed, the same curve and the same final-weight digest as that
      arm, bit for bit.
-  2. Success: every arm that is not a sensitivity arm meets the workload's
-     criterion on every seed.
+  2. Success: every enforced arm that is not a sensitivity arm meets the
+     workload's criterion on every seed (shown arms, NOTE [Arms] Rule 6:
+     reported only).
   3. Records: a stale arm's records had staleness ``min(t, k)`` at step t
      (k the arm's delay); the fraction of records corrected is > 0 for the
      corrected arms and 0 for every other arm.
   4. Verdicts: every arm with a baseline gets a paired TOST verdict
      (``validation.equivalence``) on the final metric and on the area under
      the curve (the curve's mean over the steps, in metric units). They are
-     reported; with ``gate`` the non-sensitivity arms must be equivalent.
+     reported; with ``gate`` the enforced non-sensitivity arms must be
+     equivalent.
   5. Sensitivity: a sensitivity arm is caught when it misses the criterion on
      some seed or is judged worse on either metric. Every one must be caught,
      and (across workloads) at least one must meet its criterion and still
      be judged worse.
+  6. Ratios: each corrected arm's evidence shows the distribution of its
+     records' raw (pre-clip) and clipped importance ratios
+     (:func:`ratio_distribution`); ``None`` for an arm that corrected nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from scipy.integrate import trapezoid
 
 from canaries.learning.arms import Arm, ArmRun
@@ -36,7 +42,7 @@ from canaries.learning.workloads import Workload
 from validation.evidence import Checks
 from validation.equivalence import paired_equivalence
 
-__all__ = ["area_under_curve", "expected_staleness", "summarize_workload"]
+__all__ = ["area_under_curve", "expected_staleness", "ratio_distribution", "summarize_workload"]
 
 METRICS = ("final", "auc")
 
@@ -49,6 +55,20 @@ def area_under_curve(steps: Sequence[int], values: Sequence[float]) -> float:
 def expected_staleness(arm: Arm, steps: int) -> list[int]:
     """The staleness each record must have had (NOTE [Arms] rule 2): ``min(t, delay)``."""
     return [min(t, arm.delay) for t in range(steps)]
+
+
+def ratio_distribution(stats: Sequence[dict]) -> dict | None:
+    """Records' ratio statistics (``RatioStats`` as dicts) pooled: the smallest minimum, the largest maximum,
+    the mean of the means and, per quantile, the median over records of that quantile; ``None`` for none."""
+    if not stats:
+        return None
+    return {
+        "records": len(stats),
+        "min": min(s["min"] for s in stats),
+        "max": max(s["max"] for s in stats),
+        "mean": float(np.mean([s["mean"] for s in stats])),
+        "quantiles": {str(q): float(np.median([s["quantiles"][q] for s in stats])) for q in stats[0]["quantiles"]},
+    }
 
 
 def _arm_summary(workload: Workload, arm: Arm, runs: Sequence[ArmRun]) -> dict:
@@ -71,6 +91,10 @@ def _arm_summary(workload: Workload, arm: Arm, runs: Sequence[ArmRun]) -> dict:
         "staleness_counts": {str(k): staleness[k] for k in sorted(staleness)},
         "fraction_corrected": [r.fraction_corrected for r in runs],
         "correction_weight_mean": [sum(r.weights) / len(r.weights) if r.weights else None for r in runs],
+        "level": arm.level if arm.corrected else None,
+        "enforced": arm.enforced,
+        "raw_ratio": ratio_distribution([s for r in runs for s in r.raw_ratios]),
+        "clipped_ratio": ratio_distribution([s for r in runs for s in r.clipped_ratios]),
         "digests": [r.digest for r in runs],
         "wall_s": [r.wall_s for r in runs],
     }
@@ -131,7 +155,7 @@ def _checks(
                          "equal digests" if pair["equal"] else "the digests differ on some seed")
     for arm in arms:
         summary = summaries[arm.name]
-        if not arm.sensitivity:
+        if arm.enforced and not arm.sensitivity:
             checks.check(f"{name}: {arm.name} meets {workload.criterion()} on every seed", summary["meets_all"],
                          f"final {workload.metric} per seed {summary['final']}")
         if arm.delay:
@@ -151,7 +175,7 @@ def _checks(
                      entry["caught"], "caught" if entry["caught"] else "neither judged worse nor missing the criterion")
     if gate:
         for verdict in evidence["verdicts"]:
-            if not summaries[verdict["arm"]]["sensitivity"]:
+            if summaries[verdict["arm"]]["enforced"] and not summaries[verdict["arm"]]["sensitivity"]:
                 label = f"{name}: {verdict['arm']} equivalent to {verdict['baseline']} ({verdict['metric']}, gated)"
                 checks.check(label, verdict["verdict"] == "equivalent",
                              f"{verdict['verdict']}: mean difference {verdict['mean_difference']:+.4f}, 90% CI "

@@ -23,6 +23,7 @@ from reference_trainer import admission as admission_module
 from reference_trainer import checkpoints as checkpoints_module
 from reference_trainer import commit as commit_module
 from reference_trainer import corrections as corrections_module
+from reference_trainer import importance as importance_module
 from reference_trainer import planner as planner_module
 from reference_trainer import residency as residency_module
 from reference_trainer import sinks as sinks_module
@@ -114,6 +115,14 @@ def _aliasing_copy(self: SavedStateLedger, tensor: torch.Tensor) -> torch.Tensor
 # --- issue 21: the defects ---------------------------------------------------------------------------
 
 
+_REAL_UNITS = importance_module.unit_log_ratios
+
+
+def _sequence_per_token(log_ratio: torch.Tensor, mask: torch.Tensor, active: torch.Tensor, level: str) -> Any:
+    """The sequence level's weight applied per token: each token weighed by its own ratio, not its sequence's."""
+    return _REAL_UNITS(log_ratio, mask, active, "token" if level == "sequence" else level)
+
+
 def _process_scope(record: Any) -> tuple[None, str]:
     """Defect 1: the ``when_available`` scope ignores the record's owner: one cache for every logical rank."""
     return None, record.checkpoint.name
@@ -199,6 +208,9 @@ MUTATIONS: dict[str, Mutation] = {
                  "scenario:bounds"),
         Mutation("correct_fresh_records", "the importance correction is applied to fresh records", "derivative",
                  _patched(corrections_module, "staleness", _fresh_as_stale), "scenario:corrections"),
+        Mutation("sequence_weight_per_token", "importance level 'sequence' weighs each token by its own ratio "
+                 "instead of its sequence's product", "derivative",
+                 _patched(importance_module, "unit_log_ratios", _sequence_per_token), "scenario:stale_grid"),
         Mutation("offload_alias", "offload keeps an alias of the saved storage instead of a host copy", "memory",
                  _patched(SavedStateLedger, "_copy_storage", _aliasing_copy),
                  "offload: host copies hold what retain keeps on the device"),

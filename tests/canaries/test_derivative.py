@@ -50,7 +50,8 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
     assert m["examples_backpropagated"] >= 0.9 * m["examples"]
     assert m["corrected_records"] > 0 and m["errors_predicted_and_matched"] > 0
     # Stale records are most of what was judged, and every claimed cell holds some (counted independently here).
-    cells = {(c["staleness"], c["placement"], c["corrected"], c["checkpoint"]): c["records"] for c in m["cells"]}
+    cells = {(c["staleness"], c["placement"], c["corrected"], c["checkpoint"], c["level"]): c["records"]
+             for c in m["cells"]}
     assert sum(cells.values()) == m["records_checked"]
     stale = sum(n for (staleness, *_), n in cells.items() if staleness > 0)
     assert stale == m["stale_records_backpropagated"] and stale > m["records_checked"] / 2
@@ -58,7 +59,10 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
         for placement in ("retain", "offload", "replay"):
             for corrected in (False, True):
                 for kind in ("lora", "full"):
-                    assert cells.get((staleness, placement, corrected, kind), 0) > 0
+                    assert cells.get((staleness, placement, corrected, kind, "token" if corrected else None), 0) > 0
+        for level in ("sequence", "geometric", "average"):  # the stale cells gain the levels
+            for kind in ("lora", "full"):
+                assert cells.get((staleness, "retain", True, kind, level), 0) > 0
     assert m["claimed_cells_empty"] == []
     assert 0 < m["worst_gradient_relative_l2"] <= TOLERANCES[torch.float32].gradient
     assert 0 < m["worst_logprob_relative_l2"] <= TOLERANCES[torch.float32].logprobs
@@ -73,7 +77,7 @@ def test_coverage_fails_when_no_stale_backward_can_succeed() -> None:
     result = derivative.examine(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
 
     assert list(result.failures) == [derivative.COVERAGE_CHECK]  # everything else agrees with the oracle
-    assert "(1, 'retain', False, 'lora')" in result.failures[derivative.COVERAGE_CHECK]
+    assert "(1, 'retain', False, 'lora', None)" in result.failures[derivative.COVERAGE_CHECK]
     assert all(staleness == 0 for staleness, *_ in result.measured.cells)
 
 
@@ -109,8 +113,9 @@ def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
     measured = run_scenario(preset("cpu").on_this_machine(), name)
     stale_cells = {cell for cell, n in measured.cells.items() if cell[0] > 0 and n > 0}
     claims = {
-        "stale_grid": stale_cells == {(s, p, c, "lora") for s in (1, 2) for p in ("retain", "offload", "replay")
-                                      for c in (False, True)},
+        "stale_grid": stale_cells == {(s, p, c, "lora", "token" if c else None) for s in (1, 2)
+                                      for p in ("retain", "offload", "replay") for c in (False, True)}
+                      | {(s, "retain", True, "lora", level) for s in (1, 2) for level in ("sequence", "geometric", "average")},
         "stale_exact": measured.stale_records >= 3 and measured.errors_predicted == 2,
         "bounds": measured.errors_predicted == 4,
         "corrections": measured.corrected_records == 1 and measured.stale_records == 2,

@@ -11,7 +11,7 @@ import torch
 
 from canaries.learning.canary import SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.arms import ARMS, arm, run_arm
-from canaries.learning.summary import area_under_curve, expected_staleness
+from canaries.learning.summary import area_under_curve, expected_staleness, ratio_distribution
 from canaries.learning.workloads import Schedule
 from canaries.registry import CANARIES
 from validation.errors import SetupError
@@ -47,8 +47,38 @@ def test_stale_records_had_the_scheduled_staleness_and_only_corrected_arms_corre
         assert arms[name]["staleness"] == [[0, 1] + [2] * (steps - 2)] * 2
     assert all(f == pytest.approx((steps - 1) / steps) for f in arms["stale2_corrected"]["fraction_corrected"])
     assert all(w is not None and w != 1.0 for w in arms["stale2_corrected"]["correction_weight_mean"])
+    assert all(f == pytest.approx((steps - 1) / steps) for f in arms["stale2_sequence"]["fraction_corrected"])
     for name in ("plain", "strict", "stale2_uncorrected", "broken_dropped_updates"):
         assert arms[name]["fraction_corrected"] == [0.0, 0.0]
+
+
+def test_level_arms_are_shown_with_their_raw_ratios_and_not_enforced(record: dict) -> None:
+    workload = record["measurements"]["workloads"]["next_byte"]
+    arms, checks = workload["arms"], record["checks"]
+    level = arms["stale2_sequence"]
+    assert (level["level"], level["enforced"], level["group"], level["baseline"]) == ("sequence", False, "levels", "strict")
+    assert {(v["arm"], v["baseline"]) for v in workload["verdicts"]} >= {("stale2_sequence", "strict")}
+    assert not any("stale2_sequence meets" in c for c in checks)  # shown, not enforced
+    assert "next_byte: stale2_sequence corrected a fraction > 0 of its records" in checks  # records still checked
+    steps, seeds = 12, 2
+    for name in ("stale2_corrected", "stale2_sequence"):
+        raw, clipped = arms[name]["raw_ratio"], arms[name]["clipped_ratio"]
+        assert raw["records"] == clipped["records"] == seeds * (steps - 1)
+        assert raw["min"] <= raw["quantiles"]["0.5"] <= raw["max"] and raw["min"] != raw["max"]
+        assert clipped["max"] <= 5.0  # the default clip_high
+    assert arms["stale2_sequence"]["raw_ratio"]["max"] > 5.0  # before the clip: a product of 16 ratios
+    for name in ("plain", "strict", "stale2_uncorrected"):
+        assert arms[name]["raw_ratio"] is None and arms[name]["level"] is None
+
+
+def test_ratio_distribution_matches_a_hand_computation() -> None:
+    first = {"min": 0.5, "max": 4.0, "mean": 1.5, "quantiles": {0.05: 0.6, 0.5: 1.0, 0.95: 3.0}}
+    second = {"min": 0.2, "max": 2.0, "mean": 1.0, "quantiles": {0.05: 0.3, 0.5: 0.9, 0.95: 1.8}}
+    third = {"min": 0.9, "max": 1.1, "mean": 1.0, "quantiles": {0.05: 0.9, 0.5: 1.05, 0.95: 1.1}}
+    pooled = ratio_distribution([first, second, third])
+    assert pooled == {"records": 3, "min": 0.2, "max": 4.0, "mean": pytest.approx(3.5 / 3),
+                      "quantiles": {"0.05": 0.6, "0.5": 1.0, "0.95": 1.8}}  # the median over records, per quantile
+    assert ratio_distribution([]) is None
 
 
 def test_sensitivity_arms_are_caught_and_one_still_meets_the_criterion(record: dict) -> None:

@@ -21,6 +21,7 @@ from validation.profiles import EXPLORATION
 FIRST_FAILURE = {
     "staleness_off_by_one": "StaleGradientError",
     "correct_fresh_records": "corrected (staleness 0): expected False, found True",
+    "sequence_weight_per_token": "mean weight: expected",
     "per_rank_normalisation": "gradient of the globally normalised loss",
     "stale_weights": "agreement with the FP64 oracle",  # silently wrong, not refused
     "partial_commit": "expected unchanged, found replaced",

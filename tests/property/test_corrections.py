@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference_trainer as rt
-from reference_trainer.corrections import correct_cotangent, correction_weights
+from reference_trainer.importance import correct_cotangent, correction_weights
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 F32_MAX, F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
@@ -38,10 +38,14 @@ _bound = st.sampled_from(_SPECIAL_BOUNDS) | st.floats(0.0, 20.0, allow_nan=False
 _logprob = st.floats(-30.0, 0.0, allow_nan=False, allow_infinity=False)
 
 
+# 700: the largest bound on the log-ratio, so that the clip bounds alone decide (tests of the bound draw it).
+_NO_LOG_BOUND = st.just(700.0)
+
+
 @st.composite
-def _corrections(draw, bound=_bound) -> rt.ImportanceCorrection:
+def _corrections(draw, bound=_bound, log_bound=_NO_LOG_BOUND) -> rt.ImportanceCorrection:
     low, high = sorted((draw(bound), draw(bound)))
-    return rt.ImportanceCorrection(clip_low=low, clip_high=high)
+    return rt.ImportanceCorrection(clip_low=low, clip_high=high, max_log_ratio=draw(log_bound))
 
 
 def _extreme(correction: rt.ImportanceCorrection) -> bool:
@@ -61,9 +65,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _reference_weights(current: np.ndarray, forward: np.ndarray, correction) -> np.ndarray:
-    """``clip(exp(current - forward), low, high)`` in FP64 numpy (inputs have no +inf / NaN)."""
-    with np.errstate(over="ignore"):
-        return np.clip(np.exp(current - forward), correction.clip_low, correction.clip_high)
+    """``clip(exp(min(current - forward, max_log_ratio)), low, high)`` in FP64 numpy (inputs have no +inf / NaN)."""
+    log_ratio = np.minimum(current - forward, correction.max_log_ratio)
+    return np.clip(np.exp(log_ratio), correction.clip_low, correction.clip_high)
 
 
 def _reference_clipped(current: torch.Tensor, forward: torch.Tensor, correction, dtype) -> np.ndarray:
@@ -73,7 +77,7 @@ def _reference_clipped(current: torch.Tensor, forward: torch.Tensor, correction,
     low, high = correction.clip_low, correction.clip_high
     log_low = np_dtype(math.log(low)) if low > 0 else -np.inf
     log_high = np_dtype(math.log(high)) if high > 0 else -np.inf
-    return (log_ratio < log_low) | (log_ratio > log_high)
+    return (log_ratio < log_low) | (log_ratio > min(log_high, correction.max_log_ratio))
 
 
 # --- weights ----------------------------------------------------------------------
@@ -105,7 +109,7 @@ def test_weights_are_bounded_finite_detached_and_at_least_fp32(dtype, correction
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bounds_of_1e_minus_300_and_1e300_are_kept_exactly_without_overflow(dtype):
-    correction = rt.ImportanceCorrection(clip_low=1e-300, clip_high=1e300)
+    correction = rt.ImportanceCorrection(clip_low=1e-300, clip_high=1e300, max_log_ratio=700.0)
     log_ratios = [-1e4, -800.0, -50.0, 0.0, 50.0, 800.0, 1e4]
     current = _tensor(log_ratios + [-math.inf], dtype)
     forward = torch.zeros_like(current)
@@ -270,7 +274,7 @@ def test_statistics_match_an_independent_numpy_computation(dtype, correction, to
 )
 def test_statistics_of_extreme_weights_stay_finite(low, high, ratio, mean):
     # Squaring 1e300 overflows and squaring 1e-300 underflows; the ESS is scale-free.
-    correction = rt.ImportanceCorrection(clip_low=low, clip_high=high)
+    correction = rt.ImportanceCorrection(clip_low=low, clip_high=high, max_log_ratio=700.0)
     current = torch.full((3,), ratio)
     _, stats = correct_cotangent(torch.ones(3), current, torch.zeros(3), correction, staleness=1)
     assert stats.mean == mean and stats.max == mean

@@ -26,8 +26,9 @@ found (the table is printed with ``pytest -s`` and written as JSON):
 3. One-token completions: the corrected ``G`` is exactly ``T_J`` (1e-16); the
    uncorrected one is not. The whole remaining bias is the Jacobian change.
 4. Two-token completions: token ratios are not sequence ratios, so ``G`` is not
-   ``T_J``; the corrected and uncorrected biases differ by a few percent of
-   each other, in either direction depending on the reward (the Jacobian term
+   ``T_J`` at level ``"token"`` (at level ``"sequence"`` it is, to 1e-10); the
+   token-corrected and uncorrected biases differ by a few percent of each
+   other, in either direction depending on the reward (the Jacobian term
    dominates both). "Corrected beats uncorrected" is therefore NOT asserted.
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -198,3 +200,20 @@ def test_one_token_correction_removes_exactly_the_sampling_mismatch(kind: str, t
         # What is left is the Jacobian change, which importance weights cannot see.
         assert math.isclose(corrected["bias"], corrected["jacobian_bias"], rel_tol=1e-6)
     _publish(rows, tmp_path, f"one_token_{kind}")
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_sequence_level_removes_exactly_the_sampling_mismatch_of_two_token_completions(kind: str, tmp_path) -> None:
+    # Two tokens: the token level is not T_J (finding 4), the sequence level is: its weight is the sequence
+    # ratio, so what is left is again only the Jacobian change.
+    sequence = tuple(replace(c, level="sequence") for c in ALWAYS)
+    rows = []
+    for lr in (1e-2, 1e-3):
+        by_sequence, by_token = _estimate(kind, 2, lr, sequence), _estimate(kind, 2, lr, ALWAYS)
+        rows.append(_row(kind, 2, lr, by_sequence, by_token))
+        assert by_sequence["gap_to_same_jacobian"] <= EXACT
+        assert by_token["gap_to_same_jacobian"] > 1e-4  # the control: per-token ratios are not
+        assert math.isclose(by_sequence["bias"], by_sequence["jacobian_bias"], rel_tol=1e-6)
+        (record,) = by_sequence["report"].corrected
+        assert (record.correction.level, record.correction.units, record.correction.tokens) == ("sequence", 9, 18)
+    _publish(rows, tmp_path, f"sequence_level_{kind}")

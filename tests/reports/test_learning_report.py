@@ -17,7 +17,7 @@ from validation.evidence import verify
 @pytest.fixture(scope="module")
 def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A real record of the canary's tiny configuration, with arms in every panel group."""
-    arms = ("plain", "strict", "stale2_corrected", "stale2_corrected_replay", "broken_dropped_updates")
+    arms = ("plain", "strict", "stale2_corrected", "stale2_corrected_replay", "stale2_geometric", "broken_dropped_updates")
     return verify(canary("learning").record("cpu", judge_plan(tiny_plan(arms=arms)), tmp_path_factory.mktemp("learning")))
 
 
@@ -83,3 +83,19 @@ def test_section_writes_the_figures_and_lists_them_with_the_verdict_tables(recor
         assert len(table) == len(workload["verdicts"]) and set(table["verdict"]) <= {
             "equivalent", "worse", "better", "inconclusive"}
     assert "stale2_corrected vs strict" in result.key_figure
+
+
+def test_the_arms_table_shows_each_corrected_arms_raw_and_clipped_ratios(record: dict, tmp_path: Path) -> None:
+    result = section(record, tmp_path)
+    for name, workload in record["measurements"]["workloads"].items():
+        table = result.tables[f"{name}: arms"].set_index("arm")
+        for arm, evidence in workload["arms"].items():
+            raw, clipped = evidence["raw_ratio"], evidence["clipped_ratio"]
+            if raw is None:  # nothing corrected: nothing to show
+                assert table.loc[arm, "raw ratio (min / median / max)"] == "-"
+                continue
+            assert table.loc[arm, "raw ratio (min / median / max)"] == (
+                f"{raw['min']:.3g} / {raw['quantiles']['0.5']:.3g} / {raw['max']:.3g}")
+            assert table.loc[arm, "clipped ratio (min / median / max)"] == (
+                f"{clipped['min']:.3g} / {clipped['quantiles']['0.5']:.3g} / {clipped['max']:.3g}")
+        assert table.loc["stale2_geometric", "raw ratio (min / median / max)"] != "-"

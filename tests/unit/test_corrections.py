@@ -12,6 +12,7 @@ bounds that exclude 1 prove that fresh records are left alone.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -112,6 +113,12 @@ def _assert_stats(stats: rt.CorrectionStats, ratios: torch.Tensor, staleness: in
     clipped = int(np.count_nonzero((ratio < LOW) | (ratio > HIGH)))
     assert 0 < clipped < w.size, "choose bounds that clip some tokens and not others"
     assert stats.fraction_clipped == clipped / w.size
+    # Raw (pre-clip) ratios beside the clipped ones, per token at token level (NOTE [Importance correction] Rule 10).
+    assert (stats.level, stats.units, stats.max_log_ratio) == ("token", w.size, 20.0)
+    for found, values in ((stats.raw, ratio), (stats.clipped, w)):
+        assert (found.min, found.max, found.mean) == pytest.approx((values.min(), values.max(), values.mean()), rel=TOLERANCE)
+        assert found.quantiles == pytest.approx({q: float(np.quantile(values, q)) for q in found.quantiles}, rel=TOLERANCE)
+        assert sorted(found.quantiles) == [0.05, 0.25, 0.5, 0.75, 0.95]
 
 
 # --- fresh records --------------------------------------------------------------
@@ -311,6 +318,78 @@ def test_when_available_matches_tokens_across_batch_widths(later: str) -> None:
     assert report.corrected == report.records
     expected_weights = (new[0].target_logprobs - old[0].target_logprobs).detach().exp().clamp(LOW, HIGH)
     assert report.records[0].correction.mean == pytest.approx(float(expected_weights.mean()), rel=TOLERANCE)
+
+
+def _level_weights(lp_current, lp_forward, targets, level: str, high: float = 1e6) -> torch.Tensor:
+    """Each token's weight at ``level`` (bounds ``[0, high]``), from the documented formulas over the unmasked
+    targets (Rule 9)."""
+    ratios = (lp_current - lp_forward).exp()[targets >= 0]
+    unit = {"token": ratios, "sequence": ratios.prod(), "geometric": ratios.prod() ** (1 / ratios.numel()),
+            "average": ratios.mean()}[level]
+    return torch.zeros_like(lp_current).masked_scatter(targets >= 0, (unit * torch.ones_like(ratios)).clamp(0.0, high))
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric", "average"])
+def test_each_level_commits_the_gradient_of_its_reweighted_loss(level: str) -> None:
+    trainer = _trainer("full")
+    ids, tgt = sequence(1)
+    tgt = tgt.clone()
+    tgt[3] = -1  # a masked target takes no part in the sequence's ratio
+    adv = _advantages(1)
+    rng_state = torch.get_rng_state()
+    old_weights = snapshot_weights(trainer, "policy")
+    correction = rt.ImportanceCorrection(clip_low=0.0, clip_high=1e6, policy="always", level=level)
+    old = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(corrections=correction))
+    for seed in (200, 201):
+        train_step(trainer, seed=seed)
+    cur_weights = snapshot_weights(trainer, "policy")
+    report = trainer.backward(-(old.target_logprobs * adv).sum())
+
+    lp_current = _plain_logprobs(trainer, cur_weights, (ids, tgt), rng_state)
+    weights = _level_weights(lp_current, old.target_logprobs.detach(), tgt, level)
+    config = trainer.model.config
+    expected = plain_gradients(config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * weights).sum(), rng_state, dtype=F64)
+    token = _level_weights(lp_current, old.target_logprobs.detach(), tgt, "token")
+    per_token = plain_gradients(config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * token).sum(), rng_state, dtype=F64)
+    _assert_matches(_grads(trainer), expected, per_token)  # and not the token level's gradient
+    stats = report.records[0].correction
+    assert (stats.level, stats.units, stats.tokens, stats.staleness) == (level, 1, ids.numel() - 1, 2)
+    assert stats.clipped.mean == pytest.approx(float(weights[0]), rel=TOLERANCE)
+
+
+def test_a_huge_step_gives_finite_gradients_at_every_level_and_the_masked_target_none() -> None:
+    # A step of lr = 3 (every weight moves by about 3) makes the targets very unlikely; after the forward one of
+    # lr = 0.3 makes them likely again: token log-ratios up to about 110, about 300 summed over the sequence.
+    # Clip off (1e30): only the bound e**20 holds them.
+    ids, tgt = sequence(3)
+    tgt = tgt.clone()
+    tgt[4] = -1
+    item = rt.ForwardInput(ids, tgt)
+
+    def push(trainer: rt.Trainer, sign: float, lr: float) -> None:
+        out = trainer.forward(item, options=rt.ForwardOptions(corrections=()))
+        trainer.backward(sign * out.target_logprobs.sum())
+        trainer.optim_step(lr=lr)
+        trainer.zero_grad()
+
+    for level in ("token", "sequence", "geometric", "average"):
+        grads = []
+        for masked_advantage in (0.0, 1e30):  # what the loss puts on the masked target must not matter
+            trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))
+            trainer.add_checkpoint("policy", full=True)
+            push(trainer, 1.0, 3.0)
+            correction = rt.ImportanceCorrection(clip_high=1e30, policy="always", level=level)
+            old = trainer.forward(item, options=rt.ForwardOptions(corrections=correction))
+            push(trainer, -1.0, 0.3)
+            adv = torch.ones(ids.numel())
+            adv[4] = masked_advantage
+            report = trainer.backward(-(old.target_logprobs * adv).sum())
+            stats = report.records[0].correction
+            assert stats.raw.max == pytest.approx(math.exp(20.0), rel=1e-6), (level, stats.raw)  # the bound was hit
+            assert all(math.isfinite(v) for v in (stats.mean, stats.max, stats.raw.mean, stats.clipped.max))
+            grads.append(_grads(trainer))
+            assert all(bool(torch.isfinite(g).all()) for g in grads[-1].values()), level
+        assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0]), level
 
 
 def test_masked_target_positions_are_not_corrected_tokens() -> None:

@@ -152,6 +152,12 @@ BAD = [
     (lambda: rt.ImportanceCorrection(clip_high=math.inf), "ImportanceCorrection.clip_high", math.inf, "finite"),
     (lambda: rt.ImportanceCorrection(clip_low=True), "ImportanceCorrection.clip_low", True, "number"),
     (lambda: rt.ImportanceCorrection(policy="never"), "ImportanceCorrection.policy", "never", "when_available"),
+    (lambda: rt.ImportanceCorrection(level="tokens"), "ImportanceCorrection.level", "tokens",
+     "('token', 'sequence', 'geometric', 'average')"),
+    (lambda: rt.ImportanceCorrection(level=None), "ImportanceCorrection.level", None, "'geometric'"),
+    (lambda: rt.ImportanceCorrection(max_log_ratio=-1.0), "ImportanceCorrection.max_log_ratio", -1.0, ">= 0"),
+    (lambda: rt.ImportanceCorrection(max_log_ratio=math.inf), "ImportanceCorrection.max_log_ratio", math.inf, "<= 700"),
+    (lambda: rt.ImportanceCorrection(max_log_ratio=701.0), "ImportanceCorrection.max_log_ratio", 701.0, "<= 700"),
 ]
 
 
