@@ -70,3 +70,14 @@ def test_the_tests_readme_names_every_test_folder_and_marker() -> None:
     assert listed == folders, f"tests/README.md's table and the test folders differ: {sorted(listed ^ folders)}"
     markers = set(re.findall(r'addinivalue_line\("markers", "([a-z]+):', (tests / "conftest.py").read_text()))
     assert markers and all(f"- `{marker}`:" in text for marker in markers), f"tests/README.md must describe {sorted(markers)}"
+
+
+def test_the_gpu_ci_section_sets_up_environment_secrets_label_and_sweeper_in_that_order():
+    text = README.read_text()
+    section = text[text.index("### GPU CI for a team"):text.index("## Layout")]
+    steps = ["**The environment.**", "**The secrets**", "**The label.**", "**The sweeper.**"]
+    positions = [section.index(step) for step in steps]
+    assert positions == sorted(positions)
+    for name in ("trainer-rank-gpu-validation", "SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN",
+                 "`gpu-ci`", "rtv gpu sweep --older-than 3h"):
+        assert name in section, name
