@@ -46,7 +46,7 @@ else
         {
             echo "# Every package of a GPU node's venv but the project (ci/node_install.sh). Regenerate:"
             echo "#   RTV_CUDA=none RTV_TORCH_INDEX=https://download.pytorch.org/whl/cpu ci/node_install.sh rtv-out/lock-venv --write-lock"
-            "$venv/bin/python" -m pip freeze --exclude-editable |
+            "$venv/bin/python" -m pip freeze --exclude-editable | grep -v -i -E '^reference[-_]trainer' |
                 sed -E 's/^torch( @ .*|==.*)$/'"$torch_spec"'/I' | LC_ALL=C sort -f
         } >"$lock"
         echo "node install: wrote $lock"
