@@ -23,10 +23,12 @@ NOTE [Resume]
      [Staleness] Rule 1), and ``optim_step`` accepts or refuses it exactly as
      it would have without the save.
   5. Processes: every process holds the whole trainer state (logical ranks
-     replicate it), so rank 0 alone writes the one copy. Under logical ranks
-     ``save`` is collective: every process calls it, the hosted logical
-     ranks' streams are gathered, rank 0 writes, and its outcome is agreed
-     (every process returns, or raises the same error). At load every
+     replicate it), so rank 0 alone writes the one copy. In a process group
+     ``save`` is collective: every process calls it. Under logical ranks the
+     hosted logical ranks' streams are gathered, rank 0 writes and its
+     outcome is agreed (every process returns, or raises the same error);
+     before any ``run_logical``, rank 0 writes and broadcasts its outcome
+     over the default group. At load every
      process reads the folder (a filesystem they share) and takes the
      replicated state and rank 0's process RNG; the first ``run_logical``
      with the saved ``logical_dp`` takes the saved streams of the logical
@@ -44,10 +46,12 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .adamw import AdamWConfig
 from .checkpoints import Checkpoint, CheckpointVersion
@@ -82,7 +86,7 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
     elif error is not None:
         raise error
     if host is None:
-        write_folder(path, _encode(trainer, sink.resumed))
+        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed))
         return
     streams = (host.logical_dp, host.all_streams("save: logical RNG streams"))
     error = None
@@ -92,6 +96,22 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
         except Exception as exc:  # every process raises it (Rule 5)
             error = exc
     host.agree(error, "save: written")
+
+
+def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, bytes]]) -> None:
+    """Without logical ranks: write alone, or, in a process group, on rank 0 with its outcome broadcast (Rule 5)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        write_folder(path, files())
+        return
+    outcome: list[Exception | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            write_folder(path, files())
+        except Exception as exc:
+            outcome[0] = exc
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes]:

@@ -45,13 +45,16 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     straight = {2: tmp_path / "straight-2", 4: tmp_path / "straight-4"}
     expected = job.segment(None, None, 0, 6, {k: str(v) for k, v in straight.items()})
     first = job.segment(None, str(tmp_path / "w1"), 0, 2)
-    two = spawn_ranks(job.segment, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), 2, 4, None,
+    # The W=2 job saves once right after the load, before any run_logical (no logical layout yet), and at the end.
+    two = spawn_ranks(job.segment, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), 2, 4, {2: str(tmp_path / "w2-at-load")},
                       str(tmp_path / "w1" / "LATEST"), timeout_s=120.0)
     # Rank 0 alone writes; its refusal (a file where a folder must be) is raised on every process.
     assert [r.get("refused") for r in two] == ["path", "path"]
     back = job.segment(str(tmp_path / "w2"), None, 4, 6)
     assert _digests(tmp_path / "w1") == _digests(straight[2]), "W=1 save differs from the uninterrupted run's"
     assert _digests(tmp_path / "w2") == _digests(straight[4]), "the W=2 save is not byte-identical to the W=1 one"
+    assert _digests(tmp_path / "w2-at-load") == _digests(straight[2]), "a W=2 save before run_logical differs"
+    assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == ["LATEST", "save-000001"], "more than one writer"
     for rank, result in enumerate(two):
         _assert_bitwise(result["loaded"], first["final"], f"rank {rank} after the load")
         _assert_bitwise(result["final"], two[0]["final"], f"rank {rank} at the end")
