@@ -12,7 +12,7 @@ import torch
 import reference_trainer as rt
 from tests.support import NO_CORRECTION, advantages, sequence
 
-STEPS = 4
+STEPS = 3
 
 
 def _build(kind: str, *, dtype: torch.dtype = torch.float32, dropout: float = 0.1) -> rt.Trainer:
@@ -75,11 +75,11 @@ def _run(kind: str, dtype: torch.dtype, save_at: int | None, path, *, forget_rng
     return trainer
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("both", torch.float32), ("lora", torch.bfloat16)])
-def test_a_saved_and_loaded_job_finishes_bitwise_as_the_uninterrupted_one(tmp_path, kind, dtype):
+@pytest.mark.parametrize(("kind", "dtype", "save_at"), [("both", torch.float32, 1), ("lora", torch.bfloat16, 2)])
+def test_a_saved_and_loaded_job_finishes_bitwise_as_the_uninterrupted_one(tmp_path, kind, dtype, save_at):
+    """Saved with a one-revision-old gradient committed (``_step``), loaded by a process whose RNG moved on."""
     expected = _state(_run(kind, dtype, None, tmp_path))
-    for save_at in (1, 3):
-        _assert_equal(_state(_run(kind, dtype, save_at, tmp_path / f"at{save_at}")), expected)
+    _assert_equal(_state(_run(kind, dtype, save_at, tmp_path / "save")), expected)
 
 
 def test_the_oracle_sees_a_resume_that_forgot_the_rng(tmp_path):
