@@ -1,12 +1,13 @@
 """The resume canary's training job: a fixed list of trainer calls, killable before any call and inside any save.
 
 :data:`OPS` is one step of the job, one trainer call each (``STEP_OPS``
-names them): two LoRA forwards; the newer backpropagated and stepped; the
-older backpropagated one revision old with an ``"always"`` importance
-correction; a save (the committed stale gradient goes with it); a full
-checkpoint's forward, backward and step; two logical ranks (dropout from
-their own streams) backpropagating into their buffers; the step that sums
-them with the committed stale gradient. The model draws dropout throughout.
+names them): two LoRA forwards; the newer backpropagated; two logical ranks
+(dropout from their own streams) backpropagating into their buffers; the
+step that sums them with the newer; the older backpropagated one revision
+old with an ``"always"`` importance correction; a save (the committed stale
+gradient and the logical ranks' streams go with it); a full checkpoint's
+forward, backward and step; the step of the stale gradient. The model draws
+dropout throughout.
 
 :func:`job` runs on every process of a ``validation.spawn.spawn_ranks`` group
 (W = 1 or 2). It starts from the last save under ``run_dir`` when there is
@@ -79,15 +80,15 @@ OPS: list[tuple[str, Callable[..., None]]] = [
     ("forward policy (old)", _forward("policy", "old", STALE)),
     ("forward policy (new)", _forward("policy", "new", STALE)),
     ("backward new", _backward("new")),
-    ("optim_step policy", lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"])),
+    ("run_logical (2 logical ranks)", _logical),
+    ("optim_step policy (new + buffers)", lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"])),
     ("zero_grad policy", lambda t, h, i, d: t.zero_grad(checkpoints=["policy"])),
     ("backward old (one revision stale, corrected)", _backward("old")),
     ("save", _save),
     ("forward critic", _forward("critic", "critic")),
     ("backward critic", _backward("critic")),
     ("optim_step critic", lambda t, h, i, d: t.optim_step(checkpoints=["critic"])),
-    ("run_logical (2 logical ranks)", _logical),
-    ("optim_step policy (buffers + stale)", lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"])),
+    ("optim_step policy (the stale gradient)", lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"])),
     ("zero_grad", lambda t, h, i, d: t.zero_grad()),
 ]
 STEP_OPS = [name for name, _ in OPS]
@@ -99,7 +100,7 @@ def total_ops(steps: int) -> int:
 
 
 def resume_index(trainer: rt.Trainer) -> int:
-    """The call after the save ``trainer`` was loaded from: policy revision 2s + 1 is step s's save."""
+    """The call after the save ``trainer`` was loaded from: policy revision 2s + 1 is step s's save (two steps a step)."""
     step = (trainer.checkpoint("policy").revision - 1) // 2
     return step * len(OPS) + SAVE_OP + 1
 
