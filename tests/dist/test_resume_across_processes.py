@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import resume_job as job
 
+from tests.support import assert_nested_equal
 from validation.spawn import spawn_ranks
 
 pytestmark = pytest.mark.dist
@@ -23,22 +23,6 @@ pytestmark = pytest.mark.dist
 def _digests(root: Path) -> dict[str, str]:
     folder = root / (root / "LATEST").read_text().split()[0]
     return {name: entry["sha256"] for name, entry in json.loads((folder / "manifest.json").read_text())["files"].items()}
-
-
-def _assert_bitwise(found, expected, where: str = "state") -> None:
-    if isinstance(expected, dict):
-        assert set(found) == set(expected), where
-        for key in expected:
-            _assert_bitwise(found[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, np.ndarray):
-        assert found.dtype == expected.dtype and found.shape == expected.shape, where
-        assert found.tobytes() == expected.tobytes(), f"{where}: bits differ"
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (f, e) in enumerate(zip(found, expected)):
-            _assert_bitwise(f, e, f"{where}[{index}]")
-    else:
-        assert found == expected, f"{where}: {found!r} != {expected!r}"
 
 
 def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bitwise_equal(tmp_path, one_thread):
@@ -56,9 +40,9 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     assert _digests(tmp_path / "w2-at-load") == _digests(straight[2]), "a W=2 save before run_logical differs"
     assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == ["LATEST", "save-000001"], "more than one writer"
     for rank, result in enumerate(two):
-        _assert_bitwise(result["loaded"], first["final"], f"rank {rank} after the load")
-        _assert_bitwise(result["final"], two[0]["final"], f"rank {rank} at the end")
-    _assert_bitwise(back["loaded"], two[0]["final"], "W=1 after loading the W=2 save")
-    _assert_bitwise(back["final"], expected["final"], "resumed vs uninterrupted")
+        assert_nested_equal(result["loaded"], first["final"], f"rank {rank} after the load")
+        assert_nested_equal(result["final"], two[0]["final"], f"rank {rank} at the end")
+    assert_nested_equal(back["loaded"], two[0]["final"], "W=1 after loading the W=2 save")
+    assert_nested_equal(back["final"], expected["final"], "resumed vs uninterrupted")
     assert any(a.tobytes() != b.tobytes() for a, b in zip(
         first["final"]["state"]["parameters"].values(), back["final"]["state"]["parameters"].values())), "training changed nothing"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from tests.support import NO_CORRECTION, advantages, sequence
+from tests.support import advantages, assert_nested_equal, sequence
 
 STEPS = 3
 
@@ -44,22 +44,6 @@ def _state(trainer: rt.Trainer) -> dict[str, object]:
     return {name: (c.revision, c.generation, c.state_dict()) for name, c in trainer.checkpoints.items()}
 
 
-def _assert_equal(found: object, expected: object, where: str = "state") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(found, torch.Tensor) and found.dtype == expected.dtype, where
-        assert torch.equal(found, expected), f"{where}: tensors differ"
-    elif isinstance(expected, dict):
-        assert isinstance(found, dict) and set(found) == set(expected), f"{where}: keys {set(found) ^ set(expected)}"
-        for key in expected:
-            _assert_equal(found[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (f, e) in enumerate(zip(found, expected)):
-            _assert_equal(f, e, f"{where}[{index}]")
-    else:
-        assert found == expected, f"{where}: {found!r} != {expected!r}"
-
-
 def _run(kind: str, dtype: torch.dtype, save_at: int | None, path, *, forget_rng: bool = False) -> rt.Trainer:
     torch.manual_seed(7)
     trainer = _build(kind, dtype=dtype)
@@ -79,7 +63,7 @@ def _run(kind: str, dtype: torch.dtype, save_at: int | None, path, *, forget_rng
 def test_a_saved_and_loaded_job_finishes_bitwise_as_the_uninterrupted_one(tmp_path, kind, dtype, save_at):
     """Saved with a one-revision-old gradient committed (``_step``), loaded by a process whose RNG moved on."""
     expected = _state(_run(kind, dtype, None, tmp_path))
-    _assert_equal(_state(_run(kind, dtype, save_at, tmp_path / "save")), expected)
+    assert_nested_equal(_state(_run(kind, dtype, save_at, tmp_path / "save")), expected)
 
 
 def test_the_oracle_sees_a_resume_that_forgot_the_rng(tmp_path):
@@ -87,7 +71,7 @@ def test_the_oracle_sees_a_resume_that_forgot_the_rng(tmp_path):
     expected = _state(_run("lora", torch.float32, None, tmp_path))
     found = _state(_run("lora", torch.float32, 2, tmp_path / "s", forget_rng=True))
     with pytest.raises(AssertionError):
-        _assert_equal(found, expected)
+        assert_nested_equal(found, expected)
 
 
 def test_committed_gradients_and_options_survive_the_save(tmp_path):
@@ -103,8 +87,8 @@ def test_committed_gradients_and_options_survive_the_save(tmp_path):
     assert loaded.checkpoint("policy").lora_config == trainer.checkpoint("policy").lora_config
     for (name, p), (_, q) in zip(trainer.checkpoint("policy").named_parameters(), loaded.checkpoint("policy").named_parameters()):
         assert torch.equal(p.grad, q.grad), name
-    _assert_equal(loaded.optim_step()["policy"].grad_norm, trainer.optim_step()["policy"].grad_norm)
-    _assert_equal(_state(loaded), _state(trainer))
+    assert_nested_equal(loaded.optim_step()["policy"].grad_norm, trainer.optim_step()["policy"].grad_norm)
+    assert_nested_equal(_state(loaded), _state(trainer))
 
 
 def _commit_old_gradient(trainer: rt.Trainer) -> None:
@@ -181,5 +165,5 @@ def test_logical_ranks_continue_their_own_rng_streams_after_a_resume(tmp_path):
             trainer.optim_step()
             trainer.zero_grad()
         results.append(_state(trainer))
-    _assert_equal(results[1], results[0])
-    _assert_equal(results[2], results[0])
+    assert_nested_equal(results[1], results[0])
+    assert_nested_equal(results[2], results[0])
