@@ -137,6 +137,8 @@ CANARIES: dict[str, Canary] = {
         Canary(name="memory", module="canaries.memory.canary",
                summary="no saved state, graph or staging outlives its backward; admission stays under the limit",
                takes_checks=True),
+        Canary(name="resume", module="canaries.resume.canary",
+               summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
         Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
         Canary(name="learning", module="canaries.learning.canary",

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointReplacedError",
     "MemoryAdmissionError",
     "UnsupportedSavedStateError",
+    "CorruptSaveError",
     "PeerError",
 ]
 
@@ -126,6 +127,24 @@ class MemoryAdmissionError(TrainerError):
 
 class UnsupportedSavedStateError(TrainerError):
     """Saved state cannot be kept or restored exactly (quantized / float8)."""
+
+
+class CorruptSaveError(TrainerError):
+    """A save folder's file is missing, truncated or changed since ``trainer.save`` wrote it.
+
+    ``path``: the save folder; ``file``: the file, relative to it; ``problem``:
+    ``"missing"``, ``"truncated"`` or ``"changed"``. Nothing was loaded:
+    restore the folder from a copy, or load an earlier save.
+    """
+
+    def __init__(self, path: object, file: str, problem: str, expected: str, found: str) -> None:
+        self.path = str(path)
+        self.file = file
+        self.problem = problem
+        super().__init__(
+            f"save {self.path}: file {file!r} is {problem}: expected {expected}, found {found}; "
+            "nothing was loaded. Restore the folder from a copy or load another save"
+        )
 
 
 class PeerError(TrainerError):

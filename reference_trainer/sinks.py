@@ -20,6 +20,7 @@ import torch
 from .checkpoints import Checkpoint, CheckpointVersion
 from .errors import ConfigError, TrainerError
 from .grad_norms import KnownNorm
+from .rng import RngState
 from .staleness import check_each, check_origins
 
 __all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
@@ -107,6 +108,8 @@ class RankHost(Protocol):
 
     hosted: range
     running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
+    logical_dp: int
+    leader: bool  # this is physical rank 0, the one that writes saves (NOTE [Resume] Rule 5)
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
@@ -120,6 +123,14 @@ class RankHost(Protocol):
         """Sum every logical rank's buffers (on every process) in logical order."""
         ...
 
+    def all_streams(self, label: str) -> dict[int, RngState]:
+        """Every logical rank's RNG stream, on every process."""
+        ...
+
+    def take_streams(self, streams: dict[int, RngState]) -> None:
+        """The hosted logical ranks continue from ``streams`` (every logical rank's, as ``all_streams`` gave)."""
+        ...
+
 
 class RankGradients:
     """The trainer's logical-rank gradient buffers, by hosted logical rank; empty until ``run_logical`` runs."""
@@ -127,12 +138,21 @@ class RankGradients:
     def __init__(self) -> None:
         self.host: RankHost | None = None
         self.buffers: dict[int, BufferGradSink] = {}
+        self.resumed: tuple[int, dict[int, RngState]] | None = None
+        """``(logical_dp, every logical rank's stream)`` from ``Trainer.load``, for the next layout of that size."""
 
     def attach(self, host: RankHost) -> None:
-        """Host ``host``'s logical ranks from now on (only while nothing is pending)."""
+        """Host ``host``'s logical ranks from now on (only while nothing is pending).
+
+        A layout of the ``logical_dp`` a loaded save had continues its logical
+        ranks' streams (NOTE [Resume] Rule 5, in ``resume.py``).
+        """
         assert not self.pending(), "a new layout over pending logical gradients"
         self.host = host
         self.buffers = {logical_rank: BufferGradSink(logical_rank) for logical_rank in host.hosted}
+        if self.resumed is not None and self.resumed[0] == host.logical_dp:
+            host.take_streams(self.resumed[1])
+            self.resumed = None
 
     def running(self) -> int | None:
         """The logical rank whose code runs now (a forward's owner, NOTE [Importance correction] Rule 7); None outside."""

@@ -11,7 +11,7 @@ their concept; none of them calls back into this module.
 
 from __future__ import annotations
 
-import itertools
+import os
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from .running import base_logprobs, model_logits
 from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
+from .resume import load_trainer, write_save
 from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state
 from .sinks import GradientSink, LiveGradSink, RankGradients
@@ -110,7 +111,8 @@ class Trainer:
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
         self._checkpoints: dict[str, Checkpoint] = {}
-        self._generations = itertools.count()
+        self.next_generation = 0
+        """The generation the next added or loaded checkpoint takes (kept by saves, NOTE [Resume])."""
         self._known_logprobs = KnownLogprobs(model.config.dropout)
         self.records = RecordTable(on_release=lambda record: self._known_logprobs.released(record, self.records))
         """The pending forward records (for inspection and tests)."""
@@ -145,7 +147,7 @@ class Trainer:
         if not isinstance(optimizer, AdamWConfig):
             raise ConfigError("optimizer", optimizer, "an AdamWConfig")
         checkpoint = Checkpoint(
-            name, self.model, lora=lora, full=full, optimizer=optimizer, generation=next(self._generations), seed=seed
+            name, self.model, lora=lora, full=full, optimizer=optimizer, generation=self._new_generation(), seed=seed
         )
         self._checkpoints[name] = checkpoint
         return checkpoint
@@ -182,8 +184,26 @@ class Trainer:
             raise CheckpointBusyError(name, live, pending)
         if buffered:
             self.rank_gradients.clear([name], call="load_checkpoint")
-        checkpoint.load(state_dict, next(self._generations))
+        checkpoint.load(state_dict, self._new_generation())
         self._known_logprobs.forget(name)
+
+    def _new_generation(self) -> int:
+        self.next_generation += 1
+        return self.next_generation - 1
+
+    # --- saves (NOTE [Resume] in resume.py, NOTE [Durable saves] in saves.py) -------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write this trainer's state (not its pending forwards) to the folder ``path``; collective under logical ranks."""
+        write_save(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: DecoderLM, *, memory_limit_bytes: int | None = None,
+             host_memory_limit_bytes: int | None = None) -> Trainer:
+        """A trainer over ``model`` (the saved base) as saved under ``path``; the process RNG becomes the saved one.
+
+        Every file is verified first (``CorruptSaveError`` names a bad one); a refused load changes nothing."""
+        return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes)
 
     def _select_checkpoint(self, checkpoint: str | None) -> Checkpoint:
         if checkpoint is not None:

@@ -1,7 +1,7 @@
-"""Section builders for the CPU canaries' evidence: derivative cells, memory lifecycle, mutation verdicts.
+"""Section builders for the CPU canaries' evidence: derivative cells, memory lifecycle, mutation verdicts, kill points.
 
 One ``section(record, folder) -> Section`` (``reports.context``) serves the
-three kinds ``reports.kinds`` points here; it dispatches on ``record["kind"]``.
+four kinds ``reports.kinds`` points here; it dispatches on ``record["kind"]``.
 """
 
 from __future__ import annotations
@@ -63,9 +63,21 @@ def _mutations(record: dict[str, Any], folder: Path) -> Section:
                                      + (f" ({len(m['inapplicable'])} inapplicable)" if m["inapplicable"] else ""))
 
 
-_BUILDERS = {"derivative-canary": _derivative, "memory-canary": _memory, "mutation-suite": _mutations}
+def _resume(record: dict[str, Any], folder: Path) -> Section:
+    m = record["measurements"]
+    rows = [{"kill point": p["where"], "killed": p["killed"], "resumed from a save": p["resumed_from_save"],
+             "outcome": "bitwise equal" if p["bitwise_equal"] else f"DIFFERS at {p['first_difference']}"}
+            for p in m["kill_points"]]
+    equal = sum(p["killed"] and p["bitwise_equal"] for p in m["kill_points"])
+    built = base_section(record, tables={"kill points and outcomes": pd.DataFrame(rows)})
+    return replace(built, key_figure=f"{equal} of {m['kills']} killed jobs resumed bitwise equal "
+                                     f"({m['kills_inside_a_save']} killed inside a save)")
+
+
+_BUILDERS = {"derivative-canary": _derivative, "memory-canary": _memory, "mutation-suite": _mutations,
+             "resume-canary": _resume}
 
 
 def section(record: dict[str, Any], folder: Path) -> Section:
-    """The section for a derivative, memory or mutation-suite record."""
+    """The section for a derivative, memory, mutation-suite or resume record."""
     return _BUILDERS[record["kind"]](record, folder)

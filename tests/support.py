@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import reference_trainer as rt
@@ -60,6 +61,26 @@ def assert_grads_unchanged(trainer: rt.Trainer, before: dict, name: str = "polic
         assert p.grad is obj, f"{n}: .grad object changed"
         if value is not None:
             assert torch.equal(p.grad, value), f"{n}: .grad value changed"
+
+
+def assert_nested_equal(found: object, expected: object, where: str = "state") -> None:
+    """Bitwise equality of nested dicts, lists and tuples of tensors (dtype too), numpy arrays and plain values."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(found, torch.Tensor) and found.dtype == expected.dtype, f"{where}: dtype or type differs"
+        assert torch.equal(found, expected), f"{where}: tensors differ"
+    elif isinstance(expected, np.ndarray):
+        assert found.dtype == expected.dtype and found.shape == expected.shape, f"{where}: dtype or shape differs"
+        assert found.tobytes() == expected.tobytes(), f"{where}: bits differ"
+    elif isinstance(expected, dict):
+        assert isinstance(found, dict) and set(found) == set(expected), f"{where}: keys {set(found) ^ set(expected)}"
+        for key in expected:
+            assert_nested_equal(found[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(found) == len(expected), f"{where}: lengths differ"
+        for index, (f, e) in enumerate(zip(found, expected)):
+            assert_nested_equal(f, e, f"{where}[{index}]")
+    else:
+        assert found == expected, f"{where}: {found!r} != {expected!r}"
 
 
 def checkless_passed_record() -> dict:

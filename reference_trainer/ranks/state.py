@@ -58,6 +58,25 @@ class LogicalState:
     def hosted(self) -> range:
         return self.layout.hosted
 
+    @property
+    def logical_dp(self) -> int:
+        return self.layout.logical_dp
+
+    @property
+    def leader(self) -> bool:
+        return self.comm.rank == 0
+
+    def all_streams(self, label: str) -> dict[int, RngState]:
+        """Every logical rank's RNG stream, gathered from the processes that host them, on every process."""
+        streams: dict[int, RngState] = {}
+        for part in self.comm.exchange(dict(self.rng), label):
+            streams.update(part)
+        return streams
+
+    def take_streams(self, streams: dict[int, RngState]) -> None:
+        """The hosted logical ranks continue from their streams in ``streams`` (NOTE [Resume] Rule 5)."""
+        self.rng = {rank: streams[rank] for rank in self.layout.hosted}
+
     @contextmanager
     def as_rank(self, logical_rank: int) -> Iterator[None]:
         """Run the block as ``logical_rank``: on its own RNG stream (Rule 2), its forwards owned by it.

@@ -15,6 +15,7 @@ from tests.support import (
     NO_CORRECTION,
     advantages,
     assert_grads_unchanged,
+    assert_nested_equal,
     grad_snapshot,
     make_trainer,
     sequence,
@@ -45,21 +46,6 @@ def _assert_params_equal(trainer: rt.Trainer, expected: dict[str, torch.Tensor],
         assert torch.equal(p, expected[n]), f"{name}.{n}: parameter differs"
 
 
-def _assert_nested_equal(found: object, expected: object, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(found, torch.Tensor) and torch.equal(found, expected), where
-    elif isinstance(expected, dict):
-        assert isinstance(found, dict) and set(found) == set(expected), where
-        for key in expected:
-            _assert_nested_equal(found[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(found) == len(expected), where
-        for index, (f, e) in enumerate(zip(found, expected)):
-            _assert_nested_equal(f, e, f"{where}[{index}]")
-    else:
-        assert found == expected, where
-
-
 def _unchanged(trainer: rt.Trainer, name: str = "policy") -> tuple[dict, rt.CheckpointVersion, dict]:
     """What a refused load must not touch: parameters, version, optimizer state."""
     checkpoint = trainer.checkpoint(name)
@@ -70,7 +56,7 @@ def _assert_unchanged(trainer: rt.Trainer, before: tuple[dict, rt.CheckpointVers
     params, version, optimizer = before
     _assert_params_equal(trainer, params, name)
     assert trainer.checkpoint(name).version == version
-    _assert_nested_equal(trainer.checkpoint(name).state_dict()["optimizer"], optimizer, "optimizer")
+    assert_nested_equal(trainer.checkpoint(name).state_dict()["optimizer"], optimizer, "optimizer")
 
 
 # --- loading ---------------------------------------------------------------------------
@@ -96,7 +82,7 @@ def test_load_restores_parameters_and_optimizer_state_exactly(kind: str) -> None
     assert checkpoint.revision == 2
     assert checkpoint.version == rt.CheckpointVersion("policy", checkpoint.generation, 2)
     _assert_params_equal(target, saved["parameters"])
-    _assert_nested_equal(checkpoint.state_dict()["optimizer"], saved["optimizer"], "optimizer")
+    assert_nested_equal(checkpoint.state_dict()["optimizer"], saved["optimizer"], "optimizer")
     pristine = copy.deepcopy(saved)
     for value in saved["parameters"].values():
         value.add_(1.0)  # the load copied: the caller's dict stays the caller's
@@ -121,7 +107,7 @@ def test_bf16_load_restores_master_copies() -> None:
     saved = trainer.checkpoint("policy").state_dict()
     train_step(trainer, seed=2)
     trainer.load_checkpoint("policy", saved)
-    _assert_nested_equal(trainer.checkpoint("policy").state_dict(), saved, "state")
+    assert_nested_equal(trainer.checkpoint("policy").state_dict(), saved, "state")
 
 
 def test_load_is_refused_while_a_graph_is_live_and_nothing_changes() -> None:
@@ -354,7 +340,7 @@ def test_malformed_bf16_state_dict_is_a_config_error_and_changes_nothing(mutate)
     with pytest.raises(rt.ConfigError):
         trainer.load_checkpoint("policy", bad)
     _assert_unchanged(trainer, before)
-    _assert_nested_equal(trainer.checkpoint("policy").state_dict()["master_parameters"], masters, "masters")
+    assert_nested_equal(trainer.checkpoint("policy").state_dict()["master_parameters"], masters, "masters")
 
 
 # --- versions and copy on write --------------------------------------------------------------

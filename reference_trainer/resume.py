@@ -1,0 +1,265 @@
+"""What a trainer's save holds, and how a loaded trainer takes it back.
+
+NOTE [Resume]
+  1. Kept: every checkpoint's parameters, AdamW state, FP32 masters,
+     revision and generation; its committed ``.grad`` and their origins
+     (forward version, staleness bound); the trainer's ``ForwardOptions``,
+     each checkpoint's LoRA/full choice and ``AdamWConfig``; the next
+     generation number; the process RNG (the CPU generator and the CUDA
+     generator of the trainer's device) and every logical rank's RNG stream
+     (NOTE [Logical ranks] Rule 2); the base model's config and a digest of
+     its weights, so a different base is refused at load.
+  2. Not kept: pending forwards (their graphs are live autograd state). The
+     trainer that saved keeps them; the loaded one has none, and refuses a
+     loss built from the saving trainer's outputs (``ConfigError``). Also not
+     kept: importance-correction log-probs (they belong to the forwards),
+     what admission learnt of memory use, and the memory limits (they belong
+     to the machine: ``Trainer.load`` takes them again).
+  3. Refused, nothing written: a save while logical-rank gradient buffers are
+     pending (call ``optim_step`` or ``zero_grad`` first), and a save from
+     inside ``run_logical``'s ``fn``.
+  4. Staleness: revision and generation come back exactly, so a committed
+     gradient's origin has the same age after the load as before (NOTE
+     [Staleness] Rule 1), and ``optim_step`` accepts or refuses it exactly as
+     it would have without the save.
+  5. Processes: every process holds the whole trainer state (logical ranks
+     replicate it), so rank 0 alone writes the one copy. In a process group
+     ``save`` is collective: every process calls it. Under logical ranks the
+     hosted logical ranks' streams are gathered, rank 0 writes and its
+     outcome is agreed (every process returns, or raises the same error);
+     before any ``run_logical``, rank 0 writes and broadcasts its outcome
+     over the default group. At load every
+     process reads the folder (a filesystem they share) and takes the
+     replicated state and rank 0's process RNG; the first ``run_logical``
+     with the saved ``logical_dp`` takes the saved streams of the logical
+     ranks it hosts (``RankGradients.attach``), so any ``W`` dividing ``L``
+     continues the same job, bitwise (NOTE [Logical ranks] Rule 4).
+  6. A load verifies every file (NOTE [Durable saves] Rule 3, ``saves.py``),
+     decodes and checks every field and the base model before the trainer is
+     built, so a refused load changes nothing: not the model passed, not the
+     RNG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .adamw import AdamWConfig
+from .checkpoints import Checkpoint, CheckpointVersion
+from .errors import ConfigError
+from .lora import LoRAConfig
+from .model import DecoderLM
+from .options import UNSET, ForwardOptions, ImportanceCorrection
+from .rng import RngState, rng_state, set_rng_state
+from .saves import read_folder, write_folder
+from .sinks import RankGradients
+
+__all__ = ["FORMAT", "SavedCheckpoint", "SavedTrainer", "load_trainer", "read_save", "write_save"]
+
+FORMAT = {"format": "reference-trainer-save", "version": 1}
+_TRAINER, _RNG = "trainer.json", "rng.pt"
+
+
+def write_save(trainer: Any, path: str | os.PathLike) -> None:
+    """``trainer.save(path)``: refuse what Rule 3 refuses, then write on rank 0 (Rule 5). ``trainer``: a ``Trainer``."""
+    sink: RankGradients = trainer.rank_gradients
+    sink.check_caller("save")
+    host = sink.host
+    pending = sink.pending()
+    error = None
+    if pending:
+        error = ConfigError(
+            "trainer.save", f"{pending} pending logical-rank gradient buffer(s)", "no pending logical-rank gradients",
+            hint="call optim_step() or zero_grad() on every process, then save",
+        )
+    if host is not None:
+        host.agree(error, "save: pending logical gradients")
+    elif error is not None:
+        raise error
+    if host is None:
+        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed))
+        return
+    streams = (host.logical_dp, host.all_streams("save: logical RNG streams"))
+    error = None
+    if host.leader:
+        try:
+            write_folder(path, _encode(trainer, streams))
+        except Exception as exc:  # every process raises it (Rule 5)
+            error = exc
+    host.agree(error, "save: written")
+
+
+def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, bytes]]) -> None:
+    """Without logical ranks: write alone, or, in a process group, on rank 0 with its outcome broadcast (Rule 5)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        write_folder(path, files())
+        return
+    outcome: list[Exception | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            write_folder(path, files())
+        except Exception as exc:
+            outcome[0] = exc
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes]:
+    files, specs = {}, []
+    for index, checkpoint in enumerate(trainer.checkpoints.values()):
+        file = f"checkpoint-{index}.pt"
+        state = checkpoint.state_dict()
+        state["grads"] = {n: p.grad for n, p in checkpoint.named_parameters() if p.grad is not None}
+        files[file] = _tensors(state)
+        specs.append({
+            "name": checkpoint.name,
+            "file": file,
+            "lora": None if checkpoint.lora_config is None else asdict(checkpoint.lora_config),
+            "optimizer": asdict(checkpoint.optimizer_config),
+            "generation": checkpoint.generation,
+            "origins": sorted([v.generation, v.revision, bound] for v, bound in checkpoint.origins),
+        })
+    meta = {
+        **FORMAT,
+        "model": _model_identity(trainer.model),
+        "options": _encode_options(trainer.options),
+        "next_generation": trainer.next_generation,
+        "checkpoints": specs,
+        "logical_dp": None if streams is None else streams[0],
+    }
+    files[_TRAINER] = json.dumps(meta, indent=1).encode()
+    files[_RNG] = _tensors({"process": rng_state(trainer.device), "streams": {} if streams is None else streams[1]})
+    return files
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """One checkpoint of a save: how to build it, and the state to load into it."""
+
+    name: str
+    lora: LoRAConfig | None
+    optimizer: AdamWConfig
+    generation: int
+    state: dict[str, Any]  # Checkpoint.state_dict() plus "grads"
+    origins: set[tuple[CheckpointVersion, int]]
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Load the state, the generation, the committed gradients and their origins (all checked first)."""
+        checkpoint.check_state_dict(self.state)
+        for name, grad in self.state["grads"].items():
+            live = checkpoint.parameter(name)
+            if (grad.shape, grad.dtype, grad.device) != (live.shape, live.dtype, live.device):
+                raise ConfigError(f"saved gradient of {self.name!r} parameter {name!r}",
+                                  (tuple(grad.shape), grad.dtype), f"shape {tuple(live.shape)}, dtype {live.dtype}")
+        checkpoint.load(self.state, self.generation)
+        for name, grad in self.state["grads"].items():
+            checkpoint.parameter(name).grad = grad
+        checkpoint.origins |= self.origins
+
+
+@dataclass(frozen=True)
+class SavedTrainer:
+    """A verified, decoded save: everything ``Trainer.load`` builds the trainer from (Rule 6)."""
+
+    options: ForwardOptions | None
+    next_generation: int
+    checkpoints: list[SavedCheckpoint]
+    process_rng: RngState
+    streams: tuple[int, dict[int, RngState]] | None
+
+    def restore(self, checkpoints: dict[str, Checkpoint], sink: RankGradients, device: torch.device) -> None:
+        """Into a trainer just built with these checkpoints: their state, then the RNG (Rules 1, 5)."""
+        for saved in self.checkpoints:
+            saved.restore(checkpoints[saved.name])
+        sink.resumed = self.streams
+        set_rng_state(self.process_rng, device)
+
+
+def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_limit_bytes: int | None,
+                 host_memory_limit_bytes: int | None) -> Any:
+    """``Trainer.load``: read and check everything (Rule 6), then build ``cls`` (the ``Trainer``) and restore it."""
+    saved = read_save(path, model)
+    trainer = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
+                  host_memory_limit_bytes=host_memory_limit_bytes)
+    for spec in saved.checkpoints:
+        trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
+    trainer.next_generation = saved.next_generation
+    saved.restore(trainer.checkpoints, trainer.rank_gradients, trainer.device)
+    return trainer
+
+
+def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
+    """The save in force under ``path``, verified and decoded for ``model``, which must be the saved base (Rule 6)."""
+    if not isinstance(model, DecoderLM):
+        raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
+    files = read_folder(path)
+    meta = json.loads(files[_TRAINER])
+    if {k: meta.get(k) for k in FORMAT} != FORMAT:
+        raise ConfigError("path", str(path), f"a save of {FORMAT}", hint="it was written by another version")
+    identity = _model_identity(model)
+    if meta["model"] != identity:
+        differs = "config" if meta["model"]["config"] != identity["config"] else "weights"
+        raise ConfigError("model", f"a base model whose {differs} differ from the saved one's",
+                          f"the base model the save was made with ({meta['model']['config']})")
+    device = model.lm_head.weight.device
+    rng = _load_tensors(files[_RNG], torch.device("cpu"))  # generator states live on the CPU
+    checkpoints = [
+        SavedCheckpoint(
+            name=spec["name"],
+            lora=None if spec["lora"] is None else LoRAConfig(**spec["lora"]),
+            optimizer=AdamWConfig(**spec["optimizer"]),
+            generation=spec["generation"],
+            state=_load_tensors(files[spec["file"]], device),
+            origins={(CheckpointVersion(spec["name"], g, r), bound) for g, r, bound in spec["origins"]},
+        )
+        for spec in meta["checkpoints"]
+    ]
+    streams = None if meta["logical_dp"] is None else (meta["logical_dp"], rng["streams"])
+    return SavedTrainer(_decode_options(meta["options"]), meta["next_generation"], checkpoints, rng["process"], streams)
+
+
+def _model_identity(model: DecoderLM) -> dict[str, str]:
+    """The base model's config and a SHA-256 of its weights (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for name, param in model.state_dict().items():
+        tensor = param.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return {"config": repr(model.config), "digest": digest.hexdigest()}
+
+
+def _encode_options(options: ForwardOptions | None) -> dict[str, Any] | None:
+    if options is None:
+        return None
+    encoded = {f.name: getattr(options, f.name) for f in fields(ForwardOptions) if getattr(options, f.name) is not UNSET}
+    if "corrections" in encoded:
+        encoded["corrections"] = [asdict(c) for c in encoded["corrections"]]
+    return encoded
+
+
+def _decode_options(encoded: dict[str, Any] | None) -> ForwardOptions | None:
+    if encoded is None:
+        return None
+    if "corrections" in encoded:
+        encoded = {**encoded, "corrections": tuple(ImportanceCorrection(**c) for c in encoded["corrections"])}
+    return ForwardOptions(**encoded)
+
+
+def _tensors(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _load_tensors(data: bytes, device: torch.device) -> Any:
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=True)

@@ -1,0 +1,48 @@
+"""A job saved on one process resumes on two and back (L=4), bitwise (NOTE [Resume] Rule 5).
+
+The oracle is the job run on one process without stopping, saving on the way
+(saving changes nothing it computes): the saves made at W=1 and at W=2 at the
+same step must be byte-identical (the same digests in their manifests), and
+the resumed job must end bitwise where the uninterrupted one ends.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import resume_job as job
+
+from tests.support import assert_nested_equal
+from validation.spawn import spawn_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def _digests(root: Path) -> dict[str, str]:
+    folder = root / (root / "LATEST").read_text().split()[0]
+    return {name: entry["sha256"] for name, entry in json.loads((folder / "manifest.json").read_text())["files"].items()}
+
+
+def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bitwise_equal(tmp_path, one_thread):
+    straight = {2: tmp_path / "straight-2", 4: tmp_path / "straight-4"}
+    expected = job.segment(None, None, 0, 6, {k: str(v) for k, v in straight.items()})
+    first = job.segment(None, str(tmp_path / "w1"), 0, 2)
+    # The W=2 job saves once right after the load, before any run_logical (no logical layout yet), and at the end.
+    two = spawn_ranks(job.segment, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), 2, 4, {2: str(tmp_path / "w2-at-load")},
+                      str(tmp_path / "w1" / "LATEST"), timeout_s=120.0)
+    # Rank 0 alone writes; its refusal (a file where a folder must be) is raised on every process.
+    assert [r.get("refused") for r in two] == ["path", "path"]
+    back = job.segment(str(tmp_path / "w2"), None, 4, 6)
+    assert _digests(tmp_path / "w1") == _digests(straight[2]), "W=1 save differs from the uninterrupted run's"
+    assert _digests(tmp_path / "w2") == _digests(straight[4]), "the W=2 save is not byte-identical to the W=1 one"
+    assert _digests(tmp_path / "w2-at-load") == _digests(straight[2]), "a W=2 save before run_logical differs"
+    assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == ["LATEST", "save-000001"], "more than one writer"
+    for rank, result in enumerate(two):
+        assert_nested_equal(result["loaded"], first["final"], f"rank {rank} after the load")
+        assert_nested_equal(result["final"], two[0]["final"], f"rank {rank} at the end")
+    assert_nested_equal(back["loaded"], two[0]["final"], "W=1 after loading the W=2 save")
+    assert_nested_equal(back["final"], expected["final"], "resumed vs uninterrupted")
+    assert any(a.tobytes() != b.tobytes() for a, b in zip(
+        first["final"]["state"]["parameters"].values(), back["final"]["state"]["parameters"].values())), "training changed nothing"

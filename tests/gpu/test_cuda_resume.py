@@ -1,0 +1,38 @@
+"""A CUDA job saved and loaded ends bitwise as the uninterrupted one: the CUDA generator is kept (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from tests.support import assert_nested_equal
+
+pytestmark = pytest.mark.gpu
+
+
+def _model() -> rt.DecoderLM:
+    with torch.device("cuda"):
+        return rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0)
+
+
+def _job(path, save_at: int | None) -> dict:
+    torch.manual_seed(0)
+    torch.cuda.manual_seed(0)
+    trainer = rt.Trainer(_model())
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    for step in range(3):
+        if step == save_at:
+            trainer.save(path)
+            torch.cuda.manual_seed(99)  # the restarted process's own CUDA generator: the load must replace it
+            trainer = rt.Trainer.load(path, _model())
+        tokens = torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(step)).cuda()
+        out = trainer.forward(rt.ForwardInput(tokens[:-1], tokens[1:]), options=rt.ForwardOptions(corrections=()))
+        trainer.backward(-out.target_logprobs.sum())
+        trainer.optim_step()
+        trainer.zero_grad()
+    return trainer.checkpoint("policy").state_dict()
+
+
+def test_a_cuda_job_resumes_bitwise_with_its_cuda_dropout_stream(tmp_path) -> None:
+    assert_nested_equal(_job(tmp_path / "save", 1), _job(tmp_path / "unused", None))

@@ -1,0 +1,169 @@
+"""Saving a trainer and resuming it (NOTE [Resume] in reference_trainer/resume.py; docs/semantics.md#saves-and-resume).
+
+The oracle is the same job run without stopping: a job saved, loaded into a
+fresh trainer and continued must end bitwise where the uninterrupted job ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from tests.support import advantages, assert_nested_equal, sequence
+
+STEPS = 3
+
+
+def _build(kind: str, *, dtype: torch.dtype = torch.float32, dropout: float = 0.1) -> rt.Trainer:
+    model = rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout, dtype=dtype), seed=0)
+    trainer = rt.Trainer(model, options=rt.ForwardOptions(max_gradient_staleness=1, corrections=()))
+    if kind in ("lora", "both"):
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    if kind in ("full", "both"):
+        trainer.add_checkpoint("critic", full=True, optimizer=rt.AdamWConfig(lr=1e-2))
+    return trainer
+
+
+def _model(dtype: torch.dtype = torch.float32, dropout: float = 0.1) -> rt.DecoderLM:
+    return rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout, dtype=dtype), seed=0)
+
+
+def _step(trainer: rt.Trainer, index: int) -> None:
+    """Per checkpoint: two forwards; the first steps, the second is backpropagated one revision old and stays committed."""
+    for name in trainer.checkpoints:
+        out_a, out_b = (trainer.forward(rt.ForwardInput(*sequence(10 * index + k + len(name))), checkpoint=name)
+                        for k in (0, 1))
+        trainer.backward(-(out_a.target_logprobs * advantages(index)).sum())
+        trainer.optim_step(max_grad_norm=1.0, checkpoints=[name])
+        trainer.zero_grad(checkpoints=[name])
+        trainer.backward(-(out_b.target_logprobs * advantages(index + 1)).sum())  # age 1, bound 1
+
+
+def _state(trainer: rt.Trainer) -> dict[str, object]:
+    return {name: (c.revision, c.generation, c.state_dict()) for name, c in trainer.checkpoints.items()}
+
+
+def _run(kind: str, dtype: torch.dtype, save_at: int | None, path, *, forget_rng: bool = False) -> rt.Trainer:
+    torch.manual_seed(7)
+    trainer = _build(kind, dtype=dtype)
+    for index in range(STEPS):
+        if index == save_at:
+            trainer.save(path)
+            del trainer
+            torch.manual_seed(1234)  # the restarted process's own RNG: the load must replace it
+            trainer = rt.Trainer.load(path, _model(dtype))
+            if forget_rng:
+                torch.manual_seed(7)
+        _step(trainer, index)
+    return trainer
+
+
+@pytest.mark.parametrize(("kind", "dtype", "save_at"), [("both", torch.float32, 1), ("lora", torch.bfloat16, 2)])
+def test_a_saved_and_loaded_job_finishes_bitwise_as_the_uninterrupted_one(tmp_path, kind, dtype, save_at):
+    """Saved with a one-revision-old gradient committed (``_step``), loaded by a process whose RNG moved on."""
+    expected = _state(_run(kind, dtype, None, tmp_path))
+    assert_nested_equal(_state(_run(kind, dtype, save_at, tmp_path / "save")), expected)
+
+
+def test_the_oracle_sees_a_resume_that_forgot_the_rng(tmp_path):
+    """Negative control: with dropout, a resume on another RNG state ends elsewhere."""
+    expected = _state(_run("lora", torch.float32, None, tmp_path))
+    found = _state(_run("lora", torch.float32, 2, tmp_path / "s", forget_rng=True))
+    with pytest.raises(AssertionError):
+        assert_nested_equal(found, expected)
+
+
+def test_committed_gradients_and_options_survive_the_save(tmp_path):
+    torch.manual_seed(3)
+    trainer = _build("lora")
+    ids, tgt = sequence(5)
+    out = trainer.forward(rt.ForwardInput(ids, tgt))
+    trainer.backward(-(out.target_logprobs * advantages(5)).sum())
+    trainer.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model())
+    assert loaded.options == trainer.options
+    assert loaded.checkpoint("policy").origins == trainer.checkpoint("policy").origins
+    assert loaded.checkpoint("policy").lora_config == trainer.checkpoint("policy").lora_config
+    for (name, p), (_, q) in zip(trainer.checkpoint("policy").named_parameters(), loaded.checkpoint("policy").named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert_nested_equal(loaded.optim_step()["policy"].grad_norm, trainer.optim_step()["policy"].grad_norm)
+    assert_nested_equal(_state(loaded), _state(trainer))
+
+
+def _commit_old_gradient(trainer: rt.Trainer) -> None:
+    """A forward at revision 0 (bound 1), backpropagated at revision 1: committed one revision old."""
+    old, fresh = (trainer.forward(rt.ForwardInput(*sequence(seed))) for seed in (1, 2))
+    trainer.backward(-(fresh.target_logprobs * advantages(2)).sum())
+    trainer.optim_step()
+    trainer.zero_grad()
+    trainer.backward(-(old.target_logprobs * advantages(1)).sum())
+
+
+def test_staleness_counts_in_revisions_across_the_resume(tmp_path):
+    """Committed at age 1 before the save: stepped after the load (age 1 <= 1), refused one step later (age 2)."""
+    outcomes = []
+    for resume in (False, True):
+        torch.manual_seed(0)
+        trainer = _build("lora")
+        _commit_old_gradient(trainer)
+        if resume:
+            trainer.save(tmp_path)
+            trainer = rt.Trainer.load(tmp_path, _model())
+        within = trainer.optim_step()["policy"]
+        with pytest.raises(rt.StaleGradientError) as beyond:
+            trainer.optim_step()  # .grad stays: its origin is now two revisions old
+        outcomes.append((within.stepped, within.revision, beyond.value.staleness, beyond.value.bound,
+                         trainer.checkpoint("policy").revision))
+    assert outcomes[0] == outcomes[1] == (True, 2, 2, 1, 2)
+
+
+def test_pending_forwards_are_not_saved_and_the_loaded_trainer_refuses_them(tmp_path):
+    trainer = _build("lora")
+    out = trainer.forward(rt.ForwardInput(*sequence(1)))
+    trainer.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model())
+    assert loaded.live_records() == 0 and trainer.live_records() == 1
+    with pytest.raises(rt.ConfigError, match="another trainer's output"):
+        loaded.backward(out.target_logprobs.sum())
+    trainer.backward(out.target_logprobs.sum())  # the saving trainer still owns it
+
+
+def _logical_step(trainer: rt.Trainer, step: int) -> None:
+    def body(view):
+        out = view.forward(rt.ForwardInput(*sequence(10 * step + view.logical_rank)))
+        view.backward(-(out.target_logprobs * advantages(step)).sum())
+
+    rt.run_logical(body, trainer, logical_dp=2)
+
+
+def test_pending_logical_buffers_or_a_save_inside_fn_are_refused_and_nothing_is_written(tmp_path):
+    trainer = _build("lora")
+    _logical_step(trainer, 0)
+    with pytest.raises(rt.ConfigError, match="optim_step"):
+        trainer.save(tmp_path / "pending")
+    assert not (tmp_path / "pending").exists()
+    trainer.optim_step()
+    trainer.zero_grad()
+    with pytest.raises(rt.ConfigError, match="inside run_logical"):
+        rt.run_logical(lambda view: trainer.save(tmp_path / "inside"), trainer, logical_dp=2)
+    assert not (tmp_path / "inside").exists()
+
+
+def test_logical_ranks_continue_their_own_rng_streams_after_a_resume(tmp_path):
+    """Dropout draws from each logical rank's stream: a resumed run (saved between steps) ends bitwise equal."""
+    results = []
+    for save_at in (None, 2, 1):
+        torch.manual_seed(5)
+        trainer = _build("lora")
+        for step in range(3):
+            if step == save_at:
+                trainer.save(tmp_path / f"s{save_at}")
+                torch.manual_seed(99)
+                trainer = rt.Trainer.load(tmp_path / f"s{save_at}", _model())
+            _logical_step(trainer, step)
+            trainer.optim_step()
+            trainer.zero_grad()
+        results.append(_state(trainer))
+    assert_nested_equal(results[1], results[0])
+    assert_nested_equal(results[2], results[0])
