@@ -11,7 +11,7 @@ The rules, in order (rules 1-2: :func:`decide_event`; rule 3: :func:`check_endpo
    from it (the endpoint would be empty) and its code would run on the
    team's GPUs. One line says so; the workflow passes.
 2. A pull request from this repository launches only with the
-   :data:`LABEL` label (added, or already there on a new push), so an open
+   :data:`PR_LABEL` label (added, or already there on a new push), so an open
    PR does not hold 2×H200 on every push.
 3. Anything that would launch with ``SKYPILOT_API_SERVER_ENDPOINT`` unset
    or empty fails at once with the fix, instead of SkyPilot polling the URL
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Decision", "LABEL", "check_endpoint", "decide_event", "main"]
+__all__ = ["Decision", "PR_LABEL", "check_endpoint", "decide_event", "main"]
 
-LABEL = "gpu-ci"
+PR_LABEL = "gpu-ci"
 PULL_REQUEST_EVENTS = ("pull_request", "pull_request_target")
 
 
@@ -59,10 +59,10 @@ def decide_event(event_name: str, payload: dict[str, Any], repository: str) -> D
         if head != repository:
             return Decision(False, f"skipped: pull request #{pull.get('number')} comes from {head or 'a deleted fork'}, "
                                    f"not {repository}; GPU CI never runs a fork's code (a maintainer can push the "
-                                   f"branch here and add the {LABEL} label)")
+                                   f"branch here and add the {PR_LABEL} label)")
         labels = {label.get("name") for label in pull.get("labels") or []}
-        if LABEL not in labels:
-            return Decision(False, f"skipped: pull request #{pull.get('number')} has no {LABEL} label; "
+        if PR_LABEL not in labels:
+            return Decision(False, f"skipped: pull request #{pull.get('number')} has no {PR_LABEL} label; "
                                    f"add it to run the GPU gate")
     return Decision(True, f"launching: {event_name or 'an event'} on {repository}")
 
