@@ -18,11 +18,13 @@ NOTE [Resume]
      chain of saves, raises ``CheckpointReplacedError`` (the checkpoint the
      forward used, the forward's generation, the loaded checkpoint's current
      one), as after ``load_checkpoint``, and changes nothing; forward again.
-     Another trainer's output is a ``ConfigError``, as without a load (a
-     save written before the lineage was kept loads with an empty one). Also
-     not kept: importance-correction log-probs (they belong to the forwards),
-     what admission learnt of memory use, and the memory limits (they belong
-     to the machine: ``Trainer.load`` takes them again).
+     Another trainer's output is a ``ConfigError``, as without a load, and
+     so is one of a checkpoint the loaded trainer lacks (added after the
+     save: nothing of the loaded trainer replaced it). A save written before
+     the lineage was kept loads with an empty one. Also not kept:
+     importance-correction log-probs (they belong to the forwards), what
+     admission learnt of memory use, and the memory limits (they belong to
+     the machine: ``Trainer.load`` takes them again).
   3. Refused, nothing written: a save while logical-rank gradient buffers are
      pending (call ``optim_step`` or ``zero_grad`` first), and a save from
      inside ``run_logical``'s ``fn``.

@@ -172,6 +172,9 @@ def test_an_unrelated_trainers_output_is_still_a_config_error_after_a_load(tmp_p
             trainer.backward(out.target_logprobs.sum())
     with pytest.raises(rt.ConfigError, match="another trainer's output"):  # no lineage runs backwards
         saving.backward(loaded.forward(rt.ForwardInput(*sequence(3))).target_logprobs.sum())
+    saving.add_checkpoint("critic", full=True)  # after the save: the loaded trainer has no "critic" it could have replaced
+    with pytest.raises(rt.ConfigError, match="another trainer's output"):
+        loaded.backward(saving.forward(rt.ForwardInput(*sequence(4)), checkpoint="critic").target_logprobs.sum())
 
 
 def test_a_save_written_without_a_lineage_loads_with_an_empty_one(tmp_path):
