@@ -99,14 +99,20 @@ class StaleGradientError(GradientCommitError):
 
 
 class CheckpointReplacedError(GradientCommitError):
-    """The checkpoint was loaded over (new generation) after the forward."""
+    """The checkpoint was loaded over (new generation) after the forward.
 
-    def __init__(self, checkpoint: str, forward_generation: int, current_generation: int) -> None:
+    ``by``: what replaced it, when not ``load_checkpoint`` (``"Trainer.load"``:
+    the forward belongs to a trainer whose state a loaded trainer resumed; the
+    generations may then be equal).
+    """
+
+    def __init__(self, checkpoint: str, forward_generation: int, current_generation: int, *, by: str = "") -> None:
         self.checkpoint = checkpoint
         self.forward_generation = forward_generation
         self.current_generation = current_generation
+        self.by = by
         super().__init__(
-            f"checkpoint {checkpoint!r} was replaced after the forward: expected "
+            f"checkpoint {checkpoint!r} was replaced {f'by {by} ' if by else ''}after the forward: expected "
             f"generation {forward_generation}, found {current_generation}; "
             "forward again on the loaded checkpoint"
         )

@@ -14,11 +14,19 @@ NOTE [Forward records]
      successful backward without ``retain_graph``, after a failure past its
      model backward, or when the caller has dropped all of its outputs.
      :class:`RecordTable` holds the pending records and does all three.
+  5. A table has an identity and a lineage: the identities of the trainers
+     whose state ``Trainer.load`` resumed into this one, transitively (NOTE
+     [Resume] Rule 2). Each output carries its table's identity, so a loss
+     built from another trainer's output is a ``CheckpointReplacedError``
+     when that trainer is in the lineage (its forwards ran on state this
+     trainer replaced), and a ``ConfigError`` otherwise. Either way the
+     refusal comes before anything runs: nothing changes.
 """
 
 from __future__ import annotations
 
 import itertools
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +35,7 @@ from typing import Any
 import torch
 
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
-from .errors import ConfigError, GradientCommitError
+from .errors import CheckpointReplacedError, ConfigError, GradientCommitError, TrainerError
 from .inputs import ForwardOutput, PaddedBatch
 from .ledger import SavedStateLedger
 from .options import ResolvedOptions
@@ -83,11 +91,26 @@ class RecordTable:
 
     ``on_release(record)`` runs after a pending record is released (the
     ``when_available`` cache drops what only that record could use then).
+    ``identity`` and ``lineage``: Rule 5 (``resume`` sets the lineage).
     """
 
     def __init__(self, on_release: Callable[[ForwardRecord], None]) -> None:
         self._records: dict[int, ForwardRecord] = {}
         self._on_release = on_release
+        self.identity = uuid.uuid4().hex
+        self.lineage: frozenset[str] = frozenset()
+        self._generation: Callable[[str], int | None] = lambda name: None
+
+    def resume(self, lineage: frozenset[str], generation: Callable[[str], int | None]) -> None:
+        """Make this the table of a trainer that resumed the state of the trainers in ``lineage`` (Rule 5).
+
+        ``generation(name)``: the current generation of this trainer's checkpoint
+        ``name``, or ``None`` without one (then a resumed trainer's output is a
+        ``ConfigError`` like any other trainer's: no checkpoint of this trainer
+        replaced the one it used).
+        """
+        self.lineage = frozenset(lineage)
+        self._generation = generation
 
     def __iter__(self) -> Iterator[ForwardRecord]:
         return iter(list(self._records.values()))
@@ -105,6 +128,7 @@ class RecordTable:
         for row, length in enumerate(record.batch.lengths):
             leaf = record.forward_logprobs[row, :length].clone().requires_grad_(True)
             leaf._rt_record_id, leaf._rt_row, leaf._rt_table = record.id, row, weakref.ref(self)
+            leaf._rt_trainer, leaf._rt_version = self.identity, record.version  # Rule 5, even once this table is gone
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
             outputs.append(
                 ForwardOutput(
@@ -143,12 +167,7 @@ class RecordTable:
         records: dict[int, ForwardRecord] = {}
         for leaf in leaves:
             if leaf._rt_table() is not self:
-                raise ConfigError(
-                    "loss",
-                    f"a loss built from another trainer's output (forward record {leaf._rt_record_id})",
-                    "a loss built from this trainer's forward outputs only",
-                    "backpropagate each trainer's outputs through that trainer's backward",
-                )
+                raise self._foreign(leaf)
             record = self._records.get(leaf._rt_record_id)
             if record is None:
                 raise GradientCommitError(
@@ -160,6 +179,19 @@ class RecordTable:
         if not records:
             raise ConfigError("loss", "a loss that reaches no trainer output", "a loss built from forward outputs")
         return leaves, [records[i] for i in sorted(records)]
+
+    def _foreign(self, leaf: torch.Tensor) -> TrainerError:
+        """The error for another trainer's output (Rule 5): replaced when this trainer resumed its state."""
+        version: CheckpointVersion = leaf._rt_version
+        current = self._generation(version.name) if leaf._rt_trainer in self.lineage else None
+        if current is not None:
+            return CheckpointReplacedError(version.name, version.generation, current, by="Trainer.load")
+        return ConfigError(
+            "loss",
+            f"a loss built from another trainer's output (forward record {leaf._rt_record_id})",
+            "a loss built from this trainer's forward outputs only",
+            "backpropagate each trainer's outputs through that trainer's backward",
+        )
 
     def output_dropped(self, record_id: int) -> None:
         record = self._records.get(record_id)

@@ -10,11 +10,21 @@ NOTE [Resume]
      (NOTE [Logical ranks] Rule 2); the base model's config and a digest of
      its weights, so a different base is refused at load.
   2. Not kept: pending forwards (their graphs are live autograd state). The
-     trainer that saved keeps them; the loaded one has none, and refuses a
-     loss built from the saving trainer's outputs (``ConfigError``). Also not
-     kept: importance-correction log-probs (they belong to the forwards),
-     what admission learnt of memory use, and the memory limits (they belong
-     to the machine: ``Trainer.load`` takes them again).
+     trainer that saved keeps them and can still backpropagate them; the
+     loaded one has none. A save holds the saving trainer's identity and
+     lineage (NOTE [Forward records] Rule 5), and the loaded trainer's lineage
+     is that lineage plus that identity: a loss it is given that reaches an
+     output of any trainer whose state it resumed, directly or through a
+     chain of saves, raises ``CheckpointReplacedError`` (the checkpoint the
+     forward used, the forward's generation, the loaded checkpoint's current
+     one), as after ``load_checkpoint``, and changes nothing; forward again.
+     Another trainer's output is a ``ConfigError``, as without a load, and
+     so is one of a checkpoint the loaded trainer lacks (added after the
+     save: nothing of the loaded trainer replaced it). A save written before
+     the lineage was kept loads with an empty one. Also not kept:
+     importance-correction log-probs (they belong to the forwards), what
+     admission learnt of memory use, and the memory limits (they belong to
+     the machine: ``Trainer.load`` takes them again).
   3. Refused, nothing written: a save while logical-rank gradient buffers are
      pending (call ``optim_step`` or ``zero_grad`` first), and a save from
      inside ``run_logical``'s ``fn``.
@@ -136,6 +146,8 @@ def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> di
         "next_generation": trainer.next_generation,
         "checkpoints": specs,
         "logical_dp": None if streams is None else streams[0],
+        "identity": trainer.records.identity,  # Rule 2
+        "lineage": sorted(trainer.records.lineage),
     }
     files[_TRAINER] = json.dumps(meta, indent=1).encode()
     files[_RNG] = _tensors({"process": rng_state(trainer.device), "streams": {} if streams is None else streams[1]})
@@ -176,13 +188,21 @@ class SavedTrainer:
     checkpoints: list[SavedCheckpoint]
     process_rng: RngState
     streams: tuple[int, dict[int, RngState]] | None
+    lineage: frozenset[str]  # the saving trainer's lineage and identity (Rule 2)
 
-    def restore(self, checkpoints: dict[str, Checkpoint], sink: RankGradients, device: torch.device) -> None:
-        """Into a trainer just built with these checkpoints: their state, then the RNG (Rules 1, 5)."""
+    def restore(self, trainer: Any) -> None:
+        """Into ``trainer`` (a ``Trainer`` just built with these checkpoints): their state, the lineage, then the RNG (Rules 1, 2, 5)."""
         for saved in self.checkpoints:
-            saved.restore(checkpoints[saved.name])
-        sink.resumed = self.streams
-        set_rng_state(self.process_rng, device)
+            saved.restore(trainer.checkpoint(saved.name))
+        trainer.records.resume(self.lineage, lambda name: _generation(trainer, name))
+        trainer.rank_gradients.resumed = self.streams
+        set_rng_state(self.process_rng, trainer.device)
+
+
+def _generation(trainer: Any, name: str) -> int | None:
+    """The current generation of ``trainer``'s checkpoint ``name``, or ``None`` without one."""
+    checkpoint = trainer.checkpoints.get(name)
+    return None if checkpoint is None else checkpoint.generation
 
 
 def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_limit_bytes: int | None,
@@ -194,7 +214,7 @@ def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_li
     for spec in saved.checkpoints:
         trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
     trainer.next_generation = saved.next_generation
-    saved.restore(trainer.checkpoints, trainer.rank_gradients, trainer.device)
+    saved.restore(trainer)
     return trainer
 
 
@@ -225,7 +245,9 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
         for spec in meta["checkpoints"]
     ]
     streams = None if meta["logical_dp"] is None else (meta["logical_dp"], rng["streams"])
-    return SavedTrainer(_decode_options(meta["options"]), meta["next_generation"], checkpoints, rng["process"], streams)
+    lineage = frozenset(meta.get("lineage", ())) | ({meta["identity"]} if "identity" in meta else set())
+    return SavedTrainer(_decode_options(meta["options"]), meta["next_generation"], checkpoints, rng["process"], streams,
+                        lineage)
 
 
 def _model_identity(model: DecoderLM) -> dict[str, str]:

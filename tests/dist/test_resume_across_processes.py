@@ -3,7 +3,10 @@
 The oracle is the job run on one process without stopping, saving on the way
 (saving changes nothing it computes): the saves made at W=1 and at W=2 at the
 same step must be byte-identical (the same digests in their manifests), and
-the resumed job must end bitwise where the uninterrupted one ends.
+the resumed job must end bitwise where the uninterrupted one ends. The one
+exception is the saving trainer's identity and lineage in ``trainer.json``
+(NOTE [Resume] Rule 2): unique per trainer by design, so they are compared
+apart: every other byte of ``trainer.json`` must match.
 """
 
 from __future__ import annotations
@@ -20,9 +23,25 @@ from validation.spawn import spawn_ranks
 pytestmark = pytest.mark.dist
 
 
-def _digests(root: Path) -> dict[str, str]:
-    folder = root / (root / "LATEST").read_text().split()[0]
-    return {name: entry["sha256"] for name, entry in json.loads((folder / "manifest.json").read_text())["files"].items()}
+def _folder(root: Path) -> Path:
+    return root / (root / "LATEST").read_text().split()[0]
+
+
+def _lineage(root: Path) -> tuple[str, set[str]]:
+    """The saving trainer's identity and lineage."""
+    meta = json.loads((_folder(root) / "trainer.json").read_text())
+    return meta["identity"], set(meta["lineage"])
+
+
+def _digests(root: Path) -> dict[str, object]:
+    """Every file's digest, but ``trainer.json``'s content less the identity and lineage (the docstring)."""
+    folder = _folder(root)
+    digests: dict[str, object] = {
+        name: entry["sha256"] for name, entry in json.loads((folder / "manifest.json").read_text())["files"].items()
+    }
+    meta = json.loads((folder / "trainer.json").read_text())
+    digests["trainer.json"] = {k: v for k, v in meta.items() if k not in ("identity", "lineage")}
+    return digests
 
 
 def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bitwise_equal(tmp_path, one_thread):
@@ -39,6 +58,9 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     assert _digests(tmp_path / "w2") == _digests(straight[4]), "the W=2 save is not byte-identical to the W=1 one"
     assert _digests(tmp_path / "w2-at-load") == _digests(straight[2]), "a W=2 save before run_logical differs"
     assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == ["LATEST", "save-000001"], "more than one writer"
+    # Each load adds the saver to the lineage, across processes too (NOTE [Resume] Rule 2).
+    w1, w2 = _lineage(tmp_path / "w1"), _lineage(tmp_path / "w2")
+    assert w1[1] == set() and w2[1] == {w1[0]} and w2[0] != w1[0]
     for rank, result in enumerate(two):
         assert_nested_equal(result["loaded"], first["final"], f"rank {rank} after the load")
         assert_nested_equal(result["final"], two[0]["final"], f"rank {rank} at the end")

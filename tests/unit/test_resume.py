@@ -6,11 +6,14 @@ fresh trainer and continued must end bitwise where the uninterrupted job ends.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import reference_trainer as rt
-from tests.support import advantages, assert_nested_equal, sequence
+from reference_trainer.saves import read_folder, write_folder
+from tests.support import advantages, assert_nested_equal, grad_snapshot, sequence
 
 STEPS = 3
 
@@ -118,15 +121,75 @@ def test_staleness_counts_in_revisions_across_the_resume(tmp_path):
     assert outcomes[0] == outcomes[1] == (True, 2, 2, 1, 2)
 
 
-def test_pending_forwards_are_not_saved_and_the_loaded_trainer_refuses_them(tmp_path):
+def _refused_as_replaced(trainer: rt.Trainer, out: rt.ForwardOutput) -> rt.CheckpointReplacedError:
+    """``trainer.backward`` of ``out``'s loss raises ``CheckpointReplacedError`` and changes nothing of ``trainer``."""
+    before = (_state(trainer), grad_snapshot(trainer), trainer.live_records())
+    with pytest.raises(rt.CheckpointReplacedError) as info:
+        trainer.backward(out.target_logprobs.sum())
+    assert_nested_equal((_state(trainer), grad_snapshot(trainer), trainer.live_records()), before)
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+    return info.value
+
+
+def test_pending_forwards_are_not_saved_and_a_backward_of_one_through_the_loaded_trainer_is_replaced(tmp_path):
+    """The forward's generation against the loaded checkpoint's; the saving trainer still owns its graph."""
     trainer = _build("lora")
     out = trainer.forward(rt.ForwardInput(*sequence(1)))
     trainer.save(tmp_path)
     loaded = rt.Trainer.load(tmp_path, _model())
     assert loaded.live_records() == 0 and trainer.live_records() == 1
+    loaded.load_checkpoint("policy", loaded.checkpoint("policy").state_dict())  # a generation the forward never saw
+    error = _refused_as_replaced(loaded, out)
+    assert (error.checkpoint, error.forward_generation, error.current_generation) == (
+        "policy", out.version.generation, loaded.checkpoint("policy").generation)
+    assert error.forward_generation != error.current_generation
+    trainer.backward(out.target_logprobs.sum())  # the saving trainer still owns it
+    assert trainer.live_records() == 0
+
+
+def test_a_trainer_loaded_from_a_loaded_trainers_save_also_refuses_the_first_ones_forwards(tmp_path):
+    first = _build("lora")
+    out = first.forward(rt.ForwardInput(*sequence(1)))
+    first.save(tmp_path / "a")
+    second = rt.Trainer.load(tmp_path / "a", _model())
+    second_out = second.forward(rt.ForwardInput(*sequence(2)))
+    second.save(tmp_path / "b")
+    third = rt.Trainer.load(tmp_path / "b", _model())
+    for forward in (out, second_out):
+        assert _refused_as_replaced(third, forward).forward_generation == forward.version.generation
+    first.backward(out.target_logprobs.sum())
+    second.backward(second_out.target_logprobs.sum())
+
+
+def test_an_unrelated_trainers_output_is_still_a_config_error_after_a_load(tmp_path):
+    """The control: only trainers whose state was resumed get ``CheckpointReplacedError``."""
+    saving, unrelated = _build("lora"), _build("lora")
+    out = unrelated.forward(rt.ForwardInput(*sequence(1)))
+    saving.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model())
+    for trainer in (loaded, saving):
+        with pytest.raises(rt.ConfigError, match="another trainer's output"):
+            trainer.backward(out.target_logprobs.sum())
+    with pytest.raises(rt.ConfigError, match="another trainer's output"):  # no lineage runs backwards
+        saving.backward(loaded.forward(rt.ForwardInput(*sequence(3))).target_logprobs.sum())
+    saving.add_checkpoint("critic", full=True)  # after the save: the loaded trainer has no "critic" it could have replaced
+    with pytest.raises(rt.ConfigError, match="another trainer's output"):
+        loaded.backward(saving.forward(rt.ForwardInput(*sequence(4)), checkpoint="critic").target_logprobs.sum())
+
+
+def test_a_save_written_without_a_lineage_loads_with_an_empty_one(tmp_path):
+    """A save of the same format version from before the lineage was kept: the saver's outputs are just another trainer's."""
+    saving = _build("lora")
+    out = saving.forward(rt.ForwardInput(*sequence(1)))
+    saving.save(tmp_path / "new")
+    files = read_folder(tmp_path / "new")
+    meta = json.loads(files["trainer.json"])
+    assert {meta.pop("identity"), *meta.pop("lineage")} == {saving.records.identity}
+    write_folder(tmp_path / "old", {**files, "trainer.json": json.dumps(meta).encode()})
+    loaded = rt.Trainer.load(tmp_path / "old", _model())
+    assert loaded.records.lineage == frozenset()
     with pytest.raises(rt.ConfigError, match="another trainer's output"):
         loaded.backward(out.target_logprobs.sum())
-    trainer.backward(out.target_logprobs.sum())  # the saving trainer still owns it
 
 
 def _logical_step(trainer: rt.Trainer, step: int) -> None:
