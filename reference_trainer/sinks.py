@@ -22,13 +22,15 @@ from .errors import ConfigError, TrainerError
 from .grad_norms import KnownNorm
 from .staleness import check_each, check_origins
 
-__all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
+__all__ = ["BufferGradSink", "GradientFold", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
 
 Origin = tuple[CheckpointVersion, int]  # (forward version, staleness bound) of a committed gradient
 
 
 class GradientSink(Protocol):
     """Where committed gradients live."""
+
+    takes_ownership: bool  # keeps what ``assign`` gets: the transaction drops its own references (NOTE Rule 5)
 
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None: ...
 
@@ -44,6 +46,8 @@ class GradientSink(Protocol):
 class LiveGradSink:
     """Commit into each live parameter's ``.grad``."""
 
+    takes_ownership = False
+
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
         return checkpoint.parameter(name).grad
 
@@ -58,33 +62,52 @@ class LiveGradSink:
         checkpoint.remember_gradient_norm(known)
 
 
+class GradientFold(Protocol):
+    """Where logical ranks' commits are folded as they arrive (``ranks/reduction.py``, NOTE [Logical ranks] Rule 4)."""
+
+    def add(self, logical_rank: int, key: tuple[str, str], value: torch.Tensor) -> None: ...
+
+    def discard(self) -> None:
+        """Drop what the current round folded: one of its commits was rolled back."""
+        ...
+
+    def pending(self, checkpoint: str | None = None) -> int: ...
+
+    def clear(self, checkpoint: str) -> None: ...
+
+
 @dataclass
 class BufferGradSink:
-    """Commit into one logical rank's private buffer, summed into ``.grad`` by ``optim_step``."""
+    """One logical rank's door into the process's fold of every logical rank's commits (summed by ``optim_step``).
 
-    logical_rank: int | None = None
-    grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    A logical rank commits once per round (NOTE [Logical ranks] Rule 3), so
+    its leaf of the round starts empty (``current`` is ``None``) and each
+    gradient is handed to the fold as published: the sink takes ownership
+    (NOTE [Gradient commit] Rule 5). A rollback (``assign`` of ``None``)
+    drops the round's fold: a rolled-back commit fails every logical rank.
+    """
+
+    logical_rank: int
+    fold: GradientFold
     origins: dict[str, set[Origin]] = field(default_factory=dict)
+    takes_ownership = True
 
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
-        return self.grads.get((checkpoint.name, name))
+        return None
 
     def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
-        key = (checkpoint.name, name)
         if value is None:
-            self.grads.pop(key, None)
+            self.fold.discard()
         else:
-            self.grads[key] = value
+            self.fold.add(self.logical_rank, (checkpoint.name, name), value)
 
     def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
         self.origins.setdefault(checkpoint.name, set()).update(origins)
 
     def record_norm(self, checkpoint: Checkpoint, known: KnownNorm) -> None:
-        """Nothing: a buffer is summed into ``.grad`` at ``optim_step``, which measures the sum."""
+        """Nothing: the fold is summed into ``.grad`` at ``optim_step``, which measures the sum."""
 
     def clear(self, checkpoint_name: str | None = None) -> None:
-        for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:
-            del self.grads[key]
         for name in [n for n in self.origins if checkpoint_name in (None, n)]:
             del self.origins[name]
 
@@ -107,6 +130,7 @@ class RankHost(Protocol):
 
     hosted: range
     running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
+    sums: GradientFold  # every hosted logical rank's commits, folded
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
@@ -117,7 +141,7 @@ class RankHost(Protocol):
         ...
 
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
-        """Sum every logical rank's buffers (on every process) in logical order."""
+        """Every logical rank's sums and origins of ``checkpoints``, on every process, in the fixed order."""
         ...
 
 
@@ -132,15 +156,15 @@ class RankGradients:
         """Host ``host``'s logical ranks from now on (only while nothing is pending)."""
         assert not self.pending(), "a new layout over pending logical gradients"
         self.host = host
-        self.buffers = {logical_rank: BufferGradSink(logical_rank) for logical_rank in host.hosted}
+        self.buffers = {logical_rank: BufferGradSink(logical_rank, host.sums) for logical_rank in host.hosted}
 
     def running(self) -> int | None:
         """The logical rank whose code runs now (a forward's owner, NOTE [Importance correction] Rule 7); None outside."""
         return None if self.host is None else self.host.running
 
     def pending(self, checkpoint: str | None = None) -> int:
-        """Buffered gradient tensors, of one checkpoint or of all."""
-        return sum(1 for b in self.buffers.values() for key in b.grads if checkpoint in (None, key[0]))
+        """Tensors with a pending logical-rank sum, of one checkpoint or of all."""
+        return 0 if self.host is None else self.host.sums.pending(checkpoint)
 
     def check_caller(self, call: str) -> None:
         """Refuse ``trainer.<call>()`` from inside ``run_logical``'s ``fn``: it would act on one logical rank's
@@ -171,8 +195,10 @@ class RankGradients:
     def clear(self, names: Iterable[str], *, call: str = "zero_grad") -> None:
         """Drop the buffered gradients and origins of the checkpoints ``names``."""
         self.check_caller(call)
-        for buffer in self.buffers.values():
-            for name in names:
+        for name in names:
+            if self.host is not None:
+                self.host.sums.clear(name)
+            for buffer in self.buffers.values():
                 buffer.clear(name)
 
     def flush(self, checkpoints: list[Checkpoint]) -> None:

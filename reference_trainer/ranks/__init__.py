@@ -76,8 +76,8 @@ from __future__ import annotations
 
 from .batches import LogicalBatch, logical_batches
 from .layout import LogicalLayout, ordered_sum, spread
-from .logical import LogicalRank, logical_gradients, run_logical
-from .peers import PeerFailure, init_distributed
+from .logical import LogicalRank, logical_gradients, logical_traffic, run_logical
+from .peers import PeerFailure, TrafficCount, init_distributed
 from .zero import RankZero
 from ..errors import PeerError
 
@@ -88,9 +88,11 @@ __all__ = [
     "PeerError",
     "PeerFailure",
     "RankZero",
+    "TrafficCount",
     "init_distributed",
     "logical_batches",
     "logical_gradients",
+    "logical_traffic",
     "ordered_sum",
     "run_logical",
     "spread",
