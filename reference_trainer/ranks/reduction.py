@@ -82,6 +82,7 @@ class LogicalSums:
         specs = {key: spec for part in reversed(every) for key, (_, spec) in part.items()}
         nodes = [{key: listed for key, (listed, _) in part.items()} for part in every]
         updated: dict[Key, torch.Tensor] = {}
+        world = self.comm.world_size
         for bucket in _buckets(sorted(specs), specs):
             pieces = self._exchange(bucket, local, nodes, specs, label)
             for key in bucket:
@@ -89,6 +90,8 @@ class LogicalSums:
                 for node, piece in pieces[key]:
                     fold.push(node, piece)
                 total = fold.total()
+                if len(pieces[key]) == 1 and world > 1:  # a view of the whole received bucket: keep only its shard
+                    total = total.clone()
                 old = self.totals.get(key)
                 updated[key] = total if old is None else old + total
         self.totals.update(updated)

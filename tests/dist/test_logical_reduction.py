@@ -80,8 +80,7 @@ WIDE = [(16, "full"), (16, "lora"), (64, "full"), (64, "lora")]
 def _wide(world: int) -> list[dict[str, Any]]:
     if world == 1:
         return [to_plain(ds.wide_cases(WIDE))]
-    outcomes = spawn_ranks(ds.wide_cases, world, WIDE, timeout_s=600.0)
-    return [outcome.value for outcome in outcomes]
+    return spawn_ranks(ds.wide_cases, world, WIDE, timeout_s=600.0)
 
 
 @pytest.mark.slow
