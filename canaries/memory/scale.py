@@ -39,15 +39,17 @@ from ..mutations.catalogue import active_mutations, mutation
 
 __all__ = ["HELD_CHECK", "BITS_CHECK", "MOVED_CHECK", "SCALE_CHECKS", "LAYOUTS", "scale_check", "scale_readings"]
 
-HELD_CHECK = "logical-rank scale: held gradient bytes <= (ceil(log2(L/W)) + 2) x gradient bytes"
-MOVED_CHECK = "logical-rank scale: bytes received per step <= 2.2 x gradient bytes (plus control)"
-BITS_CHECK = "logical-rank scale: parameters equal for every W, .grad equal to the tree oracle on one process"
-SCALE_CHECKS = (HELD_CHECK, MOVED_CHECK, BITS_CHECK)
+SCALE_CHECKS = (
+    "logical-rank scale: held gradient bytes <= (ceil(log2(L/W)) + 2) x gradient bytes",
+    "logical-rank scale: bytes received per step <= 2.2 x gradient bytes (plus control)",
+    "logical-rank scale: parameters equal for every W, .grad equal to the tree oracle on one process",
+)
+HELD_CHECK, MOVED_CHECK, BITS_CHECK = SCALE_CHECKS
 LAYOUTS = {  # profile -> (logical_dp values, process counts); other profiles take "default"
     "quick": ((1, 2, 4, 8), (1, 2)),
     "default": ((1, 2, 4, 8, 16, 64), (1, 2, 4)),
 }
-KINDS = ("full", "lora")
+MODEL_KINDS = ("full", "lora")
 RECEIVED_FACTOR = 2.2
 
 
@@ -141,7 +143,7 @@ def scale_check(profile: str, verdicts: Any) -> dict[str, Any]:
     sizes, worlds = LAYOUTS.get(profile, LAYOUTS["default"])
     readings: dict[int, dict[str, dict[str, Any]]] = {}
     for world in worlds:
-        cases = [(kind, size) for kind in KINDS for size in sizes if size % world == 0]
+        cases = [(kind, size) for kind in MODEL_KINDS for size in sizes if size % world == 0]
         if world == 1:
             readings[1] = scale_readings(cases)
         else:
