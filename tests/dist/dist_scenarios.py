@@ -208,7 +208,7 @@ INVARIANCE_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "zero-L2-full": lambda: train_zero(make_trainer("full"), 2),
     "zero-L4-full": lambda: train_zero(make_trainer("full"), 4),
     "zero-L4-lora": lambda: train_zero(make_trainer("lora"), 4),
-    "rank-L16-full": lambda: train_rank(make_trainer("full"), 16, steps=3),
+    "rank-L16-full": lambda: train_rank(make_trainer("full"), 16),
 }
 
 

@@ -43,6 +43,7 @@ def test_one_step_sums_every_logical_ranks_gradient_in_the_fixed_tree(one_thread
 
     run_logical(body, trainer, logical_dp=16)
     trainer.optim_step()
+    assert rt.logical_gradients(trainer) == {}, "the step left its sums pending"
     per_rank = [ds.rank_gradients(rank) for rank in range(16)]
     expected = ds.tree_oracle(per_rank)
     _assert_bits(_grads(trainer), expected, "L=16 vs the tree oracle")

@@ -172,21 +172,6 @@ def test_fault_in_one_logical_rank_commits_nothing_in_any() -> None:
     assert not trainer.checkpoint(ds.POLICY).has_gradients()
 
 
-def test_optim_step_sums_logical_buffers_into_grad_in_logical_order() -> None:
-    trainer = ds.make_trainer()
-
-    def body(view: object) -> None:
-        items, advantages = ds.micro_batch(0, view.logical_rank)
-        view.backward(ds.rank_loss(view.forward(items), advantages, 10))
-
-    run_logical(body, trainer, logical_dp=3)
-    trainer.optim_step()
-    assert logical_gradients(trainer) == {}
-    expected = ds.tree_oracle([ds.rank_gradients(rank) for rank in range(3)])
-    for name, param in trainer.checkpoint(ds.POLICY).named_parameters():
-        assert torch.equal(param.grad, expected[name]), name
-
-
 # --- errors across processes -------------------------------------------------------------
 
 
