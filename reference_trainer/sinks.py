@@ -1,11 +1,12 @@
-"""Where committed gradients go: the live ``.grad`` fields, or the trainer's logical-rank buffers.
+"""Where committed gradients go: the live ``.grad`` fields, or the trainer's logical-rank sums.
 
 A backward stages its gradients once and publishes them into a *sink*
 (NOTE [Gradient commit] Rule 5, in ``commit.py``). :class:`LiveGradSink`
 writes ``.grad``. :class:`RankGradients` is the sink a trainer owns for its
 logical ranks (NOTE [Logical ranks] Rule 5, in ``ranks/__init__.py``): one
-:class:`BufferGradSink` per logical rank this process hosts. ``optim_step``
-flushes it into ``.grad`` in logical-rank order before it steps;
+:class:`BufferGradSink` per logical rank this process hosts, each handing its
+commits to the host's :class:`GradientFold` (Rule 4). ``optim_step``
+flushes the sums into ``.grad`` before it steps;
 ``load_checkpoint``, ``zero_grad`` and the busy check see what it holds.
 """
 
@@ -114,7 +115,7 @@ class BufferGradSink:
 
 @dataclass(frozen=True)
 class SummedGradients:
-    """Every logical rank's buffers of some checkpoints, summed in logical order.
+    """Every logical rank's gradients of some checkpoints, summed in the fixed order (NOTE [Logical ranks] Rule 4).
 
     ``totals``: ``(checkpoint name, parameter name, gradient)`` for every
     parameter some logical rank holds; ``origins``: every logical rank's origins,
@@ -202,15 +203,15 @@ class RankGradients:
                 buffer.clear(name)
 
     def flush(self, checkpoints: list[Checkpoint]) -> None:
-        """Validate every origin, then add every logical rank's buffers of ``checkpoints`` to ``.grad`` and empty them.
+        """Validate every origin, then add every logical rank's sums of ``checkpoints`` to ``.grad`` and drop them.
 
         The origins already committed to ``.grad`` (``check_origins``, NOTE
         [Staleness] Rule 4) are validated for every checkpoint first;
         with logical ranks that outcome is agreed across processes (an error on
         one makes every process raise it, NOTE [Logical ranks] Rule 6), then the
-        buffers are summed and every buffered origin (the same on every process
-        after the sum) is validated. Only then does any ``.grad`` change, in
-        logical order: a violation anywhere changes nothing. Runs on every process.
+        sums are gathered and every buffered origin (the same on every process
+        after the exchange) is validated. Only then does any ``.grad`` change:
+        a violation anywhere changes nothing, and the sums stay. Runs on every process.
         """
         if self.host is None:
             for checkpoint in checkpoints:
