@@ -6,6 +6,7 @@
                                           smoke, every registered canary, one report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
+              [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
     rtv report [--in DIR] [--out FILE]
     rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
                                           the suite's strength: a sampled mutmut run, its record and report
@@ -78,12 +79,22 @@ def _bench(args: argparse.Namespace) -> int:
     from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                             progress=True)
+    if args.baseline is not None:
+        from .benchmark import baseline
+
+        judged = baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
+                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)
+    else:
+        judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
+                                 progress=True)
     path = canary("benchmark").record(args.preset, judged, run_dir)
-    report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv bench {run_dir.name}")
+    title = f"rtv bench {run_dir.name}" + (f" ({judged.config['scope']})" if args.baseline is not None else "")
+    report = render_report(run_dir, run_dir / "report" / "index.md", title=title)
     record = verify(path)
-    for group in record["measurements"]["groups"]:
+    if args.baseline is not None:
+        for comparison in record["measurements"]["comparisons"]:
+            print(comparison_line(comparison, record["config"]["workload"], record["config"]["gate"]))
+    for group in record["measurements"].get("groups", []):
         for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
             print(comparison_line(comparison, group["label"], record["config"]["gate"]))
     for check, passed in record["checks"].items():
@@ -196,6 +207,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="also enforce retain@s0 / plain median <= TARGET (default: 1.03 reported, not enforced)")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
     bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    bench.add_argument("--baseline", nargs="?", const="", default=None, metavar="REV",
+                       help="compare this checkout's reference_trainer with REV's (a commit, branch or tag; "
+                       "default: the merge base with main), each in a worker process, in ABBA blocks; "
+                       "plain runs too, as the A/A control")
+    bench.add_argument("--arm", action="append", default=None, metavar="A",
+                       help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
     bench.set_defaults(handler=_bench)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
