@@ -99,9 +99,9 @@ def _trainer_only(tree: Path) -> Path:
 class Worker:
     """A running ``canaries.benchmark.worker`` that imports ``tree``'s trainer (Rule 1); ``cpu``: its CPU seconds."""
 
-    def __init__(self, tree: Path, threads: int = 1) -> None:
+    def __init__(self, tree: Path) -> None:
         shim = ROOT if tree.resolve() == ROOT else _trainer_only(tree)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(ROOT)]), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(ROOT)]))
         # cwd: ``python -m`` puts it first on sys.path, so it must not be a checkout with a trainer of its own.
         self.process = subprocess.Popen([sys.executable, "-m", "canaries.benchmark.worker"], env=env, cwd=shim,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -202,9 +202,10 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
     clock = _SummedClock()
     try:
         for arm in names:
-            pair = {rev: Worker(tree, threads), "HEAD": Worker(ROOT, threads)}
+            pair = {rev: Worker(tree), "HEAD": Worker(ROOT)}
             workers += pair.values()
-            losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed)["loss"]
+            losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
+                                                  threads=threads)["loss"]
                            for label, w in pair.items()}
             sides[arm] = {label: clock.step(w) for label, w in pair.items()}
         results = compare_sources(sides, baseline=rev, gate=gate, max_blocks=plan_.max_blocks,

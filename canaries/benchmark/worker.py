@@ -4,9 +4,9 @@
 stdin and answers one JSON line on stdout (``canaries.benchmark.baseline``
 drives two of them, one per source tree, through ``PYTHONPATH``):
 
-- ``{"op": "build", "workload": {...TimedWorkload fields}, "arm": NAME, "seed": S}``:
-  builds the arm (``canaries.benchmark.arms``), runs it until its first real
-  loss; answers ``{"loss": L, "trainer": <reference_trainer's folder>}``.
+- ``{"op": "build", "workload": {...TimedWorkload fields}, "arm": NAME, "seed": S, "threads": N}``:
+  sets torch's intra-op threads to N (as ``rtv bench --threads``), builds
+X
 - ``{"op": "step"}``: one step; answers ``{"seconds": s, "cpu": c}``, the
   step's wall seconds on this process's clock (so the pipe's round trip is
   not timed) and its cumulative CPU seconds (the driver's load probe).
@@ -28,11 +28,14 @@ __all__ = ["main"]
 
 
 def _build(request: dict) -> tuple[object, dict]:
+    import torch
+
     import reference_trainer as rt
 
     from .canary import Group, build_arms
     from .arms import TimedWorkload
 
+    torch.set_num_threads(request["threads"])
     workload = TimedWorkload(**request["workload"])
     arm = build_arms(Group(workload, (request["arm"],), False), request["seed"])[request["arm"]]
     loss = arm()

@@ -69,7 +69,8 @@ def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_p
     assert tree.is_relative_to(tmp_path / "out" / "sources") and not (tree / "reference_trainer" / "x").exists()
     worker = baseline.Worker(tree)
     try:
-        answer = worker.ask(op="build", workload={"model": "tiny", "sequences": 1, "seq_len": 4}, arm="retain@s0", seed=0)
+        answer = worker.ask(op="build", workload={"model": "tiny", "sequences": 1, "seq_len": 4}, arm="retain@s0", seed=0,
+                            threads=1)
     finally:
         worker.close()
     assert Path(answer["trainer"]) == (tree / "reference_trainer").resolve() and np.isfinite(answer["loss"])
