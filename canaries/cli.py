@@ -7,6 +7,8 @@
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
               [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
+    rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
+                                          every benchmark so far: trends, change points, verdicts
     rtv report [--in DIR] [--out FILE]
     rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
                                           the suite's strength: a sampled mutmut run, its record and report
@@ -44,6 +46,7 @@ __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
 MUTATION_ENV = "RTV_INJECT_MUTATION"
+HISTORY_FILE = "history.sqlite"  # in rtv bench's --out folder
 
 
 def _passed(path: Path) -> bool:
@@ -88,6 +91,9 @@ def _bench(args: argparse.Namespace) -> int:
         judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
                                  progress=True)
     path = canary("benchmark").record(args.preset, judged, run_dir)
+    from validation import history
+
+    history.append(args.out / HISTORY_FILE, verify(path), str(path))
     title = f"rtv bench {run_dir.name}" + (f" ({judged.config['scope']})" if args.baseline is not None else "")
     report = render_report(run_dir, run_dir / "report" / "index.md", title=title)
     record = verify(path)
@@ -99,8 +105,24 @@ def _bench(args: argparse.Namespace) -> int:
             print(comparison_line(comparison, group["label"], record["config"]["gate"]))
     for check, passed in record["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'}  {check}")
+    print(f"appended to the history {args.out / HISTORY_FILE} (rtv history --store FILE)")
     print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {report.html}")
     return 0 if record["passed"] else 1
+
+
+def _history(args: argparse.Namespace) -> int:
+    """``rtv history``: the trend page of the store; exit 1 when some series' verdict is a regression."""
+    from reports.history import change_line, render_history
+
+    if not args.store.is_file():
+        raise SetupError(f"no benchmark history at {args.store}", fix="run rtv bench first, or pass --store FILE")
+    out = args.out_file or args.store.parent / "history" / "index.md"
+    paths = render_history(args.store, out, arm=args.arm, workload=args.workload)
+    for series in paths.series:
+        print(f"{series.verdict:18} {series.arm} · {series.workload} · machine {series.machine_id} "
+              f"({len(series.commits)} commits)" + "".join(f"\n    {change_line(c)}" for c in series.changes))
+    print(f"wrote {paths.markdown}\nwrote {paths.html}")
+    return 1 if any(s.verdict == "regression" for s in paths.series) else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -214,6 +236,18 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--arm", action="append", default=None, metavar="A",
                        help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
     bench.set_defaults(handler=_bench)
+
+    trend = sub.add_parser("history", help="benchmark history: trend plots, change points and verdicts per series",
+                           description="Render every benchmark record appended so far (one series per machine, "
+                           "workload and arm; machines never mixed), find change points (ruptures PELT) and name the "
+                           "first commit after each, with a verdict per series. Exits 1 when a series regressed.")
+    trend.add_argument("--store", type=Path, default=DEFAULT_OUT / "bench" / HISTORY_FILE,
+                       help=f"the history store (default: ./rtv-out/bench/{HISTORY_FILE}, where rtv bench appends)")
+    trend.add_argument("--arm", default=None, help="only this arm, e.g. retain@s0")
+    trend.add_argument("--workload", default=None, help="only this workload label, e.g. 'small 4x64 full'")
+    trend.add_argument("--out", dest="out_file", type=Path, default=None,
+                       help="Markdown file to write (default: <store folder>/history/index.md)")
+    trend.set_defaults(handler=_history)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
     report.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT,

@@ -114,6 +114,7 @@ class Worker:
         answer = json.loads(self.process.stdout.readline() or '{"error": "the worker exited"}')
         if "error" in answer:
             raise SetupError(f"benchmark worker failed:\n{answer['error']}", fix="run the arm on that source alone")
+        self.cpu = answer["cpu"]
         return answer
 
     def close(self) -> None:
@@ -149,9 +150,7 @@ class _SummedClock:
 
     def step(self, worker: Worker) -> Callable[[], None]:
         def run() -> None:
-            answer = worker.ask(op="step")
-            worker.cpu = answer["cpu"]
-            self.now += answer["seconds"]
+            self.now += worker.ask(op="step")["seconds"]
         return run
 
 

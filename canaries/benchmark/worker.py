@@ -7,9 +7,11 @@ drives two of them, one per source tree, through ``PYTHONPATH``):
 - ``{"op": "build", "workload": {...TimedWorkload fields}, "arm": NAME, "seed": S, "threads": N}``:
   sets torch's intra-op threads to N (as ``rtv bench --threads``), builds
 X
-- ``{"op": "step"}``: one step; answers ``{"seconds": s, "cpu": c}``, the
-  step's wall seconds on this process's clock (so the pipe's round trip is
-  not timed) and its cumulative CPU seconds (the driver's load probe).
+- ``{"op": "step"}``: one step; answers ``{"seconds": s}``, the step's wall
+  seconds on this process's clock (so the pipe's round trip is not timed).
+
+Every answer also carries ``"cpu"``: the process's CPU seconds so far (the
+driver's load probe).
 - end of input: the process exits.
 
 An error answers ``{"error": traceback}`` and the process exits 1.
@@ -55,11 +57,11 @@ def main() -> int:
             else:
                 start = time.perf_counter()
                 arm()
-                answer = {"seconds": time.perf_counter() - start, "cpu": time.process_time()}
+                answer = {"seconds": time.perf_counter() - start}
         except Exception:  # noqa: BLE001 - any failure goes back to the driver, which raises it there
             print(json.dumps({"error": traceback.format_exc()}), flush=True)
             return 1
-        print(json.dumps(answer), flush=True)
+        print(json.dumps({**answer, "cpu": time.process_time()}), flush=True)
     return 0
 
 

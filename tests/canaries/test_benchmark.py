@@ -16,7 +16,8 @@ from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
-from validation.evidence import verify
+from validation import history
+from validation.evidence import source_fingerprint, verify
 
 
 def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
@@ -108,6 +109,24 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
     ratios = html.parent / "plots" / f"benchmark-{record['digest'][:12]}-ratios.png"
     assert html.name == "index.html" and html.exists() and ratios.exists()
     assert record["passed"] is (code == 0)
+
+
+def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
+    monkeypatch.setattr(benchmark, "judge", functools.partial(
+        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    for _ in range(2):
+        assert main(["bench", "--profile", "quick", "--out", str(tmp_path)]) == 0
+    table = history.load(tmp_path / "history.sqlite")
+    assert len(table) == 2 * 4 and set(table["arm"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
+    assert set(table["commit_id"]) == {source_fingerprint()["git_commit"]} and table["ci_low"].notna().all()
+    out = tmp_path / "trend" / "index.md"
+    assert main(["history", "--store", str(tmp_path / "history.sqlite"), "--arm", "retain@s0", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "insufficient data" in page and "retain@s0" in page and "offload@s2" not in page
+    assert out.with_suffix(".html").exists() and list((out.parent / "plots").glob("history-*.png"))
+    assert main(["history", "--store", str(tmp_path / "none.sqlite")]) == 2  # a SetupError: no store there
 
 
 class _no_raise:

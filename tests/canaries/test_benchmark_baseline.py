@@ -54,6 +54,17 @@ def test_a_ten_percent_slowdown_is_a_regression_of_about_that_size_and_the_contr
         assert low < 1.10 < high
 
 
+def test_the_load_probe_is_the_workers_cpu_seconds_over_the_drivers_wall_seconds() -> None:
+    class Stub:
+        cpu = 5.0
+
+    workers, now = [Stub(), Stub()], [100.0]
+    probe = baseline.WorkerShare(workers, lambda: now[0])
+    probe.start()
+    workers[0].cpu, workers[1].cpu, now[0] = 5.6, 5.2, 101.0
+    assert probe.stop() == pytest.approx(0.8)
+
+
 def _clone(tmp_path: Path) -> Path:
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(baseline.ROOT), str(clone)], check=True)
@@ -71,8 +82,11 @@ def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_p
     try:
         answer = worker.ask(op="build", workload={"model": "tiny", "sequences": 1, "seq_len": 4}, arm="retain@s0", seed=0,
                             threads=1)
+        built_cpu = worker.cpu  # the load probe's start point: CPU spent building counts before the first block
+        worker.ask(op="step")
     finally:
         worker.close()
+    assert 0 < built_cpu < worker.cpu
     assert Path(answer["trainer"]) == (tree / "reference_trainer").resolve() and np.isfinite(answer["loss"])
     old, new = baseline.source_identity(tree), baseline.source_identity(clone)
     assert old["commit"] == commit != new["commit"] and old["digest"] != new["digest"]
