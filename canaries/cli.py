@@ -9,7 +9,7 @@
               [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
     rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
                                           every benchmark so far: trends, change points, verdicts
-    rtv report [--in DIR] [--out FILE]
+    rtv report [--in DIR] [--out FILE] [--summary]
     rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
                                           the suite's strength: a sampled mutmut run, its record and report
 
@@ -134,6 +134,12 @@ def _report(args: argparse.Namespace) -> int:
     report = render_report(source, args.out_file)
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
     print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
+    if args.summary:
+        from reports.summary import write_summary
+
+        summary = write_summary(source, report.markdown.parent, report.html)
+        print(f"wrote {summary.summary}" + (f"\nwrote {summary.comment} ({summary.regressions} regressions)"
+                                            if summary.comment else " (no regression: no PR comment)"))
     return 0 if report.passed else 1
 
 
@@ -254,6 +260,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="folder of evidence JSON, searched recursively (default: ./rtv-out)")
     report.add_argument("--out", dest="out_file", type=Path, default=None,
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
+    report.add_argument("--summary", action="store_true",
+                        help="also write summary.md (benchmark verdicts, ratios, intervals, links: for "
+                        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression, pr-comment.md")
     report.set_defaults(handler=_report)
 
     mutation = sub.add_parser("mutation-score", help="measure the suite: a sampled mutmut run (the mutation extra)",
