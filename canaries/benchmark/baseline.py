@@ -219,5 +219,7 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
          "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)", "workload": workload.label,
          "control": CONTROL, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s},
         _checks(results, losses, scope),
-        {"sources": identities, "first_losses": losses, "comparisons": [r.as_dict() for r in results.values()]},
+        # "arm" is the arm compared (HEAD's side), "baseline" the REV it is compared with
+        {"sources": identities, "first_losses": losses,
+         "comparisons": [dict(r.as_dict(), arm=arm, baseline=rev) for arm, r in results.items()]},
     )
