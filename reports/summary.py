@@ -23,7 +23,7 @@ __all__ = ["SummaryPaths", "summary_rows", "write_summary", "SUMMARY_FILE", "COM
 
 SUMMARY_FILE = "summary.md"
 COMMENT_FILE = "pr-comment.md"
-KINDS = ("benchmark", "benchmark-baseline")
+BENCHMARK_KINDS = ("benchmark", "benchmark-baseline")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
     """One row per comparison of the folder's benchmark records: workload, arm, baseline, ratio, interval, verdict, link."""
     rows = []
     for loaded in load_records(in_dir):
-        if loaded.kind not in KINDS or loaded.status == "invalid":
+        if loaded.kind not in BENCHMARK_KINDS or loaded.status == "invalid":
             continue
         link = Path(os.path.relpath(loaded.path, folder)).as_posix()
         for workload, c in _comparisons(loaded):
