@@ -180,19 +180,21 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
 
 
 def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
-          gate: float = 0.05, threads: int = 1, seed: int = 0) -> Judged:
+          gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
+          worker: Callable[[Path], Worker] = Worker) -> Judged:
     """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
 
     ``rev``: a commit, branch or tag; None: :func:`merge_base`. The workload,
     block bound and budget are :func:`canary.plan`'s gated ones for
-    ``preset`` x ``profile``. Raises :class:`SetupError` for an unknown REV,
-    an arm named twice or a worker that fails.
+    ``preset`` x ``profile``. Raises :class:`SetupError` for an unknown REV
+    or a worker that fails. ``root``: the checkout that is
+    HEAD; ``worker``: starts a side's worker on a tree (tests fake both).
     """
     import time
 
-    rev = rev or merge_base()
-    commit, tree = source_tree(rev, out)
-    identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(ROOT)}
+    rev = rev or merge_base(root)
+    _, tree = source_tree(rev, out, root)
+    identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(root)}
     scope = f"{rev} → HEAD"
     plan_ = plan(preset, profile)
     workload: TimedWorkload = plan_.groups[0].workload
@@ -201,7 +203,7 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
     clock = _SummedClock()
     try:
         for arm in names:
-            pair = {rev: Worker(tree), "HEAD": Worker(ROOT)}
+            pair = {rev: worker(tree), "HEAD": worker(root)}
             workers += pair.values()
             losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
                                                   threads=threads)["loss"]

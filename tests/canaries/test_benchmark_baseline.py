@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,44 @@ def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_p
     assert old["commit"] == commit != new["commit"] and old["digest"] != new["digest"]
     with pytest.raises(baseline.SetupError, match="git rev-parse"):
         baseline.source_tree("no-such-rev", tmp_path / "out", root=clone)
+
+
+class FakeWorker:
+    """A worker whose steps take fixed seconds: ``slower`` on HEAD's tree for every arm but plain; CPU share 1."""
+
+    def __init__(self, tree: Path, head: Path, slower: float) -> None:
+        self.head, self.slower, self.arm = tree == head, slower, None
+
+    @property
+    def cpu(self) -> float:
+        return time.perf_counter() / 4  # four workers (two arms, two sides): their sum tracks the wall clock
+
+    def ask(self, **request: object) -> dict:
+        if request["op"] == "build":
+            self.arm = request["arm"]
+            return {"loss": 0.5}
+        return {"seconds": 1e-3 * (self.slower if self.head and self.arm != "plain" else 1.0)}  # within the budget
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("slower", "verdict"), [(1.0, "tie"), (1.1, "regression")])
+def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_control(
+        tmp_path: Path, slower: float, verdict: str) -> None:
+    clone = _clone(tmp_path)
+    (clone / "reference_trainer" / "__init__.py").write_text("# edited\n", encoding="utf-8")
+    subprocess.run([*GIT, "commit", "-qam", "edit"], cwd=clone, check=True)
+    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, slower))
+    comparisons = {c["arm"]: c for c in judged.measurements["comparisons"]}
+    assert list(comparisons) == ["plain", "retain@s0"] and comparisons["plain"]["verdict"] == "tie"
+    assert comparisons["retain@s0"]["verdict"] == verdict and comparisons["retain@s0"]["ratio"] == pytest.approx(slower)
+    assert all(c["baseline"] == "HEAD~1" for c in comparisons.values())
+    sources = judged.measurements["sources"]
+    assert sources["baseline"]["rev"] == "HEAD~1" and sources["baseline"]["commit"] != sources["head"]["commit"]
+    assert sources["baseline"]["digest"] != sources["head"]["digest"] and judged.config["scope"] == "HEAD~1 → HEAD"
+    assert judged.checks.passed is (verdict == "tie")
 
 
 SLOWDOWN = '''
