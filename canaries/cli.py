@@ -89,7 +89,7 @@ def _bench(args: argparse.Namespace) -> int:
                                 arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)
     else:
         judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                                 progress=True)
+                                 progress=True, traces=run_dir / "traces")
     path = canary("benchmark").record(args.preset, judged, run_dir)
     from validation import history
 
@@ -113,11 +113,13 @@ def _bench(args: argparse.Namespace) -> int:
 def _history(args: argparse.Namespace) -> int:
     """``rtv history``: the trend page of the store; exit 1 when some series' verdict is a regression."""
     from reports.history import change_line, render_history
+    from validation import history
 
     if not args.store.is_file():
         raise SetupError(f"no benchmark history at {args.store}", fix="run rtv bench first, or pass --store FILE")
     out = args.out_file or args.store.parent / "history" / "index.md"
-    paths = render_history(args.store, out, arm=args.arm, workload=args.workload)
+    found = history.series(history.load(args.store, arm=args.arm, workload=args.workload))
+    paths = render_history(found, f"Benchmark history: {args.store}", out)
     for series in paths.series:
         print(f"{series.verdict:18} {series.arm} · {series.workload} · machine {series.machine_id} "
               f"({len(series.commits)} commits)" + "".join(f"\n    {change_line(c)}" for c in series.changes))

@@ -1,10 +1,11 @@
 """The benchmark history page: one trend plot per (machine, workload, arm) series, its change points and verdict.
 
-``render_history(store, out_file)`` reads the SQLite store of
-``validation.history`` (NOTE [Benchmark history]), plots each series' per-commit
-median step time with its interval and a dashed line before the first commit
-after each change, and writes a Markdown page and its HTML sibling (the PNGs
-beside them; the HTML embeds them). ``rtv history`` fronts it.
+``render_history(found, title, out_file)`` takes the series that
+``validation.history.series`` found in the store (NOTE [Benchmark history]; the
+caller reads the store, so reports keep to evidence and plain data), plots each
+series' per-commit median step time with its interval and a dashed line
+before the first commit after each change, and writes a Markdown page and its
+HTML sibling (PNGs beside them). ``rtv history`` fronts it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
-
-from validation import history
 
 from .plots import save_png
 from .render import slug
@@ -30,15 +29,15 @@ class HistoryPaths:
     markdown: Path
     html: Path
     plots: list[Path] = field(default_factory=list)
-    series: list[history.Series] = field(default_factory=list)
+    series: list = field(default_factory=list)  # validation.history.Series
 
 
-def change_line(change: history.Change) -> str:
+def change_line(change) -> str:  # a validation.history.Change
     """e.g. ``c08: +5.1% step time (Mann-Whitney p=0.0012) → regression``."""
     return f"{change.commit[:12]}: {change.change * 100:+.1f}% step time (Mann-Whitney p={change.p_value:.2g}) → {change.verdict}"
 
 
-def _plot(series: history.Series, path: Path) -> Path:
+def _plot(series, path: Path) -> Path:  # a validation.history.Series
     figure = Figure(figsize=(7, 3.2), layout="constrained")
     axes = figure.add_subplot()
     x = range(len(series.commits))
@@ -54,15 +53,14 @@ def _plot(series: history.Series, path: Path) -> Path:
     return save_png(figure, path)
 
 
-def render_history(store: Path, out_file: Path, *, arm: str | None = None, workload: str | None = None) -> HistoryPaths:
-    """Render the series of ``store`` (filtered by ``arm``/``workload``) into ``out_file`` (.md) and its .html."""
-    found = history.series(history.load(store, arm=arm, workload=workload))
+def render_history(found: list, title: str, out_file: Path) -> HistoryPaths:
+    """Render ``found`` (``validation.history.Series``) under ``title`` into ``out_file`` (.md) and its .html."""
     folder = out_file.parent
     plots = [_plot(s, folder / "plots" / f"history-{slug(s.machine_id + '-' + s.workload + '-' + s.arm)}.png")
              for s in found]
     rows = [(s, p.relative_to(folder).as_posix(), "; ".join(map(change_line, s.changes)) or "-")
             for s, p in zip(found, plots)]
-    lines = [f"# Benchmark history: {store}", "", "| machine | workload | arm | commits | verdict | changes (first commit after) |",
+    lines = [f"# {title}", "", "| machine | workload | arm | commits | verdict | changes (first commit after) |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {s.machine_id} | {s.workload} | {s.arm} | {len(s.commits)} | {s.verdict} | {changes} |" for s, _, changes in rows]
     lines += ["", *(f"![{s.arm} {s.workload} {s.machine_id}]({link})" for s, link, _ in rows), ""]
@@ -73,7 +71,7 @@ def render_history(store: Path, out_file: Path, *, arm: str | None = None, workl
                    for s, _, changes in rows)
     images = "".join(f"<figure><img src='{link}' alt='{html.escape(s.arm)}'></figure>" for s, link, _ in rows)
     page = out_file.with_suffix(".html")
-    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>Benchmark history</title></head><body>"
-                    f"<h1>Benchmark history</h1><table id='history'><tr><th>machine</th><th>workload</th><th>arm</th>"
+    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+                    f"<h1>{html.escape(title)}</h1><table id='history'><tr><th>machine</th><th>workload</th><th>arm</th>"
                     f"<th>commits</th><th>verdict</th><th>changes</th></tr>{body}</table>{images}</body></html>\n")
     return HistoryPaths(markdown=out_file, html=page, plots=plots, series=found)

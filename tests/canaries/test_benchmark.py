@@ -166,3 +166,20 @@ def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
     assert (synced(), synced()) == (0.0, 1.0)
     assert events == ["sync cuda:1", "read", "sync cuda:1", "read"]
     assert device_clock("cpu", clock, synchronize=lambda device: events.append("sync")) is clock
+
+
+def test_rtv_bench_keeps_a_chrome_trace_of_plain_and_retain_and_the_report_links_it(tmp_path: Path, tiny: None) -> None:
+    from reports import render_report
+
+    record = run_fake(tmp_path, {}, traces=tmp_path / "traces")
+    traces = record["measurements"]["groups"][0]["traces"]
+    assert list(traces) == ["plain", "retain@s0"]
+    for path in traces.values():
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), "a real step's operators are in the trace"
+    page = render_report(tmp_path, tmp_path / "report" / "index.md")
+    markdown, html = page.markdown.read_text(), page.html.read_text()
+    for path in traces.values():
+        link = f"../traces/{Path(path).name}"
+        assert f"]({link})" in markdown and f'href="{link}"' in html and (page.markdown.parent / link).is_file()
+    assert run_fake(tmp_path / "none", {})["measurements"]["groups"][0]["traces"] == {}  # rtv run asks for none
