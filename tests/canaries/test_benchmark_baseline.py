@@ -98,8 +98,8 @@ def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_p
 class FakeWorker:
     """A worker whose steps take fixed seconds: ``slower`` on HEAD's tree for every arm but plain; CPU share 1."""
 
-    def __init__(self, tree: Path, head: Path, slower: float) -> None:
-        self.head, self.slower, self.arm = tree == head, slower, None
+    def __init__(self, tree: Path, head: Path, slower: float, control_too: bool = False) -> None:
+        self.head, self.slower, self.arm, self.control_too = tree == head, slower, None, control_too
 
     @property
     def cpu(self) -> float:
@@ -109,7 +109,8 @@ class FakeWorker:
         if request["op"] == "build":
             self.arm = request["arm"]
             return {"loss": 0.5}
-        return {"seconds": 1e-3 * (self.slower if self.head and self.arm != "plain" else 1.0)}  # within the budget
+        differs = self.head and (self.arm != "plain" or self.control_too)
+        return {"seconds": 1e-3 * (self.slower if differs else 1.0)}  # 1 ms: well within the budget
 
     def close(self) -> None:
         pass
@@ -131,6 +132,15 @@ def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_cont
     assert sources["baseline"]["rev"] == "HEAD~1" and sources["baseline"]["commit"] != sources["head"]["commit"]
     assert sources["baseline"]["digest"] != sources["head"]["digest"] and judged.config["scope"] == "HEAD~1 → HEAD"
     assert judged.checks.passed is (verdict == "tie")
+
+
+@pytest.mark.parametrize("faster", [0.9, 1.1])
+def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
+    clone = _clone(tmp_path)
+    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, faster, control_too=True))
+    control = next(c for c in judged.checks if "A/A control" in c.name)
+    assert not control.ok and not judged.checks.passed
 
 
 SLOWDOWN = '''

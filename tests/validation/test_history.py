@@ -25,10 +25,11 @@ def _record(commit: str, seconds: float, rng: np.random.Generator, cores: int | 
     return record
 
 
-def _store(path: Path, seed: int, step_at: int | None, cores: int | None = None, size: float = 0.05) -> None:
+def _store(path: Path, seed: int, step_at: int | None, cores: int | None = None, size: float = 0.05,
+           back_at: int | None = None, commits: int = 12) -> None:
     rng = np.random.default_rng(seed)
-    for n in range(1, 13):
-        level = 1.0 + (size if step_at is not None and n >= step_at else 0.0)
+    for n in range(1, commits + 1):
+        level = 1.0 + (size if step_at is not None and n >= step_at and (back_at is None or n < back_at) else 0.0)
         history.append(path, _record(f"c{n:02d}", level * rng.lognormal(0.0, NOISE), rng, cores))
 
 
@@ -51,6 +52,22 @@ def test_a_flat_series_with_the_same_noise_has_no_change(tmp_path: Path, seed: i
     assert found.changes == () and found.verdict == "no change"
 
 
+def _simulated(seed: int, step_at: int | None) -> np.ndarray:
+    """One series as the store holds it: per-commit noise, times the median of 8 blocks' own scatter."""
+    rng = np.random.default_rng(seed)
+    return np.array([(1.05 if step_at is not None and n >= step_at else 1.0) * rng.lognormal(0, NOISE)
+                     * np.median(rng.lognormal(0, NOISE / 4, 8)) for n in range(1, 13)])
+
+
+def test_over_many_series_a_flat_one_is_never_a_regression_and_a_step_nearly_always_is() -> None:
+    """The rates NOTE [Benchmark history] Rule 4 states, on 200 simulated series of each kind."""
+    flat = [history.detect(_simulated(seed, None)) for seed in range(1000, 1200)]
+    stepped = [history.detect(_simulated(seed, 8)) for seed in range(1000, 1200)]
+    assert not any(c[3] == "regression" for found in flat for c in found)
+    assert sum(bool(found) for found in flat) <= 0.12 * len(flat)
+    assert sum([(c[0], c[3]) for c in found] == [(7, "regression")] for found in stepped) >= 0.9 * len(stepped)
+
+
 def test_a_faster_step_is_an_improvement_and_a_short_series_is_insufficient_data(tmp_path: Path) -> None:
     _store(tmp_path / "h.sqlite", 0, step_at=8, size=-0.05)
     assert _retain(tmp_path / "h.sqlite")[0].verdict == "improvement"
@@ -58,6 +75,23 @@ def test_a_faster_step_is_an_improvement_and_a_short_series_is_insufficient_data
     for n in range(3):
         history.append(tmp_path / "short.sqlite", _record(f"c{n}", 1.0, rng))
     assert _retain(tmp_path / "short.sqlite")[0].verdict == "insufficient data"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_change_is_judged_on_its_own_segments(tmp_path: Path, seed: int) -> None:
+    """Up 5% at commit 7 and back at 13: a regression named at c07, an improvement at c13 (segments of 6)."""
+    _store(tmp_path / "h.sqlite", seed, step_at=7, back_at=13, commits=18)
+    (found,) = _retain(tmp_path / "h.sqlite")
+    assert [(c.commit, c.verdict) for c in found.changes] == [("c07", "regression"), ("c13", "improvement")]
+    assert found.verdict == "regression"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_at_the_last_two_commits_is_only_suspicious(tmp_path: Path, seed: int) -> None:
+    """Two commits after a change cannot reach p < 0.01 (Mann-Whitney, 2 against 10): suspicious, not a regression."""
+    _store(tmp_path / "h.sqlite", seed, step_at=11)
+    (found,) = _retain(tmp_path / "h.sqlite")
+    assert [(c.commit, c.verdict) for c in found.changes] == [("c11", "suspicious")] and found.verdict == "suspicious"
 
 
 def test_two_machine_identities_never_mix(tmp_path: Path) -> None:
