@@ -7,6 +7,7 @@
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
               [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
+              [--sweep]                          cost growth over sequence length x batch, with a fit
     rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
                                           every benchmark so far: trends, change points, verdicts
     rtv report [--in DIR] [--out FILE] [--summary]
@@ -82,7 +83,11 @@ def _bench(args: argparse.Namespace) -> int:
     from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    if args.baseline is not None:
+    if args.sweep:
+        from .benchmark import sweep
+
+        judged = sweep.judge(args.preset, args.profile, gate=args.gate)
+    elif args.baseline is not None:
         from .benchmark import baseline
 
         judged = baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
@@ -241,6 +246,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="compare this checkout's reference_trainer with REV's (a commit, branch or tag; "
                        "default: the merge base with main), each in a worker process, in ABBA blocks; "
                        "plain runs too, as the A/A control")
+    bench.add_argument("--sweep", action="store_true",
+                       help="cost growth: sequence length x batch (a small grid; the full one with --profile nightly), "
+                       "each shape in ABBA blocks against plain, and a fixed + per-token (+ per-token²) fit per arm")
     bench.add_argument("--arm", action="append", default=None, metavar="A",
                        help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
     bench.set_defaults(handler=_bench)

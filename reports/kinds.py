@@ -52,6 +52,8 @@ KINDS: dict[str, Kind] = {
         Kind(name="benchmark-baseline",
              title="Benchmark against a base: one arm on two source trees, REV → HEAD (ABBA, two worker processes)",
              measurements=("sources", "first_losses")),
+        Kind(name="benchmark-sweep", title="Cost growth: arms against plain over sequence length x batch, with a fit",
+             builder="reports.sweep"),
         Kind(name="mutation-score", title="Mutation score: the suite's strength, measured with mutmut",
              builder="reports.mutation"),
         Kind(name=RECEIPT_KIND, title="GPU CI termination receipt", builder="reports.receipts"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import sqlite3
 from pathlib import Path
 
@@ -14,11 +16,18 @@ from validation.evidence import make_record
 NOISE = 0.01  # per-commit relative noise of the synthetic series
 
 
+@functools.cache
+def _made() -> dict:
+    """One real record (environment and source fingerprints), made once: the synthetic ones copy it."""
+    return make_record("benchmark", config={}, checks={"ran": True}, measurements={})
+
+
 def _record(commit: str, seconds: float, rng: np.random.Generator, cores: int | None = None) -> dict:
     blocks = list(seconds * rng.lognormal(0.0, NOISE / 4, 8))  # the blocks of one run scatter less than runs do
     group = {"label": "small 4x64 full", "comparisons": [
         {"arm": "retain@s0", "arm_seconds": blocks, "baseline_seconds": [1.0] * 8, "confidence": 0.95}]}
-    record = make_record("benchmark", config={}, checks={"ran": True}, measurements={"groups": [group]})
+    record = copy.deepcopy(_made())
+    record["measurements"] = {"groups": [group]}
     record["source"] = {"git_commit": commit, "sha256": f"digest-{commit}"}
     if cores is not None:
         record["environment"]["cpu_count"] = cores
@@ -37,7 +46,7 @@ def _retain(path: Path) -> list[history.Series]:
     return [s for s in history.series(history.load(path)) if s.arm == "retain@s0"]
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(4))
 def test_a_five_percent_step_at_commit_8_is_a_regression_named_at_commit_8(tmp_path: Path, seed: int) -> None:
     _store(tmp_path / "h.sqlite", seed, step_at=8)
     (found,) = _retain(tmp_path / "h.sqlite")
@@ -45,7 +54,7 @@ def test_a_five_percent_step_at_commit_8_is_a_regression_named_at_commit_8(tmp_p
     assert found.changes[0].change == pytest.approx(0.05, abs=0.02)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(4))
 def test_a_flat_series_with_the_same_noise_has_no_change(tmp_path: Path, seed: int) -> None:
     _store(tmp_path / "h.sqlite", seed, step_at=None)
     (found,) = _retain(tmp_path / "h.sqlite")
