@@ -113,9 +113,10 @@ def profile(workload: TimedWorkload, *, plain_seconds: float, extra_seconds: flo
 def chrome_traces(arms: dict[str, TimedArm], folder: Path, stem: str) -> dict[str, str]:
     """One more step of each :data:`TRACED` arm present in ``arms``, under ``torch.profiler``; ``{arm: trace path}``.
 
-    Each trace is Chrome trace JSON (``traceEvents``: operators and Python
-    functions, CUDA kernels on a GPU) at ``folder/<stem>-<arm>.trace.json``,
-    to open in Perfetto or ``chrome://tracing``. The step is one after the
+    Each trace is gzipped Chrome trace JSON (``traceEvents``: operators,
+    CUDA kernels on a GPU) at ``folder/<stem>-<arm>.trace.json.gz``, to open
+    in Perfetto or ``chrome://tracing`` (both read it gzipped). Not ``*.json``:
+    the report reads every ``*.json`` under a run's folder as a record. The step is one after the
     measured blocks, run in a fresh profiler, so the comparison's timings never
     carry the profiler's overhead. Arms are traced in ``TRACED`` order.
     """
@@ -128,7 +129,7 @@ def chrome_traces(arms: dict[str, TimedArm], folder: Path, stem: str) -> dict[st
     for name in (n for n in TRACED if n in arms):
         with torch_profile(activities=activities, with_stack=False) as trace:
             arms[name]()
-        path = folder / f"{stem}-{name.replace('@', '-')}.trace.json"
+        path = folder / f"{stem}-{name.replace('@', '-')}.trace.json.gz"  # torch gzips a .gz name
         trace.export_chrome_trace(str(path))
         paths[name] = str(path.resolve())
     return paths

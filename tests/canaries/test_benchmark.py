@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import math
 from pathlib import Path
@@ -175,9 +176,10 @@ def test_rtv_bench_keeps_a_chrome_trace_of_plain_and_retain_and_the_report_links
     traces = record["measurements"]["groups"][0]["traces"]
     assert list(traces) == ["plain", "retain@s0"]
     for path in traces.values():
-        events = json.loads(Path(path).read_text())["traceEvents"]
+        events = json.loads(gzip.decompress(Path(path).read_bytes()))["traceEvents"]
         assert any(e.get("name", "").startswith("aten::") for e in events), "a real step's operators are in the trace"
     page = render_report(tmp_path, tmp_path / "report" / "index.md")
+    assert page.passed and page.records == 1, "a trace is not read as an (invalid) record"
     markdown, html = page.markdown.read_text(), page.html.read_text()
     for path in traces.values():
         link = f"../traces/{Path(path).name}"
