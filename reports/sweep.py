@@ -61,7 +61,8 @@ def section(record: dict, folder: Path) -> Section:
     plot = _plot(ratios, folder / f"sweep-{record['digest'][:12]}-ratios.png")
     table = pd.DataFrame([{"arm": arm, "fixed ms": f["fixed"] * 1e3, "per-token µs": f["per_token"] * 1e6,
                            "per-token² ns": f["per_token2"] * 1e9,
-                           "largest residual ms": max(map(abs, f["residuals"])) * 1e3} for arm, f in fits.items()])
+                           "largest residual ms": max(map(abs, f["residuals"]), default=float("nan")) * 1e3,
+                           "shapes left out (loaded)": ", ".join(f.get("left_out", [])) or "-"} for arm, f in fits.items()])
     lines = [f"model, not a measurement: the fit of {record['config']['model']} predicts {arm} / plain "
              + ", ".join(f"{_predicted(f, fits['plain'], record['config']['terms'], b, t):.3f} at {b}×{t}" for b, t in MODEL_SHAPES)
              for arm, f in fits.items() if arm != "plain"]

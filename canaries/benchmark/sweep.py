@@ -7,7 +7,8 @@ NOTE [Cost growth]
    ``validation.abba.compare`` (its own blocks and looks, arms built fresh per
    shape), so each point has a ratio with its interval.
 2. Fit: per arm (``plain`` included), the median step seconds at each shape
-   is fitted as ``fixed + per_token * B*T + per_token2 * B*T**2`` by
+   (over the blocks the load probe kept; a shape with none is left out of
+   the fit and named in ``left_out``) is fitted as ``fixed + per_token * B*T + per_token2 * B*T**2`` by
    non-negative least squares (``scipy.optimize.nnls``: a cost is never
    negative), with the residuals kept. A fixed per-step cost shows as a ratio
    falling with tokens, a per-token one as a flat ratio, a ``T**2`` one
@@ -65,6 +66,27 @@ def predicted_ratio(arm: dict, plain: dict, batch: int, length: int) -> float:
     return float(row @ [arm[t] for t in TERMS] / (row @ [plain[t] for t in TERMS]))
 
 
+def _median_seconds(point: dict, arm: str) -> float:
+    """``arm``'s median step seconds at ``point`` over the blocks the load probe kept; NaN when it kept none."""
+    first = point["comparisons"][0]
+    kept = [i for i in range(len(first["ratios"])) if i not in set(first["loaded"])]
+    if arm == "plain":
+        values = first["baseline_seconds"]
+    else:
+        values = next(c for c in point["comparisons"] if c["arm"] == arm)["arm_seconds"]
+    return float(np.median([values[i] for i in kept])) if kept else float("nan")
+
+
+def _fit_arm(points: list[dict], arm: str) -> dict:
+    """Rule 2 for ``arm`` over the points with a measured median (a fully loaded shape is left out, and named)."""
+    rows = [(p["batch"], p["seq_len"], _median_seconds(p, arm)) for p in points]
+    used = [r for r in rows if np.isfinite(r[2])]
+    left_out = [f"{b}x{t}" for b, t, s in rows if not np.isfinite(s)]
+    if len(used) < len(TERMS):
+        return {**dict.fromkeys(TERMS, float("nan")), "residuals": [], "left_out": left_out}
+    return {**fit(*zip(*used)), "left_out": left_out}
+
+
 def judge(preset: str, profile: str, *, model: str = "small", gate: float = 0.05, seed: int = 0,
           clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
           build: Builder = build_arms) -> Judged:
@@ -81,16 +103,13 @@ def judge(preset: str, profile: str, *, model: str = "small", gate: float = 0.05
         results = compare(built, baseline="plain", gate=gate, max_blocks=max_blocks, budget_s=budget / len(shapes),
                           warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe)
         points.append({"workload": asdict(workload), "label": workload.label, "batch": batch, "seq_len": length,
-                       "tokens": workload.tokens, "plain_seconds": float(np.median(results[0].baseline_seconds)),
-                       "comparisons": [r.as_dict() for r in results]})
+                       "tokens": workload.tokens, "comparisons": [r.as_dict() for r in results]})
         built.clear()
-    seconds = {"plain": [p["plain_seconds"] for p in points]}
-    for arm in arms:
-        seconds[arm] = [float(np.median(next(c for c in p["comparisons"] if c["arm"] == arm)["arm_seconds"]))
-                        for p in points]
-    fits = {arm: fit([p["batch"] for p in points], [p["seq_len"] for p in points], s) for arm, s in seconds.items()}
+    fits = {arm: _fit_arm(points, arm) for arm in ("plain", *arms)}
     checks = Checks()
-    checks.check("every shape of the grid was measured", len(points) == len(shapes), f"{len(points)} shapes")
+    fitted = all(np.isfinite(f["fixed"]) for f in fits.values())
+    checks.check("every arm's costs were fitted", fitted,
+                 "; ".join(f"{a}: {len(f['left_out'])} shapes fully loaded" for a, f in fits.items()))
     return Judged(KIND, {"preset": preset, "profile": profile, "model": model, "gate": gate, "seed": seed,
                          "arms": list(arms), "terms": list(TERMS), "lengths": list(lengths), "batches": list(batches),
                          "note": "the fit's predictions are a model, not a measurement"},
