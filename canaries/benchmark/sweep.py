@@ -8,8 +8,8 @@ NOTE [Cost growth]
    shape), so each point has a ratio with its interval.
 2. Fit: per arm (``plain`` included), the median step seconds at each shape
    (over the blocks the load probe kept; a shape with none is left out of
-   the fit and named in ``left_out``) is fitted as ``fixed + per_token * B*T + per_token2 * B*T**2`` by
-   non-negative least squares (``scipy.optimize.nnls``: a cost is never
+   the fit and named in ``left_out``) is fitted as
+   ``fixed + per_token * B*T + per_token2 * B*T**2`` by non-negative least squares (``scipy.optimize.nnls``: a cost is never
    negative), with the residuals kept. A fixed per-step cost shows as a ratio
    falling with tokens, a per-token one as a flat ratio, a ``T**2`` one
    (attention scores saved) as a rising one.
