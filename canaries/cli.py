@@ -6,7 +6,11 @@
                                           smoke, every registered canary, one report
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
-    rtv report [--in DIR] [--out FILE]
+              [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
+              [--sweep]                          cost growth over sequence length x batch, with a fit
+    rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
+                                          every benchmark so far: trends, change points, verdicts
+    rtv report [--in DIR] [--out FILE] [--summary]
     rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
                                           the suite's strength: a sampled mutmut run, its record and report
 
@@ -48,6 +52,7 @@ __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
 MUTATION_ENV = "RTV_INJECT_MUTATION"
+HISTORY_FILE = "history.sqlite"  # in rtv bench's --out folder
 
 
 def _passed(path: Path) -> bool:
@@ -83,18 +88,53 @@ def _bench(args: argparse.Namespace) -> int:
     from .benchmark import canary as benchmark
 
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                             progress=True)
+    if args.sweep:
+        from .benchmark import sweep
+
+        judged = sweep.judge(args.preset, args.profile, gate=args.gate)
+    elif args.baseline is not None:
+        from .benchmark import baseline
+
+        judged = baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
+                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)
+    else:
+        judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
+                                 progress=True, traces=run_dir / "traces")
     path = canary("benchmark").record(args.preset, judged, run_dir)
-    report = render_report(run_dir, run_dir / "report" / "index.md", title=f"rtv bench {run_dir.name}")
+    from validation import history
+
+    history.append(args.out / HISTORY_FILE, verify(path), str(path))
+    title = f"rtv bench {run_dir.name}" + (f" ({judged.config['scope']})" if args.baseline is not None else "")
+    report = render_report(run_dir, run_dir / "report" / "index.md", title=title)
     record = verify(path)
-    for group in record["measurements"]["groups"]:
+    if args.baseline is not None:
+        for comparison in record["measurements"]["comparisons"]:
+            print(comparison_line(comparison, record["config"]["workload"], record["config"]["gate"]))
+    for group in record["measurements"].get("groups", []):
         for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
             print(comparison_line(comparison, group["label"], record["config"]["gate"]))
     for check, passed in record["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'}  {check}")
+    print(f"appended to the history {args.out / HISTORY_FILE} (rtv history --store FILE)")
     print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {report.html}")
     return 0 if record["passed"] else 1
+
+
+def _history(args: argparse.Namespace) -> int:
+    """``rtv history``: the trend page of the store; exit 1 when some series' verdict is a regression."""
+    from reports.history import change_line, render_history
+    from validation import history
+
+    if not args.store.is_file():
+        raise SetupError(f"no benchmark history at {args.store}", fix="run rtv bench first, or pass --store FILE")
+    out = args.out_file or args.store.parent / "history" / "index.md"
+    found = history.series(history.load(args.store, arm=args.arm, workload=args.workload))
+    paths = render_history(found, f"Benchmark history: {args.store}", out)
+    for series in paths.series:
+        print(f"{series.verdict:18} {series.arm} · {series.workload} · machine {series.machine_id} "
+              f"({len(series.commits)} commits)" + "".join(f"\n    {change_line(c)}" for c in series.changes))
+    print(f"wrote {paths.markdown}\nwrote {paths.html}")
+    return 1 if any(s.verdict == "regression" for s in paths.series) else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -106,6 +146,12 @@ def _report(args: argparse.Namespace) -> int:
     report = render_report(source, args.out_file)
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
     print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
+    if args.summary:
+        from reports.summary import write_summary
+
+        summary = write_summary(source, report.markdown.parent, report.html)
+        print(f"wrote {summary.summary}" + (f"\nwrote {summary.comment} ({summary.regressions} regressions)"
+                                            if summary.comment else " (no regression: no PR comment)"))
     return 0 if report.passed else 1
 
 
@@ -201,13 +247,37 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="also enforce retain@s0 / plain median <= TARGET (default: 1.03 reported, not enforced)")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
     bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    bench.add_argument("--baseline", nargs="?", const="", default=None, metavar="REV",
+                       help="compare this checkout's reference_trainer with REV's (a commit, branch or tag; "
+                       "default: the merge base with main), each in a worker process, in ABBA blocks; "
+                       "plain runs too, as the A/A control")
+    bench.add_argument("--sweep", action="store_true",
+                       help="cost growth: sequence length x batch (a small grid; the full one with --profile nightly), "
+                       "each shape in ABBA blocks against plain, and a fixed + per-token (+ per-token²) fit per arm")
+    bench.add_argument("--arm", action="append", default=None, metavar="A",
+                       help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
     bench.set_defaults(handler=_bench)
+
+    trend = sub.add_parser("history", help="benchmark history: trend plots, change points and verdicts per series",
+                           description="Render every benchmark record appended so far (one series per machine, "
+                           "workload and arm; machines never mixed), find change points (ruptures PELT) and name the "
+                           "first commit after each, with a verdict per series. Exits 1 when a series regressed.")
+    trend.add_argument("--store", type=Path, default=DEFAULT_OUT / "bench" / HISTORY_FILE,
+                       help=f"the history store (default: ./rtv-out/bench/{HISTORY_FILE}, where rtv bench appends)")
+    trend.add_argument("--arm", default=None, help="only this arm, e.g. retain@s0")
+    trend.add_argument("--workload", default=None, help="only this workload label, e.g. 'small 4x64 full'")
+    trend.add_argument("--out", dest="out_file", type=Path, default=None,
+                       help="Markdown file to write (default: <store folder>/history/index.md)")
+    trend.set_defaults(handler=_history)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
     report.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT,
                         help="folder of evidence JSON, searched recursively (default: ./rtv-out)")
     report.add_argument("--out", dest="out_file", type=Path, default=None,
                         help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
+    report.add_argument("--summary", action="store_true",
+                        help="also write summary.md (benchmark verdicts, ratios, intervals, links: for "
+                        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression, pr-comment.md")
     report.set_defaults(handler=_report)
 
     mutation = sub.add_parser("mutation-score", help="measure the suite: a sampled mutmut run (the mutation extra)",

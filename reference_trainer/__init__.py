@@ -27,9 +27,11 @@ from .ranks import (
     LogicalLayout,
     LogicalRank,
     RankZero,
+    TrafficCount,
     init_distributed,
     logical_batches,
     logical_gradients,
+    logical_traffic,
     run_logical,
 )
 from .residency import mark_quantized_saved_state
@@ -39,6 +41,8 @@ from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, T
 __all__ = [
     "run_logical",
     "logical_gradients",
+    "logical_traffic",
+    "TrafficCount",
     "logical_batches",
     "init_distributed",
     "RankZero",

@@ -16,7 +16,9 @@ NOTE [Gradient commit]
      ``GradientCommitError``; existing gradients keep their values and objects.
   5. Where gradients go is a *sink* (``sinks.py``): the live ``.grad`` fields
      by default, or a logical rank's own buffer (NOTE [Logical ranks] Rule 5), so staging is
-     written once.
+     written once. A sink that ``takes_ownership`` (a logical rank's, which folds
+     what it gets) keeps the only reference: once published, the transaction
+     drops its own before it agrees, so a gradient is never held twice.
   6. With peers (logical ranks on several processes), a coordinator agrees
      once per backward: after local publication on success, or with the error
      on failure. A peer's failure rolls the local publication back, so every
@@ -58,7 +60,7 @@ class _Staged:
     checkpoint: Checkpoint
     name: str
     target: nn.Parameter
-    value: torch.Tensor
+    value: torch.Tensor | None  # None once a sink took ownership (Rule 5)
     old: torch.Tensor | None = None  # set by validate: the sink's gradient the value adds to
     new: torch.Tensor | None = None  # set by validate: what publish assigns (old + value, or value)
 
@@ -196,6 +198,10 @@ class GradientTransaction:
                 seams.maybe_fail("publish", index)
                 self._sink.assign(staged.checkpoint, staged.name, staged.new)
                 done.append((staged, staged.old))
+            if self._sink.takes_ownership:  # Rule 5: a folding sink holds the only reference while peers agree
+                self._norms = None
+                for staged in self._staged.values():
+                    staged.value = staged.new = None
             self.agree(None)
         except BaseException:
             self._rollback(done)

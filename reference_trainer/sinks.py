@@ -1,11 +1,12 @@
-"""Where committed gradients go: the live ``.grad`` fields, or the trainer's logical-rank buffers.
+"""Where committed gradients go: the live ``.grad`` fields, or the trainer's logical-rank sums.
 
 A backward stages its gradients once and publishes them into a *sink*
 (NOTE [Gradient commit] Rule 5, in ``commit.py``). :class:`LiveGradSink`
 writes ``.grad``. :class:`RankGradients` is the sink a trainer owns for its
 logical ranks (NOTE [Logical ranks] Rule 5, in ``ranks/__init__.py``): one
-:class:`BufferGradSink` per logical rank this process hosts. ``optim_step``
-flushes it into ``.grad`` in logical-rank order before it steps;
+:class:`BufferGradSink` per logical rank this process hosts, each handing its
+commits to the host's :class:`GradientFold` (Rule 4). ``optim_step``
+flushes the sums into ``.grad`` before it steps;
 ``load_checkpoint``, ``zero_grad`` and the busy check see what it holds.
 """
 
@@ -23,13 +24,15 @@ from .grad_norms import KnownNorm
 from .rng import RngState
 from .staleness import check_each, check_origins
 
-__all__ = ["BufferGradSink", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
+__all__ = ["BufferGradSink", "GradientFold", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
 
 Origin = tuple[CheckpointVersion, int]  # (forward version, staleness bound) of a committed gradient
 
 
 class GradientSink(Protocol):
     """Where committed gradients live."""
+
+    takes_ownership: bool  # keeps what ``assign`` gets: the transaction drops its own references (NOTE Rule 5)
 
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None: ...
 
@@ -45,6 +48,8 @@ class GradientSink(Protocol):
 class LiveGradSink:
     """Commit into each live parameter's ``.grad``."""
 
+    takes_ownership = False
+
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
         return checkpoint.parameter(name).grad
 
@@ -59,40 +64,59 @@ class LiveGradSink:
         checkpoint.remember_gradient_norm(known)
 
 
+class GradientFold(Protocol):
+    """Where logical ranks' commits are folded as they arrive (``ranks/reduction.py``, NOTE [Logical ranks] Rule 4)."""
+
+    def add(self, logical_rank: int, key: tuple[str, str], value: torch.Tensor) -> None: ...
+
+    def discard(self) -> None:
+        """Drop what the current round folded: one of its commits was rolled back."""
+        ...
+
+    def pending(self, checkpoint: str | None = None) -> int: ...
+
+    def clear(self, checkpoint: str) -> None: ...
+
+
 @dataclass
 class BufferGradSink:
-    """Commit into one logical rank's private buffer, summed into ``.grad`` by ``optim_step``."""
+    """One logical rank's door into the process's fold of every logical rank's commits (summed by ``optim_step``).
 
-    logical_rank: int | None = None
-    grads: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    A logical rank commits once per round (NOTE [Logical ranks] Rule 3), so
+    its leaf of the round starts empty (``current`` is ``None``) and each
+    gradient is handed to the fold as published: the sink takes ownership
+    (NOTE [Gradient commit] Rule 5). A rollback (``assign`` of ``None``)
+    drops the round's fold: a rolled-back commit fails every logical rank.
+    """
+
+    logical_rank: int
+    fold: GradientFold
     origins: dict[str, set[Origin]] = field(default_factory=dict)
+    takes_ownership = True
 
     def current(self, checkpoint: Checkpoint, name: str) -> torch.Tensor | None:
-        return self.grads.get((checkpoint.name, name))
+        return None
 
     def assign(self, checkpoint: Checkpoint, name: str, value: torch.Tensor | None) -> None:
-        key = (checkpoint.name, name)
         if value is None:
-            self.grads.pop(key, None)
+            self.fold.discard()
         else:
-            self.grads[key] = value
+            self.fold.add(self.logical_rank, (checkpoint.name, name), value)
 
     def record_origins(self, checkpoint: Checkpoint, origins: set[Origin]) -> None:
         self.origins.setdefault(checkpoint.name, set()).update(origins)
 
     def record_norm(self, checkpoint: Checkpoint, known: KnownNorm) -> None:
-        """Nothing: a buffer is summed into ``.grad`` at ``optim_step``, which measures the sum."""
+        """Nothing: the fold is summed into ``.grad`` at ``optim_step``, which measures the sum."""
 
     def clear(self, checkpoint_name: str | None = None) -> None:
-        for key in [k for k in self.grads if checkpoint_name in (None, k[0])]:
-            del self.grads[key]
         for name in [n for n in self.origins if checkpoint_name in (None, n)]:
             del self.origins[name]
 
 
 @dataclass(frozen=True)
 class SummedGradients:
-    """Every logical rank's buffers of some checkpoints, summed in logical order.
+    """Every logical rank's gradients of some checkpoints, summed in the fixed order (NOTE [Logical ranks] Rule 4).
 
     ``totals``: ``(checkpoint name, parameter name, gradient)`` for every
     parameter some logical rank holds; ``origins``: every logical rank's origins,
@@ -110,6 +134,7 @@ class RankHost(Protocol):
     running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
     logical_dp: int
     leader: bool  # this is physical rank 0, the one that writes saves (NOTE [Resume] Rule 5)
+    sums: GradientFold  # every hosted logical rank's commits, folded
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""
@@ -120,7 +145,7 @@ class RankHost(Protocol):
         ...
 
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
-        """Sum every logical rank's buffers (on every process) in logical order."""
+        """Every logical rank's sums and origins of ``checkpoints``, on every process, in the fixed order."""
         ...
 
     def all_streams(self, label: str) -> dict[int, RngState]:
@@ -149,7 +174,7 @@ class RankGradients:
         """
         assert not self.pending(), "a new layout over pending logical gradients"
         self.host = host
-        self.buffers = {logical_rank: BufferGradSink(logical_rank) for logical_rank in host.hosted}
+        self.buffers = {logical_rank: BufferGradSink(logical_rank, host.sums) for logical_rank in host.hosted}
         if self.resumed is not None and self.resumed[0] == host.logical_dp:
             host.take_streams(self.resumed[1])
             self.resumed = None
@@ -159,8 +184,8 @@ class RankGradients:
         return None if self.host is None else self.host.running
 
     def pending(self, checkpoint: str | None = None) -> int:
-        """Buffered gradient tensors, of one checkpoint or of all."""
-        return sum(1 for b in self.buffers.values() for key in b.grads if checkpoint in (None, key[0]))
+        """Tensors with a pending logical-rank sum, of one checkpoint or of all."""
+        return 0 if self.host is None else self.host.sums.pending(checkpoint)
 
     def check_caller(self, call: str) -> None:
         """Refuse ``trainer.<call>()`` from inside ``run_logical``'s ``fn``: it would act on one logical rank's
@@ -191,20 +216,22 @@ class RankGradients:
     def clear(self, names: Iterable[str], *, call: str = "zero_grad") -> None:
         """Drop the buffered gradients and origins of the checkpoints ``names``."""
         self.check_caller(call)
-        for buffer in self.buffers.values():
-            for name in names:
+        for name in names:
+            if self.host is not None:
+                self.host.sums.clear(name)
+            for buffer in self.buffers.values():
                 buffer.clear(name)
 
     def flush(self, checkpoints: list[Checkpoint]) -> None:
-        """Validate every origin, then add every logical rank's buffers of ``checkpoints`` to ``.grad`` and empty them.
+        """Validate every origin, then add every logical rank's sums of ``checkpoints`` to ``.grad`` and drop them.
 
         The origins already committed to ``.grad`` (``check_origins``, NOTE
         [Staleness] Rule 4) are validated for every checkpoint first;
         with logical ranks that outcome is agreed across processes (an error on
         one makes every process raise it, NOTE [Logical ranks] Rule 6), then the
-        buffers are summed and every buffered origin (the same on every process
-        after the sum) is validated. Only then does any ``.grad`` change, in
-        logical order: a violation anywhere changes nothing. Runs on every process.
+        sums are gathered and every buffered origin (the same on every process
+        after the exchange) is validated. Only then does any ``.grad`` change:
+        a violation anywhere changes nothing, and the sums stay. Runs on every process.
         """
         if self.host is None:
             for checkpoint in checkpoints:

@@ -404,7 +404,7 @@ class Trainer:
 
         Every origin, committed or buffered, of every selected checkpoint is
         checked first; then logical ranks' buffered gradients are summed into
-        ``.grad`` in logical-rank order (NOTE [Logical ranks] Rule 5); then each
+        ``.grad`` in the fixed order of NOTE [Logical ranks] Rule 4 (Rule 5); then each
         checkpoint steps. A refused step changes nothing.
         """
         check_step_arguments(lr, max_grad_norm)

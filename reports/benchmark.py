@@ -14,6 +14,7 @@ tables and one line per comparison, e.g.::
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -193,6 +194,9 @@ def section(record: dict, folder: Path) -> Section:
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
     lines += [_profile_line(g) for g in record["measurements"]["groups"] if g.get("profile")]
+    links = [(f"{g['label']}: torch.profiler trace of one {arm} step (Chrome trace JSON: Perfetto, chrome://tracing)",
+              Path(os.path.relpath(path, folder.parent)).as_posix())  # folder: the page's plots folder
+             for g in record["measurements"]["groups"] for arm, path in g.get("traces", {}).items()]
     lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "
                  f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
                  f"{config['note']}.")
@@ -203,5 +207,5 @@ def section(record: dict, folder: Path) -> Section:
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": checks_table(record)},
-        figures=figures,
+        figures=figures, links=links,
     )

@@ -48,7 +48,8 @@ class Section:
     (``passed``, ``failed``, ``tie``, ``equivalent``, ...); ``key_figure``:
     the one line beside it (e.g. ``worst gradient error 3e-7 (threshold 1e-5)``);
     ``lines``: short sentences shown first in the section (one per
-    comparison, say); ``tables``: titled pandas tables; ``figures``: plots.
+    comparison, say); ``tables``: titled pandas tables; ``figures``: plots;
+    ``links``: ``(text, href)`` of files to open (traces), hrefs relative to the page.
     """
 
     kind: str
@@ -59,6 +60,7 @@ class Section:
     lines: list[str] = field(default_factory=list)
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: list[Figure] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,13 @@ NOTE [Memory census]
      the verdict names the baseline and both readings. On CUDA the witnesses
      are the caching allocator (``memory_allocated``) and the driver
      (``mem_get_info``, after emptying the cache).
-  5. Speed: a full garbage collection walks every object Python holds (with
+  5. Held by one owner (:func:`reachable_bytes`): the storages of the
+     tensors an object reaches through plain Python references (attributes,
+     dicts, lists, tuples, sets; never through classes, modules, functions or
+     weak references), each storage counted once and whole, so a view that
+     keeps a larger buffer alive counts the buffer. Used for what the logical
+     ranks' gradient sums hold (``trainer.rank_gradients``).
+  6. Speed: a full garbage collection walks every object Python holds (with
      torch imported, a few hundred thousand). Inside :func:`frozen_heap` the
      objects alive at entry are frozen out of the collector's sight, so a
      census costs only what was made inside the block. Frozen tensors are
@@ -36,6 +42,8 @@ NOTE [Memory census]
 from __future__ import annotations
 
 import gc
+import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +65,7 @@ __all__ = [
     "cuda_reading",
     "cuda_leak_verdict",
     "SeenActivation",
+    "reachable_bytes",
 ]
 
 
@@ -86,13 +95,39 @@ def _tensors_in(value: object) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
-# Storages of the objects frozen by each active frozen_heap() (Rule 5).
+# Storages of the objects frozen by each active frozen_heap() (Rule 6).
 _frozen_storages: list[dict[int, StorageWeakRef]] = []
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
     """Dense tensors with real memory (sparse and meta tensors have no storage to count)."""
     return tensor.layout is torch.strided and tensor.device.type != "meta"
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, weakref.ref)
+
+
+def reachable_bytes(root: object, keep: Callable[[torch.Tensor], bool] = torch.is_floating_point) -> int:
+    """Bytes of the distinct storages of the tensors ``keep`` accepts that ``root`` reaches (Rule 5)."""
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects or isinstance(obj, _OPAQUE):
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if _has_storage(obj) and keep(obj):
+                storage = obj.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+    return sum(storages.values())
 
 
 def _live_storages(collect: bool) -> list[torch.UntypedStorage]:
@@ -106,7 +141,7 @@ def _live_storages(collect: bool) -> list[torch.UntypedStorage]:
 
 @contextmanager
 def frozen_heap(*, collect: bool = True) -> Iterator[None]:
-    """Freeze every object alive now out of the garbage collector's sight until the block ends (Rule 5).
+    """Freeze every object alive now out of the garbage collector's sight until the block ends (Rule 6).
 
     Use it after building what the measurements treat as baseline (model,
     trainer, inputs). ``collect=False`` skips the first full collection

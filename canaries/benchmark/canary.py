@@ -24,9 +24,11 @@ and a noisy run ends ``inconclusive``, never a false gain or regression.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -210,7 +212,7 @@ def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
 
 
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
-               load_probe: LoadProbe | None, progress: bool, build: Builder) -> dict:
+               load_probe: LoadProbe | None, progress: bool, build: Builder, traces: Path | None) -> dict:
     arms = build(group, seed)
     losses = _first_losses(arms)
     floors: list[float] = []
@@ -230,6 +232,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     bar.close()
     by_arm = {r.arm: r for r in results}
     measured = _measure(arms, results, group.workload)
+    traced = {} if traces is None else profiling.chrome_traces(arms, traces, re.sub(r"\W+", "-", group.label))
     arms.clear()  # free the arms' models before the profile builds its own
     floor = None
     if {"retain@s0", "replay@s0"} <= set(by_arm):
@@ -238,7 +241,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
         "workload": asdict(group.workload), "label": group.label, "gated": group.gated,
         "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
         "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
-        "arms": measured, "profile": _profile(group, measured, seed),
+        "arms": measured, "profile": _profile(group, measured, seed), "traces": traced,
     }
 
 
@@ -274,7 +277,8 @@ def _verdict_detail(comparison: dict) -> str:
 
 def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
           threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
-          load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms) -> Judged:
+          load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms,
+          traces: Path | None = None) -> Judged:
     """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
     The keywords are for ``rtv bench`` and the tests, which judge with them and
@@ -283,7 +287,10 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     ``gate`` is the width of the equivalence band, not the run's ``--gate``).
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
     reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
-    makes a group's arms (tests fake all three). Raises :class:`SetupError` for an unknown preset or a bad gate.
+    makes a group's arms (tests fake all three). ``traces``: a folder for a
+    ``torch.profiler`` Chrome trace of one more step of ``plain`` and
+    ``retain@s0`` per group (``profiling.chrome_traces``; ``rtv bench`` asks,
+    ``rtv run`` does not, so its duration is unchanged). Raises :class:`SetupError` for an unknown preset or a bad gate.
     """
     if not 0 < gate < 1:
         raise SetupError(f"expected 0 < gate < 1, found {gate}", fix="pass e.g. --gate 0.05 (a ±5% band)")
@@ -293,7 +300,7 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     started = time.perf_counter()
     try:
         groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, progress=progress,
-                             build=build) for g in plan_.groups]
+                             build=build, traces=traces) for g in plan_.groups]
     finally:
         torch.set_num_threads(before)
     return Judged(

@@ -29,6 +29,7 @@ the size being measured.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +43,9 @@ from validation.abba import run_block
 
 from .arms import TimedArm, TimedWorkload, device_clock, plain_arm
 
-__all__ = ["COMPONENTS", "profile"]
+__all__ = ["COMPONENTS", "TRACED", "profile", "chrome_traces"]
+
+TRACED = ("plain", "retain@s0")  # the arms whose step `rtv bench` keeps a torch.profiler trace of
 
 # What each cost buys: the report's "why it stays" column.
 COMPONENTS = {
@@ -105,3 +108,28 @@ def profile(workload: TimedWorkload, *, plain_seconds: float, extra_seconds: flo
         "plain_step_seconds": plain_seconds, "extra_seconds": extra_seconds, "saved_by_reuse_seconds": norm_s,
         "components": [{"name": name, "seconds": seconds[name], "buys": buys} for name, buys in COMPONENTS.items()],
     }
+
+
+def chrome_traces(arms: dict[str, TimedArm], folder: Path, stem: str) -> dict[str, str]:
+    """One more step of each :data:`TRACED` arm present in ``arms``, under ``torch.profiler``; ``{arm: trace path}``.
+
+    Each trace is gzipped Chrome trace JSON (``traceEvents``: operators,
+    CUDA kernels on a GPU) at ``folder/<stem>-<arm>.trace.json.gz``, to open
+    in Perfetto or ``chrome://tracing`` (both read it gzipped). Not ``*.json``:
+    the report reads every ``*.json`` under a run's folder as a record. The step is one after the
+    measured blocks, run in a fresh profiler, so the comparison's timings never
+    carry the profiler's overhead. Arms are traced in ``TRACED`` order.
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    paths = {}
+    for name in (n for n in TRACED if n in arms):
+        with torch_profile(activities=activities, with_stack=False) as trace:
+            arms[name]()
+        path = folder / f"{stem}-{name.replace('@', '-')}.trace.json.gz"  # torch gzips a .gz name
+        trace.export_chrome_trace(str(path))
+        paths[name] = str(path.resolve())
+    return paths

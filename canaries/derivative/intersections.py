@@ -185,7 +185,7 @@ class TrainerState:
 
     params: dict[str, torch.Tensor]
     grads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]  # (object, value)
-    buffers: dict[int, dict[tuple[str, str], torch.Tensor]]
+    buffers: dict[tuple[str, str], torch.Tensor]  # this process's shards of the pending logical-rank sums
     records: dict[int, tuple[str, Any, str, Any]]  # id -> (checkpoint, version, placement, usage)
     rng: torch.Tensor
     versions: dict[str, tuple[int, int]]
@@ -216,10 +216,9 @@ class TrainerState:
         values = [n for n, (_, v) in self.grads.items()
                   if v is not None and after.grads[n][1] is not None and not torch.equal(v, after.grads[n][1])]
         found += [f".grad values changed ({len(values)} of {len(self.grads)}, first {values[0]})"] if values else []
-        if _flat(self.buffers).keys() != _flat(after.buffers).keys() or any(
-                not torch.equal(v, _flat(after.buffers)[k]) for k, v in _flat(self.buffers).items()):
-            found.append(f"logical-rank buffers changed ({len(_flat(self.buffers))} tensors before, "
-                         f"{len(_flat(after.buffers))} after)")
+        if self.buffers.keys() != after.buffers.keys() or any(
+                not torch.equal(v, after.buffers[k]) for k, v in self.buffers.items()):
+            found.append(f"logical-rank sums changed ({len(self.buffers)} tensors before, {len(after.buffers)} after)")
         if self.records != after.records:
             found.append(f"records or placements changed: {_placements(self.records)} -> {_placements(after.records)}")
         found += ["the global RNG advanced"] if not torch.equal(self.rng, after.rng) else []
@@ -227,10 +226,6 @@ class TrainerState:
         if not _same_nested(self.optimizer, after.optimizer):
             found.append("optimizer state changed")
         return found
-
-
-def _flat(buffers: dict[int, dict[tuple[str, str], torch.Tensor]]) -> dict[tuple, torch.Tensor]:
-    return {(rank, *key): value for rank, grads in buffers.items() for key, value in grads.items()}
 
 
 def _placements(records: dict[int, tuple]) -> dict[int, str]:

@@ -31,6 +31,9 @@ records hold no more than the limits (held <= admitted). Then the
 intersections of ``canaries.memory.intersections`` (NOTE [Admission
 intersections]): train mode after eval mode with dropout, LoRA rank 256,
 a long forward after a shorter one of its class, the checkpoints' state.
+Last, the logical-rank scale check (``canaries.memory.scale``): gradient
+bytes the logical ranks hold and receive, and their bits, over ``L`` and
+``W`` on gloo, full and LoRA (the quick profile: ``L <= 8``, ``W <= 2``).
 
 On CUDA the same points also read the allocator: bytes back to the baseline
 after backward (two witnesses: allocator and driver, each read twice),
@@ -39,7 +42,8 @@ within the admitted budget. Elsewhere those checks are reported as skipped.
 
 The lifecycle points live in ``canaries.memory.lifecycle``; this module holds
 admission and the entry point :func:`judge` (``canaries.registry``'s
-interface; every profile runs the same checks, which take seconds). The
+interface; every profile runs the same checks, which take seconds; the
+scale check's profile picks its layouts). The
 registry writes its one write-once evidence record. Its
 negative control, ``offload_alias``, lives with the other injected bugs in
 ``canaries.mutations.catalogue``; the mutation suite may ask for the
@@ -61,6 +65,7 @@ from ..preset_budget import preset_here
 from ..registry import Judged
 from ..presets import PLACEMENTS
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
+from .scale import SCALE_CHECKS, scale_check
 from .lifecycle import (
     POINTS,
     Verdicts,
@@ -240,13 +245,15 @@ def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> 
 
     ``checks`` (the mutation suite's focused runs, NOTE [Mutation verdicts]
     Rule 4): when every one is an intersection check (:data:`INTERSECTION_CHECKS`)
-    only those run; otherwise the whole canary runs. A failed check is not an
+    or a logical-rank scale check (``scale.SCALE_CHECKS``) only those run;
+    otherwise the whole canary runs. A failed check is not an
     exception: read ``passed`` in the record.
     """
     spec = preset_here(preset, oracle=False)
     cuda = spec.cuda_checks
     verdicts = Verdicts()
-    whole = checks is None or not set(checks) <= set(INTERSECTION_CHECKS)
+    focused = set(INTERSECTION_CHECKS) | set(SCALE_CHECKS)
+    whole = checks is None or not set(checks) <= focused
     print(f"memory canary: preset {spec.name} on {spec.device}", flush=True)
     measurements: dict[str, Any] = {}
     # The caller's RNG streams are left as they were.
@@ -254,8 +261,11 @@ def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> 
         torch.manual_seed(0)
         if whole:
             measurements.update(_lifecycle_and_admission(spec, verdicts, cuda))
-        with frozen_heap():
-            measurements["admission_intersections"] = _intersections(spec, verdicts, None if whole else checks)
+        if whole or set(checks) & set(INTERSECTION_CHECKS):
+            with frozen_heap():
+                measurements["admission_intersections"] = _intersections(spec, verdicts, None if whole else checks)
+        if whole or set(checks) & set(SCALE_CHECKS):
+            measurements["logical_rank_scale"] = scale_check(profile, verdicts)
     if whole and not cuda:
         reason = (
             f"no CUDA device: preset {spec.name!r} swapped for the CPU" if spec.swapped

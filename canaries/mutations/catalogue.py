@@ -36,6 +36,8 @@ from reference_trainer.grad_norms import KnownNorm
 from reference_trainer.records import RecordTable
 from reference_trainer.planner import analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
+from reference_trainer.ranks.reduction import LogicalSums
+from reference_trainer.ranks.tree import TreeFold
 from reference_trainer.residency import SavedStateLedger
 from reference_trainer.sinks import LiveGradSink, RankGradients
 from reference_trainer.staleness import check_origins
@@ -43,7 +45,15 @@ from validation.errors import SetupError
 
 from ..presets import Preset
 
-__all__ = ["Mutation", "MUTATIONS", "mutation"]
+__all__ = ["Mutation", "MUTATIONS", "active_mutations", "mutation"]
+
+_SCALE_BITS = "logical-rank scale: parameters equal for every W, .grad equal to the tree oracle on one process"
+_ACTIVE: list[str] = []  # the mutations applied now in this process, outermost first
+
+
+def active_mutations() -> tuple[str, ...]:
+    """The names of the mutations active in this process: a check that spawns ranks applies them there too."""
+    return tuple(_ACTIVE)
 
 
 @dataclass(frozen=True)
@@ -57,9 +67,15 @@ class Mutation:
     check: str | None = None  # the check of ``caught_by`` meant to catch it (NOTE [Mutation verdicts] Rule 4)
     needs_dropout: bool = False
 
-    def apply(self) -> contextlib.AbstractContextManager[Any]:
-        """The bug, active inside the returned context."""
-        return self.inject()
+    @contextlib.contextmanager
+    def apply(self) -> Iterator[None]:
+        """The bug, active inside the block; :func:`active_mutations` names it meanwhile (for spawned ranks)."""
+        _ACTIVE.append(self.name)
+        try:
+            with self.inject():
+                yield
+        finally:
+            _ACTIVE.remove(self.name)
 
     def applies_to(self, config: Preset) -> bool:
         return not self.needs_dropout or config.model.dropout > 0
@@ -189,6 +205,21 @@ def _count_every_checkpoint(self: RecordTable, checkpoint: str | None = None) ->
     return _REAL_COUNT(self, None)
 
 
+
+def _arrival_push(self: TreeFold, node: tuple[int, int], value: torch.Tensor) -> None:
+    """``TreeFold.push`` folding left to right as contributions arrive: ``((g0 + g1) + g2) + ...`` per process."""
+    if not self.entries:
+        self.entries.append((node, value))
+        return
+    (lo, _), total = self.entries[0]
+    self.entries[0] = ((lo, node[1]), total + value)
+
+
+def _local_pieces(self: LogicalSums, bucket: list, local: dict, nodes: list, specs: dict, label: str) -> dict:
+    """``LogicalSums._exchange`` without the exchange: each shard's owner finishes the tree from its own partial sums."""
+    world, rank = self.comm.world_size, self.comm.rank
+    return {key: [(node, torch.tensor_split(v.reshape(-1), world)[rank]) for node, v in local.get(key, [])] for key in bucket}
+
 MUTATIONS: dict[str, Mutation] = {
     m.name: m
     for m in (
@@ -256,6 +287,10 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("when_available_across_dropout", "defect 12: when_available pairs forwards that drew dropout masks",
                  "derivative", _patched(KnownLogprobs, "_maskless", lambda self, record: True),
                  "intersection: when_available with dropout and unchanged weights reweights nothing"),
+        Mutation("fold_in_arrival_order", "logical ranks' gradients are folded left to right as they arrive, not in "
+                 "the fixed tree", "memory", _patched(TreeFold, "push", _arrival_push), _SCALE_BITS),
+        Mutation("no_cross_process_reduction", "each process finishes the logical-rank sum from its own partial sums "
+                 "only", "memory", _patched(LogicalSums, "_exchange", _local_pieces), _SCALE_BITS),
         Mutation("budget_ignores_checkpoints", "defect 6: the plan leaves out what the checkpoints hold (AdamW "
                  "state, masters, .grad)", "memory", _patched(Checkpoint, "held_nbytes", lambda self: 0),
                  "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"),

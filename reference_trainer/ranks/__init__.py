@@ -3,8 +3,9 @@
 This ``__init__`` is the subpackage's public boundary: the names below are
 what the rest of the project uses. ``logical.py`` holds the entry points
 (``run_logical``, the rank-mode view :class:`LogicalRank`,
-``logical_gradients``); ``state.py`` what a trainer keeps for its logical
-ranks between calls (its gradient buffers live in the trainer's own
+``logical_gradients``, ``logical_traffic``); ``state.py`` what a trainer
+keeps for its logical ranks between calls (its gradients are folded by
+``reduction.py`` in the order of ``tree.py``, fed by the trainer's own
 ``RankGradients`` sink, ``sinks.py``); each rule below names the module that
 holds the rest.
 
@@ -28,25 +29,50 @@ NOTE [Logical ranks]
      next point, then all processes exchange what each logical rank asked
      for and act together. Different requests in one round (one logical rank
      reduces while another returned) fail every logical rank.
-  4. Fixed order (``layout.ordered_sum``): a sum over logical ranks gathers
-     every logical rank's contribution to every process and adds them left
-     to right in logical-rank order, ``((x0 + x1) + x2) + ...``, so the bits
-     do not depend on ``W``. What is bitwise equal, then: the same job for
-     every ``W`` dividing ``L``; and zero mode, rank mode (per-rank losses
-     summing to the global one) and a plain ``Trainer`` that makes one
-     forward call per logical rank's chunk, in logical order, and one
-     backward of the global loss per optimizer step. With k backwards per
-     step the plain trainer associates ``sum_b (sum_r g[b][r])`` and logical
-     ranks ``sum_r (sum_b g[b][r])``: equal in exact arithmetic only.
+  4. Fixed order (``tree.py``, ``reduction.py``; ``layout.ordered_sum``).
+     A gradient's leaves are ``g[b][r]``: what logical rank ``r`` committed
+     in the ``b``-th agreed backward round since the last ``optim_step``
+     (every logical rank takes part in every round, Rule 3, so ``b`` counts
+     rounds across ``run_logical`` calls). ``optim_step`` adds
+     ``sum_b tree(g[b][0], ..., g[b][L-1])`` to ``.grad``, rounds left to
+     right, where ``tree`` over ranks ``lo .. hi-1`` is
+     ``tree(lo, m) + tree(m, hi)`` with ``m - lo`` the largest power of two
+     below ``hi - lo``, and a rank without the tensor is skipped (not added
+     as zero). The tree depends on ``L`` only, so the bits do not depend on
+     ``W``. A process folds each hosted rank's commit as it publishes (a
+     binary counter: with ``k = L/W`` a power of two at most
+     ``log2(k) + 1`` partial sums); once every process agreed the round, one
+     ``all_to_all`` per bucket sends shard ``q`` of each partial sum to
+     physical rank ``q``, which finishes the tree for its shard and adds it
+     to its running total; ``optim_step`` all-gathers the shards. Per
+     process and round: about ``(W-1)/W`` of the gradient bytes received,
+     and as much again per step. A chunk that is not one subtree (``k`` not
+     a power of two) ships the two or three subtrees that cover it, the
+     same bits at that many times the bytes. ``view.reduce`` (small tensors)
+     all-gathers and adds left to right in logical order, ``((x0 + x1) +
+     x2) + ...`` (``ordered_sum``). What is bitwise equal, then: the same
+     job for every ``W`` dividing ``L``; zero mode and rank mode (per-rank
+     losses summing to the global one); and, at ``L <= 2`` only (where the
+     tree is left to right), a plain ``Trainer`` that makes one forward call
+     per logical rank's chunk, in logical order, and one backward of the
+     global loss per optimizer step. Otherwise the plain trainer's
+     left-to-right sums equal the tree in exact arithmetic only, and so do
+     ``sum_b (sum_r ...)`` and ``sum_r (sum_b ...)``.
   5. Gradients (``state.py``, ``sinks.py``): in a logical mode a backward
-     commits into its logical rank's own buffer in the trainer's
-     ``rank_gradients`` sink (NOTE [Gradient commit] Rule 5) and agrees with
-     every other logical rank (Rule 6): all commit or none. ``optim_step``,
-     called on every process, validates every origin already in ``.grad``
-     (the outcome agreed by every process, Rule 6), sums the buffers by
-     Rule 4, validates every buffered origin, and only then adds the sums to
-     ``.grad`` and steps, the same everywhere; ``zero_grad`` clears the buffers, ``load_checkpoint`` refuses
-     while any are pending (``discard_graphs=True`` drops them).
+     commits through its logical rank's ``BufferGradSink`` in the trainer's
+     ``rank_gradients`` sink, which hands each gradient to the fold of Rule
+     4 and keeps the origins (NOTE [Gradient commit] Rule 5: it takes
+     ownership, so a folded gradient is held once), and agrees with every
+     other logical rank (Rule 6): all commit or none; a failed round drops
+     what it folded, whole. ``optim_step``, called on every process,
+     validates every origin already in ``.grad`` (the outcome agreed by
+     every process, Rule 6), gathers the sums of Rule 4, validates every
+     buffered origin, and only then adds the sums to ``.grad``, drops them
+     and steps, the same everywhere; ``zero_grad`` drops the sums,
+     ``load_checkpoint`` refuses while any are pending
+     (``discard_graphs=True`` drops them). ``logical_gradients`` shows this
+     process's shards of the pending sums; ``logical_traffic`` the bytes
+     each collective moved (``peers.TrafficCount``).
   6. Errors (``peers.py`` carries them; ``fibers.py`` and ``zero.py`` pick
      the common one): the lowest logical rank's own error (not one it
      received from a peer) is the common error; every process raises it: the
@@ -76,8 +102,8 @@ from __future__ import annotations
 
 from .batches import LogicalBatch, logical_batches
 from .layout import LogicalLayout, ordered_sum, spread
-from .logical import LogicalRank, logical_gradients, run_logical
-from .peers import PeerFailure, init_distributed
+from .logical import LogicalRank, logical_gradients, logical_traffic, run_logical
+from .peers import PeerFailure, TrafficCount, init_distributed
 from .zero import RankZero
 from ..errors import PeerError
 
@@ -88,9 +114,11 @@ __all__ = [
     "PeerError",
     "PeerFailure",
     "RankZero",
+    "TrafficCount",
     "init_distributed",
     "logical_batches",
     "logical_gradients",
+    "logical_traffic",
     "ordered_sum",
     "run_logical",
     "spread",

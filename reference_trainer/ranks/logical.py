@@ -8,6 +8,7 @@ trainer's logical-rank state lives on the trainer itself
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,12 +19,12 @@ from ..errors import ConfigError, PeerError
 from ..trainer import BackwardReport, Trainer
 from .fibers import Fiber, FiberCoordinator, Request, current_fiber
 from .layout import LogicalLayout
-from .peers import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Comm, timeout_seconds
+from .peers import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Comm, TrafficCount, timeout_seconds
 from .rounds import drive
 from .state import LogicalState
 from .zero import ZeroSession
 
-__all__ = ["LogicalRank", "logical_gradients", "run_logical"]
+__all__ = ["LogicalRank", "logical_gradients", "logical_traffic", "run_logical"]
 
 
 def _state_for(trainer: Trainer, logical_dp: int, timeout_s: float, idle_timeout_s: float) -> LogicalState:
@@ -49,14 +50,31 @@ def _state_for(trainer: Trainer, logical_dp: int, timeout_s: float, idle_timeout
     return state
 
 
-def logical_gradients(trainer: Trainer) -> dict[int, dict[tuple[str, str], torch.Tensor]]:
-    """Copies of the uncommitted gradient buffers of the logical ranks hosted here, by logical rank.
+def logical_gradients(trainer: Trainer) -> dict[tuple[str, str], torch.Tensor]:
+    """Copies of this process's shards of the logical-rank sums pending since the last ``optim_step``.
 
-    Keys are ``(checkpoint, parameter)``. Empty when the trainer never ran
-    logical ranks. For inspection and tests; ``optim_step`` consumes them.
+    Keys are ``(checkpoint, parameter)``; each value is 1-D, shard ``p`` of
+    ``W`` of the flattened sum over every logical rank (``torch.tensor_split``
+    of it; the whole sum on one process), NOTE [Logical ranks] Rule 4. Empty
+    when nothing is pending or the trainer never ran logical ranks. For
+    inspection and tests; ``optim_step`` consumes them.
     """
-    buffers = trainer.rank_gradients.buffers
-    return {rank: {k: v.detach().clone() for k, v in buffer.grads.items()} for rank, buffer in buffers.items()}
+    host = trainer.rank_gradients.host
+    if not isinstance(host, LogicalState):
+        return {}
+    return {key: total.detach().clone() for key, total in host.sums.totals.items()}
+
+
+def logical_traffic(trainer: Trainer) -> dict[str, TrafficCount]:
+    """What this process's logical ranks sent and received so far, by collective (copies; control included).
+
+    Bytes are logical (each peer's payload, whatever the backend's algorithm);
+    ``"control"`` counts the pickled control messages. Empty on one process.
+    """
+    host = trainer.rank_gradients.host
+    if not isinstance(host, LogicalState):
+        return {}
+    return {kind: dataclasses.replace(count) for kind, count in host.comm.traffic.items()}
 
 
 # --- rank mode -------------------------------------------------------------------------

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Comm",
     "PeerFailure",
+    "TrafficCount",
     "init_distributed",
     "NCCL_WATCHDOG_MARGIN_S",
     "mark_from_peer",
@@ -187,6 +188,20 @@ def mark_from_peer(exc: BaseException) -> BaseException:
 # --- transport (Rule 8) --------------------------------------------------------------
 
 
+@dataclass
+class TrafficCount:
+    """What one process sent to and received from its peers through one kind of message, in bytes.
+
+    Counted logically: the payload each peer must get, whatever algorithm
+    the backend runs (a ring all-gather moves the same bytes into each
+    process). ``"control"`` counts the pickled control messages (metadata).
+    """
+
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+
 @dataclass(frozen=True)
 class _Abort:
     failure: PeerFailure
@@ -202,6 +217,7 @@ class Comm:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.device = torch.device("cpu")
+        self.traffic: dict[str, TrafficCount] = {}  # by collective; see :class:`TrafficCount`
         if self.distributed:
             self.device = transport_device(str(dist.get_backend()), device)
             # A gloo group of its own: control messages never interleave with data collectives.
@@ -298,6 +314,7 @@ class Comm:
     def _send(self, obj: Any, peer: int, label: str, timeout_s: float | None = None) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
+        self._count("control", sent=data.numel() + 8)
         timeout_s = timeout_s or self.timeout_s
         try:
             for tensor in (size, data):
@@ -324,6 +341,7 @@ class Comm:
                 command=label,
                 peer=peer,
             ) from exc
+        self._count("control", received=len(buffer) + 8)
         return pickle.loads(buffer)
 
     # tensors -----------------------------------------------------------------------------
@@ -335,7 +353,24 @@ class Comm:
         local = local.to(self.device).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         self._wait(dist.all_gather(parts, local, async_op=True), label)
+        others = self.world_size - 1
+        self._count("all_gather", sent=_nbytes(local) * others, received=_nbytes(local) * others)
         return torch.cat(parts)
+
+    def all_to_all(self, parts: list[torch.Tensor], sizes: list[int], label: str) -> list[torch.Tensor]:
+        """Send the 1-D ``parts[q]`` to physical rank ``q``; return what each rank sent here (``sizes[q]`` elements)."""
+        if not self.distributed:
+            return parts
+        local = torch.cat([part.to(self.device) for part in parts])
+        received = torch.empty(sum(sizes), dtype=local.dtype, device=self.device)
+        work = dist.all_to_all_single(
+            received, local, output_split_sizes=sizes, input_split_sizes=[p.numel() for p in parts], async_op=True
+        )
+        self._wait(work, label)
+        mine = parts[self.rank].numel()
+        item = local.element_size()
+        self._count("all_to_all", sent=(local.numel() - mine) * item, received=(sum(sizes) - sizes[self.rank]) * item)
+        return list(received.split(sizes))
 
     def broadcast(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """Rank 0's ``tensor`` on every process (others pass a buffer of the right shape)."""
@@ -343,6 +378,10 @@ class Comm:
             return tensor
         tensor = tensor.to(self.device).contiguous()
         self._wait(dist.broadcast(tensor, 0, async_op=True), label)
+        if self.rank == 0:
+            self._count("broadcast", sent=_nbytes(tensor) * (self.world_size - 1))
+        else:
+            self._count("broadcast", received=_nbytes(tensor))
         return tensor
 
     def gather(self, local: torch.Tensor, sizes: list[int], label: str) -> list[torch.Tensor] | None:
@@ -354,7 +393,17 @@ class Comm:
         padded[: local.numel()] = local
         parts = [torch.empty_like(padded) for _ in sizes] if self.rank == 0 else None
         self._wait(dist.gather(padded, parts, dst=0, async_op=True), label)
+        if self.rank == 0:
+            self._count("gather", received=_nbytes(padded) * (self.world_size - 1))
+        else:
+            self._count("gather", sent=_nbytes(padded))
         return None if parts is None else [part[:size] for part, size in zip(parts, sizes)]
+
+    def _count(self, kind: str, *, sent: int = 0, received: int = 0) -> None:
+        count = self.traffic.setdefault(kind, TrafficCount())
+        count.calls += 1
+        count.sent += sent
+        count.received += received
 
     def _wait(self, work: Any, label: str) -> None:
         try:
@@ -369,3 +418,7 @@ class Comm:
                 peer=peer,
             ) from exc
 
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

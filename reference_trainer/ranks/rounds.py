@@ -84,6 +84,8 @@ def _decide(state: LogicalState, label: str, statuses: list[_Status], fibers: li
     if kinds == {"agree"}:
         failed = [s for s in statuses if s.detail is not None]
         common = min(failed, key=lambda s: (s.detail.from_peer, s.logical_rank)) if failed else None
+        if common is None:
+            state.sums.complete(label)  # every logical rank committed: fold the round across processes (Rule 4)
         replies: dict[int, Any] = {}
         for fiber in fibers:
             if common is None or common.logical_rank == fiber.logical_rank:

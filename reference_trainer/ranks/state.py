@@ -6,8 +6,9 @@ and holds the layout, the transport, each hosted logical rank's RNG stream
 and which of them runs now (NOTE [Logical ranks] Rule 2, in
 ``ranks/__init__.py``: :meth:`LogicalState.as_rank`) and the zero-mode
 outputs (Rule 7). The gradient buffers themselves live in the trainer's
-``RankGradients`` sink; :meth:`LogicalState.sum_buffers` sums them over
-every process in logical order (Rules 4-5).
+``RankGradients`` sink, which hands every commit to :attr:`LogicalState.sums`
+(``reduction.py``) to be folded in the tree order of Rule 4;
+:meth:`LogicalState.sum_buffers` gives ``optim_step`` the sums (Rule 5).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from ..errors import ConfigError
 from ..rng import RngState, rng_state, seeded_rng_state, set_rng_state, stream_seed
 from ..sinks import BufferGradSink, SummedGradients
 from .fibers import current_fiber
-from .layout import LogicalLayout, ordered_sum
+from .layout import LogicalLayout
 from .peers import Comm
+from .reduction import LogicalSums
 
-__all__ = ["BUCKET_NUMEL", "LogicalState"]
-
-BUCKET_NUMEL = 1 << 24  # elements per gradient gather: bounds the L/W-fold staging copy
+__all__ = ["LogicalState"]
 
 
 # What fn calls instead of a trainer method that must not run on one logical rank's behalf.
@@ -42,6 +42,7 @@ class LogicalState:
         self.layout = layout
         self.comm = comm
         self.device = device
+        self.sums = LogicalSums(layout, comm, device)  # Rule 4: what every logical rank committed, folded
         self.rng: dict[int, RngState] = {r: seeded_rng_state(stream_seed(seed, r), device) for r in layout.hosted}
         self.running: int | None = None  # the hosted logical rank whose code runs now (``as_rank``)
         self.commands = 0
@@ -111,53 +112,13 @@ class LogicalState:
         self.comm.agree(error, label)
 
     def sum_buffers(self, buffers: dict[int, BufferGradSink], checkpoints: list[Checkpoint]) -> SummedGradients:
-        """Every logical rank's buffers of ``checkpoints``, summed in logical order on every process (Rules 4-5)."""
+        """The running logical-rank sums of ``checkpoints`` and every logical rank's origins, on every process (Rules 4-5)."""
         names = [c.name for c in checkpoints]
-        local = {
-            rank: {name: ({k[1] for k in buffer.grads if k[0] == name}, set(buffer.origins.get(name, ()))) for name in names}
-            for rank, buffer in buffers.items()
-        }
+        local = {rank: {name: set(buffer.origins.get(name, ())) for name in names} for rank, buffer in buffers.items()}
         meta: dict[int, dict] = {}
-        for part in self.comm.exchange(local, "optim_step: logical gradients"):
+        for part in self.comm.exchange(local, "optim_step: logical origins"):
             meta.update(part)
-        every = range(self.layout.logical_dp)
-        origins = {name: set().union(*(meta[rank][name][1] for rank in every)) for name in names}
-        entries = [
-            (checkpoint.name, pname, param, present)
-            for checkpoint in checkpoints
-            for pname, param in checkpoint.named_parameters()
-            if (present := [rank for rank in every if pname in meta[rank][checkpoint.name][0]])
-        ]
-        totals = []
-        for bucket in _buckets(entries):
-            rows = []
-            for rank in self.layout.hosted:
-                grads = buffers[rank].grads
-                rows.append(torch.cat([_or_zeros(grads.get((c, n)), p).reshape(-1) for c, n, p, _ in bucket]))
-            mine = torch.stack(rows)  # (L/W, bucket numel)
-            everyone = self.comm.all_gather(mine, f"optim_step: logical gradients of {len(bucket)} parameters")  # (L, numel)
-            offset = 0
-            for name, pname, param, present in bucket:
-                parts = [everyone[rank, offset : offset + param.numel()].view_as(param) for rank in present]
-                totals.append((name, pname, ordered_sum(parts).to(param.device)))
-                offset += param.numel()
+        origins = {name: set().union(*(meta[rank][name] for rank in range(self.layout.logical_dp))) for name in names}
+        keys = [(c.name, pname) for c in checkpoints for pname, _ in c.named_parameters()]
+        totals = [(name, pname, total) for (name, pname), total in self.sums.finish(keys, "optim_step")]
         return SummedGradients(totals=totals, origins={n: o for n, o in origins.items() if o})
-
-
-def _buckets(entries: list[tuple]) -> list[list[tuple]]:
-    """Consecutive parameters of one dtype, up to ``BUCKET_NUMEL`` elements each: one collective per bucket."""
-    buckets: list[list[tuple]] = []
-    numel = 0
-    for entry in entries:
-        param = entry[2]
-        if not buckets or buckets[-1][0][2].dtype != param.dtype or numel + param.numel() > BUCKET_NUMEL:
-            buckets.append([])
-            numel = 0
-        buckets[-1].append(entry)
-        numel += param.numel()
-    return [b for b in buckets if b]
-
-
-def _or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
-    """``grad``, or zeros shaped like ``param`` where this logical rank holds none (made only then)."""
-    return grad if grad is not None else torch.zeros_like(param)

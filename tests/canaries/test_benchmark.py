@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,8 @@ from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
 from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
-from validation.evidence import verify
+from validation import history
+from validation.evidence import source_fingerprint, verify
 
 
 def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -> None:
@@ -110,6 +112,24 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
     assert record["passed"] is (code == 0)
 
 
+def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
+    monkeypatch.setattr(benchmark, "judge", functools.partial(
+        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    for _ in range(2):
+        assert main(["bench", "--profile", "quick", "--out", str(tmp_path)]) == 0
+    table = history.load(tmp_path / "history.sqlite")
+    assert len(table) == 2 * 4 and set(table["arm"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
+    assert set(table["commit_id"]) == {source_fingerprint()["git_commit"]} and table["ci_low"].notna().all()
+    out = tmp_path / "trend" / "index.md"
+    assert main(["history", "--store", str(tmp_path / "history.sqlite"), "--arm", "retain@s0", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "insufficient data" in page and "retain@s0" in page and "offload@s2" not in page
+    assert out.with_suffix(".html").exists() and list((out.parent / "plots").glob("history-*.png"))
+    assert main(["history", "--store", str(tmp_path / "none.sqlite")]) == 2  # a SetupError: no store there
+
+
 class _no_raise:
     def __enter__(self) -> None:
         return None
@@ -147,3 +167,21 @@ def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
     assert (synced(), synced()) == (0.0, 1.0)
     assert events == ["sync cuda:1", "read", "sync cuda:1", "read"]
     assert device_clock("cpu", clock, synchronize=lambda device: events.append("sync")) is clock
+
+
+def test_rtv_bench_keeps_a_chrome_trace_of_plain_and_retain_and_the_report_links_it(tmp_path: Path, tiny: None) -> None:
+    from reports import render_report
+
+    record = run_fake(tmp_path, {}, traces=tmp_path / "traces")
+    traces = record["measurements"]["groups"][0]["traces"]
+    assert list(traces) == ["plain", "retain@s0"]
+    for path in traces.values():
+        events = json.loads(gzip.decompress(Path(path).read_bytes()))["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), "a real step's operators are in the trace"
+    page = render_report(tmp_path, tmp_path / "report" / "index.md")
+    assert page.passed and page.records == 1, "a trace is not read as an (invalid) record"
+    markdown, html = page.markdown.read_text(), page.html.read_text()
+    for path in traces.values():
+        link = f"../traces/{Path(path).name}"
+        assert f"]({link})" in markdown and f'href="{link}"' in html and (page.markdown.parent / link).is_file()
+    assert run_fake(tmp_path / "none", {})["measurements"]["groups"][0]["traces"] == {}  # rtv run asks for none

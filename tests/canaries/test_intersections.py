@@ -112,7 +112,7 @@ def test_trainer_state_names_every_kind_of_change() -> None:
     kept = busy.trainer.forward(rt.ForwardInput(torch.arange(1, 5)))  # another record, kept pending
     found = " | ".join(before.differences(TrainerState.of(busy.trainer)))
     del kept
-    for phrase in ("the global RNG advanced", ".grad objects replaced", "logical-rank buffers changed",
+    for phrase in ("the global RNG advanced", ".grad objects replaced", "logical-rank sums changed",
                    "records or placements changed"):
         assert phrase in found, found
 

@@ -96,12 +96,12 @@ def params(trainer: rt.Trainer) -> dict[str, torch.Tensor]:
 
 
 def snapshot(trainer: rt.Trainer) -> dict[str, Any]:
-    """Parameters, ``.grad`` and this process's logical buffers, to prove a failure changed nothing."""
+    """Parameters, ``.grad`` and this process's pending logical-rank sums, to prove a failure changed nothing."""
     checkpoint = trainer.checkpoint(POLICY)
     return {
         "params": params(trainer),
         "grads": {n: None if p.grad is None else p.grad.clone() for n, p in checkpoint.named_parameters()},
-        "buffers": {rank: {"/".join(k): v for k, v in grads.items()} for rank, grads in logical_gradients(trainer).items()},
+        "buffers": {"/".join(k): v for k, v in logical_gradients(trainer).items()},
         "revision": checkpoint.revision,
     }
 
@@ -112,6 +112,24 @@ def error_facts(exc: BaseException) -> dict[str, Any]:
         if hasattr(exc, name):
             facts[name] = getattr(exc, name)
     return facts
+
+
+def tree_oracle(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """NOTE [Logical ranks] Rule 4 written again, per tensor: ``tree(parts)`` is ``tree(left) + tree(right)``,
+    ``left`` the first largest power of two below ``len(parts)``; a part without the tensor is skipped."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    half = 1 << ((len(parts) - 1).bit_length() - 1)
+    left, right = tree_oracle(parts[:half]), tree_oracle(parts[half:])
+    return {n: left[n] + right[n] if n in left and n in right else left.get(n, right.get(n)) for n in {*left, *right}}
+
+
+def rank_gradients(logical_rank: int, step: int = 0, count: int = 10, kind: str = "full") -> dict[str, torch.Tensor]:
+    """One logical rank's gradient of ``rank_loss`` on its micro-batch, by a plain trainer (no logical ranks)."""
+    trainer = make_trainer(kind)
+    items, advantages = micro_batch(step, logical_rank)
+    trainer.backward(rank_loss(trainer.forward(items), advantages, count))
+    return {n: p.grad for n, p in trainer.checkpoint(POLICY).named_parameters() if p.grad is not None}
 
 
 # --- training schedules --------------------------------------------------------------------
@@ -190,7 +208,14 @@ INVARIANCE_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "zero-L2-full": lambda: train_zero(make_trainer("full"), 2),
     "zero-L4-full": lambda: train_zero(make_trainer("full"), 4),
     "zero-L4-lora": lambda: train_zero(make_trainer("lora"), 4),
+    "rank-L16-full": lambda: train_rank(make_trainer("full"), 16),
 }
+
+
+def wide_cases(cases: list[tuple[int, str]]) -> dict[str, dict[str, Any]]:
+    """Parameters after three rank-mode steps for each ``(L, kind)``, on this process (spawned for W > 1)."""
+    return {f"L{logical_dp}-{kind}": train_rank(make_trainer(kind), logical_dp, steps=3)["params"]
+            for logical_dp, kind in cases}
 
 
 def shared_tokens() -> dict[str, Any]:
@@ -397,14 +422,14 @@ def pending_then_load(rank: int) -> dict[str, Any]:
         view.backward(rank_loss(view.forward(items), advantages, 10))
 
     run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
-    facts: dict[str, Any] = {"pending": {rank: len(g) for rank, g in logical_gradients(trainer).items()}}
+    facts: dict[str, Any] = {"pending": len(logical_gradients(trainer))}
     try:
         trainer.load_checkpoint(POLICY, state)
         facts["busy"] = None
     except Exception as exc:
         facts["busy"] = error_facts(exc)
     trainer.load_checkpoint(POLICY, state, discard_graphs=True)
-    facts["after_discard"] = {rank: len(g) for rank, g in logical_gradients(trainer).items()}
+    facts["after_discard"] = len(logical_gradients(trainer))
     step = trainer.optim_step()[POLICY]
     facts["discarded_step"] = (step.stepped, step.reason, step.revision)
     run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)

@@ -29,7 +29,7 @@ from validation.memory import (
 
 @pytest.fixture
 def fast_gc():
-    """Collections cost only what the test makes (validation.memory NOTE [Memory census] Rule 5)."""
+    """Collections cost only what the test makes (validation.memory NOTE [Memory census] Rule 6)."""
     with frozen_heap(collect=False):
         yield
 

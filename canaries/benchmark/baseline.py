@@ -1,0 +1,228 @@
+"""``rtv bench --baseline REV``: the same arm on two source trees, REV and HEAD, in alternating ABBA blocks.
+
+NOTE [Source against its base]
+1. Scope: the figure is about ``reference_trainer/`` only. REV's tree is a
+   ``git worktree`` in a folder of its own (:func:`source_tree`, under
+   ``<out>/sources/<commit>``); each side runs in a worker process
+   (``canaries.benchmark.worker``) whose ``PYTHONPATH`` puts that side's
+   ``reference_trainer`` first and this checkout's harness after it, so the
+   arms, the timing and the statistics are HEAD's on both sides and only the
+   trainer's source differs. Each side's commit and source digest (SHA-256
+   of its ``reference_trainer/*.py``) are in the record.
+2. Per arm, one ``validation.abba.compare`` of ``{REV, HEAD}`` with REV as
+   the baseline: planned looks, verdicts, the gate band, exit codes as
+   ``rtv bench``. A ratio above 1 means HEAD is slower than REV. Arms are
+   compared one at a time, each on freshly built workers' arms (arms in one
+   process share its allocator: ``canary.split_gated``).
+3. Times are each worker's own step seconds (the pipe's round trip is not
+   timed); ``compare``'s clock is their running sum. The load probe is the
+   workers' CPU seconds over the driver's wall seconds for the block
+   (:class:`WorkerShare`): about 1 when one worker computes at a time.
+4. ``plain`` never touches ``reference_trainer``'s step, so REV and HEAD run
+   the same code: it is the A/A control and must not come out a regression
+   or a gain (a decided difference there means the method, not the source,
+   is broken); it is always run, first, and never counted as a finding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+from validation.abba import Comparison, LoadProbe, compare
+from validation.errors import SetupError
+from validation.evidence import Checks
+
+from ..registry import Judged
+from .arms import TimedWorkload
+from .canary import WARMUP_BLOCKS, plan
+
+__all__ = ["KIND", "CONTROL", "merge_base", "source_tree", "source_identity", "Worker", "WorkerShare",
+           "compare_sources", "judge"]
+
+KIND = "benchmark-baseline"
+CONTROL = "plain"
+BASE, HEAD = "base", "head"  # the sides' names in compare (REV may itself be spelled "HEAD")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    """``git args`` in ``cwd``; a failure is a :class:`SetupError` carrying git's message."""
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SetupError(f"git {' '.join(args)} failed: {done.stderr.strip()}",
+                         fix="pass --baseline a commit, branch or tag of this repository")
+    return done.stdout.strip()
+
+
+def merge_base(root: Path = ROOT) -> str:
+    """The default baseline: the merge base of HEAD with ``main``."""
+    return _git("merge-base", "HEAD", "main", cwd=root)
+
+
+def source_identity(tree: Path) -> dict[str, str]:
+    """``{"commit", "digest"}`` of a source tree: its HEAD (plus ``+dirty`` when edited) and Rule 1's digest."""
+    digest = hashlib.sha256()
+    for path in sorted((tree / "reference_trainer").rglob("*.py")):
+        digest.update(str(path.relative_to(tree)).encode())
+        digest.update(path.read_bytes())
+    commit = _git("rev-parse", "HEAD", cwd=tree)
+    dirty = _git("status", "--porcelain", "--", "reference_trainer", cwd=tree)
+    return {"commit": commit + ("+dirty" if dirty else ""), "digest": digest.hexdigest()}
+
+
+def source_tree(rev: str, out: Path, root: Path = ROOT) -> tuple[str, Path]:
+    """``(commit, path)``: REV's source as a detached ``git worktree`` under ``out/sources/<commit>`` (reused)."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}", cwd=root)
+    tree = (Path(out) / "sources" / commit).resolve()
+    if not (tree / "reference_trainer").is_dir():
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        _git("worktree", "add", "--detach", "--force", str(tree), commit, cwd=root)
+    return commit, tree
+
+
+def _trainer_only(tree: Path) -> Path:
+    """A folder holding only a link to ``tree``'s ``reference_trainer`` (Rule 1: the harness stays HEAD's)."""
+    shim = tree.parent / f"{tree.name}.trainer"
+    link = shim / "reference_trainer"
+    if not link.exists():
+        shim.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(tree / "reference_trainer", target_is_directory=True)
+    return shim
+
+
+class Worker:
+    """A running ``canaries.benchmark.worker`` that imports ``tree``'s trainer (Rule 1); ``cpu``: its CPU seconds."""
+
+    def __init__(self, tree: Path) -> None:
+        shim = ROOT if tree.resolve() == ROOT else _trainer_only(tree)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(ROOT)]))
+        # cwd: ``python -m`` puts it first on sys.path, so it must not be a checkout with a trainer of its own.
+        self.process = subprocess.Popen([sys.executable, "-m", "canaries.benchmark.worker"], env=env, cwd=shim,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.cpu = 0.0
+
+    def ask(self, **request: object) -> dict:
+        """Send one request, return its answer; a worker's error is raised here as a :class:`SetupError`."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self.process.stdout.readline() or '{"error": "the worker exited"}')
+        if "error" in answer:
+            raise SetupError(f"benchmark worker failed:\n{answer['error']}", fix="run the arm on that source alone")
+        self.cpu = answer["cpu"]
+        return answer
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+class WorkerShare:
+    """Rule 3's load probe: the workers' CPU seconds over wall seconds for the block."""
+
+    def __init__(self, workers: list[Worker], wall: Callable[[], float]) -> None:
+        self.workers, self.wall, self.began = workers, wall, (0.0, 0.0)
+
+    def _cpu(self) -> float:
+        return sum(w.cpu for w in self.workers)
+
+    def start(self) -> None:
+        self.began = (self._cpu(), self.wall())
+
+    def stop(self) -> float:
+        cpu, wall = self._cpu() - self.began[0], self.wall() - self.began[1]
+        return cpu / wall if wall > 0 else 1.0
+
+
+class _SummedClock:
+    """Rule 3's clock: the running sum of the workers' own step seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, worker: Worker) -> Callable[[], None]:
+        def run() -> None:
+            self.now += worker.ask(op="step")["seconds"]
+        return run
+
+
+def compare_sources(sides: Mapping[str, Mapping[str, Callable[[], object]]], *, baseline: str, gate: float,
+                    max_blocks: int, budget_s: float, clock: Callable[[], float],
+                    load_probe: LoadProbe | None) -> dict[str, Comparison]:
+    """Per arm, ``compare`` of its two sides (``sides[arm] = {rev_label: step, head_label: step}``), Rule 2."""
+    return {arm: compare(steps, baseline=baseline, gate=gate, max_blocks=max_blocks, budget_s=budget_s / len(sides),
+                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe)[0]
+            for arm, steps in sides.items()}
+
+
+def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]], scope: str) -> Checks:
+    checks = Checks()
+    control = results[CONTROL]
+    checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
+                 control.verdict not in ("regression", "gain"),
+                 f"{control.verdict}: ratio {control.ratio:.4f}, CI [{control.ci95[0]:.4f}, {control.ci95[1]:.4f}]")
+    for arm, result in results.items():
+        if arm == CONTROL:
+            continue
+        low, high = result.ci95
+        checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
+                     f"{result.verdict}: ratio {result.ratio:.4f}, CI [{low:.4f}, {high:.4f}] over {result.blocks} blocks; "
+                     f"first losses {losses[arm]}")
+    return checks
+
+
+def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
+          gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
+          worker: Callable[[Path], Worker] = Worker) -> Judged:
+    """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
+
+    ``rev``: a commit, branch or tag; None: :func:`merge_base`. The workload,
+    block bound and budget are :func:`canary.plan`'s gated ones for
+    ``preset`` x ``profile``. Raises :class:`SetupError` for an unknown REV
+    or a worker that fails. ``root``: the checkout that is
+    HEAD; ``worker``: starts a side's worker on a tree (tests fake both).
+    """
+    import time
+
+    rev = rev or merge_base(root)
+    _, tree = source_tree(rev, out, root)
+    identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(root)}
+    scope = f"{rev} → HEAD"
+    plan_ = plan(preset, profile)
+    workload: TimedWorkload = plan_.groups[0].workload
+    names = (CONTROL, *(a for a in arms if a != CONTROL))
+    sides, losses, workers = {}, {}, []
+    clock = _SummedClock()
+    try:
+        for arm in names:
+            pair = {BASE: worker(tree), HEAD: worker(root)}
+            workers += pair.values()
+            losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
+                                                  threads=threads)["loss"]
+                           for label, w in pair.items()}
+            sides[arm] = {label: clock.step(w) for label, w in pair.items()}
+        results = compare_sources(sides, baseline=BASE, gate=gate, max_blocks=plan_.max_blocks,
+                                  budget_s=plan_.budget_s, clock=clock,
+                                  load_probe=WorkerShare(workers, time.perf_counter))
+    finally:
+        for worker in workers:
+            worker.close()
+    return Judged(
+        KIND,
+        {"preset": preset, "profile": profile, "gate": gate, "threads": threads, "seed": seed, "scope": scope,
+         "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)", "workload": workload.label,
+         "control": CONTROL, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s},
+        _checks(results, losses, scope),
+        # "arm" is the arm compared (HEAD's side), "baseline" the REV it is compared with
+        {"sources": identities, "first_losses": losses,
+         "comparisons": [dict(r.as_dict(), arm=arm, baseline=rev) for arm, r in results.items()]},
+    )

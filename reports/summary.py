@@ -1,0 +1,87 @@
+"""A CI summary of the benchmark records of a folder: short Markdown for ``$GITHUB_STEP_SUMMARY``, a PR comment on regressions.
+
+``write_summary(in_dir, folder, report)`` reads every ``benchmark`` and
+``benchmark-baseline`` record under ``in_dir`` and writes ``summary.md`` in
+``folder``: one table row per comparison (workload, arm against its
+baseline, median ratio with its interval, verdict), the overall verdict and
+links to the report and each record. ``pr-comment.md`` is written beside it
+only when some verdict is ``regression`` (a comment is noise otherwise); it
+holds the regressions alone. ``rtv report --summary`` fronts it; a workflow
+appends the summary with ``cat summary.md >> "$GITHUB_STEP_SUMMARY"`` and
+posts the comment when the file exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .records import LoadedRecord, load_records
+
+__all__ = ["SummaryPaths", "summary_rows", "write_summary", "SUMMARY_FILE", "COMMENT_FILE"]
+
+SUMMARY_FILE = "summary.md"
+COMMENT_FILE = "pr-comment.md"
+BENCHMARK_KINDS = ("benchmark", "benchmark-baseline")
+
+
+@dataclass(frozen=True)
+class SummaryPaths:
+    """What :func:`write_summary` wrote: the summary, the PR comment (None when nothing regressed), the regressions."""
+
+    summary: Path
+    comment: Path | None
+    regressions: int
+
+
+def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict]]:
+    """``(workload, comparison)`` of one record: a benchmark's groups (replay floors too), or a baseline's arms."""
+    measurements = loaded.record["measurements"]
+    if loaded.kind == "benchmark-baseline":
+        scope = loaded.record["config"]["scope"]
+        return [(f"{loaded.record['config']['workload']} ({scope})", c) for c in measurements["comparisons"]]
+    return [(g["label"], c) for g in measurements["groups"]
+            for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])]
+
+
+def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
+    """One row per comparison of the folder's benchmark records: workload, arm, baseline, ratio, interval, verdict, link."""
+    rows = []
+    for loaded in load_records(in_dir):
+        if loaded.kind not in BENCHMARK_KINDS or loaded.status == "invalid":
+            continue
+        link = Path(os.path.relpath(loaded.path, folder)).as_posix()
+        for workload, c in _comparisons(loaded):
+            low, high = c["ci95"]
+            rows.append({"workload": workload, "arm": c["arm"], "baseline": c["baseline"], "ratio": c["ratio"],
+                         "interval": f"[{low:.3f}, {high:.3f}]" if low == low and high == high else "no interval",
+                         "verdict": c["verdict"], "blocks": c["blocks"], "record": link})
+    return rows
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| workload | arm vs baseline | ratio (95% CI) | verdict | blocks | record |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {r['ratio']:.3f} {r['interval']} | "
+              f"**{r['verdict']}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
+    return lines
+
+
+def write_summary(in_dir: Path, folder: Path, report: Path | None = None) -> SummaryPaths:
+    """Write the summary (and the PR comment on a regression) into ``folder``; ``report``: the page to link."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(in_dir, folder)
+    regressions = [r for r in rows if r["verdict"] == "regression"]
+    verdict = (f"{len(regressions)} regression(s)" if regressions else "no regression") + f" in {len(rows)} comparisons"
+    link = [f"[full report]({Path(os.path.relpath(report, folder)).as_posix()})"] if report is not None else []
+    ratio = "ratio = arm seconds / baseline seconds per ABBA block (above 1: slower)"
+    summary = folder / SUMMARY_FILE
+    summary.write_text("\n".join(["### rtv bench: " + verdict, "", *_table(rows), "", ratio, *link, ""]))
+    comment = None
+    if regressions:
+        comment = folder / COMMENT_FILE
+        comment.write_text("\n".join([f"**rtv bench found {len(regressions)} regression(s)**", "", *_table(regressions),
+                                      "", ratio, *link, ""]))
+    else:
+        (folder / COMMENT_FILE).unlink(missing_ok=True)  # a stale comment from an earlier run must not be posted
+    return SummaryPaths(summary=summary, comment=comment, regressions=len(regressions))

@@ -1,0 +1,183 @@
+"""``rtv bench --baseline``: two source trees in alternating blocks (fake clock), their workers, a real slowdown (bench)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from canaries.benchmark import baseline
+from tests.benchmark_fakes import FakeProbe
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+
+
+class NoisyClock:
+    """A fake clock: each step advances it by ``cost`` times log-normal noise (2%), as a loaded machine would."""
+
+    def __init__(self, seed: int) -> None:
+        self.now, self.rng = 0.0, np.random.default_rng(seed)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, cost: float):
+        def run() -> None:
+            self.now += cost * self.rng.lognormal(0.0, 0.02)
+        return run
+
+
+def _compare(slowdown: float, seed: int) -> dict:
+    clock = NoisyClock(seed)
+    sides = {"plain": {"REV": clock.step(1.0), "HEAD": clock.step(1.0)},
+             "retain@s0": {"REV": clock.step(1.0), "HEAD": clock.step(1.0 + slowdown)}}
+    return baseline.compare_sources(sides, baseline="REV", gate=0.05, max_blocks=64, budget_s=1e9, clock=clock,
+                                    load_probe=FakeProbe())
+
+
+def test_the_same_source_on_both_sides_is_a_tie_in_19_of_20_repetitions() -> None:
+    verdicts = [r.verdict for seed in range(20) for r in _compare(0.0, seed).values()]
+    assert sum(v == "tie" for v in verdicts) >= 19 * 2, verdicts
+    assert "regression" not in verdicts and "gain" not in verdicts
+
+
+def test_a_ten_percent_slowdown_is_a_regression_of_about_that_size_and_the_control_stays_a_tie() -> None:
+    for seed in range(5):
+        results = _compare(0.10, seed)
+        assert results["retain@s0"].verdict == "regression" and results["retain@s0"].ratio == pytest.approx(1.10, abs=0.02)
+        assert results["plain"].verdict == "tie"
+        low, high = results["retain@s0"].ci95
+        assert low < 1.10 < high
+
+
+def test_the_load_probe_is_the_workers_cpu_seconds_over_the_drivers_wall_seconds() -> None:
+    class Stub:
+        cpu = 5.0
+
+    workers, now = [Stub(), Stub()], [100.0]
+    probe = baseline.WorkerShare(workers, lambda: now[0])
+    probe.start()
+    workers[0].cpu, workers[1].cpu, now[0] = 5.6, 5.2, 101.0
+    assert probe.stop() == pytest.approx(0.8)
+
+
+def _clone(tmp_path: Path) -> Path:
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(baseline.ROOT), str(clone)], check=True)
+    return clone
+
+
+def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_path: Path) -> None:
+    clone = _clone(tmp_path)
+    marker = clone / "reference_trainer" / "__init__.py"
+    marker.write_text(marker.read_text() + "\nMARKER = 1\n")
+    subprocess.run([*GIT, "commit", "-qam", "marker"], cwd=clone, check=True)
+    commit, tree = baseline.source_tree("HEAD~1", tmp_path / "out", root=clone)
+    assert tree.is_relative_to(tmp_path / "out" / "sources") and not (tree / "reference_trainer" / "x").exists()
+    worker = baseline.Worker(tree)
+    try:
+        answer = worker.ask(op="build", workload={"model": "tiny", "sequences": 1, "seq_len": 4}, arm="retain@s0", seed=0,
+                            threads=1)
+        built_cpu = worker.cpu  # the load probe's start point: CPU spent building counts before the first block
+        worker.ask(op="step")
+    finally:
+        worker.close()
+    assert 0 < built_cpu < worker.cpu
+    assert Path(answer["trainer"]) == (tree / "reference_trainer").resolve() and np.isfinite(answer["loss"])
+    old, new = baseline.source_identity(tree), baseline.source_identity(clone)
+    assert old["commit"] == commit != new["commit"] and old["digest"] != new["digest"]
+    with pytest.raises(baseline.SetupError, match="git rev-parse"):
+        baseline.source_tree("no-such-rev", tmp_path / "out", root=clone)
+
+
+class FakeWorker:
+    """A worker whose steps take fixed seconds: ``slower`` on HEAD's tree for every arm but plain; CPU share 1."""
+
+    def __init__(self, tree: Path, head: Path, slower: float, control_too: bool = False) -> None:
+        self.head, self.slower, self.arm, self.control_too = tree == head, slower, None, control_too
+
+    @property
+    def cpu(self) -> float:
+        return time.perf_counter() / 4  # four workers (two arms, two sides): their sum tracks the wall clock
+
+    def ask(self, **request: object) -> dict:
+        if request["op"] == "build":
+            self.arm = request["arm"]
+            return {"loss": 0.5}
+        differs = self.head and (self.arm != "plain" or self.control_too)
+        return {"seconds": 1e-3 * (self.slower if differs else 1.0)}  # 1 ms: well within the budget
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("slower", "verdict"), [(1.0, "tie"), (1.1, "regression")])
+def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_control(
+        tmp_path: Path, slower: float, verdict: str) -> None:
+    clone = _clone(tmp_path)
+    (clone / "reference_trainer" / "__init__.py").write_text("# edited\n", encoding="utf-8")
+    subprocess.run([*GIT, "commit", "-qam", "edit"], cwd=clone, check=True)
+    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, slower))
+    comparisons = {c["arm"]: c for c in judged.measurements["comparisons"]}
+    assert list(comparisons) == ["plain", "retain@s0"] and comparisons["plain"]["verdict"] == "tie"
+    assert comparisons["retain@s0"]["verdict"] == verdict and comparisons["retain@s0"]["ratio"] == pytest.approx(slower)
+    assert all(c["baseline"] == "HEAD~1" for c in comparisons.values())
+    sources = judged.measurements["sources"]
+    assert sources["baseline"]["rev"] == "HEAD~1" and sources["baseline"]["commit"] != sources["head"]["commit"]
+    assert sources["baseline"]["digest"] != sources["head"]["digest"] and judged.config["scope"] == "HEAD~1 → HEAD"
+    assert judged.checks.passed is (verdict == "tie")
+
+
+@pytest.mark.parametrize("faster", [0.9, 1.1])
+def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
+    clone = _clone(tmp_path)
+    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, faster, control_too=True))
+    control = next(c for c in judged.checks if "A/A control" in c.name)
+    assert not control.ok and not judged.checks.passed
+
+
+SLOWDOWN = '''
+import functools as _ft, time as _time
+
+
+def _spin_ten_percent(method):
+    """Test-only slowdown: spin for a tenth of the call's own duration (CPU-bound, like a real cost)."""
+    @_ft.wraps(method)
+    def slowed(*args, **kwargs):
+        start = _time.perf_counter()
+        out = method(*args, **kwargs)
+        until = _time.perf_counter() + (_time.perf_counter() - start) * 0.11
+        while _time.perf_counter() < until:
+            pass
+        return out
+    return slowed
+
+
+Trainer.forward = _spin_ten_percent(Trainer.forward)
+Trainer.backward = _spin_ten_percent(Trainer.backward)
+'''
+
+
+@pytest.mark.bench
+def test_bench_baseline_finds_a_deliberate_ten_percent_slowdown(tmp_path: Path) -> None:
+    clone = _clone(tmp_path)
+    trainer = clone / "reference_trainer" / "trainer.py"
+    trainer.write_text(trainer.read_text() + SLOWDOWN)
+    subprocess.run([*GIT, "commit", "-qam", "slow down the step by 10%"], cwd=clone, check=True)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "canaries.entry", "bench", "--baseline", "HEAD~1", "--profile", "quick",
+                           "--out", str(out)], cwd=clone, env={"PYTHONPATH": str(clone), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    record = json.loads(next(out.rglob("benchmark-cpu-*.json")).read_text())
+    by_arm = {c["arm"]: c for c in record["measurements"]["comparisons"]}
+    assert by_arm["retain@s0"]["verdict"] == "regression" and 1.04 < by_arm["retain@s0"]["ratio"] < 1.18
+    assert by_arm["plain"]["verdict"] not in ("regression", "gain")
+    assert record["config"]["scope"] == "HEAD~1 → HEAD"
