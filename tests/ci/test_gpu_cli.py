@@ -21,6 +21,7 @@ def fake(sky_sandbox, monkeypatch: pytest.MonkeyPatch):
 
 def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_path, capsys):
     fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-1")
+    fake.server.run_pending()
     assert main(["gpu", "status"]) == 0
     assert "rtv-gate-5-1" in capsys.readouterr().out
     assert main(["gpu", "down", "rtv-gate-5-1", "--out", str(tmp_path)]) == 0
@@ -35,7 +36,8 @@ def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_p
 
 def test_down_that_cannot_prove_absence_exits_6(fake, sky_sandbox, tmp_path):
     fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-2")
-    fake.inject("down", "error")
+    fake.server.run_pending()
+    fake.inject("down", "error", always=True)
     assert main(["gpu", "down", "rtv-gate-5-2", "--wait", "0", "--out", str(tmp_path)]) == 6
 
 
