@@ -10,9 +10,14 @@ environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
 - ``start-server --pid-file F``: start the private API server in its own
   session (its pid leads the process group ``teardown.sh`` kills), wait until
   it answers, write its pid. ``serve`` is what that process runs.
+- ``restart-server --pid-file F``: stop that server (SIGTERM to its process
+  group, SIGKILL after 30 s) and start it again: the restart case.
+- ``job-status NAME``: print the status of the cluster's latest job, as the
+  identity in the environment sees it.
 
-The end-to-end tests import :func:`cluster_records` and :func:`job_status`:
-the probes behind their proofs (what ``sky status`` and the job queue say).
+The end-to-end tests import :func:`cluster_records` (across all users, as
+their own third identity) and run ``job-status`` as the launcher's identity:
+the probes behind their proofs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["check_bootstrap", "cluster_records", "job_status", "main", "start_server"]
+__all__ = ["check_bootstrap", "cluster_records", "job_status", "main", "restart_server", "start_server"]
 
 # What the shims replace (see shims/curl and shims/uv); both must still be in SkyPilot's bootstrap.
 BOOTSTRAP_DOWNLOADS = {
@@ -78,6 +83,24 @@ def start_server(pid_file: Path, timeout_s: float = 120.0) -> int:
     raise RuntimeError(f"the API server did not answer {url} within {timeout_s:.0f} s; see {log}")
 
 
+def restart_server(pid_file: Path) -> int:
+    """Stop the server recorded in ``pid_file`` (its whole process group, by that pid) and start it again."""
+    import signal
+
+    pid = int(pid_file.read_text())
+    os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+    return start_server(pid_file)
+
+
 def serve() -> None:
     """Replace this process with the API server, bound to 127.0.0.1 (never returns)."""
     import sky
@@ -106,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ci.local_slurm.sky_sdk", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("check-bootstrap")
-    start = commands.add_parser("start-server")
-    start.add_argument("--pid-file", type=Path, required=True)
+    for name in ("start-server", "restart-server"):
+        commands.add_parser(name).add_argument("--pid-file", type=Path, required=True)
+    commands.add_parser("job-status").add_argument("cluster")
     commands.add_parser("serve")
     args = parser.parse_args(argv)
 
@@ -116,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"check-bootstrap: {problem}", file=sys.stderr)
         return 1 if problems else 0
-    if args.command == "start-server":
-        print(f"SkyPilot API server: pid {start_server(args.pid_file)}")
+    if args.command in ("start-server", "restart-server"):
+        start = start_server if args.command == "start-server" else restart_server
+        print(f"SkyPilot API server: pid {start(args.pid_file)}")
+        return 0
+    if args.command == "job-status":
+        print(job_status(args.cluster))
         return 0
     serve()
     return 1

@@ -44,7 +44,7 @@ trap finish EXIT
 
 "$here/setup.sh"
 log "setup took $((SECONDS - t0)) s"
-sky_env
-export RTV_LOCAL_SLURM=1 RTV_SLURM_OUT=$out
+client_env auditor   # the tests' own probes: a third identity, neither the launcher nor the one that downs
+export RTV_LOCAL_SLURM=1 RTV_SLURM_OUT=$out RTV_SKY_CLIENTS=$SKY_CLIENTS RTV_COMMON_SH=$here/common.sh
 cd "$RTV_REPO"
 "$RTV_PYTHON" -m pytest -p no:xdist -p no:cacheprovider -s -q -o addopts= -rA tests/ci/test_local_slurm_stage.py
