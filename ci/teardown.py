@@ -226,14 +226,16 @@ class Teardown:
         deadline = self.clock() + self.t.absence
         while True:
             try:
+                # Pending launches first: one that finishes between the two answers has made its cluster
+                # before status is asked, so it cannot slip through.
+                pending = run.possibly_launched and self._pending_launch(run)
                 listed = self._seen(run, self.records([run.cluster]))
-                pending = not listed and run.possibly_launched and self._pending_launch(run)
                 if not listed and not pending:
                     run.absence_confirmed, run.absent_at = True, self.wall()
                     return
-                if pending:
+                if pending and not listed:
                     run.last_seen = "a launch request for it is still pending on the API server"
-                elif not self.down_with_retry(run) and self.clock() >= deadline:
+                elif listed and not self.down_with_retry(run) and self.clock() >= deadline:
                     return
             except Exception as error:  # noqa: BLE001 - absence is proven only by a status answer
                 run.last_seen = f"status failed: {type(error).__name__}: {error}"

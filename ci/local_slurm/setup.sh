@@ -177,7 +177,8 @@ make_job_venv() {
     git -C "$RTV_REPO" ls-files -z -co --exclude-standard | (cd "$RTV_REPO" && tar --null -T - -cf -) | tar -xf - -C "$src"
     "$RTV_PYTHON" -m pip --python "$JOB_VENV/bin/python" install -q --disable-pip-version-check \
         --no-deps --no-index --no-build-isolation "$src"
-    (cd / && runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c '
+    # PYTHONPATH of the caller (the checkout) must not stand in for the installed project.
+    (cd / && env -u PYTHONPATH runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c '
 import canaries.cli, reference_trainer, torch
 assert reference_trainer.__file__.startswith("'"$JOB_VENV"'"), reference_trainer.__file__') \
         || die "the job user cannot import the project from $JOB_VENV"
