@@ -22,8 +22,8 @@ digest and length (a truncated or interleaved log, a retried stream that
 repeated lines) is refused; when a log holds several frames the last whole
 one counts.
 
-Job side: ``python -m ci.frames emit DIR`` (the task's ``run`` calls it last,
-whatever the work's own exit status; see ``ci.tasks``).
+Job side: ``python -m ci.frames emit DIR --status N`` (the task's ``run``
+calls it last, with the work's own exit status; see ``ci.tasks``).
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ class FrameError(Exception):
     """The log holds no whole evidence frame: none at all, or only damaged ones (the reason says which)."""
 
 
-def manifest(folder: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def manifest(folder: Path, env: dict[str, str] | None = None, status: int | None = None) -> dict[str, Any]:
     """What the job says it made: the launcher's run id, commit and source digest it was given
     (``RTV_RUN_ID``, ``RTV_COMMIT``, ``RTV_SOURCE_DIGEST``), the records it was to make
-    (``RTV_EXPECT``, space-separated canary names) and the records it did make (path, digest)."""
+    (``RTV_EXPECT``, space-separated canary names), the records it did make (path, digest) and
+    the work's exit ``status`` (``rtv run``'s verdict under its own enforced/shown rule)."""
     env = dict(os.environ if env is None else env)
     records = []
     for path in sorted(Path(folder).rglob("*.json")) if Path(folder).is_dir() else []:
@@ -67,12 +68,12 @@ def manifest(folder: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
         records.append({"path": str(path.relative_to(folder)), "digest": digest})
     return {"run_id": env.get("RTV_RUN_ID"), "commit": env.get("RTV_COMMIT"),
             "source_digest": env.get("RTV_SOURCE_DIGEST"), "expect": env.get("RTV_EXPECT", "").split(),
-            "records": records}
+            "records": records, "status": status}
 
 
-def _payload(folder: Path, env: dict[str, str] | None) -> bytes:
+def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> bytes:
     buffer = io.BytesIO()
-    made = manifest(folder, env)
+    made = manifest(folder, env, status)
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         text = json.dumps(made, indent=1, sort_keys=True).encode()
         info = tarfile.TarInfo(MANIFEST)
@@ -83,13 +84,14 @@ def _payload(folder: Path, env: dict[str, str] | None) -> bytes:
     return buffer.getvalue()
 
 
-def emit(folder: Path, *, stream: TextIO = sys.stdout, env: dict[str, str] | None = None) -> str:
+def emit(folder: Path, *, stream: TextIO = sys.stdout, env: dict[str, str] | None = None,
+         status: int | None = None) -> str:
     """Print ``folder``'s records and manifest as one frame on ``stream``; returns the payload's sha256.
 
     A missing folder is framed too (a manifest with no records): the launcher
     then says which records are missing instead of "no frame".
     """
-    payload = _payload(Path(folder), env)
+    payload = _payload(Path(folder), env, status)
     digest = hashlib.sha256(payload).hexdigest()
     text = base64.b64encode(payload).decode()
     lines = [f"RTV-EVIDENCE-BEGIN v1 {digest} {len(payload)}"]
@@ -150,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     emit_parser = sub.add_parser("emit", help="print DIR's records and manifest as one frame")
     emit_parser.add_argument("folder", type=Path)
+    emit_parser.add_argument("--status", type=int, default=None, help="the work's exit status")
     args = parser.parse_args(argv)
-    print(f"rtv evidence frame: sha256 {emit(args.folder)}", file=sys.stderr)
+    print(f"rtv evidence frame: sha256 {emit(args.folder, status=args.status)}", file=sys.stderr)
     return 0
 
 

@@ -15,8 +15,8 @@ module adds the rules SkyPilot does not know and the launcher relies on:
 4. ``run`` first empties ``RTV_OUT`` (``rm -rf "$RTV_OUT"``: a reused
    cluster's earlier records must not pass for this run's), wraps its work
    in ``timeout ... "$RTV_TIME_LIMIT"`` (the job's own limit), and ends with
-   ``python -m ci.frames emit "$RTV_OUT"`` whatever the work's exit status
-   (the evidence travels home in the log: ``ci.frames``).
+   ``python -m ci.frames emit "$RTV_OUT" --status "$status"`` with the work's
+   exit status (the evidence travels home in the log: ``ci.frames``).
 5. ``setup`` installs the project the README's way, wrapped in ``timeout
    ... "$RTV_SETUP_LIMIT"``: SkyPilot's autodown starts only once the job
    runs, so a hung setup would otherwise hold the cluster forever.
@@ -38,7 +38,7 @@ from validation.errors import SetupError
 
 __all__ = ["TaskFileError", "TaskSpec", "load_task", "parse_duration"]
 
-EMIT = '-m ci.frames emit "$RTV_OUT"'  # the run's last step (rule 4)
+EMIT = '-m ci.frames emit "$RTV_OUT" --status "$status"'  # the run's last step (rule 4)
 CLEAN = 'rm -rf "$RTV_OUT"'  # the run's first step (rule 4)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -10,8 +10,9 @@ environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
 - ``start-server --pid-file F``: start the private API server in its own
   session (its pid leads the process group ``teardown.sh`` kills), wait until
   it answers, write its pid. ``serve`` is what that process runs.
-- ``restart-server --pid-file F``: stop that server (SIGTERM to its process
-  group, SIGKILL after 30 s) and start it again: the restart case.
+- ``restart-server --pid-file F``: stop that server (SIGTERM, then SIGKILL
+  to it and every process below it, by pid), wait for its port to close, and
+  start it again: the restart case.
 - ``job-status NAME``: print the status of the cluster's latest job, as the
   identity in the environment sees it.
 
@@ -83,22 +84,49 @@ def start_server(pid_file: Path, timeout_s: float = 120.0) -> int:
     raise RuntimeError(f"the API server did not answer {url} within {timeout_s:.0f} s; see {log}")
 
 
-def restart_server(pid_file: Path) -> int:
-    """Stop the server recorded in ``pid_file`` (its whole process group, by that pid) and start it again."""
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (by parent links: SkyPilot's workers start sessions of their own)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def restart_server(pid_file: Path, timeout_s: float = 30.0) -> int:
+    """Stop the server recorded in ``pid_file`` and every process below it (by pid), then start it again."""
     import signal
 
     pid = int(pid_file.read_text())
-    os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            break
+    family = [pid, *_descendants(pid)]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
         time.sleep(0.5)
-    else:
-        os.killpg(pid, signal.SIGKILL)
+    for member in family:  # what the TERM left, the server's own workers included
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    port = int(os.environ["SKYPILOT_API_SERVER_LOCAL_PORT"])
+    while time.monotonic() < deadline + timeout_s and _answers(port):
+        time.sleep(0.5)
     return start_server(pid_file)
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def serve() -> None:

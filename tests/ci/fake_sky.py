@@ -333,7 +333,8 @@ class FakeSky:
         if server.evidence != "no_frame":
             with tempfile.TemporaryDirectory() as folder:
                 self._write_records(Path(folder), envs)
-                emit(Path(folder), stream=log, env=envs)
+                failed = server.evidence == "failed"  # an enforced record failed: rtv run exits 1
+                emit(Path(folder), stream=log, env=envs, status=1 if failed else 0)
         server.logs[cluster] = log.getvalue()
 
     def _write_records(self, folder: Path, envs: dict[str, str]) -> None:

@@ -88,3 +88,15 @@ def test_launch_refuses_a_malformed_env_with_exit_2(fake, sky_sandbox, repo_root
             "--env", "RTV_TIME_LIMIT=1m", "--env", env, "--out", str(tmp_path)]
     assert main(argv) == 2
     assert f"found {env!r}" in capsys.readouterr().err and not fake.clusters  # nothing was launched
+
+
+def test_sweep_downs_every_ci_cluster_of_any_user_with_a_receipt_each(fake, sky_sandbox, tmp_path, capsys):
+    for user, name in (("runnera", "rtv-gate-6-1"), ("runnerb", "rtv-gate-6-2"), ("runnerb", "mine")):
+        fake.as_user(user).launch(sky_sandbox.Task(run="true"), cluster_name=name)
+    fake.server.run_pending()
+    assert main(["gpu", "sweep", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 cluster(s) named rtv-* older than 0s" in out and sorted(fake.clusters) == ["mine"]
+    assert len(list(tmp_path.glob("gpu-receipt-*.json"))) == 2
+    assert main(["gpu", "sweep", "--older-than", "soon", "--out", str(tmp_path)]) == 2
+    assert "--older-than" in capsys.readouterr().err

@@ -142,10 +142,19 @@ def confirmed(output: str, cluster: str, command: str) -> tuple[Path, dict]:
 
 
 def sweep_as_runner_b(cluster: str, out: Path) -> Path:
-    """The backstop for a launcher that had no time: runner B sweeps the cluster; its receipt."""
+    """The backstop for a launcher that had no time: runner B sweeps the cluster; the receipt.
+
+    When the launcher's own ``down`` (sent first, before it was killed) already removed it, the sweep finds
+    nothing, and runner B's ``rtv gpu down NAME`` (the workflow's always-run step) proves it absent.
+    """
     swept = as_runner_b("sweep", "--prefix", cluster, "--out", str(out))
     assert swept.returncode == 0, swept.stdout + swept.stderr
-    return confirmed(swept.stdout, cluster, "sweep")[0]
+    if f"teardown: cluster {cluster} absent (confirmed)" in swept.stdout.splitlines():
+        return confirmed(swept.stdout, cluster, "sweep")[0]
+    assert "0 cluster(s)" in swept.stdout, swept.stdout
+    down = as_runner_b("down", cluster, "--out", str(out))
+    assert down.returncode == 0, down.stdout + down.stderr
+    return confirmed(down.stdout, cluster, "down")[0]
 
 
 def slurm_jobs() -> list[str]:
@@ -162,10 +171,12 @@ def job_user_processes() -> tuple[list[str], list[str]]:
     return [line for line in lines if line not in sessions], sessions
 
 
-def prove_nothing_left(case: str, launches: list[Launch], receipt: Path, observed: dict | None = None) -> None:
+def prove_nothing_left(case: str, launches: list[Launch], receipt: Path | list[Path],
+                       observed: dict | None = None) -> None:
     """Wait (up to 60 s) for no Slurm job, no cluster record (as the auditor) and no process of ours; record it."""
     from validation.evidence import evidence_path, make_record, write_once
 
+    receipts = receipt if isinstance(receipt, list) else [receipt]
     deadline = time.monotonic() + 60
     while True:
         jobs, records = slurm_jobs(), cluster_records()
@@ -175,7 +186,7 @@ def prove_nothing_left(case: str, launches: list[Launch], receipt: Path, observe
             break
         time.sleep(1)
     observed = (observed or {}) | {
-        "receipt": str(receipt), "squeue": jobs, "sky_status_all_users": records, "confirmed_by": AUDITOR,
+        "receipts": [str(r) for r in receipts], "squeue": jobs, "sky_status_all_users": records, "confirmed_by": AUDITOR,
         "job_user_processes": processes, "idle_login_sessions": sessions,
         "launcher_exits": [launch.proc.returncode for launch in launches]}
     record = make_record(f"local-slurm-{case}", config={"clusters": [launch.cluster for launch in launches],
@@ -185,8 +196,8 @@ def prove_nothing_left(case: str, launches: list[Launch], receipt: Path, observe
                          measurements=observed)
     path = write_once(evidence_path(OUT, f"local-slurm-{case}"), record)
     assert record["passed"], f"{case} left something behind: {observed}\n{launches[0].tail()}"
-    for launch in launches:
-        print(f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {receipt}", flush=True)
+    for launch, path in zip(launches, receipts, strict=True):
+        print(f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {path}", flush=True)
     print(f"{case}: squeue empty, no cluster of any user, no process of ours; record: {path}", flush=True)
 
 
@@ -264,7 +275,7 @@ def test_lost_runners_clusters_are_found_and_removed_by_another_identity() -> No
     assert any(s["step"] == "down" and s["ok"] for s in receipt["observed"]["teardown"])
     swept = sweep_as_runner_b(lost[1].cluster, lost[1].out)
     assert json.loads(swept.read_text())["measurements"]["observed"]["launched"], swept
-    prove_nothing_left("lost-runners", lost, path, {"sweep_receipt": str(swept)})
+    prove_nothing_left("lost-runners", lost, [path, swept])
 
 
 @CHAOS
