@@ -84,13 +84,14 @@ def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> by
     return buffer.getvalue()
 
 
-def emit(folder: Path, *, stream: TextIO = sys.stdout, env: dict[str, str] | None = None,
+def emit(folder: Path, *, stream: TextIO | None = None, env: dict[str, str] | None = None,
          status: int | None = None) -> str:
     """Print ``folder``'s records and manifest as one frame on ``stream``; returns the payload's sha256.
 
     A missing folder is framed too (a manifest with no records): the launcher
     then says which records are missing instead of "no frame".
     """
+    stream = stream or sys.stdout  # looked up at the call: the stdout of the moment, not of the import
     payload = _payload(Path(folder), env, status)
     digest = hashlib.sha256(payload).hexdigest()
     text = base64.b64encode(payload).decode()
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     emit_parser.add_argument("folder", type=Path)
     emit_parser.add_argument("--status", type=int, default=None, help="the work's exit status")
     args = parser.parse_args(argv)
-    print(f"rtv evidence frame: sha256 {emit(args.folder, status=args.status)}", file=sys.stderr)
+    # The summary goes to stdout after the frame, never to stderr: SkyPilot merges the job's two streams,
+    # and a stderr line has landed inside a frame line (seen on the local-Slurm stage; the digest refused it).
+    print(f"rtv evidence frame: sha256 {emit(args.folder, status=args.status)}", flush=True)
     return 0
 
 

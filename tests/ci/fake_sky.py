@@ -63,8 +63,9 @@ REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cance
 FAULTS = ("error", "connection", "timeout", "sigint", "sigterm", "slow_result", "lost_reply", "restart")
 # What the fake job leaves: all expected records passing; one failed; one tampered; none written; one from an
 # earlier run (another run id, created before); one record too many; the benchmark failed (shown, not enforced);
-# the job's record created on a CPU; no evidence frame in the log at all.
-EVIDENCE = ("passed", "failed", "tampered", "missing", "stale", "foreign", "shown", "cpu", "no_frame")
+# the job's record created on a CPU; no evidence frame in the log at all; every record passed but the work
+# exited 1 (a job SkyPilot reported SUCCEEDED although it failed).
+EVIDENCE = ("passed", "failed", "tampered", "missing", "stale", "foreign", "shown", "cpu", "no_frame", "misreported")
 
 
 class FakeServer:
@@ -333,7 +334,7 @@ class FakeSky:
         if server.evidence != "no_frame":
             with tempfile.TemporaryDirectory() as folder:
                 self._write_records(Path(folder), envs)
-                failed = server.evidence == "failed"  # an enforced record failed: rtv run exits 1
+                failed = server.evidence in ("failed", "misreported")  # rtv run exited 1
                 emit(Path(folder), stream=log, env=envs, status=1 if failed else 0)
         server.logs[cluster] = log.getvalue()
 

@@ -73,3 +73,12 @@ def test_the_last_whole_frame_counts_and_no_frame_is_refused(records: Path, tmp_
 def test_a_missing_folder_is_framed_as_no_records(tmp_path: Path) -> None:
     made = collect(framed(tmp_path / "never-written"), tmp_path / "back")
     assert made["records"] == [] and made["expect"] == ["smoke", "memory"]
+
+
+def test_the_job_side_command_writes_only_stdout_frame_first(records: Path, tmp_path: Path, capfd) -> None:
+    from ci.frames import main
+
+    assert main(["emit", str(records), "--status", "0"]) == 0
+    out, err = capfd.readouterr()
+    assert err == "", "a stderr line can land inside a frame line when SkyPilot merges the streams"
+    assert collect(out, tmp_path / "back")["status"] == 0 and out.splitlines()[-1].startswith("rtv evidence frame")

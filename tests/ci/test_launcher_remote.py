@@ -114,7 +114,7 @@ def test_every_status_query_asks_across_all_users(sky_fake, gate, tmp_path, monk
 @pytest.mark.parametrize(("evidence", "reason"), [
     ("stale", "foreign or stale"), ("stale", "before this launch was submitted"),
     ("foreign", "derivative: 2 records, expected 1"), ("missing", "smoke: 0 record(s), expected 1"),
-    ("cpu", "ran on no CUDA device, expected H200"),
+    ("cpu", "ran on no CUDA device, expected H200"), ("misreported", "the work exited 1"),
 ])
 def test_evidence_that_is_not_this_runs_is_exit_3_with_the_reason(sky_fake, gate, tmp_path, evidence, reason):
     outcome = launch(sky_fake.FakeSky(evidence=evidence), gate, tmp_path)

@@ -196,8 +196,8 @@ def prove_nothing_left(case: str, launches: list[Launch], receipt: Path | list[P
                          measurements=observed)
     path = write_once(evidence_path(OUT, f"local-slurm-{case}"), record)
     assert record["passed"], f"{case} left something behind: {observed}\n{launches[0].tail()}"
-    for launch, path in zip(launches, receipts, strict=True):
-        print(f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {path}", flush=True)
+    for launch, receipt_path in zip(launches, receipts, strict=True):
+        print(f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {receipt_path}", flush=True)
     print(f"{case}: squeue empty, no cluster of any user, no process of ours; record: {path}", flush=True)
 
 
