@@ -7,10 +7,11 @@
    a runner, a later attempt or ``rtv gpu sweep`` runs as another SkyPilot
    user than the launcher that made the cluster, and the API server filters
    by the caller's user hash even for a named cluster.
-2. ``down`` is the first request sent (nothing else is needed to tear down:
-   it ends the job too), so it lands within GitHub's cancel window (SIGINT,
-   7.5 s, SIGTERM, 2.5 s, SIGKILL). While it runs, one ``status`` records
-   what existed (handle, launch time) for the receipt. A failed ``down`` is
+2. After SIGINT/SIGTERM, ``down`` is the first request sent (nothing else
+   is needed to tear down: it ends the job too), so it lands within GitHub's
+   cancel window (SIGINT, 7.5 s, SIGTERM, 2.5 s, SIGKILL); one ``status`` of
+   the server's table (no refresh) then records what existed (handle,
+   launch time) for the receipt. Without a signal that census comes first. A failed ``down`` is
    retried with doubling backoff (``Timeouts.down_attempts``); an
    interrupted launch request is cancelled only after ``down`` was sent.
 3. Absence is proven only by a ``status`` answer that lists no such cluster,
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,7 +115,7 @@ class Teardown:
 
     def __init__(self, sdk: Any, *, timeouts: Timeouts = Timeouts(), clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time,
-                 echo: Callable[[str], None] = print) -> None:
+                 echo: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
         self.sdk = sdk
         self.t = timeouts
         self.clock = clock
@@ -161,9 +163,11 @@ class Teardown:
         return listed
 
     def _census(self, run: RunState) -> None:
+        """One ``status`` of the server's table (no cloud refresh: it must not wait for a ``down`` in progress)."""
         start = self.clock()
         try:
-            self._seen(run, self.records([run.cluster]))
+            self._seen(run, self.request("status", self.sdk.status, [run.cluster], refresh=self.sdk.StatusRefreshMode.NONE,
+                                         all_users=True, timeout=self.t.poll))
             self._note(run, "census", True, f"seen: {run.last_seen}", start)
         except Exception as error:  # noqa: BLE001 - the teardown goes on without it
             self._note(run, "census", False, f"{type(error).__name__}: {error}", start)
@@ -174,7 +178,7 @@ class Teardown:
             try:
                 request_id = bounded(self.sdk.down, run.cluster, timeout=self.t.request, name="down")
             finally:
-                if census:  # while down runs: what existed, for the receipt
+                if census:  # while down runs: what the server's table still holds, for the receipt
                     self._census(run)
             self.result("down", request_id, timeout=self.t.down, cancel_on_timeout=False)
             ok, detail = True, "done"
@@ -186,10 +190,18 @@ class Teardown:
         return ok
 
     def down_with_retry(self, run: RunState) -> bool:
-        """``down`` until one succeeds or the attempts are spent, with doubling backoff between them."""
+        """``down`` until one succeeds or the attempts are spent, with doubling backoff between them.
+
+        Without a signal to answer, the census comes first (a real server may finish ``down`` before a
+        ``status`` sent beside it is answered); after a signal, ``down`` is sent first and the census
+        reads the table while it runs.
+        """
         downs = sum(step["step"] == "down" for step in run.teardown)
+        hurry = bool(run.signals) or (run.interruption or {}).get("kind") == "signal"
+        if downs == 0 and not hurry:
+            self._census(run)
         for attempt in range(downs, self.t.down_attempts):
-            if self._down_once(run, census=attempt == 0):
+            if self._down_once(run, census=attempt == 0 and hurry):
                 return True
             if attempt + 1 < self.t.down_attempts:
                 self.sleep(self.t.down_backoff * 2 ** (attempt - downs))

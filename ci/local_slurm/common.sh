@@ -28,6 +28,8 @@ export SLURM_CONF=$SLURM_DIR/slurm.conf
 
 # The API server's environment: its own HOME and runtime dir, private port, no usage reports.
 server_env() {
+    # Called from a client too (the restart case): none of a client's settings may leak into the server.
+    unset SKYPILOT_API_SERVER_ENDPOINT SKYPILOT_USER_ID SKYPILOT_DISABLE_LOCAL_API_SERVER
     export HOME=$SKY_DIR/home SKY_RUNTIME_DIR=$SKY_DIR/runtime
     export SKYPILOT_API_SERVER_LOCAL_PORT=$RTV_SLURM_API_PORT
     export SKYPILOT_DISABLE_USAGE_COLLECTION=1

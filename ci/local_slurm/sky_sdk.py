@@ -75,7 +75,8 @@ def start_server(pid_file: Path, timeout_s: float = 120.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the API server exited with {proc.returncode}; see {log}")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"the API server exited with {proc.returncode}; the end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return proc.pid

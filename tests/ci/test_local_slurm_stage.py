@@ -52,7 +52,7 @@ def identity(name: str) -> dict[str, str]:
     """The environment of a client that is SkyPilot user ``name``, with a HOME of its own (``client_env``)."""
     root = Path(os.environ["RTV_SKY_CLIENTS"]) / name
     env = {**os.environ, "HOME": str(root / "home"), "SKY_RUNTIME_DIR": str(root / "runtime"),
-           "SKYPILOT_USER_ID": name}
+           "SKYPILOT_USER_ID": name, "PYTHONUNBUFFERED": "1"}  # a SIGKILLed launcher's last lines still count
     for folder in ("HOME", "SKY_RUNTIME_DIR"):
         Path(env[folder]).mkdir(parents=True, exist_ok=True)
     return env
