@@ -69,7 +69,7 @@ def launch(fake, spec, out: Path, clock: FakeClock | None = None):
     clock = clock or FakeClock()
     # Per-call limits are real seconds (``bounded``); the clock fakes only deadlines and sleeps. Short only
     # where a call is made to hang, so a loaded machine's slow but answering fake never times out.
-    hangs = any(fault in ("timeout", "slow_result") for fault, _ in fake.faults.values())
+    hangs = any(fault in ("timeout", "slow_result", "lost_reply") for fault, _ in fake.faults.values())
     call = 0.3 if hangs else 10.0
     timeouts = Timeouts(request=call, provision=call, poll=call, poll_interval=15, logs=call, outputs=call,
                         cancel=call, down=call, absence=60, absence_interval=10)
