@@ -41,20 +41,6 @@ class FakeClock:
         self.now += max(seconds, 0.001)
 
 
-@pytest.fixture
-def sky_fake(sky_sandbox):
-    from . import fake_sky
-
-    return fake_sky
-
-
-@pytest.fixture
-def gate(sky_fake, repo_root: Path):
-    from ci.tasks import load_task
-
-    return load_task(repo_root / "ci" / "gate.sky.yaml")
-
-
 class _MinuteClock(FakeClock):
     """A clock each reading of which is a minute after the last."""
 

@@ -20,20 +20,6 @@ from validation.evidence import verify
 from .test_launcher import FakeClock, launch, receipt_of
 
 
-@pytest.fixture
-def sky_fake(sky_sandbox):
-    from . import fake_sky
-
-    return fake_sky
-
-
-@pytest.fixture
-def gate(sky_fake, repo_root: Path):
-    from ci.tasks import load_task
-
-    return load_task(repo_root / "ci" / "gate.sky.yaml")
-
-
 def launcher(fake, clock: FakeClock | None = None):
     from ci.launcher import Launcher, Timeouts
 
