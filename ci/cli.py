@@ -1,4 +1,4 @@
-"""``rtv gpu launch|status|down|receipts|local``: the GPU CI part of the command line.
+"""``rtv gpu launch|status|down|sweep|receipts|local``: the GPU CI part of the command line.
 
 ``canaries.cli`` (the ``rtv`` parser) calls :func:`add_gpu_commands` once;
 nothing here imports ``canaries``: a GPU job runs the harness through its
@@ -7,8 +7,10 @@ imported only by the commands that talk to it, so ``rtv --help`` stays
 instant; without it they exit 2 with the fix.
 
     rtv gpu launch TASK [--cluster NAME | --run-id ID --attempt N] [--env KEY=VALUE]... [--out DIR]
-    rtv gpu status                 clusters this project launched, as SkyPilot sees them
+    rtv gpu status                 clusters this project launched, any user's, as SkyPilot sees them
     rtv gpu down NAME [--wait S]   tear down, prove absence, write a receipt (exit 6 if unproven)
+    rtv gpu sweep [--older-than DURATION] [--prefix rtv-] [--fail-if-found]
+                                          down every matching cluster of any user, a receipt each
     rtv gpu receipts [--in DIR]    every termination receipt under rtv-out/
     rtv gpu local TASK [--out DIR] [--skip-setup] [--venv DIR]
 
@@ -64,12 +66,37 @@ def _down(args: argparse.Namespace) -> int:
     return Launcher(_sky(), timeouts=timeouts).down(args.name, out_dir=args.out).exit_code
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from .launcher import Launcher, Timeouts
+
+    if args.older_than is not None:
+        _duration(args.older_than)
+    outcomes = Launcher(_sky(), timeouts=Timeouts(absence=args.wait)).sweep(
+        out_dir=args.out, prefix=args.prefix, older_than=args.older_than)
+    codes = [o.exit_code for o in outcomes]
+    code = 6 if 6 in codes else max(codes, default=0)
+    if args.fail_if_found and outcomes:
+        print(f"rtv gpu sweep: FAILED: {len(outcomes)} cluster(s) outlived their runs (receipts in {args.out}); "
+              "each is a launcher or workflow that did not tear down: read its receipt", flush=True)
+        return code or 1
+    return code
+
+
+def _duration(text: str) -> float:
+    from .tasks import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise SetupError(f"--older-than: {error}", fix="pass e.g. --older-than 2h") from None
+
+
 def _status(args: argparse.Namespace) -> int:
     from .launcher import Launcher
 
     records = Launcher(_sky()).census()
     for r in records:
-        print(f"{r.name:40} {r.status.value:10} {r.resources_str or ''}")
+        print(f"{r.name:40} {r.status.value:10} {r.user_name or r.user_hash or '?':12} {r.resources_str or ''}")
     print(f"rtv gpu status: {len(records)} cluster(s) of this project up" if records
           else "rtv gpu status: no cluster of this project exists")
     return 0
@@ -117,7 +144,7 @@ def _guarded(handler):
 
 def add_gpu_commands(subparsers: Any) -> None:
     """Add ``rtv gpu ...`` to ``rtv``'s subparsers."""
-    gpu = subparsers.add_parser("gpu", help="GPU CI on SkyPilot: launch, status, down, receipts, local",
+    gpu = subparsers.add_parser("gpu", help="GPU CI on SkyPilot: launch, status, down, sweep, receipts, local",
                                 description="GPU CI on SkyPilot: launch a task file and gate on its job status, "
                                 "tear clusters down and prove it, list receipts, run a task's commands here.")
     sub = gpu.add_subparsers(dest="gpu_command", metavar="GPU_COMMAND", required=True)
@@ -132,7 +159,7 @@ def add_gpu_commands(subparsers: Any) -> None:
     launch.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="evidence, logs, receipt")
     launch.set_defaults(handler=_guarded(_launch))
 
-    status = sub.add_parser("status", help="clusters this project launched, as SkyPilot sees them")
+    status = sub.add_parser("status", help="clusters this project launched (any user's), as SkyPilot sees them")
     status.set_defaults(handler=_guarded(_status))
 
     down = sub.add_parser("down", help="tear a cluster down and prove it is gone (exit 6 if unproven)")
@@ -141,6 +168,16 @@ def add_gpu_commands(subparsers: Any) -> None:
     down.add_argument("--wait", type=float, default=600.0,
                       help="seconds to keep polling for the cluster's absence (default: 600)")
     down.set_defaults(handler=_guarded(_down))
+
+    sweep = sub.add_parser("sweep", help="down every CI cluster of any user (lost runners, earlier attempts)")
+    sweep.add_argument("--older-than", default=None, metavar="DURATION",
+                       help="only clusters launched at least this long ago (90s, 40m, 2h; default: all)")
+    sweep.add_argument("--prefix", default="rtv-", help="only clusters whose name starts with this (default: rtv-)")
+    sweep.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="where the receipts go (one each)")
+    sweep.add_argument("--wait", type=float, default=600.0, help="seconds to poll each cluster's absence")
+    sweep.add_argument("--fail-if-found", action="store_true",
+                       help="exit 1 when anything was found (the scheduled sweeper: a leftover cluster is a bug)")
+    sweep.set_defaults(handler=_guarded(_sweep))
 
     receipts = sub.add_parser("receipts", help="list termination receipts")
     receipts.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT, help="searched recursively")

@@ -8,10 +8,15 @@ are the facts the exit code comes from (``job_succeeded``,
 ``absence_confirmed``), so ``passed`` is true exactly when the run passed.
 
 Cost is estimated from SkyPilot's own catalog price for what was launched
-(``Resources.get_cost`` on the launch handle's resources, times the nodes):
-the hourly price times the time from the launch request to the end of
-teardown. Infrastructure without a price (Slurm, Kubernetes, an unknown
-instance) is recorded as ``"unpriced"`` with the reason, never as zero.
+(``Resources.get_cost`` on the resources of the launch handle, or of the
+handle a ``status`` census found when the launch returned none: one that
+provisioned and then failed still bills what ran), times the nodes: the
+hourly price times the billed span, from the cluster's own launch time (its
+status record's ``launched_at``, else the first time a census saw it) to
+its proven absence (``ci.teardown.RunState.billed_s``; a request that never
+provisioned bills nothing). Infrastructure without a price (Slurm,
+Kubernetes, an unknown instance) is recorded as ``"unpriced"`` with the
+reason, never as zero. Not done: a cross-check against ``sky.cost_report``.
 """
 
 from __future__ import annotations

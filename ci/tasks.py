@@ -8,10 +8,18 @@ module adds the rules SkyPilot does not know and the launcher relies on:
 2. ``autostop`` with ``down: true``: the cluster's own backstop if every
    launcher and workflow step dies.
 3. ``envs`` declares ``RTV_OUT`` (where the job writes its evidence,
-   relative to the workdir: what the launcher fetches back) and
-   ``RTV_TIME_LIMIT`` (``timeout`` syntax, e.g. ``40m``), and ``run`` wraps
-   its work in ``timeout ... "$RTV_TIME_LIMIT"``: the job's own time limit.
-4. ``setup`` exists (it installs the project the README's way).
+   relative to the workdir), ``RTV_EXPECT`` (the records the run is to make:
+   canary names as ``rtv run`` names their files, ``smoke`` included) and
+   ``RTV_TIME_LIMIT`` and ``RTV_SETUP_LIMIT`` (``timeout`` syntax, e.g.
+   ``40m``).
+4. ``run`` first empties ``RTV_OUT`` (``rm -rf "$RTV_OUT"``: a reused
+   cluster's earlier records must not pass for this run's), wraps its work
+   in ``timeout ... "$RTV_TIME_LIMIT"`` (the job's own limit), and ends with
+   ``python -m ci.frames emit "$RTV_OUT" --status "$status"`` with the work's
+   exit status (the evidence travels home in the log: ``ci.frames``).
+5. ``setup`` installs the project the README's way, wrapped in ``timeout
+   ... "$RTV_SETUP_LIMIT"``: SkyPilot's autodown starts only once the job
+   runs, so a hung setup would otherwise hold the cluster forever.
 
 A file that breaks a rule, or that SkyPilot refuses, raises
 :class:`TaskFileError` (exit 2) naming the file, what was expected and
@@ -30,7 +38,8 @@ from validation.errors import SetupError
 
 __all__ = ["TaskFileError", "TaskSpec", "load_task", "parse_duration"]
 
-SETUP_BUDGET_S = 20 * 60  # installing the project on a fresh node, before the run's own limit starts
+EMIT = '-m ci.frames emit "$RTV_OUT" --status "$status"'  # the run's last step (rule 4)
+CLEAN = 'rm -rf "$RTV_OUT"'  # the run's first step (rule 4)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -45,9 +54,10 @@ class TaskSpec:
 
     ``accelerators``: e.g. ``{"H200": 2}`` (empty for a CPU task);
     ``evidence_dir``: ``RTV_OUT`` (relative to the workdir);
-    ``time_limit_s``: ``RTV_TIME_LIMIT`` in seconds; ``job_deadline_s``: how
-    long the launcher waits for a terminal job status (setup budget + the
-    run's limit + a margin for ``timeout --kill-after``).
+    ``expect``: ``RTV_EXPECT`` split; ``time_limit_s`` and ``setup_limit_s``:
+    ``RTV_TIME_LIMIT`` and ``RTV_SETUP_LIMIT`` in seconds; ``job_deadline_s``:
+    how long the launcher waits for a terminal job status (both limits + a
+    margin for ``timeout --kill-after``).
     """
 
     path: Path
@@ -57,7 +67,9 @@ class TaskSpec:
     num_nodes: int
     infra: str | None
     evidence_dir: str
+    expect: tuple[str, ...]
     time_limit_s: float
+    setup_limit_s: float
     job_deadline_s: float
     envs: dict[str, str]
     setup: str
@@ -72,7 +84,7 @@ class TaskSpec:
         """What the receipt records as requested."""
         return {"task": str(self.path), "name": self.name, "accelerators": dict(self.accelerators),
                 "num_nodes": self.num_nodes, "infra": self.infra, "time_limit_s": self.time_limit_s,
-                "job_deadline_s": self.job_deadline_s, "evidence_dir": self.evidence_dir}
+                "setup_limit_s": self.setup_limit_s, "expect": list(self.expect), "job_deadline_s": self.job_deadline_s, "evidence_dir": self.evidence_dir}
 
 
 def parse_duration(text: str) -> float:
@@ -85,6 +97,13 @@ def parse_duration(text: str) -> float:
 
 def _fail(path: Path, cause: str, fix: str) -> TaskFileError:
     return TaskFileError(f"task file {path}: {cause}", fix=fix)
+
+
+def _limit(path: Path, envs: dict[str, str], name: str) -> float:
+    try:
+        return parse_duration(envs[name])
+    except ValueError as error:
+        raise _fail(path, f"{name}: {error}", "use timeout's syntax: 40m, 2h") from None
 
 
 def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] | None = None) -> TaskSpec:
@@ -125,24 +144,31 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
         raise _fail(path, f"expected `resources.autostop` with `down: true` (the backstop), found {autostop}",
                     "add `autostop: {idle_minutes: 10, down: true}` under resources")
     envs = dict(task.envs)
-    missing = [name for name in ("RTV_OUT", "RTV_TIME_LIMIT") if not envs.get(name)]
+    missing = [name for name in ("RTV_OUT", "RTV_EXPECT", "RTV_TIME_LIMIT", "RTV_SETUP_LIMIT") if not envs.get(name)]
     if missing:
-        raise _fail(path, f"expected envs RTV_OUT and RTV_TIME_LIMIT, missing {missing}",
-                    "declare where evidence goes (RTV_OUT: rtv-out/ci) and the run's limit (RTV_TIME_LIMIT: 40m)")
-    try:
-        limit = parse_duration(envs["RTV_TIME_LIMIT"])
-    except ValueError as error:
-        raise _fail(path, f"RTV_TIME_LIMIT: {error}", "use timeout's syntax: 40m, 2h") from None
+        raise _fail(path, f"expected envs RTV_OUT, RTV_EXPECT, RTV_TIME_LIMIT and RTV_SETUP_LIMIT, missing {missing}",
+                    "declare where evidence goes (RTV_OUT: rtv-out/ci), the records the run makes "
+                    "(RTV_EXPECT: smoke memory ...) and both limits (RTV_TIME_LIMIT: 40m, RTV_SETUP_LIMIT: 20m)")
+    limits = {name: _limit(path, envs, name) for name in ("RTV_TIME_LIMIT", "RTV_SETUP_LIMIT")}
     run, setup = task.run or "", task.setup or ""
-    if not isinstance(run, str) or "timeout" not in run or "$RTV_TIME_LIMIT" not in run:
+    run = run if isinstance(run, str) else ""
+    if "timeout" not in run or "$RTV_TIME_LIMIT" not in run:
         raise _fail(path, "expected `run` to wrap its work in `timeout ... \"$RTV_TIME_LIMIT\"`, found no such call",
                     'wrap the work: timeout --signal=TERM --kill-after=60s "$RTV_TIME_LIMIT" bash -c \'...\'')
-    if not setup.strip():
-        raise _fail(path, "expected a `setup` that installs the project, found none",
-                    "add `setup: make install` (after a venv that sees the machine's torch)")
+    lines = [line.strip() for line in run.splitlines() if line.strip() and not line.strip().startswith(("#", "set "))]
+    if not lines or lines[0] != CLEAN or EMIT not in lines[-1]:
+        raise _fail(path, f"expected `run` to start with `{CLEAN}` and end with `python {EMIT}`, "
+                          f"found first {lines[:1]} and last {lines[-1:]}",
+                    f"begin run with {CLEAN}; end it with `\"$RTV_VENV/bin/python\" {EMIT}; exit $status` "
+                    "(keep the work's status: `timeout ... || status=$?`)")
+    if "timeout" not in setup or "$RTV_SETUP_LIMIT" not in setup:
+        raise _fail(path, "expected `setup` to install the project under `timeout ... \"$RTV_SETUP_LIMIT\"`, "
+                          f"found {'no setup' if not setup.strip() else 'no such call'}",
+                    'wrap it: timeout --kill-after=30s "$RTV_SETUP_LIMIT" bash -euxc \'make install ...\'')
     infra = str(res.cloud).lower() if res.cloud is not None else None
     return TaskSpec(
         path=path, task=task, name=task.name or path.stem, accelerators=accelerators,
         num_nodes=int(task.num_nodes or 1), infra=infra, evidence_dir=envs["RTV_OUT"],
-        time_limit_s=limit, job_deadline_s=SETUP_BUDGET_S + limit + 120, envs=envs, setup=setup, run=run,
+        expect=tuple(envs["RTV_EXPECT"].split()), time_limit_s=limits["RTV_TIME_LIMIT"],
+        setup_limit_s=limits["RTV_SETUP_LIMIT"], job_deadline_s=sum(limits.values()) + 120, envs=envs, setup=setup, run=run,
     )

@@ -176,9 +176,12 @@ def source_fingerprint(root: Path | None = None) -> dict[str, str]:
 
 
 def environment_fingerprint() -> dict[str, Any]:
+    """Interpreter, platform, torch and CUDA device, and ``run_id``: the GPU CI run that asked for the record
+    (``$RTV_RUN_ID``, set by ``rtv gpu launch`` for its job; None elsewhere), which its cross-check requires."""
     import torch
 
     return {
+        "run_id": os.environ.get("RTV_RUN_ID"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),

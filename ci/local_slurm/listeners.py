@@ -74,8 +74,16 @@ def is_ours(pid: int, marker: str, job_uid: int) -> bool:
 
 
 def offenders(baseline: str, samples: str) -> list[Listener]:
-    """The stage's listeners seen in ``samples`` that are neither loopback nor in ``baseline``, sorted."""
-    return sorted(item for item in parse(samples) - parse(baseline) if not is_loopback(item[1]))
+    """The stage's listeners seen in ``samples`` that are neither loopback nor in ``baseline``, sorted.
+
+    A listener seen without an owner (its process was gone by the time ``ss`` looked) counts as the
+    stage's, unless another sample names its owner and that owner is someone else's (FOREIGN) and no
+    sample names an owner of ours: on a shared machine, other users' test workers open such sockets.
+    """
+    owned_by_us = {(f[0], f[4]) for f in (line.split() for line in samples.splitlines()
+                                          if "users:(" in line and not line.startswith(FOREIGN)) if len(f) >= 5}
+    unowned_foreign = parse(samples, foreign=True) - owned_by_us
+    return sorted(item for item in parse(samples) - parse(baseline) - unowned_foreign if not is_loopback(item[1]))
 
 
 def foreign(samples: str) -> list[Listener]:

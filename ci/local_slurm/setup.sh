@@ -7,7 +7,8 @@
 #   munged; slurmctld and slurmd for one node (private slurm.conf, SLURM_CONF);
 #   a private sshd on $RTV_SLURM_SSHD_PORT that admits only the job user
 #   ($RTV_SLURM_USER; the Slurm "login node" SkyPilot reaches over ssh);
-#   the SkyPilot API server (private HOME, SKY_RUNTIME_DIR and port).
+#   the SkyPilot API server, a service with its own HOME, SKY_RUNTIME_DIR and
+#   port; clients (common.sh, client_env) reach it only through its endpoint.
 # It also prepares the job user's shell (shims/, SLURM_CONF), a venv with the
 # project installed for the job (JOB_VENV: torch is copied from $RTV_PYTHON's
 # venv, never downloaded) and SkyPilot's Slurm config (~/.slurm/config).
@@ -41,7 +42,7 @@ install_packages() {
 
 check_skypilot() {
     # The shims exist because of what SkyPilot's bootstrap downloads; stop if that changed.
-    (sky_env && cd "$RTV_REPO" && "$RTV_PYTHON" -m ci.local_slurm.sky_sdk check-bootstrap)
+    (server_env && cd "$RTV_REPO" && "$RTV_PYTHON" -m ci.local_slurm.sky_sdk check-bootstrap)
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -176,7 +177,8 @@ make_job_venv() {
     git -C "$RTV_REPO" ls-files -z -co --exclude-standard | (cd "$RTV_REPO" && tar --null -T - -cf -) | tar -xf - -C "$src"
     "$RTV_PYTHON" -m pip --python "$JOB_VENV/bin/python" install -q --disable-pip-version-check \
         --no-deps --no-index --no-build-isolation "$src"
-    (cd / && runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c '
+    # PYTHONPATH of the caller (the checkout) must not stand in for the installed project.
+    (cd / && env -u PYTHONPATH runuser -u "$RTV_SLURM_USER" -- "$JOB_VENV/bin/python" -c '
 import canaries.cli, reference_trainer, torch
 assert reference_trainer.__file__.startswith("'"$JOB_VENV"'"), reference_trainer.__file__') \
         || die "the job user cannot import the project from $JOB_VENV"
@@ -195,7 +197,7 @@ CONF
 }
 
 start_api_server() {
-    (sky_env && cd "$RTV_REPO" && "$RTV_PYTHON" -m ci.local_slurm.sky_sdk start-server --pid-file "$API_PID")
+    (server_env && cd "$RTV_REPO" && "$RTV_PYTHON" -m ci.local_slurm.sky_sdk start-server --pid-file "$API_PID")
 }
 
 t0=$SECONDS

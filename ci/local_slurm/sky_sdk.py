@@ -10,9 +10,15 @@ environment (``common.sh``: private HOME, SKY_RUNTIME_DIR and API port):
 - ``start-server --pid-file F``: start the private API server in its own
   session (its pid leads the process group ``teardown.sh`` kills), wait until
   it answers, write its pid. ``serve`` is what that process runs.
+- ``restart-server --pid-file F``: stop that server (SIGTERM, then SIGKILL
+  to it and every process below it, by pid), wait for its port to close, and
+  start it again: the restart case.
+- ``job-status NAME``: print the status of the cluster's latest job, as the
+  identity in the environment sees it.
 
-The end-to-end tests import :func:`cluster_records` and :func:`job_status`:
-the probes behind their proofs (what ``sky status`` and the job queue say).
+The end-to-end tests import :func:`cluster_records` (across all users, as
+their own third identity) and run ``job-status`` as the launcher's identity:
+the probes behind their proofs.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["check_bootstrap", "cluster_records", "job_status", "main", "start_server"]
+__all__ = ["check_bootstrap", "cluster_records", "job_status", "main", "restart_server", "start_server"]
 
 # What the shims replace (see shims/curl and shims/uv); both must still be in SkyPilot's bootstrap.
 BOOTSTRAP_DOWNLOADS = {
@@ -69,13 +75,59 @@ def start_server(pid_file: Path, timeout_s: float = 120.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the API server exited with {proc.returncode}; see {log}")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"the API server exited with {proc.returncode}; the end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return proc.pid
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"the API server did not answer {url} within {timeout_s:.0f} s; see {log}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (by parent links: SkyPilot's workers start sessions of their own)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def restart_server(pid_file: Path, timeout_s: float = 30.0) -> int:
+    """Stop the server recorded in ``pid_file`` and every process below it (by pid), then start it again."""
+    import signal
+
+    pid = int(pid_file.read_text())
+    family = [pid, *_descendants(pid)]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.5)
+    for member in family:  # what the TERM left, the server's own workers included
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    port = int(os.environ["SKYPILOT_API_SERVER_LOCAL_PORT"])
+    while time.monotonic() < deadline + timeout_s and _answers(port):
+        time.sleep(0.5)
+    return start_server(pid_file)
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def serve() -> None:
@@ -106,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ci.local_slurm.sky_sdk", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("check-bootstrap")
-    start = commands.add_parser("start-server")
-    start.add_argument("--pid-file", type=Path, required=True)
+    for name in ("start-server", "restart-server"):
+        commands.add_parser(name).add_argument("--pid-file", type=Path, required=True)
+    commands.add_parser("job-status").add_argument("cluster")
     commands.add_parser("serve")
     args = parser.parse_args(argv)
 
@@ -116,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"check-bootstrap: {problem}", file=sys.stderr)
         return 1 if problems else 0
-    if args.command == "start-server":
-        print(f"SkyPilot API server: pid {start_server(args.pid_file)}")
+    if args.command in ("start-server", "restart-server"):
+        start = start_server if args.command == "start-server" else restart_server
+        print(f"SkyPilot API server: pid {start(args.pid_file)}")
+        return 0
+    if args.command == "job-status":
+        print(job_status(args.cluster))
         return 0
     serve()
     return 1

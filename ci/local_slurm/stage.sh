@@ -8,7 +8,8 @@
 # RTV_SLURM_CHAOS=0), and always teardown.sh (trap), then fails if anything
 # listened on a non-loopback address that the baseline did not have.
 # Output (logs, receipts, samples) goes to rtv-out/local_slurm/<UTC time>/.
-# Usage: ci/local_slurm/stage.sh   (RTV_PYTHON: the project's python; default .venv/bin/python)
+# Usage: ci/local_slurm/stage.sh   (RTV_PYTHON: the project's python; default .venv/bin/python;
+#        RTV_SLURM_CASES: a pytest -k expression selecting cases, e.g. for a negative control)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export RTV_REPO=${RTV_REPO:-$(cd "$here/../.." && pwd)}
@@ -44,7 +45,8 @@ trap finish EXIT
 
 "$here/setup.sh"
 log "setup took $((SECONDS - t0)) s"
-sky_env
-export RTV_LOCAL_SLURM=1 RTV_SLURM_OUT=$out
+client_env auditor   # the tests' own probes: a third identity, neither the launcher nor the one that downs
+export RTV_LOCAL_SLURM=1 RTV_SLURM_OUT=$out RTV_SKY_CLIENTS=$SKY_CLIENTS RTV_COMMON_SH=$here/common.sh
 cd "$RTV_REPO"
-"$RTV_PYTHON" -m pytest -p no:xdist -p no:cacheprovider -s -q -o addopts= -rA tests/ci/test_local_slurm_stage.py
+"$RTV_PYTHON" -m pytest -p no:xdist -p no:cacheprovider -s -q -o addopts= -rA tests/ci/test_local_slurm_stage.py \
+    ${RTV_SLURM_CASES:+-k "$RTV_SLURM_CASES"}

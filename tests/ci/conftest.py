@@ -101,3 +101,19 @@ def sky_sandbox(sky_home: dict[str, str], monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def sky_fake(sky_sandbox):
+    """The fake SkyPilot module (``fake_sky``), imported inside the sandbox."""
+    from . import fake_sky
+
+    return fake_sky
+
+
+@pytest.fixture
+def gate(sky_fake, repo_root: Path):
+    """The 2xH200 gate task, checked (``ci.tasks.load_task``)."""
+    from ci.tasks import load_task
+
+    return load_task(repo_root / "ci" / "gate.sky.yaml")

@@ -2,25 +2,48 @@
 
 It has the SDK functions the launcher calls (:data:`REPLACES`), with the
 installed SkyPilot's names and parameters (``test_fake_sky`` checks them
-with ``inspect.signature``), returns SkyPilot's own types (``RequestId``,
-``JobStatus``, ``StatusResponse`` with ``ClusterStatus``, a handle whose
+with ``inspect.signature`` and feeds its answers through SkyPilot's own
+response types), returns SkyPilot's own types (``RequestId``, ``JobStatus``,
+``StatusResponse`` with ``ClusterStatus``, ``RequestPayload``, a handle whose
 ``launched_resources`` is a real ``sky.Resources`` priced by the seeded
-catalog) and raises SkyPilot's own ``ClusterDoesNotExist``. Like the real
-API server, a launch request starts provisioning when it is submitted (the
-cluster appears as INIT) and ``down`` removes whatever exists.
+catalog) and raises SkyPilot's own exceptions. It behaves as the API server
+of 0.14.1 does where the launcher's correctness depends on it:
+
+- One :class:`FakeServer` holds the state; each :class:`FakeSky` is a client
+  with its own user hash (:meth:`FakeSky.as_user`: another runner).
+  ``status`` lists only the caller's clusters unless ``all_users=True``,
+  named clusters included. ``down`` of another user's cluster works, unless
+  the server refuses it (``refuse_foreign_down``).
+- A request runs when the server gets to it (:meth:`FakeServer.run_pending`,
+  or a client waiting on it with ``get``/``stream_and_get``): a launch's
+  cluster appears only then (provisioning started), never at submission.
+- ``api_cancel`` cancels a request that has not run: waiting on it raises
+  ``RequestCancelled`` and its cluster never appears.
+- :meth:`FakeServer.restart` interrupts every request that has not run:
+  waiting on it raises ``RequestInterruptedError`` (final: resubmit).
+- ``tail_logs`` raises ``ClusterNotUpError`` unless the cluster is UP; the
+  log it streams ends with the job's evidence frame, made by the real
+  ``ci.frames.emit`` from records the fake job writes (:data:`EVIDENCE`).
 
 Faults (:meth:`FakeSky.inject`) make one call fail at the boundary:
-``error`` raises, ``timeout`` blocks until :meth:`FakeSky.release`,
-``sigint``/``sigterm`` deliver that signal to this process and then let the
-call finish. Calls are serialised by one lock, as requests are by the server,
-so an interrupted call that is still finishing cannot race the teardown.
+``error`` raises, ``connection`` raises ``ApiServerConnectionError``,
+``timeout`` blocks until :meth:`FakeSky.release`, ``sigint``/``sigterm``
+deliver that signal to this process and then let the call finish,
+``slow_result``: the request is accepted, its result hangs;
+``lost_reply``: the request is accepted, the reply (its id) never comes;
+``restart``: the server restarts as the call arrives. A launch can also
+fail after it provisioned (``fail_after_provision``: a sync or setup
+error, the cluster left UP). Calls are serialised by one lock, as requests
+are by the server; ``wall`` is the server's clock (cluster launch times).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,16 +53,77 @@ from typing import Any
 import sky
 from sky.schemas.api.responses import StatusResponse
 from sky.server.common import RequestId
+from sky.server.requests.payloads import RequestPayload
 
-from validation.evidence import evidence_path, make_record, write_once
+from ci.frames import emit
+from validation.evidence import content_digest, make_record
 
-REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down", "status")
-FAULTS = ("error", "timeout", "sigint", "sigterm", "slow_result")  # slow_result: the request is accepted, its result hangs
-EVIDENCE = ("passed", "failed", "tampered", "missing")
+REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down", "status",
+            "api_status")
+FAULTS = ("error", "connection", "timeout", "sigint", "sigterm", "slow_result", "lost_reply", "restart")
+# What the fake job leaves: all expected records passing; one failed; one tampered; none written; one from an
+# earlier run (another run id, created before); one record too many; the benchmark failed (shown, not enforced);
+# the job's record created on a CPU; no evidence frame in the log at all; every record passed but the work
+# exited 1 (a job SkyPilot reported SUCCEEDED although it failed).
+EVIDENCE = ("passed", "failed", "tampered", "missing", "stale", "foreign", "shown", "cpu", "no_frame", "misreported")
+
+
+class FakeServer:
+    """The API server's state: clusters (with their owner's user hash), jobs, requests, faults."""
+
+    def __init__(self, *, job_statuses: tuple[Any, ...], evidence: str, instance_type: str) -> None:
+        assert evidence in EVIDENCE, evidence
+        self.job_statuses = list(job_statuses)
+        self.evidence = evidence
+        self.instance_type = instance_type
+        self.clusters: dict[str, StatusResponse] = {}
+        self.jobs: dict[str, list[Any]] = {}
+        self.requests: dict[str, dict[str, Any]] = {}  # id -> {thunk, state, name, cluster, user, result}
+        self.calls: list[str] = []
+        self.faults: dict[str, tuple[str, bool]] = {}
+        self.lock = threading.RLock()
+        self.released = threading.Event()
+        self.tasks: list[Any] = []
+        self.logs: dict[str, str] = {}  # cluster -> what its job printed
+        self.refuse_foreign_down = False
+        self.fail_after_provision = False
+        self.on_api_status: Any = None  # called on each api_status (a test lets a lost launch land then)
+        self.wall: Any = time.time
+        self._slow_result = False
+        self._lost_reply = False
+
+    def run_pending(self) -> None:
+        """The server gets to every request not yet run (a launch nobody waits on still lands)."""
+        with self.lock:
+            for request_id, entry in list(self.requests.items()):
+                if entry["state"] == "PENDING":
+                    self._run(request_id)
+
+    def restart(self) -> None:
+        """An API-server restart: every request not yet run is interrupted."""
+        with self.lock:
+            for entry in self.requests.values():
+                if entry["state"] == "PENDING":
+                    entry["state"] = "INTERRUPTED"
+
+    def _run(self, request_id: str) -> Any:
+        entry = self.requests[request_id]
+        if entry["state"] == "CANCELLED":
+            raise sky.exceptions.RequestCancelled(f"request {request_id} was cancelled")
+        if entry["state"] == "INTERRUPTED":
+            raise sky.exceptions.RequestInterruptedError(f"request {request_id} was interrupted: resubmit it")
+        if entry["state"] == "PENDING":
+            try:
+                entry["result"], entry["state"] = entry["thunk"](), "SUCCEEDED"
+            except Exception as error:
+                entry["result"], entry["state"] = error, "FAILED"
+        if entry["state"] == "FAILED":
+            raise entry["result"]
+        return entry["result"]
 
 
 class FakeSky:
-    """SkyPilot's SDK surface for the launcher, over an in-memory cloud."""
+    """SkyPilot's SDK surface for the launcher, as one user of a :class:`FakeServer`."""
 
     JobStatus = sky.JobStatus
     ClusterStatus = sky.ClusterStatus
@@ -47,41 +131,57 @@ class FakeSky:
     exceptions = sky.exceptions
 
     def __init__(self, *, job_statuses: tuple[Any, ...] = (sky.JobStatus.RUNNING, sky.JobStatus.SUCCEEDED),
-                 evidence: str = "passed", instance_type: str = "gpu_2x_h200") -> None:
-        assert evidence in EVIDENCE, evidence
-        self.job_statuses = list(job_statuses)
-        self.evidence = evidence
-        self.instance_type = instance_type
-        self.clusters: dict[str, StatusResponse] = {}
-        self.jobs: dict[str, list[Any]] = {}  # cluster -> remaining statuses (the last one repeats)
-        self.requests: dict[str, Any] = {}
-        self.calls: list[str] = []
-        self.faults: dict[str, tuple[str, bool]] = {}
-        self.lock = threading.RLock()
-        self.released = threading.Event()
-        self.tasks: list[Any] = []
-        self._slow_result = False  # the next request's result hangs (fault "slow_result")
+                 evidence: str = "passed", instance_type: str = "gpu_2x_h200", user: str = "runnera",
+                 server: FakeServer | None = None) -> None:
+        self.server = server or FakeServer(job_statuses=job_statuses, evidence=evidence, instance_type=instance_type)
+        self.user = user
+
+    def as_user(self, user: str) -> FakeSky:
+        """Another client (another runner's SkyPilot user hash) of the same server."""
+        return FakeSky(user=user, server=self.server)
+
+    @property
+    def clusters(self) -> dict[str, StatusResponse]:
+        return self.server.clusters
+
+    @property
+    def calls(self) -> list[str]:
+        return self.server.calls
+
+    @property
+    def faults(self) -> dict[str, tuple[str, bool]]:
+        return self.server.faults
+
+    @property
+    def tasks(self) -> list[Any]:
+        return self.server.tasks
 
     # --- faults -----------------------------------------------------------------------
 
     def inject(self, call: str, fault: str, *, always: bool = False) -> None:
         assert fault in FAULTS, fault
-        self.faults[call] = (fault, always)
+        self.server.faults[call] = (fault, always)
 
     def release(self) -> None:
-        self.released.set()
+        self.server.released.set()
 
     def _enter(self, name: str) -> None:
-        self.calls.append(name)
-        fault, always = self.faults.get(name, (None, False))
+        server = self.server
+        server.calls.append(name)
+        fault, always = server.faults.get(name, (None, False))
         if fault is None:
             return
         if not always:
-            del self.faults[name]
+            del server.faults[name]
         if fault == "error":
             raise RuntimeError(f"injected failure in {name}")
-        if fault == "slow_result":
-            self._slow_result = True
+        if fault == "connection":
+            raise sky.exceptions.ApiServerConnectionError("http://127.0.0.1:1")
+        if fault in ("slow_result", "lost_reply"):
+            setattr(server, f"_{fault}", True)
+            return
+        if fault == "restart":
+            server.restart()
             return
         if fault == "timeout":
             self._hang(name)
@@ -90,20 +190,24 @@ class FakeSky:
 
     def _hang(self, name: str) -> None:
         """Hang without holding the lock (the server goes on answering others) until the test releases it."""
-        self.lock.release()
+        self.server.lock.release()
         try:
-            self.released.wait()
+            self.server.released.wait()
         finally:
-            self.lock.acquire()
+            self.server.lock.acquire()
         raise RuntimeError(f"{name} released after the test")
 
-    def _request(self, thunk: Any) -> RequestId:
-        request_id = RequestId(f"req-{len(self.requests)}")
-        if self._slow_result:
-            self._slow_result = False
-            self.requests[request_id] = lambda: self._hang(f"result of {request_id}")
-        else:
-            self.requests[request_id] = thunk
+    def _request(self, thunk: Any, name: str, cluster: str | None = None) -> RequestId:
+        server = self.server
+        request_id = RequestId(f"req-{len(server.requests)}")
+        if server._slow_result:
+            server._slow_result = False
+            inner, thunk = thunk, lambda: (self._hang(f"result of {request_id}"), inner)[1]
+        server.requests[request_id] = {"thunk": thunk, "state": "PENDING", "name": name, "cluster": cluster,
+                                       "user": self.user, "result": None, "created": server.wall()}
+        if server._lost_reply:
+            server._lost_reply = False
+            self._hang(f"reply to {request_id}")
         return request_id
 
     # --- requests -----------------------------------------------------------------------
@@ -111,117 +215,165 @@ class FakeSky:
     def launch(self, task: Any, cluster_name: str | None = None, retry_until_up: bool = False,
                idle_minutes_to_autostop: int | None = None, wait_for: Any = None, dryrun: bool = False,
                down: bool = False) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("launch")
-            self.tasks.append(task)
-            self.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.INIT)
+            self.server.tasks.append(task)
 
             def provision() -> tuple[int, Any]:
-                self.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.UP)
-                self.jobs[cluster_name] = list(self.job_statuses)
-                return 1, self.clusters[cluster_name].handle
+                self.server.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.UP)
+                self.server.jobs[cluster_name] = list(self.server.job_statuses)
+                self._job_log(cluster_name, task)
+                if self.server.fail_after_provision:
+                    raise RuntimeError(f"rsync of the workdir to {cluster_name} failed (exit 23)")
+                return 1, self.server.clusters[cluster_name].handle
 
-            return self._request(provision)
+            return self._request(provision, "sky.launch", cluster_name)
 
     def stream_and_get(self, request_id: RequestId | None = None, log_path: str | None = None, tail: int | None = None,
                        follow: bool = True, output_stream: Any = None, relay_rich_status: bool = False) -> Any:
-        with self.lock:
+        with self.server.lock:
             self._enter("stream_and_get")
-            return self.requests[request_id]()
+            return self.server._run(request_id)
 
     def get(self, request_id: RequestId) -> Any:
-        with self.lock:
+        with self.server.lock:
             self._enter("get")
-            return self.requests[request_id]()
+            return self.server._run(request_id)
 
     def job_status(self, cluster_name: str, job_ids: list[int] | None = None) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("job_status")
 
             def statuses() -> dict[int, Any]:
                 self._require(cluster_name)
-                queue = self.jobs[cluster_name]
+                queue = self.server.jobs[cluster_name]
                 status = queue.pop(0) if len(queue) > 1 else queue[0]
                 return {job_id: status for job_id in (job_ids or [1])}
 
-            return self._request(statuses)
+            return self._request(statuses, "sky.job_status", cluster_name)
 
     def cancel(self, cluster_name: str, all: bool = False, all_users: bool = False,  # noqa: A002 - SkyPilot's name
                job_ids: list[int] | None = None) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("cancel")
 
             def cancel_jobs() -> None:
                 self._require(cluster_name)
-                self.jobs[cluster_name] = [sky.JobStatus.CANCELLED]
+                self.server.jobs[cluster_name] = [sky.JobStatus.CANCELLED]
 
-            return self._request(cancel_jobs)
+            return self._request(cancel_jobs, "sky.cancel", cluster_name)
 
     def api_cancel(self, request_ids: Any = None, all_users: bool = False, silent: bool = False) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("api_cancel")
-            return self._request(lambda: [request_ids])
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or [])
+            cancelled = []
+            for request_id in ids:
+                entry = self.server.requests.get(request_id)
+                if entry is not None and entry["state"] == "PENDING":
+                    entry["state"] = "CANCELLED"
+                    cancelled.append(request_id)
+            return self._request(lambda: cancelled, "sky.api_cancel")
+
+    def api_status(self, request_ids: Any = None, all_status: bool = False, limit: int | None = None,
+                   fields: list[str] | None = None, cluster_name: str | None = None) -> list[RequestPayload]:
+        with self.server.lock:
+            self._enter("api_status")
+            if self.server.on_api_status is not None:
+                self.server.on_api_status()
+            return [RequestPayload(request_id=rid, name=e["name"], entrypoint="", request_body="{}",
+                                   status="PENDING" if e["state"] == "PENDING" else e["state"],
+                                   created_at=e["created"], user_id=e["user"], return_value="null", error="null",
+                                   pid=None, schedule_type="long", cluster_name=e["cluster"])
+                    for rid, e in self.server.requests.items()
+                    if (all_status or e["state"] == "PENDING") and cluster_name in (None, e["cluster"])]
 
     def down(self, cluster_name: str, purge: bool = False, graceful: bool = False,
              graceful_timeout: int | None = None) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("down")
 
             def remove() -> None:
                 self._require(cluster_name)
-                del self.clusters[cluster_name]
-                self.jobs.pop(cluster_name, None)
+                if self.server.refuse_foreign_down and self.server.clusters[cluster_name].user_hash != self.user:
+                    raise sky.exceptions.ClusterOwnerIdentityMismatchError(
+                        f"cluster {cluster_name!r} belongs to {self.server.clusters[cluster_name].user_hash}")
+                del self.server.clusters[cluster_name]
+                self.server.jobs.pop(cluster_name, None)
 
-            return self._request(remove)
+            return self._request(remove, "sky.down", cluster_name)
 
     def status(self, cluster_names: list[str] | None = None, refresh: Any = sky.StatusRefreshMode.NONE,
                all_users: bool = False) -> RequestId:
-        with self.lock:
+        with self.server.lock:
             self._enter("status")
-            return self._request(lambda: [r for name, r in self.clusters.items()
-                                          if cluster_names is None or name in cluster_names])
+            return self._request(lambda: [r for name, r in self.server.clusters.items()
+                                          if (cluster_names is None or name in cluster_names)
+                                          and (all_users or r.user_hash == self.user)], "sky.status")
 
     def tail_logs(self, cluster_name: str, job_id: int | None, follow: bool, tail: int = 0,
                   output_stream: Any = None) -> int:
-        with self.lock:
+        with self.server.lock:
             self._enter("tail_logs")
             self._require(cluster_name)
-            output_stream.write(f"job {job_id} on {cluster_name}: the log says SUCCEEDED whatever happened\n")
+            record = self.server.clusters[cluster_name]
+            if record.status != sky.ClusterStatus.UP:
+                raise sky.exceptions.ClusterNotUpError(f"cluster {cluster_name} is {record.status.value}",
+                                                       cluster_status=record.status)
+            output_stream.write(self.server.logs[cluster_name])
             return 0
 
-    # --- outputs (rsync in real life) -------------------------------------------------
+    # --- the fake job -----------------------------------------------------------------
 
-    def fetch_outputs(self, cluster: str, remote_dir: str, local_dir: Path, *, timeout: float) -> Path:
-        """Stands in for ``ci.outputs.rsync_outputs``: the job's evidence, as :attr:`evidence` says."""
-        with self.lock:
-            self._enter("fetch_outputs")
-            self._require(cluster)
-        local_dir = Path(local_dir)
-        local_dir.mkdir(parents=True, exist_ok=True)
-        if self.evidence == "missing":
-            return local_dir
-        record = make_record("canary-fake", config={"remote": remote_dir},
-                             checks={"gradients_exact": self.evidence != "failed"}, measurements={"worst": 1e-7})
-        path = write_once(evidence_path(local_dir, "canary-fake"), record)
-        if self.evidence == "tampered":
-            data = json.loads(path.read_text())
-            data["measurements"]["worst"] = 0.0
-            path.chmod(0o644)
-            path.write_text(json.dumps(data))
-        return local_dir
+    def _job_log(self, cluster: str, task: Any) -> None:
+        """What the job prints: a line, then (unless ``no_frame``) its evidence frame (module docstring)."""
+        server = self.server
+        envs = dict(task.envs)
+        log = io.StringIO()
+        log.write(f"(rtv-gate, pid=4242) job 1 on {cluster}: the log says SUCCEEDED whatever happened\n")
+        if server.evidence != "no_frame":
+            with tempfile.TemporaryDirectory() as folder:
+                self._write_records(Path(folder), envs)
+                failed = server.evidence in ("failed", "misreported")  # rtv run exited 1
+                emit(Path(folder), stream=log, env=envs, status=1 if failed else 0)
+        server.logs[cluster] = log.getvalue()
+
+    def _write_records(self, folder: Path, envs: dict[str, str]) -> None:
+        evidence, names = self.server.evidence, envs.get("RTV_EXPECT", "").split()
+        if evidence == "missing":
+            names = names[1:]
+        if evidence == "foreign":
+            names = [*names, "derivative"]
+        template = make_record("fake", config={}, checks={"ok": True}, measurements={"worst": 1e-7})
+        for i, name in enumerate(names):
+            record = json.loads(json.dumps(template))
+            record["kind"] = name
+            record["environment"] |= {"run_id": envs.get("RTV_RUN_ID"), "cuda": "NVIDIA H200"}
+            if evidence == "cpu":
+                record["environment"]["cuda"] = None
+            if evidence == "stale" and i == 0:
+                record["environment"]["run_id"] = "rtv-gate-41-1-0ld0ld00"
+                record["created"] = "2020-01-01T00:00:00+00:00"
+            if (evidence == "failed" and i == 0) or (evidence == "shown" and name == "benchmark"):
+                record["checks"], record["passed"] = {"ok": False}, False
+            record["digest"] = content_digest(record)
+            if evidence == "tampered" and i == 0:
+                record["measurements"]["worst"] = 0.0
+            stem = name if name == "smoke" else f"{name}-gpu"
+            (folder / f"{stem}-20260101T000000{i:06d}Z-{os.getpid()}.json").write_text(json.dumps(record))
 
     # --- helpers ------------------------------------------------------------------------
 
     def _require(self, cluster_name: str) -> None:
-        if cluster_name not in self.clusters:
+        if cluster_name not in self.server.clusters:
             raise sky.exceptions.ClusterDoesNotExist(f"cluster {cluster_name!r} does not exist")
 
     def _record(self, name: str, status: Any) -> StatusResponse:
         handle = SimpleNamespace(
-            launched_resources=sky.Resources(infra="lambda/us-east-1", instance_type=self.instance_type),
+            launched_resources=sky.Resources(infra="lambda/us-east-1", instance_type=self.server.instance_type),
             launched_nodes=1)
         return StatusResponse(
-            name=name, launched_at=int(time.time()), handle=handle, status=status, autostop=10, to_down=True,
-            cluster_hash="fake", cluster_ever_up=status == sky.ClusterStatus.UP, user_hash="fake",
-            user_name="ci", workspace="default", is_managed=False, nodes=1,
+            name=name, launched_at=int(self.server.wall()), handle=handle, status=status, autostop=10, to_down=True,
+            cluster_hash="fake", cluster_ever_up=status == sky.ClusterStatus.UP, user_hash=self.user,
+            user_name=self.user, workspace="default", is_managed=False, nodes=1,
         )

@@ -51,13 +51,6 @@ def test_every_replaced_sdk_function_exists_with_a_compatible_signature(sky_sand
         assert compatible(getattr(fake, name), getattr(sky_sandbox, name)) == [], name
 
 
-def test_the_outputs_stand_in_matches_the_real_fetch(sky_fake):
-    from ci.outputs import rsync_outputs
-
-    assert compatible(sky_fake.FakeSky().fetch_outputs, rsync_outputs) == []
-    assert compatible(rsync_outputs, sky_fake.FakeSky().fetch_outputs) == []
-
-
 def test_the_compatibility_check_can_fail(sky_sandbox):
     def renamed(task, cluster="x"):  # real: cluster_name
         return None

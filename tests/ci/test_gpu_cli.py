@@ -21,6 +21,7 @@ def fake(sky_sandbox, monkeypatch: pytest.MonkeyPatch):
 
 def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_path, capsys):
     fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-1")
+    fake.server.run_pending()
     assert main(["gpu", "status"]) == 0
     assert "rtv-gate-5-1" in capsys.readouterr().out
     assert main(["gpu", "down", "rtv-gate-5-1", "--out", str(tmp_path)]) == 0
@@ -35,7 +36,8 @@ def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_p
 
 def test_down_that_cannot_prove_absence_exits_6(fake, sky_sandbox, tmp_path):
     fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-2")
-    fake.inject("down", "error")
+    fake.server.run_pending()
+    fake.inject("down", "error", always=True)
     assert main(["gpu", "down", "rtv-gate-5-2", "--wait", "0", "--out", str(tmp_path)]) == 6
 
 
@@ -86,3 +88,23 @@ def test_launch_refuses_a_malformed_env_with_exit_2(fake, sky_sandbox, repo_root
             "--env", "RTV_TIME_LIMIT=1m", "--env", env, "--out", str(tmp_path)]
     assert main(argv) == 2
     assert f"found {env!r}" in capsys.readouterr().err and not fake.clusters  # nothing was launched
+
+
+def test_sweep_downs_every_ci_cluster_of_any_user_with_a_receipt_each(fake, sky_sandbox, tmp_path, capsys):
+    for user, name in (("runnera", "rtv-gate-6-1"), ("runnerb", "rtv-gate-6-2"), ("runnerb", "mine")):
+        fake.as_user(user).launch(sky_sandbox.Task(run="true"), cluster_name=name)
+    fake.server.run_pending()
+    assert main(["gpu", "sweep", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 cluster(s) named rtv-* older than 0s" in out and sorted(fake.clusters) == ["mine"]
+    assert len(list(tmp_path.glob("gpu-receipt-*.json"))) == 2
+    assert main(["gpu", "sweep", "--older-than", "soon", "--out", str(tmp_path)]) == 2
+    assert "--older-than" in capsys.readouterr().err
+
+
+def test_the_scheduled_sweeper_fails_loudly_when_it_found_a_cluster(fake, sky_sandbox, tmp_path, capsys):
+    assert main(["gpu", "sweep", "--fail-if-found", "--out", str(tmp_path)]) == 0, "nothing left over: it passes"
+    fake.as_user("runnera").launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-7-1")
+    fake.server.run_pending()
+    assert main(["gpu", "sweep", "--fail-if-found", "--out", str(tmp_path)]) == 1
+    assert "FAILED: 1 cluster(s) outlived their runs" in capsys.readouterr().out and not fake.clusters

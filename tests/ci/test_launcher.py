@@ -2,12 +2,15 @@
 
 Every case runs the real launcher (real threads, real signals delivered to
 this process, real write-once receipts) against ``fake_sky.FakeSky``; only
-the clock that drives deadlines and poll sleeps is fake, so a case takes
-milliseconds (a call timeout takes its 0.3 s for real).
+the clock that drives deadlines, poll sleeps and the server's launch times
+is fake, so a case takes milliseconds (a call timeout takes its 0.3 s for
+real). The remote-server world (other runners, lost submissions, restarts,
+tied evidence) is in ``test_launcher_remote``.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,6 @@ PHASES = {  # the SDK call a phase is interrupted in -> the phase's name in the 
     "stream_and_get": "provision",
     "job_status": "job",
     "tail_logs": "fetch",
-    "fetch_outputs": "fetch",
 }
 SIGNALLED = {"error": 3, "timeout": 5, "sigint": 4, "sigterm": 4}
 
@@ -30,27 +32,13 @@ class FakeClock:
     """Drives deadlines and poll sleeps without waiting."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.now = time.time()
 
     def __call__(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.now += max(seconds, 0.001)
-
-
-@pytest.fixture
-def sky_fake(sky_sandbox):
-    from . import fake_sky
-
-    return fake_sky
-
-
-@pytest.fixture
-def gate(sky_fake, repo_root: Path):
-    from ci.tasks import load_task
-
-    return load_task(repo_root / "ci" / "gate.sky.yaml")
 
 
 class _MinuteClock(FakeClock):
@@ -67,12 +55,12 @@ def launch(fake, spec, out: Path, clock: FakeClock | None = None):
     clock = clock or FakeClock()
     # Per-call limits are real seconds (``bounded``); the clock fakes only deadlines and sleeps. Short only
     # where a call is made to hang, so a loaded machine's slow but answering fake never times out.
-    hangs = any(fault in ("timeout", "slow_result") for fault, _ in fake.faults.values())
+    hangs = any(fault in ("timeout", "slow_result", "lost_reply") for fault, _ in fake.faults.values())
     call = 0.3 if hangs else 10.0
     timeouts = Timeouts(request=call, provision=call, poll=call, poll_interval=15, logs=call, outputs=call,
                         cancel=call, down=call, absence=60, absence_interval=10)
-    launcher = Launcher(fake, fetch_outputs=fake.fetch_outputs, timeouts=timeouts, clock=clock,
-                        sleep=clock.sleep, echo=lambda line: None)
+    fake.server.wall = clock
+    launcher = Launcher(fake, timeouts=timeouts, clock=clock, wall=clock, sleep=clock.sleep, echo=lambda line: None)
     try:
         return launcher.launch(spec, cluster="rtv-gate-42-1", out_dir=out)
     finally:
@@ -109,16 +97,15 @@ def test_interrupted_at_every_phase_tears_down_and_says_why(sky_fake, gate, tmp_
     assert interruption["kind"] == {"sigint": "signal", "sigterm": "signal"}.get(fault, fault)
     assert record["passed"] is False
     calls = fake.calls
-    if PHASES[call] == "provision":  # the launch request in flight is cancelled before down
-        assert "api_cancel" in calls and calls.index("api_cancel") < calls.index("down")
-    if PHASES[call] == "job":  # the unfinished job is cancelled before down
-        assert "cancel" in calls and calls.index("cancel") < calls.index("down")
+    if PHASES[call] == "provision" and fault != "error":  # the launch request in flight is cancelled after down
+        assert "api_cancel" in calls and calls.index("down") < calls.index("api_cancel")
+    assert "cancel" not in calls, "down alone ends the job"
 
 
 @pytest.mark.parametrize("fault", ["error", "timeout"])
 def test_a_failed_teardown_leaves_absence_unproven_exit_6(sky_fake, gate, tmp_path, fault):
     fake = sky_fake.FakeSky()
-    fake.inject("down", fault)
+    fake.inject("down", fault, always=True)
     outcome = launch(fake, gate, tmp_path)
     record = receipt_of(outcome)
     assert outcome.exit_code == 6 and outcome.outcome == "absence unproven"
@@ -141,7 +128,7 @@ def test_a_signal_during_teardown_does_not_stop_it(sky_fake, gate, tmp_path, fau
 def test_six_wins_over_an_interruption(sky_fake, gate, tmp_path):
     fake = sky_fake.FakeSky()
     fake.inject("job_status", "sigterm")
-    fake.inject("down", "error")
+    fake.inject("down", "error", always=True)
     outcome = launch(fake, gate, tmp_path)
     assert outcome.exit_code == 6
     assert_torn_down(fake, receipt_of(outcome), absent=False)
@@ -187,13 +174,13 @@ def test_the_gate_is_the_job_status_not_the_log(sky_fake, sky_sandbox, gate, tmp
     assert receipt_of(outcome)["measurements"]["observed"]["job_status"] == final
 
 
-def test_a_job_past_its_deadline_is_cancelled_and_times_out(sky_fake, sky_sandbox, gate, tmp_path):
+def test_a_job_past_its_deadline_is_downed_and_times_out(sky_fake, sky_sandbox, gate, tmp_path):
     fake = sky_fake.FakeSky(job_statuses=(sky_sandbox.JobStatus.RUNNING,))
     clock = FakeClock()
     outcome = launch(fake, gate, tmp_path, clock)
     record = receipt_of(outcome)
     assert outcome.exit_code == 5
-    assert "cancel" in fake.calls and fake.calls.index("cancel") < fake.calls.index("down")
+    assert "down" in fake.calls and "cancel" not in fake.calls
     assert record["measurements"]["billed_s"] >= gate.job_deadline_s
 
 
@@ -202,6 +189,7 @@ def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
 
     fake = sky_fake.FakeSky()
     fake.launch(gate.task, cluster_name="rtv-gate-7-1")  # a launcher that died after submitting
+    fake.server.run_pending()
     clock = FakeClock()
     outcome = Launcher(fake, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
         "rtv-gate-7-1", out_dir=tmp_path)
@@ -211,7 +199,8 @@ def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
 
     stuck = sky_fake.FakeSky()
     stuck.launch(gate.task, cluster_name="rtv-gate-7-2")
-    stuck.inject("down", "error")
+    stuck.server.run_pending()
+    stuck.inject("down", "error", always=True)
     outcome = Launcher(stuck, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
         "rtv-gate-7-2", out_dir=tmp_path)
     assert outcome.exit_code == 6 and receipt_of(outcome)["measurements"]["absence"] == "unproven"
@@ -224,17 +213,16 @@ def test_a_teardown_that_times_out_is_left_running_not_cancelled(sky_fake, gate,
     record = receipt_of(launch(fake, gate, tmp_path))
     calls = fake.calls
     assert "api_cancel" not in calls[calls.index("down"):], calls
-    assert [s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down"] == [False]
+    assert [s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down"][0] is False
 
 
-def test_a_launch_that_never_came_up_bills_no_gpu_minutes(sky_fake, gate, tmp_path):
-    """GPU-minutes count the GPUs a handle says were launched, not the GPUs asked for."""
+def test_a_launch_that_never_came_up_bills_nothing(sky_fake, gate, tmp_path):
+    """Billing starts at the cluster's own launch; a request that never provisioned bills 0, not its waits."""
     fake = sky_fake.FakeSky()
     fake.inject("stream_and_get", "error")
     m = receipt_of(launch(fake, gate, tmp_path, clock=_MinuteClock()))["measurements"]
-    assert m["billed_s"] > 0
+    assert m["billed_s"] == 0 and m["gpu_minutes"] == 0
     assert m["requested"]["accelerators"] == {"H200": 2}
-    assert m["gpu_minutes"] == 0
 
 
 @pytest.mark.parametrize("error", ["NoCloudAccessError", "CloudUserIdentityError"])
@@ -242,12 +230,13 @@ def test_six_wins_over_missing_credentials(sky_fake, sky_sandbox, gate, tmp_path
     """Missing credentials alone are a setup error (exit 2); with absence unproven, 6 wins (NOTE [Exit codes] Rule 1)."""
     fake = sky_fake.FakeSky()
 
-    def refuse(*args, **kwargs):  # the launch request was accepted (cluster INIT), then the cloud refused it
+    def refuse(*args, **kwargs):  # the launch request provisioned, then the cloud refused it
         fake.calls.append("stream_and_get")
+        fake.server.run_pending()
         raise getattr(sky_sandbox.exceptions, error)("Cloud access is not set up. Run: `sky check`")
 
     monkeypatch.setattr(fake, "stream_and_get", refuse)
-    fake.inject("down", "error")
+    fake.inject("down", "error", always=True)
     outcome = launch(fake, gate, tmp_path)  # returns, rather than raising the credentials SetupError
     record = receipt_of(outcome)
     assert outcome.exit_code == 6 and outcome.outcome == "absence unproven"

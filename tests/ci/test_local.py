@@ -78,6 +78,7 @@ def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Pa
         "python - none",  # ci/node_install.sh keeps rtv's own venv and checks it (no CUDA here: RTV_CUDA=none)
         "python -m pytest tests/gpu -q",
         f"rtv run --preset cpu --nproc 2 --out {out.resolve()}",
+        f"python -m ci.frames emit {out.resolve()} --status 0",  # the evidence frame the launcher would read from the log
     ]
     assert len(list(out.rglob("canary-stub-*.json"))) == 1
 

@@ -80,3 +80,13 @@ def test_is_ours_by_marker_or_job_user_and_a_vanished_process_counts() -> None:
             marked.kill()
             unmarked.kill()
     assert is_ours(marked.pid, "stage-42", job_uid=-1)  # reaped: unknown, so counted as the stage's
+
+
+def test_an_unowned_sighting_of_a_socket_another_sample_names_as_foreign_is_foreign() -> None:
+    """Seen once without an owner (gone before ss looked), then named as another user's test worker."""
+    unowned = "tcp LISTEN 0 4096 *:45015 *:*\n"
+    theirs = 'FOREIGN tcp LISTEN 0 4096 *:45015 *:* users:(("pytest",pid=31001,fd=22))\n'
+    ours = 'tcp LISTEN 0 4096 *:45015 *:* users:(("python",pid=77,fd=3))\n'
+    assert offenders("", f"--- 1\n{unowned}--- 2\n{theirs}") == []
+    assert offenders("", f"--- 1\n{unowned}") == [("tcp", "*:45015")], "never named: it counts as the stage's"
+    assert offenders("", f"--- 1\n{unowned}--- 2\n{theirs}--- 3\n{ours}") == [("tcp", "*:45015")]

@@ -49,6 +49,11 @@ MALFORMED = {
     "no evidence folder": (lambda c: c["envs"].pop("RTV_OUT"), "RTV_OUT"),
     "bad time limit": (lambda c: c["envs"].update(RTV_TIME_LIMIT="forty minutes"), "RTV_TIME_LIMIT"),
     "no setup": (lambda c: c.pop("setup"), "setup"),
+    "setup without its deadline": (lambda c: c.update(setup="make install"), "RTV_SETUP_LIMIT"),
+    "no setup limit": (lambda c: c["envs"].pop("RTV_SETUP_LIMIT"), "RTV_SETUP_LIMIT"),
+    "no expected records": (lambda c: c["envs"].pop("RTV_EXPECT"), "RTV_EXPECT"),
+    "run keeps earlier records": (lambda c: c.update(run=c["run"].replace('rm -rf "$RTV_OUT"\n', "")), "rm -rf"),
+    "run sends no evidence home": (lambda c: c.update(run=c["run"].rsplit("\n", 2)[0]), "ci.frames emit"),
     "nothing requested": (lambda c: c["resources"].pop("accelerators"), "accelerators"),
 }
 
@@ -125,3 +130,13 @@ def test_envs_given_at_launch_override_the_file_before_the_checks(sky_sandbox, r
     assert spec.evidence_dir == "rtv-out/elsewhere" and spec.task.envs["EXTRA"] == "1"
     with pytest.raises(TaskFileError, match="RTV_TIME_LIMIT"):  # an override is checked like the file
         load_task(repo_root / "ci" / "gate.sky.yaml", envs={"RTV_TIME_LIMIT": "soon"})
+
+
+def test_the_tasks_expect_what_rtv_run_writes(sky_sandbox, repo_root: Path):
+    """RTV_EXPECT lists the smoke and every registered canary (the 8-GPU task also the benchmark's own run)."""
+    from canaries.registry import CANARIES
+    from ci.tasks import load_task
+
+    assert load_task(repo_root / "ci" / "gate.sky.yaml").expect == ("smoke", *CANARIES)
+    assert load_task(repo_root / "ci" / "canaries-2node.sky.yaml").expect == ("smoke", *CANARIES)
+    assert load_task(repo_root / "ci" / "canaries.sky.yaml").expect == ("smoke", *CANARIES, "benchmark")

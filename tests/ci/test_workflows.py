@@ -131,7 +131,9 @@ def test_teardown_is_its_own_always_run_job_on_a_fresh_runner_above_its_worst_ca
     assert not any("rtv gpu down" in s.get("run", "") for s in workflow["jobs"]["launch"]["steps"])
     t = Timeouts()
     install_minutes = 15  # checkout, Python, the CPU torch wheel and the project
-    worst = install_minutes + math.ceil((t.request + t.down + t.absence) / 60)
+    # One `down` at its worst: every attempt runs out (request + down), the doubling backoffs, then the absence poll.
+    one_down = (t.down_attempts * (t.request + t.down) + t.down_backoff * (2 ** t.down_attempts - 1) + t.absence)
+    worst = install_minutes + math.ceil(2 * one_down / 60)  # this run's cluster, then one swept earlier attempt
     limit = _triggers(workflow)["workflow_call"]["inputs"]["teardown-minutes"]["default"]
     assert teardown["timeout-minutes"] == "${{ inputs.teardown-minutes }}" and limit > worst
 
@@ -181,3 +183,14 @@ def test_the_nightly_mutation_job_scores_the_trainer_and_uploads_the_report():
     assert budget / 60 + 15 <= job["timeout-minutes"], "the budget leaves time to install and upload"
     (upload,) = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
     assert upload["if"] == "always()" and upload["with"]["path"] == "rtv-out/mutation"
+
+
+def test_the_hourly_sweeper_downs_old_clusters_of_any_user_and_fails_loudly():
+    workflow = _load("gpu-sweep.yml")
+    assert _triggers(workflow)["schedule"] and "workflow_dispatch" in _triggers(workflow)
+    (job,) = workflow["jobs"].values()
+    assert job["environment"] == ENVIRONMENT
+    runs = [s.get("run", "") for s in job["steps"]]
+    (sweep,) = [r for r in runs if r.startswith(".venv/bin/rtv gpu sweep")]
+    assert "--older-than 3h" in sweep and "--fail-if-found" in sweep
+    assert runs.index("python3 ci/guard.py endpoint") < runs.index(sweep)
