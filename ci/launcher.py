@@ -178,8 +178,9 @@ class Launcher(Teardown):
 
     def _launch_and_wait(self, spec: TaskSpec, run: RunState) -> None:
         task = spec.task
-        resources = list(task.resources)[0]
-        task.set_resources(resources.copy(labels={**(resources.labels or {}), LABEL: run.cluster}))
+        alternatives = task.resources  # one entry, or a set (any_of) / list (ordered) of failover alternatives
+        task.set_resources(type(alternatives)(res.copy(labels={**(res.labels or {}), LABEL: run.cluster})
+                                              for res in alternatives))
         start = self._timed(run, Phase.LAUNCH)
         run.possibly_launched = True  # until the server hands back a request id, a launch may exist without it
         run.request = bounded(self.sdk.launch, task, cluster_name=run.cluster, retry_until_up=False,

@@ -17,6 +17,9 @@ its proven absence (``ci.teardown.RunState.billed_s``; a request that never
 provisioned bills nothing). Infrastructure without a price (Slurm,
 Kubernetes, an unknown instance) is recorded as ``"unpriced"`` with the
 reason, never as zero. Not done: a cross-check against ``sky.cost_report``.
+A task of failover alternatives records which one ran (``alternative``,
+its label: ``ci.tasks.chosen_alternative``); the price is that one's, as
+the launch handle carries what was launched.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 from reports.kinds import RECEIPT_KIND
 from validation.evidence import Checks, evidence_path, make_record, source_fingerprint, write_once
+
+from .tasks import chosen_alternative
 
 __all__ = ["hourly_price", "commit", "write_receipt"]
 
@@ -85,6 +90,7 @@ def write_receipt(
         "timings_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "billed_s": round(billed_s, 3),
         "gpu_minutes": round(gpus * billed_s / 60, 3),
+        "alternative": chosen_alternative(handle),  # which failover alternative ran (None: one entry, or none ran)
     }
     measurements["cost"] = _cost(price, reason, billed_s)
     record = make_record(RECEIPT_KIND, config={"command": command, "cluster": cluster, "task": requested.get("task")},

@@ -3,10 +3,18 @@
 A task file is parsed by SkyPilot itself (``sky.Task.from_yaml``); this
 module adds the rules SkyPilot does not know and the launcher relies on:
 
-1. One resources entry with accelerators (``H200:2``, ``H200:8``), or
-   ``cpus`` for the loopback Slurm variant (``infra: slurm``).
+1. Resources with accelerators (``H200:2``, ``H200:8``), or ``cpus`` for
+   the loopback Slurm variant (``infra: slurm``): one entry, or several
+   alternatives (SkyPilot's ``any_of`` / ``ordered`` failover, e.g. RunPod,
+   Nebius, Kubernetes and Slurm shapes that give the GPUs), each with a
+   unique :data:`ALTERNATIVE_LABEL` label naming it, so the receipt can say
+   which one ran (:func:`chosen_alternative`). ``accelerators`` is then the
+   smallest alternative's (what the job needs).
 2. ``autostop`` with ``down: true``: the cluster's own backstop if every
-   launcher and workflow step dies.
+   launcher and workflow step dies. An alternative on a provider SkyPilot
+   cannot autodown is refused with SkyPilot's reason, never left for the
+   optimizer to drop silently (a provider whose support cannot be checked
+   here, e.g. Kubernetes without ``skypilot[kubernetes]``, is let through).
 3. ``envs`` declares ``RTV_OUT`` (where the job writes its evidence,
    relative to the workdir), ``RTV_EXPECT`` (the records the run is to make:
    canary names as ``rtv run`` names their files, ``smoke`` included) and
@@ -36,7 +44,9 @@ from typing import Any
 
 from validation.errors import SetupError
 
-__all__ = ["TaskFileError", "TaskSpec", "load_task", "parse_duration"]
+__all__ = ["ALTERNATIVE_LABEL", "TaskFileError", "TaskSpec", "chosen_alternative", "load_task", "parse_duration"]
+
+ALTERNATIVE_LABEL = "rtv-alternative"  # the resources label naming each failover alternative (rule 1)
 
 EMIT = '-m ci.frames emit "$RTV_OUT" --status "$status"'  # the run's last step (rule 4)
 CLEAN = 'rm -rf "$RTV_OUT"'  # the run's first step (rule 4)
@@ -80,9 +90,14 @@ class TaskSpec:
         """Accelerators over all nodes (what GPU-minutes count)."""
         return sum(self.accelerators.values()) * self.num_nodes
 
+    def alternatives(self) -> list[str]:
+        """The labels of the task's resource alternatives (empty for one entry)."""
+        return sorted(label for label in (_label(res) for res in self.task.resources) if label is not None)
+
     def requested(self) -> dict[str, Any]:
         """What the receipt records as requested."""
         return {"task": str(self.path), "name": self.name, "accelerators": dict(self.accelerators),
+                "alternatives": self.alternatives(),
                 "num_nodes": self.num_nodes, "infra": self.infra, "time_limit_s": self.time_limit_s,
                 "setup_limit_s": self.setup_limit_s, "expect": list(self.expect), "job_deadline_s": self.job_deadline_s, "evidence_dir": self.evidence_dir}
 
@@ -104,6 +119,56 @@ def _limit(path: Path, envs: dict[str, str], name: str) -> float:
         return parse_duration(envs[name])
     except ValueError as error:
         raise _fail(path, f"{name}: {error}", "use timeout's syntax: 40m, 2h") from None
+
+
+def _label(resources: Any) -> str | None:
+    return (resources.labels or {}).get(ALTERNATIVE_LABEL)
+
+
+def chosen_alternative(handle: Any) -> str | None:
+    """The :data:`ALTERNATIVE_LABEL` of what a launch handle says was launched (None: one entry, or nothing)."""
+    resources = getattr(handle, "launched_resources", None)
+    return None if resources is None else _label(resources)
+
+
+def _alternatives(path: Path, entries: list[Any]) -> list[tuple[Any, dict[str, int]]]:
+    """Each resources entry with its accelerators, checked against rules 1-2."""
+    labels = [_label(res) for res in entries]
+    if len(entries) > 1 and (None in labels or len(set(labels)) != len(labels)):
+        raise _fail(path, f"expected each of the {len(entries)} resource alternatives to carry a unique "
+                          f"`labels: {{{ALTERNATIVE_LABEL}: NAME}}`, found {labels}",
+                    f"label each alternative, e.g. `labels: {{{ALTERNATIVE_LABEL}: runpod-h200x2}}`")
+    checked = []
+    for res, label in zip(entries, labels):
+        where = "resources" if label is None else f"resources alternative {label!r}"
+        accelerators = {str(k): int(v) for k, v in (res.accelerators or {}).items()}
+        if not accelerators and res.cpus is None:
+            raise _fail(path, f"expected `{where}` to have `accelerators` (e.g. H200:2) or `cpus`, found neither",
+                        "say what the job needs: `accelerators: H200:2`")
+        autostop = res.autostop_config
+        if autostop is None or not autostop.enabled or not autostop.down:
+            raise _fail(path, f"expected `autostop` with `down: true` (the backstop) on `{where}`, found {autostop}",
+                        "add `autostop: {idle_minutes: 10, down: true}` under resources")
+        _check_autodown(path, res, where)
+        checked.append((res, accelerators))
+    return checked
+
+
+def _check_autodown(path: Path, res: Any, where: str) -> None:
+    """Rule 2's refusal: ``res`` names a provider SkyPilot says cannot autodown."""
+    if res.cloud is None:
+        return
+    from sky import exceptions
+    from sky.clouds import CloudImplementationFeatures
+
+    try:
+        res.cloud.check_features_are_supported(res, {CloudImplementationFeatures.AUTODOWN})
+    except exceptions.NotSupportedError as error:
+        raise _fail(path, f"`{where}` is on {res.cloud}, which SkyPilot cannot autodown: {error}",
+                    "remove that alternative or pick a provider with autodown: the cluster's own backstop "
+                    "must hold wherever it lands") from None
+    except ImportError:
+        pass  # the provider's SDK is not installed here: its support cannot be checked (module docstring)
 
 
 def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] | None = None) -> TaskSpec:
@@ -130,19 +195,8 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
     except Exception as error:  # noqa: BLE001 - SkyPilot raises several types for a bad file
         raise _fail(path, f"SkyPilot refused it: {type(error).__name__}: {error}",
                     "fix the field it names (see docs.skypilot.co, Task YAML)") from error
-    resources = list(task.resources)
-    if len(resources) != 1:
-        raise _fail(path, f"expected one resources entry, found {len(resources)}",
-                    "give a single `resources:` mapping (no any_of/ordered)")
-    res = resources[0]
-    accelerators = {str(k): int(v) for k, v in (res.accelerators or {}).items()}
-    if not accelerators and res.cpus is None:
-        raise _fail(path, "expected `resources.accelerators` (e.g. H200:2) or `resources.cpus`, found neither",
-                    "say what the job needs: `accelerators: H200:2`")
-    autostop = res.autostop_config
-    if autostop is None or not autostop.enabled or not autostop.down:
-        raise _fail(path, f"expected `resources.autostop` with `down: true` (the backstop), found {autostop}",
-                    "add `autostop: {idle_minutes: 10, down: true}` under resources")
+    alternatives = _alternatives(path, list(task.resources))
+    res, accelerators = min(alternatives, key=lambda pair: (sum(pair[1].values()), _label(pair[0]) or ""))
     envs = dict(task.envs)
     missing = [name for name in ("RTV_OUT", "RTV_EXPECT", "RTV_TIME_LIMIT", "RTV_SETUP_LIMIT") if not envs.get(name)]
     if missing:

@@ -220,7 +220,8 @@ class FakeSky:
             self.server.tasks.append(task)
 
             def provision() -> tuple[int, Any]:
-                self.server.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.UP)
+                self.server.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.UP,
+                                                                  self._optimize(task))
                 self.server.jobs[cluster_name] = list(self.server.job_statuses)
                 self._job_log(cluster_name, task)
                 if self.server.fail_after_provision:
@@ -368,9 +369,20 @@ class FakeSky:
         if cluster_name not in self.server.clusters:
             raise sky.exceptions.ClusterDoesNotExist(f"cluster {cluster_name!r} does not exist")
 
-    def _record(self, name: str, status: Any) -> StatusResponse:
+    @staticmethod
+    def _optimize(task: Any) -> Any:
+        """The alternative SkyPilot's optimizer would take: an ordered list's first; of an any_of set, here the
+        first by label (the real one takes the cheapest, which this fake's one price cannot tell apart)."""
+        entries = task.resources
+        if isinstance(entries, list):
+            return entries[0]
+        return min(entries, key=lambda res: sorted((res.labels or {}).items()))
+
+    def _record(self, name: str, status: Any, chosen: Any = None) -> StatusResponse:
+        labels = None if chosen is None else chosen.labels  # SkyPilot keeps the chosen resources' labels
         handle = SimpleNamespace(
-            launched_resources=sky.Resources(infra="lambda/us-east-1", instance_type=self.server.instance_type),
+            launched_resources=sky.Resources(infra="lambda/us-east-1", instance_type=self.server.instance_type,
+                                             labels=labels),
             launched_nodes=1)
         return StatusResponse(
             name=name, launched_at=int(self.server.wall()), handle=handle, status=status, autostop=10, to_down=True,
