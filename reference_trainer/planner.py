@@ -154,12 +154,17 @@ class PlacementDecision:
     ``predicted_bytes``: the device peak the plan admitted; ``saved_bytes``: the
     saved bytes it admitted for this record (on the device for retain, the host
     for offload, rebuilt at backward for replay), never fewer than it holds.
+    ``predicted_seconds``: the extra seconds the plan priced each placement at
+    (its value to seconds: retain 0, offload both transfers, replay one more
+    forward; Rule 3), every placement whether it fit or not, so a caller can
+    hold the prices against measured times (the planner canary).
     """
 
     placement: Placement
     predicted_bytes: int
     saved_bytes: int
     reason: str
+    predicted_seconds: dict[str, float]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +242,9 @@ def plan_placement(request: PlanRequest) -> PlacementDecision:
 
 
 def _decision(request: PlanRequest, placement: Placement, peak: int, reason: str) -> PlacementDecision:
-    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason)
+    prices = {p.value: request.cost.extra_seconds(p) for p in Placement}
+    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason,
+                             predicted_seconds=prices)
 
 
 def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdmissionError:

@@ -1,0 +1,213 @@
+"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement (issue 27).
+
+A grid of cells (:data:`GRIDS`: checkpoint kind × dropout × batch × sequence
+length × pending forwards (staleness) × device limit × host limit), chosen
+so retain, offload and replay each win somewhere and some cells admit
+nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
+
+1. every placement runs once on an unlimited trainer under the memory census
+   (``validation.memory``): measured peak, host bytes, predicted peak;
+2. the cell's limits are set from those predictions: ``none``; ``tight`` (the
+   device limit is offload's predicted peak: with two pending forwards
+   retaining both does not fit); ``nothing`` (one byte under every measured
+   peak: a right refusal); the host limit ``none`` or ``zero`` (what the other
+   placements hold on the host, replay's RNG states: offload does not fit);
+3. on a trainer under those limits every admitted placement and ``auto``
+   are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
+   decisions (placements, predicted prices) recorded.
+
+Bytes are on the work's scale: the census counts storages made after the
+checkpoint was added; the prediction is ``predicted_bytes`` less what the
+checkpoints hold (``Checkpoint.held_nbytes``), which the trainer's limit adds
+back.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+import reference_trainer as rt
+from validation import abba
+from validation.evidence import Checks
+from validation.memory import StorageCensus, frozen_heap
+
+from ..presets import PLACEMENTS, preset
+from ..registry import Judged
+from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
+
+__all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "judge"]
+
+KIND = "planner-canary"
+
+
+@dataclass(frozen=True)
+class Cell:
+    lora: bool
+    dropout: float
+    batch: int
+    seq_len: int
+    pending: int  # forwards pending before their backwards (staleness)
+    device: str  # "none" | "tight" | "nothing"
+    host: str  # "none" | "zero"
+
+    @property
+    def label(self) -> str:
+        kind = "lora" if self.lora else "full"
+        return f"{kind} p{self.dropout:g} {self.batch}x{self.seq_len} s{self.pending} dev:{self.device} host:{self.host}"
+
+
+def _levels(lora: bool, dropout: float, batch: int, seq_len: int) -> list[Cell]:
+    shape = dict(lora=lora, dropout=dropout, batch=batch, seq_len=seq_len)
+    return [Cell(**shape, pending=1, device="none", host="none"), Cell(**shape, pending=2, device="tight", host="none"),
+            Cell(**shape, pending=2, device="tight", host="zero"), Cell(**shape, pending=1, device="nothing", host="none")]
+
+
+# Quick: retain, offload and a right refusal, in seconds. The tight no-offload cells (default) are where
+# replay alone fits: greedy auto retains the first forward and then refuses the second (a wrong refusal).
+GRIDS: dict[str, list[Cell]] = {
+    "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
+              Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
+    "default": [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
+                for c in _levels(lora, dropout, b, t)],
+}
+GRIDS["nightly"] = GRIDS["default"]
+BLOCKS = {"quick": 10, "default": 16, "nightly": 32}
+
+
+def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (cell.batch, cell.seq_len + 1), generator=g)
+    return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
+
+
+def _trainer(model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, host_limit: int | None = None) -> rt.Trainer:
+    """A trainer of ``cell``'s checkpoint kind under ``device_limit`` (the plan's scale, holdings included) and ``host_limit``."""
+    trainer = rt.Trainer(model, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
+    if cell.lora:
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    else:
+        trainer.add_checkpoint("policy", full=True, seed=1)
+    return trainer
+
+
+def _steps(trainer: rt.Trainer, batches: list[list[rt.ForwardInput]], placement: str,
+           after_forward: Callable[[list[rt.ForwardOutput]], None] = lambda outs: None) -> list[rt.PlacementDecision]:
+    """``len(batches)`` forwards under ``placement``, then their backwards; a refusal backpropagates what ran, then raises."""
+    options = rt.ForwardOptions(backward_state=placement, corrections=())
+    pending: list[list[rt.ForwardOutput]] = []
+    try:
+        for inputs in batches:
+            pending.append(trainer.forward(inputs, options=options))
+            after_forward(pending[-1])
+    finally:
+        decisions = [outputs[0].decision for outputs in pending]
+        while pending:
+            trainer.backward(-sum(o.target_logprobs.sum() for o in pending.pop(0)))
+        trainer.zero_grad()
+    return decisions
+
+
+def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]], placement: str) -> ArmMemory:
+    """Rule 1: ``placement`` once on an unlimited trainer, its sampled census peak against its predicted peak."""
+    trainer = _trainer(model, cell)
+    holdings = trainer.checkpoint("policy").held_nbytes()
+    with frozen_heap():
+        census = StorageCensus("cpu")
+        kept: list[torch.Tensor] = []
+        sample = census.sample_hook(ignore=lambda: kept)
+
+        def in_backward(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(sample)
+
+        layers = model.model.layers
+        handles = [layers[-1].register_forward_hook(sample), layers[0].register_forward_hook(in_backward)]
+        try:
+            decisions = _steps(trainer, batches, placement, lambda outs: (kept.extend(o.target_logprobs for o in outs),
+                                                                          census.measure(ignore=kept)))
+        finally:
+            for handle in handles:
+                handle.remove()
+    predicted = max(d.predicted_bytes for d in decisions) - holdings
+    return ArmMemory(measured_peak=census.peak.device, predicted_peak=predicted, measured_host=census.peak.host)
+
+
+def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int | None]:
+    """Step 2 of the module docstring, on the work scale."""
+    device = {"none": None, "tight": memory["offload"].predicted_peak,
+              "nothing": min(m.measured_peak for m in memory.values()) - 1}[cell.device]
+    # The host bytes a placement other than offload holds (replay's RNG states): offload alone goes over.
+    others = max(m.measured_host for p, m in memory.items() if p != "offload")
+    return device, None if cell.host == "none" else others
+
+
+def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter) -> CellResult:
+    """Measure one cell (module docstring); a cell that raises is returned with its error (Rule 6)."""
+    batches = [_inputs(cell, model.config.vocab_size, 100 + k) for k in range(cell.pending)]
+    result = CellResult(cell.label, None, None)
+    try:
+        result.memory = {p: _memory(model, cell, batches, p) for p in PLACEMENTS}
+        result.device_limit, result.host_limit = _limits(cell, result.memory)
+        holdings = _trainer(model, cell).checkpoint("policy").held_nbytes()
+        device_limit = None if result.device_limit is None else result.device_limit + holdings
+        trainer = _trainer(model, cell, device_limit, result.host_limit)
+        for placement in PLACEMENTS:
+            try:
+                _steps(trainer, batches, placement)
+            except rt.MemoryAdmissionError:
+                continue
+            result.admitted.append(placement)
+        try:
+            decisions = _steps(trainer, batches, AUTO)
+        except rt.MemoryAdmissionError:
+            return result
+        result.auto = [str(d.placement) for d in decisions]
+        arms = {p: (lambda p=p: _steps(trainer, batches, p)) for p in [*result.admitted, AUTO]}
+        result.seconds = {name: [] for name in arms}
+        for index in range(blocks + 1):  # block 0 warms up
+            times = abba.run_block(arms, index, clock)
+            for name, seconds in times.items():
+                if index:
+                    result.seconds[name].append(seconds)
+        decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
+        result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}
+    except Exception:  # Rule 6: a failed cell is recorded, never lost
+        result.error = traceback.format_exc(limit=4)
+    return result
+
+
+def judge(preset_name: str, profile: str) -> Judged:
+    """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
+    spec = preset(preset_name).on_this_machine()
+    started = time.perf_counter()
+    cells = GRIDS[profile]
+    models: dict[float, rt.DecoderLM] = {}
+    results: dict[str, CellResult] = {}
+    for cell in cells:
+        if cell.dropout not in models:
+            models[cell.dropout] = rt.DecoderLM(rt.ModelConfig.tiny(dropout=cell.dropout), seed=0)
+        results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
+    gates = Gates()
+    figures, verdicts = certify([c.label for c in cells], results, gates)
+    checks = Checks()
+    for name, ok, detail in verdicts:
+        if ok is None:
+            checks.skip(name, detail)
+        else:
+            checks.check(name, ok, detail)
+        print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name}: {detail[:200]}", flush=True)
+    measurements = {
+        "certificate": figures,
+        "cells": {label: asdict(r) for label, r in results.items()},
+        "gates": asdict(gates),
+        "seconds": time.perf_counter() - started,
+    }
+    config = {"preset": spec.describe(), "profile": profile, "blocks": BLOCKS[profile],
+              "grid": [asdict(c) for c in cells], "model": "tiny (CPU cells on every preset)"}
+    return Judged(KIND, config, checks, measurements)
