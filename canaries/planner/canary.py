@@ -11,7 +11,9 @@ nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
    device limit is offload's predicted peak: with two pending forwards
    retaining both does not fit); ``nothing`` (one byte under every measured
    peak: a right refusal); the host limit ``none`` or ``zero`` (what the other
-   placements hold on the host, replay's RNG states: offload does not fit);
+   placements hold on the host, replay's RNG states: offload does not fit) or
+   ``one`` (room for one offloaded record's estimate: auto retains one forward
+   and offloads the next, forced offload of both is refused, replay wins);
 3. on a trainer under those limits every admitted placement and ``auto``
    are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
    decisions (placements, predicted prices) recorded.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -54,7 +56,7 @@ class Cell:
     seq_len: int
     pending: int  # forwards pending before their backwards (staleness)
     device: str  # "none" | "tight" | "nothing"
-    host: str  # "none" | "zero"
+    host: str  # "none" | "zero" | "one" (room for one offloaded record)
 
     @property
     def label(self) -> str:
@@ -65,14 +67,15 @@ class Cell:
 def _levels(lora: bool, dropout: float, batch: int, seq_len: int) -> list[Cell]:
     shape = dict(lora=lora, dropout=dropout, batch=batch, seq_len=seq_len)
     return [Cell(**shape, pending=1, device="none", host="none"), Cell(**shape, pending=2, device="tight", host="none"),
-            Cell(**shape, pending=2, device="tight", host="zero"), Cell(**shape, pending=1, device="nothing", host="none")]
+            Cell(**shape, pending=2, device="tight", host="zero"), Cell(**shape, pending=2, device="tight", host="one"),
+            Cell(**shape, pending=1, device="nothing", host="none")]
 
 
 # Quick: retain, offload and a right refusal, in seconds. The tight no-offload cells (default) are where
 # replay alone fits: greedy auto retains the first forward and then refuses the second (a wrong refusal).
 GRIDS: dict[str, list[Cell]] = {
     "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
-              Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
+              Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
     "default": [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
                 for c in _levels(lora, dropout, b, t)],
 }
@@ -117,25 +120,27 @@ def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]
     """Rule 1: ``placement`` once on an unlimited trainer, its sampled census peak against its predicted peak."""
     trainer = _trainer(model, cell)
     holdings = trainer.checkpoint("policy").held_nbytes()
-    with frozen_heap():
-        census = StorageCensus("cpu")
-        kept: list[torch.Tensor] = []
-        sample = census.sample_hook(ignore=lambda: kept)
+    # A shorter forward first (another shape class): its measured scale must not reach this class (Rule 5).
+    _steps(trainer, [_inputs(replace(cell, seq_len=max(1, cell.seq_len // 4)), model.config.vocab_size, 99)], placement)
+    census = StorageCensus("cpu")
+    kept: list[torch.Tensor] = []
+    sample = census.sample_hook(ignore=lambda: kept)
 
-        def in_backward(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            if output.requires_grad:
-                output.register_hook(sample)
+    def in_backward(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(sample)
 
-        layers = model.model.layers
-        handles = [layers[-1].register_forward_hook(sample), layers[0].register_forward_hook(in_backward)]
-        try:
-            decisions = _steps(trainer, batches, placement, lambda outs: (kept.extend(o.target_logprobs for o in outs),
-                                                                          census.measure(ignore=kept)))
-        finally:
-            for handle in handles:
-                handle.remove()
+    layers = model.model.layers
+    handles = [layers[-1].register_forward_hook(sample), layers[0].register_forward_hook(in_backward)]
+    try:
+        decisions = _steps(trainer, batches, placement, lambda outs: (kept.extend(o.target_logprobs for o in outs),
+                                                                      census.measure(ignore=kept)))
+    finally:
+        for handle in handles:
+            handle.remove()
     predicted = max(d.predicted_bytes for d in decisions) - holdings
-    return ArmMemory(measured_peak=census.peak.device, predicted_peak=predicted, measured_host=census.peak.host)
+    return ArmMemory(measured_peak=census.peak.device, predicted_peak=predicted, measured_host=census.peak.host,
+                     saved_estimate=max(d.saved_bytes for d in decisions))
 
 
 def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int | None]:
@@ -144,7 +149,8 @@ def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int |
               "nothing": min(m.measured_peak for m in memory.values()) - 1}[cell.device]
     # The host bytes a placement other than offload holds (replay's RNG states): offload alone goes over.
     others = max(m.measured_host for p, m in memory.items() if p != "offload")
-    return device, None if cell.host == "none" else others
+    host = {"none": None, "zero": others, "one": others + memory["offload"].saved_estimate}[cell.host]
+    return device, host
 
 
 def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter) -> CellResult:
@@ -189,10 +195,11 @@ def judge(preset_name: str, profile: str) -> Judged:
     cells = GRIDS[profile]
     models: dict[float, rt.DecoderLM] = {}
     results: dict[str, CellResult] = {}
-    for cell in cells:
-        if cell.dropout not in models:
-            models[cell.dropout] = rt.DecoderLM(rt.ModelConfig.tiny(dropout=cell.dropout), seed=0)
-        results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
+    for dropout in dict.fromkeys(c.dropout for c in cells):
+        models[dropout] = rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0)
+    with frozen_heap():  # each census then collects only what its cell made (NOTE [Memory census] Rule 5)
+        for cell in cells:
+            results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
     gates = Gates()
     figures, verdicts = certify([c.label for c in cells], results, gates)
     checks = Checks()

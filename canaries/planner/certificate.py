@@ -65,6 +65,7 @@ class ArmMemory:
     measured_peak: int
     predicted_peak: int
     measured_host: int
+    saved_estimate: int  # the largest saved bytes the plan admitted for one of its records (offload: host bytes)
 
 
 @dataclass
