@@ -39,7 +39,8 @@ from validation import abba
 from validation.evidence import Checks
 from validation.memory import StorageCensus, frozen_heap
 
-from ..presets import PLACEMENTS, preset
+from .. import presets
+from ..presets import PLACEMENTS
 from ..registry import Judged
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
 
@@ -188,9 +189,9 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
     return result
 
 
-def judge(preset_name: str, profile: str) -> Judged:
+def judge(preset: str, profile: str) -> Judged:
     """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
-    spec = preset(preset_name).on_this_machine()
+    spec = presets.preset(preset).on_this_machine()
     started = time.perf_counter()
     cells = GRIDS[profile]
     models: dict[float, rt.DecoderLM] = {}
