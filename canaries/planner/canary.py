@@ -6,7 +6,9 @@ so retain, offload and replay each win somewhere and some cells admit
 nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
 
 1. every placement runs once on an unlimited trainer under the memory census
-   (``validation.memory``): measured peak, host bytes, predicted peak;
+   (``validation.memory``), after a shorter forward of another shape class:
+   measured peak, host bytes, predicted peak, and what each forward's record
+   holds (both pools) against the saved bytes its plan admitted;
 2. the cell's limits are set from those predictions: ``none``; ``tight`` (the
    device limit is offload's predicted peak: with two pending forwards
    retaining both does not fit); ``nothing`` (one byte under every measured
@@ -133,15 +135,21 @@ def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]
 
     layers = model.model.layers
     handles = [layers[-1].register_forward_hook(sample), layers[0].register_forward_hook(in_backward)]
+    held = [0]  # what the pending records hold after each forward, both pools: each record's growth is its saved state
+
+    def after_forward(outputs: list[rt.ForwardOutput]) -> None:
+        kept.extend(o.target_logprobs for o in outputs)
+        held.append(census.measure(ignore=kept).total)
+
     try:
-        decisions = _steps(trainer, batches, placement, lambda outs: (kept.extend(o.target_logprobs for o in outs),
-                                                                      census.measure(ignore=kept)))
+        decisions = _steps(trainer, batches, placement, after_forward)
     finally:
         for handle in handles:
             handle.remove()
-    predicted = max(d.predicted_bytes for d in decisions) - holdings
-    return ArmMemory(measured_peak=census.peak.device, predicted_peak=predicted, measured_host=census.peak.host,
-                     saved_estimate=max(d.saved_bytes for d in decisions))
+    grown = [after - before for before, after in zip(held, held[1:])]
+    return ArmMemory(measured_peak=census.peak.device, predicted_peak=max(d.predicted_bytes for d in decisions) - holdings,
+                     measured_host=census.peak.host, saved_estimate=max(d.saved_bytes for d in decisions),
+                     saved_ratio=max(g / d.saved_bytes for g, d in zip(grown, decisions)))
 
 
 def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int | None]:

@@ -19,8 +19,10 @@ NOTE [Planner certificate]
      is still recorded.
   4. A refusal (``auto`` admitted nothing) is right when no placement's
      measured peak and host bytes fit the limits, wrong otherwise.
-  5. Memory: measured peak / predicted peak per placement and cell, never
-     above 1 (an under-estimate becomes an OOM on a GPU); the over-estimate
+  5. Memory: measured peak / predicted peak per placement and cell, and what
+     each record holds after its forward / the saved bytes its plan admitted
+     (the estimate the peak's slack would otherwise hide), never above 1 (an
+     under-estimate becomes an OOM on a GPU); the peak's over-estimate
      (predicted / measured - 1) is reported as its median and worst. An
      admitted placement whose measured peak or host bytes exceed the limits
      fails too.
@@ -66,6 +68,7 @@ class ArmMemory:
     predicted_peak: int
     measured_host: int
     saved_estimate: int  # the largest saved bytes the plan admitted for one of its records (offload: host bytes)
+    saved_ratio: float  # the largest (bytes a record holds after its forward) / (saved bytes its plan admitted)
 
 
 @dataclass
@@ -99,6 +102,7 @@ class CellVerdict:
     wrong_pairs: tuple[str, ...]
     refusal_right: bool | None
     peak_ratios: dict[str, float]
+    saved_ratios: dict[str, float]
     over_limit: tuple[str, ...]
     error: str | None
 
@@ -145,7 +149,8 @@ def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
     """The verdict of one cell (Rules 2-6)."""
     peak_ratios = {p: m.measured_peak / m.predicted_peak for p, m in cell.memory.items() if m.predicted_peak > 0}
     over = tuple(p for p in cell.admitted if p in cell.memory and not _fits(cell.memory[p], cell.device_limit, cell.host_limit))
-    common = dict(peak_ratios=peak_ratios, over_limit=over, label=cell.label)
+    saved_ratios = {p: m.saved_ratio for p, m in cell.memory.items()}
+    common = dict(peak_ratios=peak_ratios, saved_ratios=saved_ratios, over_limit=over, label=cell.label)
     if cell.error is not None:
         return CellVerdict(status="failed", best=None, regret=None, regret_interval=None, gated_regret=None,
                            pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=None, error=cell.error, **common)
@@ -169,7 +174,7 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     nothing to judge (no pair measurably apart): skipped, and said so."""
     verdicts = [cell_verdict(cells[label], gates.confidence) if label in cells else
                 CellVerdict(label=label, status="failed", best=None, regret=None, regret_interval=None, gated_regret=None,
-                            pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=None, peak_ratios={},
+                            pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=None, peak_ratios={}, saved_ratios={},
                             over_limit=(), error="no result")
                 for label in planned]
     failed = [v.label for v in verdicts if v.status == "failed"]
@@ -196,6 +201,9 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     }
     wrong_pairs = "; ".join(f"{v.label}: {w}" for v in measured for w in v.wrong_pairs)
     under = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.peak_ratios.items() if r > gates.peak_ratio]
+    saved = [r for v in verdicts for r in v.saved_ratios.values()]
+    under_saved = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.saved_ratios.items() if r > gates.peak_ratio]
+    figures["worst_saved_ratio"] = max(saved, default=float("nan"))
     checks = [
         ("certificate: every planned cell has a verdict, none failed", not failed,
          f"{len(planned)} planned; failed: {failed or 'none'}; "
@@ -211,6 +219,8 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
          f"{len(refused)} refused, wrong: {wrong or 'none'}"),
         ("certificate: measured peak / predicted peak <= 1", ratios.size > 0 and not under,
          f"worst {figures['worst_peak_ratio']:.3f} over {ratios.size} runs; under-estimates: {under or 'none'}"),
+        ("certificate: held after a forward / admitted saved bytes <= 1", bool(saved) and not under_saved,
+         f"worst {figures['worst_saved_ratio']:.3f} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
         ("certificate: admitted placements within the limits (measured)", not over_limit,
          "; ".join(over_limit) or "every admitted placement's measured bytes within its limits"),
     ]

@@ -25,7 +25,8 @@ def _timed(costs: dict[str, float], blocks: int = 12) -> dict[str, list[float]]:
 
 
 def _cell(label: str, predicted: dict[str, float], *, auto_cost: float = 1.0, peak: int = 90) -> CellResult:
-    memory = {p: ArmMemory(measured_peak=peak, predicted_peak=100, measured_host=0, saved_estimate=10) for p in predicted}
+    memory = {p: ArmMemory(measured_peak=peak, predicted_peak=100, measured_host=0, saved_estimate=10,
+                        saved_ratio=0.9) for p in predicted}
     return CellResult(label, None, None, seconds=_timed({**SECONDS, "auto": auto_cost}), predicted=predicted,
                       memory=memory, admitted=list(predicted), auto=["retain"])
 
@@ -62,6 +63,12 @@ def test_auto_slower_than_the_best_is_regret_with_its_interval() -> None:
 
 def test_an_under_estimated_peak_fails() -> None:
     assert _checks({"a": _cell("a", GOOD, peak=101)})["certificate: measured peak / predicted peak <= 1"] is False
+
+
+def test_an_under_estimated_saved_state_fails() -> None:
+    cell = _cell("a", GOOD)
+    cell.memory["offload"] = ArmMemory(measured_peak=90, predicted_peak=100, measured_host=0, saved_estimate=10, saved_ratio=1.1)
+    assert _checks({"a": cell})["certificate: held after a forward / admitted saved bytes <= 1"] is False
 
 
 def test_a_refusal_is_wrong_when_a_placement_measured_fits() -> None:
