@@ -20,6 +20,7 @@ from .errors import (
 )
 from .inputs import ForwardInput, ForwardOutput
 from .planner import PlacementDecision
+from .misses import PlannerMiss, observe_planner_misses, replay_estimate
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
 from .ranks import (
@@ -68,6 +69,7 @@ __all__ = [
     "MemoryAdmissionError",
     "ModelConfig",
     "PlacementDecision",
+    "PlannerMiss",
     "RecordReport",
     "ResolvedOptions",
     "RatioStats",
@@ -78,6 +80,8 @@ __all__ = [
     "UNSET",
     "UnsupportedSavedStateError",
     "mark_quantized_saved_state",
+    "observe_planner_misses",
+    "replay_estimate",
     "resolve_options",
     "token_logprobs",
 ]

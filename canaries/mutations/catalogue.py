@@ -12,7 +12,6 @@ the planner certificate, NOTE [Planner certificate]).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from reference_trainer.commit import GradientTransaction
 from reference_trainer.corrections import KnownLogprobs
 from reference_trainer.grad_norms import KnownNorm
 from reference_trainer.records import RecordTable
-from reference_trainer.planner import ForwardCost, Placement, PlanRequest, analytic_saved_bytes
+from reference_trainer.planner import ForwardCost, Placement, analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
 from reference_trainer.residency import SavedStateLedger
 from reference_trainer.sinks import LiveGradSink, RankGradients
@@ -168,13 +167,7 @@ def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManag
 
 # --- issue 27: the planner's witnesses (each must fail the planner certificate) ----------------------------
 
-_REAL_FITS = planner_module._fits
 _REAL_EXTRA_SECONDS = ForwardCost.extra_seconds
-
-
-def _fits_without_host(request: PlanRequest, placement: Placement) -> tuple[bool, int, int]:
-    """The plan's fit test with no host budget: offloads admitted past ``host_memory_limit_bytes``."""
-    return _REAL_FITS(dataclasses.replace(request, host_limit=None), placement)
 
 
 def _offload_free(self: ForwardCost, placement: Placement) -> float:
@@ -286,8 +279,8 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("attention_term_dropped", "the analytic saved-bytes estimate leaves out attention's H·B·T² "
                  "probabilities (and dropout's masks of them)", "planner", _estimate_with(scores_saved=False),
                  "certificate: held after a forward / admitted saved bytes <= 1"),
-        Mutation("host_budget_ignored", "the plan admits offloads past the host limit", "planner",
-                 _patched(planner_module, "_fits", _fits_without_host),
+        Mutation("host_budget_ignored", "the plan counts no host bytes for a new offload (the host budget never "
+                 "binds it)", "planner", _patched(ForwardCost, "host_bytes", lambda self, placement: 0),
                  "certificate: admitted placements within the limits (measured)"),
         Mutation("offload_priced_at_zero", "offload is priced at no seconds (no transfers)", "planner",
                  _patched(ForwardCost, "extra_seconds", _offload_free), "certificate: pairwise ordering on pairs apart"),
