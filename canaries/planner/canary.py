@@ -44,6 +44,7 @@ from validation.memory import StorageCensus, frozen_heap
 from .. import presets
 from ..presets import PLACEMENTS
 from ..registry import Judged
+from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
 
 __all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "judge"]
@@ -192,6 +193,9 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
                     result.seconds[name].append(seconds)
         decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
         result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}
+        moved, tokens = 2.0 * sum(d.saved_bytes for d in decisions), float(cell.batch * cell.seq_len * cell.pending)
+        result.features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, float(cell.pending)],
+                           "replay": [0.0, tokens, float(cell.pending)]}
     except Exception:  # Rule 6: a failed cell is recorded, never lost
         result.error = traceback.format_exc(limit=4)
     return result
@@ -211,6 +215,11 @@ def judge(preset: str, profile: str) -> Judged:
             results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
     gates = Gates()
     figures, verdicts = certify([c.label for c in cells], results, gates)
+    calibrated = calibration.held_out(list(results.values()), gates.confidence)
+    held_out_ok = None if not calibrated["pairs_apart"] else calibrated["ordering"] >= calibration.HELD_OUT_GATE
+    verdicts.append(("calibration: held-out cells ordered by constants fitted on the others", held_out_ok,
+                     f"{calibrated['ordering']:.3f} of {calibrated['pairs_apart']} held-out pairs apart (gate >= "
+                     f"{calibration.HELD_OUT_GATE}); constants {calibrated['constants']}"))
     checks = Checks()
     for name, ok, detail in verdicts:
         if ok is None:
@@ -219,6 +228,7 @@ def judge(preset: str, profile: str) -> Judged:
             checks.check(name, ok, detail)
         print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name}: {detail[:200]}", flush=True)
     measurements = {
+        "calibration": calibrated,
         "certificate": figures,
         "cells": {label: asdict(r) for label, r in results.items()},
         "gates": asdict(gates),

@@ -76,7 +76,8 @@ class CellResult:
     """What one cell measured. ``seconds``: per-block seconds of each timed arm (forced placements and ``auto``);
     ``predicted``: each placement's predicted extra seconds; ``memory``: each placement's bytes (Rule 1);
     ``admitted``: the forced placements the limits admit; ``auto``: auto's placements (None: refused);
-    ``error``: why the cell failed (Rule 6)."""
+    ``error``: why the cell failed (Rule 6); ``features``: each placement's bytes moved, tokens replayed and
+    records, for calibration (NOTE [Planner calibration])."""
 
     label: str
     device_limit: int | None
@@ -87,6 +88,7 @@ class CellResult:
     admitted: list[str] = field(default_factory=list)
     auto: list[str] | None = None
     error: str | None = None
+    features: dict[str, list[float]] = field(default_factory=dict)  # NOTE [Planner calibration] Rule 1
 
 
 @dataclass(frozen=True)

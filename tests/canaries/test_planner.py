@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from canaries.planner.certificate import ArmMemory, CellResult, certify
+from canaries.planner import calibration
+from canaries.planner.certificate import ArmMemory, CellResult, cell_verdict, certify
 from validation import abba
 
 SECONDS = {"retain": 1.0, "offload": 1.2, "replay": 1.5, "auto": 1.0}  # what each arm costs on the fake clock
@@ -96,3 +97,32 @@ def test_the_quick_canary_passes_and_every_placement_is_admitted_somewhere() -> 
     admitted = {p for r in judged.measurements["cells"].values() for p in r["admitted"]}
     assert admitted == {"retain", "offload", "replay"} and "replay" in {c["best"] for c in cells}
     assert any(c["status"] == "refused" and c["refusal_right"] for c in cells)
+
+
+# --- calibration (NOTE [Planner calibration]) -------------------------------------------------------------
+
+TRUE = {"seconds_per_byte": 2e-9, "seconds_per_token": 3e-5, "seconds_per_record": 4e-4}
+
+
+def _calibration_cell(index: int) -> CellResult:
+    """A cell whose arms cost ``features · TRUE`` on the fake clock (sizes vary from cell to cell)."""
+    records, tokens, moved = 1 + index % 3, 32.0 * (1 + index % 4), 1e5 * (1 + (index * 7) % 11)
+    features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, records], "replay": [0.0, tokens * records, records]}
+    costs = {p: 0.01 + sum(f * TRUE[n] for f, n in zip(vector, calibration.FEATURES)) for p, vector in features.items()}
+    return CellResult(f"c{index}", None, None, seconds=_timed({**costs, "auto": costs["retain"]}, blocks=16),
+                      predicted=dict.fromkeys(features, 0.0), admitted=list(features), auto=["retain"], features=features)
+
+
+def test_constants_fitted_on_half_the_cells_order_the_other_half() -> None:
+    cells = [_calibration_cell(i) for i in range(12)]
+    found = calibration.held_out(cells)
+    assert found["pairs_apart"] >= 10 and found["ordering"] >= calibration.HELD_OUT_GATE
+    for name, value in TRUE.items():
+        assert found["constants"][name] == pytest.approx(value, rel=0.2), found["constants"]
+
+
+def test_the_held_out_gate_is_not_vacuous() -> None:  # prices from constants off by the wrong orders fail it
+    cells = [_calibration_cell(i) for i in range(12)]
+    wrong = {"seconds_per_byte": 1e-6, "seconds_per_token": 0.0, "seconds_per_record": 0.0}
+    verdicts = [cell_verdict(calibration.priced(c, wrong)) for c in cells[1::2]]
+    assert sum(v.pairs_ordered for v in verdicts) / sum(v.pairs_apart for v in verdicts) < calibration.HELD_OUT_GATE
