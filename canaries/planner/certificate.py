@@ -91,22 +91,24 @@ class CellResult:
     features: dict[str, list[float]] = field(default_factory=dict)  # NOTE [Planner calibration] Rule 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CellVerdict:
+    """One cell's verdict (Rules 2-6); a refused or failed cell keeps the defaults of what it could not measure."""
+
     label: str
     status: str  # "measured" | "refused" | "failed"
-    best: str | None
-    regret: float | None  # point estimate (Rule 3)
-    regret_interval: tuple[float, float] | None
-    gated_regret: float | None
-    pairs_apart: int
-    pairs_ordered: int
-    wrong_pairs: tuple[str, ...]
-    refusal_right: bool | None
-    peak_ratios: dict[str, float]
-    saved_ratios: dict[str, float]
-    over_limit: tuple[str, ...]
-    error: str | None
+    best: str | None = None
+    regret: float | None = None  # point estimate (Rule 3)
+    regret_interval: tuple[float, float] | None = None
+    gated_regret: float | None = None
+    pairs_apart: int = 0
+    pairs_ordered: int = 0
+    wrong_pairs: tuple[str, ...] = ()
+    refusal_right: bool | None = None
+    peak_ratios: dict[str, float] = field(default_factory=dict)
+    saved_ratios: dict[str, float] = field(default_factory=dict)
+    over_limit: tuple[str, ...] = ()
+    error: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -154,19 +156,17 @@ def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
     saved_ratios = {p: m.saved_ratio for p, m in cell.memory.items()}
     common = dict(peak_ratios=peak_ratios, saved_ratios=saved_ratios, over_limit=over, label=cell.label)
     if cell.error is not None:
-        return CellVerdict(status="failed", best=None, regret=None, regret_interval=None, gated_regret=None,
-                           pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=None, error=cell.error, **common)
+        return CellVerdict(status="failed", error=cell.error, **common)
     if cell.auto is None:
         right = not any(_fits(m, cell.device_limit, cell.host_limit) for m in cell.memory.values())
-        return CellVerdict(status="refused", best=None, regret=None, regret_interval=None, gated_regret=None,
-                           pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=right, error=None, **common)
+        return CellVerdict(status="refused", refusal_right=right, **common)
     apart, ordered, wrong = _ordering(cell, confidence)
     best = min(cell.admitted, key=lambda p: float(np.median(cell.seconds[p])))
     ratio, low, high = pair_interval(cell.seconds[AUTO], cell.seconds[best], confidence)
     gated = max(0.0, ratio - 1) if _apart(low, high) and low > 1 else 0.0
     return CellVerdict(status="measured", best=best, regret=ratio - 1, regret_interval=(low - 1, high - 1),
                        gated_regret=gated, pairs_apart=apart, pairs_ordered=ordered, wrong_pairs=tuple(wrong),
-                       refusal_right=None, error=None, **common)
+                       **common)
 
 
 def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gates = Gates()) -> tuple[dict, list[tuple[str, bool | None, str]]]:
@@ -175,9 +175,7 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     A planned cell missing from ``cells`` counts as failed (Rule 6). ``ok`` is None for a check with
     nothing to judge (no pair measurably apart): skipped, and said so."""
     verdicts = [cell_verdict(cells[label], gates.confidence) if label in cells else
-                CellVerdict(label=label, status="failed", best=None, regret=None, regret_interval=None, gated_regret=None,
-                            pairs_apart=0, pairs_ordered=0, wrong_pairs=(), refusal_right=None, peak_ratios={}, saved_ratios={},
-                            over_limit=(), error="no result")
+                CellVerdict(label=label, status="failed", error="no result")
                 for label in planned]
     failed = [v.label for v in verdicts if v.status == "failed"]
     measured = [v for v in verdicts if v.status == "measured"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from canaries.planner.certificate import certify
 from reports.planner import section
 from validation.evidence import Checks, make_record
-from tests.canaries.test_planner import GOOD, _cell
+from tests.canaries.test_planner_canary import GOOD, _cell
 
 
 def _record(cells: dict) -> dict:
