@@ -93,10 +93,12 @@ def test_the_registry_entry_point_runs_every_mutation_of_the_catalogue(
 def test_every_mutation_names_a_check_of_its_canary() -> None:
     from canaries.derivative import canary as derivative
     from canaries.memory import canary as memory
+    from canaries.planner.certificate import certify
     from canaries.presets import preset
 
     names = {"derivative": set(derivative.check_names(preset("cpu").on_this_machine())),
-             "memory": set(memory.INTERSECTION_CHECKS) | {"offload: host copies hold what retain keeps on the device"}}
+             "memory": set(memory.INTERSECTION_CHECKS) | {"offload: host copies hold what retain keeps on the device"},
+             "planner": {name for name, _, _ in certify(["a cell"], {})[1]}}
     for m in MUTATIONS.values():
         assert m.check in names[m.caught_by], m.name
 
