@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from unittest import mock
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from reference_trainer import admission, planner
+from reference_trainer import admission, misses, planner
 
 _OPTIONS = rt.ForwardOptions(backward_state="retain", corrections=())
 _REAL = planner.analytic_saved_bytes
@@ -74,3 +75,17 @@ def test_a_refusal_is_a_miss_with_the_refused_forwards_estimate() -> None:
         trainer.forward(_inputs(1), options=_OPTIONS)
     assert [(m.kind, m.raised) for m in seen] == [("refused", str(refused.value))]
     assert rt.replay_estimate(seen[0].inputs) == seen[0].estimate > 0
+
+
+def test_plain_inputs_replay_what_the_estimator_gave_for_every_input() -> None:
+    config = rt.ModelConfig.tiny(dtype=torch.bfloat16, dropout=0.1)
+    estimator = dict(batch=3, seq_len=40, snapshot_bytes=123, staging_bytes=456, saved_scale=1.7,
+                     measured_seconds_per_token=3e-6, transfer_bytes_per_second=2e9, scores_saved=True,
+                     lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")), dropout_active=True)
+    expected = planner.estimate_forward_cost(config, **estimator).saved_bytes
+    plain = rt.PlannerMiss("refused", misses.plain_inputs(config, estimator), expected, None, "x").as_dict()["inputs"]
+    assert json.loads(json.dumps(plain)) == plain  # plain JSON
+    assert rt.replay_estimate(plain) == expected
+    for field, other in (("saved_scale", None), ("lora", None), ("dropout_active", False), ("seq_len", 41)):
+        changed = misses.plain_inputs(config, {**estimator, field: other})
+        assert rt.replay_estimate(changed) != expected, field  # each input matters: the replay reads it
