@@ -16,7 +16,7 @@ SECONDS = {"retain": 1.0, "offload": 1.2, "replay": 1.5, "auto": 1.0}  # what ea
 def _timed(costs: dict[str, float], blocks: int = 12) -> dict[str, list[float]]:
     """Per-block seconds of ``costs``' arms through ``abba.run_block`` on a clock each arm advances (with jitter)."""
     now = [0.0]
-    jitter = itertools.cycle([0.0, 0.01, -0.01, 0.005])
+    jitter = itertools.cycle([0.0, 0.01, -0.01, 0.005, -0.02, 0.015, -0.005])  # 7: never in step with the arms
     arms = {name: (lambda c=c: now.__setitem__(0, now[0] + c * (1 + next(jitter)))) for name, c in costs.items()}
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     for index in range(blocks):
@@ -60,6 +60,11 @@ def test_auto_slower_than_the_best_is_regret_with_its_interval() -> None:
     assert cell["best"] == "retain" and cell["gated_regret"] == pytest.approx(0.2, abs=0.02)
     low, high = cell["regret_interval"]
     assert low <= 0.2 <= high and figures["worst_regret"] > 0.1
+
+
+def test_a_regret_within_the_noise_is_gated_as_zero() -> None:  # 0.3% slower: inside the jitter's interval
+    cell = certify(["a"], {"a": _cell("a", GOOD, auto_cost=1.003)})[0]["cells"][0]
+    assert cell["regret"] > 0 and cell["regret_interval"][0] <= 0 and cell["gated_regret"] == 0.0
 
 
 def test_an_under_estimated_peak_fails() -> None:
