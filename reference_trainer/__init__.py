@@ -20,6 +20,7 @@ from .errors import (
 )
 from .inputs import ForwardInput, ForwardOutput
 from .planner import PlacementDecision
+from .calibration import PlannerCalibration
 from .misses import PlannerMiss, observe_planner_misses, replay_estimate
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
@@ -69,6 +70,7 @@ __all__ = [
     "MemoryAdmissionError",
     "ModelConfig",
     "PlacementDecision",
+    "PlannerCalibration",
     "PlannerMiss",
     "RecordReport",
     "ResolvedOptions",

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import misses, seams
+from .calibration import PlannerCalibration
 from .checkpoints import Checkpoint, CheckpointVersion
 from .records import ForwardRecord
 from .errors import MemoryAdmissionError
@@ -53,9 +54,6 @@ __all__ = [
     "Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity",
     "merged_saved_scale",
 ]
-
-# Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
-_DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
 DEVICE_MARGIN_FRACTION = 0.05
 """Share of the device's total memory the planner leaves unplanned (allocator rounding, fragmentation, kernel workspaces)."""
@@ -125,9 +123,11 @@ class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
 
     def __init__(
-        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu"
+        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu",
+        calibration: PlannerCalibration | None = None,
     ) -> None:
         self.config = config
+        self.calibration = calibration if calibration is not None else PlannerCalibration.defaults()
         self.device_limit = device_limit
         self.host_limit = host_limit
         self.device_type = device_type
@@ -269,8 +269,9 @@ class Admission:
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
             saved_scale=self._saved_scales.get(saved_class),
-            measured_seconds_per_token=self._seconds_per_token,
-            transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
+            measured_seconds_per_token=self._seconds_per_token or self.calibration.seconds_per_token,
+            transfer_bytes_per_second=1.0 / self.calibration.seconds_per_byte,
+            record_seconds=self.calibration.seconds_per_record,
             scores_saved=saved_class.scores_saved,
             lora=saved_class.lora,
             dropout_active=saved_class.dropout_active,
