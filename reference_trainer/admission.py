@@ -270,7 +270,7 @@ class Admission:
             staging_bytes=staging_bytes,
             saved_scale=self._saved_scales.get(saved_class),
             measured_seconds_per_token=self._seconds_per_token or self.calibration.seconds_per_token,
-            transfer_bytes_per_second=1.0 / self.calibration.seconds_per_byte,
+            transfer_bytes_per_second=self.calibration.transfer_bytes_per_second,
             record_seconds=self.calibration.seconds_per_record,
             scores_saved=saved_class.scores_saved,
             lora=saved_class.lora,

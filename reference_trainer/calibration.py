@@ -14,8 +14,9 @@ NOTE [Planner calibration constants]
      evidence writes them (``measurements.calibration.constants``), so one
      calibrated run's record is loaded as it is. The file is only read; its
      digest is the harness's to verify (``validation.evidence.verify``).
-  3. A constant missing, not a finite number, negative, or a zero
-     ``seconds_per_byte`` (an infinitely fast transfer) is a ``ConfigError``.
+  3. A constant missing, not a finite number, or negative is a
+     ``ConfigError``. Zero is a constant like any other (a fit on a CPU may
+     find transfers free: ``seconds_per_byte`` 0).
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ class PlannerCalibration:
         for f in fields(self):
             value = getattr(self, f.name)
             valid = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-            if not valid or (f.name == "seconds_per_byte" and value == 0):
-                raise ConfigError(f"planner_calibration.{f.name}", value,
-                                  "a finite number >= 0 (seconds_per_byte > 0)")
+            if not valid:
+                raise ConfigError(f"planner_calibration.{f.name}", value, "a finite number >= 0")
+
+    @property
+    def transfer_bytes_per_second(self) -> float:
+        """The transfer bandwidth ``seconds_per_byte`` stands for (infinite at 0: a fit that found transfers free)."""
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf
 
     @classmethod
     def defaults(cls) -> PlannerCalibration:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
+
+import reference_trainer as rt
+from canaries.registry import canary as canary_entry
 
 from canaries.planner import calibration
 from canaries.planner.certificate import ArmMemory, CellResult, cell_verdict, certify
@@ -93,12 +97,15 @@ def test_a_failed_or_missing_cell_fails_the_certificate() -> None:
 
 
 @pytest.mark.slow
-def test_the_quick_canary_passes_and_every_placement_is_admitted_somewhere() -> None:
+def test_the_quick_canary_passes_and_every_placement_is_admitted_somewhere(tmp_path: Path) -> None:
     from canaries.planner import canary
 
     judged = canary.judge("cpu", "quick")
     assert all(c.ok or c.skipped for c in judged.checks), [c for c in judged.checks if not c.ok]
     cells = judged.measurements["certificate"]["cells"]
+    path = canary_entry("planner").record("cpu", judged, tmp_path)  # its fitted constants load into a trainer
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), planner_calibration=path)
+    assert trainer.memory_limit_bytes is None
     admitted = {p for r in judged.measurements["cells"].values() for p in r["admitted"]}
     assert admitted == {"retain", "offload", "replay"} and "replay" in {c["best"] for c in cells}
     assert any(c["status"] == "refused" and c["refusal_right"] for c in cells)

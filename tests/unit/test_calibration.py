@@ -35,7 +35,12 @@ def test_a_loaded_calibration_prices_offload_and_replay(tmp_path: Path, where: s
     assert default["offload"] == pytest.approx(2 * saved / 4e9) and default["replay"] == pytest.approx(tokens * 2e-5)
 
 
-@pytest.mark.parametrize("body", [{"seconds_per_byte": 1e-6}, {**CONSTANTS, "seconds_per_byte": 0.0},
+def test_a_fit_that_found_transfers_free_prices_offload_at_its_overhead(tmp_path: Path) -> None:
+    decision = _first_decision(planner_calibration=rt.PlannerCalibration(0.0, 1e-3, 0.25))
+    assert decision.predicted_seconds["offload"] == 0.25
+
+
+@pytest.mark.parametrize("body", [{"seconds_per_byte": 1e-6}, {**CONSTANTS, "seconds_per_byte": float("nan")},
                                   {**CONSTANTS, "seconds_per_token": -1.0}, {**CONSTANTS, "seconds_per_record": "1"}])
 def test_a_bad_calibration_is_refused_before_the_model_is_touched(tmp_path: Path, body: dict) -> None:
     path = tmp_path / "calibration.json"
