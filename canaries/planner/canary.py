@@ -47,7 +47,7 @@ from ..registry import Judged
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
 
-__all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "judge"]
+__all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "timed_blocks", "judge"]
 
 KIND = "planner-canary"
 
@@ -91,7 +91,7 @@ GRIDS: dict[str, list[Cell]] = {
     "default": _grid(no_offload=False),
     "nightly": _grid(no_offload=True),
 }
-BLOCKS = {"quick": 10, "default": 16, "nightly": 32}
+BLOCKS = {"quick": 16, "default": 16, "nightly": 32}
 
 
 def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
@@ -170,9 +170,32 @@ def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int |
     return device, host
 
 
-def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter) -> CellResult:
+def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Callable[[], float],
+           probe: abba.LoadProbe) -> tuple[dict[str, list[float]], int]:
+    """Each arm's seconds in ``blocks`` alternating blocks after one warm-up, and how many blocks were left out as
+    loaded (NOTE [Alternating blocks] Rule 4: the probe's share below 80% of the warm-up's): fewer blocks, wider
+    intervals, so a loaded machine makes pairs inconclusive rather than apart."""
+    probe.start()
+    abba.run_block(arms, 0, clock)
+    calibration = probe.stop()
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    loaded = 0
+    for index in range(1, blocks + 1):
+        probe.start()
+        times = abba.run_block(arms, index, clock)
+        if probe.stop() < 0.8 * calibration:
+            loaded += 1
+            continue
+        for name, value in times.items():
+            seconds[name].append(value)
+    return seconds, loaded
+
+
+def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter,
+             probe: abba.LoadProbe | None = None) -> CellResult:
     """Measure one cell (module docstring); a cell that raises is returned with its error (Rule 6)."""
     batches = [_inputs(cell, model.config.vocab_size, 100 + k) for k in range(cell.pending)]
+    probe = probe if probe is not None else abba.CpuShare()
     result = CellResult(cell.label, None, None)
     try:
         result.memory = {p: _memory(model, cell, batches, p) for p in PLACEMENTS}
@@ -192,12 +215,7 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
             return result
         result.auto = [str(d.placement) for d in decisions]
         arms = {p: (lambda p=p: _steps(trainer, batches, p)) for p in [*result.admitted, AUTO]}
-        result.seconds = {name: [] for name in arms}
-        for index in range(blocks + 1):  # block 0 warms up
-            times = abba.run_block(arms, index, clock)
-            for name, seconds in times.items():
-                if index:
-                    result.seconds[name].append(seconds)
+        result.seconds, result.loaded_blocks = timed_blocks(arms, blocks, clock, probe)
         decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
         result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}
         moved, tokens = 2.0 * sum(d.saved_bytes for d in decisions), float(cell.batch * cell.seq_len * cell.pending)

@@ -89,6 +89,7 @@ class CellResult:
     auto: list[str] | None = None
     error: str | None = None
     features: dict[str, list[float]] = field(default_factory=dict)  # NOTE [Planner calibration] Rule 1
+    loaded_blocks: int = 0  # blocks left out as loaded (NOTE [Alternating blocks] Rule 4)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,3 +138,25 @@ def test_the_held_out_gate_is_not_vacuous() -> None:  # prices from constants of
     wrong = {"seconds_per_byte": 1e-6, "seconds_per_token": 0.0, "seconds_per_record": 0.0}
     verdicts = [cell_verdict(calibration.priced(c, wrong)) for c in cells[1::2]]
     assert sum(v.pairs_ordered for v in verdicts) / sum(v.pairs_apart for v in verdicts) < calibration.HELD_OUT_GATE
+
+
+class _Shares:
+    """A load probe reporting the given CPU shares, block by block (the warm-up first)."""
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = iter(shares)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return next(self.shares)
+
+
+def test_loaded_blocks_are_left_out_of_a_cells_timing() -> None:
+    from canaries.planner.canary import timed_blocks as timed
+
+    now = [0.0]
+    arms = {"a": lambda: now.__setitem__(0, now[0] + 1.0), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
+    seconds, loaded = timed(arms, 4, lambda: now[0], _Shares([1.0, 1.0, 0.5, 0.9, 0.1]))
+    assert loaded == 2 and seconds == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
