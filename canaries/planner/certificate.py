@@ -4,7 +4,8 @@ NOTE [Planner certificate]
   1. A cell is one workload under one pair of limits. Every placement the
      limits admit is timed as a forced arm, beside an ``auto`` arm, in the
      same alternating blocks (NOTE [Alternating blocks]); each block gives
-     every arm's seconds. Every placement is also run once on an unlimited
+     every arm's seconds, and a block the load probe flags is left out (a
+     loaded machine narrows nothing: its pairs stay inconclusive). Every placement is also run once on an unlimited
      trainer under the memory census: its measured peak against the peak the
      plan predicted for it, its measured host bytes against the host limit.
   2. Pairs are compared only when they are apart: the per-block ratio of
