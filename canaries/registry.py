@@ -139,6 +139,8 @@ CANARIES: dict[str, Canary] = {
                takes_checks=True),
         Canary(name="resume", module="canaries.resume.canary",
                summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
+        Canary(name="planner", module="canaries.planner.canary",
+               summary="auto's placements and the planner's byte estimates against every measured placement (certificate)"),
         Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
         Canary(name="learning", module="canaries.learning.canary",

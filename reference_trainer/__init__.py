@@ -20,6 +20,8 @@ from .errors import (
 )
 from .inputs import ForwardInput, ForwardOutput
 from .planner import PlacementDecision
+from .calibration import PlannerCalibration
+from .misses import PlannerMiss, observe_planner_misses, replay_estimate
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM, ModelConfig, token_logprobs
 from .ranks import (
@@ -72,6 +74,8 @@ __all__ = [
     "MemoryAdmissionError",
     "ModelConfig",
     "PlacementDecision",
+    "PlannerCalibration",
+    "PlannerMiss",
     "RecordReport",
     "ResolvedOptions",
     "RatioStats",
@@ -82,6 +86,8 @@ __all__ = [
     "UNSET",
     "UnsupportedSavedStateError",
     "mark_quantized_saved_state",
+    "observe_planner_misses",
+    "replay_estimate",
     "resolve_options",
     "token_logprobs",
 ]

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from . import seams
+from . import misses, seams
+from .calibration import PlannerCalibration
 from .checkpoints import Checkpoint, CheckpointVersion
 from .records import ForwardRecord
 from .errors import MemoryAdmissionError
@@ -52,9 +54,6 @@ __all__ = [
     "Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity",
     "merged_saved_scale",
 ]
-
-# Without measurements: host copies at a few GB/s (CPU memcpy or PCIe).
-_DEFAULT_TRANSFER_BYTES_PER_SECOND = 4e9
 
 DEVICE_MARGIN_FRACTION = 0.05
 """Share of the device's total memory the planner leaves unplanned (allocator rounding, fragmentation, kernel workspaces)."""
@@ -95,11 +94,13 @@ def default_device_limit(device: torch.device) -> int | None:
 
 @dataclass(frozen=True)
 class Admitted:
-    """One record of a forward call, admitted: its decision, its cost and the class it learns the saved scale for."""
+    """One record of a forward call, admitted: its decision, its cost, the class it learns the saved scale for, and
+    the estimator's inputs."""
 
     decision: PlacementDecision
     cost: ForwardCost
     saved_class: SavedClass
+    estimator: dict[str, Any]  # what ``estimate_forward_cost`` was given (NOTE [Planner misses])
 
 
 @dataclass
@@ -122,9 +123,11 @@ class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
 
     def __init__(
-        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu"
+        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu",
+        calibration: PlannerCalibration | None = None,
     ) -> None:
         self.config = config
+        self.calibration = calibration if calibration is not None else PlannerCalibration.defaults()
         self.device_limit = device_limit
         self.host_limit = host_limit
         self.device_type = device_type
@@ -188,13 +191,14 @@ class Admission:
         # Weight snapshots are shared by every record of a version: counted once per pending version.
         snapshots = sum({h.version: h.checkpoint.trainable_nbytes() for h in held}.values())
         saved_class = self._saved_class(checkpoint, len(lengths), max(lengths), training)
-        cost = self._cost(
+        estimator = self._estimator(
             saved_class,
             len(lengths),
             max(lengths),
             snapshot_bytes=0 if shares_snapshot else checkpoint.trainable_nbytes(),
             staging_bytes=sum(_staging_nbytes(c) for c in involved.values()),
         )
+        cost = estimate_forward_cost(self.config, **estimator)
         requested = options.backward_state
         if quantized and requested == "auto" and options.allow_replay:
             requested = "replay"  # quantized saved state can only be rebuilt (NOTE [Saved-state lifetime] 6)
@@ -225,7 +229,8 @@ class Admission:
                 continue
             if count:
                 decision = replace(decision, reason=f"{decision.reason}; demoted {count} pending retained record(s) to host")
-            return Admitted(decision, cost, saved_class), demotable[:count]
+            return Admitted(decision, cost, saved_class, estimator), demotable[:count]
+        misses.report("refused", self.config, estimator, cost.saved_bytes, raised=str(refusal))
         raise refusal
 
     def _learn_speed(self) -> None:
@@ -254,17 +259,19 @@ class Admission:
             lora=checkpoint.lora_config,
         )
 
-    def _cost(self, saved_class: SavedClass, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int) -> ForwardCost:
+    def _estimator(self, saved_class: SavedClass, batch: int, seq_len: int, *, snapshot_bytes: int,
+                   staging_bytes: int) -> dict[str, Any]:
+        """The keyword arguments of ``estimate_forward_cost`` for this forward (a miss records them, NOTE [Planner misses])."""
         self._learn_speed()
-        return estimate_forward_cost(
-            self.config,
+        return dict(
             batch=batch,
             seq_len=seq_len,
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
             saved_scale=self._saved_scales.get(saved_class),
-            measured_seconds_per_token=self._seconds_per_token,
-            transfer_bytes_per_second=_DEFAULT_TRANSFER_BYTES_PER_SECOND,
+            measured_seconds_per_token=self._seconds_per_token or self.calibration.seconds_per_token,
+            transfer_bytes_per_second=self.calibration.transfer_bytes_per_second,
+            record_seconds=self.calibration.seconds_per_record,
             scores_saved=saved_class.scores_saved,
             lora=saved_class.lora,
             dropout_active=saved_class.dropout_active,
@@ -281,6 +288,9 @@ class Admission:
                 self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora, dropout_active=key.dropout_active
             )
             self._saved_scales[key] = merged_saved_scale(self._saved_scales.get(key), saved / analytic)
+            if saved > admitted.cost.saved_bytes:
+                misses.report("saved_bytes_exceeded", self.config, admitted.estimator, admitted.cost.saved_bytes,
+                              measured=saved)
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         return RecordUsage.of(admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
 

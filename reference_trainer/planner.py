@@ -44,7 +44,8 @@ NOTE [Memory admission]
      exact length (shape class, whether attention saves scores, whether
      dropout is active, autocast, the LoRA rank and targets). Times come from
      measurements when there are any (a default transfer bandwidth and
-     forward speed otherwise).
+     forward speed otherwise, or a loaded calibration's constants with its
+     per-record overhead, NOTE [Planner calibration constants]).
   6. Reclamation (``auto`` only): when nothing fits, pending retained records
      are demoted to host copies (as offload would have made them), oldest
      first, as few as make the new forward fit; only then is it refused.
@@ -75,7 +76,12 @@ __all__ = [
     "attention_saves_scores",
     "fused_attention_enabled",
     "shape_class",
+    "DEFAULT_SECONDS_PER_TOKEN",
 ]
+
+
+DEFAULT_SECONDS_PER_TOKEN = 2e-5
+"""Forward speed without a measurement or a calibration (Rule 5)."""
 
 
 class Placement(str, Enum):
@@ -103,6 +109,7 @@ class ForwardCost:
     staging_bytes: int
     forward_seconds: float
     transfer_seconds: float
+    record_seconds: float = 0.0  # a per-record overhead of offload and replay (a calibration's, else none)
 
     def persistent(self, placement: Placement) -> int:
         kept = self.saved_bytes if placement is Placement.RETAIN else 0
@@ -117,9 +124,9 @@ class ForwardCost:
 
     def extra_seconds(self, placement: Placement) -> float:
         if placement is Placement.OFFLOAD:
-            return 2 * self.transfer_seconds
+            return 2 * self.transfer_seconds + self.record_seconds
         if placement is Placement.REPLAY:
-            return self.forward_seconds
+            return self.forward_seconds + self.record_seconds
         return 0.0
 
 
@@ -154,12 +161,17 @@ class PlacementDecision:
     ``predicted_bytes``: the device peak the plan admitted; ``saved_bytes``: the
     saved bytes it admitted for this record (on the device for retain, the host
     for offload, rebuilt at backward for replay), never fewer than it holds.
+    ``predicted_seconds``: the extra seconds the plan priced each placement at
+    (its value to seconds: retain 0, offload both transfers, replay one more
+    forward; Rule 3), every placement whether it fit or not, so a caller can
+    hold the prices against measured times (the planner canary).
     """
 
     placement: Placement
     predicted_bytes: int
     saved_bytes: int
     reason: str
+    predicted_seconds: dict[str, float]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +249,9 @@ def plan_placement(request: PlanRequest) -> PlacementDecision:
 
 
 def _decision(request: PlanRequest, placement: Placement, peak: int, reason: str) -> PlacementDecision:
-    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason)
+    prices = {p.value: request.cost.extra_seconds(p) for p in Placement}
+    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason,
+                             predicted_seconds=prices)
 
 
 def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdmissionError:
@@ -335,6 +349,7 @@ def estimate_forward_cost(
     scores_saved: bool = True,
     lora: LoRAConfig | None = None,
     dropout_active: bool = False,
+    record_seconds: float = 0.0,
 ) -> ForwardCost:
     """The cost of one ``(batch, seq_len)`` forward of ``config``.
 
@@ -349,7 +364,7 @@ def estimate_forward_cost(
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     square = config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     transient = tokens * v * 4 * 4 + tokens * (3 * i + 4 * c) * elem * 2 + square * elem * 4
-    seconds_per_token = measured_seconds_per_token if measured_seconds_per_token is not None else 2e-5
+    seconds_per_token = measured_seconds_per_token if measured_seconds_per_token is not None else DEFAULT_SECONDS_PER_TOKEN
     return ForwardCost(
         saved_bytes=saved,
         transient_bytes=int(transient),
@@ -358,6 +373,7 @@ def estimate_forward_cost(
         staging_bytes=staging_bytes,
         forward_seconds=seconds_per_token * tokens,
         transfer_seconds=saved / transfer_bytes_per_second,
+        record_seconds=record_seconds,
     )
 
 

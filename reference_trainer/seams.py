@@ -12,7 +12,8 @@ force for a block (:class:`Overrides`, innermost wins). The trainer calls:
   (``torch.cuda.device`` on CUDA);
 - :func:`note_host_read` for every host read of a device value (NOTE [Host
   syncs] in ``host_reads.py``);
-- :func:`stopwatch_override` from ``timing.start_stopwatch``.
+- :func:`stopwatch_override` from ``timing.start_stopwatch``;
+- ``planner_miss_observers`` from ``misses.report`` (NOTE [Planner misses]).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "host_read_observers",
     "maybe_fail",
     "note_host_read",
+    "planner_miss_observers",
     "stopwatch_override",
     "stopwatches",
 ]
@@ -86,6 +88,7 @@ capacities: Overrides[Callable[[torch.device], tuple[int, int] | None]] = Overri
 device_contexts: Overrides[Callable[[torch.device], AbstractContextManager]] = Overrides()
 host_read_observers: Overrides[list[tuple[str, torch.device]]] = Overrides()
 stopwatches: Overrides[Callable[[torch.device], Any]] = Overrides()
+planner_miss_observers: Overrides[Callable[[Any], None]] = Overrides()
 
 
 def maybe_fail(stage: str, index: int | None = None) -> None:

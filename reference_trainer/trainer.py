@@ -21,6 +21,7 @@ import torch
 
 from . import seams
 from .admission import Admission, Admitted, default_device_limit
+from .calibration import PlannerCalibration, resolve_calibration
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import KnownLogprobs, correct_record
@@ -78,13 +79,12 @@ class BackwardReport:
 class Trainer:
     """Versioned forward/backward over one frozen base model and named checkpoints.
 
-    ``options``: trainer-level :class:`ForwardOptions`. ``memory_limit_bytes``
-    bounds the device pool the planner admits forwards into: ``None`` means
-    the device's capacity on CUDA (total memory less a safety margin, less
-    what was in use at construction: ``admission.default_device_limit``) and
-    unbounded on CPU; it covers the checkpoints' own state too; an
-    explicit value always wins. ``host_memory_limit_bytes`` bounds the host
-    pool for offloaded state (``None``: unbounded).
+    ``options``: trainer-level :class:`ForwardOptions`. ``memory_limit_bytes`` bounds the device pool the
+    planner admits forwards into: ``None`` means the device's capacity on CUDA (total memory less a safety
+    margin, less what was in use at construction: ``admission.default_device_limit``) and unbounded on CPU;
+    it covers the checkpoints' own state too; an explicit value always wins. ``host_memory_limit_bytes``
+    bounds the host pool for offloaded state (``None``: unbounded). ``planner_calibration``: the planner's
+    constants, a :class:`PlannerCalibration` or a JSON file's path (NOTE [Planner calibration constants]).
     """
 
     def __init__(
@@ -94,6 +94,7 @@ class Trainer:
         options: ForwardOptions | None = None,
         memory_limit_bytes: int | None = None,
         host_memory_limit_bytes: int | None = None,
+        planner_calibration: PlannerCalibration | str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
@@ -102,12 +103,11 @@ class Trainer:
         for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
             if value is not None and not int_at_least(value, 0):
                 raise ConfigError(name, value, "None or an int >= 0")
+        calibration = resolve_calibration(planner_calibration)  # before anything changes: a bad file refuses
         self.model = freeze(model)
         self.options = options
         self.device = model.lm_head.weight.device
-        if memory_limit_bytes is None:
-            memory_limit_bytes = default_device_limit(self.device)
-        self.memory_limit_bytes = memory_limit_bytes
+        self.memory_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else default_device_limit(self.device)
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
         self._checkpoints: dict[str, Checkpoint] = {}
@@ -119,7 +119,7 @@ class Trainer:
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
         self._live_grads = LiveGradSink()
-        self._admission = Admission(model.config, memory_limit_bytes, host_memory_limit_bytes, self.device.type)
+        self._admission = Admission(model.config, self.memory_limit_bytes, host_memory_limit_bytes, self.device.type, calibration)
 
     # --- checkpoints --------------------------------------------------------------
 

@@ -5,7 +5,8 @@ the duration of a ``with mutation.apply():`` block, by patching a named seam
 of the fixed code with ``unittest.mock.patch`` (a small wrapper or a one-line
 replacement, never a hand copy of a large function), and names the canary
 and the check meant to catch it. Issue 21's defects and let-through bugs are
-reintroduced here one by one.
+reintroduced here one by one, and issue 27's planner witnesses (each must fail
+the planner certificate, NOTE [Planner certificate]).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from reference_trainer.commit import GradientTransaction
 from reference_trainer.corrections import KnownLogprobs
 from reference_trainer.grad_norms import KnownNorm
 from reference_trainer.records import RecordTable
-from reference_trainer.planner import analytic_saved_bytes
+from reference_trainer.planner import ForwardCost, Placement, analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
 from reference_trainer.ranks.reduction import LogicalSums
 from reference_trainer.ranks.tree import TreeFold
@@ -163,16 +164,31 @@ def _saved_class_of_config(self: Admission, checkpoint: Checkpoint, batch: int, 
     return _REAL_SAVED_CLASS(self, checkpoint, batch, seq_len, True)
 
 
-def _without_lora(config: Any, batch: int, seq_len: int, **options: Any) -> int:
-    """Defect 5b: the analytic estimate without LoRA's ``x·Aᵀ`` intermediates."""
-    return analytic_saved_bytes(config, batch, seq_len, **{**options, "lora": None})
+def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """An injector: the analytic saved-bytes estimate with ``fixed`` options whatever the caller passes, in the
+    planner and in admission's measured/analytic scale alike (defect 5b: ``lora=None``; no attention term:
+    ``scores_saved=False``)."""
+
+    def estimate(config: Any, batch: int, seq_len: int, **options: Any) -> int:
+        return analytic_saved_bytes(config, batch, seq_len, **{**options, **fixed})
+
+    @contextlib.contextmanager
+    def inject() -> Iterator[None]:
+        with mock.patch.object(planner_module, "analytic_saved_bytes", estimate), \
+                mock.patch.object(admission_module, "analytic_saved_bytes", estimate):
+            yield
+
+    return inject
 
 
-@contextlib.contextmanager
-def _lora_term_uncounted() -> Iterator[None]:
-    with mock.patch.object(planner_module, "analytic_saved_bytes", _without_lora), \
-            mock.patch.object(admission_module, "analytic_saved_bytes", _without_lora):
-        yield
+# --- issue 27: the planner's witnesses (each must fail the planner certificate) ----------------------------
+
+_REAL_EXTRA_SECONDS = ForwardCost.extra_seconds
+
+
+def _offload_free(self: ForwardCost, placement: Placement) -> float:
+    """Offload priced at zero seconds (no transfer either way)."""
+    return 0.0 if placement is Placement.OFFLOAD else _REAL_EXTRA_SECONDS(self, placement)
 
 
 _REAL_DECIDE = Admission._decide
@@ -263,7 +279,7 @@ MUTATIONS: dict[str, Mutation] = {
                  "active follows the config only)", "memory", _patched(Admission, "_saved_class", _saved_class_of_config),
                  "admission: train-mode forward after an eval-mode one (dropout on): held <= admitted"),
         Mutation("lora_term_uncounted", "defect 5b: the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
-                 "memory", _lora_term_uncounted, "admission: first forward of LoRA rank 256: held <= admitted"),
+                 "memory", _estimate_with(lora=None), "admission: first forward of LoRA rank 256: held <= admitted"),
         Mutation("groups_admitted_one_by_one", "defect 7: a multi-group forward makes each group's demotions before "
                  "the whole call is admitted", "derivative", _patched(Admission, "_decide", _decide_and_demote),
                  "intersection: refused forward whose second option group is refused by admission changes nothing"),
@@ -294,6 +310,19 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("budget_ignores_checkpoints", "defect 6: the plan leaves out what the checkpoints hold (AdamW "
                  "state, masters, .grad)", "memory", _patched(Checkpoint, "held_nbytes", lambda self: 0),
                  "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"),
+        # issue 27: the planner's witnesses
+        Mutation("attention_term_dropped", "the analytic saved-bytes estimate leaves out attention's H·B·T² "
+                 "probabilities (and dropout's masks of them)", "planner", _estimate_with(scores_saved=False),
+                 "certificate: held after a forward / admitted saved bytes <= 1"),
+        Mutation("host_budget_ignored", "the plan counts no host bytes for a new offload (the host budget never "
+                 "binds it)", "planner", _patched(ForwardCost, "host_bytes", lambda self, placement: 0),
+                 "certificate: admitted placements within the limits (measured)"),
+        Mutation("offload_priced_at_zero", "offload is priced at no seconds (no transfers)", "planner",
+                 _patched(ForwardCost, "extra_seconds", _offload_free), "certificate: pairwise ordering on pairs apart"),
+        Mutation("scale_across_shape_classes", "a measured saved-bytes scale is applied to forwards of every shape "
+                 "class (one class for every batch and length)", "planner",
+                 _patched(admission_module, "shape_class", lambda batch, seq_len: (0, 0)),
+                 "certificate: held after a forward / admitted saved bytes <= 1"),
     )
 }
 

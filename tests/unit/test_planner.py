@@ -46,3 +46,16 @@ def test_the_square_term_is_dropped_only_where_scores_are_not_saved() -> None:
 def test_shape_classes_bucket_lengths_by_powers_of_two() -> None:
     assert shape_class(2, 33) == shape_class(2, 64) != shape_class(2, 65)
     assert shape_class(2, 64) != shape_class(4, 64)
+
+
+def test_a_decision_carries_the_price_of_every_placement() -> None:
+    """``predicted_seconds``: retain 0, offload both transfers, replay one forward; every placement, fitting or not."""
+    from reference_trainer.planner import ForwardCost, PendingUsage, PlanRequest, plan_placement
+
+    cost = ForwardCost(saved_bytes=1000, transient_bytes=10, snapshot_bytes=0, input_bytes=0, staging_bytes=0,
+                       forward_seconds=0.3, transfer_seconds=0.5)
+    request = PlanRequest(cost=cost, pending=PendingUsage(), requested="auto", allow_offload=True, allow_replay=True,
+                          device_limit=None, host_limit=None)
+    decision = plan_placement(request)
+    assert decision.placement == "retain"
+    assert decision.predicted_seconds == {"retain": 0.0, "offload": 1.0, "replay": 0.3}

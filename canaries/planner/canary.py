@@ -1,0 +1,264 @@
+"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement (issue 27).
+
+A grid of cells (:data:`GRIDS`: checkpoint kind × dropout × batch × sequence
+length × pending forwards (staleness) × device limit × host limit), chosen
+so retain, offload and replay each win somewhere and some cells admit
+nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
+
+1. every placement runs once on an unlimited trainer under the memory census
+   (``validation.memory``), after a shorter forward of another shape class:
+   measured peak, host bytes, predicted peak, and what each forward's record
+   holds (both pools) against the saved bytes its plan admitted;
+2. the cell's limits are set from those predictions: ``none``; ``tight`` (the
+   device limit is offload's predicted peak: with two pending forwards
+   retaining both does not fit); ``nothing`` (one byte under every measured
+   peak: a right refusal); the host limit ``none`` or ``zero`` (what the other
+   placements hold on the host, replay's RNG states: offload does not fit) or
+   ``one`` (room for one offloaded record's estimate: auto retains one forward
+   and offloads the next, forced offload of both is refused, replay wins);
+3. on a trainer under those limits every admitted placement and ``auto``
+   are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
+   decisions (placements, predicted prices) recorded.
+
+Bytes are on the work's scale: the census counts storages made after the
+checkpoint was added; the prediction is ``predicted_bytes`` less what the
+checkpoints hold (``Checkpoint.held_nbytes``), which the trainer's limit adds
+back.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+import reference_trainer as rt
+from validation import abba
+from validation.evidence import Checks
+from validation.memory import StorageCensus, frozen_heap
+
+from .. import presets
+from ..presets import PLACEMENTS
+from ..registry import Judged
+from . import calibration
+from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
+
+__all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "timed_blocks", "judge"]
+
+KIND = "planner-canary"
+
+
+@dataclass(frozen=True)
+class Cell:
+    lora: bool
+    dropout: float
+    batch: int
+    seq_len: int
+    pending: int  # forwards pending before their backwards (staleness)
+    device: str  # "none" | "tight" | "nothing"
+    host: str  # "none" | "zero" | "one" (room for one offloaded record)
+
+    @property
+    def label(self) -> str:
+        kind = "lora" if self.lora else "full"
+        return f"{kind} p{self.dropout:g} {self.batch}x{self.seq_len} s{self.pending} dev:{self.device} host:{self.host}"
+
+
+def _levels(lora: bool, dropout: float, batch: int, seq_len: int, *, no_offload: bool = False) -> list[Cell]:
+    shape = dict(lora=lora, dropout=dropout, batch=batch, seq_len=seq_len)
+    tight_zero = [Cell(**shape, pending=2, device="tight", host="zero")] if no_offload else []
+    return [Cell(**shape, pending=1, device="none", host="none"), Cell(**shape, pending=2, device="tight", host="none"),
+            *tight_zero, Cell(**shape, pending=2, device="tight", host="one"),
+            Cell(**shape, pending=1, device="nothing", host="none")]
+
+
+def _grid(no_offload: bool) -> list[Cell]:
+    return [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
+            for c in _levels(lora, dropout, b, t, no_offload=no_offload)]
+
+
+# Quick: retain, offload and replay each win, and a right refusal, in seconds. Nightly adds the tight
+# no-offload cells, a known finding: where only replaying both pending forwards fits, greedy auto retains
+# the first and then refuses the second (a wrong refusal, NOTE [Memory admission] Rule 6 reclaims to the
+# host only); kept out of default so `rtv run` on a GPU preset (profile default) gates what auto promises.
+GRIDS: dict[str, list[Cell]] = {
+    "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
+              Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
+    "default": _grid(no_offload=False),
+    "nightly": _grid(no_offload=True),
+}
+BLOCKS = {"quick": 16, "default": 16, "nightly": 32}
+
+
+def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (cell.batch, cell.seq_len + 1), generator=g)
+    return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
+
+
+def _trainer(model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, host_limit: int | None = None) -> rt.Trainer:
+    """A trainer of ``cell``'s checkpoint kind under ``device_limit`` (the plan's scale, holdings included) and ``host_limit``."""
+    trainer = rt.Trainer(model, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
+    if cell.lora:
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    else:
+        trainer.add_checkpoint("policy", full=True, seed=1)
+    return trainer
+
+
+def _steps(trainer: rt.Trainer, batches: list[list[rt.ForwardInput]], placement: str,
+           after_forward: Callable[[list[rt.ForwardOutput]], None] = lambda outs: None) -> list[rt.PlacementDecision]:
+    """``len(batches)`` forwards under ``placement``, then their backwards; a refusal backpropagates what ran, then raises."""
+    options = rt.ForwardOptions(backward_state=placement, corrections=())
+    pending: list[list[rt.ForwardOutput]] = []
+    try:
+        for inputs in batches:
+            pending.append(trainer.forward(inputs, options=options))
+            after_forward(pending[-1])
+    finally:
+        decisions = [outputs[0].decision for outputs in pending]
+        while pending:
+            trainer.backward(-sum(o.target_logprobs.sum() for o in pending.pop(0)))
+        trainer.zero_grad()
+    return decisions
+
+
+def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]], placement: str) -> ArmMemory:
+    """Rule 1: ``placement`` once on an unlimited trainer, its sampled census peak against its predicted peak."""
+    trainer = _trainer(model, cell)
+    holdings = trainer.checkpoint("policy").held_nbytes()
+    # A shorter forward first (another shape class): its measured scale must not reach this class (Rule 5).
+    _steps(trainer, [_inputs(replace(cell, seq_len=max(1, cell.seq_len // 4)), model.config.vocab_size, 99)], placement)
+    census = StorageCensus("cpu")
+    kept: list[torch.Tensor] = []
+    sample = census.sample_hook(ignore=lambda: kept)
+
+    def in_backward(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(sample)
+
+    layers = model.model.layers
+    handles = [layers[-1].register_forward_hook(sample), layers[0].register_forward_hook(in_backward)]
+    held = [0]  # what the pending records hold after each forward, both pools: each record's growth is its saved state
+
+    def after_forward(outputs: list[rt.ForwardOutput]) -> None:
+        kept.extend(o.target_logprobs for o in outputs)
+        held.append(census.measure(ignore=kept).total)
+
+    try:
+        decisions = _steps(trainer, batches, placement, after_forward)
+    finally:
+        for handle in handles:
+            handle.remove()
+    grown = [after - before for before, after in zip(held, held[1:])]
+    return ArmMemory(measured_peak=census.peak.device, predicted_peak=max(d.predicted_bytes for d in decisions) - holdings,
+                     measured_host=census.peak.host, saved_estimate=max(d.saved_bytes for d in decisions),
+                     saved_ratio=max(g / d.saved_bytes for g, d in zip(grown, decisions)))
+
+
+def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int | None]:
+    """Step 2 of the module docstring, on the work scale."""
+    device = {"none": None, "tight": memory["offload"].predicted_peak,
+              "nothing": min(m.measured_peak for m in memory.values()) - 1}[cell.device]
+    # The host bytes a placement other than offload holds (replay's RNG states): offload alone goes over.
+    others = max(m.measured_host for p, m in memory.items() if p != "offload")
+    host = {"none": None, "zero": others, "one": others + memory["offload"].saved_estimate}[cell.host]
+    return device, host
+
+
+def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Callable[[], float],
+           probe: abba.LoadProbe) -> tuple[dict[str, list[float]], int]:
+    """Each arm's seconds in ``blocks`` alternating blocks after one warm-up, and how many blocks were left out as
+    loaded (NOTE [Alternating blocks] Rule 4: the probe's share below 80% of the warm-up's): fewer blocks, wider
+    intervals, so a loaded machine makes pairs inconclusive rather than apart."""
+    probe.start()
+    abba.run_block(arms, 0, clock)
+    calibration = probe.stop()
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    loaded = 0
+    for index in range(1, blocks + 1):
+        probe.start()
+        times = abba.run_block(arms, index, clock)
+        if probe.stop() < 0.8 * calibration:
+            loaded += 1
+            continue
+        for name, value in times.items():
+            seconds[name].append(value)
+    return seconds, loaded
+
+
+def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter,
+             probe: abba.LoadProbe | None = None) -> CellResult:
+    """Measure one cell (module docstring); a cell that raises is returned with its error (Rule 6)."""
+    batches = [_inputs(cell, model.config.vocab_size, 100 + k) for k in range(cell.pending)]
+    probe = probe if probe is not None else abba.CpuShare()
+    result = CellResult(cell.label, None, None)
+    try:
+        result.memory = {p: _memory(model, cell, batches, p) for p in PLACEMENTS}
+        result.device_limit, result.host_limit = _limits(cell, result.memory)
+        holdings = _trainer(model, cell).checkpoint("policy").held_nbytes()
+        device_limit = None if result.device_limit is None else result.device_limit + holdings
+        trainer = _trainer(model, cell, device_limit, result.host_limit)
+        for placement in PLACEMENTS:
+            try:
+                _steps(trainer, batches, placement)
+            except rt.MemoryAdmissionError:
+                continue
+            result.admitted.append(placement)
+        try:
+            decisions = _steps(trainer, batches, AUTO)
+        except rt.MemoryAdmissionError:
+            return result
+        result.auto = [str(d.placement) for d in decisions]
+        arms = {p: (lambda p=p: _steps(trainer, batches, p)) for p in [*result.admitted, AUTO]}
+        result.seconds, result.loaded_blocks = timed_blocks(arms, blocks, clock, probe)
+        decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
+        result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}
+        moved, tokens = 2.0 * sum(d.saved_bytes for d in decisions), float(cell.batch * cell.seq_len * cell.pending)
+        result.features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, float(cell.pending)],
+                           "replay": [0.0, tokens, float(cell.pending)]}
+    except Exception:  # Rule 6: a failed cell is recorded, never lost
+        result.error = traceback.format_exc(limit=4)
+    return result
+
+
+def judge(preset: str, profile: str) -> Judged:
+    """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
+    spec = presets.preset(preset).on_this_machine()
+    started = time.perf_counter()
+    cells = GRIDS[profile]
+    models: dict[float, rt.DecoderLM] = {}
+    results: dict[str, CellResult] = {}
+    for dropout in dict.fromkeys(c.dropout for c in cells):
+        models[dropout] = rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0)
+    with frozen_heap():  # each census then collects only what its cell made (NOTE [Memory census] Rule 5)
+        for cell in cells:
+            results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
+    gates = Gates()
+    figures, verdicts = certify([c.label for c in cells], results, gates)
+    calibrated = calibration.held_out(list(results.values()), gates.confidence)
+    held_out_ok = None if not calibrated["pairs_apart"] else calibrated["ordering"] >= calibration.HELD_OUT_GATE
+    verdicts.append(("calibration: held-out cells ordered by constants fitted on the others", held_out_ok,
+                     f"{calibrated['ordering']:.3f} of {calibrated['pairs_apart']} held-out pairs apart (gate >= "
+                     f"{calibration.HELD_OUT_GATE}); constants {calibrated['constants']}"))
+    checks = Checks()
+    for name, ok, detail in verdicts:
+        if ok is None:
+            checks.skip(name, detail)
+        else:
+            checks.check(name, ok, detail)
+        print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name}: {detail[:200]}", flush=True)
+    measurements = {
+        "calibration": calibrated,
+        "certificate": figures,
+        "cells": {label: asdict(r) for label, r in results.items()},
+        "gates": asdict(gates),
+        "seconds": time.perf_counter() - started,
+    }
+    config = {"preset": spec.describe(), "profile": profile, "blocks": BLOCKS[profile],
+              "grid": [asdict(c) for c in cells], "model": "tiny (CPU cells on every preset)"}
+    return Judged(KIND, config, checks, measurements)

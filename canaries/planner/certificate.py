@@ -1,0 +1,229 @@
+"""The planner's certificate: its choices and estimates held against measured placements (issue 27).
+
+NOTE [Planner certificate]
+  1. A cell is one workload under one pair of limits. Every placement the
+     limits admit is timed as a forced arm, beside an ``auto`` arm, in the
+     same alternating blocks (NOTE [Alternating blocks]); each block gives
+     every arm's seconds, and a block the load probe flags is left out (a
+     loaded machine narrows nothing: its pairs stay inconclusive). Every placement is also run once on an unlimited
+     trainer under the memory census: its measured peak against the peak the
+     plan predicted for it, its measured host bytes against the host limit.
+  2. Pairs are compared only when they are apart: the per-block ratio of
+     two arms has a median interval (``validation.stats.median_ci``) that
+     excludes 1. Ordering accuracy is the share of such pairs of forced arms
+     whose predicted prices (``PlacementDecision.predicted_seconds``, summed
+     over the arm's forwards) order them as measured; a predicted tie between
+     pairs measured apart is a wrong order.
+  3. ``auto``'s regret: the median of its per-block ratio to the fastest
+     forced arm, less 1, with that ratio's interval. A regret whose interval
+     reaches 0 (auto not measurably slower) is gated as 0; the point estimate
+     is still recorded.
+  4. A refusal (``auto`` admitted nothing) is right when no placement's
+     measured peak and host bytes fit the limits, wrong otherwise.
+  5. Memory: measured peak / predicted peak per placement and cell, and what
+     each record holds after its forward / the saved bytes its plan admitted
+     (the estimate the peak's slack would otherwise hide), never above 1 (an
+     under-estimate becomes an OOM on a GPU); the peak's over-estimate
+     (predicted / measured - 1) is reported as its median and worst. An
+     admitted placement whose measured peak or host bytes exceed the limits
+     fails too.
+  6. Completeness: every planned cell has a verdict. A cell whose run raised
+     is recorded as failed with its error and fails the certificate.
+
+The statistics take plain per-block seconds, so tests drive them with a fake
+clock through ``validation.abba.run_block``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from validation import stats
+
+__all__ = ["Gates", "ArmMemory", "CellResult", "CellVerdict", "pair_interval", "cell_verdict", "certify", "AUTO"]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Gates:
+    """The certificate's gates (issue 27, Acceptance)."""
+
+    ordering: float = 0.95
+    median_regret: float = 0.02
+    worst_regret: float = 0.10
+    wrong_refusals: float = 0.0
+    peak_ratio: float = 1.0
+    confidence: float = 0.95
+
+
+@dataclass(frozen=True)
+class ArmMemory:
+    """One placement run once on an unlimited trainer (Rule 1): measured and predicted bytes."""
+
+    measured_peak: int
+    predicted_peak: int
+    measured_host: int
+    saved_estimate: int  # the largest saved bytes the plan admitted for one of its records (offload: host bytes)
+    saved_ratio: float  # the largest (bytes a record holds after its forward) / (saved bytes its plan admitted)
+
+
+@dataclass
+class CellResult:
+    """What one cell measured. ``seconds``: per-block seconds of each timed arm (forced placements and ``auto``);
+    ``predicted``: each placement's predicted extra seconds; ``memory``: each placement's bytes (Rule 1);
+    ``admitted``: the forced placements the limits admit; ``auto``: auto's placements (None: refused);
+    ``error``: why the cell failed (Rule 6); ``features``: each placement's bytes moved, tokens replayed and
+    records, for calibration (NOTE [Planner calibration])."""
+
+    label: str
+    device_limit: int | None
+    host_limit: int | None
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, ArmMemory] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)
+    auto: list[str] | None = None
+    error: str | None = None
+    features: dict[str, list[float]] = field(default_factory=dict)  # NOTE [Planner calibration] Rule 1
+    loaded_blocks: int = 0  # blocks left out as loaded (NOTE [Alternating blocks] Rule 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellVerdict:
+    """One cell's verdict (Rules 2-6); a refused or failed cell keeps the defaults of what it could not measure."""
+
+    label: str
+    status: str  # "measured" | "refused" | "failed"
+    best: str | None = None
+    regret: float | None = None  # point estimate (Rule 3)
+    regret_interval: tuple[float, float] | None = None
+    gated_regret: float | None = None
+    pairs_apart: int = 0
+    pairs_ordered: int = 0
+    wrong_pairs: tuple[str, ...] = ()
+    refusal_right: bool | None = None
+    peak_ratios: dict[str, float] = field(default_factory=dict)
+    saved_ratios: dict[str, float] = field(default_factory=dict)
+    over_limit: tuple[str, ...] = ()
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pair_interval(a: Sequence[float], b: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """Median of the per-block ratio ``a / b`` and its interval (NaN bounds when too few blocks, Rule 2)."""
+    ratios = np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
+    low, high = stats.median_ci(ratios, confidence)
+    return float(np.median(ratios)), float(low), float(high)
+
+
+def _apart(low: float, high: float) -> bool:
+    return bool(np.isfinite([low, high]).all()) and (low > 1 or high < 1)
+
+
+def _fits(memory: ArmMemory, device_limit: int | None, host_limit: int | None) -> bool:
+    return (device_limit is None or memory.measured_peak <= device_limit) and (
+        host_limit is None or memory.measured_host <= host_limit)
+
+
+def _ordering(cell: CellResult, confidence: float) -> tuple[int, int, list[str]]:
+    """Rule 2 over the cell's forced arms: (pairs apart, pairs ordered as measured, the wrong ones)."""
+    apart = ordered = 0
+    wrong = []
+    for a, b in itertools.combinations(cell.admitted, 2):
+        _, low, high = pair_interval(cell.seconds[a], cell.seconds[b], confidence)
+        if not _apart(low, high):
+            continue
+        apart += 1
+        measured = 1 if low > 1 else -1  # a slower than b
+        predicted = np.sign(cell.predicted[a] - cell.predicted[b])
+        if predicted == measured:
+            ordered += 1
+        else:
+            wrong.append(f"{a} vs {b}: measured ratio [{low:.3f}, {high:.3f}], predicted "
+                         f"{cell.predicted[a] * 1e3:.3f} vs {cell.predicted[b] * 1e3:.3f} ms")
+    return apart, ordered, wrong
+
+
+def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
+    """The verdict of one cell (Rules 2-6)."""
+    peak_ratios = {p: m.measured_peak / m.predicted_peak for p, m in cell.memory.items() if m.predicted_peak > 0}
+    over = tuple(p for p in cell.admitted if p in cell.memory and not _fits(cell.memory[p], cell.device_limit, cell.host_limit))
+    saved_ratios = {p: m.saved_ratio for p, m in cell.memory.items()}
+    common = dict(peak_ratios=peak_ratios, saved_ratios=saved_ratios, over_limit=over, label=cell.label)
+    if cell.error is not None:
+        return CellVerdict(status="failed", error=cell.error, **common)
+    if cell.auto is None:
+        right = not any(_fits(m, cell.device_limit, cell.host_limit) for m in cell.memory.values())
+        return CellVerdict(status="refused", refusal_right=right, **common)
+    apart, ordered, wrong = _ordering(cell, confidence)
+    best = min(cell.admitted, key=lambda p: float(np.median(cell.seconds[p])))
+    ratio, low, high = pair_interval(cell.seconds[AUTO], cell.seconds[best], confidence)
+    gated = max(0.0, ratio - 1) if _apart(low, high) and low > 1 else 0.0
+    return CellVerdict(status="measured", best=best, regret=ratio - 1, regret_interval=(low - 1, high - 1),
+                       gated_regret=gated, pairs_apart=apart, pairs_ordered=ordered, wrong_pairs=tuple(wrong),
+                       **common)
+
+
+def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gates = Gates()) -> tuple[dict, list[tuple[str, bool | None, str]]]:
+    """The certificate over every ``planned`` cell label: its figures and its checks ``(name, ok, detail)``.
+
+    A planned cell missing from ``cells`` counts as failed (Rule 6). ``ok`` is None for a check with
+    nothing to judge (no pair measurably apart): skipped, and said so."""
+    verdicts = [cell_verdict(cells[label], gates.confidence) if label in cells else
+                CellVerdict(label=label, status="failed", error="no result")
+                for label in planned]
+    failed = [v.label for v in verdicts if v.status == "failed"]
+    measured = [v for v in verdicts if v.status == "measured"]
+    refused = [v for v in verdicts if v.status == "refused"]
+    apart = sum(v.pairs_apart for v in measured)
+    ordering = sum(v.pairs_ordered for v in measured) / apart if apart else float("nan")
+    regrets = np.asarray([v.gated_regret for v in measured], dtype=float)
+    median = float(np.median(regrets)) if regrets.size else float("nan")
+    p95 = float(np.percentile(regrets, 95)) if regrets.size else float("nan")
+    worst = float(regrets.max()) if regrets.size else float("nan")
+    wrong = [v.label for v in refused if not v.refusal_right]
+    ratios = np.asarray([r for v in verdicts for r in v.peak_ratios.values()], dtype=float)
+    over_estimate = 1 / ratios - 1 if ratios.size else np.asarray([np.nan])
+    over_limit = [f"{v.label}: {', '.join(v.over_limit)}" for v in verdicts if v.over_limit]
+    figures = {
+        "cells_planned": len(planned), "cells_measured": len(measured), "cells_refused": len(refused),
+        "cells_failed": failed, "pairs_apart": apart, "ordering": ordering,
+        "median_regret": median, "p95_regret": p95, "worst_regret": worst,
+        "wrong_refusals": wrong, "wrong_refusal_share": len(wrong) / len(refused) if refused else 0.0,
+        "worst_peak_ratio": float(ratios.max()) if ratios.size else float("nan"),
+        "median_over_estimate": float(np.median(over_estimate)), "worst_over_estimate": float(over_estimate.max()),
+        "cells": [v.as_dict() for v in verdicts],
+    }
+    wrong_pairs = "; ".join(f"{v.label}: {w}" for v in measured for w in v.wrong_pairs)
+    under = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.peak_ratios.items() if r > gates.peak_ratio]
+    saved = [r for v in verdicts for r in v.saved_ratios.values()]
+    under_saved = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.saved_ratios.items() if r > gates.peak_ratio]
+    figures["worst_saved_ratio"] = max(saved, default=float("nan"))
+    checks = [
+        ("certificate: every planned cell has a verdict, none failed", not failed,
+         f"{len(planned)} planned; failed: {failed or 'none'}; "
+         + "; ".join(f"{v.label}: {v.error}" for v in verdicts if v.error)),
+        ("certificate: pairwise ordering on pairs apart", None if not apart else ordering >= gates.ordering,
+         f"{ordering:.3f} of {apart} pairs apart (gate >= {gates.ordering}); wrong: {wrong_pairs or 'none'}"),
+        ("certificate: median regret", bool(measured) and median <= gates.median_regret,
+         f"median {median:.4f}, p95 {p95:.4f} (gate <= {gates.median_regret})"),
+        ("certificate: worst regret", bool(measured) and worst <= gates.worst_regret,
+         f"worst {worst:.4f} (gate <= {gates.worst_regret}); "
+         + ", ".join(f"{v.label} {v.gated_regret:.3f}" for v in measured)),
+        ("certificate: no wrong refusal", len(wrong) / max(1, len(refused)) <= gates.wrong_refusals,
+         f"{len(refused)} refused, wrong: {wrong or 'none'}"),
+        ("certificate: measured peak / predicted peak <= 1", ratios.size > 0 and not under,
+         f"worst {figures['worst_peak_ratio']:.3f} over {ratios.size} runs; under-estimates: {under or 'none'}"),
+        ("certificate: held after a forward / admitted saved bytes <= 1", bool(saved) and not under_saved,
+         f"worst {figures['worst_saved_ratio']:.3f} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
+        ("certificate: admitted placements within the limits (measured)", not over_limit,
+         "; ".join(over_limit) or "every admitted placement's measured bytes within its limits"),
+    ]
+    return figures, checks

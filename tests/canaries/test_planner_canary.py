@@ -1,0 +1,162 @@
+"""The planner canary's certificate (NOTE [Planner certificate]) on a fake clock, and one quick real run."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+import reference_trainer as rt
+from canaries.registry import canary as canary_entry
+
+from canaries.planner import calibration
+from canaries.planner.certificate import ArmMemory, CellResult, cell_verdict, certify
+from validation import abba
+
+SECONDS = {"retain": 1.0, "offload": 1.2, "replay": 1.5, "auto": 1.0}  # what each arm costs on the fake clock
+
+
+def _timed(costs: dict[str, float], blocks: int = 12) -> dict[str, list[float]]:
+    """Per-block seconds of ``costs``' arms through ``abba.run_block`` on a clock each arm advances (with jitter)."""
+    now = [0.0]
+    jitter = itertools.cycle([0.0, 0.01, -0.01, 0.005, -0.02, 0.015, -0.005])  # 7: never in step with the arms
+    arms = {name: (lambda c=c: now.__setitem__(0, now[0] + c * (1 + next(jitter)))) for name, c in costs.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    for index in range(blocks):
+        for name, value in abba.run_block(arms, index, lambda: now[0]).items():
+            seconds[name].append(value)
+    return seconds
+
+
+def _cell(label: str, predicted: dict[str, float], *, auto_cost: float = 1.0, peak: int = 90) -> CellResult:
+    memory = {p: ArmMemory(measured_peak=peak, predicted_peak=100, measured_host=0, saved_estimate=10,
+                        saved_ratio=0.9) for p in predicted}
+    return CellResult(label, None, None, seconds=_timed({**SECONDS, "auto": auto_cost}), predicted=predicted,
+                      memory=memory, admitted=list(predicted), auto=["retain"])
+
+
+def _checks(cells: dict[str, CellResult], planned: list[str] | None = None) -> dict[str, bool | None]:
+    return {name: ok for name, ok, _ in certify(planned or list(cells), cells)[1]}
+
+
+GOOD = {"retain": 0.0, "offload": 0.1, "replay": 0.4}
+
+
+def test_a_planner_that_orders_as_measured_passes_every_check() -> None:
+    figures, checks = certify(["a"], {"a": _cell("a", GOOD)})
+    assert all(ok for _, ok, _ in checks), checks
+    assert figures["pairs_apart"] == 3 and figures["ordering"] == 1.0 and figures["worst_regret"] == 0.0
+
+
+def test_reversed_prices_fail_the_ordering() -> None:  # the negative control of the ordering
+    figures, _ = certify(["a"], {"a": _cell("a", {"retain": 0.4, "offload": 0.1, "replay": 0.0})})
+    assert figures["ordering"] == 0.0
+
+
+def test_a_predicted_tie_between_pairs_apart_is_a_wrong_order() -> None:  # offload priced at zero
+    assert _checks({"a": _cell("a", {"retain": 0.0, "offload": 0.0, "replay": 0.4})})["certificate: pairwise ordering on pairs apart"] is False
+
+
+def test_auto_slower_than_the_best_is_regret_with_its_interval() -> None:
+    figures, _ = certify(["a"], {"a": _cell("a", GOOD, auto_cost=1.2)})
+    cell = figures["cells"][0]
+    assert cell["best"] == "retain" and cell["gated_regret"] == pytest.approx(0.2, abs=0.02)
+    low, high = cell["regret_interval"]
+    assert low <= 0.2 <= high and figures["worst_regret"] > 0.1
+
+
+def test_a_regret_within_the_noise_is_gated_as_zero() -> None:  # 0.3% slower: inside the jitter's interval
+    cell = certify(["a"], {"a": _cell("a", GOOD, auto_cost=1.003)})[0]["cells"][0]
+    assert cell["regret"] > 0 and cell["regret_interval"][0] <= 0 and cell["gated_regret"] == 0.0
+
+
+def test_an_under_estimated_peak_fails() -> None:
+    assert _checks({"a": _cell("a", GOOD, peak=101)})["certificate: measured peak / predicted peak <= 1"] is False
+
+
+def test_an_under_estimated_saved_state_fails() -> None:
+    cell = _cell("a", GOOD)
+    cell.memory["offload"] = ArmMemory(measured_peak=90, predicted_peak=100, measured_host=0, saved_estimate=10, saved_ratio=1.1)
+    assert _checks({"a": cell})["certificate: held after a forward / admitted saved bytes <= 1"] is False
+
+
+def test_a_refusal_is_wrong_when_a_placement_measured_fits() -> None:
+    cell = _cell("a", GOOD)
+    cell.auto, cell.device_limit = None, 95  # every measured peak (90) fits 95
+    assert _checks({"a": cell})["certificate: no wrong refusal"] is False
+    cell.device_limit = 80
+    assert _checks({"a": cell})["certificate: no wrong refusal"] is True
+
+
+def test_a_failed_or_missing_cell_fails_the_certificate() -> None:
+    failed = _cell("a", GOOD)
+    failed.error = "RuntimeError: boom"
+    assert _checks({"a": failed})["certificate: every planned cell has a verdict, none failed"] is False
+    assert _checks({"a": _cell("a", GOOD)}, ["a", "b"])["certificate: every planned cell has a verdict, none failed"] is False
+
+
+@pytest.mark.slow
+def test_the_quick_canary_passes_and_every_placement_is_admitted_somewhere(tmp_path: Path) -> None:
+    from canaries.planner import canary
+
+    judged = canary.judge("cpu", "quick")
+    assert all(c.ok or c.skipped for c in judged.checks), [c for c in judged.checks if not c.ok]
+    cells = judged.measurements["certificate"]["cells"]
+    path = canary_entry("planner").record("cpu", judged, tmp_path)  # its fitted constants load into a trainer
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), planner_calibration=path)
+    assert trainer.memory_limit_bytes is None
+    admitted = {p for r in judged.measurements["cells"].values() for p in r["admitted"]}
+    assert admitted == {"retain", "offload", "replay"} and "replay" in {c["best"] for c in cells}
+    assert any(c["status"] == "refused" and c["refusal_right"] for c in cells)
+
+
+# --- calibration (NOTE [Planner calibration]) -------------------------------------------------------------
+
+TRUE = {"seconds_per_byte": 2e-9, "seconds_per_token": 3e-5, "seconds_per_record": 4e-4}
+
+
+def _calibration_cell(index: int) -> CellResult:
+    """A cell whose arms cost ``features · TRUE`` on the fake clock (sizes vary from cell to cell)."""
+    records, tokens, moved = 1 + index % 3, 32.0 * (1 + index % 4), 1e5 * (1 + (index * 7) % 11)
+    features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, records], "replay": [0.0, tokens * records, records]}
+    costs = {p: 0.01 + sum(f * TRUE[n] for f, n in zip(vector, calibration.FEATURES)) for p, vector in features.items()}
+    return CellResult(f"c{index}", None, None, seconds=_timed({**costs, "auto": costs["retain"]}, blocks=16),
+                      predicted=dict.fromkeys(features, 0.0), admitted=list(features), auto=["retain"], features=features)
+
+
+def test_constants_fitted_on_half_the_cells_order_the_other_half() -> None:
+    cells = [_calibration_cell(i) for i in range(12)]
+    found = calibration.held_out(cells)
+    assert found["pairs_apart"] >= 10 and found["ordering"] >= calibration.HELD_OUT_GATE
+    for name, value in TRUE.items():
+        assert found["constants"][name] == pytest.approx(value, rel=0.2), found["constants"]
+
+
+def test_the_held_out_gate_is_not_vacuous() -> None:  # prices from constants off by the wrong orders fail it
+    cells = [_calibration_cell(i) for i in range(12)]
+    wrong = {"seconds_per_byte": 1e-6, "seconds_per_token": 0.0, "seconds_per_record": 0.0}
+    verdicts = [cell_verdict(calibration.priced(c, wrong)) for c in cells[1::2]]
+    assert sum(v.pairs_ordered for v in verdicts) / sum(v.pairs_apart for v in verdicts) < calibration.HELD_OUT_GATE
+
+
+class _Shares:
+    """A load probe reporting the given CPU shares, block by block (the warm-up first)."""
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = iter(shares)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> float:
+        return next(self.shares)
+
+
+def test_loaded_blocks_are_left_out_of_a_cells_timing() -> None:
+    from canaries.planner.canary import timed_blocks as timed
+
+    now = [0.0]
+    arms = {"a": lambda: now.__setitem__(0, now[0] + 1.0), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
+    seconds, loaded = timed(arms, 4, lambda: now[0], _Shares([1.0, 1.0, 0.5, 0.9, 0.1]))
+    assert loaded == 2 and seconds == {"a": [1.0, 1.0], "b": [2.0, 2.0]}

@@ -1,0 +1,30 @@
+"""The planner canary's section: both figures written, every planned cell in the table, failures listed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from canaries.planner.certificate import certify
+from reports.planner import section
+from validation.evidence import Checks, make_record
+from tests.canaries.test_planner_canary import GOOD, _cell
+
+
+def _record(cells: dict) -> dict:
+    figures, verdicts = certify(list(cells), cells)
+    checks = Checks()
+    for name, ok, detail in verdicts:
+        checks.skip(name, detail) if ok is None else checks.check(name, ok, detail)
+    return make_record("planner-canary", config={}, checks=checks,
+                       measurements={"certificate": figures, "cells": {k: asdict(v) for k, v in cells.items()}})
+
+
+def test_the_section_plots_regret_and_bytes_and_lists_every_cell(tmp_path: Path) -> None:
+    failed = _cell("b", GOOD)
+    failed.error = "RuntimeError: boom"
+    view = section(_record({"a": _cell("a", GOOD, auto_cost=1.1), "b": failed}), tmp_path)
+    assert [f.path.name.rsplit("-", 1)[1] for f in view.figures] == ["regret.png", "bytes.png"]
+    assert all(f.path.stat().st_size > 0 for f in view.figures)
+    assert list(view.tables["cells"]["status"]) == ["measured", "failed"] and not view.passed
+    assert any("every planned cell has a verdict" in line for line in view.lines)

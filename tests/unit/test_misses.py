@@ -1,0 +1,93 @@
+"""Planner misses (NOTE [Planner misses]): reported when an estimate is exceeded or admission refuses, replayable."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer import admission, misses, planner
+
+_OPTIONS = rt.ForwardOptions(backward_state="retain", corrections=())
+_REAL = planner.analytic_saved_bytes
+
+
+def _under_estimate(config, batch, seq_len, **options):  # a stand-in estimator: half the real one
+    return _REAL(config, batch, seq_len, **options) // 2
+
+
+@contextlib.contextmanager
+def _stand_in() -> Iterator[None]:
+    """The stand-in as the estimator: in the plan and in admission's measured/analytic scale alike."""
+    with mock.patch.object(planner, "analytic_saved_bytes", _under_estimate), \
+            mock.patch.object(admission, "analytic_saved_bytes", _under_estimate):
+        yield
+
+
+def _trainer(**limits) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), **limits)
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    return trainer
+
+
+def _inputs(seed: int) -> list[rt.ForwardInput]:
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed))
+    return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
+
+
+def _two_forwards(trainer: rt.Trainer) -> None:
+    for seed in (1, 2):  # one shape class: the second forward is estimated with the first one's measured scale
+        outputs = trainer.forward(_inputs(seed), options=_OPTIONS)
+        trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
+
+
+def test_an_under_estimating_estimator_misses_once_and_the_miss_replays_to_its_estimate() -> None:
+    seen: list[rt.PlannerMiss] = []
+    trainer = _trainer()
+    with _stand_in(), rt.observe_planner_misses(seen.append):
+        _two_forwards(trainer)
+        assert [m.kind for m in seen] == ["saved_bytes_exceeded"]  # the second forward learned the scale
+        miss = seen[0]
+        assert miss.measured > miss.estimate and rt.replay_estimate(miss.inputs) == miss.estimate
+    assert rt.replay_estimate(miss.inputs) != miss.estimate  # the replay recomputes: the real estimator differs
+    assert miss.inputs["batch"] == 2 and miss.inputs["seq_len"] == 16 and miss.inputs["lora"]["rank"] == 4
+
+
+def test_the_real_estimator_misses_nothing_and_no_observer_sees_nothing() -> None:
+    seen: list[rt.PlannerMiss] = []
+    with rt.observe_planner_misses(seen.append):
+        _two_forwards(_trainer())
+    assert seen == []
+    with _stand_in():
+        _two_forwards(_trainer())  # no observer in force: nothing is reported, nothing raises
+    assert seen == []
+
+
+def test_a_refusal_is_a_miss_with_the_refused_forwards_estimate() -> None:
+    seen: list[rt.PlannerMiss] = []
+    trainer = _trainer(memory_limit_bytes=1)
+    with rt.observe_planner_misses(seen.append), pytest.raises(rt.MemoryAdmissionError) as refused:
+        trainer.forward(_inputs(1), options=_OPTIONS)
+    assert [(m.kind, m.raised) for m in seen] == [("refused", str(refused.value))]
+    assert rt.replay_estimate(seen[0].inputs) == seen[0].estimate > 0
+
+
+def test_plain_inputs_replay_what_the_estimator_gave_for_every_input() -> None:
+    config = rt.ModelConfig.tiny(dtype=torch.bfloat16, dropout=0.1)
+    estimator = dict(batch=3, seq_len=40, snapshot_bytes=123, staging_bytes=456, saved_scale=1.7,
+                     measured_seconds_per_token=3e-6, transfer_bytes_per_second=2e9, scores_saved=True,
+                     lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")), dropout_active=False)
+    expected = planner.estimate_forward_cost(config, **estimator).saved_bytes
+    plain = rt.PlannerMiss("refused", misses.plain_inputs(config, estimator), expected, None, "x").as_dict()["inputs"]
+    assert json.loads(json.dumps(plain)) == plain  # plain JSON
+    assert rt.replay_estimate(plain) == expected
+    for field, other in (("saved_scale", None), ("lora", None), ("dropout_active", True), ("seq_len", 41)):
+        changed = misses.plain_inputs(config, {**estimator, field: other})
+        assert rt.replay_estimate(changed) != expected, field  # each input matters: the replay reads it
+    fp32 = misses.plain_inputs(config.replace(dtype=torch.float32), estimator)
+    assert rt.replay_estimate(fp32) != expected  # and the dtype
