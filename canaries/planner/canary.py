@@ -1,6 +1,6 @@
 """The planner canary: ``auto``'s choices and the planner's estimates against every measured placement (issue 27).
 
-A grid of cells (:data:`GRIDS`: checkpoint kind × dropout × batch × sequence
+A grid of cells (:data:`CELL_GRIDS`: checkpoint kind × dropout × batch × sequence
 length × pending forwards (staleness) × device limit × host limit), chosen
 so retain, offload and replay each win somewhere and some cells admit
 nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
@@ -47,7 +47,7 @@ from ..registry import Judged
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
 
-__all__ = ["Cell", "GRIDS", "BLOCKS", "KIND", "run_cell", "timed_blocks", "judge"]
+__all__ = ["Cell", "CELL_GRIDS", "BLOCKS", "KIND", "run_cell", "timed_blocks", "judge"]
 
 KIND = "planner-canary"
 
@@ -85,7 +85,7 @@ def _grid(no_offload: bool) -> list[Cell]:
 # no-offload cells, a known finding: where only replaying both pending forwards fits, greedy auto retains
 # the first and then refuses the second (a wrong refusal, NOTE [Memory admission] Rule 6 reclaims to the
 # host only); kept out of default so `rtv run` on a GPU preset (profile default) gates what auto promises.
-GRIDS: dict[str, list[Cell]] = {
+CELL_GRIDS: dict[str, list[Cell]] = {
     "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
               Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
     "default": _grid(no_offload=False),
@@ -230,7 +230,7 @@ def judge(preset: str, profile: str) -> Judged:
     """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
     spec = presets.preset(preset).on_this_machine()
     started = time.perf_counter()
-    cells = GRIDS[profile]
+    cells = CELL_GRIDS[profile]
     models: dict[float, rt.DecoderLM] = {}
     results: dict[str, CellResult] = {}
     for dropout in dict.fromkeys(c.dropout for c in cells):
