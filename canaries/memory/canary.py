@@ -33,7 +33,9 @@ intersections]): train mode after eval mode with dropout, LoRA rank 256,
 a long forward after a shorter one of its class, the checkpoints' state.
 Last, the logical-rank scale check (``canaries.memory.scale``): gradient
 bytes the logical ranks hold and receive, and their bits, over ``L`` and
-``W`` on gloo, full and LoRA (the quick profile: ``L <= 8``, ``W <= 2``).
+``W`` on gloo, full and LoRA; the quick profile (``rtv run`` on CPU) reports
+it skipped, since its spawned ranks cost seconds, and runs it only when a
+focused run names it (the mutation suite's logical-rank mutations).
 
 On CUDA the same points also read the allocator: bytes back to the baseline
 after backward (two witnesses: allocator and driver, each read twice),
@@ -264,8 +266,12 @@ def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> 
         if whole or set(checks) & set(INTERSECTION_CHECKS):
             with frozen_heap():
                 measurements["admission_intersections"] = _intersections(spec, verdicts, None if whole else checks)
-        if whole or set(checks) & set(SCALE_CHECKS):
+        if (whole and profile != "quick") or (not whole and set(checks) & set(SCALE_CHECKS)):
             measurements["logical_rank_scale"] = scale_check(profile, verdicts)
+        elif whole:  # spawned ranks cost seconds: the quick profile (rtv run on cpu) leaves them to the deeper ones
+            for name in SCALE_CHECKS:
+                verdicts.skip(name, f"profile {profile!r}: rtv canary memory --profile default runs it "
+                                    "(L up to 64, W up to 4, full and LoRA)")
     if whole and not cuda:
         reason = (
             f"no CUDA device: preset {spec.name!r} swapped for the CPU" if spec.swapped

@@ -72,6 +72,7 @@ def _clone(tmp_path: Path) -> Path:
     return clone
 
 
+@pytest.mark.slow  # a clone, a worktree and two worker processes: seconds, for the plumbing the fake-worker tests skip
 def test_a_revs_worker_imports_that_revs_trainer_and_the_identities_differ(tmp_path: Path) -> None:
     clone = _clone(tmp_path)
     marker = clone / "reference_trainer" / "__init__.py"

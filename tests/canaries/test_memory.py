@@ -21,6 +21,7 @@ import pytest
 import reference_trainer as rt
 from canaries.memory import canary as memory
 from canaries.memory.intersections import SCENARIOS
+from canaries.memory.scale import SCALE_CHECKS
 from canaries.memory.lifecycle import POINTS
 from canaries.presets import PLACEMENTS
 from canaries.mutations.catalogue import mutation
@@ -101,8 +102,9 @@ def test_admission_stays_within_a_limit_that_binds(clean) -> None:
 def test_cuda_checks_are_reported_as_skipped_on_cpu(clean) -> None:
     record, stdout, _ = clean
     skipped = record["skips"]
-    assert set(skipped) == set(memory.CUDA_CHECKS)
-    assert all("runs on cpu" in reason for reason in skipped.values())
+    assert set(skipped) == set(memory.CUDA_CHECKS) | set(SCALE_CHECKS)
+    assert all("runs on cpu" in skipped[name] for name in memory.CUDA_CHECKS)
+    assert all("--profile default runs it" in skipped[name] for name in SCALE_CHECKS), "quick leaves it, and says so"
     assert all(f"SKIP  {name}" in stdout for name in memory.CUDA_CHECKS)
 
 

@@ -52,8 +52,10 @@ FIRST_FAILURE = {
     "scale_across_shape_classes": "under-estimates: ['",
 }
 
-# The planner canary runs whole (its grid) on each mutation, several seconds each: nightly, with the slow marker.
-_SLOW = {name for name, m in MUTATIONS.items() if m.caught_by == "planner"}
+# The planner canary runs whole (its grid) on each mutation, several seconds each, and the logical-rank scale
+# mutations spawn ranks: nightly, with the slow marker (the mutations canary of `rtv run` still catches each).
+_SLOW = {name for name, m in MUTATIONS.items() if m.caught_by == "planner"} | {
+    "fold_in_arrival_order", "no_cross_process_reduction"}
 
 
 def test_every_mutation_has_its_first_failure_pinned() -> None:

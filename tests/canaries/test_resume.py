@@ -29,6 +29,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
     return verify(path), stdout.getvalue(), out
 
 
+@pytest.mark.slow  # the canary's real quick run (child processes killed and resumed); rtv run runs it too
 def test_the_quick_run_passes_with_its_kill_points_and_negative_control_in_the_record(quick):
     record, printed, _ = quick
     assert record["passed"], [c for c in checks_of(record) if not c.ok]
@@ -39,6 +40,7 @@ def test_the_quick_run_passes_with_its_kill_points_and_negative_control_in_the_r
     assert "negative control" in printed and printed.count("PASS  ") == KILLS["quick"] + 1
 
 
+@pytest.mark.slow  # renders the quick run above
 def test_the_report_shows_every_kill_point_and_its_outcome(quick, tmp_path):
     record, _, out = quick
     page = render_report(out, tmp_path / "index.md").markdown.read_text()

@@ -34,11 +34,18 @@ def test_down_alone_proves_absence_and_receipts_list_it(fake, sky_sandbox, tmp_p
     assert main(["gpu", "receipts", "--in", str(tmp_path)]) == 1
 
 
-def test_down_that_cannot_prove_absence_exits_6(fake, sky_sandbox, tmp_path):
+def test_down_that_cannot_prove_absence_exits_6(fake, sky_sandbox, tmp_path, monkeypatch):
+    import functools
+
+    import ci.launcher
+
+    # Every attempt fails: without this the command sleeps its real backoffs (5 + 10 + 20 s) between them.
+    monkeypatch.setattr(ci.launcher, "Timeouts", functools.partial(ci.launcher.Timeouts, down_backoff=0.0))
     fake.launch(sky_sandbox.Task(run="true"), cluster_name="rtv-gate-5-2")
     fake.server.run_pending()
     fake.inject("down", "error", always=True)
     assert main(["gpu", "down", "rtv-gate-5-2", "--wait", "0", "--out", str(tmp_path)]) == 6
+    assert fake.calls.count("down") == ci.launcher.Timeouts().down_attempts, "every attempt was made"
 
 
 def test_launch_refuses_a_malformed_task_with_exit_2(sky_sandbox, tmp_path, capsys):

@@ -46,6 +46,7 @@ def two_nodes(module_args: list[str], *, out_dir: Path, timeout_s: float) -> lis
     return done
 
 
+@pytest.mark.slow  # four processes importing torch (two torchrun agents, two ranks): seconds of the suite's budget
 def test_two_torchrun_nodes_give_the_one_process_bits_and_survive_a_failed_call(tmp_path: Path, one_thread: None):
     from canaries.derivative.intersections import logical_run
     from canaries.presets import preset
