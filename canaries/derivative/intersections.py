@@ -53,6 +53,8 @@ import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
 from validation.world import run_ranks
 
+from ..mutations.catalogue import active_mutations, call_mutated
+
 from .gradients import GRADIENT_INTERSECTIONS
 from .scenarios import run_scenario
 from .oracle_pair import CanaryFailure, sequences
@@ -170,7 +172,8 @@ def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
     processes = max(2, config.processes)
     logical_dp = -(-max(logical_dp, processes) // processes) * processes
     one = logical_run(config, logical_dp)
-    two = run_ranks(logical_run, processes, config, logical_dp, timeout_s=300.0, dist_timeout_s=60.0)
+    two = run_ranks(call_mutated, processes, active_mutations(), logical_run, config, logical_dp, timeout_s=300.0,
+                    dist_timeout_s=60.0)
     for label in ("control", "default"):
         _compare(label, one[label], [part[label] for part in two], logical_dp)
     return sum(staleness > 0 for records in one["default"]["flags"].values() for staleness, _ in records)

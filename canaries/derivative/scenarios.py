@@ -24,6 +24,8 @@ from reference_trainer.ranks import run_logical
 from reference_trainer.ranks.peers import select_backend
 from validation.world import run_ranks
 
+from ..mutations.catalogue import active_mutations, call_mutated
+
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
 from ..presets import Preset
@@ -179,7 +181,9 @@ def check_logical_ranks(config: Preset, logical_dp: int) -> float:
     if config.processes == 1:
         return check_logical_normalisation(config, logical_dp)
     backend = select_backend(config.device, torch.cuda.is_available())
-    errors = run_ranks(check_logical_normalisation, config.processes, config, logical_dp, backend=backend,
+    # A mutation under test is active in the ranks too (the mutation suite's runs, NOTE [Mutation verdicts]).
+    errors = run_ranks(call_mutated, config.processes, active_mutations(), check_logical_normalisation, config,
+                       logical_dp, backend=backend,
                          timeout_s=600.0, dist_timeout_s=120.0)
     return max(errors)
 

@@ -24,7 +24,6 @@ cross-process step shows.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 from typing import Any
@@ -35,7 +34,7 @@ import reference_trainer as rt
 from validation.memory import reachable_bytes
 from validation.spawn import spawn_ranks
 
-from ..mutations.catalogue import active_mutations, mutation
+from ..mutations.catalogue import active_mutations, applied
 
 __all__ = ["HELD_CHECK", "BITS_CHECK", "MOVED_CHECK", "SCALE_CHECKS", "LAYOUTS", "scale_check", "scale_readings"]
 
@@ -127,9 +126,7 @@ def scale_readings(cases: list[tuple[str, int]], mutations: tuple[str, ...] = ()
     torch.set_num_threads(1)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     try:
-        with contextlib.ExitStack() as stack:
-            for name in mutations:
-                stack.enter_context(mutation(name).apply())
+        with applied(mutations):
             with torch.random.fork_rng():
                 torch.manual_seed(0)
                 return {f"{kind}-L{logical_dp}": _one_layout(kind, logical_dp, oracle=world == 1)

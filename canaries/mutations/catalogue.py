@@ -46,7 +46,7 @@ from validation.errors import SetupError
 
 from ..presets import Preset
 
-__all__ = ["Mutation", "MUTATIONS", "active_mutations", "mutation"]
+__all__ = ["Mutation", "MUTATIONS", "active_mutations", "applied", "call_mutated", "mutation"]
 
 _SCALE_BITS = "logical-rank scale: parameters equal for every W, .grad equal to the tree oracle on one process"
 _ACTIVE: list[str] = []  # the mutations applied now in this process, outermost first
@@ -55,6 +55,21 @@ _ACTIVE: list[str] = []  # the mutations applied now in this process, outermost 
 def active_mutations() -> tuple[str, ...]:
     """The names of the mutations active in this process: a check that spawns ranks applies them there too."""
     return tuple(_ACTIVE)
+
+
+@contextlib.contextmanager
+def applied(names: tuple[str, ...]) -> Iterator[None]:
+    """The named mutations active inside the block: a spawned rank's, as :func:`active_mutations` named them."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mutation(name).apply())
+        yield
+
+
+def call_mutated(names: tuple[str, ...], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the named mutations active: what a check sends to the ranks it spawns."""
+    with applied(names):
+        return fn(*args)
 
 
 @dataclass(frozen=True)

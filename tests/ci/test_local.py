@@ -168,7 +168,7 @@ def test_local_runs_the_two_node_task_for_real_on_cpu(two_nodes, tmp_path: Path)
     assert run_local(two_nodes, out=out, cuda=False, skip_setup=True, echo=print) == 0
     records = [verify(path) for path in out.rglob("*.json") if "report" not in path.parts]
     assert records and all(r["passed"] for r in records)
-    derivative = [r for r in records if r["kind"] == "derivative"]
+    derivative = [r for r in records if r["kind"] == "derivative-canary"]
     assert len(derivative) == 1, "rank 0 alone writes, once"
     assert [f["node_rank"] for f in derivative[0]["environment"]["world"]] == [0, 1]
     assert derivative[0]["config"]["preset"]["processes"] == 2
