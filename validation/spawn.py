@@ -3,8 +3,8 @@
 ``spawn_ranks(fn, W, *args)`` starts W processes from a fork server that has
 already imported torch (start-up is a fork, not an import), joins them into
 one gloo process group on 127.0.0.1 (a TCPStore hosted by the caller, on a
-port the OS picked, so there is no port race) and runs ``fn(*args)`` in each
-with the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+port the OS picked, so there is no port race, listening on loopback only)
+and runs ``fn(*args)`` in each with the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and one intra-op thread. Each rank's result
 comes back through its own pipe as plain Python objects, tensors turned into
 numpy arrays: a tensor sent by a process that then exits would be lost
@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -98,8 +99,12 @@ def spawn_ranks(
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
-    # The caller hosts the rendezvous: it survives any rank, and port 0 lets the OS pick a free one.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    # The caller hosts the rendezvous: it survives any rank, and port 0 lets the OS pick a free one. Its socket
+    # is bound here, to loopback: a TCPStore binds every interface itself (the local-Slurm stage saw it).
+    listener = socket.create_server(("127.0.0.1", 0), backlog=world_size * 4)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())  # the store owns (and closes) the socket from here
     readers: dict[Connection, int] = {}
     processes = []
     for rank in range(world_size):

@@ -5,6 +5,9 @@ A torchrun world itself (two "nodes" on 127.0.0.1) is in tests/dist/test_torchru
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 import pytest
 
@@ -41,3 +44,22 @@ def test_a_partial_or_broken_world_is_refused_with_a_fix(change: dict, message: 
     with pytest.raises(SetupError, match=message) as info:
         given_world(environ)
     assert "torchrun" in info.value.fix
+
+
+def _listeners_of_master_port() -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) listening on this rank's MASTER_PORT."""
+    port = f"{int(os.environ['MASTER_PORT']):04X}"
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and local.endswith(f":{port}"):  # 0A: LISTEN
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_the_spawned_ranks_rendezvous_listens_on_loopback_only():
+    """A TCPStore binds every interface by itself; the harness's store must not be reachable from the network."""
+    (found, _) = run_ranks(_listeners_of_master_port, 2)
+    assert found == ["0100007F"], f"expected only 127.0.0.1 to listen on the rendezvous port, found {found}"
