@@ -48,7 +48,9 @@ def test_a_vs_a_is_a_tie() -> None:
 @pytest.mark.parametrize(("scale", "verdict"), [(1.10, "regression"), (1 / 1.10, "gain")])
 def test_a_known_ten_percent_change_is_found_at_about_its_size(scale: float, verdict: str) -> None:
     result = decided(scale)
-    assert result.verdict == verdict and result.ci95[0] <= scale <= result.ci95[1], result
+    # "About its size": the loop's length scales, its fixed per-call cost does not, so the true ratio sits a little
+    # nearer 1 than `scale` (0.9126 measured for 1/1.1); an interval that must cover `scale` exactly fails on that.
+    assert result.verdict == verdict and abs(result.ratio / scale - 1) <= 0.02, result
 
 
 def test_two_percent_slower_is_never_a_regression() -> None:
