@@ -54,7 +54,7 @@ from validation.evidence import Checks, source_fingerprint
 
 from .interrupts import CallTimeout, Interrupted, bounded, signals_deferred, signals_raise
 from .outputs import Expectation, fetch_outputs, judge_outputs
-from .receipts import commit, write_receipt
+from .receipts import commit, cost_cross_check, hourly_price, write_receipt
 from .tasks import TaskSpec, parse_duration
 from .teardown import RunState, Teardown, Timeouts
 
@@ -259,10 +259,27 @@ class Launcher(Teardown):
         path = write_receipt(
             out_dir, command=command, cluster=run.cluster, requested=requested, observed=run.observed(),
             checks=checks, outcome=word, exit_code=code, timings=run.timings, gpus=launched_gpus(run.handle),
-            billed_s=run.billed_s(self.wall()), handle=run.handle,
+            billed_s=run.billed_s(self.wall()), handle=run.handle, reported=self._cost_report(run, command),
         )
         self.echo(f"rtv gpu {command}: {word} (exit {code}); receipt: {path}")
         return Outcome(code, word, path)
+
+    def _cost_report(self, run: RunState, command: str) -> dict[str, Any] | None:
+        """SkyPilot's cost report cross-checked against this receipt (``ci.receipts``), once absence is proven."""
+        if not run.absence_confirmed:
+            return None
+        try:
+            rows = self.request("cost_report", self.sdk.cost_report, days=1, timeout=self.t.poll)
+        except Exception as error:  # noqa: BLE001 - a report that cannot be had leaves the receipt unchecked, says why
+            return {"checked": False, "reason": f"sky.cost_report failed: {type(error).__name__}: {error}"}
+        now = self.wall()
+        check = cost_cross_check(rows, run.cluster, until=run.absent_at or now, billed_s=run.billed_s(now),
+                                 price=hourly_price(run.handle)[0])
+        if check["checked"] and not check["agrees"]:
+            self.echo(f"rtv gpu {command}: SkyPilot's cost report disagrees with the receipt of {run.cluster}: "
+                      f"it counts {check['reported_s']} s (hourly {check.get('hourly')}), the launcher "
+                      f"{run.billed_s(now):.0f} s; the receipt bills the larger")
+        return check
 
     # --- census, down, sweep --------------------------------------------------------
 

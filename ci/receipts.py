@@ -16,7 +16,22 @@ status record's ``launched_at``, else the first time a census saw it) to
 its proven absence (``ci.teardown.RunState.billed_s``; a request that never
 provisioned bills nothing). Infrastructure without a price (Slurm,
 Kubernetes, an unknown instance) is recorded as ``"unpriced"`` with the
-reason, never as zero. Not done: a cross-check against ``sky.cost_report``.
+reason, never as zero.
+
+The receipt is cross-checked against SkyPilot's own cost report
+(``sky.cost_report``, which lists every user's clusters, downed ones
+included) once absence is proven: :func:`cost_cross_check` takes the
+latest report row of the cluster's name (a name reused after a teardown
+is another row) and adds up its usage intervals (SkyPilot opens one when
+provisioning starts and closes it at teardown; a cluster relaunched while
+up keeps its interval open, so time an earlier run left it up counts
+here). The receipt ``agrees`` when its
+billed span is not shorter than SkyPilot's (beyond :data:`SLACK_S` of
+rounding) and, where both have a price, the hourly prices match within 1%.
+When SkyPilot reports more seconds than the launcher saw (a census that
+first listed the cluster late, or never), the receipt bills SkyPilot's
+seconds and says so (``billed_from``): it never bills less than SkyPilot
+counted. A report that cannot be had is recorded as unchecked, with why.
 A task of failover alternatives records which one ran (``alternative``,
 its label: ``ci.tasks.chosen_alternative``); the price is that one's, as
 the launch handle carries what was launched.
@@ -33,7 +48,9 @@ from validation.evidence import Checks, evidence_path, make_record, source_finge
 
 from .tasks import chosen_alternative
 
-__all__ = ["hourly_price", "commit", "write_receipt"]
+__all__ = ["SLACK_S", "hourly_price", "commit", "cost_cross_check", "write_receipt"]
+
+SLACK_S = 5.0  # seconds of rounding between SkyPilot's integer interval ends and the launcher's clock
 
 
 def hourly_price(handle: Any) -> tuple[float | None, str]:
@@ -62,6 +79,28 @@ def _cost(price: float | None, reason: str, seconds: float) -> dict[str, Any]:
     return {"estimate": round(price * seconds / 3600, 6), "currency": "USD", "hourly": price, "source": reason}
 
 
+def cost_cross_check(rows: list[dict[str, Any]], cluster: str, *, until: float, billed_s: float,
+                     price: float | None) -> dict[str, Any]:
+    """Compare a receipt's billed span and price with SkyPilot's cost report rows (module docstring).
+
+    ``until``: the receipt's proven absence (an interval SkyPilot has not
+    closed yet ends there). Returns the fields the receipt records.
+    """
+    mine = [row for row in rows if row.get("name") == cluster]
+    if not mine:
+        return {"checked": False, "reason": f"sky.cost_report lists no cluster named {cluster!r}"}
+    row = max(mine, key=lambda r: r.get("launched_at") or 0)
+    reported = sum((until if end is None else float(end)) - float(start)
+                   for start, end in row.get("usage_intervals") or [] if start is not None)
+    check: dict[str, Any] = {"checked": True, "reported_s": round(reported, 3), "launched_at": row.get("launched_at"),
+                             "total_cost": row.get("total_cost"), "agrees": billed_s >= reported - SLACK_S}
+    duration, total = float(row.get("duration") or 0), float(row.get("total_cost") or 0.0)
+    if price is not None and duration > 0 and total > 0:
+        check["hourly"] = round(total * 3600 / duration, 6)
+        check["agrees"] = check["agrees"] and abs(check["hourly"] - price) <= 0.01 * price
+    return check
+
+
 def write_receipt(
     out_dir: Path,
     *,
@@ -76,9 +115,17 @@ def write_receipt(
     gpus: int,
     billed_s: float,
     handle: Any = None,
+    reported: dict[str, Any] | None = None,
 ) -> Path:
-    """Build and write the receipt; returns its path (see the module docstring for the fields)."""
+    """Build and write the receipt; returns its path (see the module docstring for the fields).
+
+    ``reported``: :func:`cost_cross_check`'s answer (None: not asked, as
+    when absence is unproven); SkyPilot's seconds win when they are more.
+    """
     price, reason = hourly_price(handle)
+    reported = reported or {"checked": False, "reason": "absence unproven: SkyPilot's interval may still be open"}
+    from_report = reported["checked"] and reported["reported_s"] > billed_s
+    billed_s = reported["reported_s"] if from_report else billed_s
     measurements = {
         "cluster": cluster,
         "commit": commit(),
@@ -89,10 +136,11 @@ def write_receipt(
         "absence": "confirmed" if any(c.name == "absence_confirmed" and c.ok for c in checks) else "unproven",
         "timings_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "billed_s": round(billed_s, 3),
+        "billed_from": "sky.cost_report" if from_report else "launcher",
         "gpu_minutes": round(gpus * billed_s / 60, 3),
         "alternative": chosen_alternative(handle),  # which failover alternative ran (None: one entry, or none ran)
     }
-    measurements["cost"] = _cost(price, reason, billed_s)
+    measurements["cost"] = _cost(price, reason, billed_s) | {"sky_cost_report": reported}
     record = make_record(RECEIPT_KIND, config={"command": command, "cluster": cluster, "task": requested.get("task")},
                          checks=checks, measurements=measurements)
     return write_once(evidence_path(out_dir, RECEIPT_KIND), record)

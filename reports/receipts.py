@@ -25,6 +25,15 @@ def _cost(cost: dict[str, Any]) -> str:
     return f"≈ ${float(cost['estimate']):.2f} at ${float(cost['hourly']):.2f}/h"
 
 
+def _cross_check(m: dict[str, Any]) -> str:
+    reported = (m.get("cost") or {}).get("sky_cost_report") or {}
+    if not reported.get("checked"):
+        return f"SkyPilot's cost report: not checked ({reported.get('reason', 'an older receipt')})"
+    verdict = "agrees" if reported.get("agrees") else "DISAGREES"
+    return (f"SkyPilot's cost report {verdict}: it counts {reported.get('reported_s')} s, the receipt bills "
+            f"{m.get('billed_s')} s (from {m.get('billed_from', 'launcher')})")
+
+
 def _requested_observed(m: dict[str, Any]) -> pd.DataFrame:
     requested, observed = m.get("requested") or {}, m.get("observed") or {}
     launched = observed.get("launched") or {}
@@ -61,6 +70,6 @@ def section(record: dict[str, Any], folder: Path) -> Section:
         passed=bool(record.get("passed")),
         verdict=str(m.get("outcome")),
         key_figure=f"absence {absence}; {m.get('gpu_minutes', 0):g} GPU-minutes, {_cost(m.get('cost') or {})}",
-        lines=[line],
+        lines=[line, _cross_check(m)],
         tables=tables,
     )

@@ -21,6 +21,10 @@ of 0.14.1 does where the launcher's correctness depends on it:
   ``RequestCancelled`` and its cluster never appears.
 - :meth:`FakeServer.restart` interrupts every request that has not run:
   waiting on it raises ``RequestInterruptedError`` (final: resubmit).
+- ``cost_report`` lists every user's clusters, downed ones included, from a
+  history row per launch: usage intervals opened when provisioning starts
+  and closed by ``down``, duration and ``total_cost`` computed at the query
+  (a price the catalog lacks is 0.0, as SkyPilot's own report does).
 - ``tail_logs`` raises ``ClusterNotUpError`` unless the cluster is UP; the
   log it streams ends with the job's evidence frame, made by the real
   ``ci.frames.emit`` from records the fake job writes (:data:`EVIDENCE`).
@@ -59,7 +63,7 @@ from ci.frames import emit
 from validation.evidence import content_digest, make_record
 
 REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down", "status",
-            "api_status")
+            "api_status", "cost_report")
 FAULTS = ("error", "connection", "timeout", "sigint", "sigterm", "slow_result", "lost_reply", "restart")
 # What the fake job leaves: all expected records passing; one failed; one tampered; none written; one from an
 # earlier run (another run id, created before); one record too many; the benchmark failed (shown, not enforced);
@@ -85,6 +89,7 @@ class FakeServer:
         self.released = threading.Event()
         self.tasks: list[Any] = []
         self.logs: dict[str, str] = {}  # cluster -> what its job printed
+        self.history: list[dict[str, Any]] = []  # one row per launch: name, launched_at, usage intervals, ...
         self.refuse_foreign_down = False
         self.fail_after_provision = False
         self.on_api_status: Any = None  # called on each api_status (a test lets a lost launch land then)
@@ -220,8 +225,12 @@ class FakeSky:
             self.server.tasks.append(task)
 
             def provision() -> tuple[int, Any]:
-                self.server.clusters[cluster_name] = self._record(cluster_name, sky.ClusterStatus.UP,
-                                                                  self._optimize(task))
+                record = self._record(cluster_name, sky.ClusterStatus.UP, self._optimize(task))
+                self.server.clusters[cluster_name] = record
+                self.server.history.append({"name": cluster_name, "launched_at": record.launched_at,
+                                            "usage_intervals": [[record.launched_at, None]], "num_nodes": 1,
+                                            "resources": record.handle.launched_resources,
+                                            "user_hash": self.user})
                 self.server.jobs[cluster_name] = list(self.server.job_statuses)
                 self._job_log(cluster_name, task)
                 if self.server.fail_after_provision:
@@ -301,6 +310,9 @@ class FakeSky:
                         f"cluster {cluster_name!r} belongs to {self.server.clusters[cluster_name].user_hash}")
                 del self.server.clusters[cluster_name]
                 self.server.jobs.pop(cluster_name, None)
+                for row in self.server.history:
+                    if row["name"] == cluster_name and row["usage_intervals"][-1][1] is None:
+                        row["usage_intervals"][-1][1] = int(self.server.wall())
 
             return self._request(remove, "sky.down", cluster_name)
 
@@ -311,6 +323,24 @@ class FakeSky:
             return self._request(lambda: [r for name, r in self.server.clusters.items()
                                           if (cluster_names is None or name in cluster_names)
                                           and (all_users or r.user_hash == self.user)], "sky.status")
+
+    def cost_report(self, days: int | None = None) -> RequestId:
+        with self.server.lock:
+            self._enter("cost_report")
+            return self._request(self._cost_rows, "sky.cost_report")
+
+    def _cost_rows(self) -> list[dict[str, Any]]:
+        now, rows = int(self.server.wall()), []
+        for row in self.server.history:
+            duration = sum((now if end is None else end) - start for start, end in row["usage_intervals"])
+            try:
+                cost = row["resources"].get_cost(duration) * row["num_nodes"]
+            except Exception:  # noqa: BLE001 - SkyPilot's report shows 0.0 when the catalog has no price
+                cost = 0.0
+            status = self.server.clusters[row["name"]].status if row["name"] in self.server.clusters else None
+            rows.append({**row, "usage_intervals": [tuple(i) for i in row["usage_intervals"]], "duration": duration,
+                         "total_cost": cost, "status": status})
+        return rows
 
     def tail_logs(self, cluster_name: str, job_id: int | None, follow: bool, tail: int = 0,
                   output_stream: Any = None) -> int:

@@ -282,7 +282,7 @@ def test_the_launchers_sdk_calls_bind_to_the_installed_skypilot(sky_fake, sky_sa
     Launcher(Recording(), clock=clock, sleep=clock.sleep, echo=lambda line: None).launch(
         gate, cluster="rtv-gate-2-1", out_dir=tmp_path)
     assert {name for name, _, _ in made} >= {"launch", "stream_and_get", "get", "job_status", "tail_logs", "down",
-                                            "status", "api_status", "api_cancel"}
+                                            "status", "api_status", "api_cancel", "cost_report"}
     for name, args, kwargs in made:
         inspect.signature(getattr(sky_sandbox, name)).bind(*args, **kwargs)  # raises TypeError if it does not fit
     records = fake.get(fake.status(None, all_users=True)) + [fake._record("x", sky_sandbox.ClusterStatus.UP)]
@@ -290,3 +290,36 @@ def test_the_launchers_sdk_calls_bind_to_the_installed_skypilot(sky_fake, sky_sa
         StatusResponse.model_validate(record.model_dump())
     for payload in fake.api_status(None, True):
         RequestPayload(**payload.model_dump())
+
+
+def test_the_receipt_is_cross_checked_against_skypilots_cost_report(sky_fake, gate, tmp_path):
+    from .conftest import H200_TYPES
+    from .test_launcher import _MinuteClock
+
+    fake = sky_fake.FakeSky()
+    m = receipt_of(launch(fake, gate, tmp_path, _MinuteClock()))["measurements"]
+    (row,) = fake.server.history  # the server's own account: opened at provisioning, closed by down
+    (start, end), = row["usage_intervals"]
+    reported = m["cost"]["sky_cost_report"]
+    assert reported["checked"] and reported["agrees"] and reported["reported_s"] == end - start > 0, reported
+    assert reported["hourly"] == pytest.approx(H200_TYPES["gpu_2x_h200"][1]) and m["billed_from"] == "launcher"
+
+
+def test_a_census_that_first_saw_the_cluster_late_bills_skypilots_count(sky_fake, gate, tmp_path):
+    runner_a = sky_fake.FakeSky(user="runnera")
+    name = lost_cluster(runner_a, gate)
+    launched = runner_a.clusters[name].launched_at
+    runner_a.clusters[name] = runner_a.clusters[name].model_copy(update={"launched_at": None})  # no launch time
+    clock = FakeClock()
+    clock.now = launched + 600
+    m = receipt_of(launcher(runner_a.as_user("runnerb"), clock).down(name, out_dir=tmp_path))["measurements"]
+    assert m["observed"]["first_seen"] >= launched + 600 and m["billed_from"] == "sky.cost_report"
+    assert m["billed_s"] >= 600 and not m["cost"]["sky_cost_report"]["agrees"]
+
+
+def test_a_cost_report_that_fails_leaves_the_receipt_unchecked_with_why(sky_fake, gate, tmp_path):
+    fake = sky_fake.FakeSky()
+    fake.inject("cost_report", "connection")
+    outcome = launch(fake, gate, tmp_path)
+    reported = receipt_of(outcome)["measurements"]["cost"]["sky_cost_report"]
+    assert outcome.exit_code == 0 and not reported["checked"] and "ApiServerConnectionError" in reported["reason"]
