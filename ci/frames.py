@@ -122,6 +122,24 @@ def _frames(log: str) -> list[tuple[str, int, list[str], str | None]]:
     return frames
 
 
+# tarfile's "data" filter (no absolute paths, links or devices) exists from Python 3.11.4 on; Debian 12's
+# python3.11 is 3.11.2, where extractall has no ``filter`` at all. _plain_members holds the same line on every
+# version; the filter is passed too where it exists (and keeps 3.12+ from warning about its default).
+def _data_filter() -> dict[str, str]:
+    return {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
+
+def _plain_members(tar: tarfile.TarFile, digest: str) -> list[tarfile.TarInfo]:
+    """The frame's members, each a file or folder at a relative path inside the target; FrameError otherwise."""
+    members = tar.getmembers()
+    for member in members:
+        path = Path(member.name)
+        if not (member.isfile() or member.isdir()) or path.is_absolute() or ".." in path.parts:
+            raise FrameError(f"frame {digest[:12]}: member {member.name!r} is not a plain file or folder inside "
+                             "the frame (a link, a device, an absolute path or one leaving it): refused")
+    return members
+
+
 def collect(log: str, into: Path) -> dict[str, Any]:
     """Unpack the last whole frame of ``log`` into ``into`` (records under ``into/records``); returns its manifest.
 
@@ -142,7 +160,7 @@ def collect(log: str, into: Path) -> dict[str, Any]:
         into = Path(into)
         into.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(payload), mode="r:gz") as tar:
-            tar.extractall(into, filter="data")  # "data": no absolute paths, links or devices from the job
+            tar.extractall(into, members=_plain_members(tar, digest), **_data_filter())
         return json.loads((into / MANIFEST).read_text())
     raise FrameError("; ".join(reasons) if reasons else
                      "the job's log has no RTV-EVIDENCE frame (its run did not reach `python -m ci.frames emit`)")

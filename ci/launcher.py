@@ -272,13 +272,12 @@ class Launcher(Teardown):
             rows = self.request("cost_report", self.sdk.cost_report, days=1, timeout=self.t.poll)
         except Exception as error:  # noqa: BLE001 - a report that cannot be had leaves the receipt unchecked, says why
             return {"checked": False, "reason": f"sky.cost_report failed: {type(error).__name__}: {error}"}
-        now = self.wall()
-        check = cost_cross_check(rows, run.cluster, until=run.absent_at or now, billed_s=run.billed_s(now),
+        check = cost_cross_check(rows, run.cluster, until=run.absent_at or self.wall(),
                                  price=hourly_price(run.handle)[0])
         if check["checked"] and not check["agrees"]:
             self.echo(f"rtv gpu {command}: SkyPilot's cost report disagrees with the receipt of {run.cluster}: "
-                      f"it counts {check['reported_s']} s (hourly {check.get('hourly')}), the launcher "
-                      f"{run.billed_s(now):.0f} s; the receipt bills the larger")
+                      f"interval closed at {check['closed_at']} (absence proven at {run.absent_at}), "
+                      f"hourly {check.get('hourly')} against the catalog's {hourly_price(run.handle)[0]}")
         return check
 
     # --- census, down, sweep --------------------------------------------------------

@@ -21,17 +21,17 @@ reason, never as zero.
 The receipt is cross-checked against SkyPilot's own cost report
 (``sky.cost_report``, which lists every user's clusters, downed ones
 included) once absence is proven: :func:`cost_cross_check` takes the
-latest report row of the cluster's name (a name reused after a teardown
-is another row) and adds up its usage intervals (SkyPilot opens one when
-provisioning starts and closes it at teardown; a cluster relaunched while
-up keeps its interval open, so time an earlier run left it up counts
-here). The receipt ``agrees`` when its
-billed span is not shorter than SkyPilot's (beyond :data:`SLACK_S` of
-rounding) and, where both have a price, the hourly prices match within 1%.
-When SkyPilot reports more seconds than the launcher saw (a census that
-first listed the cluster late, or never), the receipt bills SkyPilot's
-seconds and says so (``billed_from``): it never bills less than SkyPilot
-counted. A report that cannot be had is recorded as unchecked, with why.
+latest report row of the cluster's name (a name reused after a teardown is
+another row) and adds up its usage intervals. SkyPilot opens one when
+provisioning starts and stamps the status record's ``launched_at`` only when
+the cluster is up (seen on the local-Slurm stage: 23 s later), so its count
+is usually the longer one: the receipt bills the larger of the two counts
+(``billed_from``), never fewer seconds than SkyPilot counted. The receipt
+``agrees`` when SkyPilot closed the cluster's interval no later than the
+receipt proved it absent (within :data:`SLACK_S` of clock rounding; an
+interval still open means SkyPilot still counts a cluster the receipt calls
+gone) and, where both have a price, the hourly prices match within 1%. A
+report that cannot be had is recorded as unchecked, with why.
 A task of failover alternatives records which one ran (``alternative``,
 its label: ``ci.tasks.chosen_alternative``); the price is that one's, as
 the launch handle carries what was launched.
@@ -79,9 +79,8 @@ def _cost(price: float | None, reason: str, seconds: float) -> dict[str, Any]:
     return {"estimate": round(price * seconds / 3600, 6), "currency": "USD", "hourly": price, "source": reason}
 
 
-def cost_cross_check(rows: list[dict[str, Any]], cluster: str, *, until: float, billed_s: float,
-                     price: float | None) -> dict[str, Any]:
-    """Compare a receipt's billed span and price with SkyPilot's cost report rows (module docstring).
+def cost_cross_check(rows: list[dict[str, Any]], cluster: str, *, until: float, price: float | None) -> dict[str, Any]:
+    """SkyPilot's cost report rows for ``cluster`` checked against a receipt (module docstring).
 
     ``until``: the receipt's proven absence (an interval SkyPilot has not
     closed yet ends there). Returns the fields the receipt records.
@@ -90,14 +89,21 @@ def cost_cross_check(rows: list[dict[str, Any]], cluster: str, *, until: float, 
     if not mine:
         return {"checked": False, "reason": f"sky.cost_report lists no cluster named {cluster!r}"}
     row = max(mine, key=lambda r: r.get("launched_at") or 0)
-    reported = sum((until if end is None else float(end)) - float(start)
-                   for start, end in row.get("usage_intervals") or [] if start is not None)
-    check: dict[str, Any] = {"checked": True, "reported_s": round(reported, 3), "launched_at": row.get("launched_at"),
-                             "total_cost": row.get("total_cost"), "agrees": billed_s >= reported - SLACK_S}
+    intervals = [(float(start), None if end is None else float(end))
+                 for start, end in row.get("usage_intervals") or [] if start is not None]
+    closed_at = intervals[-1][1] if intervals else None
+    check: dict[str, Any] = {
+        "checked": True,
+        "reported_s": round(sum((until if end is None else end) - start for start, end in intervals), 3),
+        "started_at": intervals[0][0] if intervals else None, "closed_at": closed_at,
+        "total_cost": row.get("total_cost"),
+        "closed_by_absence": closed_at is not None and closed_at <= until + SLACK_S,
+    }
     duration, total = float(row.get("duration") or 0), float(row.get("total_cost") or 0.0)
     if price is not None and duration > 0 and total > 0:
         check["hourly"] = round(total * 3600 / duration, 6)
-        check["agrees"] = check["agrees"] and abs(check["hourly"] - price) <= 0.01 * price
+    check["agrees"] = check["closed_by_absence"] and ("hourly" not in check
+                                                      or abs(check["hourly"] - price) <= 0.01 * price)
     return check
 
 
@@ -124,8 +130,9 @@ def write_receipt(
     """
     price, reason = hourly_price(handle)
     reported = reported or {"checked": False, "reason": "absence unproven: SkyPilot's interval may still be open"}
-    from_report = reported["checked"] and reported["reported_s"] > billed_s
-    billed_s = reported["reported_s"] if from_report else billed_s
+    launcher_s = billed_s
+    from_report = reported["checked"] and reported["reported_s"] > launcher_s
+    billed_s = reported["reported_s"] if from_report else launcher_s
     measurements = {
         "cluster": cluster,
         "commit": commit(),
@@ -137,6 +144,7 @@ def write_receipt(
         "timings_s": {name: round(seconds, 3) for name, seconds in timings.items()},
         "billed_s": round(billed_s, 3),
         "billed_from": "sky.cost_report" if from_report else "launcher",
+        "launcher_s": round(launcher_s, 3),
         "gpu_minutes": round(gpus * billed_s / 60, 3),
         "alternative": chosen_alternative(handle),  # which failover alternative ran (None: one entry, or none ran)
     }

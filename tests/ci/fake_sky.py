@@ -22,9 +22,11 @@ of 0.14.1 does where the launcher's correctness depends on it:
 - :meth:`FakeServer.restart` interrupts every request that has not run:
   waiting on it raises ``RequestInterruptedError`` (final: resubmit).
 - ``cost_report`` lists every user's clusters, downed ones included, from a
-  history row per launch: usage intervals opened when provisioning starts
-  and closed by ``down``, duration and ``total_cost`` computed at the query
-  (a price the catalog lacks is 0.0, as SkyPilot's own report does).
+  history row per launch: its usage interval opens when provisioning starts,
+  ``provision_s`` before the status record's ``launched_at`` (SkyPilot stamps
+  that when the cluster is up), and ``down`` closes it; duration and
+  ``total_cost`` are computed at the query (a price the catalog lacks is
+  0.0, as SkyPilot's own report does).
 - ``tail_logs`` raises ``ClusterNotUpError`` unless the cluster is UP; the
   log it streams ends with the job's evidence frame, made by the real
   ``ci.frames.emit`` from records the fake job writes (:data:`EVIDENCE`).
@@ -90,6 +92,8 @@ class FakeServer:
         self.tasks: list[Any] = []
         self.logs: dict[str, str] = {}  # cluster -> what its job printed
         self.history: list[dict[str, Any]] = []  # one row per launch: name, launched_at, usage intervals, ...
+        self.provision_s = 20  # provisioning before the status record's launch stamp
+        self.history_closes_on_down = True  # False: a server whose cost history lags the teardown
         self.refuse_foreign_down = False
         self.fail_after_provision = False
         self.on_api_status: Any = None  # called on each api_status (a test lets a lost launch land then)
@@ -227,8 +231,9 @@ class FakeSky:
             def provision() -> tuple[int, Any]:
                 record = self._record(cluster_name, sky.ClusterStatus.UP, self._optimize(task))
                 self.server.clusters[cluster_name] = record
-                self.server.history.append({"name": cluster_name, "launched_at": record.launched_at,
-                                            "usage_intervals": [[record.launched_at, None]], "num_nodes": 1,
+                started = record.launched_at - self.server.provision_s
+                self.server.history.append({"name": cluster_name, "launched_at": started,
+                                            "usage_intervals": [[started, None]], "num_nodes": 1,
                                             "resources": record.handle.launched_resources,
                                             "user_hash": self.user})
                 self.server.jobs[cluster_name] = list(self.server.job_statuses)
@@ -310,7 +315,7 @@ class FakeSky:
                         f"cluster {cluster_name!r} belongs to {self.server.clusters[cluster_name].user_hash}")
                 del self.server.clusters[cluster_name]
                 self.server.jobs.pop(cluster_name, None)
-                for row in self.server.history:
+                for row in self.server.history if self.server.history_closes_on_down else []:
                     if row["name"] == cluster_name and row["usage_intervals"][-1][1] is None:
                         row["usage_intervals"][-1][1] = int(self.server.wall())
 

@@ -82,3 +82,56 @@ def test_the_job_side_command_writes_only_stdout_frame_first(records: Path, tmp_
     out, err = capfd.readouterr()
     assert err == "", "a stderr line can land inside a frame line when SkyPilot merges the streams"
     assert collect(out, tmp_path / "back")["status"] == 0 and out.splitlines()[-1].startswith("rtv evidence frame")
+
+
+def _framed_tar(monkeypatch, tmp_path: Path, add) -> str:
+    """A frame, made by the real ``emit``, whose tar payload ``add(tar)`` filled."""
+    import tarfile
+
+    import ci.frames
+
+    def payload(folder, env, status):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            add(tar)
+        return buffer.getvalue()
+
+    monkeypatch.setattr(ci.frames, "_payload", payload)
+    log = io.StringIO()
+    emit(tmp_path, stream=log, env=ENV)
+    return log.getvalue()
+
+
+@pytest.mark.parametrize("member", ["a link", "an absolute path", "a path leaving the folder"])
+def test_a_frame_member_that_is_not_a_plain_file_inside_is_refused(monkeypatch, tmp_path: Path, member: str) -> None:
+    import tarfile
+
+    def add(tar):
+        info = tarfile.TarInfo({"a link": "records/x.json", "an absolute path": "/tmp/rtv-escape.json",
+                                "a path leaving the folder": "../escape.json"}[member])
+        if member == "a link":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+        else:
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"{}"))
+
+    log = _framed_tar(monkeypatch, tmp_path, add)
+    with pytest.raises(FrameError, match="not a plain file or folder"):
+        collect(log, tmp_path / "back" / "inner")
+    assert not (tmp_path / "back" / "escape.json").exists() and not list((tmp_path / "back").rglob("*.json"))
+
+
+def test_frames_come_back_on_a_python_whose_tarfile_has_no_data_filter(records, monkeypatch, tmp_path: Path) -> None:
+    """Debian 12's python3.11 is 3.11.2: ``extractall`` takes no ``filter`` (added in 3.11.4); seen as a new user."""
+    import tarfile
+
+    original = tarfile.TarFile.extractall
+
+    def extractall_3_11_2(self, path=".", members=None, *, numeric_owner=False):
+        return original(self, path, members, numeric_owner=numeric_owner)
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.setattr(tarfile.TarFile, "extractall", extractall_3_11_2)
+    made = collect(framed(records), tmp_path / "back")
+    assert made["expect"] == ["smoke", "memory"] and len(list((tmp_path / "back").rglob("*.json"))) == 3

@@ -81,39 +81,39 @@ def test_the_cross_check_adds_up_the_latest_launchs_usage_intervals():
     from ci.receipts import cost_cross_check
 
     rows = [_row(intervals=((100, 400),), launched_at=100),               # an earlier cluster of the same name
-            _row(intervals=((900, 950), (1000, 1600)), launched_at=1000),  # this one, started twice
+            _row(intervals=((900, 950), (1000, 1600)), launched_at=900),   # this one, started twice
             _row(name="rtv-other", intervals=((0, 5000),))]
-    check = cost_cross_check(rows, "rtv-gate-9-1", until=1610, billed_s=660, price=None)
-    assert check == {"checked": True, "reported_s": 650.0, "launched_at": 1000, "total_cost": 0.0, "agrees": True}
-    # An interval SkyPilot has not closed yet ends at the proven absence.
-    assert cost_cross_check([_row(intervals=((1000, None),))], "rtv-gate-9-1", until=1300, billed_s=0,
-                            price=None)["reported_s"] == 300
+    check = cost_cross_check(rows, "rtv-gate-9-1", until=1610, price=None)
+    assert check == {"checked": True, "reported_s": 650.0, "started_at": 900, "closed_at": 1600, "total_cost": 0.0,
+                     "closed_by_absence": True, "agrees": True}
+    missing = cost_cross_check(rows, "rtv-gate-7-1", until=1600, price=None)
+    assert missing["checked"] is False and "rtv-gate-7-1" in missing["reason"]
 
 
-def test_a_receipt_shorter_than_skypilots_count_or_at_another_price_disagrees():
+def test_skypilot_counting_past_the_proven_absence_or_another_price_disagrees():
     from ci.receipts import SLACK_S, cost_cross_check
 
     rows = [_row(intervals=((1000, 1600),), total_cost=10.0)]  # 600 s for $10: $60 an hour
-    ok = cost_cross_check(rows, "rtv-gate-9-1", until=1600, billed_s=600 - SLACK_S, price=60.0)
+    ok = cost_cross_check(rows, "rtv-gate-9-1", until=1600 - SLACK_S, price=60.0)
     assert ok["agrees"] and ok["hourly"] == pytest.approx(60.0)
-    assert not cost_cross_check(rows, "rtv-gate-9-1", until=1600, billed_s=500, price=60.0)["agrees"]
-    assert not cost_cross_check(rows, "rtv-gate-9-1", until=1600, billed_s=600, price=50.0)["agrees"]
-    missing = cost_cross_check(rows, "rtv-gate-7-1", until=1600, billed_s=600, price=60.0)
-    assert missing["checked"] is False and "rtv-gate-7-1" in missing["reason"]
+    assert not cost_cross_check(rows, "rtv-gate-9-1", until=1590, price=60.0)["agrees"]  # closed after "absence"
+    assert not cost_cross_check(rows, "rtv-gate-9-1", until=1600, price=50.0)["agrees"]
+    still_open = cost_cross_check([_row(intervals=((1000, None),))], "rtv-gate-9-1", until=1300, price=None)
+    assert still_open["reported_s"] == 300 and not still_open["agrees"]
 
 
 def test_a_receipt_bills_skypilots_seconds_when_they_are_more_and_says_so(tmp_path):
     from ci.receipts import cost_cross_check, write_receipt
 
-    reported = cost_cross_check([_row(intervals=((1000, 4600),))], "rtv-gate-9-1", until=4600, billed_s=1800,
-                                price=None)  # SkyPilot counted an hour; the launcher saw the last half
+    # SkyPilot counted an hour from the start of provisioning; the launcher saw the last half.
+    reported = cost_cross_check([_row(intervals=((1000, 4600),))], "rtv-gate-9-1", until=4610, price=None)
     path = write_receipt(tmp_path, command="down", cluster="rtv-gate-9-1", requested={"task": None}, observed={},
                          checks=Checks.of({"absence_confirmed": True}), outcome="absent", exit_code=0, timings={},
-                         gpus=2, billed_s=1800, handle=None, reported=reported)
+                         gpus=2, billed_s=1810, handle=None, reported=reported)
     m = verify(path)["measurements"]
-    assert (m["billed_s"], m["billed_from"], m["gpu_minutes"]) == (3600, "sky.cost_report", 120)
-    assert m["cost"]["sky_cost_report"]["agrees"] is False
+    assert (m["billed_s"], m["billed_from"], m["launcher_s"], m["gpu_minutes"]) == (3600, "sky.cost_report", 1810, 120)
+    assert m["cost"]["sky_cost_report"]["agrees"] is True
     from reports.receipts import section
 
     line = section(verify(path), tmp_path).lines[1]
-    assert line == "SkyPilot's cost report DISAGREES: it counts 3600.0 s, the receipt bills 3600.0 s (from sky.cost_report)"
+    assert line == "SkyPilot's cost report agrees: it counts 3600.0 s, the receipt bills 3600.0 s (from sky.cost_report)"
