@@ -138,9 +138,11 @@ def confirmed(output: str, cluster: str, command: str) -> tuple[Path, dict]:
     path = path if path.is_absolute() else REPO / path
     measurements = verify(path)["measurements"]
     assert measurements["cluster"] == cluster and measurements["absence"] == "confirmed", measurements
-    # The real server's cost report (every user's clusters, downed ones too) agrees with the receipt's span.
+    # The real server's cost report (every user's clusters, downed ones too) closed the cluster's interval by the
+    # proven absence, and the receipt bills no fewer seconds than it counted.
     reported = measurements["cost"]["sky_cost_report"]
     assert reported["checked"] and reported["agrees"] and reported["reported_s"] > 0, reported
+    assert measurements["billed_s"] >= reported["reported_s"], measurements
     return path, measurements
 
 
