@@ -11,7 +11,9 @@ NOTE [Resume]
      its weights, so a different base is refused at load.
   2. Not kept: pending forwards (their graphs are live autograd state). The
      trainer that saved keeps them and can still backpropagate them; the
-     loaded one has none. A save holds the saving trainer's identity and
+     loaded one has none. A forward made again after the load draws its
+     randomness (dropout) after the saved RNG, so a save with forwards
+     pending continues bitwise only when they draw none. A save holds the saving trainer's identity and
      lineage (NOTE [Forward records] Rule 5), and the loaded trainer's lineage
      is that lineage plus that identity: a loss it is given that reaches an
      output of any trainer whose state it resumed, directly or through a
@@ -38,7 +40,8 @@ NOTE [Resume]
      hosted logical ranks' streams are gathered, rank 0 writes and its
      outcome is agreed (every process returns, or raises the same error);
      before any ``run_logical``, rank 0 writes and broadcasts its outcome
-     over the default group. At load every
+     over the default group (a ``PeerFailure``: the trainer's errors do not
+     unpickle, so each process raises the same type rebuilt). At load every
      process reads the folder (a filesystem they share) and takes the
      replicated state and rank 0's process RNG; the first ``run_logical``
      with the saved ``logical_dp`` takes the saved streams of the logical
@@ -69,6 +72,7 @@ from .errors import ConfigError
 from .lora import LoRAConfig
 from .model import DecoderLM
 from .options import UNSET, ForwardOptions, ImportanceCorrection
+from .ranks.peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
 from .saves import read_folder, write_folder
 from .sinks import RankGradients
@@ -113,15 +117,17 @@ def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, b
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         write_folder(path, files())
         return
-    outcome: list[Exception | None] = [None]
+    outcome: list[PeerFailure | None] = [None]
     if dist.get_rank() == 0:
         try:
             write_folder(path, files())
         except Exception as exc:
-            outcome[0] = exc
+            outcome[0] = PeerFailure.of(exc, "rank 0")  # the trainer's errors do not unpickle (their __init__)
+            dist.broadcast_object_list(outcome, src=0)
+            raise
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise outcome[0]
+        raise outcome[0].rebuild()
 
 
 def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes]:

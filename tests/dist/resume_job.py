@@ -57,16 +57,25 @@ def segment(load_from: str | None, save_to: str | None, start: int, stop: int, s
     """
     trainer = fresh_trainer() if load_from is None else rt.Trainer.load(load_from, base_model())
     loaded = state(trainer)
+    refused_before_logical = _refusal(trainer, unwritable)  # a process group, no logical ranks yet
     for index in range(start, stop):
         if saves and index in saves:
             trainer.save(saves[index])
         step(trainer, index)
     if save_to is not None:
         trainer.save(save_to)
-    result = {"loaded": loaded, "final": state(trainer)}
-    if unwritable is not None:
-        try:
-            trainer.save(unwritable)
-        except rt.ConfigError as exc:
-            result["refused"] = exc.field
-    return result
+    return {"loaded": loaded, "final": state(trainer), "refused_before_logical": refused_before_logical,
+            "refused": _refusal(trainer, unwritable)}
+
+
+def _refusal(trainer: rt.Trainer, unwritable: str | None) -> str | None:
+    """What saving to ``unwritable`` raised here: the ConfigError's field, or another error's type name."""
+    if unwritable is None:
+        return None
+    try:
+        trainer.save(unwritable)
+    except rt.ConfigError as exc:
+        return exc.field
+    except Exception as exc:  # noqa: BLE001 - the test compares what each process raised
+        return type(exc).__name__
+    return "saved"

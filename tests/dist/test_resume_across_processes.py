@@ -51,8 +51,10 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     # The W=2 job saves once right after the load, before any run_logical (no logical layout yet), and at the end.
     two = spawn_ranks(job.segment, 2, str(tmp_path / "w1"), str(tmp_path / "w2"), 2, 4, {2: str(tmp_path / "w2-at-load")},
                       str(tmp_path / "w1" / "LATEST"), timeout_s=120.0)
-    # Rank 0 alone writes; its refusal (a file where a folder must be) is raised on every process.
-    assert [r.get("refused") for r in two] == ["path", "path"]
+    # Rank 0 alone writes; its refusal (a file where a folder must be) is raised on every process, as the same
+    # typed error, under logical ranks and before any (a plain process group).
+    assert [r["refused"] for r in two] == ["path", "path"]
+    assert [r["refused_before_logical"] for r in two] == ["path", "path"]
     back = job.segment(str(tmp_path / "w2"), None, 4, 6)
     assert _digests(tmp_path / "w1") == _digests(straight[2]), "W=1 save differs from the uninterrupted run's"
     assert _digests(tmp_path / "w2") == _digests(straight[4]), "the W=2 save is not byte-identical to the W=1 one"
