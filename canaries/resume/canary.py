@@ -46,6 +46,7 @@ KILLS = {"quick": 4, "default": 20, "nightly": 60}  # kill points per run, half 
 STEPS = {"quick": 2, "default": 3, "nightly": 4}
 PROCESSES = {"quick": (1,), "default": (1, 2), "nightly": (1, 2)}
 SAVE_FSYNCS = 9  # os.fsync calls in one save: 4 files, the manifest, the folder, the rename, LATEST, its rename
+# (a first save, into a folder it creates, makes one more first: the parent; the kill points stay inside it)
 
 
 @dataclass(frozen=True)

@@ -105,3 +105,49 @@ def test_a_crash_mid_save_leaves_the_previous_save_in_force(tmp_path, monkeypatc
     assert json.loads((tmp_path / "save-000003" / "manifest.json").read_text())["files"]
     loaded = rt.Trainer.load(tmp_path, _model())
     assert loaded.checkpoint("policy").revision == first.checkpoint("policy").revision == 2
+
+
+def test_any_one_byte_change_to_latest_is_named_as_latest(tmp_path):
+    """Exhaustive over LATEST's bytes and two flips each (a low bit; the high bit, which is not ASCII)."""
+    _saved(tmp_path)
+    pointer, model = tmp_path / "LATEST", _model()
+    intact = pointer.read_bytes()
+    for i in range(len(intact) - 1):  # the last byte is the newline, which splitting ignores
+        for flip in (0x01, 0x80):
+            damaged = bytearray(intact)
+            damaged[i] ^= flip
+            pointer.write_bytes(bytes(damaged))
+            with pytest.raises(rt.CorruptSaveError) as caught:
+                rt.Trainer.load(tmp_path, model)
+            assert caught.value.file == "LATEST", (i, flip, caught.value)
+    pointer.write_bytes(intact)
+    rt.Trainer.load(tmp_path, model)  # the refusals were the damage
+
+
+def test_a_pointer_written_before_the_check_still_loads(tmp_path):
+    _saved(tmp_path)
+    name, digest, _ = (tmp_path / "LATEST").read_text().split()
+    (tmp_path / "LATEST").write_text(f"{name} {digest}\n")
+    assert rt.Trainer.load(tmp_path, _model()).checkpoint("policy").revision >= 0
+
+
+def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypatch):
+    import reference_trainer.saves as saves
+
+    trainer = _saved(tmp_path / "kept")
+    before = sorted(p.name for p in (tmp_path / "kept").iterdir())
+    real, written = saves._write_synced, []
+
+    def disk_full(path, data):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(saves, "_write_synced", disk_full)
+    for target in (tmp_path / "kept", tmp_path / "new" / "saves"):
+        written.clear()
+        with pytest.raises(OSError, match="No space"):
+            trainer.save(target)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == before
+    assert not (tmp_path / "new" / "saves").exists()
