@@ -298,6 +298,22 @@ class Checkpoint:
             state["master_parameters"] = {n: m.detach().clone() for n, m in self._masters.items()}
         return state
 
+    def state_view(self) -> dict[str, Any]:
+        """What :meth:`state_dict` holds, but the live tensors themselves (detached, not copied).
+
+        For serialising in place (``trainer.save``): a copy of a large
+        model's state would double its device memory. Must not be modified,
+        nor kept past the next step.
+        """
+        state: dict[str, Any] = {
+            "parameters": {n: p.detach() for n, p in self._params.items()},
+            "optimizer": self._optimizer.state_dict(),
+            "revision": self.revision,
+        }
+        if self._masters:
+            state["master_parameters"] = {n: m.detach() for n, m in self._masters.items()}
+        return state
+
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise ``ConfigError`` unless ``state`` fits this checkpoint exactly.
 

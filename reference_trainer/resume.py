@@ -112,7 +112,7 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
     host.agree(error, "save: written")
 
 
-def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, bytes]]) -> None:
+def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, bytes | memoryview]]) -> None:
     """Without logical ranks: write alone, or, in a process group, on rank 0 with its outcome broadcast (Rule 5)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         write_folder(path, files())
@@ -130,12 +130,12 @@ def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, b
         raise outcome[0].rebuild()
 
 
-def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes]:
+def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes | memoryview]:
     files, specs = {}, []
     for index, checkpoint in enumerate(trainer.checkpoints.values()):
         file = f"checkpoint-{index}.pt"
-        state = checkpoint.state_dict()
-        state["grads"] = {n: p.grad for n, p in checkpoint.named_parameters() if p.grad is not None}
+        state = checkpoint.state_view()  # serialised in place: no device copy of the state
+        state["grads"] = {n: p.grad.detach() for n, p in checkpoint.named_parameters() if p.grad is not None}
         files[file] = _tensors(state)
         specs.append({
             "name": checkpoint.name,
@@ -176,12 +176,13 @@ class SavedCheckpoint:
         checkpoint.check_state_dict(self.state)
         for name, grad in self.state["grads"].items():
             live = checkpoint.parameter(name)
-            if (grad.shape, grad.dtype, grad.device) != (live.shape, live.dtype, live.device):
+            if (grad.shape, grad.dtype) != (live.shape, live.dtype):
                 raise ConfigError(f"saved gradient of {self.name!r} parameter {name!r}",
                                   (tuple(grad.shape), grad.dtype), f"shape {tuple(live.shape)}, dtype {live.dtype}")
         checkpoint.load(self.state, self.generation)
         for name, grad in self.state["grads"].items():
-            checkpoint.parameter(name).grad = grad
+            live = checkpoint.parameter(name)
+            live.grad = grad.to(live.device)
         checkpoint.origins |= self.origins
 
 
@@ -237,15 +238,17 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
         differs = "config" if meta["model"]["config"] != identity["config"] else "weights"
         raise ConfigError("model", f"a base model whose {differs} differ from the saved one's",
                           f"the base model the save was made with ({meta['model']['config']})")
-    device = model.lm_head.weight.device
-    rng = _load_tensors(files[_RNG], torch.device("cpu"))  # generator states live on the CPU
+    # Decoded on the host: a checkpoint copies its state onto the device one tensor at a time (a whole decoded
+    # save on the device would double its memory, and the default limit, taken at construction, would count
+    # it), and AdamW's step counters stay on the host, where torch keeps them in a run that never stopped.
+    rng = _load_tensors(files[_RNG])
     checkpoints = [
         SavedCheckpoint(
             name=spec["name"],
             lora=None if spec["lora"] is None else LoRAConfig(**spec["lora"]),
             optimizer=AdamWConfig(**spec["optimizer"]),
             generation=spec["generation"],
-            state=_load_tensors(files[spec["file"]], device),
+            state=_load_tensors(files[spec["file"]]),
             origins={(CheckpointVersion(spec["name"], g, r), bound) for g, r, bound in spec["origins"]},
         )
         for spec in meta["checkpoints"]
@@ -283,11 +286,12 @@ def _decode_options(encoded: dict[str, Any] | None) -> ForwardOptions | None:
     return ForwardOptions(**encoded)
 
 
-def _tensors(value: Any) -> bytes:
+def _tensors(value: Any) -> memoryview:
+    """``value`` serialised: a view of the buffer itself (``getvalue`` would hold a second host copy)."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    return buffer.getvalue()
+    return buffer.getbuffer()
 
 
-def _load_tensors(data: bytes, device: torch.device) -> Any:
-    return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+def _load_tensors(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -49,7 +49,7 @@ MANIFEST = "manifest.json"
 _SAVE = re.compile(r"save-(\d{6,})")
 
 
-def write_folder(path: str | os.PathLike, files: Mapping[str, bytes]) -> Path:
+def write_folder(path: str | os.PathLike, files: Mapping[str, bytes | memoryview]) -> Path:
     """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rule 2); returns its folder."""
     root = Path(path)
     if root.exists() and not root.is_dir():
@@ -80,7 +80,7 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, bytes]) -> Path:
     return root / name
 
 
-def _stage(staging: Path, files: Mapping[str, bytes]) -> bytes:
+def _stage(staging: Path, files: Mapping[str, bytes | memoryview]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
     staging.mkdir()
     manifest: dict = {"files": {}}
@@ -146,11 +146,11 @@ def _read(folder: Path, file: str, root: Path) -> bytes:
         raise CorruptSaveError(root, f"{folder.name}/{file}", "missing", "the file", "no such file") from None
 
 
-def _digest(data: bytes) -> str:
+def _digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def _write_synced(path: Path, data: bytes | memoryview) -> None:
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()

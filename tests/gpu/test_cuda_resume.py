@@ -36,3 +36,29 @@ def _job(path, save_at: int | None) -> dict:
 
 def test_a_cuda_job_resumes_bitwise_with_its_cuda_dropout_stream(tmp_path) -> None:
     assert_nested_equal(_job(tmp_path / "save", 1), _job(tmp_path / "unused", None))
+
+
+def _devices(state) -> dict[str, str]:
+    return {f"{n}.{k}": str(v.device) for n, slots in state["optimizer"]["state"].items()
+            for k, v in slots.items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_cuda_load_keeps_adamws_step_on_the_host_and_never_holds_the_state_twice(tmp_path) -> None:
+    trainer = rt.Trainer(_model())
+    trainer.add_checkpoint("policy", full=True, seed=1)
+    tokens = torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(0)).cuda()
+    out = trainer.forward(rt.ForwardInput(tokens[:-1], tokens[1:]), options=rt.ForwardOptions(corrections=()))
+    trainer.backward(-out.target_logprobs.sum())
+    trainer.optim_step()
+    trainer.save(tmp_path)
+    never_stopped = trainer.checkpoint("policy").state_dict()
+    model = _model()
+    del trainer, out
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = rt.Trainer.load(tmp_path, model)
+    held = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    assert _devices(loaded.checkpoint("policy").state_dict()) == _devices(never_stopped)
+    assert peak <= 1.25 * held, f"the load peaked at {peak} bytes over {held} held: the state was on the device twice"
