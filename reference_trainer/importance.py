@@ -38,8 +38,13 @@ class RatioStats:
         values = values.double()
         if values.numel() == 0:
             return cls(min=0.0, max=0.0, mean=0.0, quantiles={q: 0.0 for q in QUANTILES})
-        levels = torch.tensor(QUANTILES, dtype=torch.float64, device=values.device)
-        parts = torch.cat((torch.stack((values.min(), values.max(), values.mean())), torch.quantile(values, levels)))
+        # torch.quantile's linear interpolation, by a sort: torch.quantile refuses more than 2**24 values.
+        ordered = values.sort().values
+        at = torch.tensor(QUANTILES, dtype=torch.float64, device=values.device) * (values.numel() - 1)
+        low_at = at.floor().long()
+        below, above = ordered[low_at], ordered[at.ceil().long()]
+        quantiles = below + (above - below) * (at - low_at)
+        parts = torch.cat((torch.stack((values.min(), values.max(), values.mean())), quantiles))
         low, high, mean, *quantiles = parts.tolist()
         return cls(min=low, max=high, mean=mean, quantiles=dict(zip(QUANTILES, quantiles)))
 

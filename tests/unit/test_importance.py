@@ -1,0 +1,30 @@
+"""``RatioStats``: the statistics a correction reports of its ratios, against numpy's own and closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference_trainer.importance import QUANTILES, RatioStats
+
+
+@given(st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=200))
+def test_ratio_statistics_equal_numpys_linear_quantiles(values):
+    stats = RatioStats.of(torch.tensor(values, dtype=torch.float32))
+    exact = np.asarray(torch.tensor(values, dtype=torch.float32).double().numpy())
+    assert (stats.min, stats.max) == (exact.min(), exact.max())
+    assert stats.mean == pytest.approx(exact.mean(), rel=1e-12, abs=1e-12)
+    expected = np.quantile(exact, QUANTILES, method="linear")
+    assert list(stats.quantiles) == list(QUANTILES)
+    assert list(stats.quantiles.values()) == pytest.approx(list(expected), rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_ratio_statistics_of_more_values_than_torch_quantile_takes():
+    n = (1 << 24) + 1  # torch.quantile refuses this many
+    stats = RatioStats.of(torch.arange(n, dtype=torch.float64).flip(0))
+    assert stats.quantiles == {q: q * (n - 1) for q in QUANTILES}  # closed form: the q-th point of 0..n-1
+    assert (stats.min, stats.max, stats.mean) == (0.0, n - 1.0, (n - 1) / 2)
