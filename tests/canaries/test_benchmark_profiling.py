@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from scipy import stats
 
 from canaries.benchmark import profiling
+from canaries.benchmark.arms import TimedArm
 from reports.benchmark import difference_text
 
 
@@ -65,3 +70,34 @@ def test_paired_differences_get_a_t_interval_and_a_saving_is_never_a_negative_co
     assert {"cost": text.startswith("+"), "saving": "faster" in text, "within noise": "within noise" in text}[reading]
     with pytest.raises(ValueError, match="at least 2 paired blocks"):
         profiling.differences(plain[:1], retain[:1])
+
+
+def test_the_profiled_blocks_alternate_the_arms_after_a_warm_up_and_keep_the_median_blocks_trace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.profiler`` faked by synthetic traces of scripted durations (µs): the median block is known."""
+    scripted = {"plain": [999, 300, 100, 200], "retain@s0": [999, 250, 450, 350]}  # a warm-up, then 3 blocks
+    calls: list[str] = []
+
+    def fake_step(arm: TimedArm, name: str, path: Path) -> dict:
+        arm()
+        us = scripted[name][sum(call == name for call in calls) - 1]
+        trace = {"traceEvents": [_event(f"rtv bench step: {name}", "user_annotation", 0, us),
+                                 _event("reference_trainer/ledger.py(70): _pack", "python_function", 0, us / 10)]}
+        path.write_text(json.dumps(trace))
+        return trace
+
+    monkeypatch.setattr(profiling, "_profiled_step", fake_step)
+    arms = {name: TimedArm(name=name, step=lambda name=name: calls.append(name) or 0.0) for name in profiling.TRACED}
+    profile, paths = profiling.profiled_pass(arms, plain_seconds=1.0, folder=tmp_path, stem="w", blocks=3)
+    a, b = profiling.TRACED
+    assert calls == [a, b] + [a, b, b, a, a, b], "one discarded warm-up block, then A B, B A, A B"
+    for name, durations in scripted.items():
+        kept = profile["arms"][name]
+        assert kept["block_seconds"] == pytest.approx(np.multiply(durations[1:], 1e-6))
+        assert kept["median_seconds"] == pytest.approx(np.median(durations[1:]) * 1e-6)
+        events = json.loads(gzip.decompress(Path(paths[name]).read_bytes()))["traceEvents"]
+        assert events[0]["dur"] == np.median(durations[1:]), "the kept trace is the median block's"
+    hooks = next(c for c in profile["components"] if c["name"] == "saved_tensor_hooks")
+    assert hooks["mean_seconds"] == pytest.approx((np.mean(scripted["retain@s0"][1:]) - 200) / 10 * 1e-6)
+    with pytest.raises(ValueError, match="odd number of profiled blocks"):
+        profiling.profiled_pass(arms, plain_seconds=1.0, folder=None, stem="x", blocks=4)
