@@ -157,18 +157,26 @@ def difference_text(difference: dict) -> str:
     return f"within noise [{low:+.2f}..{high:+.2f} ms]".replace("-", "−")
 
 
+def _traced(group: dict) -> bool:
+    """Whether the group has a profile from traces (a record of an older rtv has a hand-timed one, or none)."""
+    return bool(group.get("profile")) and "extra" in group["profile"]
+
+
 def _profile_table(groups: list[dict]) -> pd.DataFrame:
-    """Where retain@s0's extra time goes, per workload that has a profile (``canaries.benchmark.profiling``)."""
+    """Where retain@s0's extra time goes, per workload profiled from traces (``canaries.benchmark.profiling``)."""
     rows = [{"workload": g["label"], "component": c["name"], "retain@s0 − plain per step": difference_text(c),
              "reading": c["reading"],
              "% of plain step": f"{100 * c['mean_seconds'] / g['profile']['plain_step_seconds']:.1f}"
              if c["reading"] == "cost" else "", "what it buys": c["buys"]}
-            for g in groups if g.get("profile") for c in g["profile"]["components"]]
+            for g in groups if _traced(g) for c in g["profile"]["components"]]
     return pd.DataFrame(rows, columns=["workload", "component", "retain@s0 − plain per step", "reading",
                                        "% of plain step", "what it buys"])
 
 
 def _profile_line(group: dict) -> str:
+    if not _traced(group):  # its hand-timed split has no intervals, and its remainder could read as a negative cost
+        return (f"{group['label']}: this record's profile was hand-timed by an older rtv, without intervals; "
+                "it is not shown (rerun rtv bench for the table from traces).")
     profile = group["profile"]
     medians = "; ".join(f"{arm}: block {a['median_block']}, {a['median_seconds'] * 1e3:.1f} ms"
                         for arm, a in profile["arms"].items())

@@ -103,3 +103,4 @@ def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path
     pngs = sorted(p.name for p in (tmp_path / "report" / "plots").glob("benchmark-*.png"))
     assert len(pngs) == 6 and len({name.rsplit("-", 1)[0] for name in pngs}) == 2
     assert report.html.read_text().count("<img ") >= 6
+
