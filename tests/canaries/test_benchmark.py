@@ -76,6 +76,7 @@ def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> N
     verdicts = {c["arm"]: c["verdict"] for c in group["comparisons"]}
     assert verdicts == {"retain@s0": "tie", "replay@s0": "tie", "offload@s2": "regression"}  # offload: not enforced
     assert record["passed"] and set(group["arms"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
+    assert group["profile"] is None and group["traces"] == {}  # tiny_plan profiles no blocks; no traces folder asked
     for measured in group["arms"].values():
         assert measured["peak_bytes"] > 0 and measured["tokens_per_second"] == pytest.approx(4 / measured["step_seconds"])
     assert group["arms"]["retain@s0"]["held_device_bytes"] > group["arms"]["replay@s0"]["held_device_bytes"] > 0
@@ -207,6 +208,3 @@ def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_i
     for component in profile["components"]:
         assert f"| {component['name']} |" in markdown and component["buys"] in markdown
     assert "one norm pass where it made two" in markdown
-    monkeypatch.setattr(benchmark, "plan", tiny_plan)  # no profiled blocks: no profile; rtv run asks for no traces
-    untraced = run_fake(tmp_path / "none", {})["measurements"]["groups"][0]
-    assert untraced["traces"] == {} and untraced["profile"] is None
