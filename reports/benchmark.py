@@ -181,7 +181,7 @@ def _profile_line(group: dict) -> str:
     medians = "; ".join(f"{arm}: block {a['median_block']}, {a['median_seconds'] * 1e3:.1f} ms"
                         for arm, a in profile["arms"].items())
     return (f"{group['label']}: over {profile['blocks']} profiled blocks ({profile['note']}), retain@s0's step "
-            f"against plain's: {difference_text(profile['extra'])} ({profile['extra']['reading']}); the table "
+            f"against plain's: {difference_text(profile['extra'])}; the table "
             f"'Where retain@s0's extra time goes' splits it from the traces, each component's interval at "
             f"{profile['confidence']:.0%}. Kept traces: the median block of each arm ({medians}). optim_step "
             f"reuses the commit's gradient norm, so the step makes one norm pass where it made two: "

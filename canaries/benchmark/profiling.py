@@ -10,7 +10,10 @@ NOTE [Profiled blocks]
    [Alternating blocks] in ``validation/abba.py``); one block before them is a
    discarded warm-up (the profiler's own first-start costs). These blocks are
    not the timed ones: the comparison's timings never carry the profiler's
-   overhead, and these carry it on both arms alike.
+   overhead, and these carry it on both arms alike. Tracing every Python call
+   slows Python-heavy code most, so a profiled millisecond of the trainer's
+   hooks or bookkeeping is an upper bound on its unprofiled cost; the
+   intervals and readings are what the table asserts.
 2. A block's duration for an arm is its step range's length in its own trace.
    ``blocks`` is odd, so the median duration is one block's: that block's
    trace is the one kept (``<stem>-<arm>.trace.json.gz``, gzipped Chrome trace
