@@ -26,7 +26,7 @@ from .context import Figure, Section
 from .generic import checks_table
 from .plots import save_png
 
-__all__ = ["section", "comparison_line", "samples_table"]
+__all__ = ["section", "comparison_line", "difference_text", "samples_table"]
 
 MIB = 2**20
 
@@ -143,21 +143,49 @@ def _plot_memory(arms: pd.DataFrame, path: Path) -> Path:
     return save_png(figure, path)
 
 
+def difference_text(difference: dict) -> str:
+    """A profiled difference (``profiling.differences``) in words: never a negative cost.
+
+    ``cost``: ``+2.72 ms [+2.38..+3.05]``; ``saving``: ``1.71 ms faster
+    [1.58..1.84]``; ``within noise``: ``within noise [−3.37..+1.84 ms]``.
+    """
+    mean, (low, high) = difference["mean_seconds"] * 1e3, (x * 1e3 for x in difference["ci"])
+    if difference["reading"] == "cost":
+        return f"+{mean:.2f} ms [+{low:.2f}..+{high:.2f}]"
+    if difference["reading"] == "saving":
+        return f"{-mean:.2f} ms faster [{-high:.2f}..{-low:.2f}]"
+    return f"within noise [{low:+.2f}..{high:+.2f} ms]".replace("-", "−")
+
+
+def _traced(group: dict) -> bool:
+    """Whether the group has a profile from traces (a record of an older rtv has a hand-timed one, or none)."""
+    return bool(group.get("profile")) and "extra" in group["profile"]
+
+
 def _profile_table(groups: list[dict]) -> pd.DataFrame:
-    """Where retain@s0's extra time goes, per workload that has a profile (``canaries.benchmark.profiling``)."""
-    rows = [{"workload": g["label"], "component": c["name"], "ms per step": c["seconds"] * 1e3,
-             "% of plain step": 100 * c["seconds"] / g["profile"]["plain_step_seconds"], "what it buys": c["buys"]}
-            for g in groups if g.get("profile") for c in g["profile"]["components"]]
-    return pd.DataFrame(rows, columns=["workload", "component", "ms per step", "% of plain step", "what it buys"])
+    """Where retain@s0's extra time goes, per workload profiled from traces (``canaries.benchmark.profiling``)."""
+    rows = [{"workload": g["label"], "component": c["name"], "retain@s0 − plain per step": difference_text(c),
+             "reading": c["reading"],
+             "% of plain step": f"{100 * c['mean_seconds'] / g['profile']['plain_step_seconds']:.1f}"
+             if c["reading"] == "cost" else "", "what it buys": c["buys"]}
+            for g in groups if _traced(g) for c in g["profile"]["components"]]
+    return pd.DataFrame(rows, columns=["workload", "component", "retain@s0 − plain per step", "reading",
+                                       "% of plain step", "what it buys"])
 
 
 def _profile_line(group: dict) -> str:
+    if not _traced(group):  # its hand-timed split has no intervals, and its remainder could read as a negative cost
+        return (f"{group['label']}: this record's profile was hand-timed by an older rtv, without intervals; "
+                "it is not shown (rerun rtv bench for the table from traces).")
     profile = group["profile"]
-    extra, plain = profile["extra_seconds"], profile["plain_step_seconds"]
-    return (f"{group['label']}: retain@s0 takes {extra * 1e3:+.1f} ms per step over plain "
-            f"({_pct(extra / plain)}% of its {plain * 1e3:.1f} ms); the table 'Where retain@s0's extra time goes' "
-            f"splits it. optim_step reuses the commit's gradient norm, so the step makes one norm pass where it "
-            f"made two: {profile['saved_by_reuse_seconds'] * 1e3:.1f} ms per step saved (README, "
+    medians = "; ".join(f"{arm}: block {a['median_block']}, {a['median_seconds'] * 1e3:.1f} ms"
+                        for arm, a in profile["arms"].items())
+    return (f"{group['label']}: over {profile['blocks']} profiled blocks ({profile['note']}), retain@s0's step "
+            f"against plain's: {difference_text(profile['extra'])}; the table "
+            f"'Where retain@s0's extra time goes' splits it from the traces, each component's interval at "
+            f"{profile['confidence']:.0%}. Kept traces: the median block of each arm ({medians}). optim_step "
+            f"reuses the commit's gradient norm, so the step makes one norm pass where it made two: "
+            f"{profile['saved_by_reuse_seconds'] * 1e3:.1f} ms per step saved (README, "
             "'Where the versioned step's time goes').")
 
 
@@ -194,7 +222,8 @@ def section(record: dict, folder: Path) -> Section:
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
     lines += [_profile_line(g) for g in record["measurements"]["groups"] if g.get("profile")]
-    links = [(f"{g['label']}: torch.profiler trace of one {arm} step (Chrome trace JSON: Perfetto, chrome://tracing)",
+    links = [(f"{g['label']}: torch.profiler trace of {arm}'s median profiled block (Chrome trace JSON: Perfetto, "
+               "chrome://tracing)",
               Path(os.path.relpath(path, folder.parent)).as_posix())  # folder: the page's plots folder
              for g in record["measurements"]["groups"] for arm, path in g.get("traces", {}).items()]
     lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "

@@ -58,10 +58,14 @@ class FakeMachine:
         return run
 
 
-def tiny_plan(preset: str, profile: str) -> benchmark.Plan:
-    """One gated tiny workload; constant fake costs decide every verdict at the first look (8 blocks)."""
+def tiny_plan(preset: str, profile: str, profiled_blocks: int = 0) -> benchmark.Plan:
+    """One gated tiny workload; constant fake costs decide every verdict at the first look (8 blocks).
+
+    No profiled blocks unless asked (each is two ``torch.profiler`` sessions,
+    about 0.1 s each with Python stacks even on a tiny step).
+    """
     arms = ("plain", "retain@s0", "replay@s0", "offload@s2")
-    return benchmark.Plan((benchmark.Group(TINY, arms, True),), 8, 1e9, False)
+    return benchmark.Plan((benchmark.Group(TINY, arms, True),), 8, 1e9, False, profiled_blocks)
 
 
 def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:

@@ -5,8 +5,9 @@ builds the arms of :func:`plan` (``canaries.benchmark.arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
 measures each arm's step time, tokens/s, bytes held and allocation peak,
-profiles where ``retain@s0``'s extra time over ``plain`` goes
-(``profiling``), and writes one evidence record of kind ``benchmark``.
+profiles where ``retain@s0``'s extra time over ``plain`` goes from
+``torch.profiler`` traces of blocks run after the timed ones (NOTE [Profiled
+blocks] in ``profiling``), and writes one evidence record of kind ``benchmark``.
 
 Gates are enforced on named comparisons only, on the preset's gated workload,
 whose gated arms run first in blocks of their own (:func:`split_gated`):
@@ -96,6 +97,7 @@ class Plan:
     max_blocks: int
     budget_s: float
     swapped: bool  # a GPU preset on a machine without CUDA: CPU shapes instead
+    profiled_blocks: int = profiling.PROFILED_BLOCKS  # NOTE [Profiled blocks]; 0: no profile, no traces
 
 
 def _arms(placements: tuple[str, ...], stalenesses: tuple[int, ...]) -> tuple[str, ...]:
@@ -202,13 +204,16 @@ def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: Tim
     return measured
 
 
-def _profile(group: Group, measured: dict[str, dict], seed: int) -> dict | None:
-    """Where retain@s0's extra time over plain goes (``profiling``), on groups that have both arms."""
-    if not {"plain", "retain@s0"} <= set(measured):
-        return None
-    plain = measured["plain"]["step_seconds"]
-    return profiling.profile(group.workload, plain_seconds=plain,
-                                 extra_seconds=measured["retain@s0"]["step_seconds"] - plain, seed=seed)
+def _profile(arms: dict[str, TimedArm], measured: dict[str, dict], traces: Path | None, label: str,
+             blocks: int) -> tuple[dict | None, dict[str, str]]:
+    """Where retain@s0's extra time over plain goes (``profiling.profiled_pass``), on groups that have both arms.
+
+    ``(None, {})`` for a group without them, or when ``blocks`` is 0.
+    """
+    if not blocks or not set(profiling.TRACED) <= set(arms):
+        return None, {}
+    return profiling.profiled_pass(arms, plain_seconds=measured["plain"]["step_seconds"], folder=traces,
+                                   stem=re.sub(r"\W+", "-", label), blocks=blocks)
 
 
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
@@ -232,8 +237,8 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     bar.close()
     by_arm = {r.arm: r for r in results}
     measured = _measure(arms, results, group.workload)
-    traced = {} if traces is None else profiling.chrome_traces(arms, traces, re.sub(r"\W+", "-", group.label))
-    arms.clear()  # free the arms' models before the profile builds its own
+    profile, traced = _profile(arms, measured, traces, group.label, plan_.profiled_blocks)
+    arms.clear()  # free the arms' models before the next group builds its own
     floor = None
     if {"retain@s0", "replay@s0"} <= set(by_arm):
         floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate)
@@ -241,7 +246,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
         "workload": asdict(group.workload), "label": group.label, "gated": group.gated,
         "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
         "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
-        "arms": measured, "profile": _profile(group, measured, seed), "traces": traced,
+        "arms": measured, "profile": profile, "traces": traced,
     }
 
 
@@ -287,10 +292,11 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     ``gate`` is the width of the equivalence band, not the run's ``--gate``).
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
     reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
-    makes a group's arms (tests fake all three). ``traces``: a folder for a
-    ``torch.profiler`` Chrome trace of one more step of ``plain`` and
-    ``retain@s0`` per group (``profiling.chrome_traces``; ``rtv bench`` asks,
-    ``rtv run`` does not, so its duration is unchanged). Raises :class:`SetupError` for an unknown preset or a bad gate.
+    makes a group's arms (tests fake all three). ``traces``: a folder where
+    the ``torch.profiler`` Chrome traces of the median profiled block of
+    ``plain`` and ``retain@s0`` per group are kept (``profiling.profiled_pass``;
+    ``rtv bench`` asks, ``rtv run`` does not: its profile is computed all the
+    same, its traces are not kept). Raises :class:`SetupError` for an unknown preset or a bad gate.
     """
     if not 0 < gate < 1:
         raise SetupError(f"expected 0 < gate < 1, found {gate}", fix="pass e.g. --gate 0.05 (a ±5% band)")
@@ -307,7 +313,7 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
         KIND,
         {"preset": preset, "profile": profile, "gate": gate, "target": target, "target_reported": TARGET_RATIO,
          "threads": threads, "seed": seed, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s,
-         "warmup_blocks": WARMUP_BLOCKS, "swapped_for_cpu": plan_.swapped,
+         "warmup_blocks": WARMUP_BLOCKS, "profiled_blocks": plan_.profiled_blocks, "swapped_for_cpu": plan_.swapped,
          "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)), "note": NOISE_NOTE},
         _checks(groups, gate, target),
         {"groups": groups, "seconds": time.perf_counter() - started},

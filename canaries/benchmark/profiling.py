@@ -1,135 +1,238 @@
-"""Where the versioned step's extra time goes: a differential profile of ``retain@s0`` against ``plain``.
+"""Where the versioned step's extra time goes: ``torch.profiler`` traces of ``retain@s0`` and ``plain``, compared.
 
-The benchmark's comparisons say *how much* slower the versioned step is; this
-says *why*, from measurements of the costs the versioned step adds, each timed
-on the workload's own shapes in alternating order (A B B A, so drift cancels):
+NOTE [Profiled blocks]
+1. After the timed comparison, :func:`profiled_pass` runs ``blocks`` more
+   blocks of the two :data:`TRACED` arms, each step under its own
+   ``torch.profiler`` session (operators and, ``with_stack``, Python
+   functions), inside a ``record_function`` range named after the arm. Block
+   ``k`` runs one step of each arm, ``plain`` first when ``k`` is even and
+   ``retain@s0`` first when it is odd, so consecutive blocks make A B B A (NOTE
+   [Alternating blocks] in ``validation/abba.py``); one block before them is a
+   discarded warm-up (the profiler's own first-start costs). These blocks are
+   not the timed ones: the comparison's timings never carry the profiler's
+   overhead, and these carry it on both arms alike. Tracing every Python call
+   slows Python-heavy code most, so a profiled millisecond of the trainer's
+   hooks or bookkeeping is an upper bound on its unprofiled cost; the
+   intervals and readings are what the table asserts.
+2. A block's duration for an arm is its step range's length in its own trace.
+   ``blocks`` is odd, so the median duration is one block's: that block's
+   trace is the one kept (``<stem>-<arm>.trace.json.gz``, gzipped Chrome trace
+   JSON for Perfetto or ``chrome://tracing``), and the record says which
+   block it was, its duration and every block's.
+3. :func:`components` reads a trace's complete events inside the step range:
+   each event's self time (its duration less its direct children's, one
+   thread's events nesting by time) goes to the component of the innermost
+   enclosing event that a rule of :data:`RULES` names (a Python frame's source
+   file, an operator's or annotation's name prefix), else to ``other``. So the
+   components of one step add up to its range exactly.
+4. :func:`differences`: per component, ``retain@s0`` minus ``plain`` in each
+   block (the blocks pair the two arms), their mean and its Student t
+   interval (``scipy.stats``). The reading is ``cost`` when the interval lies
+   above 0, ``saving`` when it lies below (the versioned step is faster
+   there: shown as a saving, never as a negative cost), ``within noise``
+   when it covers 0.
 
-- ``saved_tensor_hooks``: a plain forward and backward run inside a retain
-  ledger's saved-tensor hooks, minus the same without them (the median of
-  paired differences). The hooks are what lets the
-  trainer count the bytes a forward holds (admission, docs/semantics.md#placements-and-memory-admission), demote a
-  retained forward to host memory under pressure, and refuse a backward whose
-  saved tensors were modified in place (NOTE [Saved-state lifetime]).
-- ``gradient_norm``: one fused norm pass over the trainable gradients. The
-  commit makes it to refuse non-finite gradients before anything is
-  published (NOTE [Gradient commit]); ``optim_step`` reuses it for its
-  reported norm and clipping (NOTE [Gradient norm]). Before that reuse the
-  step made the pass twice: ``saved_by_reuse`` is the pass no longer made.
-- ``bookkeeping``: what is left of the measured extra time (records,
-  captures, admission, the cotangent split, tagging and releasing outputs);
-  being a remainder, it carries the noise of the other measurements, and comes
-  out negative when the trainer's other differences from a plain step (one
-  ``autograd.grad`` instead of ``backward`` into ``.grad``) win time back.
-
-Written by hand: torch.profiler attributes time to operators, not to the
-guarantees that call them, and its own overhead on a ~100 ms CPU step is of
-the size being measured.
+Hand-written: no library splits a trace's time by the code that spends it
+(torch.profiler's ``key_averages`` groups by operator name only); the nesting
+is Chrome trace JSON's own (``ts``, ``dur`` per thread). On a GPU the table
+counts host time; kernel time is in the trace itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gzip
+import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from scipy import stats as scipy_stats
 
-import reference_trainer as rt
-from reference_trainer.grad_norms import total_norm
-from reference_trainer.host_reads import read_on_host
-from reference_trainer.planner import Placement
-from reference_trainer.residency import SavedStateLedger, weight_storages
-from validation.abba import run_block
+from .arms import TimedArm
 
-from .arms import TimedArm, TimedWorkload, device_clock, plain_arm
+__all__ = ["COMPONENTS", "RULES", "TRACED", "PROFILED_BLOCKS", "components", "differences", "profiled_pass"]
 
-__all__ = ["COMPONENTS", "TRACED", "profile", "chrome_traces"]
+TRACED = ("plain", "retain@s0")  # the arms `rtv bench` profiles: the baseline, then the gated arm
+PROFILED_BLOCKS = 7  # odd: the median block is one block (NOTE [Profiled blocks] rule 2)
+CONFIDENCE = 0.95
 
-TRACED = ("plain", "retain@s0")  # the arms whose step `rtv bench` keeps a torch.profiler trace of
-
-# What each cost buys: the report's "why it stays" column.
+# What each cost buys: the report's "why it stays" column, in the table's order.
 COMPONENTS = {
     "saved_tensor_hooks": "bytes held are counted (admission), a retained forward can be demoted to host memory, "
                           "and a saved tensor modified in place is refused (NOTE [Saved-state lifetime])",
     "gradient_norm": "a non-finite gradient is refused before anything is published (NOTE [Gradient commit]); "
                      "optim_step reuses this norm (NOTE [Gradient norm])",
     "bookkeeping": "forward records, weight captures, admission, the cotangent split, output tagging and release",
+    "model_forward": "the model's own forward and loss: the same work in both arms",
+    "backward_operators": "autograd's backward operators: the same gradients in both arms",
+    "optimizer": "AdamW's step and zero_grad: the same update in both arms",
+    "other": "everything else in the step: torch's Python, the benchmark's own loop",
 }
 
-
-def _paired_difference(a: Callable[[], object], b: Callable[[], object], blocks: int,
-                       clock: Callable[[], float]) -> float:
-    """Median over ``blocks`` alternating blocks (``validation.abba.run_block``) of ``b``'s seconds minus ``a``'s."""
-    return float(np.median([(t := run_block({"a": a, "b": b}, block, clock))["b"] - t["a"] for block in range(blocks)]))
-
-
-def _hooked(arm: TimedArm) -> Callable[[], float]:
-    """``arm``'s step inside a fresh retain ledger's saved-tensor hooks, as the trainer runs a retained forward."""
-    weights = weight_storages(arm.model.parameters())
-
-    def run() -> float:
-        with SavedStateLedger(Placement.RETAIN, weights).hooks():
-            return arm()
-
-    return run
+# (component, event category, name prefix): the innermost enclosing event that matches names the component.
+RULES = (
+    *(("saved_tensor_hooks", "python_function", f"reference_trainer/{m}.py(")
+      for m in ("ledger", "residency", "host_arena")),
+    ("gradient_norm", "python_function", "reference_trainer/grad_norms.py("),
+    *(("model_forward", "python_function", f"reference_trainer/{m}.py(") for m in ("model", "lora", "losses")),
+    ("bookkeeping", "python_function", "reference_trainer/"),
+    ("backward_operators", "cpu_op", "autograd::engine::evaluate_function"),
+    ("optimizer", "user_annotation", "Optimizer."),
+)
+_COUNTED = {"cpu_op", "python_function", "user_annotation"}  # host events; kernels and the profiler's own span are not
+_ROUNDING_US = 1e-3  # a trace's times are rounded to nanoseconds: a child may end that much past its parent
 
 
-def _norm_pass(workload: TimedWorkload, model: rt.DecoderLM, seed: int) -> Callable[[], bool]:
-    """One commit's finiteness check: the fused norm of gradients shaped like the trainable tensors, read once."""
-    trainable = rt.LoRAAdapter(model, rt.LoRAConfig(), seed=seed).parameters() if workload.lora else model.parameters()
-    grads = [torch.ones_like(p) for p in trainable]
-    return lambda: read_on_host(torch.isfinite(total_norm(grads)), "benchmark profile")
+def _component(event: dict) -> str | None:
+    """The first rule naming ``event`` (more specific rules come first), or None."""
+    return next((name for name, category, prefix in RULES
+                 if event.get("cat") == category and event.get("name", "").startswith(prefix)), None)
 
 
-def profile(workload: TimedWorkload, *, plain_seconds: float, extra_seconds: float, seed: int = 0,
-            blocks: int = 12) -> dict:
-    """Where ``extra_seconds`` goes (module docstring): the benchmark's median retain@s0 step minus its
-    median ``plain_seconds``, both from the same alternating blocks.
+def _step_range(events: list[dict], arm: str) -> dict:
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == _range_name(arm)]
+    if len(ranges) != 1:
+        raise ValueError(f"expected one {_range_name(arm)!r} range in the trace, found {len(ranges)}")
+    return ranges[0]
 
-    Returns ``plain_step_seconds`` (= ``plain_seconds``), ``extra_seconds``,
-    ``saved_by_reuse_seconds`` (the norm pass ``optim_step`` no longer
-    repeats) and ``components``: one ``{"name", "seconds", "buys"}`` per entry
-    of :data:`COMPONENTS`, in that order. ``bookkeeping`` is the remainder: it
-    carries the other two's noise and may come out negative.
+
+def _range_name(arm: str) -> str:
+    return f"rtv bench step: {arm}"
+
+
+def components(trace: dict, arm: str) -> tuple[float, dict[str, float]]:
+    """``(step seconds, {component: seconds})`` of ``arm``'s step in one Chrome trace (NOTE [Profiled blocks] rule 3).
+
+    ``trace`` is the parsed JSON (``traceEvents``, times in microseconds);
+    the step is its one ``record_function`` range for ``arm``. Every
+    :data:`COMPONENTS` name is a key; the values add up to the step's
+    seconds (the range's own self time, between its children, is ``other``).
+    Raises ``ValueError`` when the trace has no such range, or more than one.
     """
-    clock = device_clock(workload.device)
-    passes = plain_arm(workload, seed=seed, optimizer_step=False)
-    hooked = _hooked(passes)
-    for work in (passes, hooked, passes, hooked):  # warm-up: allocator, caches
-        work()
-    hooks_s = _paired_difference(passes, hooked, blocks, clock)
-    norm = _norm_pass(workload, passes.model, seed)
-    norm()
-    norm_s = float(np.median([run_block({"norm": norm}, block, clock)["norm"] for block in range(blocks)]))
-    del passes, hooked, norm
-    seconds = {"saved_tensor_hooks": hooks_s, "gradient_norm": norm_s}
-    seconds["bookkeeping"] = extra_seconds - sum(seconds.values())
-    return {
-        "plain_step_seconds": plain_seconds, "extra_seconds": extra_seconds, "saved_by_reuse_seconds": norm_s,
-        "components": [{"name": name, "seconds": seconds[name], "buys": buys} for name, buys in COMPONENTS.items()],
-    }
+    events = trace["traceEvents"]
+    step = _step_range(events, arm)
+    end = step["ts"] + step["dur"] + _ROUNDING_US
+    inside = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _COUNTED
+                     and (e["pid"], e["tid"]) == (step["pid"], step["tid"])
+                     and e["ts"] >= step["ts"] and e["ts"] + e["dur"] <= end),
+                    key=lambda e: (e["ts"], -e["dur"]))  # a parent before the children it starts with
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+    open_events: list[list] = []  # [end, component, self time so far] of each enclosing event, innermost last
+
+    def close() -> None:
+        _, component, own = open_events.pop()
+        totals[component] += own
+
+    for event in inside:
+        while open_events and open_events[-1][0] <= event["ts"] + _ROUNDING_US:
+            close()
+        parent = open_events[-1] if open_events else None
+        if parent is not None:
+            parent[2] -= event["dur"]  # a direct child's time is not its parent's self time
+        component = _component(event) or (parent[1] if parent is not None else "other")
+        open_events.append([event["ts"] + event["dur"], component, float(event["dur"])])
+    while open_events:
+        close()
+    return step["dur"] * 1e-6, {name: us * 1e-6 for name, us in totals.items()}
 
 
-def chrome_traces(arms: dict[str, TimedArm], folder: Path, stem: str) -> dict[str, str]:
-    """One more step of each :data:`TRACED` arm present in ``arms``, under ``torch.profiler``; ``{arm: trace path}``.
+def differences(plain: list[float], retain: list[float], confidence: float = CONFIDENCE) -> dict:
+    """``retain`` minus ``plain``, paired by block: mean, Student t interval, reading (NOTE [Profiled blocks] rule 4).
 
-    Each trace is gzipped Chrome trace JSON (``traceEvents``: operators,
-    CUDA kernels on a GPU) at ``folder/<stem>-<arm>.trace.json.gz``, to open
-    in Perfetto or ``chrome://tracing`` (both read it gzipped). Not ``*.json``:
-    the report reads every ``*.json`` under a run's folder as a record. The step is one after the
-    measured blocks, run in a fresh profiler, so the comparison's timings never
-    carry the profiler's overhead. Arms are traced in ``TRACED`` order.
+    Returns ``{"mean_seconds", "ci": [low, high], "reading"}`` with reading
+    ``cost`` (interval above 0), ``saving`` (below 0) or ``within noise``
+    (covers 0). Identical differences give a zero-width interval. Raises
+    ``ValueError`` for fewer than two pairs or lists of different lengths.
     """
-    from torch.profiler import ProfilerActivity
+    if len(plain) != len(retain) or len(plain) < 2:
+        raise ValueError(f"expected two equally long lists of at least 2 paired blocks, "
+                         f"found {len(plain)} and {len(retain)}")
+    paired = np.asarray(retain, dtype=float) - np.asarray(plain, dtype=float)
+    mean, sem = float(paired.mean()), float(scipy_stats.sem(paired))
+    low, high = (mean, mean) if sem == 0 else scipy_stats.t.interval(confidence, paired.size - 1, loc=mean, scale=sem)
+    reading = "cost" if low > 0 else "saving" if high < 0 else "within noise"
+    return {"mean_seconds": mean, "ci": [float(low), float(high)], "reading": reading}
+
+
+def _profiled_step(arm: TimedArm, name: str, path: Path) -> dict:
+    """One step of ``arm`` under a fresh ``torch.profiler`` session, exported to ``path`` and read back."""
+    from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
-    folder.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    paths = {}
-    for name in (n for n in TRACED if n in arms):
-        with torch_profile(activities=activities, with_stack=False) as trace:
-            arms[name]()
-        path = folder / f"{stem}-{name.replace('@', '-')}.trace.json.gz"  # torch gzips a .gz name
-        trace.export_chrome_trace(str(path))
-        paths[name] = str(path.resolve())
-    return paths
+    with torch_profile(activities=activities, with_stack=True) as session:
+        with record_function(_range_name(name)):
+            arm()
+    session.export_chrome_trace(str(path))
+    return json.loads(path.read_text())
+
+
+def _block_order(block: int) -> tuple[str, ...]:
+    return TRACED if block % 2 == 0 else TRACED[::-1]
+
+
+def profiled_pass(arms: dict[str, TimedArm], *, plain_seconds: float, folder: Path | None, stem: str,
+                  blocks: int = PROFILED_BLOCKS) -> tuple[dict, dict[str, str]]:
+    """The profiled blocks of :data:`TRACED` (NOTE [Profiled blocks]): ``(profile, {arm: kept trace path})``.
+
+    ``arms`` must hold both traced arms, already warm (the timed comparison
+    ran them). ``plain_seconds``: the comparison's median plain step, the
+    table's "% of plain step" base. ``folder``: where the median blocks'
+    traces are kept (``<stem>-<arm>.trace.json.gz``: not ``*.json``, which
+    the report reads as records); ``None`` keeps none (``rtv run``) and
+    the paths are ``{}``. ``blocks`` must be odd and at least 3.
+
+    The profile holds ``blocks``, ``warmup_blocks``, ``confidence``,
+    ``note``, ``plain_step_seconds``, per arm its ``block_seconds``,
+    ``block_components`` (:func:`components` of each block), ``median_block``
+    (index) and ``median_seconds``, ``extra`` (the step's difference), one entry
+    per :data:`COMPONENTS` name in ``components`` (``name``, ``buys``,
+    ``plain_seconds`` and ``retain_seconds`` means, and
+    :func:`differences`' keys) and ``saved_by_reuse_seconds`` (the norm pass
+    ``optim_step`` no longer repeats: retain's mean ``gradient_norm``).
+    """
+    if blocks < 3 or blocks % 2 == 0:
+        raise ValueError(f"expected an odd number of profiled blocks >= 3, found {blocks}")
+    measured: dict[str, list[tuple[float, dict[str, float]]]] = {arm: [] for arm in TRACED}
+    with tempfile.TemporaryDirectory(prefix="rtv-profile-") as scratch:
+        for name in TRACED:  # the warm-up block (rule 1), discarded
+            _profiled_step(arms[name], name, Path(scratch) / "warm-up.json")
+        for block in range(blocks):
+            for name in _block_order(block):
+                trace = _profiled_step(arms[name], name, Path(scratch) / f"{block}-{name}.json")
+                measured[name].append(components(trace, name))
+        per_arm = {name: {**_median_block([seconds for seconds, _ in steps]),
+                          "block_components": [split for _, split in steps]} for name, steps in measured.items()}
+        paths = {} if folder is None else {
+            name: _keep(Path(scratch) / f"{arm['median_block']}-{name}.json", folder, stem, name)
+            for name, arm in per_arm.items()}
+    plain, retain = (measured[name] for name in TRACED)
+    table = _table([split for _, split in plain], [split for _, split in retain])
+    return {
+        "blocks": blocks, "warmup_blocks": 1, "confidence": CONFIDENCE, "plain_step_seconds": plain_seconds,
+        "note": "profiled blocks, run after the timed comparison under torch.profiler: not the timed blocks",
+        "arms": per_arm, "extra": differences([s for s, _ in plain], [s for s, _ in retain]), "components": table,
+        "saved_by_reuse_seconds": next(c["retain_seconds"] for c in table if c["name"] == "gradient_norm"),
+    }, paths
+
+
+def _table(plain: list[dict[str, float]], retain: list[dict[str, float]]) -> list[dict]:
+    """One row per :data:`COMPONENTS` name: what it buys, each arm's mean, and retain minus plain by block."""
+    return [{"name": name, "buys": buys, "plain_seconds": float(np.mean([split[name] for split in plain])),
+             "retain_seconds": float(np.mean([split[name] for split in retain])),
+             **differences([split[name] for split in plain], [split[name] for split in retain])}
+            for name, buys in COMPONENTS.items()]
+
+
+def _median_block(seconds: list[float]) -> dict:
+    """The block whose duration is the median (an odd count: one block's own)."""
+    block = int(np.argmin(np.abs(np.asarray(seconds) - np.median(seconds))))
+    return {"block_seconds": seconds, "median_block": block, "median_seconds": seconds[block]}
+
+
+def _keep(trace: Path, folder: Path, stem: str, arm: str) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}-{arm.replace('@', '-')}.trace.json.gz"
+    path.write_bytes(gzip.compress(trace.read_bytes(), compresslevel=6))
+    return str(path.resolve())

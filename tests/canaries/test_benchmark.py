@@ -8,11 +8,13 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import reference_trainer as rt
 from canaries.benchmark import canary as benchmark
+from canaries.benchmark import profiling
 from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
@@ -74,6 +76,7 @@ def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> N
     verdicts = {c["arm"]: c["verdict"] for c in group["comparisons"]}
     assert verdicts == {"retain@s0": "tie", "replay@s0": "tie", "offload@s2": "regression"}  # offload: not enforced
     assert record["passed"] and set(group["arms"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
+    assert group["profile"] is None and group["traces"] == {}  # tiny_plan profiles no blocks; no traces folder asked
     for measured in group["arms"].values():
         assert measured["peak_bytes"] > 0 and measured["tokens_per_second"] == pytest.approx(4 / measured["step_seconds"])
     assert group["arms"]["retain@s0"]["held_device_bytes"] > group["arms"]["replay@s0"]["held_device_bytes"] > 0
@@ -169,19 +172,39 @@ def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
     assert device_clock("cpu", clock, synchronize=lambda device: events.append("sync")) is clock
 
 
-def test_rtv_bench_keeps_a_chrome_trace_of_plain_and_retain_and_the_report_links_it(tmp_path: Path, tiny: None) -> None:
+def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_it_and_its_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from reports import render_report
 
+    monkeypatch.setattr(benchmark, "plan", functools.partial(tiny_plan, profiled_blocks=3))
     record = run_fake(tmp_path, {}, traces=tmp_path / "traces")
-    traces = record["measurements"]["groups"][0]["traces"]
-    assert list(traces) == ["plain", "retain@s0"]
-    for path in traces.values():
+    (group,) = record["measurements"]["groups"]
+    traces, profile = group["traces"], group["profile"]
+    assert list(traces) == ["plain", "retain@s0"] and record["config"]["profiled_blocks"] == profile["blocks"] == 3
+    assert "not the timed blocks" in profile["note"]
+    for arm, path in traces.items():
+        durations = profile["arms"][arm]["block_seconds"]
+        median = profile["arms"][arm]["median_block"]
+        assert len(durations) == 3 and durations[median] == np.median(durations), "the kept block is the median one"
         events = json.loads(gzip.decompress(Path(path).read_bytes()))["traceEvents"]
         assert any(e.get("name", "").startswith("aten::") for e in events), "a real step's operators are in the trace"
+        (step,) = [e for e in events if e.get("name") == f"rtv bench step: {arm}"]
+        assert step["dur"] * 1e-6 == pytest.approx(durations[median]), "the kept file is that block's trace"
+        split = profile["arms"][arm]["block_components"]
+        assert profiling.components({"traceEvents": events}, arm)[1] == pytest.approx(split[median])
+    plain, retain = (profile["arms"][arm]["block_components"] for arm in traces)
+    for component in profile["components"]:
+        name, (low, high) = component["name"], component["ci"]
+        assert component["mean_seconds"] == pytest.approx(np.mean([r[name] - p[name] for p, r in zip(plain, retain)]))
+        assert component["reading"] == ("cost" if low > 0 else "saving" if high < 0 else "within noise")
+    hooks = next(c for c in profile["components"] if c["name"] == "saved_tensor_hooks")
+    assert hooks["plain_seconds"] == 0 < hooks["retain_seconds"], "only the versioned step runs the trainer's hooks"
     page = render_report(tmp_path, tmp_path / "report" / "index.md")
     assert page.passed and page.records == 1, "a trace is not read as an (invalid) record"
     markdown, html = page.markdown.read_text(), page.html.read_text()
     for path in traces.values():
         link = f"../traces/{Path(path).name}"
         assert f"]({link})" in markdown and f'href="{link}"' in html and (page.markdown.parent / link).is_file()
-    assert run_fake(tmp_path / "none", {})["measurements"]["groups"][0]["traces"] == {}  # rtv run asks for none
+    for component in profile["components"]:
+        assert f"| {component['name']} |" in markdown and component["buys"] in markdown
+    assert "one norm pass where it made two" in markdown

@@ -6,7 +6,10 @@ through ``chromedriver``, driven by Selenium) for any number of pages; its
 DOM: that each required element is present and shown, that each expected
 table rendered with at least one data row, and that every image decoded
 (``naturalWidth > 0``). It saves a screenshot beside the caller's output,
-so a person can look at what was checked.
+so a person can look at what was checked. Its ``open_traces`` follows a
+served page's links to Chrome traces (``*.trace.json.gz``) from inside the
+page, as a person's click would fetch them, and says which hold valid trace
+JSON (an object with a ``traceEvents`` list).
 
 The browser runs with no network (background services, sync and QUIC off;
 this machine reaches only package registries) and a fresh profile folder.
@@ -25,7 +28,7 @@ from typing import Any
 
 from validation.errors import SetupError
 
-__all__ = ["Browser", "BrowserSession", "PageCheck", "find_browser"]
+__all__ = ["Browser", "BrowserSession", "PageCheck", "TraceLink", "find_browser"]
 
 _FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -50,6 +53,34 @@ return {
                                                    img.complete ? img.naturalWidth : 0]),
 };
 """
+
+# Follows every trace link of the page from inside it: fetch, gunzip (DecompressionStream), parse.
+_OPEN_TRACES = """
+const done = arguments[arguments.length - 1];
+const links = Array.from(document.querySelectorAll('a[href$=".trace.json.gz"]'));
+Promise.all(links.map(async link => {
+  try {
+    const response = await fetch(link.href);
+    if (!response.ok) return [link.getAttribute('href'), link.textContent, -1, `HTTP ${response.status}`];
+    const text = await new Response(response.body.pipeThrough(new DecompressionStream('gzip'))).text();
+    const trace = JSON.parse(text);
+    const events = trace && Array.isArray(trace.traceEvents) ? trace.traceEvents.length : -1;
+    return [link.getAttribute('href'), link.textContent, events, events < 0 ? 'no traceEvents list' : ''];
+  } catch (error) {
+    return [link.getAttribute('href'), link.textContent, -1, String(error)];
+  }
+})).then(done);
+"""
+
+
+@dataclass(frozen=True)
+class TraceLink:
+    """One trace link the page showed, followed: ``events`` is ``len(traceEvents)``, -1 when ``failure`` says why not."""
+
+    href: str
+    text: str
+    events: int
+    failure: str
 
 
 @dataclass(frozen=True)
@@ -171,3 +202,15 @@ class BrowserSession:
         rows = {k: int(v) for k, v in facts["tables"].items()}
         fold = {k: bool(v) for k, v in facts["fold"].items()}
         return PageCheck(Path(page), screenshot, shown, rows, images, _failures(shown, rows, images, fold), fold)
+
+    def open_traces(self, url: str) -> list[TraceLink]:
+        """Load ``url`` (served over HTTP: a ``file://`` page may not fetch) and follow each trace link on it.
+
+        Each link ending ``.trace.json.gz`` is fetched by the page itself,
+        gunzipped and parsed; a link that does not lead to a Chrome trace is
+        not an error: read its ``failure``.
+        """
+        self._driver.set_script_timeout(self.timeout_s)
+        self._driver.get(url)
+        return [TraceLink(str(href), str(text), int(events), str(failure))
+                for href, text, events, failure in self._driver.execute_async_script(_OPEN_TRACES)]

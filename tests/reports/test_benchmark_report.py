@@ -63,17 +63,31 @@ def test_a_comparison_line_reads_as_throughput_change_with_its_interval() -> Non
         "tok/s −12.1% [−14.0..−10.3] (B vs A, 8 ABBA blocks, 4×1K, drift ρ=0.08) → regression vs ±5% gate")
 
 
-def test_the_page_shows_where_the_extra_time_goes_with_what_each_cost_buys(evidence: Path, tmp_path: Path) -> None:
+def test_the_profile_table_shows_a_cost_noise_and_a_saving_never_a_negative_cost(evidence: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A profile of known paired blocks in a record: each component reads as its interval says."""
     record = json.loads(evidence.read_text())
     (group,) = record["measurements"]["groups"]
-    components = [c["name"] for c in group["profile"]["components"]]
-    assert components == list(profiling.COMPONENTS)
-    report = render_report(evidence.parent, tmp_path / "report" / "index.md")
-    page, markdown = report.html.read_text(), report.markdown.read_text()
-    assert "Where retain@s0&#39;s extra time goes" in page or "Where retain@s0's extra time goes" in page
-    for name, buys in profiling.COMPONENTS.items():
-        assert f"| {name} |" in markdown and buys in markdown
-    assert "one norm pass where it made two" in markdown
+    plain = [0.010, 0.011, 0.0095]
+    shifts = {"saved_tensor_hooks": [0.002, 0.0021, 0.0019], "model_forward": [0.001, -0.001, 0.0002],
+              "other": [-0.0005, -0.0006, -0.0004]}
+    components = [{"name": name, "buys": profiling.COMPONENTS[name],
+                   **profiling.differences(plain, [p + s for p, s in zip(plain, shift)])}
+                  for name, shift in shifts.items()]
+    median = {"block_seconds": plain, "median_block": 0, "median_seconds": plain[0]}
+    group["profile"] = {"blocks": 3, "confidence": 0.95, "note": "profiled blocks", "plain_step_seconds": 0.01,
+                        "arms": {"plain": median, "retain@s0": median}, "extra": components[0],
+                        "components": components, "saved_by_reuse_seconds": 0.001}
+    written = tmp_path / "run" / evidence.name
+    write_once(written, make_record(record["kind"], config=record["config"], checks=record["checks"],
+                                    measurements=record["measurements"]))
+    markdown = render_report(written.parent, tmp_path / "report" / "index.md").markdown.read_text()
+    rows = {line.split("|")[2].strip(): [cell.strip() for cell in line.split("|")[3:-1]]
+            for line in markdown.splitlines() if any(f"| {name} |" in line for name in shifts)}
+    assert rows["saved_tensor_hooks"][:3] == ["+2.00 ms [+1.75..+2.25]", "cost", "20.0"]  # t(2) interval by hand
+    assert rows["model_forward"][1:3] == ["within noise", ""] and rows["model_forward"][0].startswith("within noise [")
+    assert rows["other"][:3] == ["0.50 ms faster [0.25..0.75]", "saving", ""], "a saving, not a negative cost"
+    assert not any(row[0].startswith(("−", "-")) for row in rows.values())
 
 
 def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path, tmp_path: Path) -> None:
@@ -89,3 +103,4 @@ def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path
     pngs = sorted(p.name for p in (tmp_path / "report" / "plots").glob("benchmark-*.png"))
     assert len(pngs) == 6 and len({name.rsplit("-", 1)[0] for name in pngs}) == 2
     assert report.html.read_text().count("<img ") >= 6
+

@@ -8,17 +8,23 @@ Skips without Chromium unless ``RTV_REQUIRE_BROWSER=1`` (``.ci/run`` sets it
 after installing Debian's ``chromium`` and ``chromium-driver``). The
 negative controls feed the checker pages with a broken image and a missing
 table (a hand-made page, and the real report with both broken): the checker
-must report exactly those.
+must report exactly those. The benchmark's trace links are followed from the
+served page (real ``torch.profiler`` traces of both traced arms, and a
+negative control that is JSON but not a trace).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import gzip
 import json
 import os
 import re
 import struct
+import threading
 import zlib
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,7 @@ import pytest
 from reports import render_report
 from tests.reports.browser import BrowserSession, find_browser
 from validation.errors import SetupError
+from validation.evidence import make_record, write_once
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +95,55 @@ FIXTURE_EVIDENCE = Path(__file__).parents[1] / "fixtures" / "evidence"
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The HTML report of the committed fixture evidence (one real quick ``rtv run`` and ``rtv bench``)."""
-    return render_report(FIXTURE_EVIDENCE, tmp_path_factory.mktemp("report") / "index.md", title="fixture run").html
+    """The HTML report of the committed fixture evidence (one real quick ``rtv run`` and ``rtv bench``).
+
+    The benchmark record is rewritten to link real ``torch.profiler`` traces
+    of both traced arms and one non-trace (the negative control: JSON, no
+    ``traceEvents``), beside the report as ``rtv bench`` keeps them.
+    """
+    folder = tmp_path_factory.mktemp("report")
+    (folder / "traces").mkdir()
+    for path in FIXTURE_EVIDENCE.glob("*.json"):
+        if path.name != "benchmark.json":
+            (folder / "run").mkdir(exist_ok=True)
+            (folder / "run" / path.name).write_bytes(path.read_bytes())
+    record = json.loads((FIXTURE_EVIDENCE / "benchmark.json").read_text())
+    traces = {arm: _real_trace(folder / "traces" / f"small-{arm.replace('@', '-')}.trace.json.gz")
+              for arm in ("plain", "retain@s0")}
+    not_a_trace = folder / "traces" / "small-replay-s0.trace.json.gz"
+    not_a_trace.write_bytes(gzip.compress(b'{"events": []}'))
+    record["measurements"]["groups"][0]["traces"] = {**traces, "replay@s0": str(not_a_trace)}
+    write_once(folder / "run" / "benchmark.json", make_record(record["kind"], config=record["config"],
+                                                              checks=record["checks"],
+                                                              measurements=record["measurements"]))
+    return render_report(folder / "run", folder / "report" / "index.md", title="fixture run").html
+
+
+def _real_trace(path: Path) -> str:
+    """A real ``torch.profiler`` Chrome trace of a tiny matmul, gzipped as ``rtv bench`` keeps them."""
+    import torch
+    from torch.profiler import profile
+
+    with profile() as session:
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    session.export_chrome_trace(str(path.with_suffix("")))
+    path.write_bytes(gzip.compress(path.with_suffix("").read_bytes()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(report: Path) -> str:
+    """The report's URL, its folder served over HTTP on loopback (a ``file://`` page may not fetch its links)."""
+    handler = functools.partial(_QuietHandler, directory=str(report.parents[1]))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        yield f"http://127.0.0.1:{server.server_address[1]}/report/{report.name}"
+        server.shutdown()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:  # keep pytest's output to the test's own
+        pass
 
 
 def _ids(html: str) -> tuple[list[str], list[str]]:
@@ -123,3 +177,13 @@ def test_negative_control_the_report_with_a_broken_image_and_a_missing_table_fai
                          screenshot=tmp_path / "broken.png")
     assert sorted(seen.failures) == sorted([f"table #{dropped} expected, not rendered",
                                             f"image {seen.images[0][0]!r} did not load (naturalWidth 0)"])
+
+
+def test_the_reports_trace_links_open_as_chrome_traces_of_both_arms(browser, served: str) -> None:
+    links = {Path(link.href).name: link for link in browser.open_traces(served)}
+    assert sorted(links) == ["small-plain.trace.json.gz", "small-replay-s0.trace.json.gz",
+                             "small-retain-s0.trace.json.gz"]
+    for name in ("small-plain.trace.json.gz", "small-retain-s0.trace.json.gz"):
+        assert links[name].failure == "" and links[name].events > 0, links[name]
+        assert "torch.profiler trace of" in links[name].text
+    assert links["small-replay-s0.trace.json.gz"].failure == "no traceEvents list", "negative control"
