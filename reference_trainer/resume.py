@@ -55,6 +55,7 @@ NOTE [Resume]
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -74,7 +75,7 @@ from .model import DecoderLM
 from .options import UNSET, ForwardOptions, ImportanceCorrection
 from .ranks.peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
-from .saves import read_folder, write_folder
+from .saves import FileData, read_folder, write_folder
 from .sinks import RankGradients
 
 __all__ = ["FORMAT", "SavedCheckpoint", "SavedTrainer", "load_trainer", "read_save", "write_save"]
@@ -112,7 +113,7 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
     host.agree(error, "save: written")
 
 
-def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, bytes | memoryview]]) -> None:
+def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, FileData]]) -> None:
     """Without logical ranks: write alone, or, in a process group, on rank 0 with its outcome broadcast (Rule 5)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         write_folder(path, files())
@@ -130,13 +131,20 @@ def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, b
         raise outcome[0].rebuild()
 
 
-def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, bytes | memoryview]:
-    files, specs = {}, []
+def _checkpoint_bytes(checkpoint: Checkpoint) -> memoryview:
+    """One checkpoint's file: its live state serialised in place (no device copy), committed grads included."""
+    state = checkpoint.state_view()
+    state["grads"] = {n: p.grad.detach() for n, p in checkpoint.named_parameters() if p.grad is not None}
+    return _tensors(state)
+
+
+def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, FileData]:
+    """The save's files; each checkpoint's made only when written (NOTE [Durable saves] Rule 4)."""
+    files: dict[str, FileData] = {}
+    specs = []
     for index, checkpoint in enumerate(trainer.checkpoints.values()):
         file = f"checkpoint-{index}.pt"
-        state = checkpoint.state_view()  # serialised in place: no device copy of the state
-        state["grads"] = {n: p.grad.detach() for n, p in checkpoint.named_parameters() if p.grad is not None}
-        files[file] = _tensors(state)
+        files[file] = functools.partial(_checkpoint_bytes, checkpoint)
         specs.append({
             "name": checkpoint.name,
             "file": file,

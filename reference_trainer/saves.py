@@ -21,7 +21,10 @@ NOTE [Durable saves]
      ``LATEST`` names), then every file's size and digest, before any byte is
      interpreted. A missing, truncated or changed file is a
      :class:`CorruptSaveError` naming it; nothing is returned.
-  4. What the files hold, and how the trainer's state maps onto them, is
+  4. A file may be given as a function that makes its bytes: it is called
+     when its turn to be written comes, and its bytes are let go once
+     written, so a save of many large files holds one at a time in memory.
+  5. What the files hold, and how the trainer's state maps onto them, is
      ``resume.py``'s business (NOTE [Resume]); this module only moves bytes.
 
 Hand-written rather than ``torch.distributed.checkpoint``: the trainer's
@@ -37,19 +40,21 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import ConfigError, CorruptSaveError
 
-__all__ = ["LATEST", "MANIFEST", "read_folder", "write_folder"]
+__all__ = ["LATEST", "MANIFEST", "FileData", "read_folder", "write_folder"]
+
+FileData = bytes | memoryview | Callable[[], bytes | memoryview]  # a file's bytes, or what makes them (Rule 4)
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _SAVE = re.compile(r"save-(\d{6,})")
 
 
-def write_folder(path: str | os.PathLike, files: Mapping[str, bytes | memoryview]) -> Path:
+def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path:
     """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rule 2); returns its folder."""
     root = Path(path)
     if root.exists() and not root.is_dir():
@@ -80,11 +85,12 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, bytes | memoryview
     return root / name
 
 
-def _stage(staging: Path, files: Mapping[str, bytes | memoryview]) -> bytes:
+def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
     staging.mkdir()
     manifest: dict = {"files": {}}
-    for file, data in files.items():
+    for file, made in files.items():
+        data = made() if callable(made) else made  # made at its turn, let go at the next (Rule 4)
         _write_synced(staging / file, data)
         manifest["files"][file] = {"bytes": len(data), "sha256": _digest(data)}
     manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()

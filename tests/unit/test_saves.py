@@ -151,3 +151,18 @@ def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypa
             trainer.save(target)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == before
     assert not (tmp_path / "new" / "saves").exists()
+
+
+def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monkeypatch):
+    import reference_trainer.saves as saves
+
+    events, real = [], saves._write_synced
+    monkeypatch.setattr(saves, "_write_synced", lambda path, data: (events.append(f"write {path.name}"),
+                                                                    real(path, data)))
+
+    def maker(name):
+        return lambda: (events.append(f"make {name}"), name.encode() * 3)[1]
+
+    saves.write_folder(tmp_path, {"a": maker("a"), "b": maker("b"), "c": b"ccc"})
+    assert events[:5] == ["make a", "write a", "make b", "write b", "write c"]
+    assert saves.read_folder(tmp_path) == {"a": b"aaa", "b": b"bbb", "c": b"ccc"}
