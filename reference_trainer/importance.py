@@ -44,7 +44,10 @@ class RatioStats:
         low_at = at.floor().long()
         below, above = ordered[low_at], ordered[at.ceil().long()]
         quantiles = below + (above - below) * (at - low_at)
-        parts = torch.cat((torch.stack((values.min(), values.max(), values.mean())), quantiles))
+        high = values.max()
+        scale = torch.where(high > 0, high, torch.ones_like(high))
+        mean = (values / scale).mean() * scale  # scaled first: a sum of ratios near e**709 would overflow
+        parts = torch.cat((torch.stack((values.min(), high, mean)), quantiles))
         low, high, mean, *quantiles = parts.tolist()
         return cls(min=low, max=high, mean=mean, quantiles=dict(zip(QUANTILES, quantiles)))
 

@@ -28,3 +28,9 @@ def test_ratio_statistics_of_more_values_than_torch_quantile_takes():
     stats = RatioStats.of(torch.arange(n, dtype=torch.float64).flip(0))
     assert stats.quantiles == {q: q * (n - 1) for q in QUANTILES}  # closed form: the q-th point of 0..n-1
     assert (stats.min, stats.max, stats.mean) == (0.0, n - 1.0, (n - 1) / 2)
+
+
+def test_the_mean_of_many_ratios_at_a_large_bound_is_finite():
+    bound = np.exp(np.float64(700.0))  # max_log_ratio=700: each ratio finite in FP64, their sum is not
+    stats = RatioStats.of(torch.full((20_000,), bound, dtype=torch.float64))
+    assert stats.mean == bound and np.isfinite(stats.mean)
