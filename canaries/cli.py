@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,9 +83,10 @@ def _canary_command(args: argparse.Namespace) -> int:
 SWEPT_PROFILES = ("default", "nightly")  # rtv bench's profiles that run the cost-growth sweep after the benchmark
 
 
-def _bench_judged(args: argparse.Namespace, run_dir: Path) -> list:
+def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> list:
     """What ``rtv bench`` runs: the sweep alone (``--sweep``), the baseline, or the benchmark and, on the
-    ``SWEPT_PROFILES``, the sweep's grid of that profile (NOTE [Cost growth] in ``canaries/benchmark/sweep.py``)."""
+    ``SWEPT_PROFILES``, the sweep's grid of that profile in what the run's budget leaves (``started``: the
+    run's ``time.monotonic()``; NOTE [Cost growth] in ``canaries/benchmark/sweep.py``)."""
     from .benchmark import canary as benchmark
     from .benchmark import sweep
 
@@ -99,7 +101,8 @@ def _bench_judged(args: argparse.Namespace, run_dir: Path) -> list:
                               progress=True, traces=run_dir / "traces")]
     if args.profile in SWEPT_PROFILES:
         with suite.threads(args.threads):
-            judged.append(sweep.judge(args.preset, args.profile, gate=args.gate))
+            budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)
+            judged.append(sweep.judge(args.preset, args.profile, gate=args.gate, budget_s=budget))
     return judged
 
 
@@ -126,9 +129,10 @@ def _bench(args: argparse.Namespace) -> int:
     from validation import history
     from validation.evidence import evidence_path, verify
 
+    started = time.monotonic()
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
     records = []
-    for judged in _bench_judged(args, run_dir):
+    for judged in _bench_judged(args, run_dir, started):
         path = canary("benchmark").record(args.preset, judged, run_dir)
         records.append((path, verify(path)))
         history.append(args.out / HISTORY_FILE, records[-1][1], str(path))

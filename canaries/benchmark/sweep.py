@@ -34,11 +34,17 @@ NOTE [Cost growth]
    (:func:`seconds_bound`; tests/canaries/test_benchmark_sweep.py checks
    ``default``'s, and that it leaves the benchmark its budget within
    ``rtv bench``'s 5 minutes), so a shape's budget binds only on a machine
-   slower than the bound.
+   slower than the bound. ``rtv bench`` runs the sweep after the benchmark
+   and gives it what its profile's budget (:data:`RUN_BUDGETS_S`) leaves
+   after the benchmark, less :data:`OUTSIDE_S` (the interpreter's start, the
+   records and the report; :func:`budget_left`), never more than the plan's: measured on a
+   machine loaded about 4x (load average 8-10 on its 2 cores), the
+   benchmark alone took 250 s of the 300.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -56,7 +62,8 @@ from .arms import TimedWorkload, device_clock
 from .canary import WARMUP_BLOCKS, Builder, Group, build_arms
 
 __all__ = ["KIND", "CPU_GRIDS", "GPU_LENGTHS", "MODEL_SHAPES", "STEP_BOUND", "ARM_FACTOR", "TERMS", "SweepPlan",
-           "plan", "block_bound", "seconds_bound", "fit", "predicted_ratio", "judge"]
+           "RUN_BUDGETS_S", "OUTSIDE_S", "MIN_BUDGET_S", "plan", "block_bound", "seconds_bound", "budget_left", "fit",
+           "predicted_ratio", "judge"]
 
 KIND = "benchmark-sweep"
 TERMS = ("fixed", "per_token", "per_token2")
@@ -76,6 +83,9 @@ _MODEL_LENGTHS = tuple(2**k for k in range(4, 13))  # 16 .. 4096, at batch 4: th
 # fixed, per token (B*T), per B*T**2. Measured busy (other jobs on the cores), plain at 1x64 0.05, 4x64 0.13-0.17,
 # 4x256 0.36-0.39, 8x512 1.8-2.7; the bound is above every one of those.
 STEP_BOUND = (0.05, 4.5e-4, 4e-7)
+RUN_BUDGETS_S = {"default": 300.0}  # rtv bench, the sweep included (docs/harness.md#time-budgets); nightly has none
+OUTSIDE_S = 30.0  # rtv bench outside its benchmark and sweep: imports before, records and the report after
+MIN_BUDGET_S = 1.0  # a sweep with nothing left still runs each shape's warm-up and one block (compare's minimum)
 ARM_FACTOR = 2.0  # a versioned step <= 2 plain ones: replay's floor 1 + F/(F+B) < 2; retain and offload measured below
 
 
@@ -123,6 +133,19 @@ def block_bound(workload: TimedWorkload, arms: tuple[str, ...]) -> float:
 def seconds_bound(sweep: SweepPlan) -> float:
     """Rule 4: every planned block of ``sweep`` (warm-up included) at :func:`block_bound`."""
     return (WARMUP_BLOCKS + sweep.max_blocks) * sum(block_bound(w, sweep.arms) for w in sweep.workloads)
+
+
+def budget_left(preset: str, profile: str, spent_s: float) -> float:
+    """Rule 4: the sweep's budget once ``rtv bench``'s benchmark took ``spent_s``; the plan's at most.
+
+    Only ``cpu`` profiles with a run budget (``default``) are cut; a GPU
+    preset or ``nightly`` gets the plan's. With nothing left,
+    :data:`MIN_BUDGET_S` (each shape then runs its warm-up and one block).
+    """
+    planned = plan(preset, profile).budget_s
+    if preset != "cpu" or profile not in RUN_BUDGETS_S:
+        return planned
+    return min(planned, max(MIN_BUDGET_S, RUN_BUDGETS_S[profile] - spent_s - OUTSIDE_S))
 
 
 def _design(batches: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -175,15 +198,19 @@ def _fit_arm(points: list[dict], arm: str) -> dict:
     return {**fit(*zip(*used)), "left_out": left_out}
 
 
-def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0,
+def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
           clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
           build: Builder = build_arms) -> Judged:
     """Run :func:`plan`'s grid (Rule 1) and fit each arm (Rule 2); the caller records it (kind ``benchmark-sweep``).
 
-    ``clock``, ``load_probe`` and ``build`` are as ``canary.judge``'s (tests
-    fake them). Raises :class:`SetupError` for an unknown preset or profile.
+    ``budget_s``: seconds for the whole sweep instead of the plan's (``rtv
+    bench`` passes :func:`budget_left`). ``clock``, ``load_probe`` and
+    ``build`` are as ``canary.judge``'s (tests fake them). Raises
+    :class:`SetupError` for an unknown preset or profile.
     """
     sweep = plan(preset, profile)
+    if budget_s is not None:
+        sweep = dataclasses.replace(sweep, budget_s=budget_s)
     bounds = [block_bound(w, sweep.arms) for w in sweep.workloads]
     started, points = time.perf_counter(), []
     for workload, bound in zip(sweep.workloads, bounds):

@@ -18,11 +18,6 @@ from canaries.benchmark.arms import TimedWorkload
 from canaries.cli import main
 from tests.benchmark_fakes import FakeMachine, FakeProbe, tiny_plan
 
-BENCH_BUDGET_S = 300.0  # docs/harness.md#time-budgets: rtv bench (default profile) on this machine
-# Outside every compare's budget in one `rtv bench --profile default`: building arms and first losses, the
-# profile, the traces, the report, and the one block each compare may run past its budget (measured: the whole
-# run took 141 s, its benchmark judge 136 s, of which 109 s inside compare).
-OVERHEAD_RESERVE_S = 30.0
 
 # Known costs (seconds): fixed, per token, per token² (B*T**2), per arm.
 COSTS = {"plain": (2e-3, 1e-5, 0.0), "retain@s0": (3e-3, 1e-5, 0.0), "replay@s0": (2e-3, 1.4e-5, 2e-9)}
@@ -151,7 +146,7 @@ def test_the_default_sweep_fits_its_budget_and_leaves_the_benchmark_its_own_with
     default = sweep.plan("cpu", "default")
     assert sweep.seconds_bound(default) <= default.budget_s
     bench = benchmark.plan("cpu", "default")
-    assert bench.budget_s + default.budget_s + OVERHEAD_RESERVE_S <= BENCH_BUDGET_S
+    assert bench.budget_s + default.budget_s + sweep.OUTSIDE_S <= sweep.RUN_BUDGETS_S["default"] == 300.0
     # the bound is not vacuous: the nightly grid's blocks would not fit default's budget
     assert sweep.seconds_bound(sweep.plan("cpu", "nightly")) > 10 * default.budget_s
 
@@ -162,3 +157,57 @@ def test_a_shape_s_share_of_the_budget_follows_its_block_bound() -> None:
     assert sweep.block_bound(small, ("retain@s0", "replay@s0")) > sweep.block_bound(small, ("retain@s0",))
     step = sweep.block_bound(small, ()) / 2  # plain alone, twice a block
     assert step == pytest.approx(sum(c * x for c, x in zip(sweep.STEP_BOUND, (1, 32, 32**2))))
+
+
+def test_each_shape_gets_the_share_of_the_budget_its_block_bound_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = []
+
+    def recording(arms, **kwargs):
+        given.append(kwargs["budget_s"])
+        return real_compare(arms, **kwargs)
+
+    real_compare = sweep.compare
+    monkeypatch.setattr(sweep, "compare", recording)
+    clock = CostClock()
+    sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
+    default = sweep.plan("cpu", "default")
+    bounds = [sweep.block_bound(w, default.arms) for w in default.workloads]
+    assert sum(given) == pytest.approx(default.budget_s)
+    assert given == pytest.approx([default.budget_s * b / sum(bounds) for b in bounds])
+    assert given[-1] > 3 * given[0], "4x128 asks for more than 1x32"
+
+
+@pytest.mark.bench
+def test_the_step_bound_is_above_real_steps_at_the_default_grid() -> None:
+    """Rule 4's bound, against this machine: each arm's median step at each default shape is below its bound."""
+    import time
+
+    import torch
+
+    default = sweep.plan("cpu", "default")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for workload in default.workloads:
+            arms = benchmark.build_arms(benchmark.Group(workload, ("plain", *default.arms), False), 0)
+            plain_bound = sweep.block_bound(workload, ()) / 2
+            for name, arm in arms.items():
+                arm(), arm()  # warm up
+                seconds = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    arm()
+                    seconds.append(time.perf_counter() - start)
+                bound = plain_bound * (1 if name == "plain" else sweep.ARM_FACTOR)
+                assert sorted(seconds)[2] <= bound, f"{name} at {workload.label}: {sorted(seconds)[2]:.3f} s > {bound:.3f} s"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rtv_bench_gives_the_sweep_what_the_benchmark_left_of_its_5_minutes() -> None:
+    planned = sweep.plan("cpu", "default").budget_s
+    assert sweep.budget_left("cpu", "default", 100.0) == planned  # an idle machine: the plan's
+    assert sweep.budget_left("cpu", "default", 250.0) == pytest.approx(300.0 - 250.0 - sweep.OUTSIDE_S)
+    assert sweep.budget_left("cpu", "default", 400.0) == sweep.MIN_BUDGET_S > 0  # compare needs a positive one
+    assert sweep.budget_left("cpu", "nightly", 1e5) == sweep.plan("cpu", "nightly").budget_s  # no run budget
+    assert sweep.budget_left("gpu-8b", "default", 1e4) == sweep.plan("gpu-8b", "default").budget_s
