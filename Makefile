@@ -54,7 +54,7 @@ bench-pngs: install
 	$(VENV)/bin/rtv bench --baseline HEAD~1 --profile quick --out $(BENCH_PNGS)/ab $(shown)
 	for rev in $$(git rev-list --reverse -n $(HISTORY_COMMITS) HEAD); do \
 		git worktree add --detach $(BENCH_PNGS)/src-$$rev $$rev || exit 2; \
-		(cd $(BENCH_PNGS)/src-$$rev && PYTHONPATH=$$PWD $(CURDIR)/$(VENV)/bin/rtv bench --profile quick \
+		(cd $(BENCH_PNGS)/src-$$rev && PYTHONPATH=$$PWD $(abspath $(VENV))/bin/rtv bench --profile quick \
 			--out $(CURDIR)/$(BENCH_PNGS)/history) $(shown) || exit 2; \
 		git worktree remove --force $(BENCH_PNGS)/src-$$rev; \
 	done
