@@ -4,7 +4,8 @@
 reads one ``benchmark-sweep`` record (NOTE [Cost growth] in
 ``canaries/benchmark/sweep.py``): a plot of each arm's median ratio to
 ``plain`` against tokens per step (B x T) with its interval, and the fit's
-ratio along batch 4 dashed beside it (labelled a model); a table of the
+ratio along batch 4 dashed beside it (labelled a model, the tokens beyond
+the largest measured shape shaded as extrapolated); a table of the
 fitted fixed, per-token and per-token² costs, one of the fit's residual at
 every shape, and the fit's ratio at the GPU presets' shapes, labelled a
 model, not a measurement. The record carries the model's figures; nothing
@@ -48,6 +49,9 @@ def _plot(ratios: pd.DataFrame, model: dict | None, path: Path) -> Path:
             axes.plot(tokens, model["ratios"][arm], linestyle="--", linewidth=0.9, color=line.lines[0].get_color())
     if model is not None:
         axes.plot([], [], linestyle="--", color="#555", label=f"fit at batch {model['batch']} ({MODEL_NOTE})")
+        measured = ratios["tokens"].max()
+        axes.axvspan(measured, model["batch"] * model["lengths"][-1], color="#999", alpha=0.15, linewidth=0,
+                     label="beyond the measured shapes: extrapolated")
     axes.axhline(1.0, color="#777", linewidth=0.8)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("tokens per step (batch x sequence length)")
@@ -80,7 +84,8 @@ def _model_lines(record: dict) -> list[str]:
     if model is None:
         return ["no model: some arm's costs could not be fitted (see the checks)"]
     config = record["config"]
-    source = f"{config['model']} on {config.get('device', 'cpu')}"
+    largest = max(p["tokens"] for p in record["measurements"]["points"])
+    source = f"{config['model']} on {config.get('device', 'cpu')} (measured up to {largest} tokens per step)"
     return [f"{MODEL_NOTE}: the fit of {source} predicts {arm} / plain "
             + ", ".join(f"{s['ratios'][arm]:.3f} at {s['batch']}×{s['seq_len']}" for s in model["shapes"])
             + " (the GPU presets' qwen3_8b shapes)" for arm in config["arms"]]
