@@ -91,7 +91,8 @@ def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> li
     from .benchmark import sweep
 
     if args.sweep:
-        return [sweep.judge(args.preset, args.profile, gate=args.gate)]
+        with suite.threads(args.threads):
+            return [sweep.judge(args.preset, args.profile, gate=args.gate)]
     if args.baseline is not None:
         from .benchmark import baseline
 
