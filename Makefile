@@ -60,6 +60,6 @@ bench-pngs: install
 	done
 	$(VENV)/bin/rtv history --store $(BENCH_PNGS)/history/history.sqlite --arm retain@s0 $(shown)
 	cp $(BENCH_PNGS)/sweep/bench-*/report/plots/sweep-*-ratios.png docs/bench-sweep.png
-	cp $(BENCH_PNGS)/ab/bench-*/report/plots/benchmark-*-ratios.png docs/bench-baseline.png
+	cp $(BENCH_PNGS)/ab/bench-*/report/plots/baseline-*-ratios.png docs/bench-baseline.png
 	cp $(BENCH_PNGS)/history/history/plots/history-*.png docs/bench-history.png
 	@wc -c docs/bench-sweep.png docs/bench-baseline.png docs/bench-history.png
