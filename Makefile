@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rtv-installed
 TORCH_INDEX_URL ?=
 
-.PHONY: venv install run test board-png
+.PHONY: venv install run test board-png bench-pngs
 
 venv: $(PY)
 
@@ -39,3 +39,27 @@ board-png: install
 	chromium --headless=new --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,400 \
 		--screenshot=$(CURDIR)/$(BOARD_PNG) file://$(CURDIR)/rtv-out/board/index.html
 	@echo "wrote $(BOARD_PNG) ($$(wc -c < $(BOARD_PNG)) bytes)"
+
+# The README's throughput pictures, each a plot of a real run on this machine (a few minutes, the machine's noise
+# included): the cost-growth sweep's ratio against tokens (`rtv bench --sweep`, the default grid), this commit
+# against the previous one (`rtv bench --baseline HEAD~1 --profile quick`) and the history of retain@s0 over the
+# last $(HISTORY_COMMITS) commits (`rtv bench --profile quick` in a detached worktree of each, into one store).
+# A run whose shown verdict failed (exit 1) still draws its plot; any other failure stops. Committed on purpose.
+BENCH_PNGS := rtv-out/bench-pngs
+HISTORY_COMMITS ?= 4
+shown = || [ $$? -eq 1 ]
+bench-pngs: install
+	rm -rf $(BENCH_PNGS)
+	$(VENV)/bin/rtv bench --sweep --out $(BENCH_PNGS)/sweep $(shown)
+	$(VENV)/bin/rtv bench --baseline HEAD~1 --profile quick --out $(BENCH_PNGS)/ab $(shown)
+	for rev in $$(git rev-list --reverse -n $(HISTORY_COMMITS) HEAD); do \
+		git worktree add --detach $(BENCH_PNGS)/src-$$rev $$rev || exit 2; \
+		(cd $(BENCH_PNGS)/src-$$rev && PYTHONPATH=$$PWD $(abspath $(VENV))/bin/rtv bench --profile quick \
+			--out $(CURDIR)/$(BENCH_PNGS)/history) $(shown) || exit 2; \
+		git worktree remove --force $(BENCH_PNGS)/src-$$rev; \
+	done
+	$(VENV)/bin/rtv history --store $(BENCH_PNGS)/history/history.sqlite --arm retain@s0 $(shown)
+	cp $(BENCH_PNGS)/sweep/bench-*/report/plots/sweep-*-ratios.png docs/bench-sweep.png
+	cp $(BENCH_PNGS)/ab/bench-*/report/plots/baseline-*-ratios.png docs/bench-baseline.png
+	cp $(BENCH_PNGS)/history/history/plots/history-*.png docs/bench-history.png
+	@wc -c docs/bench-sweep.png docs/bench-baseline.png docs/bench-history.png

@@ -7,7 +7,7 @@
     rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
               [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
-              [--sweep]                          cost growth over sequence length x batch, with a fit
+              [--sweep]                          only the cost-growth sweep (default and nightly run it too)
     rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
                                           every benchmark so far: trends, change points, verdicts
     rtv report [--in DIR] [--out FILE] [--summary]
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,45 +80,73 @@ def _canary_command(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+SWEPT_PROFILES = ("default", "nightly")  # rtv bench's profiles that run the cost-growth sweep after the benchmark
+
+
+def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> list:
+    """What ``rtv bench`` runs: the sweep alone (``--sweep``), the baseline, or the benchmark and, on the
+    ``SWEPT_PROFILES``, the sweep's grid of that profile in what the run's budget leaves (``started``: the
+    run's ``time.monotonic()``; NOTE [Cost growth] in ``canaries/benchmark/sweep.py``)."""
+    from .benchmark import canary as benchmark
+    from .benchmark import sweep
+
+    if args.sweep:
+        with suite.threads(args.threads):
+            return [sweep.judge(args.preset, args.profile, gate=args.gate)]
+    if args.baseline is not None:
+        from .benchmark import baseline
+
+        return [baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
+                               arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)]
+    judged = [benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
+                              progress=True, traces=run_dir / "traces")]
+    if args.profile in SWEPT_PROFILES:
+        with suite.threads(args.threads):
+            budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)
+            judged.append(sweep.judge(args.preset, args.profile, gate=args.gate, budget_s=budget))
+    return judged
+
+
+def _print_record(record: dict) -> None:
+    """A record's comparison lines (per group, per sweep shape, or the baseline's) and its checks."""
+    from reports.benchmark import comparison_line
+
+    measurements, gate = record["measurements"], record["config"]["gate"]
+    for comparison in measurements["comparisons"] if record["kind"] == "benchmark-baseline" else []:
+        print(comparison_line(comparison, record["config"]["workload"], gate))
+    for group in measurements.get("groups", []):
+        for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
+            print(comparison_line(comparison, group["label"], gate))
+    for point in measurements.get("points", []):
+        for comparison in point["comparisons"]:
+            print(comparison_line(comparison, point["label"], gate))
+    for check, passed in record["checks"].items():
+        print(f"{'PASS' if passed else 'FAIL'}  {check}")
+
+
 def _bench(args: argparse.Namespace) -> int:
     """``rtv bench``: run the benchmark into a new folder, render its report, exit 0/1 on its enforced checks."""
     from reports import render_report
-    from reports.benchmark import comparison_line
+    from validation import history
     from validation.evidence import evidence_path, verify
 
-    from .benchmark import canary as benchmark
-
+    started = time.monotonic()
     run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    if args.sweep:
-        from .benchmark import sweep
-
-        judged = sweep.judge(args.preset, args.profile, gate=args.gate)
-    elif args.baseline is not None:
-        from .benchmark import baseline
-
-        judged = baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
-                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)
-    else:
-        judged = benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                                 progress=True, traces=run_dir / "traces")
-    path = canary("benchmark").record(args.preset, judged, run_dir)
-    from validation import history
-
-    history.append(args.out / HISTORY_FILE, verify(path), str(path))
-    title = f"rtv bench {run_dir.name}" + (f" ({judged.config['scope']})" if args.baseline is not None else "")
+    records = []
+    for judged in _bench_judged(args, run_dir, started):
+        path = canary("benchmark").record(args.preset, judged, run_dir)
+        records.append((path, verify(path)))
+        history.append(args.out / HISTORY_FILE, records[-1][1], str(path))
+    scope = records[0][1]["config"].get("scope")
+    title = f"rtv bench {run_dir.name}" + (f" ({scope})" if scope else "")
     report = render_report(run_dir, run_dir / "report" / "index.md", title=title)
-    record = verify(path)
-    if args.baseline is not None:
-        for comparison in record["measurements"]["comparisons"]:
-            print(comparison_line(comparison, record["config"]["workload"], record["config"]["gate"]))
-    for group in record["measurements"].get("groups", []):
-        for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
-            print(comparison_line(comparison, group["label"], record["config"]["gate"]))
-    for check, passed in record["checks"].items():
-        print(f"{'PASS' if passed else 'FAIL'}  {check}")
+    for _, record in records:
+        _print_record(record)
+    passed = all(record["passed"] for _, record in records)
     print(f"appended to the history {args.out / HISTORY_FILE} (rtv history --store FILE)")
-    print(f"rtv bench: {'PASSED' if record['passed'] else 'FAILED'}; evidence: {path}\nreport: {report.html}")
-    return 0 if record["passed"] else 1
+    print(f"rtv bench: {'PASSED' if passed else 'FAILED'}; evidence: " + ", ".join(str(p) for p, _ in records)
+          + f"\nreport: {report.html}")
+    return 0 if passed else 1
 
 
 def _history(args: argparse.Namespace) -> int:
@@ -241,7 +270,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                        help="cpu, or a GPU preset (on a machine without CUDA it runs CPU shapes and says so)")
     bench.add_argument("--profile", choices=PROFILES, default="default",
-                       help="quick (<= 60 s), default (<= 5 min here), nightly (every arm and workload)")
+                       help="quick (<= 60 s), default (<= 5 min here; with a small cost-growth sweep), "
+                       "nightly (every arm and workload, and the full sweep)")
     bench.add_argument("--gate", type=_fraction, default=0.05, help="half-width of the tie band (default: 0.05)")
     bench.add_argument("--target", type=float, default=None,
                        help="also enforce retain@s0 / plain median <= TARGET (default: 1.03 reported, not enforced)")
@@ -252,8 +282,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        "default: the merge base with main), each in a worker process, in ABBA blocks; "
                        "plain runs too, as the A/A control")
     bench.add_argument("--sweep", action="store_true",
-                       help="cost growth: sequence length x batch (a small grid; the full one with --profile nightly), "
-                       "each shape in ABBA blocks against plain, and a fixed + per-token (+ per-token²) fit per arm")
+                       help="only the cost-growth sweep (default and nightly run it after the benchmark): sequence "
+                       "length x batch (the full grid with --profile nightly; 4x{1K,2K,4K} on a GPU preset), each "
+                       "shape in ABBA blocks against plain, and a fixed + per-token (+ per-token²) fit per arm")
     bench.add_argument("--arm", action="append", default=None, metavar="A",
                        help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
     bench.set_defaults(handler=_bench)

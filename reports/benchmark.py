@@ -26,7 +26,7 @@ from .context import Figure, Section
 from .generic import checks_table
 from .plots import save_png
 
-__all__ = ["section", "comparison_line", "difference_text", "samples_table"]
+__all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios"]
 
 MIB = 2**20
 
@@ -94,7 +94,8 @@ def samples_table(record: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _plot_ratios(table: pd.DataFrame, gate: float, path: Path) -> Path:
+def plot_ratios(table: pd.DataFrame, gate: float, path: Path) -> Path:
+    """Each row's median ratio with its interval against the tie band ``±gate`` (columns of :func:`_comparisons`)."""
     figure = MplFigure(figsize=(7, 0.4 * len(table) + 1.5), layout="constrained")
     axes = figure.add_subplot()
     labels = [f"{r.workload}: {r.arm} / {r.baseline}" for r in table.itertuples()]
@@ -210,7 +211,7 @@ def section(record: dict, folder: Path) -> Section:
     stem = f"benchmark-{record['digest'][:12]}"  # several benchmark records share one plots folder
     samples.to_csv(folder / f"{stem}-samples.csv", index=False)
     figures = [
-        Figure(path=_plot_ratios(comparisons, gate, folder / f"{stem}-ratios.png"),
+        Figure(path=plot_ratios(comparisons, gate, folder / f"{stem}-ratios.png"),
                caption=f"Median step-time ratio per arm and workload with its interval; green: the ±{gate:.0%} tie band.",
                headline=True),
         Figure(path=_plot_blocks(samples, folder / f"{stem}-blocks.png"),

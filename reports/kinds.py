@@ -55,7 +55,7 @@ KINDS: dict[str, Kind] = {
              measurements=("seconds",), builder="reports.benchmark"),
         Kind(name="benchmark-baseline",
              title="Benchmark against a base: one arm on two source trees, REV → HEAD (ABBA, two worker processes)",
-             measurements=("sources", "first_losses")),
+             measurements=("sources", "first_losses"), builder="reports.baseline"),
         Kind(name="benchmark-sweep", title="Cost growth: arms against plain over sequence length x batch, with a fit",
              builder="reports.sweep"),
         Kind(name="mutation-score", title="Mutation score: the suite's strength, measured with mutmut",

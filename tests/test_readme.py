@@ -1,4 +1,4 @@
-"""The README's promises a newcomer relies on: the 20-line API example runs, the board picture is there and small."""
+"""The README's promises a newcomer relies on: the 20-line API example runs, the pictures are there and small."""
 
 from __future__ import annotations
 
@@ -27,6 +27,39 @@ def test_the_verdict_board_picture_is_committed_and_small() -> None:
     picture = README.parent / "docs" / "verdict-board.png"
     assert "](docs/verdict-board.png)" in README.read_text()
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
+
+
+# The throughput questions (issue 26), the command that answers each, and the picture of its plot where it has one.
+THROUGHPUT = {
+    "What does this change cost against main?": ("rtv bench --baseline", "docs/bench-baseline.png"),
+    "How does the cost grow?": ("rtv bench --profile default", "docs/bench-sweep.png"),
+    "Did it get slower over time, and since which commit?": ("rtv history", "docs/bench-history.png"),
+    "Where does the time go?": ("rtv bench", None),
+    "Tell me on the PR, and only when it matters.": ("rtv report --in rtv-out/bench --summary", None),
+}
+
+
+def _answers() -> dict[str, str]:
+    """The throughput section: each bold question -> the text up to the next one."""
+    text = README.read_text()
+    section = text[text.index("## Throughput: the questions it answers"):]
+    section = section[: section.index("\n## ", 1)]
+    parts = re.split(r"^\*\*(.+?)\*\*$", section, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_each_throughput_question_has_its_command_and_the_picture_of_its_plot() -> None:
+    answers = _answers()
+    assert list(answers) == list(THROUGHPUT), "the five questions, in the issue's order"
+    for question, (command, picture) in THROUGHPUT.items():
+        answer = answers[question]
+        assert f"`{command}" in answer, f"{question!r}: no `{command}` in its answer"
+        pictures = re.findall(r"!\[[^\]]+\]\(([^)]+)\)", answer)
+        assert pictures == ([picture] if picture else []), f"{question!r}: pictures {pictures}"
+        if picture:
+            data = (README.parent / picture).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 150_000, f"{picture}: a small PNG"
+            assert picture in (README.parent / "Makefile").read_text(), f"{picture}: made by make bench-pngs"
 
 
 def _layout_rows() -> dict[str, str]:

@@ -1,49 +1,151 @@
-"""``rtv bench --sweep``: how the versioned step's cost grows with the shape, and a fit of it.
+"""The cost-growth sweep: how the versioned step's cost grows with the shape, and a fit of it.
 
 NOTE [Cost growth]
-1. Grid: sequence length x batch on the preset's model (:data:`GRIDS`; CPU:
-   64..1024 tokens per sequence, batch 1, 4, 8 in ``nightly``, a small grid
-   otherwise). At each shape every arm is compared with ``plain`` through
+1. Grid (:func:`plan`): sequence length x batch on the preset's model. On
+   ``cpu`` (``small``, :data:`CPU_GRIDS`): ``nightly`` 64..1024 tokens per
+   sequence x batch 1, 4, 8 for retain/offload/replay at staleness 0 and 2,
+   ``default`` a small grid that fits ``rtv bench``'s budget (Rule 4); on a
+   GPU preset with CUDA, 4 x {1K, 2K, 4K} on its model (LoRA, BF16), like
+   the seed's figures (:data:`GPU_LENGTHS`); a GPU preset without CUDA runs
+   its code path on ``tiny`` CPU shapes, said in the record (``swapped``).
+   At each shape every arm is compared with ``plain`` through
    ``validation.abba.compare`` (its own blocks and looks, arms built fresh per
-   shape), so each point has a ratio with its interval.
+   shape, the device clock), so each point has a ratio with its interval.
 2. Fit: per arm (``plain`` included), the median step seconds at each shape
    (over the blocks the load probe kept; a shape with none is left out of
    the fit and named in ``left_out``) is fitted as
-   ``fixed + per_token * B*T + per_token2 * B*T**2`` by non-negative least squares (``scipy.optimize.nnls``: a cost is never
-   negative), with the residuals kept. A fixed per-step cost shows as a ratio
-   falling with tokens, a per-token one as a flat ratio, a ``T**2`` one
-   (attention scores saved) as a rising one.
-3. The fit's ratio at other token counts (:func:`predicted_ratio`) is a
-   model, not a measurement, and is labelled so wherever it is shown.
+   ``fixed + per_token * B*T + per_token2 * B*T**2`` by non-negative least
+   squares (``scipy.optimize.nnls``: a cost is never negative), with the
+   residuals kept. A fixed per-step cost shows as a ratio falling with
+   tokens, a per-token one as a flat ratio, a ``T**2`` one (attention scores
+   saved) as a rising one. A grid of one batch and three lengths (the GPU
+   one) determines the three terms exactly: its residuals are 0 by
+   construction, not a sign of a good fit.
+3. The fit's ratio at other shapes (``measurements.model``: batch 4 over
+   lengths up to 4K, and the GPU presets' ``qwen3_8b`` shapes 4x1K and 4x4K,
+   :data:`MODEL_SHAPES`) is a model, not a measurement, and is labelled so
+   wherever it is shown (on a CPU record it extrapolates ``small``'s CPU
+   costs; it says nothing measured about another model or device).
+4. Budget: a shape's share of the plan's ``budget_s`` is proportional to its
+   block bound (:func:`block_bound`: every arm twice per block at
+   :data:`STEP_BOUND`, a versioned arm at most :data:`ARM_FACTOR` plain
+   steps), and ``compare`` stops a shape when its share is spent. On ``cpu``
+   the planned blocks (warm-up included) fit the budget under that bound
+   (:func:`seconds_bound`; tests/canaries/test_benchmark_sweep.py checks
+   ``default``'s, and that it leaves the benchmark its budget within
+   ``rtv bench``'s 5 minutes), so a shape's budget binds only on a machine
+   slower than the bound. ``rtv bench`` runs the sweep after the benchmark
+   and gives it what its profile's budget (:data:`RUN_BUDGETS_S`) leaves
+   after the benchmark, less :data:`OUTSIDE_S` (the interpreter's start, the
+   records and the report; :func:`budget_left`), never more than the plan's: measured on a
+   machine loaded about 4x (load average 8-10 on its 2 cores), the
+   benchmark alone took 250 s of the 300.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 from scipy.optimize import nnls
 
 from validation.abba import LoadProbe, compare
+from validation.errors import SetupError
 from validation.evidence import Checks
 
 from ..registry import Judged
-from .arms import TimedWorkload
+from .arms import TimedWorkload, device_clock
 from .canary import WARMUP_BLOCKS, Builder, Group, build_arms
 
-__all__ = ["KIND", "GRIDS", "TERMS", "fit", "predicted_ratio", "judge"]
+__all__ = ["KIND", "CPU_GRIDS", "GPU_LENGTHS", "MODEL_SHAPES", "STEP_BOUND", "ARM_FACTOR", "TERMS", "SweepPlan",
+           "RUN_BUDGETS_S", "OUTSIDE_S", "MIN_BUDGET_S", "plan", "block_bound", "seconds_bound", "budget_left", "fit",
+           "predicted_ratio", "judge"]
 
 KIND = "benchmark-sweep"
 TERMS = ("fixed", "per_token", "per_token2")
-# profile -> (sequence lengths, batches, arms, max blocks per shape, budget seconds for the whole sweep)
-GRIDS = {
-    "quick": ((32, 128), (1, 4), ("retain@s0",), 8, 30.0),
-    "default": ((64, 256), (1, 4), ("retain@s0", "replay@s0"), 16, 90.0),
-    "nightly": ((64, 128, 256, 512, 1024), (1, 4, 8),
-                tuple(f"{p}@s{s}" for s in (0, 2) for p in ("retain", "offload", "replay")), 32, 1200.0),
+_EVERY = tuple(f"{p}@s{s}" for s in (0, 2) for p in ("retain", "offload", "replay"))
+_ARMS = {"quick": ("retain@s0",), "default": ("retain@s0", "replay@s0"), "nightly": _EVERY}
+# profile -> (sequence lengths, batches, max blocks per shape, budget seconds for the whole sweep), on `small`
+CPU_GRIDS = {
+    "quick": ((32, 128), (1, 4), 8, 30.0),
+    "default": ((32, 128), (1, 4), 8, 64.0),
+    "nightly": ((64, 128, 256, 512, 1024), (1, 4, 8), 16, 3600.0),
 }
+GPU_LENGTHS = (1024, 2048, 4096)  # at batch 4, like the seed's figures
+_GPU_BLOCKS = {"quick": (8, 120.0), "default": (16, 600.0), "nightly": (32, 1800.0)}  # max blocks, budget seconds
+MODEL_SHAPES = ((4, 1024), (4, 4096))  # the GPU presets' qwen3_8b shapes, batch x length
+_MODEL_LENGTHS = tuple(2**k for k in range(4, 13))  # 16 .. 4096, at batch 4: the fit's curve in the report
+# A plain step of `small` (float32, one thread) on the 2-core development machine, an upper bound in seconds:
+# fixed, per token (B*T), per B*T**2. Measured busy (other jobs on the cores), plain at 1x64 0.05, 4x64 0.13-0.17,
+# 4x256 0.36-0.39, 8x512 1.8-2.7; the bound is above every one of those.
+STEP_BOUND = (0.05, 4.5e-4, 4e-7)
+RUN_BUDGETS_S = {"default": 300.0}  # rtv bench, the sweep included (docs/harness.md#time-budgets); nightly has none
+OUTSIDE_S = 30.0  # rtv bench outside its benchmark and sweep: imports before, records and the report after
+MIN_BUDGET_S = 1.0  # a sweep with nothing left still runs each shape's warm-up and one block (compare's minimum)
+ARM_FACTOR = 2.0  # a versioned step <= 2 plain ones: replay's floor 1 + F/(F+B) < 2; retain and offload measured below
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """The shapes (``workloads``, length-major), the arms compared with plain, blocks and budget; see the NOTE."""
+
+    workloads: tuple[TimedWorkload, ...]
+    arms: tuple[str, ...]
+    max_blocks: int
+    budget_s: float
+    swapped: bool  # a GPU preset on a machine without CUDA: tiny CPU shapes instead
+
+
+def _grid(lengths, batches, **workload) -> tuple[TimedWorkload, ...]:
+    return tuple(TimedWorkload(sequences=b, seq_len=t, **workload) for t in lengths for b in batches)
+
+
+def plan(preset: str, profile: str, *, cuda: bool | None = None) -> SweepPlan:
+    """Rule 1's grid of ``preset`` x ``profile``; ``cuda``: whether the machine has CUDA (``None``: this one's)."""
+    if profile not in _ARMS:
+        raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(_ARMS)}")
+    arms = _ARMS[profile]
+    if preset == "cpu":
+        lengths, batches, max_blocks, budget = CPU_GRIDS[profile]
+        return SweepPlan(_grid(lengths, batches, model="small"), arms, max_blocks, budget, False)
+    if preset not in ("gpu", "gpu-8b"):
+        raise SetupError(f"unknown preset {preset!r}", fix="use one of cpu, gpu, gpu-8b")
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        lengths, batches, max_blocks, budget = CPU_GRIDS["quick"]
+        return SweepPlan(_grid(lengths, batches, model="tiny", lora=True), arms, max_blocks, budget, True)
+    model = "small" if preset == "gpu" else "qwen3_8b"
+    max_blocks, budget = _GPU_BLOCKS[profile]
+    workloads = _grid(GPU_LENGTHS, (4,), model=model, lora=True, dtype="bfloat16", device="cuda")
+    return SweepPlan(workloads, arms, max_blocks, budget, False)
+
+
+def block_bound(workload: TimedWorkload, arms: tuple[str, ...]) -> float:
+    """Rule 4: seconds of one block at ``workload`` (plain and ``arms`` twice each) under :data:`STEP_BOUND`."""
+    b, t = workload.sequences, workload.seq_len
+    step = float(np.dot(STEP_BOUND, (1.0, b * t, b * float(t) ** 2)))
+    return 2 * step * (1 + ARM_FACTOR * len(arms))
+
+
+def seconds_bound(sweep: SweepPlan) -> float:
+    """Rule 4: every planned block of ``sweep`` (warm-up included) at :func:`block_bound`."""
+    return (WARMUP_BLOCKS + sweep.max_blocks) * sum(block_bound(w, sweep.arms) for w in sweep.workloads)
+
+
+def budget_left(preset: str, profile: str, spent_s: float) -> float:
+    """Rule 4: the sweep's budget once ``rtv bench``'s benchmark took ``spent_s``; the plan's at most.
+
+    Only ``cpu`` profiles with a run budget (``default``) are cut; a GPU
+    preset or ``nightly`` gets the plan's. With nothing left,
+    :data:`MIN_BUDGET_S` (each shape then runs its warm-up and one block).
+    """
+    planned = plan(preset, profile).budget_s
+    if preset != "cpu" or profile not in RUN_BUDGETS_S:
+        return planned
+    return min(planned, max(MIN_BUDGET_S, RUN_BUDGETS_S[profile] - spent_s - OUTSIDE_S))
 
 
 def _design(batches: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -64,6 +166,15 @@ def predicted_ratio(arm: dict, plain: dict, batch: int, length: int) -> float:
     """Rule 3: the fitted arm's step time over the fitted plain's at ``batch`` x ``length`` (a model)."""
     row = _design(np.array([batch], float), np.array([length], float))[0]
     return float(row @ [arm[t] for t in TERMS] / (row @ [plain[t] for t in TERMS]))
+
+
+def _model(fits: dict[str, dict]) -> dict:
+    """Rule 3: each arm's fitted ratio along batch 4 x :data:`_MODEL_LENGTHS` and at :data:`MODEL_SHAPES`."""
+    arms = [a for a in fits if a != "plain"]
+    return {"note": "model, not a measurement", "batch": 4, "lengths": list(_MODEL_LENGTHS),
+            "ratios": {a: [predicted_ratio(fits[a], fits["plain"], 4, t) for t in _MODEL_LENGTHS] for a in arms},
+            "shapes": [{"batch": b, "seq_len": t, "ratios": {a: predicted_ratio(fits[a], fits["plain"], b, t) for a in arms}}
+                       for b, t in MODEL_SHAPES]}
 
 
 def _median_seconds(point: dict, arm: str) -> float:
@@ -87,30 +198,42 @@ def _fit_arm(points: list[dict], arm: str) -> dict:
     return {**fit(*zip(*used)), "left_out": left_out}
 
 
-def judge(preset: str, profile: str, *, model: str = "small", gate: float = 0.05, seed: int = 0,
+def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
           clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
           build: Builder = build_arms) -> Judged:
-    """Run the grid of ``profile`` (Rule 1) on ``model`` and fit each arm (Rule 2); the caller records it.
+    """Run :func:`plan`'s grid (Rule 1) and fit each arm (Rule 2); the caller records it (kind ``benchmark-sweep``).
 
-    ``clock``, ``load_probe`` and ``build`` are as ``canary.judge``'s (tests fake them).
+    ``budget_s``: seconds for the whole sweep instead of the plan's (``rtv
+    bench`` passes :func:`budget_left`). ``clock``, ``load_probe`` and
+    ``build`` are as ``canary.judge``'s (tests fake them). Raises
+    :class:`SetupError` for an unknown preset or profile.
     """
-    lengths, batches, arms, max_blocks, budget = GRIDS[profile]
-    shapes = [(b, t) for t in lengths for b in batches]
-    points = []
-    for batch, length in shapes:
-        workload = TimedWorkload(model=model, sequences=batch, seq_len=length)
-        built = build(Group(workload, ("plain", *arms), False), seed)
-        results = compare(built, baseline="plain", gate=gate, max_blocks=max_blocks, budget_s=budget / len(shapes),
-                          warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe)
-        points.append({"workload": asdict(workload), "label": workload.label, "batch": batch, "seq_len": length,
-                       "tokens": workload.tokens, "comparisons": [r.as_dict() for r in results]})
+    sweep = plan(preset, profile)
+    if budget_s is not None:
+        sweep = dataclasses.replace(sweep, budget_s=budget_s)
+    bounds = [block_bound(w, sweep.arms) for w in sweep.workloads]
+    started, points = time.perf_counter(), []
+    for workload, bound in zip(sweep.workloads, bounds):
+        built = build(Group(workload, ("plain", *sweep.arms), False), seed)
+        results = compare(built, baseline="plain", gate=gate, max_blocks=sweep.max_blocks,
+                          budget_s=sweep.budget_s * bound / sum(bounds), warmup_blocks=WARMUP_BLOCKS,
+                          clock=device_clock(workload.device, clock), load_probe=load_probe)
+        points.append({"workload": asdict(workload), "label": workload.label, "batch": workload.sequences,
+                       "seq_len": workload.seq_len, "tokens": workload.tokens,
+                       "comparisons": [r.as_dict() for r in results]})
         built.clear()
-    fits = {arm: _fit_arm(points, arm) for arm in ("plain", *arms)}
+    fits = {arm: _fit_arm(points, arm) for arm in ("plain", *sweep.arms)}
     checks = Checks()
     fitted = all(np.isfinite(f["fixed"]) for f in fits.values())
     checks.check("every arm's costs were fitted", fitted,
                  "; ".join(f"{a}: {len(f['left_out'])} shapes fully loaded" for a, f in fits.items()))
-    return Judged(KIND, {"preset": preset, "profile": profile, "model": model, "gate": gate, "seed": seed,
-                         "arms": list(arms), "terms": list(TERMS), "lengths": list(lengths), "batches": list(batches),
+    first = sweep.workloads[0]
+    return Judged(KIND, {"preset": preset, "profile": profile, "model": first.model, "device": first.device,
+                         "gate": gate, "seed": seed, "arms": list(sweep.arms), "terms": list(TERMS),
+                         "lengths": sorted({w.seq_len for w in sweep.workloads}),
+                         "batches": sorted({w.sequences for w in sweep.workloads}),
+                         "max_blocks": sweep.max_blocks, "budget_s": sweep.budget_s,
+                         "seconds_bound": seconds_bound(sweep) if preset == "cpu" else None, "swapped_for_cpu": sweep.swapped,
                          "note": "the fit's predictions are a model, not a measurement"},
-                  checks, {"points": points, "fits": fits})
+                  checks, {"points": points, "fits": fits, "model": _model(fits) if fitted else None,
+                           "seconds": time.perf_counter() - started})

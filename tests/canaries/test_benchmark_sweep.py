@@ -1,4 +1,8 @@
-"""``rtv bench --sweep``: the grid's comparisons and the cost fit recover known costs under a fake clock."""
+"""The cost-growth sweep: its grids per preset and profile, its budget, and a fit that recovers known costs.
+
+Timing is faked (``CostClock``); the run that really sweeps is the GPU one
+(tests/gpu/test_cuda_sweep.py) and ``rtv bench --profile default`` itself.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from canaries.benchmark import canary as benchmark
 from canaries.benchmark import sweep
+from canaries.benchmark.arms import TimedWorkload
 from canaries.cli import main
-from tests.benchmark_fakes import FakeProbe
+from tests.benchmark_fakes import FakeMachine, FakeProbe, tiny_plan
+
 
 # Known costs (seconds): fixed, per token, per token² (B*T**2), per arm.
 COSTS = {"plain": (2e-3, 1e-5, 0.0), "retain@s0": (3e-3, 1e-5, 0.0), "replay@s0": (2e-3, 1.4e-5, 2e-9)}
@@ -47,12 +54,19 @@ def test_the_fit_recovers_known_fixed_per_token_and_quadratic_costs() -> None:
         assert [fits[arm][t] for t in sweep.TERMS] == pytest.approx(known, rel=1e-6, abs=1e-12)
         assert max(map(abs, fits[arm]["residuals"])) < 1e-12
     points = judged.measurements["points"]
-    assert [(p["batch"], p["seq_len"]) for p in points] == [(1, 64), (4, 64), (1, 256), (4, 256)]
-    # a fixed extra cost: the ratio falls with tokens; the fit's prediction agrees with the closed form
+    assert [(p["batch"], p["seq_len"]) for p in points] == [(1, 32), (4, 32), (1, 128), (4, 128)]
+    # a fixed extra cost: the ratio falls with tokens; the fit's model agrees with the closed form
     ratios = [next(c for c in p["comparisons"] if c["arm"] == "retain@s0")["ratio"] for p in points]
     assert ratios[0] > ratios[1] > ratios[3]
     closed = (3e-3 + 1e-5 * 4096) / (2e-3 + 1e-5 * 4096)
     assert sweep.predicted_ratio(fits["retain@s0"], fits["plain"], 4, 1024) == pytest.approx(closed, rel=1e-6)
+    model = judged.measurements["model"]
+    assert model["note"] == "model, not a measurement"
+    assert [(s["batch"], s["seq_len"]) for s in model["shapes"]] == [(4, 1024), (4, 4096)]
+    assert model["shapes"][0]["ratios"]["retain@s0"] == pytest.approx(closed, rel=1e-6)
+    quadratic = (2e-3 + 1.4e-5 * 4 * 4096 + 2e-9 * 4 * 4096**2) / (2e-3 + 1e-5 * 4 * 4096)
+    assert model["shapes"][1]["ratios"]["replay@s0"] == pytest.approx(quadratic, rel=1e-6)
+    assert model["ratios"]["replay@s0"] == sorted(model["ratios"]["replay@s0"]), "a per-token² cost: rising"
 
 
 def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
@@ -68,15 +82,132 @@ def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
     assert fitted["per_token"] == pytest.approx(per_token, rel=0.1)
 
 
-def test_rtv_bench_sweep_records_the_fit_and_its_report_plots_ratio_against_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def _fake_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = CostClock()
     monkeypatch.setattr(sweep, "judge", functools.partial(sweep.judge, clock=clock, load_probe=FakeProbe(),
                                                           build=clock.build))
+
+
+def _records(folder: Path) -> dict[str, dict]:
+    return {r["kind"]: r for r in (json.loads(p.read_text()) for p in folder.glob("bench-*/benchmark-*.json"))}
+
+
+@pytest.mark.slow  # the default-profile test below covers the sweep's record and report; this, --sweep alone
+def test_rtv_bench_sweep_runs_only_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_sweep(monkeypatch)
     assert main(["bench", "--sweep", "--out", str(tmp_path)]) == 0
+    assert set(_records(tmp_path)) == {"benchmark-sweep"}
+
+
+def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit_with_residuals_and_the_plot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``--profile quick`` runs no sweep: test_benchmark.py's exit-code test finds exactly one record there."""
+    _fake_sweep(monkeypatch)
+    machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
+    monkeypatch.setattr(benchmark, "plan", tiny_plan)
+    monkeypatch.setattr(benchmark, "judge", functools.partial(
+        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    assert main(["bench", "--profile", "default", "--out", str(tmp_path)]) == 0
+    records = _records(tmp_path)
+    assert set(records) == {"benchmark", "benchmark-sweep"}
+    record = records["benchmark-sweep"]
+    assert record["config"]["profile"] == "default" and record["passed"]
     html = Path(capsys.readouterr().out.rsplit("report: ", 1)[1].strip())
-    (evidence,) = tmp_path.glob("bench-*/benchmark-*.json")
-    record = json.loads(evidence.read_text())
-    assert record["kind"] == "benchmark-sweep" and (html.parent / "plots" / f"sweep-{record['digest'][:12]}-ratios.png").exists()
+    assert (html.parent / "plots" / f"sweep-{record['digest'][:12]}-ratios.png").exists()
     page = html.with_suffix(".md").read_text()
-    assert "model, not a measurement" in page and "Cost fit" in page
+    assert "Cost growth sweep (default)" in page and "Cost fit" in page and "Residuals" in page
+    assert "model, not a measurement" in page and "4×1024" in page and "4×4096" in page
+
+
+def test_the_cpu_nightly_grid_is_64_to_1024_tokens_by_batch_1_4_8_for_every_placement_and_staleness() -> None:
+    nightly = sweep.plan("cpu", "nightly")
+    assert sorted({(w.sequences, w.seq_len) for w in nightly.workloads}) == [
+        (b, t) for b in (1, 4, 8) for t in (64, 128, 256, 512, 1024)]
+    assert len(nightly.workloads) == 15 and {w.model for w in nightly.workloads} == {"small"}
+    assert sorted(nightly.arms) == sorted(f"{p}@s{s}" for p in ("retain", "offload", "replay") for s in (0, 2))
+    default = sweep.plan("cpu", "default")
+    assert len(default.workloads) >= len(sweep.TERMS) + 1, "a fit of three terms needs a residual to show"
+    assert len({w.seq_len for w in default.workloads}) >= 2 and len({w.sequences for w in default.workloads}) >= 2
+
+
+@pytest.mark.parametrize(("preset", "model"), [("gpu", "small"), ("gpu-8b", "qwen3_8b")])
+@pytest.mark.parametrize("profile", ["quick", "default", "nightly"])
+def test_a_gpu_preset_sweeps_4x_1k_2k_4k_on_its_model_like_the_seed(preset: str, model: str, profile: str) -> None:
+    planned = sweep.plan(preset, profile, cuda=True)
+    expected = [TimedWorkload(model=model, sequences=4, seq_len=t, lora=True, dtype="bfloat16", device="cuda")
+                for t in (1024, 2048, 4096)]
+    assert list(planned.workloads) == expected and not planned.swapped
+    swapped = sweep.plan(preset, profile, cuda=False)  # no CUDA: the same code path on tiny CPU shapes, said so
+    assert swapped.swapped and {w.device for w in swapped.workloads} == {"cpu"} and swapped.arms == planned.arms
+
+
+def test_the_default_sweep_fits_its_budget_and_leaves_the_benchmark_its_own_within_5_minutes() -> None:
+    """Rule 4 of NOTE [Cost growth], by construction: no timing, the planned blocks at the measured bound."""
+    default = sweep.plan("cpu", "default")
+    assert sweep.seconds_bound(default) <= default.budget_s
+    bench = benchmark.plan("cpu", "default")
+    assert bench.budget_s + default.budget_s + sweep.OUTSIDE_S <= sweep.RUN_BUDGETS_S["default"] == 300.0
+    # the bound is not vacuous: the nightly grid's blocks would not fit default's budget
+    assert sweep.seconds_bound(sweep.plan("cpu", "nightly")) > 10 * default.budget_s
+
+
+def test_a_shape_s_share_of_the_budget_follows_its_block_bound() -> None:
+    small, large = (TimedWorkload(model="small", sequences=b, seq_len=t) for b, t in ((1, 32), (4, 128)))
+    assert sweep.block_bound(large, ("retain@s0",)) > 2 * sweep.block_bound(small, ("retain@s0",))
+    assert sweep.block_bound(small, ("retain@s0", "replay@s0")) > sweep.block_bound(small, ("retain@s0",))
+    step = sweep.block_bound(small, ()) / 2  # plain alone, twice a block
+    assert step == pytest.approx(sum(c * x for c, x in zip(sweep.STEP_BOUND, (1, 32, 32**2))))
+
+
+def test_each_shape_gets_the_share_of_the_budget_its_block_bound_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = []
+
+    def recording(arms, **kwargs):
+        given.append(kwargs["budget_s"])
+        return real_compare(arms, **kwargs)
+
+    real_compare = sweep.compare
+    monkeypatch.setattr(sweep, "compare", recording)
+    clock = CostClock()
+    sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
+    default = sweep.plan("cpu", "default")
+    bounds = [sweep.block_bound(w, default.arms) for w in default.workloads]
+    assert sum(given) == pytest.approx(default.budget_s)
+    assert given == pytest.approx([default.budget_s * b / sum(bounds) for b in bounds])
+    assert given[-1] > 3 * given[0], "4x128 asks for more than 1x32"
+
+
+@pytest.mark.bench
+def test_the_step_bound_is_above_real_steps_at_the_default_grid() -> None:
+    """Rule 4's bound, against this machine: each arm's median step at each default shape is below its bound."""
+    import time
+
+    import torch
+
+    default = sweep.plan("cpu", "default")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for workload in default.workloads:
+            arms = benchmark.build_arms(benchmark.Group(workload, ("plain", *default.arms), False), 0)
+            plain_bound = sweep.block_bound(workload, ()) / 2
+            for name, arm in arms.items():
+                arm(), arm()  # warm up
+                seconds = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    arm()
+                    seconds.append(time.perf_counter() - start)
+                bound = plain_bound * (1 if name == "plain" else sweep.ARM_FACTOR)
+                assert sorted(seconds)[2] <= bound, f"{name} at {workload.label}: {sorted(seconds)[2]:.3f} s > {bound:.3f} s"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rtv_bench_gives_the_sweep_what_the_benchmark_left_of_its_5_minutes() -> None:
+    planned = sweep.plan("cpu", "default").budget_s
+    assert sweep.budget_left("cpu", "default", 100.0) == planned  # an idle machine: the plan's
+    assert sweep.budget_left("cpu", "default", 250.0) == pytest.approx(300.0 - 250.0 - sweep.OUTSIDE_S)
+    assert sweep.budget_left("cpu", "default", 400.0) == sweep.MIN_BUDGET_S > 0  # compare needs a positive one
+    assert sweep.budget_left("cpu", "nightly", 1e5) == sweep.plan("cpu", "nightly").budget_s  # no run budget
+    assert sweep.budget_left("gpu-8b", "default", 1e4) == sweep.plan("gpu-8b", "default").budget_s
