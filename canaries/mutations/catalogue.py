@@ -212,9 +212,9 @@ _REAL_DECIDE = Admission._decide
 def _decide_and_demote(self: Admission, *args: Any) -> Any:
     """Defect 7: each group's demotions are made as soon as it is planned, before the call is admitted whole."""
     plan, demote = _REAL_DECIDE(self, *args)
-    for entry in demote:
-        entry.record.ledger.demote()
-        entry.record.usage = entry.usage.demoted()
+    for entry, target in demote:
+        entry.record.demote(target)
+        entry.record.usage = entry.usage.demoted(target)
     return plan, demote
 
 

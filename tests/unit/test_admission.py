@@ -566,3 +566,47 @@ def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> N
 def _forward_length(trainer: rt.Trainer, seed: int, length: int) -> list[rt.ForwardOutput]:
     inputs = [rt.ForwardInput(*sequence(seed * 10 + k, length=length)) for k in range(2)]
     return trainer.forward(inputs, options=NO_CORRECTION)
+
+
+def _two_pending(trainer: rt.Trainer, first: str, second: str) -> list[list[rt.ForwardOutput]]:
+    """Two forwards of one shape class (dropout on: replay must restore the masks), the second pending the first."""
+    return [_forward(trainer, seed, backward_state=placement) for seed, placement in ((1, first), (2, second))]
+
+
+def test_where_only_replaying_both_pending_forwards_fits_auto_demotes_the_first_to_replay() -> None:
+    """Host 0 (no offload); device one byte under "first retained, second replayed": only replay-both fits."""
+    probe = make_trainer("lora", dropout=0.1)  # the same trainer unlimited: the plan's own prediction of that pair
+    limit = _two_pending(probe, "retain", "replay")[1][0].decision.predicted_bytes - 1
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit, host_memory_limit_bytes=0)
+    census = StorageCensus()
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())  # forwards and replays
+    outs = _two_pending(trainer, "auto", "auto")
+    assert [o[0].placement for o in outs] == ["retain", "replay"], [o[0].decision.reason for o in outs]
+    assert "demoted 1" in outs[1][0].decision.reason and outs[1][0].decision.predicted_bytes <= limit
+    census.measure()
+    reports = [trainer.backward(-sum((o.target_logprobs * k).sum() for o in out)) for k, out in enumerate(outs, 1)]
+    assert [r.records[0].placement for r in reports] == ["replay", "replay"]
+    assert 0 < census.peak_device <= limit, (census.peak_device, limit)
+    assert census.peak_host < outs[0][0].decision.saved_bytes / 4, "saved state went to the host (RNG states only)"
+    reference = make_trainer("lora", dropout=0.1)  # PyTorch's own autograd on both graphs, unlimited
+    for k, out in enumerate(_two_pending(reference, "retain", "retain"), 1):
+        reference.backward(-sum((o.target_logprobs * k).sum() for o in out))
+    grads = {n: p.grad for n, p in reference.checkpoint("policy").named_parameters()}
+    assert any(g.abs().max() > 0 for g in grads.values())
+    for name, param in trainer.checkpoint("policy").named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
+
+
+def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demotes_nothing() -> None:
+    probe = make_trainer("lora", dropout=0.1)
+    limit = _two_pending(probe, "retain", "replay")[1][0].decision.predicted_bytes - 1
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit, host_memory_limit_bytes=0)
+    first = _forward(trainer, 1)
+    fits = [rt.ForwardInput(*sequence(20 + k, length=16)) for k in range(2)]
+    forced = [rt.ForwardInput(*sequence(30 + k, length=16), options=rt.ForwardOptions(backward_state="retain")) for k in range(2)]
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward([*fits, *forced], options=NO_CORRECTION)
+    assert [r.placement for r in trainer.records] == ["retain"], "a refused call demoted a pending record"
+    assert trainer.records.get(first[0].record_id).root is not None, "a refused call dropped a pending graph"
+    second = trainer.forward(fits, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
+    assert [r.placement for r in trainer.records] == ["replay", "replay"], second[0].decision.reason
