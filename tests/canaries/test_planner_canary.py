@@ -160,3 +160,12 @@ def test_loaded_blocks_are_left_out_of_a_cells_timing() -> None:
     arms = {"a": lambda: now.__setitem__(0, now[0] + 1.0), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
     seconds, loaded = timed(arms, 4, lambda: now[0], _Shares([1.0, 1.0, 0.5, 0.9, 0.1]))
     assert loaded == 2 and seconds == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
+
+
+def test_every_grid_gates_the_cells_where_only_replaying_both_pending_forwards_fits() -> None:
+    """The tight no-offload cells (auto's known wrong refusal, now demotion to replay) are in quick and default."""
+    from canaries.planner.canary import CELL_GRIDS
+
+    for profile, cells in CELL_GRIDS.items():
+        tight_zero = [c for c in cells if (c.device, c.host, c.pending) == ("tight", "zero", 2)]
+        assert tight_zero and any(c.dropout > 0 for c in tight_zero), profile
