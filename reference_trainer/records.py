@@ -64,6 +64,7 @@ class ForwardRecord:
     ledger: SavedStateLedger | None = None  # retain/offload; None: replay
     usage: RecordUsage | None = None  # what the record holds (admission)
     owner: int | None = None  # the logical rank whose code made it, which alone may backpropagate it (NOTE [Logical ranks] Rule 2)
+    estimator: dict[str, Any] | None = None  # what its plan's estimate was computed from (a replay's miss, NOTE [Planner misses])
 
     @property
     def version(self) -> CheckpointVersion:
