@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,16 @@ def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_o
             saved = analytic_saved_bytes(plan.model, cell.batch, cell.seq_len, scores_saved=False, dropout_active=cell.dropout > 0)
             assert cell.pending * saved < 64 << 30, (cell.label, saved)
     assert set(canary.plan(preset, "quick").cells) < set(canary.plan(preset, "default").cells)
+
+
+def test_offload_priced_at_zero_fails_without_any_pair_measurably_apart() -> None:
+    """Rule 7 needs no clock: every arm costs the same here, so the ordering has nothing to judge."""
+    flat = {"retain": 1.0, "offload": 1.0, "replay": 1.0, "auto": 1.0}
+
+    def cell(predicted: dict[str, float]) -> CellResult:
+        return replace(_cell("a", predicted), seconds=_timed(flat))
+
+    free = _checks({"a": cell({"retain": 0.0, "offload": 0.0, "replay": 0.4})})
+    assert free["certificate: pairwise ordering on pairs apart"] is None  # skipped: no pair apart
+    assert free["certificate: offload and replay priced above retain"] is False
+    assert _checks({"a": cell(GOOD)})["certificate: offload and replay priced above retain"] is True  # the control
