@@ -583,11 +583,16 @@ def test_where_only_replaying_both_pending_forwards_fits_auto_demotes_the_first_
     outs = _two_pending(trainer, "auto", "auto")
     assert [o[0].placement for o in outs] == ["retain", "replay"], [o[0].decision.reason for o in outs]
     assert "demoted 1" in outs[1][0].decision.reason and outs[1][0].decision.predicted_bytes <= limit
-    census.measure()
-    reports = [trainer.backward(-sum((o.target_logprobs * k).sum() for o in out)) for k, out in enumerate(outs, 1)]
-    assert [r.records[0].placement for r in reports] == ["replay", "replay"]
+    held = census.measure(ignore=[o.target_logprobs for out in outs for o in out]).device
+    assert held < outs[0][0].usage.saved_bytes / 2, (held, "the demoted record's saved tensors are still held")
+    assert _placements_at_backward_with_plain_gradients(trainer, outs) == ["replay", "replay"]
     assert 0 < census.peak_device <= limit, (census.peak_device, limit)
     assert census.peak_host < outs[0][0].decision.saved_bytes / 4, "saved state went to the host (RNG states only)"
+
+
+def _placements_at_backward_with_plain_gradients(trainer: rt.Trainer, outs: list[list[rt.ForwardOutput]]) -> list[str]:
+    """Backpropagate both pending forwards; their gradients must be bitwise plain autograd's (both retained, unlimited)."""
+    reports = [trainer.backward(-sum((o.target_logprobs * k).sum() for o in out)) for k, out in enumerate(outs, 1)]
     reference = make_trainer("lora", dropout=0.1)  # PyTorch's own autograd on both graphs, unlimited
     for k, out in enumerate(_two_pending(reference, "retain", "retain"), 1):
         reference.backward(-sum((o.target_logprobs * k).sum() for o in out))
@@ -595,6 +600,19 @@ def test_where_only_replaying_both_pending_forwards_fits_auto_demotes_the_first_
     assert any(g.abs().max() > 0 for g in grads.values())
     for name, param in trainer.checkpoint("policy").named_parameters():
         assert torch.equal(param.grad, grads[name]), name
+    return [r.records[0].placement for r in reports]
+
+
+def test_a_new_forward_that_can_only_offload_gets_the_host_by_replaying_the_demoted_record() -> None:
+    """Host room for one record; the new forward may not replay: the pending one is demoted to replay, not the host."""
+    probe = make_trainer("lora", dropout=0.1)
+    second = _two_pending(probe, "retain", "offload")[1][0].decision
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=second.predicted_bytes - 1,
+                           host_memory_limit_bytes=second.saved_bytes)
+    outs = [_forward(trainer, 1), _forward(trainer, 2, allow_replay=False)]
+    assert [o[0].placement for o in outs] == ["retain", "offload"], [o[0].decision.reason for o in outs]
+    assert "1 to replay" in outs[1][0].decision.reason
+    assert _placements_at_backward_with_plain_gradients(trainer, outs) == ["replay", "offload"]
 
 
 def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demotes_nothing() -> None:
