@@ -20,7 +20,7 @@ the limit is ``None``: unbounded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,12 +111,19 @@ class _Held:
     checkpoint: Checkpoint
     usage: RecordUsage
     record: ForwardRecord | None  # None: planned in this call, not run yet (never demoted)
-    demote: bool = False  # planned: demote once the whole call is admitted
+    demote: Placement | None = None  # planned: demote to this once the whole call is admitted
 
     @property
     def demotable(self) -> bool:
         record = self.record
-        return not self.demote and record is not None and record.ledger is not None and record.ledger.placement is Placement.RETAIN
+        return (self.demote is None and record is not None and record.ledger is not None
+                and record.ledger.placement is Placement.RETAIN and bool(self.targets))
+
+    @property
+    def targets(self) -> list[Placement]:
+        """Where this record may be demoted to (Rule 6): what its own options allow."""
+        options = self.record.options
+        return [Placement.OFFLOAD] * options.allow_offload + [Placement.REPLAY] * options.allow_replay
 
 
 class Admission:
@@ -157,16 +164,16 @@ class Admission:
         admitted = []
         for lengths, options in groups:
             plan, demote = self._decide(checkpoint, lengths, options, held, holdings, quantized, training)
-            for entry in demote:
-                entry.usage, entry.demote = entry.usage.demoted(), True
+            for entry, target in demote:
+                entry.usage, entry.demote = entry.usage.demoted(target), target
             snapshot = checkpoint.trainable_nbytes()
             saved = plan.cost.saved_bytes
             usage = RecordUsage.of(plan.cost, plan.decision.placement, saved, saved, snapshot)
             held.append(_Held(checkpoint.version, checkpoint, usage, None))
             admitted.append(plan)
         for entry in held:
-            if entry.demote:
-                entry.record.ledger.demote()
+            if entry.demote is not None:
+                entry.record.demote(entry.demote)
                 entry.record.usage = entry.usage
         return admitted
 
@@ -179,12 +186,13 @@ class Admission:
         holdings: int,
         quantized: bool,
         training: bool,
-    ) -> tuple[Admitted, list[_Held]]:
-        """Plan one record; returns it admitted and the held records to demote first.
+    ) -> tuple[Admitted, list[tuple[_Held, Placement]]]:
+        """Plan one record; returns it admitted and the held records to demote first, with where to.
 
         When nothing fits an ``auto`` forward, pending retained records are
-        demoted to host copies, oldest first, as few as make it fit (NOTE
-        [Memory admission] Rule 6); a forced placement is honoured or refused.
+        demoted, oldest first, as few as make it fit (NOTE [Memory admission]
+        Rule 6: to host copies where the host fits, else to replay); a forced
+        placement is honoured or refused.
         """
         shares_snapshot = any(h.version == checkpoint.version for h in held)
         involved = {h.checkpoint.name: h.checkpoint for h in held} | {checkpoint.name: checkpoint}
@@ -202,12 +210,10 @@ class Admission:
         requested = options.backward_state
         if quantized and requested == "auto" and options.allow_replay:
             requested = "replay"  # quantized saved state can only be rebuilt (NOTE [Saved-state lifetime] 6)
-        demotable = [h for h in held if h.demotable]
-        reclaim = requested == "auto" and options.allow_offload
+        demotable = [h for h in held if h.demotable] if requested == "auto" else []
         refusal: MemoryAdmissionError | None = None
-        for count in range(len(demotable) + 1 if reclaim else 1):
-            demoted = {id(h) for h in demotable[:count]}
-            usage = [h.usage.demoted() if id(h) in demoted else h.usage for h in held]
+        for targets in _demotions(demotable, held, self.host_limit):
+            usage = [h.usage.demoted(targets[id(h)]) if id(h) in targets else h.usage for h in held]
             request = PlanRequest(
                 cost=cost,
                 pending=PendingUsage(
@@ -227,9 +233,11 @@ class Admission:
             except MemoryAdmissionError as error:
                 refusal = refusal or error
                 continue
-            if count:
-                decision = replace(decision, reason=f"{decision.reason}; demoted {count} pending retained record(s) to host")
-            return Admitted(decision, cost, saved_class, estimator), demotable[:count]
+            demote = [(h, targets[id(h)]) for h in demotable if id(h) in targets]
+            if demote:
+                where = ", ".join(f"{sum(t is p for _, t in demote)} to {p.value}" for p in dict.fromkeys(t for _, t in demote))
+                decision = replace(decision, reason=f"{decision.reason}; demoted {len(demote)} pending retained record(s) ({where})")
+            return Admitted(decision, cost, saved_class, estimator), demote
         misses.report("refused", self.config, estimator, cost.saved_bytes, raised=str(refusal))
         raise refusal
 
@@ -293,6 +301,27 @@ class Admission:
                               measured=saved)
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
         return RecordUsage.of(admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+
+
+def _demotions(demotable: list[_Held], held: list[_Held], host_limit: int | None) -> Iterator[dict[int, Placement]]:
+    """Rule 6's candidate demotions, fewest first: none, then for each count of the oldest demotable records
+    the host-first assignment (offload while the host fits, else replay) and the replay-first one (the host
+    left to the new forward), each once; by ``id`` of the held record."""
+    yield {}
+    host = sum(h.usage.host_bytes for h in held)
+    for count in range(1, len(demotable) + 1):
+        chosen = demotable[:count]
+        host_first: dict[int, Placement] = {}
+        room = host
+        for entry in chosen:
+            fits = host_limit is None or room + entry.usage.saved_bytes <= host_limit
+            target = Placement.OFFLOAD if fits and Placement.OFFLOAD in entry.targets else entry.targets[-1]
+            room += entry.usage.saved_bytes if target is Placement.OFFLOAD else 0
+            host_first[id(entry)] = target
+        yield host_first
+        replay_first = {id(e): e.targets[-1] for e in chosen}  # targets end with replay where it is allowed
+        if replay_first != host_first:
+            yield replay_first
 
 
 def merged_saved_scale(known: float | None, measured: float) -> float:

@@ -1,12 +1,20 @@
-"""The planner's misses, reported as they happen: a forward's saved bytes above its estimate, or a refusal.
+"""The planner's misses, reported as they happen: saved bytes above their estimate, a refusal, a failed allocation.
 
 NOTE [Planner misses]
   1. A miss is reported to every observer in force (:func:`observe_planner_misses`,
-     innermost and outer alike; none: nothing is built). Two kinds:
+     innermost and outer alike; none: nothing is built). Three kinds:
      ``"saved_bytes_exceeded"`` (a forward's measured saved bytes, from its
-     saved-state ledger, above the saved bytes its plan admitted) and
+     saved-state ledger, above the saved bytes its plan admitted),
      ``"refused"`` (admission raised ``MemoryAdmissionError``; the refused
-     forward's estimate, the error's text).
+     forward's estimate, the error's text) and ``"allocation_failed"`` (an
+     admitted forward, or a replay at backward, raised
+     ``torch.OutOfMemoryError``: that forward's estimate, the error's text;
+     the error is then raised on, as a forward's own error, wrapped in
+     ``GradientCommitError`` by a backward, :func:`allocation_failures_reported`).
+     A failed forward call leaves the trainer as it was (its records
+     released, the RNG set back); a pending retained record the call's
+     admission demoted stays demoted (NOTE [Memory admission] Rule 6: where
+     it lives changed, not what its backward computes).
   2. A miss carries the estimator's inputs as plain numbers (the model's and
      LoRA's fields, the batch, the length, the learned scale and speed, the
      bandwidth, the snapshot and staging bytes): :func:`replay_estimate`
@@ -33,18 +41,18 @@ from .lora import LoRAConfig
 from .model import ModelConfig
 from .planner import estimate_forward_cost
 
-__all__ = ["PlannerMiss", "observe_planner_misses", "replay_estimate", "plain_inputs"]
+__all__ = ["PlannerMiss", "allocation_failures_reported", "observe_planner_misses", "replay_estimate", "plain_inputs"]
 
 
 @dataclass(frozen=True)
 class PlannerMiss:
     """One miss (NOTE [Planner misses]): its kind, the estimator's plain inputs, the estimate, what was found."""
 
-    kind: str  # "saved_bytes_exceeded" | "refused"
+    kind: str  # "saved_bytes_exceeded" | "refused" | "allocation_failed"
     inputs: dict[str, Any]
     estimate: int  # the saved bytes the plan estimated
     measured: int | None  # the saved bytes measured ("saved_bytes_exceeded")
-    raised: str | None  # the refusal's text ("refused")
+    raised: str | None  # the error's text ("refused", "allocation_failed")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -74,6 +82,18 @@ def observe_planner_misses(observer: Callable[[PlannerMiss], None]) -> Iterator[
     """Within the block, every planner miss of every trainer is passed to ``observer`` (Rule 1)."""
     with seams.planner_miss_observers.pushed(observer):
         yield observer
+
+
+@contextmanager
+def allocation_failures_reported(config: ModelConfig, estimator: Mapping[str, Any] | None, estimate: int) -> Iterator[None]:
+    """A ``torch.OutOfMemoryError`` raised in the block is reported as an ``"allocation_failed"`` miss of the forward
+    estimated from ``estimator`` (``None``: unplanned, nothing to report), then raised on (Rule 1)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        if estimator is not None:
+            report("allocation_failed", config, estimator, estimate, raised=str(error))
+        raise
 
 
 def report(kind: str, config: ModelConfig, estimator: Mapping[str, Any], estimate: int, *,

@@ -47,8 +47,19 @@ NOTE [Memory admission]
      forward speed otherwise, or a loaded calibration's constants with its
      per-record overhead, NOTE [Planner calibration constants]).
   6. Reclamation (``auto`` only): when nothing fits, pending retained records
-     are demoted to host copies (as offload would have made them), oldest
-     first, as few as make the new forward fit; only then is it refused.
+     are demoted, oldest first, as few as make the new forward fit; only then
+     is it refused. A demoted record goes to host copies (as offload would
+     have made them) where its options allow offload and the host still fits
+     it, else to replay where they allow replay (its graph and saved tensors
+     dropped, the forward re-run at backward from the RNG, mode and weight
+     snapshot every record keeps: the same saved state, NOTE [Saved-state
+     lifetime] Rule 5); when that assignment does not make room, every
+     demoted record that may replay is replayed instead (the host left to the
+     new forward). On the device both demotions free the same bytes, so for
+     each count the two assignments are exact: the second fits whenever any
+     does. Where only replaying both of two pending forwards fits, ``auto``
+     thus retains the first, then replays both. Demotions are applied only
+     once the whole call is admitted (Rule 4).
 """
 
 from __future__ import annotations
@@ -188,13 +199,15 @@ class RecordUsage:
     host_bytes: int
     workspace_bytes: int
 
-    def demoted(self) -> RecordUsage:
-        """The same record once its retained saved bytes moved to host copies."""
+    def demoted(self, placement: Placement) -> RecordUsage:
+        """The same retained record once its saved bytes left the device (Rule 6): copied to the host
+        (``OFFLOAD``) or dropped to be rebuilt at backward (``REPLAY``); either way its backward rebuilds them."""
+        moved = self.saved_bytes if placement is Placement.OFFLOAD else 0
         return RecordUsage(
             saved_bytes=self.saved_bytes,
             snapshot_bytes=self.snapshot_bytes,
             device_bytes=self.device_bytes - self.saved_bytes,
-            host_bytes=self.host_bytes + self.saved_bytes,
+            host_bytes=self.host_bytes + moved,
             workspace_bytes=self.workspace_bytes + self.saved_bytes,
         )
 

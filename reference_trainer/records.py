@@ -39,7 +39,7 @@ from .errors import CheckpointReplacedError, ConfigError, GradientCommitError, T
 from .inputs import ForwardOutput, PaddedBatch
 from .ledger import SavedStateLedger
 from .options import ResolvedOptions
-from .planner import PlacementDecision, RecordUsage
+from .planner import Placement, PlacementDecision, RecordUsage
 
 __all__ = ["ForwardRecord", "RecordTable"]
 
@@ -64,6 +64,7 @@ class ForwardRecord:
     ledger: SavedStateLedger | None = None  # retain/offload; None: replay
     usage: RecordUsage | None = None  # what the record holds (admission)
     owner: int | None = None  # the logical rank whose code made it, which alone may backpropagate it (NOTE [Logical ranks] Rule 2)
+    estimator: dict[str, Any] | None = None  # what its plan's estimate was computed from (a replay's miss, NOTE [Planner misses])
 
     @property
     def version(self) -> CheckpointVersion:
@@ -71,8 +72,21 @@ class ForwardRecord:
 
     @property
     def placement(self) -> str:
-        """Where the saved state is now: the planner's choice, or ``"offload"`` once a retained record was demoted."""
-        return (self.ledger.placement if self.ledger is not None else self.decision.placement).value
+        """Where the saved state is now: the planner's choice, or what a retained record was demoted to."""
+        if self.ledger is not None:
+            return self.ledger.placement.value
+        return (self.decision.placement if self.released else Placement.REPLAY).value  # pending, no ledger: replays
+
+    def demote(self, placement: Placement) -> None:
+        """Move a retained record's saved state off the device (NOTE [Memory admission] Rule 6): to host copies
+        (``OFFLOAD``), or dropped with its graph (``REPLAY``: the backward re-runs the forward from what every
+        record keeps, NOTE [Saved-state lifetime] Rule 5)."""
+        if placement is Placement.OFFLOAD:
+            self.ledger.demote()
+            return
+        self.root = None  # the graph owns the retained tensors: they go with it
+        self.ledger.release()
+        self.ledger = None
 
     def release(self) -> None:
         self.root = None

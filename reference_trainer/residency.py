@@ -52,6 +52,7 @@ from .running import run_model
 from .host_arena import HostArena
 from .inputs import PaddedBatch
 from .ledger import SavedStateLedger
+from .misses import allocation_failures_reported
 from .records import ForwardRecord
 from .model import DecoderLM
 from .planner import Placement
@@ -178,7 +179,8 @@ def record_backward(
 
 def _replay(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
     """Re-run a replay record's forward on its own weight snapshot, its forward state restored (Rule 5)."""
-    with torch.enable_grad(), restored_forward_state(record.rng_state, model):
+    reported = allocation_failures_reported(model.config, record.estimator, record.decision.saved_bytes)
+    with reported, torch.enable_grad(), restored_forward_state(record.rng_state, model):
         root = run_model(model, record.checkpoint, record.capture, record.batch)
     if not torch.equal(root.detach(), record.forward_logprobs):
         worst = float((root.detach() - record.forward_logprobs).abs().max())

@@ -21,6 +21,7 @@ __all__ = [
     "ForwardState",
     "RngState",
     "capture_forward_state",
+    "draws_undone_on_failure",
     "restored_forward_state",
     "rng_state",
     "seeded_rng_state",
@@ -55,6 +56,17 @@ def stream_seed(seed: int, logical_rank: int) -> int:
     """The seed of logical rank ``logical_rank``'s own stream in a job seeded with ``seed``."""
     digest = hashlib.sha256(f"{seed}/{logical_rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextmanager
+def draws_undone_on_failure(device: torch.device) -> Iterator[None]:
+    """If the block raises, the generators a forward on ``device`` draws from are set back to their state on entry."""
+    state = rng_state(device)
+    try:
+        yield
+    except BaseException:
+        set_rng_state(state, device)
+        raise
 
 
 @dataclass(frozen=True)

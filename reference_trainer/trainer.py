@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import seams
+from . import misses, seams
 from .admission import Admission, Admitted, default_device_limit
 from .calibration import PlannerCalibration, resolve_calibration
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
@@ -36,7 +36,7 @@ from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .resume import load_trainer, write_save
 from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
-from .rng import capture_forward_state
+from .rng import capture_forward_state, draws_undone_on_failure
 from .sinks import GradientSink, LiveGradSink, RankGradients
 from .staleness import check_age, staleness
 from .timing import start_stopwatch
@@ -272,8 +272,7 @@ class Trainer:
         for index, item in enumerate(flat):
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
         quantized = has_quantized_module(self.model)
-        # The whole call is admitted before any group runs (NOTE [Memory admission] Rule 4).
-        admitted = self._admission.plan_call(
+        admitted = self._admission.plan_call(  # the whole call, before any group runs (NOTE [Memory admission] Rule 4)
             selected,
             [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
             self.records,
@@ -283,12 +282,12 @@ class Trainer:
         )
         outputs: list[ForwardOutput | None] = [None] * len(flat)
         try:
-            for (resolved, indices), plan in zip(groups.items(), admitted):
-                items = [flat[i] for i in indices]
-                for index, output in zip(indices, self._submit(selected, items, resolved, plan, quantized)):
-                    outputs[index] = output
+            with draws_undone_on_failure(self.device):  # one call is all or nothing, its dropout draws too
+                for (resolved, indices), plan in zip(groups.items(), admitted):
+                    for index, output in zip(indices, self._submit(selected, [flat[i] for i in indices], resolved, plan, quantized)):
+                        outputs[index] = output
         except BaseException:
-            self.records.release_outputs(outputs)  # one call is all or nothing
+            self.records.release_outputs(outputs)
             raise
         return rebuild(outputs)
 
@@ -300,14 +299,15 @@ class Trainer:
         state = capture_forward_state(self.model, self.device)
         capture = checkpoint.capture()
         stopwatch = start_stopwatch(self.device)
-        root, ledger = record_forward(
-            self.model, checkpoint, capture, batch, plan.decision.placement,
-            frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=plan.cost.saved_bytes,
-        )
+        with misses.allocation_failures_reported(self.model.config, plan.estimator, plan.cost.saved_bytes):  # NOTE [Planner misses]
+            root, ledger = record_forward(
+                self.model, checkpoint, capture, batch, plan.decision.placement,
+                frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=plan.cost.saved_bytes,
+            )
         record = ForwardRecord(
             checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
             decision=plan.decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
-            owner=self.rank_gradients.running(),
+            owner=self.rank_gradients.running(), estimator=plan.estimator,
         )
         record.usage = self._admission.observe(record, plan, stopwatch.stop())
         self._known_logprobs.remember(record, self.records)

@@ -212,9 +212,9 @@ _REAL_DECIDE = Admission._decide
 def _decide_and_demote(self: Admission, *args: Any) -> Any:
     """Defect 7: each group's demotions are made as soon as it is planned, before the call is admitted whole."""
     plan, demote = _REAL_DECIDE(self, *args)
-    for entry in demote:
-        entry.record.ledger.demote()
-        entry.record.usage = entry.usage.demoted()
+    for entry, target in demote:
+        entry.record.demote(target)
+        entry.record.usage = entry.usage.demoted(target)
     return plan, demote
 
 
@@ -333,7 +333,7 @@ MUTATIONS: dict[str, Mutation] = {
                  "binds it)", "planner", _patched(ForwardCost, "host_bytes", lambda self, placement: 0),
                  "certificate: admitted placements within the limits (measured)"),
         Mutation("offload_priced_at_zero", "offload is priced at no seconds (no transfers)", "planner",
-                 _patched(ForwardCost, "extra_seconds", _offload_free), "certificate: pairwise ordering on pairs apart"),
+                 _patched(ForwardCost, "extra_seconds", _offload_free), "certificate: offload and replay priced above retain"),
         Mutation("scale_across_shape_classes", "a measured saved-bytes scale is applied to forwards of every shape "
                  "class (one class for every batch and length)", "planner",
                  _patched(admission_module, "shape_class", lambda batch, seq_len: (0, 0)),

@@ -20,6 +20,10 @@ nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
    are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
    decisions (placements, predicted prices) recorded.
 
+What runs is :func:`plan`'s: the CPU grid on the tiny model, or with CUDA present a GPU
+preset's declared subset (:data:`GPU_PLANS`) on its own model and LoRA rank, within
+its declared budget.
+
 Bytes are on the work's scale: the census counts storages made after the
 checkpoint was added; the prediction is ``predicted_bytes`` less what the
 checkpoints hold (``Checkpoint.held_nbytes``), which the trainer's limit adds
@@ -47,7 +51,7 @@ from ..registry import Judged
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify
 
-__all__ = ["Cell", "CELL_GRIDS", "BLOCKS", "KIND", "run_cell", "timed_blocks", "judge"]
+__all__ = ["Cell", "CELL_GRIDS", "BLOCKS", "CPU_BUDGET_S", "GPU_PLANS", "GridPlan", "KIND", "judge", "plan", "run_cell", "timed_blocks"]
 
 KIND = "planner-canary"
 
@@ -61,6 +65,7 @@ class Cell:
     pending: int  # forwards pending before their backwards (staleness)
     device: str  # "none" | "tight" | "nothing"
     host: str  # "none" | "zero" | "one" (room for one offloaded record)
+    rank: int = 4  # the LoRA rank (a GPU preset's own)
 
     @property
     def label(self) -> str:
@@ -68,30 +73,75 @@ class Cell:
         return f"{kind} p{self.dropout:g} {self.batch}x{self.seq_len} s{self.pending} dev:{self.device} host:{self.host}"
 
 
-def _levels(lora: bool, dropout: float, batch: int, seq_len: int, *, no_offload: bool = False) -> list[Cell]:
+def _levels(lora: bool, dropout: float, batch: int, seq_len: int) -> list[Cell]:
     shape = dict(lora=lora, dropout=dropout, batch=batch, seq_len=seq_len)
-    tight_zero = [Cell(**shape, pending=2, device="tight", host="zero")] if no_offload else []
     return [Cell(**shape, pending=1, device="none", host="none"), Cell(**shape, pending=2, device="tight", host="none"),
-            *tight_zero, Cell(**shape, pending=2, device="tight", host="one"),
+            Cell(**shape, pending=2, device="tight", host="zero"), Cell(**shape, pending=2, device="tight", host="one"),
             Cell(**shape, pending=1, device="nothing", host="none")]
 
 
-def _grid(no_offload: bool) -> list[Cell]:
-    return [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
-            for c in _levels(lora, dropout, b, t, no_offload=no_offload)]
+_GRID = [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
+         for c in _levels(lora, dropout, b, t)]
 
-
-# Quick: retain, offload and replay each win, and a right refusal, in seconds. Nightly adds the tight
-# no-offload cells, a known finding: where only replaying both pending forwards fits, greedy auto retains
-# the first and then refuses the second (a wrong refusal, NOTE [Memory admission] Rule 6 reclaims to the
-# host only); kept out of default so `rtv run` on a GPU preset (profile default) gates what auto promises.
+# Quick: retain, offload and replay each win, and a right refusal, in seconds. Its tight no-offload cell
+# (dropout on: replay restores the masks) is where only replaying both pending forwards fits: `auto` retains
+# the first, then demotes it to replay (NOTE [Memory admission] Rule 6; a wrong refusal before). Its regret
+# is the first forward's retain hooks, sunk before the second forward is known: 1-2% at 2x32, up to ~8% at
+# 2x16 LoRA (measured single-threaded on a loaded 2-core machine), so quick takes 2x32. Default and
+# nightly: the whole grid, nightly with more blocks.
 CELL_GRIDS: dict[str, list[Cell]] = {
     "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
-              Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
-    "default": _grid(no_offload=False),
-    "nightly": _grid(no_offload=True),
+              Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(False, 0.1, 2, 32, 2, "tight", "zero"),
+              Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
+    "default": _GRID,
+    "nightly": _GRID,
 }
 BLOCKS = {"quick": 16, "default": 16, "nightly": 32}
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """What one preset x profile runs: its cells, blocks per cell, the model (each cell sets its dropout), the
+    device, and the wall-clock budget declared for the whole grid (docs/harness.md#time-budgets)."""
+
+    cells: tuple[Cell, ...]
+    blocks: int
+    model: rt.ModelConfig
+    device: str
+    budget_s: float
+
+
+def _gpu_cells(lora: bool, dropouts: tuple[float, ...], shapes: tuple[tuple[int, int], ...], rank: int = 16) -> list[Cell]:
+    return [replace(c, rank=rank) for d in dropouts for b, t in shapes for c in _levels(lora, d, b, t)]
+
+
+def _quick(cells: list[Cell]) -> tuple[Cell, ...]:
+    """A GPU grid's quick subset: the first shape's levels, where each placement wins and one is refused."""
+    first = cells[0]
+    return tuple(c for c in cells if (c.lora, c.dropout, c.batch, c.seq_len) == (first.lora, first.dropout, first.batch, first.seq_len))
+
+
+# A GPU preset's declared subset (the CPU grid's levels on the preset's model, LoRA rank and lengths) when CUDA
+# is present; swapped for the CPU, the CPU grid runs (said in the evidence). gpu-8b: LoRA only (a full 8B copy's
+# masters and AdamW state alone outgrow the device), batch 1 at 2K with every level and 4K with the one-forward
+# levels (two offloaded 4K forwards would pin about 80 GB of host memory), few blocks: 8B steps take seconds.
+_GPU_SMALL = _gpu_cells(True, (0.0, 0.1), ((4, 512), (4, 1024))) + _gpu_cells(False, (0.0,), ((4, 512),))
+_GPU_8B = _gpu_cells(True, (0.0,), ((1, 2048),)) + [c for c in _gpu_cells(True, (0.0,), ((1, 4096),)) if c.pending == 1]
+GPU_PLANS: dict[str, dict[str, GridPlan]] = {
+    "gpu": {"quick": GridPlan(_quick(_GPU_SMALL), 8, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 60.0),
+            "default": GridPlan(tuple(_GPU_SMALL), 16, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 300.0)},
+    "gpu-8b": {"quick": GridPlan(_quick(_GPU_8B), 4, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 300.0),
+               "default": GridPlan(tuple(_GPU_8B), 8, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 900.0)},
+}
+CPU_BUDGET_S = {"quick": 10.0, "default": 300.0, "nightly": 600.0}  # docs/harness.md#time-budgets
+
+
+def plan(preset: str, profile: str) -> GridPlan:
+    """What ``preset`` x ``profile`` runs: a GPU preset's declared subset on CUDA (nightly: its default), else the CPU grid."""
+    if presets.preset(preset).on_this_machine().device == "cuda":
+        plans = GPU_PLANS[preset]
+        return plans.get(profile, plans["default"])
+    return GridPlan(tuple(CELL_GRIDS[profile]), BLOCKS[profile], rt.ModelConfig.tiny(), "cpu", CPU_BUDGET_S[profile])
 
 
 def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
@@ -104,7 +154,7 @@ def _trainer(model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, h
     """A trainer of ``cell``'s checkpoint kind under ``device_limit`` (the plan's scale, holdings included) and ``host_limit``."""
     trainer = rt.Trainer(model, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
     if cell.lora:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=cell.rank), seed=1)
     else:
         trainer.add_checkpoint("policy", full=True, seed=1)
     return trainer
@@ -133,7 +183,7 @@ def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]
     holdings = trainer.checkpoint("policy").held_nbytes()
     # A shorter forward first (another shape class): its measured scale must not reach this class (Rule 5).
     _steps(trainer, [_inputs(replace(cell, seq_len=max(1, cell.seq_len // 4)), model.config.vocab_size, 99)], placement)
-    census = StorageCensus("cpu")
+    census = StorageCensus(model.lm_head.weight.device)
     kept: list[torch.Tensor] = []
     sample = census.sample_hook(ignore=lambda: kept)
 
@@ -230,14 +280,16 @@ def judge(preset: str, profile: str) -> Judged:
     """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
     spec = presets.preset(preset).on_this_machine()
     started = time.perf_counter()
-    cells = CELL_GRIDS[profile]
+    plan_ = plan(preset, profile)
+    cells = plan_.cells
     models: dict[float, rt.DecoderLM] = {}
     results: dict[str, CellResult] = {}
     for dropout in dict.fromkeys(c.dropout for c in cells):
-        models[dropout] = rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0)
+        with torch.device(plan_.device):
+            models[dropout] = rt.DecoderLM(plan_.model.replace(dropout=dropout), seed=0)
     with frozen_heap():  # each census then collects only what its cell made (NOTE [Memory census] Rule 5)
         for cell in cells:
-            results[cell.label] = run_cell(models[cell.dropout], cell, BLOCKS[profile])
+            results[cell.label] = run_cell(models[cell.dropout], cell, plan_.blocks)
     gates = Gates()
     figures, verdicts = certify([c.label for c in cells], results, gates)
     calibrated = calibration.held_out(list(results.values()), gates.confidence)
@@ -259,6 +311,7 @@ def judge(preset: str, profile: str) -> Judged:
         "gates": asdict(gates),
         "seconds": time.perf_counter() - started,
     }
-    config = {"preset": spec.describe(), "profile": profile, "blocks": BLOCKS[profile],
-              "grid": [asdict(c) for c in cells], "model": "tiny (CPU cells on every preset)"}
+    config = {"preset": spec.describe(), "profile": profile, "blocks": plan_.blocks, "budget_s": plan_.budget_s,
+              "grid": [asdict(c) for c in cells], "device": plan_.device,
+              "model": {f: str(v) for f, v in asdict(plan_.model).items()}}
     return Judged(KIND, config, checks, measurements)

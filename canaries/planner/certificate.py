@@ -29,6 +29,12 @@ NOTE [Planner certificate]
      fails too.
   6. Completeness: every planned cell has a verdict. A cell whose run raised
      is recorded as failed with its error and fails the certificate.
+  7. Prices follow the work, with no clock: offload does retain's work and
+     moves the saved bytes both ways, replay does it and runs the forward
+     once more, so in every measured cell each is priced strictly above
+     retain. Unlike Rule 2 this needs no pair measurably apart, so a price
+     that drops a cost (offload at zero seconds) fails it on a loaded machine
+     too.
 
 The statistics take plain per-block seconds, so tests drive them with a fake
 clock through ``validation.abba.run_block``.
@@ -110,6 +116,7 @@ class CellVerdict:
     peak_ratios: dict[str, float] = field(default_factory=dict)
     saved_ratios: dict[str, float] = field(default_factory=dict)
     over_limit: tuple[str, ...] = ()
+    unpriced: tuple[str, ...] = ()  # placements priced at or below retain (Rule 7)
     error: str | None = None
 
     def as_dict(self) -> dict:
@@ -166,9 +173,12 @@ def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
     best = min(cell.admitted, key=lambda p: float(np.median(cell.seconds[p])))
     ratio, low, high = pair_interval(cell.seconds[AUTO], cell.seconds[best], confidence)
     gated = max(0.0, ratio - 1) if _apart(low, high) and low > 1 else 0.0
+    retain = cell.predicted.get("retain", 0.0)
+    unpriced = tuple(f"{p} {s * 1e3:.3f} ms <= retain {retain * 1e3:.3f} ms" for p, s in cell.predicted.items()
+                     if p != "retain" and s <= retain)
     return CellVerdict(status="measured", best=best, regret=ratio - 1, regret_interval=(low - 1, high - 1),
                        gated_regret=gated, pairs_apart=apart, pairs_ordered=ordered, wrong_pairs=tuple(wrong),
-                       **common)
+                       unpriced=unpriced, **common)
 
 
 def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gates = Gates()) -> tuple[dict, list[tuple[str, bool | None, str]]]:
@@ -192,6 +202,7 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     ratios = np.asarray([r for v in verdicts for r in v.peak_ratios.values()], dtype=float)
     over_estimate = 1 / ratios - 1 if ratios.size else np.asarray([np.nan])
     over_limit = [f"{v.label}: {', '.join(v.over_limit)}" for v in verdicts if v.over_limit]
+    unpriced = [f"{v.label}: {', '.join(v.unpriced)}" for v in measured if v.unpriced]
     figures = {
         "cells_planned": len(planned), "cells_measured": len(measured), "cells_refused": len(refused),
         "cells_failed": failed, "pairs_apart": apart, "ordering": ordering,
@@ -225,5 +236,7 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
          f"worst {figures['worst_saved_ratio']:.3f} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
         ("certificate: admitted placements within the limits (measured)", not over_limit,
          "; ".join(over_limit) or "every admitted placement's measured bytes within its limits"),
+        ("certificate: offload and replay priced above retain", bool(measured) and not unpriced,
+         "; ".join(unpriced) or f"in all {len(measured)} measured cells"),
     ]
     return figures, checks

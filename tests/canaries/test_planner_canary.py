@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import reference_trainer as rt
 from canaries.registry import canary as canary_entry
@@ -160,3 +162,49 @@ def test_loaded_blocks_are_left_out_of_a_cells_timing() -> None:
     arms = {"a": lambda: now.__setitem__(0, now[0] + 1.0), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
     seconds, loaded = timed(arms, 4, lambda: now[0], _Shares([1.0, 1.0, 0.5, 0.9, 0.1]))
     assert loaded == 2 and seconds == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
+
+
+def test_every_grid_gates_the_cells_where_only_replaying_both_pending_forwards_fits() -> None:
+    """The tight no-offload cells (auto's known wrong refusal, now demotion to replay) are in quick and default."""
+    from canaries.planner.canary import CELL_GRIDS
+
+    for profile, cells in CELL_GRIDS.items():
+        tight_zero = [c for c in cells if (c.device, c.host, c.pending) == ("tight", "zero", 2)]
+        assert tight_zero and any(c.dropout > 0 for c in tight_zero), profile
+
+
+@pytest.mark.parametrize("preset", ["gpu", "gpu-8b"], ids=["small-preset", "8b-preset"])  # an id "gpu" reads as the marker
+def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_one_is_refused(
+    preset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from canaries.planner import canary
+    from reference_trainer.planner import analytic_saved_bytes
+
+    assert canary.plan(preset, "default").device == "cpu"  # no CUDA here: the CPU grid, as the evidence says
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a lent GPU: the preset's declared subset
+    for profile in ("quick", "default", "nightly"):
+        plan = canary.plan(preset, profile)
+        assert plan is canary.GPU_PLANS[preset].get(profile, canary.GPU_PLANS[preset]["default"])
+        assert plan.device == "cuda" and plan.model.dtype == torch.bfloat16 and 0 < plan.budget_s <= 900
+        levels = {(c.pending, c.device, c.host) for c in plan.cells}
+        # retain wins unlimited; offload (or replay) where two retained forwards do not fit; replay alone with no
+        # host room (the demotion cell); a right refusal under every measured peak.
+        assert {(1, "none", "none"), (2, "tight", "none"), (2, "tight", "zero"), (1, "nothing", "none")} <= levels, profile
+        assert all(c.rank == 16 for c in plan.cells if c.lora) and plan.blocks >= 4
+        for cell in plan.cells:  # what offloading the cell's pending forwards pins stays within a lent machine's RAM
+            saved = analytic_saved_bytes(plan.model, cell.batch, cell.seq_len, scores_saved=False, dropout_active=cell.dropout > 0)
+            assert cell.pending * saved < 64 << 30, (cell.label, saved)
+    assert set(canary.plan(preset, "quick").cells) < set(canary.plan(preset, "default").cells)
+
+
+def test_offload_priced_at_zero_fails_without_any_pair_measurably_apart() -> None:
+    """Rule 7 needs no clock: every arm costs the same here, so the ordering has nothing to judge."""
+    flat = {"retain": 1.0, "offload": 1.0, "replay": 1.0, "auto": 1.0}
+
+    def cell(predicted: dict[str, float]) -> CellResult:
+        return replace(_cell("a", predicted), seconds=_timed(flat))
+
+    free = _checks({"a": cell({"retain": 0.0, "offload": 0.0, "replay": 0.4})})
+    assert free["certificate: pairwise ordering on pairs apart"] is None  # skipped: no pair apart
+    assert free["certificate: offload and replay priced above retain"] is False
+    assert _checks({"a": cell(GOOD)})["certificate: offload and replay priced above retain"] is True  # the control

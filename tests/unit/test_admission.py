@@ -566,3 +566,65 @@ def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> N
 def _forward_length(trainer: rt.Trainer, seed: int, length: int) -> list[rt.ForwardOutput]:
     inputs = [rt.ForwardInput(*sequence(seed * 10 + k, length=length)) for k in range(2)]
     return trainer.forward(inputs, options=NO_CORRECTION)
+
+
+def _two_pending(trainer: rt.Trainer, first: str, second: str) -> list[list[rt.ForwardOutput]]:
+    """Two forwards of one shape class (dropout on: replay must restore the masks), the second pending the first."""
+    return [_forward(trainer, seed, backward_state=placement) for seed, placement in ((1, first), (2, second))]
+
+
+def test_where_only_replaying_both_pending_forwards_fits_auto_demotes_the_first_to_replay() -> None:
+    """Host 0 (no offload); device one byte under "first retained, second replayed": only replay-both fits."""
+    probe = make_trainer("lora", dropout=0.1)  # the same trainer unlimited: the plan's own prediction of that pair
+    limit = _two_pending(probe, "retain", "replay")[1][0].decision.predicted_bytes - 1
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit, host_memory_limit_bytes=0)
+    census = StorageCensus()
+    trainer.model.model.layers[-1].register_forward_hook(census.sample_hook())  # forwards and replays
+    outs = _two_pending(trainer, "auto", "auto")
+    assert [o[0].placement for o in outs] == ["retain", "replay"], [o[0].decision.reason for o in outs]
+    assert "demoted 1" in outs[1][0].decision.reason and outs[1][0].decision.predicted_bytes <= limit
+    held = census.measure(ignore=[o.target_logprobs for out in outs for o in out]).device
+    assert held < outs[0][0].usage.saved_bytes / 2, (held, "the demoted record's saved tensors are still held")
+    assert _placements_at_backward_with_plain_gradients(trainer, outs) == ["replay", "replay"]
+    assert 0 < census.peak_device <= limit, (census.peak_device, limit)
+    assert census.peak_host < outs[0][0].decision.saved_bytes / 4, "saved state went to the host (RNG states only)"
+
+
+def _placements_at_backward_with_plain_gradients(trainer: rt.Trainer, outs: list[list[rt.ForwardOutput]]) -> list[str]:
+    """Backpropagate both pending forwards; their gradients must be bitwise plain autograd's (both retained, unlimited)."""
+    reports = [trainer.backward(-sum((o.target_logprobs * k).sum() for o in out)) for k, out in enumerate(outs, 1)]
+    reference = make_trainer("lora", dropout=0.1)  # PyTorch's own autograd on both graphs, unlimited
+    for k, out in enumerate(_two_pending(reference, "retain", "retain"), 1):
+        reference.backward(-sum((o.target_logprobs * k).sum() for o in out))
+    grads = {n: p.grad for n, p in reference.checkpoint("policy").named_parameters()}
+    assert any(g.abs().max() > 0 for g in grads.values())
+    for name, param in trainer.checkpoint("policy").named_parameters():
+        assert torch.equal(param.grad, grads[name]), name
+    return [r.records[0].placement for r in reports]
+
+
+def test_a_new_forward_that_can_only_offload_gets_the_host_by_replaying_the_demoted_record() -> None:
+    """Host room for one record; the new forward may not replay: the pending one is demoted to replay, not the host."""
+    probe = make_trainer("lora", dropout=0.1)
+    second = _two_pending(probe, "retain", "offload")[1][0].decision
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=second.predicted_bytes - 1,
+                           host_memory_limit_bytes=second.saved_bytes)
+    outs = [_forward(trainer, 1), _forward(trainer, 2, allow_replay=False)]
+    assert [o[0].placement for o in outs] == ["retain", "offload"], [o[0].decision.reason for o in outs]
+    assert "1 to replay" in outs[1][0].decision.reason
+    assert _placements_at_backward_with_plain_gradients(trainer, outs) == ["replay", "offload"]
+
+
+def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demotes_nothing() -> None:
+    probe = make_trainer("lora", dropout=0.1)
+    limit = _two_pending(probe, "retain", "replay")[1][0].decision.predicted_bytes - 1
+    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit, host_memory_limit_bytes=0)
+    first = _forward(trainer, 1)
+    fits = [rt.ForwardInput(*sequence(20 + k, length=16)) for k in range(2)]
+    forced = [rt.ForwardInput(*sequence(30 + k, length=16), options=rt.ForwardOptions(backward_state="retain")) for k in range(2)]
+    with pytest.raises(rt.MemoryAdmissionError):
+        trainer.forward([*fits, *forced], options=NO_CORRECTION)
+    assert [r.placement for r in trainer.records] == ["retain"], "a refused call demoted a pending record"
+    assert trainer.records.get(first[0].record_id).root is not None, "a refused call dropped a pending graph"
+    second = trainer.forward(fits, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
+    assert [r.placement for r in trainer.records] == ["replay", "replay"], second[0].decision.reason

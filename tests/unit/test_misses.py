@@ -91,3 +91,53 @@ def test_plain_inputs_replay_what_the_estimator_gave_for_every_input() -> None:
         assert rt.replay_estimate(changed) != expected, field  # each input matters: the replay reads it
     fp32 = misses.plain_inputs(config.replace(dtype=torch.float32), estimator)
     assert rt.replay_estimate(fp32) != expected  # and the dtype
+
+
+class _OutOfMemory:
+    """A stand-in allocator failure: a forward hook on the first decoder layer raises ``torch.OutOfMemoryError``
+    on its ``fail_on``-th call (1: the forward, 2: a replay at backward), after dropout has drawn."""
+
+    TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (a stand-in)"
+
+    def __init__(self, trainer: rt.Trainer, fail_on: int) -> None:
+        self.calls, self.fail_on = 0, fail_on
+        trainer.model.model.layers[0].register_forward_hook(self)
+
+    def __call__(self, module, args, output) -> None:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise torch.OutOfMemoryError(self.TEXT)
+
+
+def _state(trainer: rt.Trainer) -> tuple:
+    policy = trainer.checkpoint("policy")
+    return (trainer.live_records(), torch.get_rng_state(), [p.grad for p in policy.parameters()], policy.revision)
+
+
+def test_an_allocation_failure_in_a_forward_is_one_miss_replayed_to_its_estimate_and_changes_nothing() -> None:
+    seen: list[rt.PlannerMiss] = []
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    pending = trainer.forward(_inputs(1), options=_OPTIONS)  # a record the failed call must leave as it was
+    before = _state(trainer)
+    _OutOfMemory(trainer, fail_on=1)
+    with rt.observe_planner_misses(seen.append), pytest.raises(torch.OutOfMemoryError, match="stand-in"):
+        trainer.forward(_inputs(2), options=_OPTIONS)
+    after = _state(trainer)
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2:] == before[2:], "state changed"
+    assert [(m.kind, m.raised) for m in seen] == [("allocation_failed", _OutOfMemory.TEXT)]
+    assert seen[0].estimate > 0 and rt.replay_estimate(seen[0].inputs) == seen[0].estimate
+    assert seen[0].inputs["batch"] == 2 and seen[0].inputs["dropout_active"] is True
+    trainer.backward(-sum(o.target_logprobs.sum() for o in pending))  # the pending record still backpropagates
+
+
+def test_an_allocation_failure_in_a_replay_is_a_miss_with_its_forwards_estimate() -> None:
+    seen: list[rt.PlannerMiss] = []
+    trainer = _trainer()
+    outputs = trainer.forward(_inputs(1), options=rt.ForwardOptions(backward_state="replay", corrections=()))
+    _OutOfMemory(trainer, fail_on=1)  # installed after the forward: its first call is the replay
+    with rt.observe_planner_misses(seen.append), pytest.raises(rt.GradientCommitError, match="stand-in"):
+        trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
+    assert [m.kind for m in seen] == ["allocation_failed"]
+    assert seen[0].estimate == outputs[0].decision.saved_bytes == rt.replay_estimate(seen[0].inputs)
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())

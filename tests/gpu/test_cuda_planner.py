@@ -1,0 +1,20 @@
+"""The planner canary on the ``gpu`` preset's declared subset, on CUDA, within its declared budget (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from canaries.planner import canary
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("profile", ["quick", "default"])
+def test_the_planner_certificate_on_the_gpu_presets_subset_passes_within_its_budget(profile: str) -> None:
+    plan = canary.plan("gpu", profile)
+    assert plan.device == "cuda" and plan.cells == canary.GPU_PLANS["gpu"][profile].cells
+    judged = canary.judge("gpu", profile)
+    failed = [(c.name, c.detail) for c in judged.checks if c.failed]
+    assert not failed, failed
+    assert judged.config["device"] == "cuda" and len(judged.measurements["cells"]) == len(plan.cells)
+    assert judged.measurements["seconds"] <= plan.budget_s, (judged.measurements["seconds"], plan.budget_s)
