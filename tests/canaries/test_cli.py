@@ -242,7 +242,8 @@ def test_a_shown_verdict_fails_the_run_only_under_gate(
     assert ("FAIL  canary benchmark (quick)" if gate else "SHOWN canary benchmark (quick)") in stdout
 
 
-@pytest.mark.parametrize("preset", ["cpu", "gpu"], ids=["preset-cpu", "preset-gpu"])  # "gpu" alone is a marker
+# "gpu" alone is a marker; the gpu preset's run is the same path (nightly, to keep make test within its minute)
+@pytest.mark.parametrize("preset", ["cpu", pytest.param("gpu", marks=pytest.mark.slow)], ids=["preset-cpu", "preset-gpu"])
 def test_a_mutation_left_in_fails_the_run_and_tops_the_report_with_its_reason(
     preset: str, tmp_path: Path, quick_smoke: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
