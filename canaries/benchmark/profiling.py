@@ -85,9 +85,17 @@ _ROUNDING_US = 1e-3  # a trace's times are rounded to nanoseconds: a child may e
 
 
 def _component(event: dict) -> str | None:
-    """The first rule naming ``event`` (more specific rules come first), or None."""
-    return next((name for name, category, prefix in RULES
-                 if event.get("cat") == category and event.get("name", "").startswith(prefix)), None)
+    """The first rule naming ``event`` (more specific rules come first), or None.
+
+    A Python frame's name starts with its source file as the code object has
+    it: relative under pytest (``reference_trainer/ledger.py(70): _pack``),
+    absolute from an installed ``rtv`` (``/work/p/reference_trainer/...`` or
+    ``.../site-packages/reference_trainer/...``), so a frame rule matches the
+    path from a folder boundary on.
+    """
+    name = event.get("name", "")
+    return next((component for component, category, prefix in RULES if event.get("cat") == category and (
+        name.startswith(prefix) or (category == "python_function" and f"/{prefix}" in name))), None)
 
 
 def _step_range(events: list[dict], arm: str) -> dict:

@@ -45,13 +45,20 @@ EXPECTED_US = {"saved_tensor_hooks": 10, "gradient_norm": 8, "bookkeeping": 12, 
                "backward_operators": 30, "optimizer": 5, "other": 5}
 
 
-def test_a_synthetic_trace_splits_into_its_components_by_the_innermost_named_frame() -> None:
-    seconds, split = profiling.components(SYNTHETIC, "plain")
+@pytest.mark.parametrize("root", ["", "/home/u/clone/", "/venv/lib/python3.11/site-packages/"],
+                         ids=["relative (pytest)", "absolute (installed rtv)", "site-packages"])
+def test_a_synthetic_trace_splits_into_its_components_by_the_innermost_named_frame(root: str) -> None:
+    trace = {"traceEvents": [{**e, "name": root + e["name"]} if e.get("cat") == "python_function" else e
+                             for e in SYNTHETIC["traceEvents"]]}  # the file names a code object carries
+    seconds, split = profiling.components(trace, "plain")
     assert seconds == pytest.approx(100e-6)
     assert split == pytest.approx({name: us * 1e-6 for name, us in EXPECTED_US.items()})
     assert list(split) == list(profiling.COMPONENTS) and sum(split.values()) == pytest.approx(seconds)
     with pytest.raises(ValueError, match="expected one 'rtv bench step: retain@s0' range"):
-        profiling.components(SYNTHETIC, "retain@s0")
+        profiling.components(trace, "retain@s0")
+    foreign = {"traceEvents": [{**e, "name": e["name"].replace("reference_trainer/", "other_reference_trainer/")}
+                               for e in trace["traceEvents"]]}  # another package of a similar name: not ours
+    assert profiling.components(foreign, "plain")[1]["saved_tensor_hooks"] == 0
 
 
 @pytest.mark.parametrize(("shift", "reading"), [(0.5, "cost"), (0.0, "within noise"), (-0.5, "saving")])
