@@ -25,8 +25,9 @@ NOTE [Resume]
      save: nothing of the loaded trainer replaced it). A save written before
      the lineage was kept loads with an empty one. Also not kept:
      importance-correction log-probs (they belong to the forwards), what
-     admission learnt of memory use, and the memory limits (they belong to
-     the machine: ``Trainer.load`` takes them again).
+     admission learnt of memory use, the memory limits and the planner's
+     calibration (they belong to the machine: ``Trainer.load`` takes them
+     again, as ``Trainer`` does).
   3. Refused, nothing written: a save while logical-rank gradient buffers are
      pending (call ``optim_step`` or ``zero_grad`` first), and a save from
      inside ``run_logical``'s ``fn``.
@@ -221,11 +222,11 @@ def _generation(trainer: Any, name: str) -> int | None:
 
 
 def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_limit_bytes: int | None,
-                 host_memory_limit_bytes: int | None) -> Any:
+                 host_memory_limit_bytes: int | None, planner_calibration: Any = None) -> Any:
     """``Trainer.load``: read and check everything (Rule 6), then build ``cls`` (the ``Trainer``) and restore it."""
     saved = read_save(path, model)
     trainer = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
-                  host_memory_limit_bytes=host_memory_limit_bytes)
+                  host_memory_limit_bytes=host_memory_limit_bytes, planner_calibration=planner_calibration)
     for spec in saved.checkpoints:
         trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
     trainer.next_generation = saved.next_generation

@@ -194,16 +194,16 @@ class Trainer:
     # --- saves (NOTE [Resume] in resume.py, NOTE [Durable saves] in saves.py) -------
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write this trainer's state (not its pending forwards) to the folder ``path``; collective under logical ranks."""
+        """Write this trainer's state (not its pending forwards) to the folder ``path``; collective in a process group."""
         write_save(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: DecoderLM, *, memory_limit_bytes: int | None = None,
-             host_memory_limit_bytes: int | None = None) -> Trainer:
-        """A trainer over ``model`` (the saved base) as saved under ``path``; the process RNG becomes the saved one.
-
-        Every file is verified first (``CorruptSaveError`` names a bad one); a refused load changes nothing."""
-        return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes)
+             host_memory_limit_bytes: int | None = None,
+             planner_calibration: PlannerCalibration | str | os.PathLike | None = None) -> Trainer:
+        """A trainer over ``model`` (the saved base) as saved under ``path``; the process RNG becomes the saved one. The
+        limits and calibration are the machine's, given again. Every file is verified first; a refused load changes nothing."""
+        return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes, planner_calibration)
 
     def _select_checkpoint(self, checkpoint: str | None) -> Checkpoint:
         if checkpoint is not None:

@@ -51,3 +51,21 @@ def test_a_bad_calibration_is_refused_before_the_model_is_touched(tmp_path: Path
     assert all(p.requires_grad for p in model.parameters())  # not frozen: nothing changed
     with pytest.raises(rt.ConfigError, match="planner_calibration"):
         rt.Trainer(model, planner_calibration=tmp_path / "missing.json")
+
+
+def test_a_loaded_trainer_takes_its_calibration_again_as_the_machines(tmp_path: Path) -> None:
+    calibration = rt.PlannerCalibration(**CONSTANTS)
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), planner_calibration=calibration)
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer.save(tmp_path / "save")
+
+    def first_decision(**options) -> rt.PlacementDecision:
+        loaded = rt.Trainer.load(tmp_path / "save", rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), **options)
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+        return loaded.forward([rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens])[0].decision
+
+    decision = first_decision(planner_calibration=calibration)
+    assert decision.predicted_seconds["replay"] == pytest.approx(2 * 16 * 1e-3 + 0.5)
+    assert first_decision().predicted_seconds["replay"] == pytest.approx(2 * 16 * 2e-5)  # not kept: the default
+    with pytest.raises(rt.ConfigError, match="planner_calibration"):
+        first_decision(planner_calibration=tmp_path / "missing.json")
