@@ -265,19 +265,24 @@ class Launcher(Teardown):
         return Outcome(code, word, path)
 
     def _cost_report(self, run: RunState, command: str) -> dict[str, Any] | None:
-        """SkyPilot's cost report cross-checked against this receipt (``ci.receipts``), once absence is proven."""
+        """SkyPilot's cost report cross-checked against this receipt (``ci.receipts``), once absence is proven.
+
+        Not asked after a signal: within GitHub's cancel window the receipt
+        itself comes first (one more request could outlast the window)."""
         if not run.absence_confirmed:
             return None
+        if (run.interruption or {}).get("kind") == "signal" or run.signals:
+            return {"checked": False, "reason": "a signal: the receipt was written before any further request"}
         try:
             rows = self.request("cost_report", self.sdk.cost_report, days=1, timeout=self.t.poll)
         except Exception as error:  # noqa: BLE001 - a report that cannot be had leaves the receipt unchecked, says why
             return {"checked": False, "reason": f"sky.cost_report failed: {type(error).__name__}: {error}"}
-        check = cost_cross_check(rows, run.cluster, until=run.absent_at or self.wall(),
-                                 price=hourly_price(run.handle)[0])
+        price = hourly_price(run.handle)[0]
+        check = cost_cross_check(rows, run.cluster, until=run.absent_at or self.wall(), price=price)
         if check["checked"] and not check["agrees"]:
             self.echo(f"rtv gpu {command}: SkyPilot's cost report disagrees with the receipt of {run.cluster}: "
                       f"interval closed at {check['closed_at']} (absence proven at {run.absent_at}), "
-                      f"hourly {check.get('hourly')} against the catalog's {hourly_price(run.handle)[0]}")
+                      f"hourly {check.get('hourly')} against the catalog's {price}")
         return check
 
     # --- census, down, sweep --------------------------------------------------------

@@ -133,6 +133,9 @@ def test_on_a_signal_the_first_request_sent_is_down(sky_fake, gate, tmp_path, ca
     requests = [c for c in after if c not in ("get", "stream_and_get", "job_status")]
     assert requests[0] == "down", after
     assert outcome.exit_code == 4 and "cancel" not in fake.calls
+    # Within the cancel window the receipt comes first: no cost report is asked for after a signal.
+    reported = receipt_of(outcome)["measurements"]["cost"]["sky_cost_report"]
+    assert "cost_report" not in fake.calls and not reported["checked"], reported
 
 
 def test_a_submission_that_timed_out_is_treated_as_possibly_launched(sky_fake, gate, tmp_path):
