@@ -7,6 +7,14 @@ fix and exit code 2 (docs/harness.md#exit-codes) when:
 - Python is older than :data:`MINIMUM_PYTHON` (``pyproject.toml``'s ``requires-python``);
 - torch is not installed (looked up, not imported, so ``rtv --help`` stays fast).
 
+Then it hands over; a command that imports a package one of pyproject.toml's
+extras provides (:data:`EXTRA_PACKAGES`), run without it, is refused the
+same way, naming the extra and its install command (:func:`missing_extra`),
+wherever in the command the import happens (the harness imports its
+packages where they are used). :func:`import_extra` imports a whole extra
+up front, for a command (``rtv run``) that would otherwise find the gap
+only halfway.
+
 This module keeps to syntax every Python 3 parses, so an old interpreter
 reaches the message instead of a SyntaxError.
 """
@@ -14,9 +22,17 @@ reaches the message instead of a SyntaxError.
 import importlib.util
 import sys
 
-__all__ = ["MINIMUM_PYTHON", "main", "missing_requirement"]
+__all__ = ["EXTRA_PACKAGES", "MINIMUM_PYTHON", "import_extra", "main", "missing_extra", "missing_requirement"]
 
 MINIMUM_PYTHON = (3, 10)
+
+# The import name of every package each extra of pyproject.toml provides (tests/canaries/test_entry.py checks them
+# against pyproject.toml's distributions).
+EXTRA_PACKAGES = {
+    "harness": ("numpy", "pandas", "matplotlib", "scipy", "jinja2", "tqdm", "hypothesis", "ruptures"),
+    "ci": ("sky",),
+    "mutation": ("mutmut",),
+}
 
 
 def missing_requirement():
@@ -31,16 +47,43 @@ def missing_requirement():
     return None
 
 
+def missing_extra(error):
+    """``(reason, fix)`` when ``error`` (an ImportError) is the import of a package an extra provides, else None."""
+    package = (getattr(error, "name", None) or "").partition(".")[0]
+    for extra, packages in EXTRA_PACKAGES.items():
+        if package in packages:
+            return ("this command needs the {} extra, not installed in this Python ({}): {}".format(
+                        extra, sys.executable, error),
+                    "pip install -e '.[{}]' (make install installs harness, test and ci into .venv)".format(extra))
+    return None
+
+
+def import_extra(extra):
+    """Import every package of ``extra`` (:data:`EXTRA_PACKAGES`); the ImportError of the first missing one."""
+    for package in EXTRA_PACKAGES[extra]:
+        importlib.import_module(package)
+
+
+def _refuse(reason, fix):
+    print("rtv: {}\nfix: {}".format(reason, fix), file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
-    """Refuse with exit 2 when a requirement is missing (module docstring), else run ``canaries.cli.main``."""
+    """Refuse with exit 2 when a requirement or an extra's package is missing (module docstring), else run
+    ``canaries.cli.main``; any other ImportError propagates."""
     missing = missing_requirement()
     if missing is not None:
-        reason, fix = missing
-        print("rtv: {}\nfix: {}".format(reason, fix), file=sys.stderr)
-        return 2
-    from canaries.cli import main as cli_main
+        return _refuse(*missing)
+    try:
+        from canaries.cli import main as cli_main
 
-    return cli_main(argv)
+        return cli_main(argv)
+    except ImportError as error:
+        missing = missing_extra(error)
+        if missing is None:
+            raise
+        return _refuse(*missing)
 
 
 if __name__ == "__main__":
