@@ -8,12 +8,8 @@ fix and exit code 2 (docs/harness.md#exit-codes) when:
 - torch is not installed (looked up, not imported, so ``rtv --help`` stays fast).
 
 Then it hands over; a command that imports a package one of pyproject.toml's
-extras provides (:data:`EXTRA_PACKAGES`), run without it, is refused the
-same way, naming the extra and its install command (:func:`missing_extra`),
-wherever in the command the import happens (the harness imports its
-packages where they are used). :func:`import_extra` imports a whole extra
-up front, for a command (``rtv run``) that would otherwise find the gap
-only halfway.
+extras provides, run without it, is refused the same way, naming the extra
+and its install command (``canaries.extras``).
 
 This module keeps to syntax every Python 3 parses, so an old interpreter
 reaches the message instead of a SyntaxError.
@@ -22,17 +18,9 @@ reaches the message instead of a SyntaxError.
 import importlib.util
 import sys
 
-__all__ = ["EXTRA_PACKAGES", "MINIMUM_PYTHON", "import_extra", "main", "missing_extra", "missing_requirement"]
+__all__ = ["MINIMUM_PYTHON", "main", "missing_requirement"]
 
 MINIMUM_PYTHON = (3, 10)
-
-# The import name of every package each extra of pyproject.toml provides (tests/canaries/test_entry.py checks them
-# against pyproject.toml's distributions).
-EXTRA_PACKAGES = {
-    "harness": ("numpy", "pandas", "matplotlib", "scipy", "jinja2", "tqdm", "hypothesis", "ruptures"),
-    "ci": ("sky",),
-    "mutation": ("mutmut",),
-}
 
 
 def missing_requirement():
@@ -45,23 +33,6 @@ def missing_requirement():
         return ("torch is not installed in this Python ({})".format(sys.executable),
                 "run make install (or pip install torch, then pip install -e '.[harness]')")
     return None
-
-
-def missing_extra(error):
-    """``(reason, fix)`` when ``error`` (an ImportError) is the import of a package an extra provides, else None."""
-    package = (getattr(error, "name", None) or "").partition(".")[0]
-    for extra, packages in EXTRA_PACKAGES.items():
-        if package in packages:
-            return ("this command needs the {} extra, not installed in this Python ({}): {}".format(
-                        extra, sys.executable, error),
-                    "pip install -e '.[{}]' (make install installs harness, test and ci into .venv)".format(extra))
-    return None
-
-
-def import_extra(extra):
-    """Import every package of ``extra`` (:data:`EXTRA_PACKAGES`); the ImportError of the first missing one."""
-    for package in EXTRA_PACKAGES[extra]:
-        importlib.import_module(package)
 
 
 def _refuse(reason, fix):
@@ -80,6 +51,8 @@ def main(argv=None):
 
         return cli_main(argv)
     except ImportError as error:
+        from canaries.extras import missing_extra
+
         missing = missing_extra(error)
         if missing is None:
             raise

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from canaries import entry
+from canaries import entry, extras
 
 
 def test_too_old_python_exits_2_before_importing_the_command_line(monkeypatch, capsys) -> None:
@@ -81,10 +81,10 @@ def test_another_import_error_is_not_taken_for_a_missing_extra(monkeypatch) -> N
 def test_the_extra_packages_are_what_pyproject_toml_declares() -> None:
     """Each extra's import names map (installed metadata; the import name where it is not installed) to exactly the
     distributions pyproject.toml lists for that extra."""
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     provided_by = packages_distributions()
-    for extra, packages in entry.EXTRA_PACKAGES.items():
-        declared = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower() for spec in extras[extra]}
+    for extra, packages in extras.EXTRA_PACKAGES.items():
+        declared = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower() for spec in optional[extra]}
         mapped = {dist.lower() for package in packages for dist in provided_by.get(package, [package])}
         assert mapped == declared, f"extra {extra!r}: the import names give {sorted(mapped)}, pyproject {sorted(declared)}"
-    assert set(entry.EXTRA_PACKAGES) == set(extras) - {"test"}, "every extra rtv may need, not the test runner's"
+    assert set(extras.EXTRA_PACKAGES) == set(optional) - {"test"}, "every extra rtv may need, not the test runner's"
