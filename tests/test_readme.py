@@ -133,10 +133,10 @@ VENV_COMMANDS = ("rtv", "pytest", "torchrun")  # what a newcomer types that live
 
 
 def _fenced_commands() -> list[str]:
-    """Every line of the README's ```sh blocks, in order, without its comment."""
+    """Every command of the README's ```sh blocks (one a line), in order, without its comment."""
     blocks = re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", README.read_text(), re.DOTALL | re.MULTILINE)
-    lines = [line.split("  #")[0].split(" # ")[0].strip() for block in blocks for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
+    commands = [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()]
+    return [shlex.join(words) for words in commands if words]
 
 
 def _installed_by_make() -> set[str]:
