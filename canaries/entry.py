@@ -7,6 +7,10 @@ fix and exit code 2 (docs/harness.md#exit-codes) when:
 - Python is older than :data:`MINIMUM_PYTHON` (``pyproject.toml``'s ``requires-python``);
 - torch is not installed (looked up, not imported, so ``rtv --help`` stays fast).
 
+Then it hands over; a command that imports a package one of pyproject.toml's
+extras provides, run without it, is refused the same way, naming the extra
+and its install command (``canaries.extras``).
+
 This module keeps to syntax every Python 3 parses, so an old interpreter
 reaches the message instead of a SyntaxError.
 """
@@ -31,16 +35,28 @@ def missing_requirement():
     return None
 
 
+def _refuse(reason, fix):
+    print("rtv: {}\nfix: {}".format(reason, fix), file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
-    """Refuse with exit 2 when a requirement is missing (module docstring), else run ``canaries.cli.main``."""
+    """Refuse with exit 2 when a requirement or an extra's package is missing (module docstring), else run
+    ``canaries.cli.main``; any other ImportError propagates."""
     missing = missing_requirement()
     if missing is not None:
-        reason, fix = missing
-        print("rtv: {}\nfix: {}".format(reason, fix), file=sys.stderr)
-        return 2
-    from canaries.cli import main as cli_main
+        return _refuse(*missing)
+    try:
+        from canaries.cli import main as cli_main
 
-    return cli_main(argv)
+        return cli_main(argv)
+    except ImportError as error:
+        from canaries.extras import missing_extra
+
+        missing = missing_extra(error)
+        if missing is None:
+            raise
+        return _refuse(*missing)
 
 
 if __name__ == "__main__":

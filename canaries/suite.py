@@ -4,7 +4,7 @@
 through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
 
 1. refusals, before anything is written (exit 2, docs/harness.md#exit-codes):
-   a GPU preset without CUDA (:func:`cuda_devices`, the seam tests stand in
+   a package of the ``harness`` extra missing (``canaries.extras.import_extra``), a GPU preset without CUDA (:func:`cuda_devices`, the seam tests stand in
    for), ``--nproc`` above the visible GPUs, an unknown ``--inject-mutation``
    or one whose bug cannot show on the preset, and a preset whose memory
    estimate (``canaries.preset_budget``, with the FP64 oracle beside it)
@@ -148,6 +148,9 @@ def _mutation(name: str | None, config: object) -> Iterator[None]:
 
 def run(request: RunRequest) -> int:
     """Run ``request`` (module docstring); returns the exit code, raises :class:`SetupError` (exit 2) for a refusal."""
+    from .extras import import_extra
+
+    import_extra("harness")  # every canary needs some of it: refused at once, not as a failure of each
     from .preset_budget import check_fits
     from .presets import preset, process_count
 

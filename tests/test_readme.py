@@ -1,9 +1,19 @@
-"""The README's promises a newcomer relies on: the 20-line API example runs, the pictures are there and small."""
+"""The README's promises a newcomer relies on: the 20-line API example runs, the pictures are there and small, every
+shell command in a fenced block works as written after `make install`, the tables name every canary."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import entry_points
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -114,3 +124,109 @@ def test_the_gpu_ci_section_sets_up_environment_secrets_label_and_sweeper_in_tha
     for name in ("trainer-rank-gpu-validation", "SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN",
                  "`gpu-ci`", "rtv gpu sweep --older-than 3h"):
         assert name in section, name
+
+
+# --- The README's shell commands work as written after `make install` -----------------------------
+
+ACTIVATE = "source .venv/bin/activate"
+VENV_COMMANDS = ("rtv", "pytest", "torchrun")  # what a newcomer types that lives in .venv/bin, not on PATH
+
+
+def _fenced_commands() -> list[str]:
+    """Every command of the README's ```sh blocks (one a line), in order, without its comment."""
+    blocks = re.findall(r"^```(?:sh|bash|shell)\n(.*?)^```", README.read_text(), re.DOTALL | re.MULTILINE)
+    commands = [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()]
+    return [shlex.join(words) for words in commands if words]
+
+
+def _installed_by_make() -> set[str]:
+    """The distributions `make install` puts in .venv: torch, then the project with the extras its Makefile names."""
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    extras = re.search(r"pip install -e '\.\[([a-z,]+)\]'", (README.parent / "Makefile").read_text()).group(1)
+    specs = project["dependencies"] + [s for e in extras.split(",") for s in project["optional-dependencies"][e]]
+    names = {"torch", project["name"]} | {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0] for spec in specs}
+    return {name.lower().replace("_", "-") for name in names}
+
+
+def _check_rtv(args: list[str]) -> None:
+    """Help actually runs, through the console script; anything else must parse (subcommand, flags, choices)."""
+    if "--help" in args:
+        script = Path(sys.executable).parent / "rtv"
+        done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(README.parent)))
+        assert done.returncode == 0 and done.stdout.startswith("usage: rtv"), done.stderr
+        return
+    from canaries.cli import _build_parser
+
+    parsed = _build_parser().parse_args(args)  # argparse's SystemExit(2) names an unknown subcommand or flag
+    if getattr(parsed, "inject_mutation", None):
+        from canaries.mutations.catalogue import mutation
+
+        mutation(parsed.inject_mutation)  # SetupError naming the known ones
+
+
+def _check_torchrun(args: list[str]) -> None:
+    """torchrun's own parser takes its flags; the script exists and declares every flag passed to it."""
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    script = README.parent / parsed.training_script
+    declared = {node.args[0].value for node in ast.walk(ast.parse(script.read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                and node.args and isinstance(node.args[0], ast.Constant)}
+    passed = {arg.split("=")[0] for arg in parsed.training_script_args if arg.startswith("--")}
+    assert passed <= declared, f"{script.name} does not take {sorted(passed - declared)}"
+
+
+def test_the_readme_says_how_to_reach_the_venvs_commands_before_naming_one() -> None:
+    """`make run` leaves rtv in .venv/bin, not on PATH: the README activates the venv before its first venv command."""
+    text = README.read_text()
+    first = re.search(rf"(?:`|^)(?:{'|'.join(VENV_COMMANDS)}) ", text, re.MULTILINE)
+    assert first is not None
+    assert ACTIVATE in text[:first.start()], f"the README names {first.group(0)!r} before saying `{ACTIVATE}`"
+
+
+@pytest.mark.parametrize("command", _fenced_commands())
+def test_each_fenced_shell_command_runs_as_written_after_make_install(command: str) -> None:
+    words = shlex.split(command)
+    commands = _fenced_commands()
+    if words[0] == "make":
+        targets = re.findall(r"^([a-z][a-z-]*):", (README.parent / "Makefile").read_text(), re.MULTILINE)
+        assert set(words[1:]) <= set(targets), f"{command!r}: make has no target {sorted(set(words[1:]) - set(targets))}"
+        return
+    if command == ACTIVATE:
+        assert re.search(r"^VENV := \.venv$", (README.parent / "Makefile").read_text(), re.MULTILINE)
+        assert "-m venv $(VENV)" in (README.parent / "Makefile").read_text(), "make install makes .venv with venv"
+        return
+    binary = words[0].removeprefix(".venv/bin/")
+    if binary == words[0]:
+        assert ACTIVATE in commands[:commands.index(command)], f"{command!r} before `{ACTIVATE}`: command not found"
+    scripts = {ep.name: ep.dist.name.lower() for ep in entry_points(group="console_scripts")}
+    assert scripts.get(binary) in _installed_by_make(), f"{binary!r} is no console script make install installs"
+    assert (Path(sys.executable).parent / binary).is_file(), f"{binary!r} is not in this venv's bin"
+    checks = {"rtv": _check_rtv, "torchrun": _check_torchrun}
+    assert binary in checks, f"{command!r}: no rule checks its arguments; add one here"
+    checks[binary](words[1:])
+
+
+def _table_names(section: str) -> list[str]:
+    """The first column of the README's table under ``section`` (header row left out)."""
+    text = README.read_text()
+    part = text[text.index(section):]
+    part = part[: part.index("\n#", 1)]
+    return re.findall(r"^\| ([a-z]+) \|", part, re.MULTILINE)[1:]
+
+
+def test_the_readme_names_every_registered_canary_in_its_verdict_table_run_list_and_layout() -> None:
+    from canaries.registry import CANARIES
+    from canaries.smoke import KIND as SMOKE
+
+    assert sorted(_table_names("### How to read a verdict")) == sorted([SMOKE, *CANARIES]), "How to read a verdict"
+    text = README.read_text()
+    harness = text[text.index("## The harness"):]
+    listed = re.search(r"`rtv run`: [^(]*\(([^)]*)\)", harness).group(1)
+    assert listed.split(", ") == list(CANARIES), f"the `rtv run` bullet lists {listed}, the registry {list(CANARIES)}"
+    canaries_row = _layout_rows()["canaries/"]
+    for canary in CANARIES.values():
+        folder = canary.module.split(".")[1]
+        assert f"`{folder}/`" in canaries_row, f"the Layout table's canaries/ row does not name {folder}/"

@@ -42,7 +42,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +86,9 @@ RULES = (
     ("optimizer", "user_annotation", "Optimizer."),
 )
 _COUNTED = {"cpu_op", "python_function", "user_annotation"}  # host events; kernels and the profiler's own span are not
+# Kineto's trace-point notices, two per profiler session ("USDT:<time> <pid>:<tid> <file>:<line>] profiler_start"),
+# written to file descriptor 2 by C++; neither KINETO_LOG_LEVEL nor TORCH_CPP_LOG_LEVEL silences them.
+_PROFILER_NOTICE = re.compile(rb"^USDT:")
 _ROUNDING_US = 1e-3  # a trace's times are rounded to nanoseconds: a child may end that much past its parent
 
 
@@ -163,16 +171,42 @@ def differences(plain: list[float], retain: list[float], confidence: float = CON
     return {"mean_seconds": mean, "ci": [float(low), float(high)], "reading": reading}
 
 
+@contextmanager
+def _without_profiler_notices() -> Iterator[None]:
+    """Run the block with file descriptor 2 in a temporary file, then write back every line of it that is not a
+    kineto notice (:data:`_PROFILER_NOTICE`), in order: real messages (Python's or C++'s) still come through,
+    once the block is over. What other threads write to stderr meanwhile is delayed the same way, never lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile(prefix="rtv-profiler-stderr-") as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                kept = b"".join(line for line in captured.read().splitlines(keepends=True)
+                                if not _PROFILER_NOTICE.match(line))
+                while kept:  # a write may take part of it
+                    kept = kept[os.write(2, kept):]
+    finally:
+        os.close(saved)
+
+
 def _profiled_step(arm: TimedArm, name: str, path: Path) -> dict:
-    """One step of ``arm`` under a fresh ``torch.profiler`` session, exported to ``path`` and read back."""
+    """One step of ``arm`` under a fresh ``torch.profiler`` session (its notices kept off stderr), exported to
+    ``path`` and read back."""
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=activities, with_stack=True) as session:
-        with record_function(_range_name(name)):
-            arm()
-    session.export_chrome_trace(str(path))
+    with _without_profiler_notices():
+        with torch_profile(activities=activities, with_stack=True) as session:
+            with record_function(_range_name(name)):
+                arm()
+        session.export_chrome_trace(str(path))
     return json.loads(path.read_text())
 
 

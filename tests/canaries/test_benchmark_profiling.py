@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from canaries.benchmark import profiling
@@ -108,3 +111,20 @@ def test_the_profiled_blocks_alternate_the_arms_after_a_warm_up_and_keep_the_med
     assert hooks["mean_seconds"] == pytest.approx((np.mean(scripted["retain@s0"][1:]) - 200) / 10 * 1e-6)
     with pytest.raises(ValueError, match="odd number of profiled blocks"):
         profiling.profiled_pass(arms, plain_seconds=1.0, folder=None, stem="x", blocks=4)
+
+
+def test_a_profiled_step_keeps_the_profilers_notices_off_stderr_and_lets_real_messages_through(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Kineto writes ``USDT: ... profiler_start``/``profiler_stop`` to file descriptor 2 per session; what the step
+    itself writes there, from C (``os.write``) or Python, still reaches stderr."""
+
+    def step() -> float:
+        os.write(2, b"a message written to fd 2\n")
+        print("a message from Python", file=sys.stderr)
+        return float(torch.ones(3).sum())
+
+    trace = profiling._profiled_step(TimedArm(name="plain", step=step), "plain", tmp_path / "step.json")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_start" not in err, err
+    assert "a message written to fd 2\n" in err and "a message from Python\n" in err, err
+    assert any(event.get("name") == "rtv bench step: plain" for event in trace["traceEvents"])

@@ -71,6 +71,9 @@ FAULTS = ("error", "connection", "timeout", "sigint", "sigterm", "slow_result", 
 # earlier run (another run id, created before); one record too many; the benchmark failed (shown, not enforced);
 # the job's record created on a CPU; no evidence frame in the log at all; every record passed but the work
 # exited 1 (a job SkyPilot reported SUCCEEDED although it failed).
+# The request states the server's api_status lists without all_status (SkyPilot's RequestStatus.active_statuses()):
+# a test may mark a launch RUNNING (being made; a cancel no longer stops it, only PENDING ones are cancelled).
+ACTIVE = ("PENDING", "RUNNING")
 EVIDENCE = ("passed", "failed", "tampered", "missing", "stale", "foreign", "shown", "cpu", "no_frame", "misreported")
 
 
@@ -301,7 +304,7 @@ class FakeSky:
                                    created_at=e["created"], user_id=e["user"], return_value="null", error="null",
                                    pid=None, schedule_type="long", cluster_name=e["cluster"])
                     for rid, e in self.server.requests.items()
-                    if (all_status or e["state"] == "PENDING") and cluster_name in (None, e["cluster"])]
+                    if (all_status or e["state"] in ACTIVE) and cluster_name in (None, e["cluster"])]
 
     def down(self, cluster_name: str, purge: bool = False, graceful: bool = False,
              graceful_timeout: int | None = None) -> RequestId:

@@ -160,6 +160,31 @@ def test_a_lost_launch_still_pending_is_cancelled_by_the_id_the_server_lists(sky
     assert "rtv-gate-42-1" not in fake.clusters, "the cancelled launch must never land"
 
 
+def test_a_launch_request_the_server_is_running_is_waited_for_not_taken_for_absence(sky_fake, gate, tmp_path):
+    fake = sky_fake.FakeSky()
+    fake.inject("launch", "lost_reply")
+    polls: list[str] = []
+
+    def server_at_work() -> None:
+        """The server runs the lost launch: RUNNING for two polls (a cancel cannot stop it), then its cluster is up."""
+        polls.append("api_status")
+        for entry in fake.server.requests.values():
+            if "launch" in entry["name"] and entry["state"] in ("PENDING", "RUNNING"):
+                entry["state"] = "RUNNING" if len(polls) < 3 else "PENDING"
+        if len(polls) >= 3:
+            fake.server.run_pending()
+
+    fake.server.on_api_status = server_at_work
+    outcome = launch(fake, gate, tmp_path)
+    fake.server.on_api_status = None
+    for entry in fake.server.requests.values():  # whatever the server was still running finishes
+        entry["state"] = "PENDING" if entry["state"] == "RUNNING" else entry["state"]
+    fake.server.run_pending()
+    observed = receipt_of(outcome)["measurements"]["observed"]
+    assert len(polls) >= 3, "absence declared while the launch request was running"
+    assert observed["absence_confirmed"] and "rtv-gate-42-1" not in fake.clusters, observed
+
+
 def test_a_failed_down_is_retried_with_backoff(sky_fake, gate, tmp_path):
     fake = sky_fake.FakeSky()
     fake.inject("down", "connection")
@@ -192,6 +217,18 @@ def test_sweep_downs_every_matching_cluster_of_any_user_with_a_receipt_each(sky_
     assert all(o.exit_code == 0 for o in outcomes) and sorted(runner_a.clusters) == sorted([young, other])
     assert [o.exit_code for o in launcher(runner_a.as_user("sweeper"), clock).sweep(out_dir=tmp_path)] == [0]
     assert sorted(runner_a.clusters) == [other]
+
+
+def test_sweep_leaves_a_cluster_whose_launch_time_is_unknown(sky_fake, gate, tmp_path):
+    """Its age is unknown, not old: another runner may have launched it a moment ago."""
+    runner_a = sky_fake.FakeSky(user="runnera")
+    clock = FakeClock()
+    runner_a.server.wall = clock
+    name = lost_cluster(runner_a, gate)
+    runner_a.clusters[name] = runner_a.clusters[name].model_copy(update={"launched_at": None})  # no launch time
+    clock.now += 3 * 3600
+    assert launcher(runner_a.as_user("sweeper"), clock).sweep(out_dir=tmp_path, older_than="2h") == []
+    assert name in runner_a.clusters
 
 
 # --- Why 5: the judge applies rtv run's rule ------------------------------------------------------
