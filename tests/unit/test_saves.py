@@ -6,16 +6,24 @@ naming the file, and the refusal changes nothing: not the model passed, not the 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib
 import json
+import multiprocessing
 import os
+import queue
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import reference_trainer as rt
+import reference_trainer.saves as saves
 from tests.support import make_trainer, train_step
+from tests.unit import saves_workers as workers
 
 
 def _model() -> rt.DecoderLM:
@@ -133,8 +141,6 @@ def test_a_pointer_written_before_the_check_still_loads(tmp_path):
 
 
 def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     trainer = _saved(tmp_path / "kept")
     before = sorted(p.name for p in (tmp_path / "kept").iterdir())
     real, written = saves._write_synced, []
@@ -155,8 +161,6 @@ def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypa
 
 
 def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     events, real = [], saves._write_synced
     monkeypatch.setattr(saves, "_write_synced", lambda path, data: (events.append(f"write {path.name}"),
                                                                     real(path, data)))
@@ -171,60 +175,47 @@ def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monke
 
 # --- concurrency: a lock per folder, unique staging names (NOTE [Durable saves] Rule 6) -------------------------
 
-def _concurrent_jobs(root: Path, writers: int, saves: int, readers: int, reads: int, barrier) -> list[tuple]:
+def _concurrent_jobs(root: Path, writers: int, count: int, readers: int, reads: int, barrier) -> list[tuple]:
     """The workers' jobs on ``root``, which first gets a save in force (what readers start from)."""
-    from tests.unit import saves_workers as workers
-
     workers.write_folder(root, workers.save_files("seed", 0))
-    jobs = [(workers.writer, str(root), f"w{i}", saves, barrier) for i in range(writers)]
+    jobs = [(workers.writer, str(root), f"w{i}", count, barrier) for i in range(writers)]
     return jobs + [(workers.reader, str(root), reads, barrier)] * readers
 
 
-def _check_concurrent_outcomes(root: Path, results: list, saves: int) -> None:
+def _check_concurrent_outcomes(root: Path, results: list, count: int) -> None:
     """No worker failed; every save completed in its own folder, one writer's in its order; LATEST names the
     last save made, the only one left; every read was one whole save."""
-    from tests.unit import saves_workers as workers
-
     assert [error for _, error in results if error] == []
     written = dict(result for result, _ in results if result[0] != "reader")
     folders = [folder for made in written.values() for folder in made]
-    assert len(set(folders)) == len(folders) == len(written) * saves
+    assert len(set(folders)) == len(folders) == len(written) * count
     assert all(made == sorted(made) for made in written.values())
     last = max(folders)
     assert (root / "LATEST").read_text().split()[0] == last
     assert sorted(p.name for p in root.iterdir()) == [".lock", "LATEST", last]
     writer = workers.whose(workers.read_folder(root))
-    assert writer == (writer[0], saves - 1) and last in written[writer[0]]
+    assert writer == (writer[0], count - 1) and last in written[writer[0]]
     reads = [who for result, _ in results if result[0] == "reader" for who in result[1]]
     assert reads and all(who[0] in {"seed", *written} for who in reads)
 
 
 def test_concurrent_writers_and_readers_in_threads_lose_no_save(tmp_path):
     """Two writer threads and two reader threads on one folder (the fast sibling of the processes' test)."""
-    import queue
-    import threading
-
-    from tests.unit import saves_workers as workers
-
-    saves, barrier, outcomes = 12, threading.Barrier(4), queue.Queue()
-    jobs = _concurrent_jobs(tmp_path / "saves", 2, saves, 2, 12, barrier)
+    count, barrier, outcomes = 12, threading.Barrier(4), queue.Queue()
+    jobs = _concurrent_jobs(tmp_path / "saves", 2, count, 2, 12, barrier)
     threads = [threading.Thread(target=workers.report, args=(outcomes, *job), daemon=True) for job in jobs]
     for thread in threads:
         thread.start()
     results = [outcomes.get(timeout=60) for _ in threads]
-    _check_concurrent_outcomes(tmp_path / "saves", results, saves)
+    _check_concurrent_outcomes(tmp_path / "saves", results, count)
 
 
 @pytest.mark.slow
 def test_concurrent_saving_and_loading_processes_lose_no_save(tmp_path):
     """Two writer processes and a reader process (spawned) on one folder."""
-    import multiprocessing
-
-    from tests.unit import saves_workers as workers
-
-    saves, context = 10, multiprocessing.get_context("spawn")
+    count, context = 10, multiprocessing.get_context("spawn")
     barrier, outcomes = context.Barrier(3), context.Queue()
-    jobs = _concurrent_jobs(tmp_path / "saves", 2, saves, 1, 20, barrier)
+    jobs = _concurrent_jobs(tmp_path / "saves", 2, count, 1, 20, barrier)
     processes = [context.Process(target=workers.report, args=(outcomes, *job)) for job in jobs]
     for process in processes:
         process.start()
@@ -235,15 +226,11 @@ def test_concurrent_saving_and_loading_processes_lose_no_save(tmp_path):
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    _check_concurrent_outcomes(tmp_path / "saves", results, saves)
+    _check_concurrent_outcomes(tmp_path / "saves", results, count)
 
 
 def test_clean_up_removes_a_dead_writers_staging_and_keeps_a_live_ones(tmp_path):
     """A staging folder is a live writer's while its lock is held (Rule 6); a dead writer's lock is free."""
-    import fcntl
-
-    import reference_trainer.saves as saves
-
     saves.write_folder(tmp_path, {"a": b"1"})
     (tmp_path / ".tmp-dead").mkdir()
     (tmp_path / ".tmp-live").mkdir()
@@ -260,8 +247,6 @@ def test_clean_up_removes_a_dead_writers_staging_and_keeps_a_live_ones(tmp_path)
 
 
 def test_a_reader_during_a_save_reads_the_previous_save_whole(tmp_path):
-    import reference_trainer.saves as saves
-
     saves.write_folder(tmp_path, {"a": b"old", "b": b"old"})
     seen = []
     saves.write_folder(tmp_path, {"a": b"new", "b": lambda: (seen.append(saves.read_folder(tmp_path)), b"new")[1]})
@@ -297,10 +282,6 @@ BEFORE_LATEST_MOVES = {
 @pytest.mark.parametrize("where", sorted(BEFORE_LATEST_MOVES))
 def test_a_save_failing_before_latest_moves_removes_all_it_wrote(tmp_path, monkeypatch, where):
     """Into a folder of saves and into new nested folders: the path is as it was, the previous save in force."""
-    import importlib
-
-    import reference_trainer.saves as saves
-
     kept, new = tmp_path / "saves", tmp_path / "new" / "a" / "saves"
     saves.write_folder(kept, {"a": b"old", "b": b"old"})
     before = sorted(p.name for p in kept.iterdir())
@@ -326,10 +307,6 @@ AFTER_LATEST_MOVED = {
 
 @pytest.mark.parametrize("where", sorted(AFTER_LATEST_MOVED))
 def test_a_save_failing_after_latest_moved_says_the_new_save_is_in_force(tmp_path, monkeypatch, where):
-    import importlib
-
-    import reference_trainer.saves as saves
-
     saves.write_folder(tmp_path, {"a": b"old"})
     module, name, when = AFTER_LATEST_MOVED[where]
     fired = _fail_at(monkeypatch, importlib.import_module(module), name, when)
@@ -373,8 +350,6 @@ def _record_directory_fsyncs(monkeypatch) -> list[tuple[str, str]]:
 
 
 def test_every_new_folder_is_fsynced_into_its_parent(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     root = tmp_path / "a" / "b" / "saves"
     created = [tmp_path / "a", tmp_path / "a" / "b", root]  # the oracle: what does not exist yet
     assert not any(folder.exists() for folder in created)
@@ -387,8 +362,6 @@ def test_every_new_folder_is_fsynced_into_its_parent(tmp_path, monkeypatch):
 
 
 def test_the_save_folders_entry_is_fsynced_before_latest_names_it(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     saves.write_folder(tmp_path, {"x": b"1"})
     events = _record_directory_fsyncs(monkeypatch)
     saves.write_folder(tmp_path, {"x": b"2"})
@@ -403,8 +376,6 @@ def test_the_save_folders_entry_is_fsynced_before_latest_names_it(tmp_path, monk
 def _forge_manifest(root: Path, files: dict) -> None:
     """Replace the manifest with ``files`` (name -> bytes) and LATEST with a pointer that matches it (the format of
     NOTE [Durable saves] Rule 1, computed here): a save that only its names make unsafe."""
-    import hashlib
-
     def sha(data: bytes) -> str:
         return hashlib.sha256(data).hexdigest()
 
@@ -416,8 +387,6 @@ def _forge_manifest(root: Path, files: dict) -> None:
 
 @pytest.mark.parametrize("name", ["../outside", "ABSOLUTE", "sub/inner", ".", ".."])
 def test_a_manifest_entry_that_is_not_a_plain_name_is_refused_naming_it(tmp_path, name):
-    import reference_trainer.saves as saves
-
     root, secret = tmp_path / "saves", b"a file outside the save"
     saves.write_folder(root, {"a": b"1"})
     (tmp_path / "outside").write_bytes(secret)
@@ -428,13 +397,10 @@ def test_a_manifest_entry_that_is_not_a_plain_name_is_refused_naming_it(tmp_path
     with pytest.raises(rt.CorruptSaveError) as refused:
         saves.read_folder(root)
     assert refused.value.file == "save-000001/manifest.json" and repr(entry) in str(refused.value)
-    import hashlib
     assert hashlib.sha256(secret).hexdigest() not in str(refused.value)
 
 
 def test_a_symbolic_link_in_a_save_is_refused_naming_it(tmp_path):
-    import reference_trainer.saves as saves
-
     root = tmp_path / "saves"
     saves.write_folder(root, {"a": b"1", "b": b"2"})
     (tmp_path / "outside").write_bytes(b"2")  # the same bytes: only the link is wrong
@@ -449,10 +415,6 @@ def test_a_symbolic_link_in_a_save_is_refused_naming_it(tmp_path):
 @pytest.mark.parametrize("file", ["b", "LATEST"])
 def test_a_fifo_in_a_save_is_refused_without_waiting(tmp_path, file):
     """Read in a thread: a load that waited on the FIFO is unblocked by opening its other end, and fails."""
-    import threading
-
-    import reference_trainer.saves as saves
-
     root = tmp_path / "saves"
     saves.write_folder(root, {"a": b"1", "b": b"2"})
     fifo = root / ("save-000001" if file == "b" else "") / file
@@ -481,8 +443,6 @@ def _raised(function, *args) -> BaseException | None:
 # --- a missing LATEST, bad paths (Rules 3, 4) -----------------------------------------------------------------
 
 def test_a_missing_latest_beside_a_save_is_corrupt_and_a_folder_without_saves_is_a_config_error(tmp_path):
-    import reference_trainer.saves as saves
-
     saves.write_folder(tmp_path / "saves", {"a": b"1"})
     (tmp_path / "saves" / "LATEST").unlink()
     with pytest.raises(rt.CorruptSaveError) as refused:
