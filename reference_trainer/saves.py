@@ -19,15 +19,7 @@ NOTE [Durable saves]
      writers removed. A crash at any point leaves ``LATEST`` naming a
      complete save (the previous one, or the new one once ``LATEST`` moved):
      never a half-written one.
-  3. Failing: an error before ``LATEST`` moved removes what this save wrote
-     (its staging or renamed folder, its temporary ``LATEST``, and the
-     folders it made, when no other writer put anything in them) and is
-     raised as it came: the save in force is the previous one. An error
-     after ``LATEST`` moved (its fsync, the removal of older saves) is a
-     ``SaveInForceError``: the new save is in force. A bad path (not a
-     ``str`` or ``os.PathLike``, ``""``, a file, a folder or parent this
-     process cannot write) is a ``ConfigError`` and writes nothing.
-  4. Reading: ``LATEST``, then the manifest (its digest must be the one
+  3. Reading: ``LATEST``, then the manifest (its digest must be the one
      ``LATEST`` names; every entry a plain name of the save folder), then
      every file's size and digest, before any byte is interpreted. Each file
      is opened inside the save folder without following a symbolic link and
@@ -38,9 +30,17 @@ NOTE [Durable saves]
      ``LATEST`` (a first save killed before ``LATEST`` was written reads so
      too: nothing of it was in force); a folder holding no save, or no
      folder, is a ``ConfigError``.
-  5. A file may be given as a function that makes its bytes: it is called
+  4. A file may be given as a function that makes its bytes: it is called
      when its turn to be written comes, and its bytes are let go once
      written, so a save of many large files holds one at a time in memory.
+  5. Failing: an error before ``LATEST`` moved removes what this save wrote
+     (its staging or renamed folder, its temporary ``LATEST``, and the
+     folders it made, when no other writer put anything in them) and is
+     raised as it came: the save in force is the previous one. An error
+     after ``LATEST`` moved (its fsync, the removal of older saves) is a
+     ``SaveInForceError``: the new save is in force. A bad path (not a
+     ``str`` or ``os.PathLike``, ``""``, a file, a folder or parent this
+     process cannot write) is a ``ConfigError`` and writes nothing.
   6. Concurrency (processes or threads, on one machine or a filesystem with
      POSIX advisory locks): ``fcntl.flock`` on ``.lock``. Writers stage in
      parallel, each holding a lock on its own staging folder, and take the
@@ -81,7 +81,7 @@ from .errors import ConfigError, CorruptSaveError, SaveInForceError, int_at_leas
 
 __all__ = ["LATEST", "LOCK", "MANIFEST", "FileData", "read_folder", "write_folder"]
 
-FileData = bytes | memoryview | Callable[[], bytes | memoryview]  # a file's bytes, or what makes them (Rule 5)
+FileData = bytes | memoryview | Callable[[], bytes | memoryview]  # a file's bytes, or what makes them (Rule 4)
 
 LATEST = "LATEST"
 LOCK = ".lock"
@@ -93,7 +93,7 @@ _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXI
 
 
 def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path:
-    """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rules 2, 3, 6); returns its folder."""
+    """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rules 2, 5, 6); returns its folder."""
     root = _root(path)
     for name in files:
         if not _plain(name):
@@ -112,7 +112,7 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path
 
 
 def _root(path: object) -> Path:
-    """``path`` as a save path; a ``ConfigError`` unless a non-empty ``str`` or ``os.PathLike`` naming no file (Rule 3)."""
+    """``path`` as a save path; a ``ConfigError`` unless a non-empty ``str`` or ``os.PathLike`` naming no file (Rule 5)."""
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text:
         raise ConfigError("path", path, "a non-empty str or os.PathLike naming a folder of saves")
@@ -136,7 +136,7 @@ def _begin(root: Path) -> tuple[list[Path], Path, int]:
                 staging.mkdir()
                 return created, staging, _hold(staging)
         except FileNotFoundError:
-            continue  # a failed writer that made ``root`` removed it meanwhile (Rule 3): make it again
+            continue  # a failed writer that made ``root`` removed it meanwhile (Rule 5): make it again
         except OSError as exc:
             _undo(root, created, [])
             if exc.errno in _UNWRITABLE:
@@ -189,7 +189,7 @@ def _make_folders(root: Path) -> list[Path]:
 def _locked(root: Path, mode: int) -> Iterator[None]:
     """Hold ``root``'s lock file (Rule 6): ``LOCK_EX`` to write, ``LOCK_SH`` to read.
 
-    A lock file removed while this waited (Rule 3) is not the lock: it takes the one now there. A reader
+    A lock file removed while this waited (Rule 5) is not the lock: it takes the one now there. A reader
     that cannot create it reads without it; ``FileNotFoundError`` when ``root`` is gone.
     """
     lock = root / LOCK
@@ -223,7 +223,7 @@ def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
     manifest: dict = {"files": {}}
     for file, made in files.items():
-        data = made() if callable(made) else made  # made at its turn, let go at the next (Rule 5)
+        data = made() if callable(made) else made  # made at its turn, let go at the next (Rule 4)
         _write_synced(staging / file, data)
         manifest["files"][file] = {"bytes": len(data), "sha256": _digest(data)}
     manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -233,7 +233,7 @@ def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
 
 
 def _commit(root: Path, created: list[Path], staging: Path, manifest_bytes: bytes) -> Path:
-    """Under the lock: rename ``staging`` to the next save, move ``LATEST`` to it, then clean up (Rules 2, 3, 6)."""
+    """Under the lock: rename ``staging`` to the next save, move ``LATEST`` to it, then clean up (Rules 2, 5, 6)."""
     with _locked(root, fcntl.LOCK_EX):
         numbers = [int(m.group(1)) for p in root.iterdir() if (m := _SAVE.fullmatch(p.name))]
         name = f"save-{max(numbers, default=0) + 1:06d}"
@@ -328,7 +328,7 @@ def _read_pointer(root: Path) -> tuple[str, str]:
 
 
 def read_folder(path: str | os.PathLike) -> dict[str, bytes]:
-    """Every file of the save in force under ``path``, each verified against the manifest (Rules 4, 6)."""
+    """Every file of the save in force under ``path``, each verified against the manifest (Rules 3, 6)."""
     root = _root(path)
     if not root.is_dir():
         raise ConfigError("path", str(root), "a folder written by trainer.save", hint="there is no such folder")
@@ -401,7 +401,7 @@ def _plain(name: object) -> bool:
 
 
 def _read(folder: int, file: str, root: Path, where: str) -> bytes:
-    """The bytes of the regular file ``file`` directly in the open folder ``folder`` (Rule 4): never through a
+    """The bytes of the regular file ``file`` directly in the open folder ``folder`` (Rule 3): never through a
     symbolic link, never waiting on a FIFO; else a ``CorruptSaveError`` naming ``where``."""
     try:
         handle = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)

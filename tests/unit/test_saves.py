@@ -254,7 +254,7 @@ def test_a_reader_during_a_save_reads_the_previous_save_whole(tmp_path):
     assert saves.read_folder(tmp_path) == {"a": b"new", "b": b"new"}
 
 
-# --- failures: what was written is removed, and the error says whether the new save is in force (Rule 3) -------
+# --- failures: what was written is removed, and the error says whether the new save is in force (Rule 5) -------
 
 def _fail_at(monkeypatch, target, name: str, when=lambda *args: True) -> list:
     """Make ``target.name`` raise ``OSError(EIO)`` on its first call for which ``when(*args)`` holds."""
@@ -371,7 +371,7 @@ def test_the_save_folders_entry_is_fsynced_before_latest_names_it(tmp_path, monk
     assert ("fsync", str(tmp_path)) in events[replaced:], events  # and LATEST's own entry after it
 
 
-# --- reading: manifest entries are plain names of regular files in the save folder (Rule 4) ---------------------
+# --- reading: manifest entries are plain names of regular files in the save folder (Rule 3) ---------------------
 
 def _forge_manifest(root: Path, files: dict) -> None:
     """Replace the manifest with ``files`` (name -> bytes) and LATEST with a pointer that matches it (the format of
@@ -440,7 +440,7 @@ def _raised(function, *args) -> BaseException | None:
     return None
 
 
-# --- a missing LATEST, bad paths (Rules 3, 4) -----------------------------------------------------------------
+# --- a missing LATEST, bad paths (Rules 3, 5) -----------------------------------------------------------------
 
 def test_a_missing_latest_beside_a_save_is_corrupt_and_a_folder_without_saves_is_a_config_error(tmp_path):
     saves.write_folder(tmp_path / "saves", {"a": b"1"})
@@ -467,7 +467,17 @@ def test_every_bad_save_path_is_a_config_error_that_writes_nothing(tmp_path, mon
     def unwritable(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
+    (tmp_path / "existing").mkdir()
+    real_open = os.open
+
+    def open_unwritable(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and not os.path.exists(path):
+            unwritable(path)
+        return real_open(path, flags, *args, **kwargs)
+
     monkeypatch.setattr(os, "mkdir", unwritable)  # the tests run as root, whom no permission stops
-    with pytest.raises(rt.ConfigError, match="Permission denied"):
-        trainer.save(tmp_path / "new" / "saves")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    monkeypatch.setattr(os, "open", open_unwritable)
+    for path in (tmp_path / "new" / "saves", tmp_path / "existing"):  # an unwritable parent, an unwritable folder
+        with pytest.raises(rt.ConfigError, match="Permission denied"):
+            trainer.save(path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["existing", "file"]
