@@ -96,8 +96,8 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path
     """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rules 2, 5, 6); returns its folder."""
     root = _root(path)
     for name in files:
-        if not _plain(name):
-            raise ConfigError("file name", name, "a plain file name (no '/', not '.' or '..')")
+        if not _plain(name) or name == MANIFEST:
+            raise ConfigError("file name", name, f"a plain file name (no '/', not '.', '..' or {MANIFEST!r})")
     created, staging, held = _begin(root)
     try:
         try:

@@ -481,3 +481,10 @@ def test_every_bad_save_path_is_a_config_error_that_writes_nothing(tmp_path, mon
         with pytest.raises(rt.ConfigError, match="Permission denied"):
             trainer.save(path)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["existing", "file"]
+
+
+@pytest.mark.parametrize("name", ["../outside", "sub/inner", ".", "..", "", "manifest.json"])
+def test_a_file_name_that_is_not_plain_is_refused_at_write_and_writes_nothing(tmp_path, name):
+    with pytest.raises(rt.ConfigError, match="file name"):
+        saves.write_folder(tmp_path / "saves", {"a": b"1", name: b"2"})
+    assert list(tmp_path.iterdir()) == []
