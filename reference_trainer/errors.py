@@ -19,6 +19,7 @@ __all__ = [
     "MemoryAdmissionError",
     "UnsupportedSavedStateError",
     "CorruptSaveError",
+    "SaveInForceError",
     "PeerError",
 ]
 
@@ -139,7 +140,9 @@ class CorruptSaveError(TrainerError):
     """A save folder's file is missing, truncated or changed since ``trainer.save`` wrote it.
 
     ``path``: the save folder; ``file``: the file, relative to it; ``problem``:
-    ``"missing"``, ``"truncated"`` or ``"changed"``. Nothing was loaded:
+    ``"missing"``, ``"truncated"`` or ``"changed"`` (a file that is not a
+    regular one, a symbolic link or a FIFO, and a manifest entry that is not a
+    plain name inside the save, are ``"changed"``). Nothing was loaded:
     restore the folder from a copy, or load an earlier save.
     """
 
@@ -150,6 +153,28 @@ class CorruptSaveError(TrainerError):
         super().__init__(
             f"save {self.path}: file {file!r} is {problem}: expected {expected}, found {found}; "
             "nothing was loaded. Restore the folder from a copy or load another save"
+        )
+
+
+class SaveInForceError(TrainerError):
+    """A save failed after its new save came into force: ``LATEST`` names it, and a load reads it.
+
+    ``path``: the save path; ``save``: the save folder now in force (relative
+    to ``path``); ``step``: what failed after ``LATEST`` moved (making the
+    move durable, or removing older saves and leftovers); the original error
+    is the ``__cause__``. The state is saved: nothing needs saving again.
+    Older saves may remain until the next save removes them. Any other error
+    a save raises means the new save is not in force and nothing it wrote
+    remains.
+    """
+
+    def __init__(self, path: object, save: str, step: str, cause: str) -> None:
+        self.path = str(path)
+        self.save = save
+        self.step = step
+        super().__init__(
+            f"save {self.path}: the new save {save!r} is in force (LATEST names it), but {step} failed: {cause}; "
+            "the state is saved; fix the cause (the next save removes what was left)"
         )
 
 

@@ -7,24 +7,54 @@ NOTE [Durable saves]
      ``LATEST`` itself is named as such; a two-field ``LATEST`` (written
      before the check was kept) still loads. Each save is a folder
      ``save-NNNNNN`` holding its files and ``manifest.json`` (every other
-     file's name, size and SHA-256).
-  2. Writing: the files and the manifest go into a fresh ``.tmp-*`` folder,
-     each fsynced, the folder fsynced and renamed to ``save-NNNNNN``; then
-     ``LATEST`` is replaced atomically (a fsynced temporary file and
-     ``os.replace``) and the parent fsynced. Only then are older saves and
-     leftover temporary folders removed. A crash at any point leaves
-     ``LATEST`` naming a complete save (the previous one, or the new one once
-     ``LATEST`` moved): never a half-written one. A write that raises
-     (a full disk) first removes its temporary folder, and the save path too
-     when this save created it, so a refused save leaves the path as it was.
+     file's name, size and SHA-256). The lock file ``.lock`` (Rule 6) stays.
+  2. Writing: the save path and every missing folder above it are made, each
+     new folder's entry fsynced into its parent. The files and the manifest
+     go into a fresh staging folder ``.tmp-<pid>-<random>``, each fsynced,
+     the folder fsynced, renamed to ``save-NNNNNN`` (one more than the
+     highest there) and the save path fsynced, so the folder's entry is
+     durable before anything names it; then ``LATEST`` is replaced
+     atomically (a fsynced temporary file and ``os.replace``) and the save
+     path fsynced again. Only then are older saves and leftovers of dead
+     writers removed. A crash at any point leaves ``LATEST`` naming a
+     complete save (the previous one, or the new one once ``LATEST`` moved):
+     never a half-written one.
   3. Reading: ``LATEST``, then the manifest (its digest must be the one
-     ``LATEST`` names), then every file's size and digest, before any byte is
-     interpreted. A missing, truncated or changed file is a
-     :class:`CorruptSaveError` naming it; nothing is returned.
+     ``LATEST`` names; every entry a plain name of the save folder), then
+     every file's size and digest, before any byte is interpreted. Each file
+     is opened inside the save folder without following a symbolic link and
+     without waiting on a FIFO, and must be a regular file. A missing,
+     truncated or changed file, or one that is not a regular file, is a
+     :class:`CorruptSaveError` naming it; nothing is returned. A folder
+     holding saves but no ``LATEST`` is a ``CorruptSaveError`` naming
+     ``LATEST`` (a first save killed before ``LATEST`` was written reads so
+     too: nothing of it was in force); a folder holding no save, or no
+     folder, is a ``ConfigError``.
   4. A file may be given as a function that makes its bytes: it is called
      when its turn to be written comes, and its bytes are let go once
      written, so a save of many large files holds one at a time in memory.
-  5. What the files hold, and how the trainer's state maps onto them, is
+  5. Failing: an error before ``LATEST`` moved removes what this save wrote
+     (its staging or renamed folder, its temporary ``LATEST``, and the
+     folders it made, when no other writer put anything in them) and is
+     raised as it came: the save in force is the previous one. An error
+     after ``LATEST`` moved (its fsync, the removal of older saves) is a
+     ``SaveInForceError``: the new save is in force. A bad path (not a
+     ``str`` or ``os.PathLike``, ``""``, a file, a folder or parent this
+     process cannot write) is a ``ConfigError`` and writes nothing.
+  6. Concurrency (processes or threads, on one machine or a filesystem with
+     POSIX advisory locks): ``fcntl.flock`` on ``.lock``. Writers stage in
+     parallel, each holding a lock on its own staging folder, and take the
+     lock exclusively to make their staging folder and to move it into
+     force, so two writers into one folder both complete, one after the
+     other: ``LATEST`` names the later, whose folder number is the higher.
+     A writer's clean-up removes only saves older than its own and staging
+     folders whose writer is dead (their lock is free), never the one
+     ``LATEST`` names or one another writer is making. A reader holds the
+     lock shared while it reads, so a reader during a save reads the
+     previous save in force, whole; one that starts after ``LATEST`` moved
+     reads the new one. A reader that cannot create ``.lock`` (a read-only
+     folder written before locks) reads without it.
+  7. What the files hold, and how the trainer's state maps onto them, is
      ``resume.py``'s business (NOTE [Resume]); this module only moves bytes.
 
 Hand-written rather than ``torch.distributed.checkpoint``: the trainer's
@@ -34,60 +64,163 @@ and a handful of files suffice, and DCP writes no digests to verify.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConfigError, CorruptSaveError
+from .errors import ConfigError, CorruptSaveError, SaveInForceError, int_at_least
 
-__all__ = ["LATEST", "MANIFEST", "FileData", "read_folder", "write_folder"]
+__all__ = ["LATEST", "LOCK", "MANIFEST", "FileData", "read_folder", "write_folder"]
 
 FileData = bytes | memoryview | Callable[[], bytes | memoryview]  # a file's bytes, or what makes them (Rule 4)
 
 LATEST = "LATEST"
+LOCK = ".lock"
 MANIFEST = "manifest.json"
 _SAVE = re.compile(r"save-(\d{6,})")
+_STAGING = ".tmp-"
+_NOT_REGULAR = (errno.ELOOP, errno.ENXIO, errno.ENODEV)  # open of a symbolic link (O_NOFOLLOW), a socket, a device
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
 
 
 def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path:
-    """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rule 2); returns its folder."""
-    root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise ConfigError("path", str(root), "a folder (or a path not yet used) to hold saves")
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    if created:
-        _fsync_dir(root.parent)  # the new folder's own entry survives a power loss too
-    numbers = [int(m.group(1)) for p in root.iterdir() if (m := _SAVE.fullmatch(p.name))]
-    name = f"save-{max(numbers, default=0) + 1:06d}"
-    staging = root / f".tmp-{uuid.uuid4().hex}"
+    """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rules 2, 5, 6); returns its folder."""
+    root = _root(path)
+    for name in files:
+        if not _plain(name) or name == MANIFEST:
+            raise ConfigError("file name", name, f"a plain file name (no '/', not '.', '..' or {MANIFEST!r})")
+    created, staging, held = _begin(root)
     try:
-        manifest_bytes = _stage(staging, files)
+        try:
+            manifest_bytes = _stage(staging, files)
+        except BaseException:
+            with _locked(root, fcntl.LOCK_EX):
+                _undo(root, created, [staging])
+            raise
+        return _commit(root, created, staging, manifest_bytes)
+    finally:
+        os.close(held)
+
+
+def _root(path: object) -> Path:
+    """``path`` as a save path; a ``ConfigError`` unless a non-empty ``str`` or ``os.PathLike`` naming no file (Rule 5)."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
+        raise ConfigError("path", path, "a non-empty str or os.PathLike naming a folder of saves")
+    root = Path(text)
+    if root.exists() and not root.is_dir():
+        raise ConfigError("path", text, "a folder (or a path not yet used) to hold saves", hint="it is a file")
+    return root
+
+
+def _begin(root: Path) -> tuple[list[Path], Path, int]:
+    """Make ``root`` (Rule 2) and, under the lock, a staging folder held by this writer (Rule 6).
+
+    Returns the folders made (top first), the staging folder and the descriptor holding its lock.
+    """
+    while True:
+        created: list[Path] = []
+        try:
+            created = _make_folders(root)
+            with _locked(root, fcntl.LOCK_EX):
+                staging = root / f"{_STAGING}{os.getpid()}-{uuid.uuid4().hex}"
+                staging.mkdir()
+                return created, staging, _hold(staging)
+        except FileNotFoundError:
+            continue  # a failed writer that made ``root`` removed it meanwhile (Rule 5): make it again
+        except OSError as exc:
+            _undo(root, created, [])
+            if exc.errno in _UNWRITABLE:
+                raise ConfigError("path", str(root), "a folder this process can write saves in (or a path whose "
+                                  "missing folders it can make)", hint=str(exc)) from None
+            raise
+
+
+def _hold(staging: Path) -> int:
+    """A descriptor holding the lock of the fresh folder ``staging`` (never contended); it is removed on failure."""
+    try:
+        held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created:
-            shutil.rmtree(root, ignore_errors=True)
+        staging.rmdir()
         raise
-    os.rename(staging, root / name)
-    _fsync_dir(root)
-    pointer = root / f".tmp-{LATEST}-{uuid.uuid4().hex}"
-    _write_synced(pointer, f"{_pointer(name, _digest(manifest_bytes))}\n".encode())
-    os.replace(pointer, root / LATEST)
-    _fsync_dir(root)
-    for old in root.iterdir():  # only after LATEST names the new save (Rule 2)
-        if old.name != name and (old.name.startswith(".tmp-") or _SAVE.fullmatch(old.name)):
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
-    return root / name
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(held)
+        staging.rmdir()
+        raise
+    return held
+
+
+def _make_folders(root: Path) -> list[Path]:
+    """Make ``root`` and its missing ancestors, top down, each new folder's entry fsynced into its parent."""
+    missing = []
+    for folder in (root, *root.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    created = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if folder.is_dir():
+                continue  # another writer made it
+            raise
+        created.append(folder)
+        try:
+            _fsync_dir(folder.parent)
+        except BaseException:
+            _undo(root, created, [])
+            raise
+    return created
+
+
+@contextmanager
+def _locked(root: Path, mode: int) -> Iterator[None]:
+    """Hold ``root``'s lock file (Rule 6): ``LOCK_EX`` to write, ``LOCK_SH`` to read.
+
+    A lock file removed while this waited (Rule 5) is not the lock: it takes the one now there. A reader
+    that cannot create it reads without it; ``FileNotFoundError`` when ``root`` is gone.
+    """
+    lock = root / LOCK
+    while True:
+        try:
+            handle = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if mode == fcntl.LOCK_SH and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                yield
+                return
+            raise
+        try:
+            fcntl.flock(handle, mode)
+            if _same_file(handle, lock):
+                yield
+                return
+        finally:
+            os.close(handle)
+
+
+def _same_file(handle: int, path: Path) -> bool:
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle)
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
-    staging.mkdir()
     manifest: dict = {"files": {}}
     for file, made in files.items():
         data = made() if callable(made) else made  # made at its turn, let go at the next (Rule 4)
@@ -99,6 +232,77 @@ def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     return manifest_bytes
 
 
+def _commit(root: Path, created: list[Path], staging: Path, manifest_bytes: bytes) -> Path:
+    """Under the lock: rename ``staging`` to the next save, move ``LATEST`` to it, then clean up (Rules 2, 5, 6)."""
+    with _locked(root, fcntl.LOCK_EX):
+        numbers = [int(m.group(1)) for p in root.iterdir() if (m := _SAVE.fullmatch(p.name))]
+        name = f"save-{max(numbers, default=0) + 1:06d}"
+        pointer = root / f"{_STAGING}{LATEST}-{os.getpid()}-{uuid.uuid4().hex}"
+        written = [staging, pointer]
+        try:
+            os.rename(staging, root / name)
+            written[0] = root / name
+            _fsync_dir(root)  # the save's entry is durable before LATEST can name it
+            _write_synced(pointer, f"{_pointer(name, _digest(manifest_bytes))}\n".encode())
+            os.replace(pointer, root / LATEST)
+        except BaseException:
+            _undo(root, created, written)
+            raise
+        step = f"the fsync of {root}"
+        try:
+            _fsync_dir(root)
+            step = "the removal of older saves and leftovers"
+            _clean(root, int(name[len("save-"):]))
+        except Exception as exc:
+            raise SaveInForceError(root, name, step, repr(exc)) from exc
+    return root / name
+
+
+def _undo(root: Path, created: list[Path], written: list[Path]) -> None:
+    """Remove what a failed save wrote, and the folders it made when no other writer put anything in them."""
+    for path in written:
+        _remove(path)
+    if root in created and all(p.name == LOCK for p in root.iterdir()):
+        (root / LOCK).unlink(missing_ok=True)  # a writer waiting on it takes the next one (``_locked``)
+    for folder in reversed(created):
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty: another writer's
+
+
+def _clean(root: Path, number: int) -> None:
+    """Remove the saves older than save ``number`` and the leftovers of dead writers (their lock is free)."""
+    for entry in root.iterdir():
+        match = _SAVE.fullmatch(entry.name)
+        if (match and int(match.group(1)) < number) or (entry.name.startswith(_STAGING) and _abandoned(entry)):
+            _remove(entry)
+
+
+def _abandoned(path: Path) -> bool:
+    """Whether no live writer holds ``path``'s lock (a staging folder, a temporary ``LATEST``)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # not a folder or file a writer made (a symbolic link): nobody's
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(handle)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _pointer(name: str, manifest_digest: str) -> str:
     """``LATEST``'s text: the save, its manifest's digest, and the check of both (Rule 1)."""
     return f"{name} {manifest_digest} {_digest(f'{name} {manifest_digest}'.encode())[:16]}"
@@ -106,7 +310,11 @@ def _pointer(name: str, manifest_digest: str) -> str:
 
 def _read_pointer(root: Path) -> tuple[str, str]:
     """The save ``LATEST`` names and its manifest's digest; ``CorruptSaveError`` naming ``LATEST`` if damaged."""
-    raw = (root / LATEST).read_bytes()
+    handle = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        raw = _read(handle, LATEST, root, LATEST)
+    finally:
+        os.close(handle)
     try:
         fields = raw.decode("ascii").split()
     except UnicodeDecodeError:
@@ -120,36 +328,96 @@ def _read_pointer(root: Path) -> tuple[str, str]:
 
 
 def read_folder(path: str | os.PathLike) -> dict[str, bytes]:
-    """Every file of the save in force under ``path``, each verified against the manifest (Rule 3)."""
-    root = Path(path)
-    pointer = root / LATEST
-    if not pointer.is_file():
-        found = "no such folder" if not root.exists() else f"no {LATEST} file"
-        raise ConfigError("path", str(root), f"a folder written by trainer.save ({found})")
-    text = _read_pointer(root)
-    folder, manifest_digest = root / text[0], text[1]
-    manifest_bytes = _read(folder, MANIFEST, root)
-    if _digest(manifest_bytes) != manifest_digest:
-        raise CorruptSaveError(root, f"{text[0]}/{MANIFEST}", "changed", f"sha256 {manifest_digest}", f"sha256 {_digest(manifest_bytes)}")
-    entries = json.loads(manifest_bytes)["files"]
-    files = {}
-    for file, entry in entries.items():
-        data = _read(folder, file, root)
-        where = f"{text[0]}/{file}"
-        if len(data) != entry["bytes"]:
-            problem = "truncated" if len(data) < entry["bytes"] else "changed"
-            raise CorruptSaveError(root, where, problem, f"{entry['bytes']} bytes", f"{len(data)} bytes")
-        if _digest(data) != entry["sha256"]:
-            raise CorruptSaveError(root, where, "changed", f"sha256 {entry['sha256']}", f"sha256 {_digest(data)}")
-        files[file] = data
-    return files
+    """Every file of the save in force under ``path``, each verified against the manifest (Rules 3, 6)."""
+    root = _root(path)
+    if not root.is_dir():
+        raise ConfigError("path", str(root), "a folder written by trainer.save", hint="there is no such folder")
+    with _locked(root, fcntl.LOCK_SH):
+        if not os.path.lexists(root / LATEST):
+            if not any(_SAVE.fullmatch(p.name) for p in root.iterdir()):
+                raise ConfigError("path", str(root), "a folder written by trainer.save",
+                                  hint=f"it holds no save (no {LATEST}, no save-NNNNNN folder)")
+            raise CorruptSaveError(root, LATEST, "missing", "the pointer to the save in force", "no such file")
+        return _read_save(root)
 
 
-def _read(folder: Path, file: str, root: Path) -> bytes:
+def _read_save(root: Path) -> dict[str, bytes]:
+    save, manifest_digest = _read_pointer(root)
+    handle = _open_save(root, save)
     try:
-        return (folder / file).read_bytes()
+        manifest_bytes = _read(handle, MANIFEST, root, f"{save}/{MANIFEST}")
+        if _digest(manifest_bytes) != manifest_digest:
+            raise CorruptSaveError(root, f"{save}/{MANIFEST}", "changed", f"sha256 {manifest_digest}",
+                                   f"sha256 {_digest(manifest_bytes)}")
+        files = {}
+        for file, entry in _entries(manifest_bytes, root, save).items():
+            where = f"{save}/{file}"
+            data = _read(handle, file, root, where)
+            if len(data) != entry["bytes"]:
+                problem = "truncated" if len(data) < entry["bytes"] else "changed"
+                raise CorruptSaveError(root, where, problem, f"{entry['bytes']} bytes", f"{len(data)} bytes")
+            if _digest(data) != entry["sha256"]:
+                raise CorruptSaveError(root, where, "changed", f"sha256 {entry['sha256']}", f"sha256 {_digest(data)}")
+            files[file] = data
+        return files
+    finally:
+        os.close(handle)
+
+
+def _open_save(root: Path, save: str) -> int:
+    """A descriptor of the folder ``save`` itself (not a symbolic link); a missing one reads as a missing manifest."""
+    try:
+        return os.open(root / save, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CorruptSaveError(root, f"{folder.name}/{file}", "missing", "the file", "no such file") from None
+        raise CorruptSaveError(root, f"{save}/{MANIFEST}", "missing", "the file", "no such file") from None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise CorruptSaveError(root, save, "changed", "a folder", "a symbolic link or a file") from None
+
+
+def _entries(manifest_bytes: bytes, root: Path, save: str) -> dict[str, dict]:
+    """The manifest's entries, each a plain name with a size and a digest; else ``CorruptSaveError`` naming it."""
+    where = f"{save}/{MANIFEST}"
+    try:
+        entries = json.loads(manifest_bytes)["files"]
+    except (ValueError, KeyError, TypeError):
+        entries = None
+    if not isinstance(entries, dict):
+        raise CorruptSaveError(root, where, "changed", "a JSON object with 'files'", repr(manifest_bytes[:100]))
+    for name, entry in entries.items():
+        if not _plain(name):
+            raise CorruptSaveError(root, where, "changed", "entries that are plain names inside the save folder",
+                                   f"the entry {name!r}")
+        if not (isinstance(entry, dict) and int_at_least(entry.get("bytes"), 0) and isinstance(entry.get("sha256"), str)):
+            raise CorruptSaveError(root, where, "changed", f"a size and a sha256 for the entry {name!r}", repr(entry))
+    return entries
+
+
+def _plain(name: object) -> bool:
+    """Whether ``name`` names a file directly inside a folder (no separator, not ``.`` or ``..``)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+            and (os.altsep is None or os.altsep not in name))
+
+
+def _read(folder: int, file: str, root: Path, where: str) -> bytes:
+    """The bytes of the regular file ``file`` directly in the open folder ``folder`` (Rule 3): never through a
+    symbolic link, never waiting on a FIFO; else a ``CorruptSaveError`` naming ``where``."""
+    try:
+        handle = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+    except FileNotFoundError:
+        raise CorruptSaveError(root, where, "missing", "the file", "no such file") from None
+    except OSError as exc:
+        if exc.errno not in _NOT_REGULAR:
+            raise
+        found = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise CorruptSaveError(root, where, "changed", "a regular file", found) from None
+    with os.fdopen(handle, "rb") as stream:
+        mode = os.fstat(handle).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else f"a file of type {stat.filemode(mode)[0]!r}"
+            raise CorruptSaveError(root, where, "changed", "a regular file", kind)
+        return stream.read()
 
 
 def _digest(data: bytes | memoryview) -> str:

@@ -59,7 +59,7 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     assert _digests(tmp_path / "w1") == _digests(straight[2]), "W=1 save differs from the uninterrupted run's"
     assert _digests(tmp_path / "w2") == _digests(straight[4]), "the W=2 save is not byte-identical to the W=1 one"
     assert _digests(tmp_path / "w2-at-load") == _digests(straight[2]), "a W=2 save before run_logical differs"
-    assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == ["LATEST", "save-000001"], "more than one writer"
+    assert sorted(p.name for p in (tmp_path / "w2-at-load").iterdir()) == [".lock", "LATEST", "save-000001"], "more than one writer"
     # Each load adds the saver to the lineage, across processes too (NOTE [Resume] Rule 2).
     w1, w2 = _lineage(tmp_path / "w1"), _lineage(tmp_path / "w2")
     assert w1[1] == set() and w2[1] == {w1[0]} and w2[0] != w1[0]

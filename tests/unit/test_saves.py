@@ -6,16 +6,24 @@ naming the file, and the refusal changes nothing: not the model passed, not the 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib
 import json
+import multiprocessing
 import os
+import queue
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import reference_trainer as rt
+import reference_trainer.saves as saves
 from tests.support import make_trainer, train_step
+from tests.unit import saves_workers as workers
 
 
 def _model() -> rt.DecoderLM:
@@ -100,9 +108,10 @@ def test_a_crash_mid_save_leaves_the_previous_save_in_force(tmp_path, monkeypatc
     loaded = rt.Trainer.load(tmp_path, _model())
     for n, p in loaded.checkpoint("policy").named_parameters():
         assert torch.equal(p, expected[n]), n
-    first.save(tmp_path)  # the next save replaces it and sweeps the debris of the crashed one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "save-000003"]
-    assert json.loads((tmp_path / "save-000003" / "manifest.json").read_text())["files"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "save-000001"]  # nothing of it is left
+    first.save(tmp_path)  # the next save replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "save-000002"]
+    assert json.loads((tmp_path / "save-000002" / "manifest.json").read_text())["files"]
     loaded = rt.Trainer.load(tmp_path, _model())
     assert loaded.checkpoint("policy").revision == first.checkpoint("policy").revision == 2
 
@@ -132,8 +141,6 @@ def test_a_pointer_written_before_the_check_still_loads(tmp_path):
 
 
 def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     trainer = _saved(tmp_path / "kept")
     before = sorted(p.name for p in (tmp_path / "kept").iterdir())
     real, written = saves._write_synced, []
@@ -154,8 +161,6 @@ def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypa
 
 
 def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monkeypatch):
-    import reference_trainer.saves as saves
-
     events, real = [], saves._write_synced
     monkeypatch.setattr(saves, "_write_synced", lambda path, data: (events.append(f"write {path.name}"),
                                                                     real(path, data)))
@@ -166,3 +171,320 @@ def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monke
     saves.write_folder(tmp_path, {"a": maker("a"), "b": maker("b"), "c": b"ccc"})
     assert events[:5] == ["make a", "write a", "make b", "write b", "write c"]
     assert saves.read_folder(tmp_path) == {"a": b"aaa", "b": b"bbb", "c": b"ccc"}
+
+
+# --- concurrency: a lock per folder, unique staging names (NOTE [Durable saves] Rule 6) -------------------------
+
+def _concurrent_jobs(root: Path, writers: int, count: int, readers: int, reads: int, barrier) -> list[tuple]:
+    """The workers' jobs on ``root``, which first gets a save in force (what readers start from)."""
+    workers.write_folder(root, workers.save_files("seed", 0))
+    jobs = [(workers.writer, str(root), f"w{i}", count, barrier) for i in range(writers)]
+    return jobs + [(workers.reader, str(root), reads, barrier)] * readers
+
+
+def _check_concurrent_outcomes(root: Path, results: list, count: int) -> None:
+    """No worker failed; every save completed in its own folder, one writer's in its order; LATEST names the
+    last save made, the only one left; every read was one whole save."""
+    assert [error for _, error in results if error] == []
+    written = dict(result for result, _ in results if result[0] != "reader")
+    folders = [folder for made in written.values() for folder in made]
+    assert len(set(folders)) == len(folders) == len(written) * count
+    assert all(made == sorted(made) for made in written.values())
+    last = max(folders)
+    assert (root / "LATEST").read_text().split()[0] == last
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "LATEST", last]
+    writer = workers.whose(workers.read_folder(root))
+    assert writer == (writer[0], count - 1) and last in written[writer[0]]
+    reads = [who for result, _ in results if result[0] == "reader" for who in result[1]]
+    assert reads and all(who[0] in {"seed", *written} for who in reads)
+
+
+def test_concurrent_writers_and_readers_in_threads_lose_no_save(tmp_path):
+    """Two writer threads and two reader threads on one folder (the fast sibling of the processes' test)."""
+    count, barrier, outcomes = 12, threading.Barrier(4), queue.Queue()
+    jobs = _concurrent_jobs(tmp_path / "saves", 2, count, 2, 12, barrier)
+    threads = [threading.Thread(target=workers.report, args=(outcomes, *job), daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    results = [outcomes.get(timeout=60) for _ in threads]
+    _check_concurrent_outcomes(tmp_path / "saves", results, count)
+
+
+@pytest.mark.slow
+def test_concurrent_saving_and_loading_processes_lose_no_save(tmp_path):
+    """Two writer processes and a reader process (spawned) on one folder."""
+    count, context = 10, multiprocessing.get_context("spawn")
+    barrier, outcomes = context.Barrier(3), context.Queue()
+    jobs = _concurrent_jobs(tmp_path / "saves", 2, count, 1, 20, barrier)
+    processes = [context.Process(target=workers.report, args=(outcomes, *job)) for job in jobs]
+    for process in processes:
+        process.start()
+    try:
+        results = [outcomes.get(timeout=120) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    _check_concurrent_outcomes(tmp_path / "saves", results, count)
+
+
+def test_clean_up_removes_a_dead_writers_staging_and_keeps_a_live_ones(tmp_path):
+    """A staging folder is a live writer's while its lock is held (Rule 6); a dead writer's lock is free."""
+    saves.write_folder(tmp_path, {"a": b"1"})
+    (tmp_path / ".tmp-dead").mkdir()
+    (tmp_path / ".tmp-live").mkdir()
+    (tmp_path / ".tmp-LATEST-dead").write_text("x")
+    held = os.open(tmp_path / ".tmp-live", os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        saves.write_folder(tmp_path, {"a": b"2"})
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-live", "LATEST", "save-000002"]
+    finally:
+        os.close(held)
+    saves.write_folder(tmp_path, {"a": b"3"})  # its writer gone, the next save removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", "save-000003"]
+
+
+def test_a_reader_during_a_save_reads_the_previous_save_whole(tmp_path):
+    saves.write_folder(tmp_path, {"a": b"old", "b": b"old"})
+    seen = []
+    saves.write_folder(tmp_path, {"a": b"new", "b": lambda: (seen.append(saves.read_folder(tmp_path)), b"new")[1]})
+    assert seen == [{"a": b"old", "b": b"old"}]
+    assert saves.read_folder(tmp_path) == {"a": b"new", "b": b"new"}
+
+
+# --- failures: what was written is removed, and the error says whether the new save is in force (Rule 5) -------
+
+def _fail_at(monkeypatch, target, name: str, when=lambda *args: True) -> list:
+    """Make ``target.name`` raise ``OSError(EIO)`` on its first call for which ``when(*args)`` holds."""
+    real, fired = getattr(target, name), []
+
+    def failing(*args, **kwargs):
+        if not fired and when(*args):
+            fired.append(args)
+            raise OSError(5, f"injected failure of {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, failing)
+    return fired
+
+
+BEFORE_LATEST_MOVES = {
+    "staging": ("reference_trainer.saves", "_write_synced", lambda path, data: path.name == "b"),
+    "rename": ("os", "rename", lambda src, dst: True),
+    "fsync after the rename": ("reference_trainer.saves", "_fsync_dir", lambda path: path.name.startswith("saves")),
+    "LATEST's temporary file": ("reference_trainer.saves", "_write_synced", lambda path, data: "LATEST" in path.name),
+    "the replace of LATEST": ("os", "replace", lambda src, dst: True),
+}
+
+
+@pytest.mark.parametrize("where", sorted(BEFORE_LATEST_MOVES))
+def test_a_save_failing_before_latest_moves_removes_all_it_wrote(tmp_path, monkeypatch, where):
+    """Into a folder of saves and into new nested folders: the path is as it was, the previous save in force."""
+    kept, new = tmp_path / "saves", tmp_path / "new" / "a" / "saves"
+    saves.write_folder(kept, {"a": b"old", "b": b"old"})
+    before = sorted(p.name for p in kept.iterdir())
+    module, name, when = BEFORE_LATEST_MOVES[where]
+    for target in (kept, new):
+        monkeypatch.undo()
+        fired = _fail_at(monkeypatch, importlib.import_module(module), name, when)
+        with pytest.raises(OSError, match="injected") as raised:
+            saves.write_folder(target, {"a": b"new", "b": b"new"})
+        assert fired and not isinstance(raised.value, rt.SaveInForceError)
+    monkeypatch.undo()
+    assert sorted(p.name for p in kept.iterdir()) == before
+    assert saves.read_folder(kept) == {"a": b"old", "b": b"old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saves"]
+
+
+AFTER_LATEST_MOVED = {
+    "fsync": ("reference_trainer.saves", "_fsync_dir", lambda path: (path / "LATEST").is_file()
+              and (path / "LATEST").read_text().startswith("save-000002")),
+    "clean-up": ("shutil", "rmtree", lambda path, *rest: True),
+}
+
+
+@pytest.mark.parametrize("where", sorted(AFTER_LATEST_MOVED))
+def test_a_save_failing_after_latest_moved_says_the_new_save_is_in_force(tmp_path, monkeypatch, where):
+    saves.write_folder(tmp_path, {"a": b"old"})
+    module, name, when = AFTER_LATEST_MOVED[where]
+    fired = _fail_at(monkeypatch, importlib.import_module(module), name, when)
+    with pytest.raises(rt.SaveInForceError) as raised:
+        saves.write_folder(tmp_path, {"a": b"new"})
+    monkeypatch.undo()
+    assert fired and isinstance(raised.value.__cause__, OSError)
+    assert raised.value.save == "save-000002" == (tmp_path / "LATEST").read_text().split()[0]
+    assert raised.value.path == str(tmp_path) and "in force" in str(raised.value)
+    assert saves.read_folder(tmp_path) == {"a": b"new"}
+
+
+# --- durability: every new folder's entry, and the save's after its rename, fsynced (Rule 2) --------------------
+
+def _record_directory_fsyncs(monkeypatch) -> list[tuple[str, str]]:
+    """Record ``("fsync", folder)`` for every fsync of a folder's descriptor, ``("rename"|"replace", target)``."""
+    events, names = [], {}
+    real_open, real_close, real_fsync = os.open, os.close, os.fsync
+    real_rename, real_replace = os.rename, os.replace
+
+    def opened(path, flags, *args, **kwargs):
+        handle = real_open(path, flags, *args, **kwargs)
+        names[handle] = os.fspath(path) if "dir_fd" not in kwargs else None
+        return handle
+
+    def closed(handle):
+        names.pop(handle, None)
+        real_close(handle)
+
+    def fsync(handle):
+        if names.get(handle) and os.path.isdir(names[handle]):
+            events.append(("fsync", names[handle]))
+        real_fsync(handle)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "close", closed)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", os.fspath(dst))), real_rename(src, dst))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", os.fspath(dst))), real_replace(src, dst))[1])
+    return events
+
+
+def test_every_new_folder_is_fsynced_into_its_parent(tmp_path, monkeypatch):
+    root = tmp_path / "a" / "b" / "saves"
+    created = [tmp_path / "a", tmp_path / "a" / "b", root]  # the oracle: what does not exist yet
+    assert not any(folder.exists() for folder in created)
+    events = _record_directory_fsyncs(monkeypatch)
+    saves.write_folder(root, {"x": b"1"})
+    synced = [path for kind, path in events if kind == "fsync"]
+    for folder in created:
+        assert str(folder.parent) in synced, (folder, synced)
+    assert synced.index(str(tmp_path)) < synced.index(str(tmp_path / "a")) < synced.index(str(tmp_path / "a" / "b"))
+
+
+def test_the_save_folders_entry_is_fsynced_before_latest_names_it(tmp_path, monkeypatch):
+    saves.write_folder(tmp_path, {"x": b"1"})
+    events = _record_directory_fsyncs(monkeypatch)
+    saves.write_folder(tmp_path, {"x": b"2"})
+    renamed = events.index(("rename", str(tmp_path / "save-000002")))
+    replaced = events.index(("replace", str(tmp_path / "LATEST")))
+    assert ("fsync", str(tmp_path)) in events[renamed:replaced], events
+    assert ("fsync", str(tmp_path)) in events[replaced:], events  # and LATEST's own entry after it
+
+
+# --- reading: manifest entries are plain names of regular files in the save folder (Rule 3) ---------------------
+
+def _forge_manifest(root: Path, files: dict) -> None:
+    """Replace the manifest with ``files`` (name -> bytes) and LATEST with a pointer that matches it (the format of
+    NOTE [Durable saves] Rule 1, computed here): a save that only its names make unsafe."""
+    def sha(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    manifest = json.dumps({"files": {n: {"bytes": len(d), "sha256": sha(d)} for n, d in files.items()}}).encode()
+    (root / "save-000001" / "manifest.json").write_bytes(manifest)
+    head = f"save-000001 {sha(manifest)}"
+    (root / "LATEST").write_text(f"{head} {sha(head.encode())[:16]}\n")
+
+
+@pytest.mark.parametrize("name", ["../outside", "ABSOLUTE", "sub/inner", ".", ".."])
+def test_a_manifest_entry_that_is_not_a_plain_name_is_refused_naming_it(tmp_path, name):
+    root, secret = tmp_path / "saves", b"a file outside the save"
+    saves.write_folder(root, {"a": b"1"})
+    (tmp_path / "outside").write_bytes(secret)
+    (root / "save-000001" / "sub").mkdir()
+    (root / "save-000001" / "sub" / "inner").write_bytes(secret)
+    entry = str(tmp_path / "outside") if name == "ABSOLUTE" else name
+    _forge_manifest(root, {"a": b"1", entry: secret})
+    with pytest.raises(rt.CorruptSaveError) as refused:
+        saves.read_folder(root)
+    assert refused.value.file == "save-000001/manifest.json" and repr(entry) in str(refused.value)
+    assert hashlib.sha256(secret).hexdigest() not in str(refused.value)
+
+
+def test_a_symbolic_link_in_a_save_is_refused_naming_it(tmp_path):
+    root = tmp_path / "saves"
+    saves.write_folder(root, {"a": b"1", "b": b"2"})
+    (tmp_path / "outside").write_bytes(b"2")  # the same bytes: only the link is wrong
+    (root / "save-000001" / "b").unlink()
+    (root / "save-000001" / "b").symlink_to(tmp_path / "outside")
+    with pytest.raises(rt.CorruptSaveError) as refused:
+        saves.read_folder(root)
+    assert (refused.value.file, refused.value.problem) == ("save-000001/b", "changed")
+    assert "symbolic link" in str(refused.value)
+
+
+@pytest.mark.parametrize("file", ["b", "LATEST"])
+def test_a_fifo_in_a_save_is_refused_without_waiting(tmp_path, file):
+    """Read in a thread: a load that waited on the FIFO is unblocked by opening its other end, and fails."""
+    root = tmp_path / "saves"
+    saves.write_folder(root, {"a": b"1", "b": b"2"})
+    fifo = root / ("save-000001" if file == "b" else "") / file
+    fifo.unlink()
+    os.mkfifo(fifo)
+    outcome = []
+    reading = threading.Thread(target=lambda: outcome.append(_raised(saves.read_folder, root)), daemon=True)
+    reading.start()
+    reading.join(timeout=10)
+    if reading.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader sees an end of file and returns
+        reading.join(timeout=10)
+        pytest.fail("the load waited on a FIFO")
+    assert isinstance(outcome[0], rt.CorruptSaveError), outcome
+    assert outcome[0].file == ("save-000001/b" if file == "b" else "LATEST") and "FIFO" in str(outcome[0])
+
+
+def _raised(function, *args) -> BaseException | None:
+    try:
+        function(*args)
+    except BaseException as exc:  # the caller judges it
+        return exc
+    return None
+
+
+# --- a missing LATEST, bad paths (Rules 3, 5) -----------------------------------------------------------------
+
+def test_a_missing_latest_beside_a_save_is_corrupt_and_a_folder_without_saves_is_a_config_error(tmp_path):
+    saves.write_folder(tmp_path / "saves", {"a": b"1"})
+    (tmp_path / "saves" / "LATEST").unlink()
+    with pytest.raises(rt.CorruptSaveError) as refused:
+        rt.Trainer.load(tmp_path / "saves", _model())
+    assert (refused.value.file, refused.value.problem) == ("LATEST", "missing")
+    (tmp_path / "empty" / ".tmp-dead").mkdir(parents=True)  # a first save's staging, its writer killed
+    with pytest.raises(rt.ConfigError, match="holds no save"):
+        rt.Trainer.load(tmp_path / "empty", _model())
+
+
+def test_every_bad_save_path_is_a_config_error_that_writes_nothing(tmp_path, monkeypatch):
+    trainer = make_trainer("lora")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    for path in ("", 123, b"bytes", None, tmp_path / "file", tmp_path / "file" / "under"):
+        with pytest.raises(rt.ConfigError, match="path"):
+            trainer.save(path)
+        with pytest.raises(rt.ConfigError, match="path"):
+            rt.Trainer.load(path, _model())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+    def unwritable(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    (tmp_path / "existing").mkdir()
+    real_open = os.open
+
+    def open_unwritable(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and not os.path.exists(path):
+            unwritable(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", unwritable)  # the tests run as root, whom no permission stops
+    monkeypatch.setattr(os, "open", open_unwritable)
+    for path in (tmp_path / "new" / "saves", tmp_path / "existing"):  # an unwritable parent, an unwritable folder
+        with pytest.raises(rt.ConfigError, match="Permission denied"):
+            trainer.save(path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["existing", "file"]
+
+
+@pytest.mark.parametrize("name", ["../outside", "sub/inner", ".", "..", "", "manifest.json"])
+def test_a_file_name_that_is_not_plain_is_refused_at_write_and_writes_nothing(tmp_path, name):
+    with pytest.raises(rt.ConfigError, match="file name"):
+        saves.write_folder(tmp_path / "saves", {"a": b"1", name: b"2"})
+    assert list(tmp_path.iterdir()) == []
