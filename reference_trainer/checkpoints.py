@@ -214,8 +214,8 @@ class Checkpoint:
         return kept[0]
 
     def keep(self, revision: int, tensors: Mapping[str, torch.Tensor], bound: int) -> None:
-        """Hold ``tensors`` (checked: this checkpoint's names, shapes, dtypes) as the weights of ``revision`` of this
-        generation, for forwards made again at it with staleness bound up to ``bound`` (Rule 4)."""
+        """Hold ``tensors`` (already checked against this checkpoint's names, shapes, dtypes) as the weights of
+        ``revision`` of this generation, for forwards made again at it with staleness bound up to ``bound`` (Rule 4)."""
         leaves = {n: t.to(self._params[n].device).requires_grad_(True) for n, t in tensors.items()}
         version = CheckpointVersion(self.name, self.generation, revision)
         stamps = {n: t._version for n, t in leaves.items()}

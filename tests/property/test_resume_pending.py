@@ -142,3 +142,27 @@ def test_the_oracle_sees_forwards_made_again_at_the_current_revision(tmp_path):
 @given(st.text(alphabet="FBS", min_size=1, max_size=10))
 def test_any_async_job_saved_anywhere_continues_bitwise(codes):
     _check_every_boundary(codes, torch.float32)
+
+
+def test_a_kept_version_is_held_until_no_forward_at_it_could_step_and_others_are_refused(tmp_path):
+    """Forward 0 pending one revision stale at the save: its weights are held until the revision passes its bound."""
+    trainer = _trainer(torch.float32)
+    stale = trainer.forward(rt.ForwardInput(*sequence(0, LENGTH)))
+    for index in (1, 2):  # two steps: forward 0 is two revisions old, still within BOUND
+        trainer.backward(trainer.forward(rt.ForwardInput(*sequence(index, LENGTH))).target_logprobs.sum())
+        trainer.optim_step()
+        trainer.zero_grad()
+    with pytest.raises(rt.ConfigError, match="holds"):  # the saving trainer holds no older version for a new forward
+        trainer.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=rt.CheckpointVersion("policy", 0, 1))
+    trainer.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model(torch.float32))
+    assert sorted(loaded.checkpoint("policy").kept) == [stale.version.revision] == [0]
+    with pytest.raises(rt.ConfigError, match="holds"):  # revision 1 had no pending forward: not kept
+        loaded.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=rt.CheckpointVersion("policy", 0, 1))
+    assert loaded.live_records() == 0
+    again = loaded.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=stale.version)
+    assert again.version == stale.version
+    assert torch.equal(again.target_logprobs, stale.target_logprobs)  # its own weights, bitwise
+    loaded.backward(again.target_logprobs.sum())  # age 2 <= BOUND
+    loaded.optim_step()
+    assert loaded.checkpoint("policy").kept == {}, "revision 3: no forward at revision 0 could step any more"

@@ -1,16 +1,14 @@
-"""What ``Trainer.load`` refuses, and that a refusal changes nothing (NOTE [Resume] Rule 6, ``save_meta.py``).
+"""``trainer.json``'s fields, checked at load (``reference_trainer/save_meta.py``; NOTE [Resume] Rule 6).
 
 A save whose ``trainer.json`` holds a field no ``save`` writes (rewritten
 with a fresh manifest, so only the field is wrong) is a ``CorruptSaveError``
-naming the field; a checkpoint state that does not fit is a ``ConfigError``;
-either way the model passed keeps its ``requires_grad``, weights, buffers and
-mode, and the process RNG its state. Paths that are not paths are
-``ConfigError`` at save and load. The generation counter comes back.
+naming the field, what it must be and what was found, and the model passed
+keeps its ``requires_grad``, weights, buffers and mode, the process RNG its
+state. The control: the save rewritten unchanged loads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -20,9 +18,8 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from reference_trainer.resume import _model_identity
 from reference_trainer.saves import read_folder, write_folder
-from tests.support import advantages, sequence
+from tests.support import advantages, assert_model_unchanged, model_snapshot, sequence
 
 
 def _model(dtype: torch.dtype = torch.float32, **changes: Any) -> rt.DecoderLM:
@@ -95,19 +92,6 @@ FIELD_CORRUPTIONS = {  # name -> (change, the field the error names)
 }
 
 
-def _snapshot(model: rt.DecoderLM) -> tuple:
-    return ([(n, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()],
-            [(n, b.clone()) for n, b in model.named_buffers()], model.training, torch.get_rng_state())
-
-
-def _assert_unchanged(model: rt.DecoderLM, before: tuple) -> None:
-    params, buffers, training, rng = _snapshot(model)
-    assert [(n, g) for n, g, _ in params] == [(n, g) for n, g, _ in before[0]], "requires_grad changed"
-    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(params, before[0])), "weights changed"
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(buffers, before[1])), "buffers changed"
-    assert training == before[2] and torch.equal(rng, before[3]), "mode or RNG changed"
-
-
 @pytest.fixture(scope="module")
 def save(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("resume") / "save"
@@ -124,77 +108,9 @@ def test_the_unchanged_rewrite_loads(save, tmp_path):
 def test_a_bad_trainer_json_field_is_a_corrupt_save_naming_it_and_changes_nothing(save, tmp_path, name):
     change, field = FIELD_CORRUPTIONS[name]
     model = _model()
-    before = _snapshot(model)
+    before = model_snapshot(model)
     with pytest.raises(rt.CorruptSaveError) as info:
         rt.Trainer.load(_rewritten(save, tmp_path / "bad", change), model)
     assert (info.value.file, info.value.problem) == ("trainer.json", "invalid")
     assert f"field {field}" in str(info.value) and "expected" in str(info.value) and "found" in str(info.value)
-    _assert_unchanged(model, before)
-
-
-def _shrunk(key: str) -> Callable[[dict[str, Any]], None]:
-    def change(state: dict[str, Any]) -> None:
-        name = next(iter(state[key]))
-        state[key][name] = state[key][name][:1]
-    return change
-
-
-@pytest.mark.parametrize("key", ["parameters", "grads"])
-def test_a_refused_checkpoint_state_leaves_the_model_as_it_was(save, tmp_path, key):
-    """The state is checked after the trainer is built (it needs the checkpoints): the model is unfrozen again."""
-    model = _model()
-    model.eval()
-    before = _snapshot(model)
-    assert all(g for _, g, _ in before[0]), "a fresh model's parameters require grad"
-    with pytest.raises(rt.ConfigError):
-        rt.Trainer.load(_rewritten(save, tmp_path / "bad", file="checkpoint-0.pt", state=_shrunk(key)), model)
-    _assert_unchanged(model, before)
-
-
-def test_the_generation_counter_continues_after_a_load(tmp_path):
-    """Checkpoints added or loaded over after a resume take the generations the uninterrupted trainer gives."""
-    trainer = _saved(tmp_path / "save")
-    loaded = rt.Trainer.load(tmp_path / "save", _model())
-    assert loaded.next_generation == trainer.next_generation == 3
-    for each in (trainer, loaded):
-        each.load_checkpoint("policy", each.checkpoint("policy").state_dict(), discard_graphs=True)
-    assert loaded.checkpoint("policy").generation == trainer.checkpoint("policy").generation == 3
-    assert loaded.add_checkpoint("value", full=True).generation == trainer.add_checkpoint("value", full=True).generation
-    generations = [c.generation for c in loaded.checkpoints.values()]
-    assert len(set(generations)) == len(generations), f"a generation repeats: {generations}"
-
-
-@pytest.mark.parametrize("path", [123, None, 1.5, b"bytes-path", ["a"]])
-def test_a_path_that_is_not_a_path_is_a_config_error_at_save_and_load(tmp_path, monkeypatch, path):
-    monkeypatch.chdir(tmp_path)
-    trainer = rt.Trainer(_model())
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), seed=1)
-    with pytest.raises(rt.ConfigError, match="path"):
-        trainer.save(path)
-    model = _model()
-    before = _snapshot(model)
-    with pytest.raises(rt.ConfigError, match="path"):
-        rt.Trainer.load(path, model)
-    _assert_unchanged(model, before)
-    assert list(tmp_path.iterdir()) == [], "nothing written"
-
-
-def _numpy_digest(model: rt.DecoderLM) -> str:
-    """The identity digest as numpy computes it (the oracle, and what earlier saves hold)."""
-    digest = hashlib.sha256()
-    for name, param in model.state_dict().items():
-        tensor = param.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-@pytest.mark.parametrize(("dtype", "tied"), [(torch.float32, False), (torch.bfloat16, False), (torch.float16, True)])
-def test_the_model_digest_is_the_raw_bytes_digest_earlier_saves_hold(dtype, tied):
-    """Hashed without numpy, bitwise what numpy's bytes give: BF16 included, tied (shared-storage) weights too."""
-    model = _model(dtype, tie_word_embeddings=tied)
-    assert _model_identity(model)["digest"] == _numpy_digest(model)
-    other = _model(dtype, tie_word_embeddings=tied)
-    with torch.no_grad():
-        next(other.parameters()).view(-1)[0] += 1
-    assert _model_identity(other)["digest"] != _model_identity(model)["digest"]
+    assert_model_unchanged(model, before)
