@@ -179,11 +179,13 @@ class Checkpoint:
 
     def held_nbytes(self) -> int:
         """Device bytes held, what the next step allocates included (NOTE [Memory admission] Rule 1): parameters,
-        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``."""
+        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``,
+        the weights of kept versions (Rule 4)."""
         masters = sum(_nbytes(m) for m in self._masters.values())
         moments = sum(_nbytes(self._masters.get(n, p)) for n, p in self._params.items())
         grads = sum(_nbytes(p.grad) for p in self._params.values() if p.grad is not None)
-        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads
+        kept = sum(_nbytes(t) for capture, _ in self.kept.values() for t in capture.tensors.values())
+        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads + kept
 
     # --- captures (NOTE [Weight captures]) -------------------------------------------
 

@@ -81,7 +81,7 @@ import torch.distributed as dist
 
 from .adamw import AdamWConfig
 from .checkpoints import Checkpoint, CheckpointVersion
-from .errors import ConfigError
+from .errors import ConfigError, CorruptSaveError
 from .lora import LoRAConfig
 from .model import DecoderLM
 from .options import ForwardOptions
@@ -225,7 +225,8 @@ class SavedCheckpoint:
             raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), f"revisions {sorted(self.kept)}")
         for where, tensors in [("gradient", self.state["grads"]), *((f"revision {r}", t) for r, t in kept.items())]:
             if not isinstance(tensors, dict) or not set(tensors) <= {n for n, _ in checkpoint.named_parameters()}:
-                raise ConfigError(f"saved {where} of {self.name!r}", tensors, "tensors of this checkpoint's parameters")
+                found = sorted(map(str, tensors)) if isinstance(tensors, dict) else type(tensors).__name__
+                raise ConfigError(f"saved {where} of {self.name!r}", found, "tensors of this checkpoint's parameters")
             for name, tensor in tensors.items():
                 live = checkpoint.parameter(name)
                 if not isinstance(tensor, torch.Tensor) or (tensor.shape, tensor.dtype) != (live.shape, live.dtype):
@@ -307,6 +308,9 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
     if not isinstance(model, DecoderLM):
         raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
     files = read_folder(path)
+    for required in (TRAINER, _RNG):
+        if required not in files:
+            raise CorruptSaveError(path, required, "missing", "a file every save writes", f"a manifest of {sorted(files)}")
     meta = decode_meta(path, files[TRAINER], set(files), FORMAT)
     identity = _model_identity(model)
     if meta.model != identity:

@@ -157,6 +157,8 @@ def test_a_kept_version_is_held_until_no_forward_at_it_could_step_and_others_are
     trainer.save(tmp_path)
     loaded = rt.Trainer.load(tmp_path, _model(torch.float32))
     assert sorted(loaded.checkpoint("policy").kept) == [stale.version.revision] == [0]
+    saver, held = trainer.checkpoint("policy"), loaded.checkpoint("policy")
+    assert held.held_nbytes() == saver.held_nbytes() + saver.trainable_nbytes(), "admission counts the kept weights"
     with pytest.raises(rt.ConfigError, match="holds"):  # revision 1 had no pending forward: not kept
         loaded.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=rt.CheckpointVersion("policy", 0, 1))
     assert loaded.live_records() == 0

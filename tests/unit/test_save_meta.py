@@ -114,3 +114,13 @@ def test_a_bad_trainer_json_field_is_a_corrupt_save_naming_it_and_changes_nothin
     assert (info.value.file, info.value.problem) == ("trainer.json", "invalid")
     assert f"field {field}" in str(info.value) and "expected" in str(info.value) and "found" in str(info.value)
     assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("file", ["trainer.json", "rng.pt"])
+def test_a_manifest_without_a_file_every_save_writes_is_a_corrupt_save_naming_it(save, tmp_path, file):
+    files = read_folder(save)
+    del files[file]
+    write_folder(tmp_path / "bad", files)
+    with pytest.raises(rt.CorruptSaveError) as info:
+        rt.Trainer.load(tmp_path / "bad", _model())
+    assert (info.value.file, info.value.problem) == (file, "missing")
