@@ -16,6 +16,13 @@ NOTE [Weight captures]
      If a capture still aliases its live parameter at backward and that
      counter moved, the weights were written in place behind the trainer's
      back; the backward refuses instead of computing a wrong gradient.
+  4. Kept versions: a loaded trainer holds the captures of older revisions
+     that the saving trainer's pending forwards used (NOTE [Resume] Rule 2),
+     so a forward made again at such a version (``checkpoint=`` a
+     ``CheckpointVersion``) runs on exactly its weights. A kept version goes
+     once no forward at it could be backpropagated any more: when the
+     revision moves past the largest staleness bound those forwards had, or
+     when the checkpoint is loaded over.
 """
 
 from __future__ import annotations
@@ -140,6 +147,7 @@ class Checkpoint:
             weight_decay=optimizer.weight_decay,
         )
         self._capture_ref: weakref.ref[WeightCapture] | None = None
+        self.kept: dict[int, tuple[WeightCapture, int]] = {}  # revision -> (capture, staleness bound) (Rule 4)
         # (forward version, staleness bound) of every committed gradient.
         self.origins: set[tuple[CheckpointVersion, int]] = set()
         self._known_norm: KnownNorm | None = None  # NOTE [Gradient norm] in grad_norms.py
@@ -171,11 +179,13 @@ class Checkpoint:
 
     def held_nbytes(self) -> int:
         """Device bytes held, what the next step allocates included (NOTE [Memory admission] Rule 1): parameters,
-        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``."""
+        masters and their gradient buffers, AdamW's ``exp_avg``/``exp_avg_sq`` (like each stepped tensor), ``.grad``,
+        the weights of kept versions (Rule 4)."""
         masters = sum(_nbytes(m) for m in self._masters.values())
         moments = sum(_nbytes(self._masters.get(n, p)) for n, p in self._params.items())
         grads = sum(_nbytes(p.grad) for p in self._params.values() if p.grad is not None)
-        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads
+        kept = sum(_nbytes(t) for capture, _ in self.kept.values() for t in capture.tensors.values())
+        return self.trainable_nbytes() + 2 * masters + 2 * moments + grads + kept
 
     # --- captures (NOTE [Weight captures]) -------------------------------------------
 
@@ -193,6 +203,25 @@ class Checkpoint:
         )
         self._capture_ref = weakref.ref(capture)
         return capture
+
+    def capture_at(self, version: CheckpointVersion) -> WeightCapture:
+        """The capture of ``version``: the current one, or a kept one (Rule 4); ``ConfigError`` for any other."""
+        if version == self.version:
+            return self.capture()
+        kept = self.kept.get(version.revision) if version.generation == self.generation else None
+        if kept is None:
+            held = [self.version, *(c.version for c, _ in self.kept.values())]
+            raise ConfigError("checkpoint", version, f"a version of {self.name!r} this trainer holds, one of {held}",
+                              hint="only a loaded trainer keeps older versions: those its save's pending forwards used")
+        return kept[0]
+
+    def keep(self, revision: int, tensors: Mapping[str, torch.Tensor], bound: int) -> None:
+        """Hold ``tensors`` (already checked against this checkpoint's names, shapes, dtypes) as the weights of
+        ``revision`` of this generation, for forwards made again at it with staleness bound up to ``bound`` (Rule 4)."""
+        leaves = {n: t.to(self._params[n].device).requires_grad_(True) for n, t in tensors.items()}
+        version = CheckpointVersion(self.name, self.generation, revision)
+        stamps = {n: t._version for n, t in leaves.items()}
+        self.kept[revision] = (WeightCapture(version, leaves, stamps, dict(self._params)), bound)
 
     def _copy_on_write(self) -> None:
         """Give live parameters fresh storage if a capture still aliases it (Rule 2)."""
@@ -284,6 +313,7 @@ class Checkpoint:
             for name, master in self._masters.items():
                 self._params[name].copy_(master)
         self.revision += 1
+        self.kept = {r: kept for r, kept in self.kept.items() if self.revision - r <= kept[1]}  # Rule 4
 
     # --- persistence ----------------------------------------------------------------
 
@@ -371,6 +401,7 @@ class Checkpoint:
                     self._masters[name].copy_(masters.get(name, state["parameters"][name]))
         self.revision = state["revision"]
         self.generation = generation
+        self.kept = {}  # Rule 4: no forward at an older generation can step
 
 
 def needs_master(dtype: torch.dtype) -> bool:

@@ -11,9 +11,14 @@ NOTE [Resume]
      its weights, so a different base is refused at load.
   2. Not kept: pending forwards (their graphs are live autograd state). The
      trainer that saved keeps them and can still backpropagate them; the
-     loaded one has none. A forward made again after the load draws its
-     randomness (dropout) after the saved RNG, so a save with forwards
-     pending continues bitwise only when they draw none. A save holds the saving trainer's identity and
+     loaded one has none: the caller makes them again. Kept for that: the
+     weights of every older revision a pending forward used (the capture it
+     holds), with the largest staleness bound of the forwards at it, so a
+     forward made again at its version (``checkpoint=output.version``) runs
+     on exactly its weights (NOTE [Weight captures] Rule 4); one at the
+     current revision runs on the saved parameters. A forward made again
+     draws its randomness (dropout) after the saved RNG, so a save with
+     forwards pending continues bitwise only when they draw none. A save holds the saving trainer's identity and
      lineage (NOTE [Forward records] Rule 5), and the loaded trainer's lineage
      is that lineage plus that identity: a loss it is given that reaches an
      output of any trainer whose state it resumed, directly or through a
@@ -49,20 +54,26 @@ NOTE [Resume]
      ranks it hosts (``RankGradients.attach``), so any ``W`` dividing ``L``
      continues the same job, bitwise (NOTE [Logical ranks] Rule 4).
   6. A load verifies every file (NOTE [Durable saves] Rule 3, ``saves.py``),
-     decodes and checks every field and the base model before the trainer is
-     built, so a refused load changes nothing: not the model passed, not the
-     RNG.
+     decodes and checks every field (``save_meta.py``: a bad one is a
+     ``CorruptSaveError`` naming it) and the base model before the trainer
+     is built, and every checkpoint's state before any is restored. The
+     trainer's construction freezes the model's parameters: a load refused
+     after it puts their ``requires_grad`` back, so a refused load changes
+     nothing: not the model passed, not the RNG. A path that is not a
+     ``str`` or ``os.PathLike`` is a ``ConfigError``, at save and at load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import io
 import json
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -70,23 +81,31 @@ import torch.distributed as dist
 
 from .adamw import AdamWConfig
 from .checkpoints import Checkpoint, CheckpointVersion
-from .errors import ConfigError
+from .errors import ConfigError, CorruptSaveError
 from .lora import LoRAConfig
 from .model import DecoderLM
-from .options import UNSET, ForwardOptions, ImportanceCorrection
+from .options import ForwardOptions
 from .ranks.peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
+from .save_meta import TRAINER, CheckpointMeta, check_revisions, decode_meta, encode_options
 from .saves import FileData, read_folder, write_folder
 from .sinks import RankGradients
 
 __all__ = ["FORMAT", "SavedCheckpoint", "SavedTrainer", "load_trainer", "read_save", "write_save"]
 
 FORMAT = {"format": "reference-trainer-save", "version": 1}
-_TRAINER, _RNG = "trainer.json", "rng.pt"
+_RNG = "rng.pt"
+
+
+def _check_path(path: object) -> None:
+    """A ``ConfigError`` unless ``path`` names a folder as a ``str`` or ``os.PathLike`` of one (Rule 6)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise ConfigError("path", path, "a folder path: a str or an os.PathLike (e.g. pathlib.Path)")
 
 
 def write_save(trainer: Any, path: str | os.PathLike) -> None:
     """``trainer.save(path)``: refuse what Rule 3 refuses, then write on rank 0 (Rule 5). ``trainer``: a ``Trainer``."""
+    _check_path(path)
     sink: RankGradients = trainer.rank_gradients
     sink.check_caller("save")
     host = sink.host
@@ -132,11 +151,26 @@ def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, F
         raise outcome[0].rebuild()
 
 
-def _checkpoint_bytes(checkpoint: Checkpoint) -> memoryview:
-    """One checkpoint's file: its live state serialised in place (no device copy), committed grads included."""
+def _checkpoint_bytes(checkpoint: Checkpoint, kept: dict[int, tuple[dict[str, torch.Tensor], int]]) -> memoryview:
+    """One checkpoint's file: its live state serialised in place (no device copy), committed grads and the kept
+    versions' weights included."""
     state = checkpoint.state_view()
     state["grads"] = {n: p.grad.detach() for n, p in checkpoint.named_parameters() if p.grad is not None}
+    state["kept"] = {revision: {n: t.detach() for n, t in tensors.items()} for revision, (tensors, _) in kept.items()}
     return _tensors(state)
+
+
+def _kept_versions(trainer: Any, checkpoint: Checkpoint) -> dict[int, tuple[dict[str, torch.Tensor], int]]:
+    """Revision -> (weights, largest bound) of each older version of this generation a pending forward used or
+    ``checkpoint`` keeps, while a forward at it could still be backpropagated (Rule 2)."""
+    kept = {r: (capture.tensors, bound) for r, (capture, bound) in checkpoint.kept.items()}
+    for record in trainer.records:
+        version, bound = record.version, record.options.max_gradient_staleness
+        if (record.checkpoint is checkpoint and version.generation == checkpoint.generation
+                and 0 < checkpoint.revision - version.revision <= bound):
+            tensors, held = kept.get(version.revision, (record.capture.tensors, bound))
+            kept[version.revision] = (tensors, max(held, bound))
+    return kept
 
 
 def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, FileData]:
@@ -145,7 +179,8 @@ def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> di
     specs = []
     for index, checkpoint in enumerate(trainer.checkpoints.values()):
         file = f"checkpoint-{index}.pt"
-        files[file] = functools.partial(_checkpoint_bytes, checkpoint)
+        kept = _kept_versions(trainer, checkpoint)
+        files[file] = functools.partial(_checkpoint_bytes, checkpoint, kept)
         specs.append({
             "name": checkpoint.name,
             "file": file,
@@ -153,18 +188,19 @@ def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> di
             "optimizer": asdict(checkpoint.optimizer_config),
             "generation": checkpoint.generation,
             "origins": sorted([v.generation, v.revision, bound] for v, bound in checkpoint.origins),
+            "kept": sorted([revision, bound] for revision, (_, bound) in kept.items()),
         })
     meta = {
         **FORMAT,
         "model": _model_identity(trainer.model),
-        "options": _encode_options(trainer.options),
+        "options": encode_options(trainer.options),
         "next_generation": trainer.next_generation,
         "checkpoints": specs,
         "logical_dp": None if streams is None else streams[0],
         "identity": trainer.records.identity,  # Rule 2
         "lineage": sorted(trainer.records.lineage),
     }
-    files[_TRAINER] = json.dumps(meta, indent=1).encode()
+    files[TRAINER] = json.dumps(meta, indent=1).encode()
     files[_RNG] = _tensors({"process": rng_state(trainer.device), "streams": {} if streams is None else streams[1]})
     return files
 
@@ -177,22 +213,38 @@ class SavedCheckpoint:
     lora: LoRAConfig | None
     optimizer: AdamWConfig
     generation: int
-    state: dict[str, Any]  # Checkpoint.state_dict() plus "grads"
+    state: dict[str, Any]  # Checkpoint.state_dict() plus "grads" and "kept"
     origins: set[tuple[CheckpointVersion, int]]
+    kept: dict[int, int]  # revision -> staleness bound (Rule 2)
+
+    def check(self, checkpoint: Checkpoint) -> None:
+        """Raise ``ConfigError`` unless the state, committed gradients and kept weights fit ``checkpoint`` exactly."""
+        checkpoint.check_state_dict(self.state)
+        kept = self.state.get("kept", {})
+        if not isinstance(kept, dict) or set(kept) != set(self.kept):
+            raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), f"revisions {sorted(self.kept)}")
+        for where, tensors in [("gradient", self.state["grads"]), *((f"revision {r}", t) for r, t in kept.items())]:
+            if not isinstance(tensors, dict) or not set(tensors) <= {n for n, _ in checkpoint.named_parameters()}:
+                found = sorted(map(str, tensors)) if isinstance(tensors, dict) else type(tensors).__name__
+                raise ConfigError(f"saved {where} of {self.name!r}", found, "tensors of this checkpoint's parameters")
+            for name, tensor in tensors.items():
+                live = checkpoint.parameter(name)
+                if not isinstance(tensor, torch.Tensor) or (tensor.shape, tensor.dtype) != (live.shape, live.dtype):
+                    found = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                    raise ConfigError(f"saved {where} of {self.name!r} parameter {name!r}", found,
+                                      f"shape {tuple(live.shape)}, dtype {live.dtype}")
+        if any(set(t) != {n for n, _ in checkpoint.named_parameters()} for t in kept.values()):
+            raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), "every parameter's weights")
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Load the state, the generation, the committed gradients and their origins (all checked first)."""
-        checkpoint.check_state_dict(self.state)
-        for name, grad in self.state["grads"].items():
-            live = checkpoint.parameter(name)
-            if (grad.shape, grad.dtype) != (live.shape, live.dtype):
-                raise ConfigError(f"saved gradient of {self.name!r} parameter {name!r}",
-                                  (tuple(grad.shape), grad.dtype), f"shape {tuple(live.shape)}, dtype {live.dtype}")
+        """Load the state, the generation, the committed gradients, their origins and the kept versions (checked)."""
         checkpoint.load(self.state, self.generation)
         for name, grad in self.state["grads"].items():
             live = checkpoint.parameter(name)
             live.grad = grad.to(live.device)
         checkpoint.origins |= self.origins
+        for revision, tensors in self.state.get("kept", {}).items():
+            checkpoint.keep(revision, tensors, self.kept[revision])
 
 
 @dataclass(frozen=True)
@@ -207,7 +259,10 @@ class SavedTrainer:
     lineage: frozenset[str]  # the saving trainer's lineage and identity (Rule 2)
 
     def restore(self, trainer: Any) -> None:
-        """Into ``trainer`` (a ``Trainer`` just built with these checkpoints): their state, the lineage, then the RNG (Rules 1, 2, 5)."""
+        """Into ``trainer`` (a ``Trainer`` just built with these checkpoints): every checkpoint's state checked, then
+        restored, the lineage, then the RNG (Rules 1, 2, 5, 6)."""
+        for saved in self.checkpoints:
+            saved.check(trainer.checkpoint(saved.name))
         for saved in self.checkpoints:
             saved.restore(trainer.checkpoint(saved.name))
         trainer.records.resume(self.lineage, lambda name: _generation(trainer, name))
@@ -225,47 +280,62 @@ def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_li
                  host_memory_limit_bytes: int | None, planner_calibration: Any = None) -> Any:
     """``Trainer.load``: read and check everything (Rule 6), then build ``cls`` (the ``Trainer``) and restore it."""
     saved = read_save(path, model)
-    trainer = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
-                  host_memory_limit_bytes=host_memory_limit_bytes, planner_calibration=planner_calibration)
-    for spec in saved.checkpoints:
-        trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
-    trainer.next_generation = saved.next_generation
-    saved.restore(trainer)
+    with _unfrozen_if_refused(model):
+        trainer = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
+                      host_memory_limit_bytes=host_memory_limit_bytes, planner_calibration=planner_calibration)
+        for spec in saved.checkpoints:
+            trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
+        trainer.next_generation = saved.next_generation
+        saved.restore(trainer)
     return trainer
+
+
+@contextlib.contextmanager
+def _unfrozen_if_refused(model: DecoderLM) -> Iterator[None]:
+    """Put back every parameter's ``requires_grad`` (what building a trainer changes) if the block raises (Rule 6)."""
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    try:
+        yield
+    except BaseException:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+        raise
 
 
 def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
     """The save in force under ``path``, verified and decoded for ``model``, which must be the saved base (Rule 6)."""
+    _check_path(path)
     if not isinstance(model, DecoderLM):
         raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
     files = read_folder(path)
-    meta = json.loads(files[_TRAINER])
-    if {k: meta.get(k) for k in FORMAT} != FORMAT:
-        raise ConfigError("path", str(path), f"a save of {FORMAT}", hint="it was written by another version")
+    for required in (TRAINER, _RNG):
+        if required not in files:
+            raise CorruptSaveError(path, required, "missing", "a file every save writes", f"a manifest of {sorted(files)}")
+    meta = decode_meta(path, files[TRAINER], set(files), FORMAT)
     identity = _model_identity(model)
-    if meta["model"] != identity:
-        differs = "config" if meta["model"]["config"] != identity["config"] else "weights"
+    if meta.model != identity:
+        differs = "config" if meta.model["config"] != identity["config"] else "weights"
         raise ConfigError("model", f"a base model whose {differs} differ from the saved one's",
-                          f"the base model the save was made with ({meta['model']['config']})")
+                          f"the base model the save was made with ({meta.model['config']})")
     # Decoded on the host: a checkpoint copies its state onto the device one tensor at a time (a whole decoded
     # save on the device would double its memory, and the default limit, taken at construction, would count
     # it), and AdamW's step counters stay on the host, where torch keeps them in a run that never stopped.
     rng = _load_tensors(files[_RNG])
-    checkpoints = [
-        SavedCheckpoint(
-            name=spec["name"],
-            lora=None if spec["lora"] is None else LoRAConfig(**spec["lora"]),
-            optimizer=AdamWConfig(**spec["optimizer"]),
-            generation=spec["generation"],
-            state=_load_tensors(files[spec["file"]]),
-            origins={(CheckpointVersion(spec["name"], g, r), bound) for g, r, bound in spec["origins"]},
-        )
-        for spec in meta["checkpoints"]
-    ]
-    streams = None if meta["logical_dp"] is None else (meta["logical_dp"], rng["streams"])
-    lineage = frozenset(meta.get("lineage", ())) | ({meta["identity"]} if "identity" in meta else set())
-    return SavedTrainer(_decode_options(meta["options"]), meta["next_generation"], checkpoints, rng["process"], streams,
-                        lineage)
+    checkpoints = [_saved_checkpoint(path, index, spec, _load_tensors(files[spec.file]))
+                   for index, spec in enumerate(meta.checkpoints)]
+    streams = None if meta.logical_dp is None else (meta.logical_dp, rng["streams"])
+    return SavedTrainer(meta.options, meta.next_generation, checkpoints, rng["process"], streams, meta.lineage)
+
+
+def _saved_checkpoint(path: str | os.PathLike, index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:
+    """A checkpoint's entry and its file's state, their revisions checked against each other."""
+    revision = state.get("revision") if isinstance(state, dict) else None
+    if not isinstance(revision, int) or isinstance(revision, bool) or not isinstance(state.get("grads"), dict):
+        raise ConfigError(f"saved state of {spec.name!r}", type(state).__name__,
+                          "Checkpoint.state_dict() with an int 'revision' and 'grads'")
+    check_revisions(path, index, spec, revision)
+    return SavedCheckpoint(name=spec.name, lora=spec.lora, optimizer=spec.optimizer, generation=spec.generation,
+                           state=state, origins=spec.origins, kept=spec.kept)
 
 
 def _model_identity(model: DecoderLM) -> dict[str, str]:
@@ -274,25 +344,15 @@ def _model_identity(model: DecoderLM) -> dict[str, str]:
     for name, param in model.state_dict().items():
         tensor = param.detach().cpu().contiguous()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(_raw_bytes(tensor))
     return {"config": repr(model.config), "digest": digest.hexdigest()}
 
 
-def _encode_options(options: ForwardOptions | None) -> dict[str, Any] | None:
-    if options is None:
-        return None
-    encoded = {f.name: getattr(options, f.name) for f in fields(ForwardOptions) if getattr(options, f.name) is not UNSET}
-    if "corrections" in encoded:
-        encoded["corrections"] = [asdict(c) for c in encoded["corrections"]]
-    return encoded
+def _raw_bytes(tensor: torch.Tensor) -> ctypes.Array:
+    """A contiguous CPU tensor's bytes, in place, as a buffer ``hashlib`` reads (torch alone: no numpy, no copy).
 
-
-def _decode_options(encoded: dict[str, Any] | None) -> ForwardOptions | None:
-    if encoded is None:
-        return None
-    if "corrections" in encoded:
-        encoded = {**encoded, "corrections": tuple(ImportanceCorrection(**c) for c in encoded["corrections"])}
-    return ForwardOptions(**encoded)
+    Valid while ``tensor`` lives; torch offers no buffer of its own (``bytes(storage)`` iterates byte by byte)."""
+    return (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
 
 
 def _tensors(value: Any) -> memoryview:

@@ -209,12 +209,8 @@ class Trainer:
         if checkpoint is not None:
             return self.checkpoint(checkpoint)
         if len(self._checkpoints) != 1:
-            raise ConfigError(
-                "checkpoint",
-                None,
-                f"a checkpoint name (the trainer has {sorted(self._checkpoints) or 'none'}); "
-                "add one with add_checkpoint or pass checkpoint=...",
-            )
+            raise ConfigError("checkpoint", None, f"a checkpoint name (the trainer has {sorted(self._checkpoints) or 'none'}); "
+                              "add one with add_checkpoint or pass checkpoint=...")
         return next(iter(self._checkpoints.values()))
 
     def _selected(self, checkpoints: Iterable[str] | str | None) -> list[Checkpoint]:
@@ -255,10 +251,11 @@ class Trainer:
 
         ``checkpoint=BASE`` runs the frozen base in eval mode (no dropout, no
         RNG drawn, no record): reference log-probs, also under
-        ``torch.inference_mode()``. Any other forward records the graph its
-        backward needs whatever the caller's grad mode (``no_grad`` included)
-        and is refused under ``inference_mode``, where no graph can be
-        recorded (``check_recordable``).
+        ``torch.inference_mode()``. A ``CheckpointVersion`` runs that version:
+        the current one, or one a loaded trainer kept for a forward pending at
+        the save, made again (NOTE [Weight captures] Rule 4). Any other forward
+        records the graph its backward needs whatever the caller's grad mode
+        and is refused under ``inference_mode`` (``check_recordable``).
         """
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
@@ -267,7 +264,9 @@ class Trainer:
         if checkpoint is BASE:
             return rebuild(base_logprobs(self.model, flat, self.device))
         check_recordable()
-        selected = self._select_checkpoint(checkpoint)
+        at = checkpoint if isinstance(checkpoint, CheckpointVersion) else None
+        selected = self._select_checkpoint(checkpoint if at is None else at.name)
+        version = selected.capture_at(at).version if at is not None else selected.version  # an unheld one refused
         groups: dict[ResolvedOptions, list[int]] = {}
         for index, item in enumerate(flat):
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
@@ -284,20 +283,20 @@ class Trainer:
         try:
             with draws_undone_on_failure(self.device):  # one call is all or nothing, its dropout draws too
                 for (resolved, indices), plan in zip(groups.items(), admitted):
-                    for index, output in zip(indices, self._submit(selected, [flat[i] for i in indices], resolved, plan, quantized)):
+                    items = [flat[i] for i in indices]
+                    for index, output in zip(indices, self._submit(selected, version, items, resolved, plan, quantized)):
                         outputs[index] = output
         except BaseException:
             self.records.release_outputs(outputs)
             raise
         return rebuild(outputs)
 
-    def _submit(
-        self, checkpoint: Checkpoint, items: list[ForwardInput], options: ResolvedOptions, plan: Admitted, quantized: bool
-    ) -> list[ForwardOutput]:
-        """One admitted record: the forward, then its tagged outputs."""
+    def _submit(self, checkpoint: Checkpoint, version: CheckpointVersion, items: list[ForwardInput],
+                options: ResolvedOptions, plan: Admitted, quantized: bool) -> list[ForwardOutput]:
+        """One admitted record at ``version``: the forward, then its tagged outputs."""
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
         state = capture_forward_state(self.model, self.device)
-        capture = checkpoint.capture()
+        capture = checkpoint.capture_at(version)
         stopwatch = start_stopwatch(self.device)
         with misses.allocation_failures_reported(self.model.config, plan.estimator, plan.cost.saved_bytes):  # NOTE [Planner misses]
             root, ledger = record_forward(

@@ -89,3 +89,17 @@ def checkless_passed_record() -> dict:
     record["passed"] = True
     record["digest"] = content_digest(record)
     return record
+
+
+def model_snapshot(model: rt.DecoderLM) -> tuple:
+    """Everything of ``model`` a call must leave as it was: ``requires_grad``, weights, buffers, mode, and the RNG."""
+    return ([(n, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()],
+            [(n, b.clone()) for n, b in model.named_buffers()], model.training, torch.get_rng_state())
+
+
+def assert_model_unchanged(model: rt.DecoderLM, before: tuple) -> None:
+    params, buffers, training, rng = model_snapshot(model)
+    assert [(n, g) for n, g, _ in params] == [(n, g) for n, g, _ in before[0]], "requires_grad changed"
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(params, before[0])), "weights changed"
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(buffers, before[1])), "buffers changed"
+    assert training == before[2] and torch.equal(rng, before[3]), "mode or RNG changed"

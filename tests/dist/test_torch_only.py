@@ -57,3 +57,7 @@ def test_a_logical_rank_failure_crosses_processes_without_numpy(job: dict) -> No
     assert "injected fault" in failures[0]["message"]
     for failure in failures:
         assert failure["all_grads_none"] and failure["pending"] == 0
+
+
+def test_a_save_made_with_a_stale_forward_pending_loads_and_continues_without_numpy(job: dict) -> None:
+    assert job["ranks"][0]["resume"] == {"equal": True, "revision": 2}

@@ -4,8 +4,8 @@ Run as a script (``python torch_only_job.py``) with a stub ``numpy`` that
 raises ``ImportError`` first on ``PYTHONPATH``. It is physical rank 0 of a
 two-process gloo group: it starts rank 1 itself (the same script, the same
 environment, a plain ``subprocess``, not the harness's spawn helper), runs
-the single-process checks, then both ranks run a logical-rank job whose
-logical rank 1 fails. Each rank prints one JSON line; rank 0 prints both.
+the single-process checks (a save and load among them), then both ranks run
+a logical-rank job whose logical rank 1 fails. Each rank prints one JSON line; rank 0 prints both.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -51,6 +52,32 @@ def stale_backward(policy: str) -> dict:
         "corrected": [r.record_id for r in report.corrected],
         "staleness": [r.staleness for r in report.records],
     }
+
+
+def save_and_load() -> dict:
+    """A BF16 job saved with a forward pending one revision stale, loaded, the forward made again at its version and
+    backpropagated: the loaded trainer must end bitwise where the saving one does."""
+    trainers = []
+    with tempfile.TemporaryDirectory() as folder:
+        for resume in (False, True):
+            torch.manual_seed(0)
+            model = rt.DecoderLM(rt.ModelConfig.tiny(dtype=torch.bfloat16), seed=0)
+            trainer = rt.Trainer(model, options=rt.ForwardOptions(corrections=()))
+            trainer.add_checkpoint("p", lora=rt.LoRAConfig(rank=2), seed=1)
+            tokens = torch.arange(1, 9)
+            stale, fresh = (trainer.forward(rt.ForwardInput(tokens + k)) for k in (0, 1))
+            trainer.backward(-fresh.target_logprobs.sum())
+            trainer.optim_step()
+            trainer.zero_grad()
+            if resume:
+                trainer.save(folder)
+                trainer = rt.Trainer.load(folder, rt.DecoderLM(rt.ModelConfig.tiny(dtype=torch.bfloat16), seed=0))
+                stale = trainer.forward(rt.ForwardInput(tokens), checkpoint=stale.version)
+            trainer.backward(-stale.target_logprobs.sum())
+            trainer.optim_step()
+            trainers.append(trainer.checkpoint("p").state_dict())
+    equal = all(torch.equal(a, b) for a, b in zip(trainers[0]["parameters"].values(), trainers[1]["parameters"].values()))
+    return {"equal": equal, "revision": trainers[1]["revision"]}
 
 
 def failing_logical_job() -> dict:
@@ -95,6 +122,7 @@ def main() -> None:
         if peer is not None:
             result["always"] = stale_backward("always")
             result["when_available"] = stale_backward("when_available")
+            result["resume"] = save_and_load()
         rt.init_distributed("gloo", timeout_s=60.0)
         result["logical_failure"] = failing_logical_job()
         dist.destroy_process_group()

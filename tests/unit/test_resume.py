@@ -6,14 +6,17 @@ fresh trainer and continued must end bitwise where the uninterrupted job ends.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 
 import pytest
 import torch
 
 import reference_trainer as rt
+from reference_trainer.resume import _model_identity
 from reference_trainer.saves import read_folder, write_folder
-from tests.support import advantages, assert_nested_equal, grad_snapshot, sequence
+from tests.support import advantages, assert_model_unchanged, assert_nested_equal, grad_snapshot, model_snapshot, sequence
 
 STEPS = 3
 
@@ -230,3 +233,85 @@ def test_logical_ranks_continue_their_own_rng_streams_after_a_resume(tmp_path):
         results.append(_state(trainer))
     assert_nested_equal(results[1], results[0])
     assert_nested_equal(results[2], results[0])
+
+
+# --- refusals, the generation counter, the model digest (NOTE [Resume] Rule 6) ------------------------------------
+
+
+def _shrunk_state(source, target, key: str):
+    """``source``'s save written again under ``target`` with one tensor of checkpoint 0's ``key`` cut to one row."""
+    files = read_folder(source)
+    state = torch.load(io.BytesIO(files["checkpoint-0.pt"]), weights_only=True)
+    name = next(iter(state[key]))
+    state[key][name] = state[key][name][:1]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_folder(target, {**files, "checkpoint-0.pt": buffer.getvalue()})
+    return target
+
+
+@pytest.mark.parametrize("key", ["parameters", "grads"])
+def test_a_refused_checkpoint_state_leaves_the_model_as_it_was(tmp_path, key):
+    """The state is checked once the trainer (which freezes the model) is built: a refusal unfreezes it again."""
+    trainer = _build("lora")
+    out = trainer.forward(rt.ForwardInput(*sequence(1)))
+    trainer.backward(out.target_logprobs.sum())
+    trainer.save(tmp_path / "save")
+    model = _model()
+    model.eval()
+    before = model_snapshot(model)
+    assert all(g for _, g, _ in before[0]), "a fresh model's parameters require grad"
+    with pytest.raises(rt.ConfigError):
+        rt.Trainer.load(_shrunk_state(tmp_path / "save", tmp_path / "bad", key), model)
+    assert_model_unchanged(model, before)
+
+
+def test_the_generation_counter_continues_after_a_load(tmp_path):
+    """Checkpoints added or loaded over after a resume take the generations the uninterrupted trainer gives."""
+    trainer = _build("both")
+    trainer.load_checkpoint("critic", trainer.checkpoint("critic").state_dict())
+    trainer.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model())
+    assert loaded.next_generation == trainer.next_generation == 3
+    for each in (trainer, loaded):
+        each.load_checkpoint("policy", each.checkpoint("policy").state_dict())
+    assert loaded.checkpoint("policy").generation == trainer.checkpoint("policy").generation == 3
+    assert loaded.add_checkpoint("value", full=True).generation == trainer.add_checkpoint("value", full=True).generation
+    generations = [c.generation for c in loaded.checkpoints.values()]
+    assert len(set(generations)) == len(generations), f"a generation repeats: {generations}"
+
+
+@pytest.mark.parametrize("path", [123, None, 1.5, b"bytes-path", ["a"]])
+def test_a_path_that_is_not_a_path_is_a_config_error_at_save_and_load(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    trainer = _build("lora")
+    with pytest.raises(rt.ConfigError, match="path"):
+        trainer.save(path)
+    model = _model()
+    before = model_snapshot(model)
+    with pytest.raises(rt.ConfigError, match="path"):
+        rt.Trainer.load(path, model)
+    assert_model_unchanged(model, before)
+    assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def _numpy_digest(model: rt.DecoderLM) -> str:
+    """The identity digest as numpy computes it (the oracle, and what earlier saves hold)."""
+    digest = hashlib.sha256()
+    for name, param in model.state_dict().items():
+        tensor = param.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.float32, False), (torch.bfloat16, False), (torch.float16, True)])
+def test_the_model_digest_is_the_raw_bytes_digest_earlier_saves_hold(dtype, tied):
+    """Hashed without numpy (tests/dist/test_torch_only.py), bitwise what numpy's bytes give: BF16 and tied weights too."""
+    model = rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype, tie_word_embeddings=tied), seed=0)
+    original = _model_identity(model)["digest"]
+    assert original == _numpy_digest(model)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1
+    changed = _model_identity(model)["digest"]
+    assert changed != original and changed == _numpy_digest(model)

@@ -1,0 +1,170 @@
+"""Saves made while forwards are pending, stale ones included, continue bitwise (NOTE [Resume] Rule 2).
+
+A plain async job (forwards kept pending across optimizer steps, staleness
+bound 2) is saved at every call boundary; each save is loaded into a fresh
+trainer, the forwards pending at the save are made again at their versions
+(``checkpoint=output.version``) and the job continues. The oracle is the job
+that never stopped: its parameters and AdamW state must be bitwise the
+resumed ones'. No dropout: a forward made again draws after the saved RNG.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reference_trainer as rt
+from tests.support import advantages, assert_nested_equal, sequence
+
+BOUND = 2
+LENGTH = 5
+OPTIONS = rt.ForwardOptions(max_gradient_staleness=BOUND, corrections=(rt.ImportanceCorrection(policy="always"),))
+Call = tuple[str, int]
+
+
+def _model(dtype: torch.dtype) -> rt.DecoderLM:
+    return rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0, dtype=dtype, num_hidden_layers=1), seed=0)
+
+
+def _trainer(dtype: torch.dtype) -> rt.Trainer:
+    trainer = rt.Trainer(_model(dtype), options=OPTIONS)
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    return trainer
+
+
+def plan(codes: str) -> list[Call]:
+    """A valid job from op codes: ``F`` a new forward, ``B`` backward of the oldest pending one, ``S`` optim_step
+    then zero_grad. Before a step that would age the oldest pending forward past the bound, it is backpropagated;
+    at the end every pending forward is, and a last step taken."""
+    calls: list[Call] = []
+    pending: list[tuple[int, int]] = []  # (forward index, revision it ran at)
+    revision, made, committed = 0, 0, False
+    for code in codes:
+        if code == "F":
+            calls.append(("forward", made))
+            pending.append((made, revision))
+            made += 1
+        elif code == "B" and pending:
+            calls.append(("backward", pending.pop(0)[0]))
+            committed = True
+        elif code == "S":
+            while pending and revision + 1 - pending[0][1] > BOUND:
+                calls.append(("backward", pending.pop(0)[0]))
+                committed = True
+            calls += [("optim_step", 0), ("zero_grad", 0)]
+            revision, committed = revision + committed, False
+    calls += [("backward", index) for index, _ in pending]
+    return calls + [("optim_step", 0)]
+
+
+def _call(trainer: rt.Trainer, call: Call, outputs: dict[int, rt.ForwardOutput]) -> None:
+    kind, index = call
+    if kind == "forward":
+        outputs[index] = trainer.forward(rt.ForwardInput(*sequence(index, LENGTH)))
+    elif kind == "backward":
+        trainer.backward(-(outputs.pop(index).target_logprobs * advantages(index, LENGTH)).sum())
+    elif kind == "optim_step":
+        trainer.optim_step(max_grad_norm=1.0)
+    else:
+        trainer.zero_grad()
+
+
+def _state(trainer: rt.Trainer) -> dict[str, object]:
+    return {name: (c.revision, c.generation, c.state_dict()) for name, c in trainer.checkpoints.items()}
+
+
+def _saved_at_every_boundary(calls: list[Call], dtype: torch.dtype, folder: Path) -> tuple[dict, list[tuple[dict, int]]]:
+    """The uninterrupted job's final state, and at each boundary the pending forwards' versions and the revision."""
+    torch.manual_seed(0)
+    trainer, outputs, pending = _trainer(dtype), {}, []
+    for boundary, call in enumerate(calls):
+        trainer.save(folder / str(boundary))
+        pending.append(({i: out.version for i, out in outputs.items()}, trainer.checkpoint("policy").revision))
+        _call(trainer, call, outputs)
+    return _state(trainer), pending
+
+
+def _resumed(calls: list[Call], boundary: int, pending: dict, dtype: torch.dtype, folder: Path, *, at_version: bool) -> dict:
+    """Load the save at ``boundary``, make its pending forwards again (at their versions, or at the current one), go on."""
+    torch.manual_seed(99)  # the restarted process's RNG: the load replaces it
+    trainer = rt.Trainer.load(folder / str(boundary), _model(dtype))
+    outputs = {i: trainer.forward(rt.ForwardInput(*sequence(i, LENGTH)), checkpoint=version if at_version else "policy")
+               for i, version in pending.items()}
+    for call in calls[boundary:]:
+        _call(trainer, call, outputs)
+    return _state(trainer)
+
+
+def _check_every_boundary(codes: str, dtype: torch.dtype) -> None:
+    calls = plan(codes)
+    with tempfile.TemporaryDirectory() as folder:
+        expected, pending = _saved_at_every_boundary(calls, dtype, Path(folder))
+        for boundary, (versions, _) in enumerate(pending):
+            found = _resumed(calls, boundary, versions, dtype, Path(folder), at_version=True)
+            assert_nested_equal(found, expected, where=f"resumed at call {boundary} {calls[boundary]} of {calls}")
+
+
+# forward, forward, backward, step: the second forward stays pending across the step.
+ASYNC = "FFBSBS"
+LONG_ASYNC = "FFBSFBSFBSBS"  # and across the next forward too
+
+
+def test_a_job_saved_at_every_call_boundary_with_a_stale_forward_pending_continues_bitwise():
+    calls = plan(ASYNC)
+    assert calls.index(("optim_step", 0)) < calls.index(("backward", 1)), "forward 1 is made stale"
+    _check_every_boundary(ASYNC, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_longer_job_saved_at_every_call_boundary_continues_bitwise(dtype):
+    _check_every_boundary(LONG_ASYNC, dtype)
+
+
+def test_the_oracle_sees_forwards_made_again_at_the_current_revision(tmp_path):
+    """Negative control: made again on the loaded (newer) weights instead of their own, the job ends elsewhere."""
+    calls = plan(ASYNC)
+    expected, pending = _saved_at_every_boundary(calls, torch.float32, tmp_path)
+    stale = [b for b, (versions, revision) in enumerate(pending) if any(v.revision < revision for v in versions.values())]
+    assert stale, "the schedule saves with a stale forward pending"
+    for boundary in stale:
+        with pytest.raises(AssertionError):
+            assert_nested_equal(_resumed(calls, boundary, pending[boundary][0], torch.float32, tmp_path, at_version=False),
+                                expected)
+
+
+@pytest.mark.slow
+@given(st.text(alphabet="FBS", min_size=1, max_size=10))
+def test_any_async_job_saved_anywhere_continues_bitwise(codes):
+    _check_every_boundary(codes, torch.float32)
+
+
+def test_a_kept_version_is_held_until_no_forward_at_it_could_step_and_others_are_refused(tmp_path):
+    """Forward 0 pending one revision stale at the save: its weights are held until the revision passes its bound."""
+    trainer = _trainer(torch.float32)
+    stale = trainer.forward(rt.ForwardInput(*sequence(0, LENGTH)))
+    for index in (1, 2):  # two steps: forward 0 is two revisions old, still within BOUND
+        trainer.backward(trainer.forward(rt.ForwardInput(*sequence(index, LENGTH))).target_logprobs.sum())
+        trainer.optim_step()
+        trainer.zero_grad()
+    with pytest.raises(rt.ConfigError, match="holds"):  # the saving trainer holds no older version for a new forward
+        trainer.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=rt.CheckpointVersion("policy", 0, 1))
+    trainer.save(tmp_path)
+    loaded = rt.Trainer.load(tmp_path, _model(torch.float32))
+    assert sorted(loaded.checkpoint("policy").kept) == [stale.version.revision] == [0]
+    saver, held = trainer.checkpoint("policy"), loaded.checkpoint("policy")
+    assert held.held_nbytes() == saver.held_nbytes() + saver.trainable_nbytes(), "admission counts the kept weights"
+    with pytest.raises(rt.ConfigError, match="holds"):  # revision 1 had no pending forward: not kept
+        loaded.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=rt.CheckpointVersion("policy", 0, 1))
+    assert loaded.live_records() == 0
+    again = loaded.forward(rt.ForwardInput(*sequence(0, LENGTH)), checkpoint=stale.version)
+    assert again.version == stale.version
+    assert torch.equal(again.target_logprobs, stale.target_logprobs)  # its own weights, bitwise
+    loaded.backward(again.target_logprobs.sum())  # age 2 <= BOUND
+    loaded.optim_step()
+    assert loaded.checkpoint("policy").kept == {}, "revision 3: no forward at revision 0 could step any more"
