@@ -74,7 +74,7 @@ from .errors import ConfigError
 from .lora import LoRAConfig
 from .model import DecoderLM
 from .options import UNSET, ForwardOptions, ImportanceCorrection
-from .ranks.peers import PeerFailure
+from .peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
 from .saves import FileData, read_folder, write_folder
 from .sinks import RankGradients
