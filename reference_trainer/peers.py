@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, PeerError
+from .errors import ConfigError, PeerError, is_number
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -115,7 +115,7 @@ def init_distributed(
 
 def timeout_seconds(value: float | None, env: str, default: float) -> float:
     value = float(os.environ.get(env, default)) if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ConfigError("timeout_s", value, "None or a number of seconds > 0")
     return float(value)
 

@@ -43,7 +43,10 @@ is imported) and reports, per rule:
   two harness modules (one name per concept; :data:`DEFINED_TWICE` lists the
   deliberate ones, each with why);
 - ``homonym``: a harness module defines, at its top level, a name that a
-  trainer module exports (its ``__all__``): one name, one meaning.
+  trainer module exports (its ``__all__``): one name, one meaning;
+- ``is-number``: a condition spells out :data:`IS_NUMBER` (``isinstance(x,
+  bool)`` and ``isinstance(x, (int, float))`` of the same ``x``) rather than
+  calling it.
 
 A permanent negative control feeds it a small fake package tree that breaks
 every rule and expects each violation to be reported; the import rules and
@@ -77,6 +80,7 @@ RANKS_INTERNALS_ALLOWED = {  # module prefix -> why it may import a module insid
     "canaries.mutations": "the mutation suite plants its faults inside the logical ranks (LogicalSums, TreeFold)",
 }
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
+IS_NUMBER = f"{TRAINER}.errors.is_number"  # the one test for "an int or a float, not a bool"
 MAX_LINES = 450
 MAX_TRAINER_LINES = 420
 TRAINER_CALLERS = (TRAINER, f"{RANKS}.logical", f"{RANKS}.zero")  # the boundary and the runtime's entry points
@@ -97,7 +101,7 @@ def _tree(path: Path) -> ast.Module:
 @dataclass(frozen=True)
 class Violation:
     rule: str  # layering | climb | ranks-boundary | private | cycle | size | callback | note | canary-folder
-    # | defined-twice | homonym
+    # | defined-twice | homonym | is-number
     module: str
     detail: str
 
@@ -327,8 +331,26 @@ def _homonyms(exports: dict[str, str], definitions: list[tuple[str, str]]) -> li
             for module, defined in definitions if defined in exports]
 
 
+def _number_checks(modules: dict[str, Path]) -> list[Violation]:
+    """The ``is-number`` rule: a boolean condition testing one subject for ``bool`` and for ``(int, float)``."""
+    found = []
+    for name, path in modules.items():
+        if name == IS_NUMBER.rpartition(".")[0]:
+            continue
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.BoolOp):
+                continue
+            kinds: dict[str, set[str]] = {}
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "isinstance" and len(call.args) == 2:
+                    kinds.setdefault(ast.unparse(call.args[0]), set()).add(ast.unparse(call.args[1]))
+            if any({"bool", "(int, float)"} <= found_kinds for found_kinds in kinds.values()):
+                found.append(Violation("is-number", name, f"line {node.lineno} spells out {IS_NUMBER}: call it"))
+    return found
+
+
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the eleven rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the twelve rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
@@ -353,7 +375,7 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
         for member in component:
             found.append(Violation("cycle", member, " <-> ".join(component)))
     found += _import_rules(tuple((name, owner) for name, owner, _ in edges))
-    found += _homonyms(_exports(modules), _definitions(modules))
+    found += _homonyms(_exports(modules), _definitions(modules)) + _number_checks(modules)
     return found + _notes(root, modules) + _canary_folders(root, modules) + _defined_twice(modules)
 
 
@@ -400,6 +422,11 @@ def test_everything_outside_ranks_uses_it_through_its_boundary(package: str) -> 
 @pytest.mark.parametrize("package", _params(HARNESS))
 def test_no_harness_module_redefines_a_name_the_trainer_exports(package: str) -> None:
     assert _in(package, "homonym") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_every_number_check_calls_the_one_is_number(package: str) -> None:
+    assert _in(package, "is-number") == []
 
 
 @pytest.mark.parametrize("package", _params(PACKAGES))
@@ -514,6 +541,13 @@ def test_negative_control_a_fake_tree_breaking_the_layer_rules_is_reported(tmp_p
     _write(tmp_path, "canaries/cli.py", "")
     _write(tmp_path, "canaries/mutations/catalogue.py", "from reference_trainer.ranks.tree import fold\n")  # allowed
     _write(tmp_path, "canaries/benchmark/baseline.py", "BASE, HEAD = 'base', 'head'\n")  # homonym
+    _write(tmp_path, "reference_trainer/errors.py", "def is_number(x):\n"
+                                                    "    return isinstance(x, (int, float)) and not isinstance(x, bool)\n")
+    _write(tmp_path, "reference_trainer/model.py", "def f(x):\n"  # is-number: a copy
+                                                   "    if isinstance(x, bool) or not isinstance(x, (int, float)):\n"
+                                                   "        raise ValueError(x)\n")
+    _write(tmp_path, "reports/generic.py", "def f(x, y):\n"  # allowed: two subjects, one test each
+                                           "    return isinstance(x, bool) and isinstance(y, (int, float))\n")
 
     found = {(v.rule, v.module)
              for v in violations(tmp_path, ("reference_trainer", "validation", "reports", "canaries"))}
@@ -528,6 +562,7 @@ def test_negative_control_a_fake_tree_breaking_the_layer_rules_is_reported(tmp_p
         ("ranks-boundary", "validation.oracle"),
         ("layering", "reports.plots"),
         ("homonym", "canaries.benchmark.baseline"),
+        ("is-number", "reference_trainer.model"),
     }
 
 
