@@ -42,7 +42,7 @@ from typing import Any, TextIO
 
 __all__ = ["FrameError", "collect", "emit", "main", "manifest"]
 
-MANIFEST = "manifest.json"
+FRAME_MANIFEST = "manifest.json"
 _WIDTH = 76
 _BEGIN = re.compile(r"RTV-EVIDENCE-BEGIN v1 ([0-9a-f]{64}) (\d+)\s*$")
 _LINE = re.compile(r"RTV-EVIDENCE ([A-Za-z0-9+/=]+)\s*$")
@@ -76,7 +76,7 @@ def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> by
     made = manifest(folder, env, status)
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         text = json.dumps(made, indent=1, sort_keys=True).encode()
-        info = tarfile.TarInfo(MANIFEST)
+        info = tarfile.TarInfo(FRAME_MANIFEST)
         info.size = len(text)
         tar.addfile(info, io.BytesIO(text))
         for entry in made["records"]:
@@ -161,7 +161,7 @@ def collect(log: str, into: Path) -> dict[str, Any]:
         into.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(payload), mode="r:gz") as tar:
             tar.extractall(into, members=_plain_members(tar, digest), **_data_filter())
-        return json.loads((into / MANIFEST).read_text())
+        return json.loads((into / FRAME_MANIFEST).read_text())
     raise FrameError("; ".join(reasons) if reasons else
                      "the job's log has no RTV-EVIDENCE frame (its run did not reach `python -m ci.frames emit`)")
 

@@ -2,6 +2,12 @@
 
 The public API (docs/api.md) is re-exported here; ``import reference_trainer as rt``.
 This package imports nothing of the harness (``validation``, ``canaries``, ...).
+
+Its layers, lowest first: the core (every module beside this one, ``errors.py``,
+``peers.py`` and ``trainer.py`` included), the logical-rank runtime ``ranks/``
+(which drives a ``Trainer``; the rest of the project reaches it through its
+``__init__``), and this boundary. A module imports its own layer or a lower one,
+never a higher (tests/test_architecture.py, ``TRAINER_LAYERS``).
 """
 
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion

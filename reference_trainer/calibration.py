@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, is_number
 from .planner import DEFAULT_SECONDS_PER_TOKEN
 
 __all__ = ["PlannerCalibration", "resolve_calibration"]
@@ -46,7 +46,7 @@ class PlannerCalibration:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            valid = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+            valid = is_number(value) and math.isfinite(value) and value >= 0
             if not valid:
                 raise ConfigError(f"planner_calibration.{f.name}", value, "a finite number >= 0")
 

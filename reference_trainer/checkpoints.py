@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .adamw import AdamWConfig, check_adamw_state
-from .errors import ConfigError, GradientCommitError, int_at_least
+from .errors import ConfigError, GradientCommitError, int_at_least, is_number
 from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
@@ -417,7 +417,7 @@ def check_step_arguments(lr: float | None, max_grad_norm: float | None) -> None:
     ):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if not is_number(value) or not math.isfinite(value) or value < 0:
             raise ConfigError(label, value, allowed)
         if label == "max_grad_norm" and value == 0:
             raise ConfigError(label, value, allowed)

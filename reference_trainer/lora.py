@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import ConfigError, int_at_least
+from .errors import ConfigError, int_at_least, is_number
 from .model import DecoderLM, Projection
 
 __all__ = ["LoRAConfig", "LoRAAdapter", "attach_lora", "freeze", "ALL_PROJECTIONS"]
@@ -38,7 +38,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not int_at_least(self.rank, 1):
             raise ConfigError("LoRAConfig.rank", self.rank, "a positive int")
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+        if not (is_number(self.alpha) and math.isfinite(self.alpha) and self.alpha > 0):
             raise ConfigError("LoRAConfig.alpha", self.alpha, "a finite positive number")
         targets = tuple(self.targets)
         unknown = sorted(set(targets) - set(ALL_PROJECTIONS))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError, int_at_least
+from .errors import ConfigError, int_at_least, is_number
 from .host_reads import padding_trusted, read_on_host
 
 __all__ = ["ModelConfig", "DecoderLM", "Projection", "token_logprobs", "check_right_padded"]
@@ -72,10 +72,10 @@ class ModelConfig:
             raise ConfigError("head_dim", self.head_dim, "an even int (rotary pairs)")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not is_number(value) or not 0 < value < math.inf:
                 raise ConfigError(name, value, "a finite positive float")
         dropout = self.dropout
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        if not is_number(dropout) or not 0.0 <= dropout < 1.0:
             raise ConfigError("dropout", self.dropout, "a float in [0, 1)")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError("dtype", self.dtype, "a floating-point torch.dtype")

@@ -85,7 +85,7 @@ from .errors import ConfigError, CorruptSaveError
 from .lora import LoRAConfig
 from .model import DecoderLM
 from .options import ForwardOptions
-from .ranks.peers import PeerFailure
+from .peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
 from .save_meta import TRAINER, CheckpointMeta, check_revisions, decode_meta, encode_options
 from .saves import FileData, read_folder, write_folder

@@ -3,10 +3,21 @@
 :func:`violations` scans the five packages' sources (``ast`` only, nothing
 is imported) and reports, per rule:
 
-- ``layering``: ``reference_trainer`` imports a harness package, or ``ci``
-  imports ``canaries`` (:data:`NEVER_IMPORTS`: the harness's top, the ``rtv``
-  command line in ``canaries``, drives ``ci``; a GPU job reaches the canaries
-  through ``rtv run``, issue 22);
+- ``layering``: a package imports one it never imports (:data:`NEVER_IMPORTS`):
+  ``reference_trainer`` a harness package; ``ci`` ``canaries`` (the harness's
+  top, the ``rtv`` command line in ``canaries``, drives ``ci``; a GPU job
+  reaches the canaries through ``rtv run``, issue 22); ``reports`` the trainer
+  (it reads evidence files); ``validation`` ``canaries`` (the canaries build on
+  it);
+- ``climb``: a module of ``reference_trainer`` imports one of a higher layer
+  (:data:`TRAINER_LAYERS`, lowest first: the core, every module outside
+  ``ranks/``, ``peers.py`` and ``trainer.py`` included; the logical-rank
+  runtime ``ranks/``, which drives a ``Trainer``; the package's boundary
+  ``__init__``, which re-exports them all);
+- ``ranks-boundary``: a module outside ``reference_trainer/ranks/`` imports a
+  module inside it rather than its ``__init__``, the subpackage's public
+  boundary (:data:`RANKS_INTERNALS_ALLOWED`: the mutation suite, which plants
+  faults inside);
 - ``private``: package code imports a private name (``_x``) from another
   module, by ``from m import _x`` or as ``m._x`` on an imported module
   (``reference_trainer.testing`` is the allowed hook; tests are not scanned);
@@ -16,8 +27,10 @@ is imported) and reports, per rule:
   :data:`MAX_TRAINER_LINES`);
 - ``callback``: a trainer module imports ``reference_trainer.trainer``. What a
   forward, backward, commit or step runs through never calls back into it; only
-  the package's boundary (``__init__``) and the logical-rank runtime
-  (``reference_trainer.ranks``), which drive a ``Trainer``, import it;
+  the package's boundary (``__init__``) and the logical-rank runtime's entry
+  points (``ranks/logical.py``, ``ranks/zero.py``), which drive a ``Trainer``,
+  import it (:data:`TRAINER_CALLERS`); the runtime's parts (layout, tree,
+  fibers, rounds, state, reduction, batches) never do;
 - ``note``: a ``NOTE [Name]`` written in more than one file (a NOTE lives in
   one place; ``(continued)`` parts elsewhere count), or one referred to that
   no file writes. A NOTE is written where a line starts with it and goes on
@@ -28,10 +41,17 @@ is imported) and reports, per rule:
   live in its folder, the shared pieces beside them (issue 22);
 - ``defined-twice``: a public top-level class or UPPER_CASE constant defined in
   two harness modules (one name per concept; :data:`DEFINED_TWICE` lists the
-  deliberate ones, each with why).
+  deliberate ones, each with why);
+- ``homonym``: a harness module defines, at its top level, a name that a
+  trainer module exports (its ``__all__``): one name, one meaning;
+- ``is-number``: a condition spells out :data:`IS_NUMBER` (``isinstance(x,
+  bool)`` and ``isinstance(x, (int, float))`` of the same ``x``) rather than
+  calling it.
 
 A permanent negative control feeds it a small fake package tree that breaks
-every rule and expects each violation to be reported.
+every rule and expects each violation to be reported; the import rules and
+``homonym`` are also run over the real tree with one planted import or
+definition, which each must report.
 """
 
 from __future__ import annotations
@@ -48,11 +68,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("reference_trainer", "validation", "canaries", "reports", "ci")
 TRAINER = "reference_trainer"
 HARNESS = ("validation", "canaries", "reports", "ci")
-NEVER_IMPORTS = {TRAINER: HARNESS, "ci": ("canaries",)}  # package -> the packages it never imports
+NEVER_IMPORTS = {  # package -> the packages it never imports
+    TRAINER: HARNESS,
+    "ci": ("canaries",),
+    "reports": (TRAINER,),
+    "validation": ("canaries",),
+}
+RANKS = f"{TRAINER}.ranks"
+TRAINER_LAYERS = ("core", "ranks", "boundary")  # lowest first; a trainer module imports its own layer or lower
+RANKS_INTERNALS_ALLOWED = {  # module prefix -> why it may import a module inside ranks/
+    "canaries.mutations": "the mutation suite plants its faults inside the logical ranks (LogicalSums, TreeFold)",
+}
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
+IS_NUMBER = f"{TRAINER}.errors.is_number"  # the one test for "an int or a float, not a bool"
 MAX_LINES = 450
 MAX_TRAINER_LINES = 420
-TRAINER_CALLERS = (TRAINER, f"{TRAINER}.ranks")  # the boundary and the runtime that drive a Trainer
+TRAINER_CALLERS = (TRAINER, f"{RANKS}.logical", f"{RANKS}.zero")  # the boundary and the runtime's entry points
 CANARY_PREFIXES = ("derivative_", "memory_", "learning_", "bench_", "oracle_", "mutation_")
 DEFINED_TWICE = {  # name -> why each module keeps its own
     "KIND": "each record writer's evidence kind, read as ``module.KIND`` (a different value in each)",
@@ -69,7 +100,8 @@ def _tree(path: Path) -> ast.Module:
 
 @dataclass(frozen=True)
 class Violation:
-    rule: str  # layering | private | cycle | size | callback | note | canary-folder | defined-twice
+    rule: str  # layering | climb | ranks-boundary | private | cycle | size | callback | note | canary-folder
+    # | defined-twice | homonym | is-number
     module: str
     detail: str
 
@@ -107,6 +139,47 @@ def _owner(target: str, modules: dict[str, Path]) -> str | None:
     while target and target not in modules:
         target = target.rpartition(".")[0]
     return target or None
+
+
+@functools.lru_cache(maxsize=None)
+def _edges(root: Path, packages: tuple[str, ...]) -> tuple[tuple[str, str, str | None], ...]:
+    """Every import as (module, the scanned module it names or else the dotted name written, the name or None)."""
+    modules = _modules(root, packages)
+    return tuple((name, _owner(target, modules) or target, imported)
+                 for name, path in modules.items() for target, imported in _imports(name, path, modules))
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def _layer(module: str) -> int | None:
+    """A trainer module's index in :data:`TRAINER_LAYERS`; ``None`` outside the trainer."""
+    if not _inside(module, TRAINER):
+        return None
+    return 2 if module == TRAINER else 1 if _inside(module, RANKS) else 0
+
+
+def _import_rules(edges: tuple[tuple[str, str], ...]) -> list[Violation]:
+    """``layering``, ``climb``, ``ranks-boundary`` and ``callback`` over ``(module, imported module)`` pairs."""
+    found = []
+    for name, target in edges:
+        package = name.split(".")[0]
+        if target.split(".")[0] in NEVER_IMPORTS.get(package, ()):
+            found.append(Violation("layering", name, f"imports {target}: {package} never imports "
+                                                     f"{', '.join(NEVER_IMPORTS[package])}"))
+        here, there = _layer(name), _layer(target)
+        if here is not None and there is not None and there > here:
+            found.append(Violation("climb", name, f"imports {target}: the {TRAINER_LAYERS[here]} never imports "
+                                                   f"the {TRAINER_LAYERS[there]} above it (TRAINER_LAYERS)"))
+        internal = _inside(target, RANKS) and target != RANKS and not _inside(name, RANKS)
+        if internal and not any(_inside(name, allowed) for allowed in RANKS_INTERNALS_ALLOWED):
+            found.append(Violation("ranks-boundary", name, f"imports {target}: import it from {RANKS}, "
+                                                           "the subpackage's public boundary"))
+        if target == f"{TRAINER}.trainer" and package == TRAINER and name not in TRAINER_CALLERS:
+            found.append(Violation("callback", name, "imports reference_trainer.trainer: the trainer's parts "
+                                                     "never call back into it"))
+    return found
 
 
 def _private_attributes(path: Path, aliases: dict[str, str]) -> list[tuple[str, str]]:
@@ -228,39 +301,81 @@ def _defined_twice(modules: dict[str, Path]) -> list[Violation]:
             for defined, found in where.items() if len(set(found)) > 1 for module in sorted(set(found))]
 
 
+def _exports(modules: dict[str, Path]) -> dict[str, str]:
+    """Name -> a trainer module whose ``__all__`` lists it (the package's boundary where it does)."""
+    found: dict[str, str] = {}
+    for name, path in sorted(modules.items(), reverse=True):
+        for node in _tree(path).body if _inside(name, TRAINER) else ():
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                found.update({e.value: name for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)})
+    return found
+
+
+def _definitions(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(harness module, public name) for every function, class and assignment at a harness module's top level."""
+    found = []
+    for name, path in modules.items():
+        for node in _tree(path).body if name.split(".")[0] in HARNESS else ():
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append((name, node.name))
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+            for target in targets:
+                found += [(name, n.id) for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return [(module, defined) for module, defined in found if not defined.startswith("_")]
+
+
+def _homonyms(exports: dict[str, str], definitions: list[tuple[str, str]]) -> list[Violation]:
+    """The ``homonym`` rule: a harness definition of a name a trainer module exports."""
+    return [Violation("homonym", module, f"defines {defined}, which {exports[defined]} exports: one name, one "
+                                         "meaning; give the harness's its own name")
+            for module, defined in definitions if defined in exports]
+
+
+def _number_checks(modules: dict[str, Path]) -> list[Violation]:
+    """The ``is-number`` rule: a boolean condition testing one subject for ``bool`` and for ``(int, float)``."""
+    found = []
+    for name, path in modules.items():
+        if name == IS_NUMBER.rpartition(".")[0]:
+            continue
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.BoolOp):
+                continue
+            kinds: dict[str, set[str]] = {}
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "isinstance" and len(call.args) == 2:
+                    kinds.setdefault(ast.unparse(call.args[0]), set()).add(ast.unparse(call.args[1]))
+            if any({"bool", "(int, float)"} <= found_kinds for found_kinds in kinds.values()):
+                found.append(Violation("is-number", name, f"line {node.lineno} spells out {IS_NUMBER}: call it"))
+    return found
+
+
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the eight rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the twelve rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
+    edges = _edges(root, packages)
+    for name, owner, imported in edges:
+        if owner not in modules:
+            continue
+        if owner != name:
+            graph[name].add(owner)
+        private = imported is not None and imported.startswith("_") and not imported.startswith("__")
+        if private and owner != name and owner not in PRIVATE_ALLOWED:
+            found.append(Violation("private", name, f"imports {imported} from {owner}"))
     for name, path in modules.items():
         lines = len(path.read_text().splitlines())
         limit = MAX_TRAINER_LINES if name == f"{TRAINER}.trainer" else MAX_LINES
         if lines > limit:
             found.append(Violation("size", name, f"{lines} lines, at most {limit}"))
-        for target, imported in _imports(name, path, modules):
-            top = target.split(".")[0]
-            if top in NEVER_IMPORTS.get(name.split(".")[0], ()):
-                found.append(Violation("layering", name, f"imports {target}: {name.split('.')[0]} never imports "
-                                                         f"{', '.join(NEVER_IMPORTS[name.split('.')[0]])}"))
-            owner = _owner(target, modules)
-            if owner is None:
-                continue
-            if owner != name:
-                graph[name].add(owner)
-            callers_allowed = name == TRAINER or name.startswith(f"{TRAINER}.ranks")
-            if owner == f"{TRAINER}.trainer" and name.split(".")[0] == TRAINER and not callers_allowed:
-                found.append(Violation("callback", name, "imports reference_trainer.trainer: the trainer's parts "
-                                                         "never call back into it"))
-            private = imported is not None and imported.startswith("_") and not imported.startswith("__")
-            if private and owner != name and owner not in PRIVATE_ALLOWED:
-                found.append(Violation("private", name, f"imports {imported} from {owner}"))
         for owner, attribute in _private_attributes(path, _module_aliases(path, name, modules)):
             if owner != name and owner not in PRIVATE_ALLOWED:
                 found.append(Violation("private", name, f"uses {owner}.{attribute}"))
     for component in _cycles(graph):
         for member in component:
             found.append(Violation("cycle", member, " <-> ".join(component)))
+    found += _import_rules(tuple((name, owner) for name, owner, _ in edges))
+    found += _homonyms(_exports(modules), _definitions(modules)) + _number_checks(modules)
     return found + _notes(root, modules) + _canary_folders(root, modules) + _defined_twice(modules)
 
 
@@ -284,6 +399,34 @@ def test_the_trainer_imports_nothing_of_the_harness() -> None:
 def test_ci_imports_nothing_of_canaries() -> None:
     """The one run path lives in ``canaries``; ``ci`` reaches it through the command line (``rtv run --preset gpu``)."""
     assert _in("ci", "layering") == []
+
+
+def test_reports_import_nothing_of_the_trainer() -> None:
+    assert _in("reports", "layering") == []
+
+
+def test_validation_imports_nothing_of_canaries() -> None:
+    assert _in("validation", "layering") == []
+
+
+def test_no_import_climbs_a_layer_of_the_trainer() -> None:
+    """Core, then ``ranks/``, then the boundary (:data:`TRAINER_LAYERS`): ``resume.py`` reaches ``peers.py`` below it."""
+    assert _in(TRAINER, "climb") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_everything_outside_ranks_uses_it_through_its_boundary(package: str) -> None:
+    assert _in(package, "ranks-boundary") == []
+
+
+@pytest.mark.parametrize("package", _params(HARNESS))
+def test_no_harness_module_redefines_a_name_the_trainer_exports(package: str) -> None:
+    assert _in(package, "homonym") == []
+
+
+@pytest.mark.parametrize("package", _params(PACKAGES))
+def test_every_number_check_calls_the_one_is_number(package: str) -> None:
+    assert _in(package, "is-number") == []
 
 
 @pytest.mark.parametrize("package", _params(PACKAGES))
@@ -336,7 +479,7 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "validation/d.py", "from reference_trainer.testing import _hook\n")  # allowed
     _write(tmp_path, "validation/big.py", "x = 1\n" * (MAX_LINES + 1))  # size
     _write(tmp_path, "reference_trainer/commit.py", '"""NOTE [Commit]\n"""\nfrom . import trainer\n')  # callback
-    _write(tmp_path, "reference_trainer/ranks/__init__.py", "from ..trainer import x\n")  # allowed: drives a trainer
+    _write(tmp_path, "reference_trainer/ranks/logical.py", "from ..trainer import x\n")  # allowed: drives a trainer
     _write(tmp_path, "validation/e.py", '"""NOTE [Commit] (continued)\n\nSee NOTE [Nowhere]."""\n')  # note x2
 
     _write(tmp_path, "canaries/__init__.py", "")
@@ -373,3 +516,83 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
         ("defined-twice", "canaries.derivative.canary"),
         ("defined-twice", "validation.f"),
     }
+
+
+def test_negative_control_a_fake_tree_breaking_the_layer_rules_is_reported(tmp_path: Path) -> None:
+    _write(tmp_path, "reference_trainer/__init__.py", "from .ranks import run_logical\n")  # allowed: the boundary
+    _write(tmp_path, "reference_trainer/trainer.py", "from . import peers\n")  # allowed: the core, same layer
+    _write(tmp_path, "reference_trainer/peers.py", "")
+    _write(tmp_path, "reference_trainer/resume.py", "from .ranks.peers import PeerFailure\n")  # climb; ranks-boundary
+    _write(tmp_path, "reference_trainer/sinks.py", "from .ranks import spread\n")  # climb: core -> ranks
+    _write(tmp_path, "reference_trainer/checkpoints.py", "__all__ = ['BASE']\nBASE = object()\n")
+    _write(tmp_path, "reference_trainer/ranks/__init__.py", "from .tree import fold\nfrom ..peers import Comm\n")
+    _write(tmp_path, "reference_trainer/ranks/peers.py", "")
+    _write(tmp_path, "reference_trainer/ranks/zero.py", "from ..trainer import Trainer\n")  # allowed: an entry point
+    _write(tmp_path, "reference_trainer/ranks/tree.py", "from ..trainer import Trainer\n")  # callback: a part
+    _write(tmp_path, "reference_trainer/ranks/state.py", "from .. import Trainer\n")  # climb: ranks -> boundary
+    _write(tmp_path, "validation/__init__.py", "")
+    _write(tmp_path, "validation/world.py", "import canaries.cli\n")  # layering: validation -> canaries
+    _write(tmp_path, "validation/oracle.py", "from reference_trainer.ranks.tree import fold\n")  # ranks-boundary
+    _write(tmp_path, "validation/logical.py", "from reference_trainer.ranks import run_logical\n")  # allowed
+    _write(tmp_path, "reports/__init__.py", "")
+    _write(tmp_path, "reports/plots.py", "def f():\n    from reference_trainer import trainer\n")  # layering
+    _write(tmp_path, "reports/records.py", "from validation import evidence\n")  # allowed
+    _write(tmp_path, "canaries/__init__.py", "")
+    _write(tmp_path, "canaries/cli.py", "")
+    _write(tmp_path, "canaries/mutations/catalogue.py", "from reference_trainer.ranks.tree import fold\n")  # allowed
+    _write(tmp_path, "canaries/benchmark/baseline.py", "BASE, HEAD = 'base', 'head'\n")  # homonym
+    _write(tmp_path, "reference_trainer/errors.py", "def is_number(x):\n"
+                                                    "    return isinstance(x, (int, float)) and not isinstance(x, bool)\n")
+    _write(tmp_path, "reference_trainer/model.py", "def f(x):\n"  # is-number: a copy
+                                                   "    if isinstance(x, bool) or not isinstance(x, (int, float)):\n"
+                                                   "        raise ValueError(x)\n")
+    _write(tmp_path, "reports/generic.py", "def f(x, y):\n"  # allowed: two subjects, one test each
+                                           "    return isinstance(x, bool) and isinstance(y, (int, float))\n")
+
+    found = {(v.rule, v.module)
+             for v in violations(tmp_path, ("reference_trainer", "validation", "reports", "canaries"))}
+
+    assert found == {
+        ("climb", "reference_trainer.resume"),
+        ("ranks-boundary", "reference_trainer.resume"),
+        ("climb", "reference_trainer.sinks"),
+        ("callback", "reference_trainer.ranks.tree"),
+        ("climb", "reference_trainer.ranks.state"),
+        ("layering", "validation.world"),
+        ("ranks-boundary", "validation.oracle"),
+        ("layering", "reports.plots"),
+        ("homonym", "canaries.benchmark.baseline"),
+        ("is-number", "reference_trainer.model"),
+    }
+
+
+PLANTED_IMPORTS = {  # (module, the module it is made to import) -> the violations that must appear
+    ("reference_trainer.resume", "reference_trainer.ranks"): {("climb", "reference_trainer.resume")},
+    ("reference_trainer.commit", "reference_trainer.ranks.state"): {("climb", "reference_trainer.commit"),
+                                                                    ("ranks-boundary", "reference_trainer.commit")},
+    ("reference_trainer.sinks", "reference_trainer"): {("climb", "reference_trainer.sinks")},
+    ("reference_trainer.ranks.state", "reference_trainer"): {("climb", "reference_trainer.ranks.state")},
+    ("reference_trainer.ranks.tree", "reference_trainer.trainer"): {("callback", "reference_trainer.ranks.tree")},
+    ("reports.summary", "reference_trainer.checkpoints"): {("layering", "reports.summary")},
+    ("validation.oracle", "canaries.registry"): {("layering", "validation.oracle")},
+    ("canaries.derivative.scenarios", "reference_trainer.ranks.logical"): {
+        ("ranks-boundary", "canaries.derivative.scenarios")},
+}
+
+
+@pytest.mark.parametrize("planted", list(PLANTED_IMPORTS), ids=" -> ".join)
+def test_an_import_planted_in_the_real_tree_is_reported(planted: tuple[str, str]) -> None:
+    real = tuple((name, owner) for name, owner, _ in _edges(ROOT, PACKAGES))
+    assert set(planted) <= {name for edge in real for name in edge}, "plant between modules the tree has"
+    assert _import_rules(real) == []
+    assert {(v.rule, v.module) for v in _import_rules((*real, planted))} == PLANTED_IMPORTS[planted]
+
+
+@pytest.mark.parametrize("planted", [("canaries.benchmark.baseline", "BASE"), ("validation.reference", "pad_sequences"),
+                                     ("validation.oracle_state", "check_age"), ("ci.frames", "MANIFEST")],
+                         ids=" defines ".join)
+def test_a_definition_planted_in_the_real_tree_is_reported(planted: tuple[str, str]) -> None:
+    modules = _modules(ROOT, PACKAGES)
+    real = _definitions(modules)
+    assert _homonyms(_exports(modules), real) == []
+    assert [(v.rule, v.module) for v in _homonyms(_exports(modules), [*real, planted])] == [("homonym", planted[0])]

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats
 
+from reference_trainer.errors import is_number
+
 from .errors import HarnessError
 
 __all__ = ["VERDICTS", "EquivalenceInputError", "PairedEquivalence", "equivalence_margin", "paired_equivalence"]
@@ -84,7 +86,7 @@ def _values(name: str, values: Sequence[float]) -> np.ndarray:
 
 def equivalence_margin(baseline: Sequence[float], floor: float) -> tuple[float, float]:
     """``(margin, baseline_sd)``: ``max(floor, sample SD of the baseline across seeds)`` (Rule 2)."""
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor) or floor < 0:
+    if not is_number(floor) or not math.isfinite(floor) or floor < 0:
         raise EquivalenceInputError(f"floor: expected a finite number >= 0, found {floor!r}")
     base = _values("baseline", baseline)
     if base.size < 2:

@@ -35,9 +35,9 @@ from .oracle_state import (
     OracleRecordReport,
     OracleState,
     OracleStep,
-    check_age,
+    check_oracle_age,
 )
-from .reference import WeightsAt, pad_sequences, plain_gradients, relative_error, snapshot_weights
+from .reference import WeightsAt, plain_gradients, relative_error, snapshot_weights, token_batch
 
 __all__ = [
     "OracleTrainer",
@@ -225,7 +225,7 @@ class OracleTrainer:
         if correction is not None and correction.policy != "always":
             raise ValueError(f"the oracle models corrections with policy 'always' only, found {correction.policy!r}")
         ckpt = self._checkpoints[name]
-        ids, mask, targets, lengths = pad_sequences([(s.detach().cpu(), t.detach().cpu()) for s, t in sequences])
+        ids, mask, targets, lengths = token_batch([(s.detach().cpu(), t.detach().cpu()) for s, t in sequences])
         to = self.device
         record = OracleRecord(
             self._next_record, name, ckpt.generation, ckpt.revision, bound, correction,
@@ -275,7 +275,7 @@ class OracleTrainer:
             raise GradientCommitError("oracle: injected fault at user_autograd", record_retryable=True)
         for record in records:
             try:
-                check_age(self._checkpoints[record.checkpoint], record.generation, record.revision, record.bound)
+                check_oracle_age(self._checkpoints[record.checkpoint], record.generation, record.revision, record.bound)
             except GradientCommitError:
                 record.released = True
                 raise
@@ -374,7 +374,7 @@ class OracleTrainer:
         """
         for ckpt in self._checkpoints.values():
             for generation, revision, bound in sorted(ckpt.origins, key=lambda o: o[1]):
-                check_age(ckpt, generation, revision, bound)
+                check_oracle_age(ckpt, generation, revision, bound)
         return {name: self._step_one(ckpt, lr, max_grad_norm, None if grads is None else grads[name])
                 for name, ckpt in self._checkpoints.items()}
 

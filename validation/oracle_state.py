@@ -3,8 +3,9 @@
 The data half of ``validation.oracle`` (NOTE [Oracle trainer] there): the
 predictions it returns (:class:`OracleBackward`, :class:`OracleStep`,
 :class:`OracleRecordReport`, :class:`OracleState`), its bookkeeping per
-checkpoint and per forward, and :func:`check_age`, the documented staleness
-rule (docs/semantics.md#staleness) stated independently of the trainer's code.
+checkpoint and per forward, and :func:`check_oracle_age`, the documented
+staleness rule (docs/semantics.md#staleness) stated independently of the
+trainer's code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from reference_trainer import CheckpointReplacedError, ImportanceCorrection, LoRAConfig, StaleGradientError
 
 __all__ = ["OracleState", "OracleRecordReport", "OracleBackward", "OracleStep", "OracleCheckpoint", "OracleRecord",
-           "check_age"]
+           "check_oracle_age"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class OracleRecord:
 
 
 
-def check_age(ckpt: OracleCheckpoint, generation: int, revision: int, bound: int) -> None:
+def check_oracle_age(ckpt: OracleCheckpoint, generation: int, revision: int, bound: int) -> None:
     """The documented staleness rule (docs/semantics.md#staleness), stated independently of the trainer's code."""
     if generation != ckpt.generation:
         raise CheckpointReplacedError(ckpt.name, generation, ckpt.generation)

@@ -21,7 +21,7 @@ import torch
 from reference_trainer import DecoderLM, LoRAConfig, Trainer, token_logprobs
 from reference_trainer.lora import attach_lora
 
-__all__ = ["WeightsAt", "snapshot_weights", "plain_gradients", "pad_sequences", "relative_error"]
+__all__ = ["WeightsAt", "snapshot_weights", "plain_gradients", "token_batch", "relative_error"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def plain_gradients(
     model.load_state_dict({k: v.to(dtype) for k, v in weights.base_state.items()})
     model.requires_grad_(False)
     trainable = {n: t.detach().to(dtype).clone().requires_grad_(True) for n, t in weights.trainable.items()}
-    ids, mask, targets, lengths = pad_sequences(sequences)
+    ids, mask, targets, lengths = token_batch(sequences)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(rng_state)
         with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
@@ -79,7 +79,7 @@ def plain_gradients(
     return {n: (g if g is not None else torch.zeros_like(trainable[n])) for n, g in zip(names, grads)}
 
 
-def pad_sequences(
+def token_batch(
     sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]]:
     """One right-padded batch: ``(ids, attention mask or None, targets (-1 on pads), lengths)``, each ``(B, T)``."""

@@ -48,7 +48,7 @@ __all__ = ["KIND", "CONTROL", "merge_base", "source_tree", "source_identity", "W
 
 KIND = "benchmark-baseline"
 CONTROL = "plain"
-BASE, HEAD = "base", "head"  # the sides' names in compare (REV may itself be spelled "HEAD")
+BASE_SIDE, HEAD_SIDE = "base", "head"  # the sides' names in compare (REV may itself be spelled "HEAD")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -204,13 +204,13 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
     clock = _SummedClock()
     try:
         for arm in names:
-            pair = {BASE: worker(tree), HEAD: worker(root)}
+            pair = {BASE_SIDE: worker(tree), HEAD_SIDE: worker(root)}
             workers += pair.values()
             losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
                                                   threads=threads)["loss"]
                            for label, w in pair.items()}
             sides[arm] = {label: clock.step(w) for label, w in pair.items()}
-        results = compare_sources(sides, baseline=BASE, gate=gate, max_blocks=plan_.max_blocks,
+        results = compare_sources(sides, baseline=BASE_SIDE, gate=gate, max_blocks=plan_.max_blocks,
                                   budget_s=plan_.budget_s, clock=clock,
                                   load_probe=WorkerShare(workers, time.perf_counter))
     finally:

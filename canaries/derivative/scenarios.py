@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import reference_trainer as rt
 from reference_trainer.ranks import run_logical
-from reference_trainer.ranks.peers import select_backend
+from reference_trainer.peers import select_backend
 from validation.world import run_ranks
 
 from ..mutations.catalogue import active_mutations, call_mutated

@@ -91,7 +91,7 @@ def foreign(samples: str) -> list[Listener]:
     return sorted(parse(samples, foreign=True))
 
 
-def sample(out: Path, marker: str, job_user: str, interval_s: float) -> None:
+def sample_listeners(out: Path, marker: str, job_user: str, interval_s: float) -> None:
     """Append one ``ss -ltnupH`` sample every ``interval_s`` until killed (lines flushed at once)."""
     with open(out, "a", buffering=1) as log:
         while True:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     checker.add_argument("samples", type=Path)
     args = parser.parse_args(argv)
     if args.command == "sample":
-        sample(args.out, os.environ[MARKER], args.job_user, args.interval_s)
+        sample_listeners(args.out, os.environ[MARKER], args.job_user, args.interval_s)
         return 0
     samples = args.samples.read_text()
     count = sum(line.startswith("---") for line in samples.splitlines())

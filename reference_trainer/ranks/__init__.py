@@ -73,7 +73,7 @@ NOTE [Logical ranks]
      (``discard_graphs=True`` drops them). ``logical_gradients`` shows this
      process's shards of the pending sums; ``logical_traffic`` the bytes
      each collective moved (``peers.TrafficCount``).
-  6. Errors (``peers.py`` carries them; ``fibers.py`` and ``zero.py`` pick
+  6. Errors (``../peers.py`` carries them; ``fibers.py`` and ``zero.py`` pick
      the common one): the lowest logical rank's own error (not one it
      received from a peer) is the common error; every process raises it: the
      original object where it happened, elsewhere the same type rebuilt from
@@ -90,7 +90,7 @@ NOTE [Logical ranks]
      the hosted output (and its graph) at the next command, before it runs.
      A command's error is raised on every process; rank 0's ``fn`` may catch
      it and go on, and the servers follow.
-  8. Transport (``peers.py``): control messages go through rank 0 (a star),
+  8. Transport (``../peers.py``): control messages go through rank 0 (a star),
      so a silent peer is named; tensors travel by collectives (gloo on CPU,
      NCCL on GPU). A data collective starts only when every process has
      received the command that needs it or has reported success in a
@@ -103,8 +103,8 @@ from __future__ import annotations
 from .batches import LogicalBatch, logical_batches
 from .layout import LogicalLayout, ordered_sum, spread
 from .logical import LogicalRank, logical_gradients, logical_traffic, run_logical
-from .peers import PeerFailure, TrafficCount, init_distributed
 from .zero import RankZero
+from ..peers import PeerFailure, TrafficCount, init_distributed
 from ..errors import PeerError
 
 __all__ = [

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, PeerError
+from ..peers import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Comm, TrafficCount, timeout_seconds
 from ..trainer import BackwardReport, Trainer
 from .fibers import Fiber, FiberCoordinator, Request, current_fiber
 from .layout import LogicalLayout
-from .peers import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Comm, TrafficCount, timeout_seconds
 from .rounds import drive
 from .state import LogicalState
 from .zero import ZeroSession

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from ..peers import Comm
 from .layout import LogicalLayout
-from .peers import Comm
 from .tree import Node, TreeFold
 
 __all__ = ["BUCKET_NUMEL", "LogicalSums"]

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from ..errors import GradientCommitError, PeerError
+from ..peers import PeerFailure, mark_from_peer
 from ..rng import rng_state, set_rng_state
 from .fibers import Fiber, Raise
 from .layout import ordered_sum
-from .peers import PeerFailure, mark_from_peer
 from .state import LogicalState
 
 __all__ = ["drive"]

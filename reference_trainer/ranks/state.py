@@ -21,11 +21,11 @@ import torch
 
 from ..checkpoints import Checkpoint
 from ..errors import ConfigError
+from ..peers import Comm
 from ..rng import RngState, rng_state, seeded_rng_state, set_rng_state, stream_seed
 from ..sinks import BufferGradSink, SummedGradients
 from .fibers import current_fiber
 from .layout import LogicalLayout
-from .peers import Comm
 from .reduction import LogicalSums
 
 __all__ = ["LogicalState"]

@@ -21,11 +21,11 @@ import torch
 from ..errors import ConfigError, GradientCommitError, PeerError
 from ..cotangents import output_cotangents
 from ..inputs import ForwardInput, ForwardOutput, flatten_inputs
+from ..peers import PeerFailure
 from ..rng import rng_state, set_rng_state
 from ..trainer import BackwardReport, StepReport, Trainer
 from .fibers import FiberCoordinator
 from .layout import spread
-from .peers import PeerFailure
 from .rounds import drive
 from .state import LogicalState
 

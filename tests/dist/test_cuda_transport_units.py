@@ -19,7 +19,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.ranks import run_logical
-from reference_trainer.ranks.peers import select_backend, transport_device, watchdog_timeout_s
+from reference_trainer.peers import select_backend, transport_device, watchdog_timeout_s
 from reference_trainer.ranks.zero import Backward, payload_buffer
 from reference_trainer.testing import substitute_device_context
 

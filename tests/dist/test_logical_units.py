@@ -300,7 +300,7 @@ def test_a_plain_backward_inside_fn_is_refused_even_for_an_output_made_outside()
 
 
 def test_a_transport_timeout_is_any_positive_number_of_seconds() -> None:
-    from reference_trainer.ranks.peers import timeout_seconds
+    from reference_trainer.peers import timeout_seconds
 
     assert timeout_seconds(0.5, "RTV_UNSET_TIMEOUT", 60) == 0.5  # sub-second limits are valid
     assert timeout_seconds(None, "RTV_UNSET_TIMEOUT", 60) == 60.0

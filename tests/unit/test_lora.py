@@ -134,6 +134,7 @@ def test_scaling_is_alpha_over_rank() -> None:
         ("alpha", {"alpha": math.inf}),
         ("alpha", {"alpha": math.nan}),
         ("alpha", {"alpha": "16"}),
+        ("alpha", {"alpha": True}),  # a bool is not a number (errors.is_number)
         ("targets", {"targets": ()}),
         ("targets", {"targets": ("qkv_proj",)}),
         ("targets", {"targets": ("q_proj", "lm_head")}),

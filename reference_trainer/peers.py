@@ -1,5 +1,8 @@
-"""Processes of a logical-rank job reaching each other: joining the job, control messages, collectives, errors.
+"""Processes of a job reaching each other: joining the job, control messages, collectives, errors.
 
+It sits below the trainer, beside ``errors.py``: ``resume.py`` broadcasts a
+save's outcome as a ``PeerFailure`` and the logical ranks (``ranks/``) build
+on ``Comm``; it imports nothing of either.
 ``init_distributed`` joins the job a launcher describes and ``timeout_seconds``
 bounds every collective step. ``Comm`` sends control messages through rank 0
 (a star, so a silent peer is named) and tensors through collectives
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, PeerError
+from .errors import ConfigError, PeerError, is_number
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -112,7 +115,7 @@ def init_distributed(
 
 def timeout_seconds(value: float | None, env: str, default: float) -> float:
     value = float(os.environ.get(env, default)) if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ConfigError("timeout_s", value, "None or a number of seconds > 0")
     return float(value)
 
