@@ -46,6 +46,8 @@ from .world import world_facts
 
 __all__ = [
     "DEFAULT_OUT",
+    "EVIDENCE_MARKER",
+    "mark_evidence_folder",
     "SCHEMA_VERSION",
     "SCHEMA_CHANGELOG",
     "Check",
@@ -67,6 +69,7 @@ SCHEMA_CHANGELOG = {  # version -> what changed (module docstring); the last one
     2: "details {name: str} for every check and skips {name: why} as fields of their own",
 }
 DEFAULT_OUT = Path("rtv-out")  # where every command writes (and the report reads) unless --out/--in says
+EVIDENCE_MARKER = ".rtv-evidence"  # in every folder write_once writes into: the folders the report collects from
 _REQUIRED_V1 = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed",
                 "measurements", "digest"}
 _REQUIRED = {1: _REQUIRED_V1, 2: _REQUIRED_V1 | {"details", "skips"}}
@@ -260,9 +263,25 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
     return path
 
 
+def mark_evidence_folder(folder: Path) -> Path:
+    """Mark ``folder`` (made if missing) as one the harness writes records into; returns the marker file.
+
+    :func:`write_once` marks every folder it writes into, so a run folder is
+    marked from its first record on. ``reports.records.load_records`` collects
+    records below the folder it is given only from marked folders: a source
+    tree's committed records (a baseline's worktree, ``tests/fixtures``) are
+    not this harness's output. Idempotent.
+    """
+    marker = Path(folder) / EVIDENCE_MARKER
+    if not marker.is_file():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("records in this folder were written by rtv (validation.evidence.write_once)\n")
+    return marker
+
+
 def _write_new(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then link it to ``path`` (never replacing one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    mark_evidence_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
