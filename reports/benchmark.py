@@ -237,5 +237,5 @@ def section(record: dict, folder: Path) -> Section:
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": checks_table(record)},
-        figures=figures, links=links,
+        figures=figures, links=links, shown=True,  # the benchmark's verdicts are shown (enforced under --gate)
     )

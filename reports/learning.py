@@ -134,9 +134,9 @@ def arms_table(workload: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _headline(workloads: dict) -> tuple[str, list[str]]:
-    """The key figure (strict vs staleness 2 corrected, final metric) and one line per workload."""
-    key, lines = [], []
+def _headline(workloads: dict) -> tuple[str, list[str], list[str]]:
+    """The key figure (strict vs staleness 2 corrected, final metric), one line per workload, the key verdicts."""
+    key, lines, verdicts = [], [], []
     for name, workload in workloads.items():
         reason = workload["precondition"]["reason"]
         if reason:
@@ -144,12 +144,13 @@ def _headline(workloads: dict) -> tuple[str, list[str]]:
             continue
         for v in workload["verdicts"]:
             if v["arm"] == "stale2_corrected" and v["baseline"] == "strict" and v["metric"] == "final":
+                verdicts.append(v["verdict"])
                 key.append(f"{name} {v['verdict']} ({v['mean_difference']:+.3g} {workload['unit']}, "
                            f"90% CI [{v['ci_low']:+.3g}, {v['ci_high']:+.3g}] vs margin ±{v['margin']:.3g})")
         exact = ", ".join(f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"])
         caught = ", ".join(f"{s['arm']}: {'caught' if s['caught'] else 'NOT CAUGHT'}" for s in workload["sensitivity"])
         lines.append(f"{name} ({workload['criterion']}): {exact}; sensitivity {caught}")
-    return "stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran", lines
+    return ("stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran"), lines, verdicts
 
 
 def _in_order(workload: dict, order: list[str]) -> dict:
@@ -175,16 +176,18 @@ def section(record: dict, folder: Path) -> Section:
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
         tables[f"{name}: arms"] = arms_table(workload)
-    key_figure, lines = _headline(workloads)
+    key_figure, lines, verdicts = _headline(workloads)
+    shown = not record["config"].get("gate", False) and bool(verdicts)  # equivalence verdicts enforced only by --gate
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     lines += list(record["config"].get("notes", []))
     return Section(
         kind=record["kind"],
         title="Learning comparison: matched-schedule arms across seeds",
         passed=record["passed"],
-        verdict="passed" if record["passed"] else "failed",
+        verdict=", ".join(dict.fromkeys(verdicts)) if shown else "passed" if record["passed"] else "failed",
         key_figure=key_figure,
         lines=lines,
         tables=tables,
         figures=figures,
+        shown=shown,
     )

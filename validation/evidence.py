@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +49,8 @@ __all__ = [
     "DEFAULT_OUT",
     "EVIDENCE_MARKER",
     "mark_evidence_folder",
+    "injected",
+    "injected_faults",
     "SCHEMA_VERSION",
     "SCHEMA_CHANGELOG",
     "Check",
@@ -196,6 +199,31 @@ def environment_fingerprint() -> dict[str, Any]:
     }
 
 
+_INJECTED: list[str] = []  # the faults put in on purpose for the records made now (:func:`injected`)
+
+
+@contextmanager
+def injected(fault: str) -> Iterator[None]:
+    """Every record :func:`make_record` makes inside the block carries ``fault`` in ``config["injected"]``.
+
+    A negative control (``rtv run --inject-mutation NAME``, ``--inject-failure``)
+    wraps its whole run in it, so each record says it was made with a fault
+    put in on purpose (a failure is the control caught, a pass was made by a
+    broken trainer) and the report shows it. Nests; ``fault`` is a short
+    phrase, e.g. ``"mutation staleness_off_by_one"``.
+    """
+    _INJECTED.append(str(fault))
+    try:
+        yield
+    finally:
+        _INJECTED.remove(str(fault))
+
+
+def injected_faults() -> list[str]:
+    """The faults :func:`injected` has put in for the records made now (empty outside a negative control)."""
+    return list(_INJECTED)
+
+
 def content_digest(record: Mapping[str, Any]) -> str:
     """SHA-256 of the record's content without its ``digest`` field (what ``verify`` recomputes)."""
     body = {k: v for k, v in record.items() if k != "digest"}
@@ -220,7 +248,7 @@ def make_record(
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
         "created": datetime.now(timezone.utc).isoformat(),
-        "config": dict(config),
+        "config": {**config, "injected": injected_faults()} if _INJECTED else dict(config),
         "environment": environment_fingerprint(),
         "source": source_fingerprint(),
         "checks": {c.name: c.ok for c in ran},
