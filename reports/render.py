@@ -31,6 +31,7 @@ from .classes import classed_rows, result_class
 from .context import RecordView, ReportContext, Section
 from .generic import checks_table
 from .kinds import kind
+from .numbers import number
 from .records import LoadedRecord, load_records
 
 __all__ = ["ReportPaths", "build_context", "render_report"]
@@ -50,7 +51,7 @@ def slug(text: str) -> str:
 
 
 _TEMPLATES.filters["slug"] = slug
-_TEMPLATES.filters["value"] = lambda value: f"{value:.4g}" if isinstance(value, float) else value
+_TEMPLATES.filters["value"] = lambda value: number(value) if isinstance(value, float) else value  # never "nan"
 _TEMPLATES.filters["css"] = result_class  # the page's fixed class vocabulary (reports.classes)
 _TEMPLATES.filters["classed_rows"] = classed_rows
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .baseline import short_revisions
+from .numbers import interval, number
 from .records import LoadedRecord, load_records
 
 __all__ = ["SummaryPaths", "summary_rows", "write_summary", "SUMMARY_FILE", "COMMENT_FILE"]
@@ -56,14 +57,14 @@ def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
         for workload, c in _comparisons(loaded):
             low, high = c["ci95"]
             rows.append({"workload": workload, "arm": c["arm"], "baseline": short_revisions(c["baseline"]), "ratio": c["ratio"],
-                         "interval": f"[{low:.3f}, {high:.3f}]" if low == low and high == high else "no interval",
+                         "interval": interval(low, high),
                          "verdict": c["verdict"], "blocks": c["blocks"], "record": link})
     return rows
 
 
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| workload | arm vs baseline | ratio (95% CI) | verdict | blocks | record |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {r['ratio']:.3f} {r['interval']} | "
+    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {number(r['ratio'], '.3f')} {r['interval']} | "
               f"**{r['verdict']}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
     return lines
 

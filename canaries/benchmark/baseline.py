@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
+from reports.numbers import interval, number
 from validation.abba import Comparison, LoadProbe, compare
 from validation.errors import SetupError
 from validation.evidence import Checks
@@ -189,13 +190,14 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
     control = results[CONTROL]
     checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
                  control.verdict not in ("regression", "gain"),
-                 f"{control.verdict}: ratio {control.ratio:.4f}, CI [{control.ci95[0]:.4f}, {control.ci95[1]:.4f}]")
+                 f"{control.verdict}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}")
     for arm, result in results.items():
         if arm == CONTROL:
             continue
         low, high = result.ci95
         checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
-                     f"{result.verdict}: ratio {result.ratio:.4f}, CI [{low:.4f}, {high:.4f}] over {result.blocks} blocks; "
+                     f"{result.verdict}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
+                     f"{result.blocks} blocks; "
                      f"first losses {losses[arm]}")
     return checks
 
