@@ -57,4 +57,6 @@ def section(record: dict, folder: Path) -> Section:
                          figures=[Figure(path=plot, caption=f"{scope}: each arm's median ratio of step "
                                          "times with its interval, against the tie band (plain: the A/A control).",
                                          headline=True)])
-    return replace(built, key_figure=f"A/A run (REV is HEAD's commit): {built.key_figure}") if config.get("a_a") else built
+    if not config.get("a_a"):
+        return built
+    return replace(built, key_figure=f"A/A run (REV is HEAD's commit): {built.key_figure}")

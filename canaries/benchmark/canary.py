@@ -277,8 +277,8 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
 def _verdict_detail(comparison: dict) -> str:
     """Why a comparison check holds or not: its verdict and the interval it came from."""
     low, high = comparison["ci95"]
-    return (f"{comparison['verdict']}: median ratio {number(comparison['ratio'], '.4f')}, 95% CI {interval(low, high, '.4f')} "
-            f"over {comparison['blocks']} blocks")
+    return (f"{comparison['verdict']}: median ratio {number(comparison['ratio'], '.4f')}, "
+            f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks")
 
 
 def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
