@@ -43,7 +43,7 @@ from pathlib import Path
 
 from ci.cli import add_gpu_commands
 from validation.errors import HarnessError, SetupError
-from validation.evidence import DEFAULT_OUT
+from validation.evidence import DEFAULT_OUT, EVIDENCE_MARKER
 from validation.world import given_world, joined
 
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
@@ -174,6 +174,9 @@ def _report(args: argparse.Namespace) -> int:
         raise SetupError(f"{source} is not a folder of evidence", fix="pass --in DIR, a folder of records")
     report = render_report(source, args.out_file)
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
+    if not report.records:
+        print(f"no records in {source} nor in a folder rtv wrote records into below it (one holding "
+              f"{EVIDENCE_MARKER}); a folder of records made otherwise is read when named: --in FOLDER")
     print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
     if args.summary:
         from reports.summary import write_summary

@@ -13,7 +13,9 @@ through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
    (``canaries.presets.process_count``: an argument all the way, never an
    environment variable) and the injected mutation, if any: the smoke
    (``--seed``, ``--inject-failure``), then :func:`run_canaries` on the
-   preset's profile (:data:`RUN_PROFILES`), then the report;
+   preset's profile (:data:`RUN_PROFILES`), then the report; an injected
+   mutation or failure is in every record's ``config["injected"]``
+   (``validation.evidence.injected``) and on the report's board;
 3. a summary; exit 1 if a step failed, else 0.
 
 The run folder is ``<out>/run-<preset>-<stamp>`` (``validation.evidence.evidence_path``)
@@ -42,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
-from validation.evidence import DEFAULT_OUT, Check, evidence_path, verify, write_once
+from validation.evidence import DEFAULT_OUT, Check, evidence_path, injected, verify, write_once
 from validation.world import world_facts
 
 from . import registry
@@ -142,7 +144,17 @@ def _mutation(name: str | None, config: object) -> Iterator[None]:
         raise SetupError(f"mutation {name!r} cannot show on preset {config.name!r} ({bug.description})",  # type: ignore[attr-defined]
                          fix="pick a mutation that applies to the preset, or another preset")
     print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
-    with bug.apply():
+    with bug.apply(), injected(f"mutation {bug.name}"):
+        yield
+
+
+@contextmanager
+def _failure(inject: bool) -> Iterator[None]:
+    """``--inject-failure``: every record of the run says a smoke check fails on purpose (``evidence.injected``)."""
+    if not inject:
+        yield
+        return
+    with injected("failure: a smoke check fails on purpose"):
         yield
 
 
@@ -157,7 +169,8 @@ def run(request: RunRequest) -> int:
     _require_gpus(request.preset, None if world_facts() is not None else request.nproc)  # a world: a GPU each
     config = preset(request.preset, request.nproc).on_this_machine()
     check_fits(config, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
-    with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config):
+    with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config), \
+            _failure(request.inject_failure):
         return _steps(request)
 
 

@@ -15,7 +15,8 @@ records as one frame, and the launcher reads the frame back with
 A frame is ``RTV-EVIDENCE-BEGIN v1 <sha256> <bytes>``, then ``RTV-EVIDENCE
 <base64>`` lines (76 characters), then ``RTV-EVIDENCE-END <sha256>``; the
 payload is a gzipped tar of ``manifest.json`` (:func:`manifest`) and every
-``*.json`` record under the folder (the report and plots stay on the
+``*.json`` record under the folder with the folders' evidence markers
+(``validation.evidence.EVIDENCE_MARKER``; the report and plots stay on the
 cluster). A marker is matched anywhere in a line, so a prefix SkyPilot adds
 (``(task, pid=...)``) does no harm. A frame whose payload does not have its
 digest and length (a truncated or interleaved log, a retried stream that
@@ -39,6 +40,8 @@ import sys
 import tarfile
 from pathlib import Path
 from typing import Any, TextIO
+
+from validation.evidence import EVIDENCE_MARKER
 
 __all__ = ["FrameError", "collect", "emit", "main", "manifest"]
 
@@ -81,6 +84,9 @@ def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> by
         tar.addfile(info, io.BytesIO(text))
         for entry in made["records"]:
             tar.add(Path(folder) / entry["path"], arcname=f"records/{entry['path']}", recursive=False)
+        for marker in sorted(Path(folder).rglob(EVIDENCE_MARKER)) if Path(folder).is_dir() else []:
+            # the folders stay the harness's at home too (reports.records collects from marked folders only)
+            tar.add(marker, arcname=f"records/{marker.relative_to(folder)}", recursive=False)
     return buffer.getvalue()
 
 

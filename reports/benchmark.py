@@ -24,6 +24,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
 from .generic import checks_table
+from .numbers import MISSING, interval, number
 from .plots import save_png
 
 __all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios"]
@@ -32,16 +33,17 @@ MIB = 2**20
 
 
 def _pct(value: float) -> str:
-    return f"{value * 100:+.1f}".replace("-", "−")
+    return number(value * 100, "+.1f").replace("-", "−")
 
 
 def comparison_line(comparison: dict, workload: str, gate: float) -> str:
     """One sentence per comparison (module docstring); ``comparison`` is a ``Comparison.as_dict()``."""
     low, high = comparison["ci95"]
-    change = _pct(1 / comparison["ratio"] - 1)
-    interval = f"[{_pct(1 / high - 1)}..{_pct(1 / low - 1)}]" if np.isfinite([low, high]).all() else "[no interval]"
+    change = _pct(1 / comparison["ratio"] - 1) if comparison["ratio"] else MISSING
+    interval = f"[{_pct(1 / high - 1)}..{_pct(1 / low - 1)}]" if np.isfinite([low, high]).all() and low and high \
+        else "[no interval]"
     rho = comparison["drift"]["rho"]
-    drift = f"drift ρ={rho:.2f}{' (significant)' if comparison['drift']['significant'] else ''}"
+    drift = f"drift ρ={number(rho, '.2f')}{' (significant)' if comparison['drift']['significant'] else ''}"
     loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
     shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
     return (f"tok/s {change}% {interval} ({comparison['arm']} vs {comparison['baseline']}, "
@@ -151,6 +153,8 @@ def difference_text(difference: dict) -> str:
     [1.58..1.84]``; ``within noise``: ``within noise [−3.37..+1.84 ms]``.
     """
     mean, (low, high) = difference["mean_seconds"] * 1e3, (x * 1e3 for x in difference["ci"])
+    if not np.isfinite([mean, low, high]).all():
+        return MISSING
     if difference["reading"] == "cost":
         return f"+{mean:.2f} ms [+{low:.2f}..+{high:.2f}]"
     if difference["reading"] == "saving":
@@ -197,7 +201,8 @@ def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
     row = gated.iloc[0]
     target = record["config"]["target"] or record["config"]["target_reported"]
     gate = record["config"]["gate"]
-    return row["verdict"], (f"retain@s0 / plain {row['ratio']:.3f} [{row['ci_low']:.3f}..{row['ci_high']:.3f}] "
+    return row["verdict"], (f"retain@s0 / plain {number(row['ratio'], '.3f')} "
+                            f"{interval(row['ci_low'], row['ci_high'], '.3f', between='..')} "
                             f"vs gate band [{1 - gate:g}, {1 + gate:g}] on {row['workload']} (target median ≤ {target})")
 
 
@@ -237,5 +242,5 @@ def section(record: dict, folder: Path) -> Section:
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": checks_table(record)},
-        figures=figures, links=links,
+        figures=figures, links=links, shown=True,  # the benchmark's verdicts are shown (enforced under --gate)
     )

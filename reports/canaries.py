@@ -14,6 +14,7 @@ import pandas as pd
 
 from .context import Figure, Section
 from .generic import base_section
+from .numbers import number
 from .plots import plot_lifecycle
 
 __all__ = ["section"]
@@ -26,17 +27,26 @@ def _derivative(record: dict[str, Any], folder: Path) -> Section:
                              aggfunc="sum", fill_value=0)
     grid.columns = [f"{p} {'corrected' if c else 'plain'}" for p, c in grid.columns]
     line = (f"{m['examples_backpropagated']} of {m['examples']} explored examples backpropagated; "
-            f"{m['stale_share_of_checked']:.0%} of {m['records_checked']} judged records were stale")
+            f"{number(m['stale_share_of_checked'], '.0%')} of {m['records_checked']} judged records were stale")
     built = base_section(record, lines=[line], tables={"judged records per cell": grid.reset_index()})
     threshold = record["config"]["tolerances"]["gradient"]
-    return replace(built, key_figure=(f"worst gradient error {m['worst_gradient_relative_l2']:.2g} vs threshold "
-                                      f"{threshold:.2g} ({m['worst_gradient_error_over_threshold']:.0%} of it)"))
+    return replace(built, key_figure=(f"worst gradient error {number(m['worst_gradient_relative_l2'], '.2g')} vs "
+                                      f"threshold {number(threshold, '.2g')} "
+                                      f"({number(m['worst_gradient_error_over_threshold'], '.0%')} of it)"))
+
+
+def _lifecycle_order(record: dict[str, Any]) -> list[str]:
+    """The lifecycle points in the order a step passes them: the record's ``config["points"]`` (its JSON keys
+    come sorted, so alphabetically), then any point the config does not list."""
+    found = [point for points in record["measurements"]["lifecycle_bytes"].values() for point in points]
+    return list(dict.fromkeys([*(p for p in record["config"].get("points", []) if p in found), *found]))
 
 
 def _memory(record: dict[str, Any], folder: Path) -> Section:
+    lifecycle, order = record["measurements"]["lifecycle_bytes"], _lifecycle_order(record)
     rows = [{"placement": placement, "point": point, "pool": pool, "bytes": value}
-            for placement, points in record["measurements"]["lifecycle_bytes"].items()
-            for point, pools in points.items() for pool, value in pools.items()]
+            for point in order for placement, points in lifecycle.items() if point in points
+            for pool, value in points[point].items()]
     table = pd.DataFrame(rows, columns=["placement", "point", "pool", "bytes"])
     figures = []
     if not table.empty:

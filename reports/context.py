@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from .classes import result_class
+from .kinds import kind
+
 __all__ = ["Figure", "Section", "RecordView", "ReportContext"]
 
 
@@ -50,6 +53,8 @@ class Section:
     ``lines``: short sentences shown first in the section (one per
     comparison, say); ``tables``: titled pandas tables; ``figures``: plots;
     ``links``: ``(text, href)`` of files to open (traces), hrefs relative to the page.
+    ``shown``: ``verdict`` is a comparison's outcome the record shows without
+    enforcing it (the board reads ``shown: worse``, never ``passed`` beside it).
     """
 
     kind: str
@@ -61,6 +66,7 @@ class Section:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: list[Figure] = field(default_factory=list)
     links: list[tuple[str, str]] = field(default_factory=list)
+    shown: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +76,9 @@ class RecordView:
     ``section`` is None for an invalid file (``integrity`` says why);
     ``figures`` are the section's plots as links relative to the page;
     ``anchor`` the stable HTML id of its section (``section-<name>``);
-    ``failed_checks`` each failed check with the reason the record gives.
+    ``failed_checks`` each failed check with the reason the record gives;
+    ``injected``: the faults put in on purpose while the record was made
+    (its ``config["injected"]``, ``validation.evidence.injected``).
     """
 
     name: str
@@ -84,10 +92,35 @@ class RecordView:
     section: Section | None
     figures: list[Figure] = field(default_factory=list)
     failed_checks: list[tuple[str, str]] = field(default_factory=list)
+    injected: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         return self.section.verdict if self.section else "invalid"
+
+    @property
+    def canary(self) -> str:
+        """The board's name for the record: the command line's canary name (``reports.kinds``), else its kind."""
+        name = self.section.kind if self.section else "?"
+        declared = kind(name)
+        return declared.label if declared else name
+
+    @property
+    def board_class(self) -> str:
+        """The verdict cell's class (``reports.classes``): ``shown`` for a shown verdict that passed or a pass made
+        with an injected fault (not a clean pass), else the status's."""
+        shown = self.injected or (self.section is not None and self.section.shown)
+        return "shown" if shown and self.status == "passed" else result_class(self.status)
+
+    @property
+    def board_verdict(self) -> str:
+        """The board's verdict cell: ``shown: tie`` for a shown verdict that passed, ``tie (failed)`` when the
+        record failed, the status alone when the section's verdict is its status; the injected faults after it."""
+        if self.section and self.section.shown and self.status == "passed":
+            text = f"shown: {self.verdict}"
+        else:
+            text = self.verdict if self.verdict == self.status else f"{self.verdict} ({self.status})"
+        return text + "".join(f" · injected: {fault}" for fault in self.injected)
 
     @property
     def key_figure(self) -> str:
@@ -125,6 +158,11 @@ class ReportContext:
     def failures(self) -> list[RecordView]:
         """The records shown first, above the board: those that failed or do not verify."""
         return [view for view in self.records if view.status != "passed"]
+
+    @property
+    def injected(self) -> list[str]:
+        """Every fault injected on purpose into some record of the page, once each, in board order."""
+        return list(dict.fromkeys(fault for view in self.board for fault in view.injected))
 
     @property
     def headline(self) -> list[Figure]:

@@ -11,6 +11,7 @@ from validation.evidence import checks_of
 
 from .context import Section
 from .kinds import Kind, kind
+from .numbers import number
 
 __all__ = ["checks_table", "measurements_table", "section", "base_section"]
 
@@ -31,9 +32,7 @@ def measurements_table(record: dict[str, Any], declared: Kind) -> pd.DataFrame:
 
 
 def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return number(value) if isinstance(value, float) else str(value)
 
 
 def base_section(record: dict[str, Any], **extra: Any) -> Section:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from .numbers import number
 from .plots import save_png
 from .render import slug
 
@@ -34,7 +35,8 @@ class HistoryPaths:
 
 def change_line(change) -> str:  # a validation.history.Change
     """e.g. ``c08: +5.1% step time (Mann-Whitney p=0.0012) → regression``."""
-    return f"{change.commit[:12]}: {change.change * 100:+.1f}% step time (Mann-Whitney p={change.p_value:.2g}) → {change.verdict}"
+    return (f"{change.commit[:12]}: {number(change.change * 100, '+.1f')}% step time "
+            f"(Mann-Whitney p={number(change.p_value, '.2g')}) → {change.verdict}")
 
 
 def _plot(series, path: Path) -> Path:  # a validation.history.Series

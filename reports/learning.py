@@ -27,7 +27,8 @@ from matplotlib.figure import Figure as MplFigure
 from validation.evidence import checks_of
 
 from reports.context import Figure, Section
-from reports.plots import save_png
+from reports.numbers import interval, number
+from reports.plots import LEGEND_POINTS, save_png
 
 __all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
 
@@ -46,10 +47,12 @@ def curves_figure(name: str, workload: dict) -> MplFigure:
     """Mean curve and seed band (min to max) per arm, one panel per arm group present."""
     arms = workload["arms"]
     groups = [g for g in GROUPS if any(a["group"] == g for a in arms.values())]
-    figure = MplFigure(figsize=(5.2 * len(groups), 4.0), layout="constrained")
+    columns = min(2, len(groups))  # two panels a row: a row of four was scaled to a third on the page (5 px legends)
+    rows = -(-len(groups) // columns)
+    figure = MplFigure(figsize=(5.2 * columns, 4.0 * rows), layout="constrained")
     ylabel = f"{workload['metric']} ({workload['unit']})"
     for column, group in enumerate(groups):
-        axes = figure.add_subplot(1, len(groups), column + 1)
+        axes = figure.add_subplot(rows, columns, column + 1)
         for index, arm in enumerate(_panel_arms(arms, group)):
             steps = np.asarray(arms[arm]["steps"])
             curves = np.asarray(arms[arm]["curves"])  # (seeds, points)
@@ -61,8 +64,8 @@ def curves_figure(name: str, workload: dict) -> MplFigure:
         axes.axhline(workload["success"], color="grey", linestyle=":", linewidth=1, label="success threshold")
         axes.set_xlabel("optimizer step")
         axes.set_ylabel(ylabel)
-        axes.set_title(f"{name}: {group} arms (line: mean, band: range over {curves.shape[0]} seeds)", fontsize=8)
-        axes.legend(fontsize=7)
+        axes.set_title(f"{name}: {group} arms (line: mean, band: range over {curves.shape[0]} seeds)", fontsize=9)
+        axes.legend(fontsize=LEGEND_POINTS)
     return figure
 
 
@@ -93,7 +96,7 @@ def differences_figure(name: str, workload: dict) -> MplFigure:
         axes.set_ylim(len(pairs) - 0.5, -0.5)
         axes.set_xlabel(f"paired difference, arm − baseline ({workload['unit']})")
         axes.set_title(f"{name}: {_METRIC_TITLES[metric]}", fontsize=8)
-        axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+        axes.legend(fontsize=LEGEND_POINTS, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     return figure
 
 
@@ -102,9 +105,10 @@ def verdict_table(workload: dict) -> pd.DataFrame:
     rows = [
         {
             "arm": v["arm"], "baseline": v["baseline"], "metric": v["metric"], "verdict": v["verdict"],
-            "mean difference": f"{v['mean_difference']:+.4g}", "90% CI": f"[{v['ci_low']:+.4g}, {v['ci_high']:+.4g}]",
-            "margin": f"{v['margin']:.4g} (floor {v['margin_floor']:.4g}, baseline SD {v['baseline_sd']:.4g})",
-            "p (TOST)": f"{v['p_tost']:.3g}", "seeds": v["n"],
+            "mean difference": number(v["mean_difference"], "+.4g"), "90% CI": interval(v["ci_low"], v["ci_high"], "+.4g"),
+            "margin": f"{number(v['margin'])} (floor {number(v['margin_floor'])}, "
+                      f"baseline SD {number(v['baseline_sd'])})",
+            "p (TOST)": number(v["p_tost"], ".3g"), "seeds": v["n"],
         }
         for v in workload["verdicts"]
     ]
@@ -115,7 +119,8 @@ def _ratios(distribution: dict | None) -> str:
     """A ratio distribution of the evidence (``canaries.learning.summary.ratio_distribution``) in one cell."""
     if not distribution:
         return "-"
-    return f"{distribution['min']:.3g} / {distribution['quantiles']['0.5']:.3g} / {distribution['max']:.3g}"
+    return " / ".join(number(distribution[k] if k != "0.5" else distribution["quantiles"]["0.5"], ".3g")
+                      for k in ("min", "0.5", "max"))
 
 
 def arms_table(workload: dict) -> pd.DataFrame:
@@ -125,18 +130,18 @@ def arms_table(workload: dict) -> pd.DataFrame:
         finals = np.asarray(arm["final"])
         rows.append({
             "arm": name, "what": arm["summary"], "meets criterion": f"{sum(arm['meets'])}/{len(arm['meets'])} seeds",
-            "final (mean ± SD)": f"{finals.mean():.4g} ± {finals.std(ddof=1) if finals.size > 1 else 0.0:.2g}",
+            "final (mean ± SD)": f"{number(finals.mean())} ± {number(finals.std(ddof=1) if finals.size > 1 else 0.0, '.2g')}",
             "records by staleness": ", ".join(f"{k}: {n}" for k, n in arm["staleness_counts"].items()),
-            "fraction corrected": f"{np.mean(arm['fraction_corrected']):.3g}",
+            "fraction corrected": number(float(np.mean(arm["fraction_corrected"])), ".3g"),
             "raw ratio (min / median / max)": _ratios(arm.get("raw_ratio")),
             "clipped ratio (min / median / max)": _ratios(arm.get("clipped_ratio")),
         })
     return pd.DataFrame(rows)
 
 
-def _headline(workloads: dict) -> tuple[str, list[str]]:
-    """The key figure (strict vs staleness 2 corrected, final metric) and one line per workload."""
-    key, lines = [], []
+def _headline(workloads: dict) -> tuple[str, list[str], list[str]]:
+    """The key figure (strict vs staleness 2 corrected, final metric), one line per workload, the key verdicts."""
+    key, lines, verdicts = [], [], []
     for name, workload in workloads.items():
         reason = workload["precondition"]["reason"]
         if reason:
@@ -144,12 +149,13 @@ def _headline(workloads: dict) -> tuple[str, list[str]]:
             continue
         for v in workload["verdicts"]:
             if v["arm"] == "stale2_corrected" and v["baseline"] == "strict" and v["metric"] == "final":
-                key.append(f"{name} {v['verdict']} ({v['mean_difference']:+.3g} {workload['unit']}, "
-                           f"90% CI [{v['ci_low']:+.3g}, {v['ci_high']:+.3g}] vs margin ±{v['margin']:.3g})")
+                verdicts.append(v["verdict"])
+                key.append(f"{name} {v['verdict']} ({number(v['mean_difference'], '+.3g')} {workload['unit']}, "
+                           f"90% CI {interval(v['ci_low'], v['ci_high'], '+.3g')} vs margin ±{number(v['margin'], '.3g')})")
         exact = ", ".join(f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"])
         caught = ", ".join(f"{s['arm']}: {'caught' if s['caught'] else 'NOT CAUGHT'}" for s in workload["sensitivity"])
         lines.append(f"{name} ({workload['criterion']}): {exact}; sensitivity {caught}")
-    return "stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran", lines
+    return ("stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran"), lines, verdicts
 
 
 def _in_order(workload: dict, order: list[str]) -> dict:
@@ -175,16 +181,18 @@ def section(record: dict, folder: Path) -> Section:
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
         tables[f"{name}: arms"] = arms_table(workload)
-    key_figure, lines = _headline(workloads)
+    key_figure, lines, verdicts = _headline(workloads)
+    shown = not record["config"].get("gate", False) and bool(verdicts)  # equivalence verdicts enforced only by --gate
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     lines += list(record["config"].get("notes", []))
     return Section(
         kind=record["kind"],
         title="Learning comparison: matched-schedule arms across seeds",
         passed=record["passed"],
-        verdict="passed" if record["passed"] else "failed",
+        verdict=", ".join(dict.fromkeys(verdicts)) if shown else "passed" if record["passed"] else "failed",
         key_figure=key_figure,
         lines=lines,
         tables=tables,
         figures=figures,
+        shown=shown,
     )

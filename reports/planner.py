@@ -15,6 +15,7 @@ from matplotlib.figure import Figure as MplFigure
 from validation.evidence import checks_of
 
 from .context import Figure, Section
+from .numbers import number
 from .plots import save_png
 
 __all__ = ["section", "cells_table", "bytes_table"]
@@ -79,13 +80,15 @@ def section(record: dict, folder: Path) -> Section:
                       caption="auto's regret per measured cell, with its interval", headline=True),
                Figure(path=save_png(_bytes_figure(memory), stem.with_name(stem.name + "-bytes.png")),
                       caption="predicted against measured peak per cell and placement (above the line: an under-estimate)")]
-    key = (f"ordering {certificate['ordering']:.2f} on {certificate['pairs_apart']} pairs apart, median regret "
-           f"{certificate['median_regret'] * 100:.1f}%, worst {certificate['worst_regret'] * 100:.1f}%, worst peak ratio "
-           f"{certificate['worst_peak_ratio']:.2f}")
+    percent = lambda share: number(share * 100, ".1f") + "%"  # noqa: E731
+    key = (f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
+           f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
+           f"ratio {number(certificate['worst_peak_ratio'], '.2f')}")
     lines = [f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
              f"{certificate['cells_refused']} refused ({len(certificate['wrong_refusals'])} wrongly), "
              f"{len(certificate['cells_failed'])} failed; over-estimate of the peak: median "
-             f"{certificate['median_over_estimate']:.2f}, worst {certificate['worst_over_estimate']:.2f}"]
+             f"{number(certificate['median_over_estimate'], '.2f')}, worst "
+             f"{number(certificate['worst_over_estimate'], '.2f')}"]
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     return Section(kind=record["kind"], title="Planner canary: auto's choices and estimates against measured placements",
                    passed=record["passed"], verdict="passed" if record["passed"] else "failed", key_figure=key,

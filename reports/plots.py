@@ -14,9 +14,12 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["plot_lifecycle", "save_png"]
+__all__ = ["LEGEND_POINTS", "plot_lifecycle", "save_png"]
 
 _DPI = 100
+# Legends are set at 8 pt on figures at most ~11 in wide: the page shows a PNG at most 76em (1216 px) wide, so
+# their text reaches the reader at >= 10 px; a wider figure is scaled down, its text with it.
+LEGEND_POINTS = 8
 
 
 def save_png(figure: Figure, path: Path) -> Path:

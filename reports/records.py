@@ -5,18 +5,29 @@ schema, types, digest, and its checks all passed / did not) or ``invalid``
 (anything else named ``*.json``: tampered with, truncated, not JSON, or not
 a record at all; never counts as passed). Every writer in the project writes
 records through ``validation.evidence``, so there is no other format to read.
+
+Which files are records (:func:`record_files`): every ``*.json`` in the
+folder named (``--in``: asked for by name, so ``rtv report --in
+tests/fixtures/evidence`` reads the committed fixtures) and, below it, in
+each folder the harness marked (``validation.evidence.EVIDENCE_MARKER``,
+written by ``write_once`` into every folder it writes a record into). Below
+the folder named, a source tree is never entered, marked or not: a git
+checkout or worktree (a ``.git`` entry, e.g. ``rtv bench --baseline``'s
+``<out>/sources/<commit>``) or a ``tests/fixtures`` folder. So the committed
+records of a checkout lying under ``--in`` are never taken for this run's.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from validation.errors import SetupError
-from validation.evidence import EvidenceError, verify
+from validation.evidence import EVIDENCE_MARKER, EvidenceError, verify
 
-__all__ = ["LoadedRecord", "load_records"]
+__all__ = ["LoadedRecord", "load_records", "record_files"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +55,26 @@ def _load(path: Path, root: Path) -> LoadedRecord:
                         integrity="verified (schema and digest)")
 
 
+def _source_tree(folder: Path) -> bool:
+    """A checkout or worktree (``.git``, a folder or a file) or a ``tests/fixtures`` folder: never a run's output."""
+    return (folder / ".git").exists() or (folder.name == "fixtures" and folder.parent.name == "tests")
+
+
+def record_files(folder: Path) -> list[Path]:
+    """The files :func:`load_records` reads (module docstring): ``folder``'s own ``*.json`` and those of the
+    folders below it the harness marked, never inside a source tree below ``folder``; sorted by path."""
+    root, found = Path(folder), []
+    for here, folders, files in os.walk(root):
+        here_path = Path(here)
+        folders[:] = [name for name in folders if not _source_tree(here_path / name)]
+        if here_path == root or EVIDENCE_MARKER in files:
+            found += [here_path / name for name in files if name.endswith(".json") and not name.startswith(".")]
+    return sorted(found)
+
+
 def load_records(folder: Path) -> list[LoadedRecord]:
-    """Every ``*.json`` under ``folder``, recursively, sorted by path; :class:`SetupError` when it is no folder."""
+    """Every record :func:`record_files` finds under ``folder``, sorted by path; :class:`SetupError` when it is no folder."""
     root = Path(folder)
     if not root.is_dir():
         raise SetupError(f"{root} is not a folder of evidence", fix="pass --in DIR, a folder of records")
-    return [_load(path, root) for path in sorted(p for p in root.rglob("*.json") if not p.name.startswith("."))]
+    return [_load(path, root) for path in record_files(root)]

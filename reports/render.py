@@ -27,9 +27,11 @@ import jinja2
 
 from validation.errors import SetupError
 
+from .classes import classed_rows, result_class
 from .context import RecordView, ReportContext, Section
 from .generic import checks_table
 from .kinds import kind
+from .numbers import number
 from .records import LoadedRecord, load_records
 
 __all__ = ["ReportPaths", "build_context", "render_report"]
@@ -49,7 +51,9 @@ def slug(text: str) -> str:
 
 
 _TEMPLATES.filters["slug"] = slug
-_TEMPLATES.filters["value"] = lambda value: f"{value:.4g}" if isinstance(value, float) else value
+_TEMPLATES.filters["value"] = lambda value: number(value) if isinstance(value, float) else value  # never "nan"
+_TEMPLATES.filters["css"] = result_class  # the page's fixed class vocabulary (reports.classes)
+_TEMPLATES.filters["classed_rows"] = classed_rows
 
 
 def _data_uri(path: Path) -> str:
@@ -89,7 +93,8 @@ def _view(loaded: LoadedRecord, folder: Path) -> RecordView:
                       link=relative(loaded.path), status=loaded.status, integrity=loaded.integrity,
                       created=loaded.record.get("created", "unknown"), environment=loaded.record.get("environment", {}),
                       source=loaded.record.get("source", {}), section=section, figures=figures,
-                      failed_checks=_failed_checks(loaded))
+                      failed_checks=_failed_checks(loaded),
+                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])])
 
 
 def build_context(in_dir: Path, folder: Path, *, title: str) -> ReportContext:

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .baseline import short_revisions
+from .numbers import interval, number
 from .records import LoadedRecord, load_records
 
 __all__ = ["SummaryPaths", "summary_rows", "write_summary", "SUMMARY_FILE", "COMMENT_FILE"]
@@ -39,7 +41,7 @@ def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict]]:
     """``(workload, comparison)`` of one record: a benchmark's groups (replay floors too), or a baseline's arms."""
     measurements = loaded.record["measurements"]
     if loaded.kind == "benchmark-baseline":
-        scope = loaded.record["config"]["scope"]
+        scope = short_revisions(loaded.record["config"]["scope"])
         return [(f"{loaded.record['config']['workload']} ({scope})", c) for c in measurements["comparisons"]]
     return [(g["label"], c) for g in measurements["groups"]
             for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])]
@@ -54,15 +56,15 @@ def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
         link = Path(os.path.relpath(loaded.path, folder)).as_posix()
         for workload, c in _comparisons(loaded):
             low, high = c["ci95"]
-            rows.append({"workload": workload, "arm": c["arm"], "baseline": c["baseline"], "ratio": c["ratio"],
-                         "interval": f"[{low:.3f}, {high:.3f}]" if low == low and high == high else "no interval",
+            rows.append({"workload": workload, "arm": c["arm"], "baseline": short_revisions(c["baseline"]), "ratio": c["ratio"],
+                         "interval": interval(low, high),
                          "verdict": c["verdict"], "blocks": c["blocks"], "record": link})
     return rows
 
 
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| workload | arm vs baseline | ratio (95% CI) | verdict | blocks | record |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {r['ratio']:.3f} {r['interval']} | "
+    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {number(r['ratio'], '.3f')} {r['interval']} | "
               f"**{r['verdict']}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
     return lines
 

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure as MplFigure
 
 from .context import Figure, Section
 from .generic import checks_table
+from .numbers import number
 from .plots import save_png
 
 __all__ = ["section"]
@@ -87,7 +88,7 @@ def _model_lines(record: dict) -> list[str]:
     largest = max(p["tokens"] for p in record["measurements"]["points"])
     source = f"{config['model']} on {config.get('device', 'cpu')} (measured up to {largest} tokens per step)"
     return [f"{MODEL_NOTE}: the fit of {source} predicts {arm} / plain "
-            + ", ".join(f"{s['ratios'][arm]:.3f} at {s['batch']}×{s['seq_len']}" for s in model["shapes"])
+            + ", ".join(f"{number(s['ratios'][arm], '.3f')} at {s['batch']}×{s['seq_len']}" for s in model["shapes"])
             + " (the GPU presets' qwen3_8b shapes)" for arm in config["arms"]]
 
 

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,6 +47,10 @@ from .world import world_facts
 
 __all__ = [
     "DEFAULT_OUT",
+    "EVIDENCE_MARKER",
+    "mark_evidence_folder",
+    "injected",
+    "injected_faults",
     "SCHEMA_VERSION",
     "SCHEMA_CHANGELOG",
     "Check",
@@ -67,6 +72,7 @@ SCHEMA_CHANGELOG = {  # version -> what changed (module docstring); the last one
     2: "details {name: str} for every check and skips {name: why} as fields of their own",
 }
 DEFAULT_OUT = Path("rtv-out")  # where every command writes (and the report reads) unless --out/--in says
+EVIDENCE_MARKER = ".rtv-evidence"  # in every folder write_once writes into: the folders the report collects from
 _REQUIRED_V1 = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed",
                 "measurements", "digest"}
 _REQUIRED = {1: _REQUIRED_V1, 2: _REQUIRED_V1 | {"details", "skips"}}
@@ -193,6 +199,31 @@ def environment_fingerprint() -> dict[str, Any]:
     }
 
 
+_INJECTED: list[str] = []  # the faults put in on purpose for the records made now (:func:`injected`)
+
+
+@contextmanager
+def injected(fault: str) -> Iterator[None]:
+    """Every record :func:`make_record` makes inside the block carries ``fault`` in ``config["injected"]``.
+
+    A negative control (``rtv run --inject-mutation NAME``, ``--inject-failure``)
+    wraps its whole run in it, so each record says it was made with a fault
+    put in on purpose (a failure is the control caught, a pass was made by a
+    broken trainer) and the report shows it. Nests; ``fault`` is a short
+    phrase, e.g. ``"mutation staleness_off_by_one"``.
+    """
+    _INJECTED.append(str(fault))
+    try:
+        yield
+    finally:
+        _INJECTED.remove(str(fault))
+
+
+def injected_faults() -> list[str]:
+    """The faults :func:`injected` has put in for the records made now (empty outside a negative control)."""
+    return list(_INJECTED)
+
+
 def content_digest(record: Mapping[str, Any]) -> str:
     """SHA-256 of the record's content without its ``digest`` field (what ``verify`` recomputes)."""
     body = {k: v for k, v in record.items() if k != "digest"}
@@ -217,7 +248,7 @@ def make_record(
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
         "created": datetime.now(timezone.utc).isoformat(),
-        "config": dict(config),
+        "config": {**config, "injected": injected_faults()} if _INJECTED else dict(config),
         "environment": environment_fingerprint(),
         "source": source_fingerprint(),
         "checks": {c.name: c.ok for c in ran},
@@ -260,9 +291,25 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
     return path
 
 
+def mark_evidence_folder(folder: Path) -> Path:
+    """Mark ``folder`` (made if missing) as one the harness writes records into; returns the marker file.
+
+    :func:`write_once` marks every folder it writes into, so a run folder is
+    marked from its first record on. ``reports.records.load_records`` collects
+    records below the folder it is given only from marked folders: a source
+    tree's committed records (a baseline's worktree, ``tests/fixtures``) are
+    not this harness's output. Idempotent.
+    """
+    marker = Path(folder) / EVIDENCE_MARKER
+    if not marker.is_file():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("records in this folder were written by rtv (validation.evidence.write_once)\n")
+    return marker
+
+
 def _write_new(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then link it to ``path`` (never replacing one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    mark_evidence_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:

@@ -22,6 +22,12 @@ NOTE [Source against its base]
    the same code: it is the A/A control and must not come out a regression
    or a gain (a decided difference there means the method, not the source,
    is broken); it is always run, first, and never counted as a finding.
+5. REV resolving to HEAD's commit (the default merge base on ``main``) is an
+   A/A run of every arm: the record's ``config["a_a"]`` says so, the scope
+   and the terminal say so, and the report labels it. REV is labelled by
+   itself when it has at most 12 characters, else by its commit's first 12
+   (a plot's labels stay short); the full REV is in ``sources``. REV's
+   worktree is removed (and git's entry for it pruned) when the run ends.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
+from reports.numbers import interval, number
 from validation.abba import Comparison, LoadProbe, compare
 from validation.errors import SetupError
 from validation.evidence import Checks
@@ -85,6 +93,19 @@ def source_tree(rev: str, out: Path, root: Path = ROOT) -> tuple[str, Path]:
         tree.parent.mkdir(parents=True, exist_ok=True)
         _git("worktree", "add", "--detach", "--force", str(tree), commit, cwd=root)
     return commit, tree
+
+
+def remove_tree(tree: Path, root: Path = ROOT) -> None:
+    """Remove REV's worktree made by :func:`source_tree` and its trainer link folder; git forgets the worktree."""
+    if tree.is_dir():
+        _git("worktree", "remove", "--force", str(tree), cwd=root)
+    shutil.rmtree(tree.parent / f"{tree.name}.trainer", ignore_errors=True)
+    _git("worktree", "prune", cwd=root)
+
+
+def revision_label(rev: str, commit: str) -> str:
+    """REV as written when it has at most 12 characters (``HEAD~1``, ``v1.2``), else its commit's first 12."""
+    return rev if len(rev) <= 12 else commit[:12]
 
 
 def _trainer_only(tree: Path) -> Path:
@@ -169,13 +190,14 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
     control = results[CONTROL]
     checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
                  control.verdict not in ("regression", "gain"),
-                 f"{control.verdict}: ratio {control.ratio:.4f}, CI [{control.ci95[0]:.4f}, {control.ci95[1]:.4f}]")
+                 f"{control.verdict}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}")
     for arm, result in results.items():
         if arm == CONTROL:
             continue
         low, high = result.ci95
         checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
-                     f"{result.verdict}: ratio {result.ratio:.4f}, CI [{low:.4f}, {high:.4f}] over {result.blocks} blocks; "
+                     f"{result.verdict}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
+                     f"{result.blocks} blocks; "
                      f"first losses {losses[arm]}")
     return checks
 
@@ -191,12 +213,32 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
     or a worker that fails. ``root``: the checkout that is
     HEAD; ``worker``: starts a side's worker on a tree (tests fake both).
     """
+    rev = rev or merge_base(root)
+    commit, tree = source_tree(rev, out, root)
+    try:
+        identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(root)}
+        a_a = commit == _git("rev-parse", "HEAD", cwd=root)
+        label = revision_label(rev, commit)
+        scope = f"{label} → HEAD" + (" (A/A: REV is HEAD's commit)" if a_a else "")
+        if a_a:
+            print(f"rtv bench --baseline: {rev} resolves to HEAD's commit {commit[:12]}: an A/A run (both sides run "
+                  "the same committed trainer; pass --baseline REV to compare with another revision)", flush=True)
+        return _judged(tree, root, preset, profile, arms=arms, gate=gate, threads=threads, seed=seed, worker=worker,
+                       config={"scope": scope, "a_a": a_a}, label=label, identities=identities)
+    finally:
+        try:
+            remove_tree(tree, root)
+        except SetupError as error:  # the comparison stands; only the clean-up failed
+            print(f"rtv bench --baseline: REV's worktree {tree} stays ({error.cause}); remove it with "
+                  f"`git worktree remove --force {tree}`", file=sys.stderr)
+
+
+def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[str, ...], gate: float, threads: int,
+            seed: int, worker: Callable[[Path], Worker], config: dict, label: str, identities: dict) -> Judged:
+    """:func:`judge`'s comparison of REV's ``tree`` with HEAD's ``root`` and its record's parts."""
     import time
 
-    rev = rev or merge_base(root)
-    _, tree = source_tree(rev, out, root)
-    identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(root)}
-    scope = f"{rev} → HEAD"
+    scope = config["scope"]
     plan_ = plan(preset, profile)
     workload: TimedWorkload = plan_.groups[0].workload
     names = (CONTROL, *(a for a in arms if a != CONTROL))
@@ -206,10 +248,10 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
         for arm in names:
             pair = {BASE_SIDE: worker(tree), HEAD_SIDE: worker(root)}
             workers += pair.values()
-            losses[arm] = {label: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
-                                                  threads=threads)["loss"]
-                           for label, w in pair.items()}
-            sides[arm] = {label: clock.step(w) for label, w in pair.items()}
+            losses[arm] = {side: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
+                                       threads=threads)["loss"]
+                           for side, w in pair.items()}
+            sides[arm] = {side: clock.step(w) for side, w in pair.items()}
         results = compare_sources(sides, baseline=BASE_SIDE, gate=gate, max_blocks=plan_.max_blocks,
                                   budget_s=plan_.budget_s, clock=clock,
                                   load_probe=WorkerShare(workers, time.perf_counter))
@@ -218,11 +260,11 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
             worker.close()
     return Judged(
         KIND,
-        {"preset": preset, "profile": profile, "gate": gate, "threads": threads, "seed": seed, "scope": scope,
+        {"preset": preset, "profile": profile, "gate": gate, "threads": threads, "seed": seed, **config,
          "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)", "workload": workload.label,
          "control": CONTROL, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s},
         _checks(results, losses, scope),
         # "arm" is the arm compared (HEAD's side), "baseline" the REV it is compared with
         {"sources": identities, "first_losses": losses,
-         "comparisons": [dict(r.as_dict(), arm=arm, baseline=rev) for arm, r in results.items()]},
+         "comparisons": [dict(r.as_dict(), arm=arm, baseline=label) for arm, r in results.items()]},
     )

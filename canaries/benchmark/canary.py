@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from reports.numbers import interval, number
 from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
 from validation.allocations import peak_bytes
@@ -265,7 +266,7 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
                          retain["verdict"] != "regression", _verdict_detail(retain))
             if target is not None:
                 checks.check(f"{label}: retain@s0 / plain median <= {target}", retain["ratio"] <= target,
-                             f"median ratio {retain['ratio']:.4f}")
+                             f"median ratio {number(retain['ratio'], '.4f')}")
         if group["replay_floor"] is not None:
             floor = group["replay_floor"]
             checks.check(f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)",
@@ -276,8 +277,8 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
 def _verdict_detail(comparison: dict) -> str:
     """Why a comparison check holds or not: its verdict and the interval it came from."""
     low, high = comparison["ci95"]
-    return (f"{comparison['verdict']}: median ratio {comparison['ratio']:.4f}, 95% CI [{low:.4f}, {high:.4f}] "
-            f"over {comparison['blocks']} blocks")
+    return (f"{comparison['verdict']}: median ratio {number(comparison['ratio'], '.4f')}, "
+            f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks")
 
 
 def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,

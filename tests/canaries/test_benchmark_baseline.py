@@ -135,6 +135,36 @@ def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_cont
     assert judged.checks.passed is (verdict == "tie")
 
 
+def test_a_rev_that_is_heads_commit_is_an_a_a_run_said_on_the_terminal_in_the_record_and_the_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from reports.baseline import section
+    from validation.evidence import make_record
+
+    clone = _clone(tmp_path)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
+    judged = baseline.judge(head, "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+    assert "an A/A run" in capsys.readouterr().out
+    assert judged.config["a_a"] is True and "A/A" in judged.config["scope"]
+    assert judged.measurements["sources"]["baseline"]["rev"] == head  # the full REV is kept, the label is short
+    assert {c["baseline"] for c in judged.measurements["comparisons"]} == {head[:12]}
+    assert judged.config["scope"].startswith(f"{head[:12]} → HEAD")
+    record = make_record(baseline.KIND, config=judged.config, checks=judged.checks, measurements=judged.measurements)
+    built = section(record, tmp_path / "plots")
+    assert built.key_figure.startswith("A/A run") and built.lines[0].startswith("A/A run")
+
+
+def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path: Path) -> None:
+    clone = _clone(tmp_path)
+    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+    listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                            check=True).stdout
+    assert listed.count("worktree ") == 1 and str(tmp_path / "out") not in listed
+    assert not any((tmp_path / "out" / "sources").iterdir())
+    assert judged.config["a_a"] is False and "A/A" not in judged.config["scope"]
+
+
 @pytest.mark.parametrize("faster", [0.9, 1.1])
 def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
     clone = _clone(tmp_path)

@@ -126,3 +126,22 @@ def test_a_preset_over_the_device_memory_is_refused_before_anything_is_written(t
     monkeypatch.setattr(preset_budget, "device_bytes", lambda device: 10**6)
     assert main(["run", "--preset", "gpu", "--out", str(tmp_path)]) == 2
     assert "the device has 0.0 GB" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("flag", "fault"), [(["--inject-mutation", "staleness_off_by_one"], "mutation staleness_off_by_one"),
+                                             (["--inject-failure"], "failure: a smoke check fails on purpose")])
+def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_shows_it(smokes, monkeypatch, tmp_path,
+                                                                                     flag, fault):
+    """A failure is the control caught, a pass was made by a broken trainer: neither may pass for a real outcome."""
+    monkeypatch.setattr(registry, "CANARIES", {"a": FakeCanary("a"), "b": FakeCanary("b", passed=False)})
+    main(["run", "--preset", "cpu", *flag, "--out", str(tmp_path)])
+    records = sorted(tmp_path.glob("run-cpu-*/*.json"))
+    assert len(records) == 3 and all(verify(p)["config"]["injected"] == [fault] for p in records)
+    page = next(tmp_path.glob("run-cpu-*/report/index.md")).read_text()
+    board = page[page.index("## Verdict board"):page.index("## Environment")]
+    assert f"**Injected on purpose: {fault}.**" in page
+    assert sum(f"· injected: {fault} |" in line for line in board.splitlines()) == 3
+    html = next(tmp_path.glob("run-cpu-*/report/index.html")).read_text()
+    assert f'<td class="shown">passed · injected: {fault}</td>' in html, "an injected run's pass is not a clean one"
+    assert 'id="injected"' in html
+    assert make_record("smoke", config={}, checks={"ok": True}, measurements={})["config"] == {}, "only inside the run"

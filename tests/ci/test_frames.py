@@ -43,6 +43,15 @@ def test_what_was_emitted_comes_back_with_its_manifest(records: Path, tmp_path: 
     assert not list((tmp_path / "back").rglob("report.md"))
 
 
+def test_the_records_come_back_in_folders_the_report_still_collects(records: Path, tmp_path: Path) -> None:
+    """The report reads only folders the harness marked (``reports.records``): the marks travel with the records."""
+    from reports.records import load_records
+
+    collect(framed(records), tmp_path / "back")
+    assert sorted(r.name for r in load_records(tmp_path / "back" / "records")) == \
+        sorted(r.name for r in load_records(records)) and len(load_records(records)) == 2
+
+
 @pytest.mark.parametrize("damage", ["truncated", "a line lost", "a line repeated", "a byte changed"])
 def test_a_damaged_frame_is_refused(records: Path, tmp_path: Path, damage: str) -> None:
     lines = framed(records).splitlines()

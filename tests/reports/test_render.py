@@ -219,8 +219,8 @@ def test_the_failure_box_reads_a_schema_2_reason_from_the_records_own_field(tmp_
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "evidence"
 
 
-def test_the_committed_schema_1_records_still_render(tmp_path: Path) -> None:
-    report = render_report(FIXTURES, tmp_path / "index.md", title="schema 1")
+def test_the_committed_schema_1_records_still_render(fixture_report) -> None:
+    report = fixture_report
     page = report.markdown.read_text()
     assert report.passed and report.records == len(list(FIXTURES.glob("*.json"))) == 6
     assert "What failed" not in page and "invalid" not in page.lower().split("## details")[0]

@@ -128,3 +128,17 @@ def test_a_store_of_the_older_schema_still_loads_and_takes_new_rows(tmp_path: Pa
     history.append(path, _record("c01", 1.0, np.random.default_rng(0)))
     table = history.load(path, arm="retain@s0")
     assert list(table["commit_id"]) == ["c00", "c01"] and np.isnan(table["ci_low"][0]) and table["ci_low"][1] > 0
+
+
+def test_commits_keep_their_history_order_not_their_hash_order(tmp_path: Path) -> None:
+    """Real commit ids do not sort in history order: the series and its change point follow the order recorded."""
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    commits = [hashlib.sha1(str(n).encode()).hexdigest() for n in range(1, 13)]
+    assert commits != sorted(commits), "the ids must not already be in hash order"
+    for n, commit in enumerate(commits, start=1):
+        history.append(tmp_path / "h.sqlite", _record(commit, (1.05 if n >= 8 else 1.0) * rng.lognormal(0.0, NOISE), rng))
+    (found,) = _retain(tmp_path / "h.sqlite")
+    assert found.commits == tuple(commits)
+    assert found.verdict == "regression" and [c.commit for c in found.changes] == [commits[7]], found.changes

@@ -1,0 +1,46 @@
+"""The HTML page's CSS classes: a fixed vocabulary, chosen from a row's result, never from the text of its cells.
+
+:data:`CLASSES` is the whole vocabulary the page's stylesheet knows:
+``passed`` (green), ``failed`` (red: only what failed), ``shown`` (a
+verdict shown, not a failure: ``regression``, ``worse``, ``inconclusive``
+...), ``skipped`` (grey). :func:`result_class` maps a result word to one of
+them; a word it does not know is ``shown``, never ``failed``. A table's
+result cell is the cell of its first column named in :data:`RESULT_COLUMNS`;
+every other cell gets no class, so a description that says "failed" or
+"regression" is plain text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pandas as pd
+
+__all__ = ["CLASSES", "RESULT_COLUMNS", "result_class", "classed_rows"]
+
+CLASSES = ("passed", "failed", "shown", "skipped")
+RESULT_COLUMNS = ("result", "verdict", "outcome", "state", "status")
+_WORDS = {
+    "passed": ("pass", "passed", "caught", "tie", "equivalent", "bitwise equal"),
+    "failed": ("fail", "failed", "not caught", "invalid", "differs", "different"),
+    "skipped": ("skipped", "inapplicable", "not run"),
+}
+_CLASS_OF = {word: css for css, words in _WORDS.items() for word in words}
+
+
+def result_class(result: object) -> str:
+    """The class of a result: its lower-cased text, else its first word, looked up in the vocabulary; else ``shown``."""
+    text = str(result).strip().lower()
+    return _CLASS_OF.get(text) or _CLASS_OF.get(text.split(" ")[0] if text else "", "shown")
+
+
+def _result_column(columns: Sequence[str]) -> int | None:
+    named = [i for i, column in enumerate(columns) if str(column).lower() in RESULT_COLUMNS]
+    return named[0] if named else None
+
+
+def classed_rows(frame: pd.DataFrame) -> Iterable[list[tuple[object, str]]]:
+    """Each row of ``frame`` as ``(value, class)`` pairs: the result cell's class, ``""`` for every other cell."""
+    where = _result_column(list(frame.columns))
+    for row in frame.itertuples(index=False):
+        yield [(value, result_class(value) if index == where else "") for index, value in enumerate(row)]
