@@ -16,6 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from .classes import result_class
 from .numbers import number
 from .plots import save_png
 from .render import slug
@@ -69,7 +70,7 @@ def render_history(found: list, title: str, out_file: Path) -> HistoryPaths:
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text("\n".join(lines))
     body = "".join(f"<tr><td>{s.machine_id}</td><td>{html.escape(s.workload)}</td><td>{html.escape(s.arm)}</td>"
-                   f"<td>{len(s.commits)}</td><td class='{slug(s.verdict)}'>{s.verdict}</td><td>{html.escape(changes)}</td></tr>"
+                   f"<td>{len(s.commits)}</td><td class='{result_class(s.verdict)}'>{s.verdict}</td><td>{html.escape(changes)}</td></tr>"
                    for s, _, changes in rows)
     images = "".join(f"<figure><img src='{link}' alt='{html.escape(s.arm)}'></figure>" for s, link, _ in rows)
     page = out_file.with_suffix(".html")

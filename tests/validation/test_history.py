@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import functools
 import sqlite3
 from pathlib import Path
@@ -142,3 +143,16 @@ def test_commits_keep_their_history_order_not_their_hash_order(tmp_path: Path) -
     (found,) = _retain(tmp_path / "h.sqlite")
     assert found.commits == tuple(commits)
     assert found.verdict == "regression" and [c.commit for c in found.changes] == [commits[7]], found.changes
+
+
+def test_the_history_page_colours_a_verdict_from_the_fixed_vocabulary_never_from_its_text(tmp_path: Path) -> None:
+    from reports.classes import CLASSES
+    from reports.history import render_history
+
+    _store(tmp_path / "h.sqlite", 0, step_at=8)
+    (found,) = _retain(tmp_path / "h.sqlite")
+    assert found.verdict == "regression"  # a shown verdict: the page must not paint it as a failure
+    page = render_history([found], "history", tmp_path / "out" / "history.md").html.read_text()
+    used = set(re.findall(r"class='([^']*)'", page))
+    assert used and used <= set(CLASSES), used
+    assert "class='shown'>regression<" in page
