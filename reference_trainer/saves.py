@@ -9,7 +9,8 @@ NOTE [Durable saves]
      ``save-NNNNNN`` holding its files and ``manifest.json`` (every other
      file's name, size and SHA-256). The lock file ``.lock`` (Rule 6) stays.
   2. Writing: the save path and every missing folder above it are made, each
-     new folder's entry fsynced into its parent. The files and the manifest
+     new folder's entry (one another writer just made too) fsynced into its
+     parent. The files and the manifest
      go into a fresh staging folder ``.tmp-<pid>-<random>``, each fsynced,
      the folder fsynced, renamed to ``save-NNNNNN`` (one more than the
      highest there) and the save path fsynced, so the folder's entry is
@@ -29,7 +30,7 @@ NOTE [Durable saves]
      holding saves but no ``LATEST`` is a ``CorruptSaveError`` naming
      ``LATEST`` (a first save killed before ``LATEST`` was written reads so
      too: nothing of it was in force); a folder holding no save, or no
-     folder, is a ``ConfigError``.
+     folder, is a ``ConfigError``, and the refused load wrote nothing.
   4. A file may be given as a function that makes its bytes: it is called
      when its turn to be written comes, and its bytes are let go once
      written, so a save of many large files holds one at a time in memory.
@@ -37,23 +38,25 @@ NOTE [Durable saves]
      (its staging or renamed folder, its temporary ``LATEST``, and the
      folders it made, when no other writer put anything in them) and is
      raised as it came: the save in force is the previous one. An error
-     after ``LATEST`` moved (its fsync, the removal of older saves) is a
-     ``SaveInForceError``: the new save is in force. A bad path (not a
-     ``str`` or ``os.PathLike``, ``""``, a file, a folder or parent this
-     process cannot write) is a ``ConfigError`` and writes nothing.
-  6. Concurrency (processes or threads, on one machine or a filesystem with
-     POSIX advisory locks): ``fcntl.flock`` on ``.lock``. Writers stage in
-     parallel, each holding a lock on its own staging folder, and take the
-     lock exclusively to make their staging folder and to move it into
-     force, so two writers into one folder both complete, one after the
-     other: ``LATEST`` names the later, whose folder number is the higher.
-     A writer's clean-up removes only saves older than its own and staging
-     folders whose writer is dead (their lock is free), never the one
-     ``LATEST`` names or one another writer is making. A reader holds the
-     lock shared while it reads, so a reader during a save reads the
-     previous save in force, whole; one that starts after ``LATEST`` moved
-     reads the new one. A reader that cannot create ``.lock`` (a read-only
-     folder written before locks) reads without it.
+     from the moment ``LATEST`` moved (its fsync, the removal of older
+     saves) is a ``SaveInForceError``: the new save is in force (an
+     interrupt is raised as it came, the new save in force). A bad path
+     (not a ``str`` or ``os.PathLike``, ``""``, a NUL byte, a name too long,
+     a file, a folder or parent this process cannot write) is a
+     ``ConfigError`` and writes nothing.
+  6. Concurrency (processes or threads, wherever ``fcntl.flock`` works; a
+     ``ConfigError`` where it fails): the folder's lock and each writer's
+     staging lock (NOTE [Save locks] in ``save_locks.py``). Writers stage in
+     parallel and take the folder's lock exclusively to make their staging
+     folder and to move it into force, so two writers into one folder both
+     complete, one after the other: ``LATEST`` names the later, whose folder
+     number is the higher.
+     A writer's clean-up removes only saves older than its own and the
+     leftovers of dead writers, never the save ``LATEST`` names or one
+     another writer is making. A reader holds the lock shared while it
+     reads, so a reader during a save reads the previous save in force,
+     whole; one that starts after ``LATEST`` moved reads the new one; a
+     save waits for the loads under way to end before it starts.
   7. What the files hold, and how the trainer's state maps onto them, is
      ``resume.py``'s business (NOTE [Resume]); this module only moves bytes.
 
@@ -73,23 +76,22 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import ConfigError, CorruptSaveError, SaveInForceError, int_at_least
+from .save_locks import LOCK, STAGING, abandoned, lock_of, locked, stage, unstage
 
 __all__ = ["LATEST", "LOCK", "MANIFEST", "FileData", "read_folder", "write_folder"]
 
 FileData = bytes | memoryview | Callable[[], bytes | memoryview]  # a file's bytes, or what makes them (Rule 4)
 
 LATEST = "LATEST"
-LOCK = ".lock"
 MANIFEST = "manifest.json"
 _SAVE = re.compile(r"save-(\d{6,})")
-_STAGING = ".tmp-"
+_RETRIES = 100  # makings of ``root`` while failed writers remove it (Rule 5)
 _NOT_REGULAR = (errno.ELOOP, errno.ENXIO, errno.ENODEV)  # open of a symbolic link (O_NOFOLLOW), a socket, a device
-_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG)
 
 
 def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path:
@@ -103,21 +105,25 @@ def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path
         try:
             manifest_bytes = _stage(staging, files)
         except BaseException:
-            with _locked(root, fcntl.LOCK_EX):
-                _undo(root, created, [staging])
+            _undo_locked(root, created, [staging, lock_of(staging)])
             raise
         return _commit(root, created, staging, manifest_bytes)
     finally:
-        os.close(held)
+        unstage(staging, held)
 
 
 def _root(path: object) -> Path:
-    """``path`` as a save path; a ``ConfigError`` unless a non-empty ``str`` or ``os.PathLike`` naming no file (Rule 5)."""
+    """``path`` as a save path; a ``ConfigError`` unless a non-empty ``str`` or ``os.PathLike`` naming no file that
+    the system accepts as a path (Rule 5)."""
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
-    if not isinstance(text, str) or not text:
-        raise ConfigError("path", path, "a non-empty str or os.PathLike naming a folder of saves")
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise ConfigError("path", path, "a non-empty str or os.PathLike (no NUL byte) naming a folder of saves")
     root = Path(text)
-    if root.exists() and not root.is_dir():
+    try:
+        is_file = root.exists() and not root.is_dir()
+    except OSError as exc:
+        raise ConfigError("path", text, "a path the system accepts", hint=str(exc)) from None
+    if is_file:
         raise ConfigError("path", text, "a folder (or a path not yet used) to hold saves", hint="it is a file")
     return root
 
@@ -125,99 +131,49 @@ def _root(path: object) -> Path:
 def _begin(root: Path) -> tuple[list[Path], Path, int]:
     """Make ``root`` (Rule 2) and, under the lock, a staging folder held by this writer (Rule 6).
 
-    Returns the folders made (top first), the staging folder and the descriptor holding its lock.
+    Returns the folders made (top first), the staging folder and the descriptor holding its lock; on any
+    failure the folders made are removed.
     """
-    while True:
-        created: list[Path] = []
-        try:
-            created = _make_folders(root)
-            with _locked(root, fcntl.LOCK_EX):
-                staging = root / f"{_STAGING}{os.getpid()}-{uuid.uuid4().hex}"
-                staging.mkdir()
-                return created, staging, _hold(staging)
-        except FileNotFoundError:
-            continue  # a failed writer that made ``root`` removed it meanwhile (Rule 5): make it again
-        except OSError as exc:
-            _undo(root, created, [])
-            if exc.errno in _UNWRITABLE:
-                raise ConfigError("path", str(root), "a folder this process can write saves in (or a path whose "
-                                  "missing folders it can make)", hint=str(exc)) from None
-            raise
-
-
-def _hold(staging: Path) -> int:
-    """A descriptor holding the lock of the fresh folder ``staging`` (never contended); it is removed on failure."""
+    created: list[Path] = []
+    attempts = 0
     try:
-        held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except BaseException:
-        staging.rmdir()
+        while True:
+            _make_folders(root, created)
+            try:
+                with locked(root, fcntl.LOCK_EX):
+                    return created, *stage(root)
+            except FileNotFoundError:
+                attempts += 1
+                if root.is_dir() or attempts > _RETRIES:
+                    raise
+                # a failed writer that made ``root`` removed it meanwhile (Rule 5): make it again
+    except BaseException as exc:
+        _undo(root, created, [])
+        if isinstance(exc, OSError) and exc.errno in _UNWRITABLE:
+            raise ConfigError("path", str(root), "a folder this process can write saves in (or a path whose "
+                              "missing folders it can make)", hint=str(exc)) from None
         raise
-    try:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        os.close(held)
-        staging.rmdir()
-        raise
-    return held
 
 
-def _make_folders(root: Path) -> list[Path]:
-    """Make ``root`` and its missing ancestors, top down, each new folder's entry fsynced into its parent."""
+def _make_folders(root: Path, created: list[Path]) -> None:
+    """Make ``root`` and its missing ancestors, top down, each one's entry fsynced into its parent (one another
+    writer just made too); those this call made are added to ``created``, top first."""
     missing = []
     for folder in (root, *root.parents):
         if folder.is_dir():
             break
         missing.append(folder)
-    created = []
     for folder in reversed(missing):
         try:
             folder.mkdir()
         except FileExistsError:
-            if folder.is_dir():
-                continue  # another writer made it
-            raise
-        created.append(folder)
-        try:
-            _fsync_dir(folder.parent)
-        except BaseException:
-            _undo(root, created, [])
-            raise
-    return created
-
-
-@contextmanager
-def _locked(root: Path, mode: int) -> Iterator[None]:
-    """Hold ``root``'s lock file (Rule 6): ``LOCK_EX`` to write, ``LOCK_SH`` to read.
-
-    A lock file removed while this waited (Rule 5) is not the lock: it takes the one now there. A reader
-    that cannot create it reads without it; ``FileNotFoundError`` when ``root`` is gone.
-    """
-    lock = root / LOCK
-    while True:
-        try:
-            handle = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if mode == fcntl.LOCK_SH and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                yield
-                return
-            raise
-        try:
-            fcntl.flock(handle, mode)
-            if _same_file(handle, lock):
-                yield
-                return
-        finally:
-            os.close(handle)
-
-
-def _same_file(handle: int, path: Path) -> bool:
-    try:
-        found = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(handle)
-    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
-
+            if not folder.is_dir():
+                raise
+        else:
+            if folder not in created:
+                created.append(folder)
+        _fsync_dir(folder.parent)
+    created.sort(key=lambda folder: len(folder.parts))
 
 def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
@@ -234,66 +190,63 @@ def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
 
 def _commit(root: Path, created: list[Path], staging: Path, manifest_bytes: bytes) -> Path:
     """Under the lock: rename ``staging`` to the next save, move ``LATEST`` to it, then clean up (Rules 2, 5, 6)."""
-    with _locked(root, fcntl.LOCK_EX):
+    with locked(root, fcntl.LOCK_EX):
         numbers = [int(m.group(1)) for p in root.iterdir() if (m := _SAVE.fullmatch(p.name))]
         name = f"save-{max(numbers, default=0) + 1:06d}"
-        pointer = root / f"{_STAGING}{LATEST}-{os.getpid()}-{uuid.uuid4().hex}"
-        written = [staging, pointer]
+        pointer = root / f"{STAGING}{LATEST}-{os.getpid()}-{uuid.uuid4().hex}"
+        written, replacing, step = [staging, lock_of(staging), pointer], False, f"the fsync of {root}"
         try:
             os.rename(staging, root / name)
             written[0] = root / name
             _fsync_dir(root)  # the save's entry is durable before LATEST can name it
             _write_synced(pointer, f"{_pointer(name, _digest(manifest_bytes))}\n".encode())
+            replacing = True
             os.replace(pointer, root / LATEST)
-        except BaseException:
-            _undo(root, created, written)
-            raise
-        step = f"the fsync of {root}"
-        try:
             _fsync_dir(root)
             step = "the removal of older saves and leftovers"
             _clean(root, int(name[len("save-"):]))
-        except Exception as exc:
+        except BaseException as exc:
+            if not (replacing and not os.path.lexists(pointer)):  # LATEST has not moved: the previous save in force
+                _undo(root, created, written)
+                raise
+            if not isinstance(exc, Exception):  # an interrupt, raised as it came: the new save is in force
+                exc.add_note(f"the new save {name!r} of {root} is in force (LATEST names it)")
+                raise
             raise SaveInForceError(root, name, step, repr(exc)) from exc
     return root / name
+
+
+def _undo_locked(root: Path, created: list[Path], written: list[Path]) -> None:
+    """``_undo`` under the lock; nothing to do once ``root`` is gone (the caller's own error is what it raises)."""
+    try:
+        with locked(root, fcntl.LOCK_EX):
+            _undo(root, created, written)
+    except FileNotFoundError:
+        if root.is_dir():
+            raise
 
 
 def _undo(root: Path, created: list[Path], written: list[Path]) -> None:
     """Remove what a failed save wrote, and the folders it made when no other writer put anything in them."""
     for path in written:
         _remove(path)
-    if root in created and all(p.name == LOCK for p in root.iterdir()):
-        (root / LOCK).unlink(missing_ok=True)  # a writer waiting on it takes the next one (``_locked``)
+    if root in created and root.is_dir() and all(p.name == LOCK for p in root.iterdir()):
+        (root / LOCK).unlink(missing_ok=True)  # a writer waiting on it takes the next one (NOTE [Save locks] Rule 6)
     for folder in reversed(created):
         try:
             folder.rmdir()
+        except FileNotFoundError:
+            continue
         except OSError:
             return  # not empty: another writer's
 
 
 def _clean(root: Path, number: int) -> None:
-    """Remove the saves older than save ``number`` and the leftovers of dead writers (their lock is free)."""
+    """Remove the saves older than save ``number`` and the leftovers of dead writers (NOTE [Save locks] Rule 4)."""
     for entry in root.iterdir():
         match = _SAVE.fullmatch(entry.name)
-        if (match and int(match.group(1)) < number) or (entry.name.startswith(_STAGING) and _abandoned(entry)):
+        if (match and int(match.group(1)) < number) or (entry.name.startswith(STAGING) and abandoned(root, entry.name)):
             _remove(entry)
-
-
-def _abandoned(path: Path) -> bool:
-    """Whether no live writer holds ``path``'s lock (a staging folder, a temporary ``LATEST``)."""
-    try:
-        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # not a folder or file a writer made (a symbolic link): nobody's
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(handle)
 
 
 def _remove(path: Path) -> None:
@@ -330,15 +283,23 @@ def _read_pointer(root: Path) -> tuple[str, str]:
 def read_folder(path: str | os.PathLike) -> dict[str, bytes]:
     """Every file of the save in force under ``path``, each verified against the manifest (Rules 3, 6)."""
     root = _root(path)
-    if not root.is_dir():
-        raise ConfigError("path", str(root), "a folder written by trainer.save", hint="there is no such folder")
-    with _locked(root, fcntl.LOCK_SH):
+    with locked(root, fcntl.LOCK_SH, lambda: _check_holds_saves(root)):
         if not os.path.lexists(root / LATEST):
-            if not any(_SAVE.fullmatch(p.name) for p in root.iterdir()):
-                raise ConfigError("path", str(root), "a folder written by trainer.save",
-                                  hint=f"it holds no save (no {LATEST}, no save-NNNNNN folder)")
+            _check_holds_saves(root)
             raise CorruptSaveError(root, LATEST, "missing", "the pointer to the save in force", "no such file")
         return _read_save(root)
+
+
+def _check_holds_saves(root: Path) -> None:
+    """A ``ConfigError`` unless ``root`` is a folder holding ``LATEST`` or a save folder (Rule 3)."""
+    hint = "there is no such folder"
+    try:
+        if os.path.lexists(root / LATEST) or any(_SAVE.fullmatch(p.name) for p in root.iterdir()):
+            return
+        hint = f"it holds no save (no {LATEST}, no save-NNNNNN folder)"
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    raise ConfigError("path", str(root), "a folder written by trainer.save", hint=hint)
 
 
 def _read_save(root: Path) -> dict[str, bytes]:

@@ -6,6 +6,7 @@ naming the file, and the refusal changes nothing: not the model passed, not the 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib
@@ -13,7 +14,9 @@ import json
 import multiprocessing
 import os
 import queue
+import re
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -230,16 +233,19 @@ def test_concurrent_saving_and_loading_processes_lose_no_save(tmp_path):
 
 
 def test_clean_up_removes_a_dead_writers_staging_and_keeps_a_live_ones(tmp_path):
-    """A staging folder is a live writer's while its lock is held (Rule 6); a dead writer's lock is free."""
+    """A staging folder is a live writer's while its lock file's lock is held (NOTE [Save locks] Rule 3); a dead
+    writer's lock is free, or its lock file missing."""
     saves.write_folder(tmp_path, {"a": b"1"})
-    (tmp_path / ".tmp-dead").mkdir()
-    (tmp_path / ".tmp-live").mkdir()
-    (tmp_path / ".tmp-LATEST-dead").write_text("x")
-    held = os.open(tmp_path / ".tmp-live", os.O_RDONLY)
+    for name in (".tmp-dead", ".tmp-live", ".tmp-no-lock-file"):
+        (tmp_path / name).mkdir()
+    for name in (".tmp-dead.lock", ".tmp-live.lock", ".tmp-LATEST-dead"):
+        (tmp_path / name).write_text("")
+    held = os.open(tmp_path / ".tmp-live.lock", os.O_RDWR)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
         saves.write_folder(tmp_path, {"a": b"2"})
-        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-live", "LATEST", "save-000002"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-live", ".tmp-live.lock", "LATEST",
+                                                              "save-000002"]
     finally:
         os.close(held)
     saves.write_folder(tmp_path, {"a": b"3"})  # its writer gone, the next save removes it
@@ -488,3 +494,260 @@ def test_a_file_name_that_is_not_plain_is_refused_at_write_and_writes_nothing(tm
     with pytest.raises(rt.ConfigError, match="file name"):
         saves.write_folder(tmp_path / "saves", {"a": b"1", name: b"2"})
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the lock and staging protocol (NOTE [Save locks] in reference_trainer/save_locks.py) -----------------------
+
+def _nfs_flock(monkeypatch) -> None:
+    """``fcntl.flock`` as NFS emulates it (fcntl byte-range locks): an exclusive lock needs a descriptor open for
+    writing, else ``EBADF`` (a folder's descriptor never is)."""
+    real = fcntl.flock
+
+    def flock(handle, operation):
+        writable = fcntl.fcntl(handle, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+        if operation & fcntl.LOCK_EX and not writable:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(handle, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_saves_and_loads_work_where_an_exclusive_lock_needs_a_descriptor_open_for_writing(tmp_path, monkeypatch):
+    _nfs_flock(monkeypatch)
+    for data in (b"1", b"2"):
+        saves.write_folder(tmp_path / "saves", {"a": data})
+        assert saves.read_folder(tmp_path / "saves") == {"a": data}
+    assert sorted(p.name for p in (tmp_path / "saves").iterdir()) == [".lock", "LATEST", "save-000002"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF])
+def test_a_filesystem_without_lock_support_is_a_config_error_naming_it(tmp_path, monkeypatch, code):
+    saves.write_folder(tmp_path, {"a": b"1"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def flock(handle, operation):
+        if operation & (fcntl.LOCK_EX | fcntl.LOCK_SH):
+            raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    for attempt in (lambda: saves.write_folder(tmp_path, {"a": b"2"}), lambda: saves.read_folder(tmp_path)):
+        with pytest.raises(rt.ConfigError, match="does not support file locks"):
+            attempt()
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert saves.read_folder(tmp_path) == {"a": b"1"}
+
+
+def test_a_lock_is_let_go_even_when_a_forked_child_inherited_it(tmp_path, monkeypatch):
+    """A reader that forks while it holds the lock (another thread's ``fork``): once it returns, a writer may lock."""
+    saves.write_folder(tmp_path, {"a": b"1"})
+    real_open, children, gate = os.open, [], os.pipe()
+
+    def open_forking(path, flags, *args, **kwargs):
+        if "dir_fd" in kwargs and path == "a" and not children:
+            children.append(os.fork())
+            if children[0] == 0:  # the child waits until the parent's check is done, holding what it inherited
+                os.read(gate[0], 1)
+                os._exit(0)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_forking)
+    try:
+        assert saves.read_folder(tmp_path) == {"a": b"1"}
+        monkeypatch.undo()
+        probe = os.open(tmp_path / ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the child holds it
+        finally:
+            os.close(probe)
+    finally:
+        os.write(gate[1], b"x")
+        if children:
+            os.waitpid(children[0], 0)
+        os.close(gate[0])
+        os.close(gate[1])
+
+
+def test_clean_up_keeps_a_staging_whose_lock_it_cannot_test(tmp_path, monkeypatch):
+    """Too many open files while testing a live writer's staging: it is kept, and that writer completes."""
+    saves.write_folder(tmp_path, {"a": b"1"})
+    real_open = os.open
+
+    def open_failing(path, flags, *args, **kwargs):
+        if os.path.basename(os.fspath(path)).startswith(".tmp-") and flags & os.O_NONBLOCK:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)
+
+    def another_save() -> bytes:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "open", open_failing)
+            saves.write_folder(tmp_path, {"a": b"other"})
+        assert any(p.is_dir() and p.name.startswith(".tmp-") for p in tmp_path.iterdir())  # this save's staging
+        return b"mine"
+
+    saves.write_folder(tmp_path, {"a": another_save, "b": b"mine"})
+    assert saves.read_folder(tmp_path) == {"a": b"mine", "b": b"mine"}
+
+
+def _bounded_lock_opens(monkeypatch, limit: int = 200) -> None:
+    """Make the ``limit``-th open of a ``.lock`` raise: a loop on it fails instead of running forever."""
+    real_open, opens = os.open, []
+
+    def counting(path, flags, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == ".lock":
+            opens.append(path)
+            if len(opens) >= limit:
+                raise RuntimeError("looped on .lock")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting)
+
+
+LOCK_DAMAGES = {
+    "a dangling symbolic link": lambda lock: lock.symlink_to("/nonexistent-folder/x"),
+    "a symbolic link to a file": lambda lock: (lock.with_name("elsewhere").write_text(""), lock.symlink_to("elsewhere")),
+    "a folder": lambda lock: lock.mkdir(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(LOCK_DAMAGES))
+def test_a_lock_file_that_is_not_a_regular_file_is_a_config_error_at_once(tmp_path, monkeypatch, damage):
+    saves.write_folder(tmp_path, {"a": b"1"})
+    (tmp_path / ".lock").unlink()
+    LOCK_DAMAGES[damage](tmp_path / ".lock")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _bounded_lock_opens(monkeypatch)
+    for attempt in (lambda: saves.write_folder(tmp_path, {"a": b"2"}), lambda: saves.read_folder(tmp_path)):
+        with pytest.raises(rt.ConfigError, match=r"\.lock"):
+            attempt()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "nul\0byte"])
+def test_a_path_the_system_refuses_is_a_config_error_that_leaves_no_folder(tmp_path, name):
+    for attempt in (saves.write_folder, lambda path, files: saves.read_folder(path)):
+        with pytest.raises(rt.ConfigError, match="path"):
+            attempt(tmp_path / "new" / "deeper" / name, {"a": b"1"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_while_making_folders_removes_the_ones_made(tmp_path, monkeypatch):
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == "deeper":
+            raise KeyboardInterrupt
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(KeyboardInterrupt):
+        saves.write_folder(tmp_path / "new" / "deeper" / "saves", {"a": b"1"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refused_load_writes_nothing(tmp_path):
+    (tmp_path / "home" / ".tmp-dead").mkdir(parents=True)  # a folder of no saves (a first save's killed staging)
+    with pytest.raises(rt.ConfigError, match="holds no save"):
+        saves.read_folder(tmp_path / "home")
+    assert [p.name for p in (tmp_path / "home").iterdir()] == [".tmp-dead"]
+
+
+@pytest.mark.parametrize("interrupt", [OSError(errno.EIO, "injected"), KeyboardInterrupt()], ids=repr)
+def test_a_failure_just_after_latest_moved_keeps_the_new_save_in_force(tmp_path, monkeypatch, interrupt):
+    saves.write_folder(tmp_path, {"a": b"old"})
+    real_replace = os.replace
+
+    def replace_then_fail(src, dst):
+        real_replace(src, dst)
+        raise interrupt
+
+    monkeypatch.setattr(os, "replace", replace_then_fail)
+    with pytest.raises(rt.SaveInForceError if isinstance(interrupt, OSError) else KeyboardInterrupt):
+        saves.write_folder(tmp_path, {"a": b"new"})
+    monkeypatch.undo()
+    assert saves.read_folder(tmp_path) == {"a": b"new"}
+
+
+def test_a_failed_save_whose_folder_was_removed_raises_its_own_error(tmp_path):
+    def remove_then_fail() -> bytes:
+        shutil.rmtree(tmp_path / "saves")
+        raise RuntimeError("the maker's own error")
+
+    with pytest.raises(RuntimeError, match="the maker's own error"):
+        saves.write_folder(tmp_path / "saves", {"a": remove_then_fail})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_whose_folder_is_removed_while_it_waits_gets_a_config_error(tmp_path, monkeypatch):
+    saves.write_folder(tmp_path / "saves", {"a": b"1"})
+    real_flock = fcntl.flock
+
+    def flock_after_removal(handle, operation):
+        if operation & fcntl.LOCK_SH and (tmp_path / "saves").exists():
+            shutil.rmtree(tmp_path / "saves")  # a failed first save removing what it made, while this waited
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_removal)
+    with pytest.raises(rt.ConfigError, match="no such folder"):
+        saves.read_folder(tmp_path / "saves")
+
+
+def test_a_folder_another_writer_just_made_is_fsynced_into_its_parent(tmp_path, monkeypatch):
+    root = tmp_path / "a" / "saves"
+    real_mkdir = os.mkdir
+
+    def made_by_another(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        if os.path.basename(os.fspath(path)) in ("a", "saves"):  # the other writer's, its parent not fsynced yet
+            raise FileExistsError(errno.EEXIST, "File exists", os.fspath(path))
+
+    events = _record_directory_fsyncs(monkeypatch)
+    monkeypatch.setattr(os, "mkdir", made_by_another)
+    saves.write_folder(root, {"x": b"1"})
+    synced = [path for kind, path in events if kind == "fsync"]
+    assert str(tmp_path) in synced and str(tmp_path / "a") in synced, synced
+
+
+# --- a saver killed by SIGKILL (a real kill of a forked child) -------------------------------------------------
+
+KILL_POINTS = {  # where the child dies: (module, function), the debris (NOTE [Save locks] Rule 3), the save in
+    # force after it, the next save's folder
+    "after staging, before the rename": ("reference_trainer.saves", "_stage", [".tmp-X", ".tmp-X.lock"], "old",
+                                         "save-000002"),
+    "after the rename, before LATEST": ("os", "replace", [".tmp-LATEST-X", ".tmp-X.lock", "save-000002"], "old",
+                                        "save-000003"),
+    "after LATEST moved, before the clean-up": ("reference_trainer.saves", "_clean", [".tmp-X.lock", "save-000002"],
+                                                "new", "save-000003"),
+}
+
+
+def _kinds(root: Path) -> list[str]:
+    """The names in ``root``, each writer's random part as ``X``."""
+    return sorted(re.sub(r"^\.tmp-(LATEST-)?\d+-[0-9a-f]{32}", r".tmp-\1X", p.name) for p in root.iterdir())
+
+
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_a_killed_saver_leaves_debris_the_next_save_removes(tmp_path, point):
+    saves.write_folder(tmp_path, {"a": b"old"})
+    module, name, debris, in_force, following = KILL_POINTS[point]
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child dies by SIGKILL or exits
+        try:
+            real = getattr(importlib.import_module(module), name)
+
+            def killed(*args, **kwargs):
+                if name == "_stage":
+                    real(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            setattr(importlib.import_module(module), name, killed)
+            saves.write_folder(tmp_path, {"a": b"new"})
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert _kinds(tmp_path) == sorted([".lock", "LATEST", "save-000001", *debris])
+    assert saves.read_folder(tmp_path) == {"a": in_force.encode()}
+    saves.write_folder(tmp_path, {"a": b"next"})
+    assert saves.read_folder(tmp_path) == {"a": b"next"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "LATEST", following]
