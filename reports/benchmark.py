@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
+from validation.load import inconclusive
+
 from .context import Figure, Section
 from .generic import checks_table
 from .plots import save_png
@@ -38,15 +40,16 @@ def _pct(value: float) -> str:
 def comparison_line(comparison: dict, workload: str, gate: float) -> str:
     """One sentence per comparison (module docstring); ``comparison`` is a ``Comparison.as_dict()``."""
     low, high = comparison["ci95"]
-    change = _pct(1 / comparison["ratio"] - 1)
+    change = f"{_pct(1 / comparison['ratio'] - 1)}%" if np.isfinite(comparison["ratio"]) else "not measured"
     interval = f"[{_pct(1 / high - 1)}..{_pct(1 / low - 1)}]" if np.isfinite([low, high]).all() else "[no interval]"
     rho = comparison["drift"]["rho"]
     drift = f"drift ρ={rho:.2f}{' (significant)' if comparison['drift']['significant'] else ''}"
     loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
     shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
-    return (f"tok/s {change}% {interval} ({comparison['arm']} vs {comparison['baseline']}, "
+    verdict = inconclusive(comparison["load"]) if comparison.get("load") else comparison["verdict"]
+    return (f"tok/s {change} {interval} ({comparison['arm']} vs {comparison['baseline']}, "
             f"{comparison['blocks']} ABBA blocks, {shape}, {drift}{loaded}) "
-            f"→ {comparison['verdict']} vs ±{gate * 100:g}% gate")
+            f"→ {verdict} vs ±{gate * 100:g}% gate")
 
 
 def _enforced(comparison: dict) -> bool:

@@ -17,7 +17,9 @@ NOTE [Source against its base]
 3. Times are each worker's own step seconds (the pipe's round trip is not
    timed); ``compare``'s clock is their running sum. The load probe is the
    workers' CPU seconds over the driver's wall seconds for the block
-   (:class:`WorkerShare`): about 1 when one worker computes at a time.
+   (:class:`WorkerShare`): about 1 when one worker computes at a time; the
+   machine meter counts the workers' CPU as the measurement's own (NOTE
+   [Machine load] Rule 1).
 4. ``plain`` never touches ``reference_trainer``'s step, so REV and HEAD run
    the same code: it is the A/A control and must not come out a regression
    or a gain (a decided difference there means the method, not the source,
@@ -35,7 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from validation.abba import Comparison, LoadProbe, compare
+from validation.abba import Comparison, LoadMeter, LoadProbe, compare
+from validation.load import Meter
 from validation.errors import SetupError
 from validation.evidence import Checks
 
@@ -157,10 +160,10 @@ class _SummedClock:
 
 def compare_sources(sides: Mapping[str, Mapping[str, Callable[[], object]]], *, baseline: str, gate: float,
                     max_blocks: int, budget_s: float, clock: Callable[[], float],
-                    load_probe: LoadProbe | None) -> dict[str, Comparison]:
+                    load_probe: LoadProbe | None, meter: LoadMeter | None = None) -> dict[str, Comparison]:
     """Per arm, ``compare`` of its two sides (``sides[arm] = {rev_label: step, head_label: step}``), Rule 2."""
     return {arm: compare(steps, baseline=baseline, gate=gate, max_blocks=max_blocks, budget_s=budget_s / len(sides),
-                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe)[0]
+                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe, meter=meter)[0]
             for arm, steps in sides.items()}
 
 
@@ -169,13 +172,13 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
     control = results[CONTROL]
     checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
                  control.verdict not in ("regression", "gain"),
-                 f"{control.verdict}: ratio {control.ratio:.4f}, CI [{control.ci95[0]:.4f}, {control.ci95[1]:.4f}]")
+                 f"{control.reading}: ratio {control.ratio:.4f}, CI [{control.ci95[0]:.4f}, {control.ci95[1]:.4f}]")
     for arm, result in results.items():
         if arm == CONTROL:
             continue
         low, high = result.ci95
         checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
-                     f"{result.verdict}: ratio {result.ratio:.4f}, CI [{low:.4f}, {high:.4f}] over {result.blocks} blocks; "
+                     f"{result.reading}: ratio {result.ratio:.4f}, CI [{low:.4f}, {high:.4f}] over {result.blocks} blocks; "
                      f"first losses {losses[arm]}")
     return checks
 
@@ -212,7 +215,8 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
             sides[arm] = {label: clock.step(w) for label, w in pair.items()}
         results = compare_sources(sides, baseline=BASE, gate=gate, max_blocks=plan_.max_blocks,
                                   budget_s=plan_.budget_s, clock=clock,
-                                  load_probe=WorkerShare(workers, time.perf_counter))
+                                  load_probe=WorkerShare(workers, time.perf_counter),
+                                  meter=Meter(pids=lambda: [w.process.pid for w in workers]))
     finally:
         for worker in workers:
             worker.close()

@@ -16,7 +16,8 @@ from canaries.benchmark import canary as benchmark
 from canaries.benchmark import sweep
 from canaries.benchmark.arms import TimedWorkload
 from canaries.cli import main
-from tests.benchmark_fakes import FakeMachine, FakeProbe, tiny_plan
+from tests.benchmark_fakes import FakeMachine, FakeMeter, FakeProbe, tiny_plan
+from validation.load import Load
 
 
 # Known costs (seconds): fixed, per token, per token² (B*T**2), per arm.
@@ -24,10 +25,13 @@ COSTS = {"plain": (2e-3, 1e-5, 0.0), "retain@s0": (3e-3, 1e-5, 0.0), "replay@s0"
 
 
 class CostClock:
-    """A fake clock advanced by each arm's known cost at the shape it was built for."""
+    """A fake clock advanced by each arm's known cost at the shape it was built for (``factor`` times it: load).
+
+    Each run returns a fake loss of 1.0 (the sweep's like-with-like check reads it).
+    """
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.now, self.factor = 0.0, 1.0
 
     def __call__(self) -> float:
         return self.now
@@ -39,8 +43,9 @@ class CostClock:
             fixed, per_token, per_token2 = COSTS[name]
             cost = fixed + per_token * batch * length + per_token2 * batch * length**2
 
-            def run() -> None:
-                self.now += cost
+            def run() -> float:
+                self.now += cost * self.factor
+                return 1.0
             return run
         return {name: arm(name) for name in group.arms}
 
@@ -67,6 +72,60 @@ def test_the_fit_recovers_known_fixed_per_token_and_quadratic_costs() -> None:
     quadratic = (2e-3 + 1.4e-5 * 4 * 4096 + 2e-9 * 4 * 4096**2) / (2e-3 + 1e-5 * 4 * 4096)
     assert model["shapes"][1]["ratios"]["replay@s0"] == pytest.approx(quadratic, rel=1e-6)
     assert model["ratios"]["replay@s0"] == sorted(model["ratios"]["replay@s0"]), "a per-token² cost: rising"
+
+
+class LoadedBlocks(FakeMeter):
+    """A machine meter that finds two blocks of every three loaded and slows every arm 3x while they run."""
+
+    def __init__(self, clock: CostClock) -> None:
+        super().__init__()
+        self.clock, self.loaded = clock, False
+
+    def start(self) -> None:
+        self.loaded = self.reads % 3 != 0
+        self.clock.factor = 3.0 if self.loaded else 1.0
+
+    def stop(self) -> Load:
+        self.clock.factor = 1.0
+        self.reads += 1
+        return Load(1.5 if self.loaded else 0.0, 2, 0.1, "fake")
+
+
+def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
+    """The loaded blocks (3x slower) are most of each shape's blocks: kept in the medians, they would triple the fit."""
+    clock = CostClock()
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock),
+                         build=clock.build)
+    fits = judged.measurements["fits"]
+    for point in judged.measurements["points"]:
+        comparison = point["comparisons"][0]
+        assert len(comparison["loaded"]) > len(comparison["ratios"]) / 2  # the load is real in the data ...
+    for arm, known in COSTS.items():  # ... and absent from the fit
+        assert [fits[arm][t] for t in sweep.TERMS] == pytest.approx(known, rel=1e-6, abs=1e-12)
+
+
+def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_passes() -> None:
+    clock = CostClock()
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+                         build=clock.build)
+    checks = {c.name: c for c in judged.checks}
+    fit = checks["every arm's costs were fitted"]
+    assert fit.skipped and fit.detail.startswith("inconclusive (loaded: 4 of 4 shapes fully loaded (32 of 32 blocks")
+    assert "1.60 of 2 cores busy with other work" in fit.detail
+    assert judged.checks.passed and not checks["at every shape, every arm's first loss equals plain's"].skipped
+
+
+def test_a_sweep_whose_arms_disagree_on_the_first_loss_fails_whatever_the_load() -> None:
+    clock = CostClock()
+
+    def unlike(group, seed):
+        arms = clock.build(group, seed)
+        arms["retain@s0"] = lambda: 2.0
+        return arms
+
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+                         build=unlike)
+    assert not judged.checks.passed
 
 
 def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
