@@ -185,14 +185,16 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
 
 def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
           gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
-          worker: Callable[[Path], Worker] = Worker) -> Judged:
+          worker: Callable[[Path], Worker] = Worker, meter: LoadMeter | None = None) -> Judged:
     """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
 
     ``rev``: a commit, branch or tag; None: :func:`merge_base`. The workload,
     block bound and budget are :func:`canary.plan`'s gated ones for
     ``preset`` x ``profile``. Raises :class:`SetupError` for an unknown REV
     or a worker that fails. ``root``: the checkout that is
-    HEAD; ``worker``: starts a side's worker on a tree (tests fake both).
+    HEAD; ``worker``: starts a side's worker on a tree (tests fake both);
+    ``meter``: the machine meter (default: ``validation.load.Meter`` counting
+    the workers' CPU as the measurement's own, Rule 3).
     """
     import time
 
@@ -216,7 +218,7 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
         results = compare_sources(sides, baseline=BASE, gate=gate, max_blocks=plan_.max_blocks,
                                   budget_s=plan_.budget_s, clock=clock,
                                   load_probe=WorkerShare(workers, time.perf_counter),
-                                  meter=Meter(pids=lambda: [w.process.pid for w in workers]))
+                                  meter=meter or Meter(pids=lambda: [w.process.pid for w in workers]))
     finally:
         for worker in workers:
             worker.close()
