@@ -11,10 +11,11 @@ NOTE [Alternating blocks]
 3. Each measured block gives one ratio per arm: arm time / baseline time.
    Statistics, looks and verdicts are ``validation.stats`` (NOTE [Verdicts
    under repeated looks]); the run stops at the first planned look where every
-   verdict is decided (tie, regression or gain), or after ``max_blocks``, or
-   once ``budget_s`` (on ``clock``) is spent, whichever comes first. A stop
-   forced by the budget is examined as the next planned look, so the number of
-   looks never exceeds the plan.
+   verdict is decided (tie, regression or gain), or after ``max_blocks``
+   unloaded blocks, or once ``budget_s`` (on ``clock``) is spent, whichever
+   comes first. Looks count unloaded blocks (Rule 5). A stop forced by the
+   budget (or Rule 5's cap) is examined as the next planned look, so the
+   number of looks never exceeds the plan.
 4. Two witnesses measure each block. The load probe (default
    :class:`CpuShare`: process CPU seconds / wall seconds) is relative: its
    median over the warm-ups is the calibration, and a block whose share
