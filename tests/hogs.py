@@ -12,6 +12,9 @@ from contextlib import contextmanager
 
 __all__ = ["hogs"]
 
+# Busy until its parent is gone: a test process killed past its finally leaves no hog behind.
+_BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
 
 @contextmanager
 def hogs(count: int = 2) -> Iterator[list[int]]:
@@ -19,7 +22,7 @@ def hogs(count: int = 2) -> Iterator[list[int]]:
     started: list[subprocess.Popen] = []
     try:
         for _ in range(count):
-            started.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            started.append(subprocess.Popen([sys.executable, "-c", _BUSY]))
         yield [p.pid for p in started]
     finally:
         for process in started:
