@@ -115,6 +115,17 @@ def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_
     assert judged.checks.passed and not checks["at every shape, every arm's first loss equals plain's"].skipped
 
 
+def test_rtv_bench_on_a_loaded_machine_exits_0_and_prints_the_skip_with_the_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    clock = CostClock()
+    monkeypatch.setattr(sweep, "judge", functools.partial(sweep.judge, clock=clock, load_probe=FakeProbe(),
+                                                          meter=FakeMeter(idle=1.6), build=clock.build))
+    assert main(["bench", "--sweep", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "SKIP  every arm's costs were fitted: inconclusive (loaded: 4 of 4 shapes fully loaded" in out
+    assert "→ inconclusive (loaded: 32 of 32 blocks loaded, median 1.60 of 2 cores busy with other work)" in out
+
+
 def test_a_sweep_whose_arms_disagree_on_the_first_loss_fails_whatever_the_load() -> None:
     clock = CostClock()
 
