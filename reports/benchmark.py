@@ -22,8 +22,6 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
-from validation.load import inconclusive
-
 from .context import Figure, Section
 from .generic import checks_table
 from .plots import save_png
@@ -46,7 +44,7 @@ def comparison_line(comparison: dict, workload: str, gate: float) -> str:
     drift = f"drift ρ={rho:.2f}{' (significant)' if comparison['drift']['significant'] else ''}"
     loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
     shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
-    verdict = inconclusive(comparison["load"]) if comparison.get("load") else comparison["verdict"]
+    verdict = comparison.get("reading", comparison["verdict"])  # a record older than the reading has none
     return (f"tok/s {change} {interval} ({comparison['arm']} vs {comparison['baseline']}, "
             f"{comparison['blocks']} ABBA blocks, {shape}, {drift}{loaded}) "
             f"→ {verdict} vs ±{gate * 100:g}% gate")

@@ -20,8 +20,6 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
-from validation.load import inconclusive
-
 from .context import Figure, Section
 from .generic import checks_table
 from .plots import save_png
@@ -34,7 +32,7 @@ MODEL_NOTE = "model, not a measurement"
 def _ratios(record: dict) -> pd.DataFrame:
     rows = [{"arm": c["arm"], "tokens": p["tokens"], "shape": p["label"], "ratio": c["ratio"],
              "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
-             "verdict": inconclusive(c["load"]) if c.get("load") else c["verdict"]}
+             "verdict": c.get("reading", c["verdict"])}
             for p in record["measurements"]["points"] for c in p["comparisons"]]
     return pd.DataFrame(rows)
 

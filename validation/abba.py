@@ -127,8 +127,8 @@ class Comparison:
         return inconclusive(self.load) if self.load else self.verdict
 
     def as_dict(self) -> dict:
-        """Plain JSON types (for evidence)."""
-        return asdict(self)
+        """Plain JSON types (for evidence), ``reading`` included (reports show it without importing this module)."""
+        return {**asdict(self), "reading": self.reading}
 
 
 def _block_order(names: list[str], index: int) -> list[str]:

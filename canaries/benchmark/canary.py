@@ -189,7 +189,7 @@ def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float
     too_loaded = len(replay.loaded) > MAX_LOADED * len(floors)
     verdict = "inconclusive" if too_loaded else str(stats.verdict(low, high, gate))
     cut_short = verdict == "inconclusive" and not keep.all() and (too_loaded or int(keep.sum()) < max_blocks)
-    return {
+    floor = {
         "arm": replay.arm, "baseline": f"{retain.arm} x floor", "blocks": int(ratios.size),
         "ratio": _median(ratios), "ci95": [float(low), float(high)], "confidence": replay.confidence,
         "loaded": list(replay.loaded), "floor": _median(np.asarray(floors)[keep]),
@@ -197,6 +197,7 @@ def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float
         "drift": asdict(stats.drift(ratios)), "ratios": ratios.tolist(),
         "load": loaded_reason(~keep, []) if cut_short else "",  # NOTE [Alternating blocks] Rule 6
     }
+    return {**floor, "reading": inconclusive(floor["load"]) if floor["load"] else floor["verdict"]}
 
 
 def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: TimedWorkload) -> dict[str, dict]:
@@ -278,7 +279,7 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
             checks.check(f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)",
                          retain["verdict"] != "regression", _verdict_detail(retain))
             if target is not None and retain["load"]:
-                checks.skip(f"{label}: retain@s0 / plain median <= {target}", _reading(retain))
+                checks.skip(f"{label}: retain@s0 / plain median <= {target}", retain["reading"])
             elif target is not None:
                 checks.check(f"{label}: retain@s0 / plain median <= {target}", retain["ratio"] <= target,
                              f"median ratio {retain['ratio']:.4f}")
@@ -289,15 +290,10 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
     return checks
 
 
-def _reading(comparison: dict) -> str:
-    """A comparison's verdict as shown: ``inconclusive (loaded: ...)`` when the machine was too busy to decide."""
-    return inconclusive(comparison["load"]) if comparison.get("load") else comparison["verdict"]
-
-
 def _verdict_detail(comparison: dict) -> str:
     """Why a comparison check holds or not: its verdict and the interval it came from."""
     low, high = comparison["ci95"]
-    return (f"{_reading(comparison)}: median ratio {comparison['ratio']:.4f}, 95% CI [{low:.4f}, {high:.4f}] "
+    return (f"{comparison['reading']}: median ratio {comparison['ratio']:.4f}, 95% CI [{low:.4f}, {high:.4f}] "
             f"over {comparison['blocks']} blocks")
 
 
