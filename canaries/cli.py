@@ -122,6 +122,8 @@ def _print_record(record: dict) -> None:
             print(comparison_line(comparison, point["label"], gate))
     for check, passed in record["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'}  {check}")
+    for check, why in record.get("skips", {}).items():
+        print(f"SKIP  {check}: {why}")  # e.g. inconclusive (loaded: ...): not a failure
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -39,16 +39,18 @@ def _pct(value: float) -> str:
 def comparison_line(comparison: dict, workload: str, gate: float) -> str:
     """One sentence per comparison (module docstring); ``comparison`` is a ``Comparison.as_dict()``."""
     low, high = comparison["ci95"]
-    change = _pct(1 / comparison["ratio"] - 1) if comparison["ratio"] else MISSING
+    change = f"{_pct(1 / comparison['ratio'] - 1)}%" if comparison["ratio"] and np.isfinite(comparison["ratio"]) \
+        else "not measured"
     interval = f"[{_pct(1 / high - 1)}..{_pct(1 / low - 1)}]" if np.isfinite([low, high]).all() and low and high \
         else "[no interval]"
     rho = comparison["drift"]["rho"]
     drift = f"drift ρ={number(rho, '.2f')}{' (significant)' if comparison['drift']['significant'] else ''}"
     loaded = f", {len(comparison['loaded'])} loaded blocks dropped" if comparison.get("loaded") else ""
     shape = re.sub(r"(\d)x(\d)", "\\1×\\2", workload)
-    return (f"tok/s {change}% {interval} ({comparison['arm']} vs {comparison['baseline']}, "
+    verdict = comparison.get("reading", comparison["verdict"])  # a record older than the reading has none
+    return (f"tok/s {change} {interval} ({comparison['arm']} vs {comparison['baseline']}, "
             f"{comparison['blocks']} ABBA blocks, {shape}, {drift}{loaded}) "
-            f"→ {comparison['verdict']} vs ±{gate * 100:g}% gate")
+            f"→ {verdict} vs ±{gate * 100:g}% gate")
 
 
 def _enforced(comparison: dict) -> bool:

@@ -32,7 +32,8 @@ MODEL_NOTE = "model, not a measurement"
 
 def _ratios(record: dict) -> pd.DataFrame:
     rows = [{"arm": c["arm"], "tokens": p["tokens"], "shape": p["label"], "ratio": c["ratio"],
-             "ci_low": c["ci95"][0], "ci_high": c["ci95"][1], "verdict": c["verdict"]}
+             "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
+             "verdict": c.get("reading", c["verdict"])}
             for p in record["measurements"]["points"] for c in p["comparisons"]]
     return pd.DataFrame(rows)
 
@@ -40,7 +41,11 @@ def _ratios(record: dict) -> pd.DataFrame:
 def _plot(ratios: pd.DataFrame, model: dict | None, path: Path) -> Path:
     figure = MplFigure(figsize=(6, 3.4), layout="constrained")
     axes = figure.add_subplot()
-    for arm, rows in ratios.groupby("arm", sort=False):
+    measured = ratios[np.isfinite(ratios["ratio"].astype(float))]  # a fully loaded shape has no ratio
+    if measured.empty:
+        axes.text(0.5, 0.5, "no shape measured: every block loaded", ha="center", transform=axes.transAxes)
+        axes.set_xlim(ratios["tokens"].min() / 2, ratios["tokens"].max() * 2)
+    for arm, rows in measured.groupby("arm", sort=False):
         rows = rows.sort_values("tokens")
         low = np.nan_to_num(rows["ratio"] - rows["ci_low"])
         high = np.nan_to_num(rows["ci_high"] - rows["ratio"])
@@ -57,7 +62,8 @@ def _plot(ratios: pd.DataFrame, model: dict | None, path: Path) -> Path:
     axes.set_xscale("log", base=2)
     axes.set_xlabel("tokens per step (batch x sequence length)")
     axes.set_ylabel("step time / plain (95% CI)")
-    axes.legend(fontsize=7)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=7)
     return save_png(figure, path)
 
 

@@ -1,4 +1,4 @@
-"""Fakes for benchmark tests: a clock advanced by fixed per-arm costs, a quiet load probe, a tiny plan.
+"""Fakes for benchmark tests: a clock advanced by fixed per-arm costs, a quiet load probe, a machine meter, a tiny plan.
 
 The arms still do their real (tiny) work, so first losses, bytes held and
 allocation peaks are real; only the timing that ``compare`` sees is fake.
@@ -6,15 +6,16 @@ allocation peaks are real; only the timing that ``compare`` sees is fake.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from canaries.benchmark import canary as benchmark
 from canaries.registry import canary
 from canaries.benchmark.arms import TimedArm, TimedWorkload
 from validation.evidence import verify
+from validation.load import Load
 
-__all__ = ["TINY", "FakeProbe", "FakeMachine", "tiny_plan", "run_fake"]
+__all__ = ["TINY", "FakeProbe", "FakeMeter", "FakeMachine", "tiny_plan", "run_fake"]
 
 TINY = TimedWorkload(model="tiny", sequences=1, seq_len=4)
 
@@ -25,6 +26,20 @@ class FakeProbe:
 
     def stop(self) -> float:
         return 1.0
+
+
+class FakeMeter:
+    """Reads the given cores busy with other work, block by block (measured blocks only), then ``idle``."""
+
+    def __init__(self, others: Iterable[float] = (), idle: float = 0.0) -> None:
+        self.others, self.idle, self.reads = iter(others), idle, 0
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> Load:
+        self.reads += 1
+        return Load(next(self.others, self.idle), 2, 0.1, "fake")
 
 
 class FakeMachine:

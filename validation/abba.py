@@ -11,16 +11,30 @@ NOTE [Alternating blocks]
 3. Each measured block gives one ratio per arm: arm time / baseline time.
    Statistics, looks and verdicts are ``validation.stats`` (NOTE [Verdicts
    under repeated looks]); the run stops at the first planned look where every
-   verdict is decided (tie, regression or gain), or after ``max_blocks``, or
-   once ``budget_s`` (on ``clock``) is spent, whichever comes first. A stop
-   forced by the budget is examined as the next planned look, so the number of
-   looks never exceeds the plan.
-4. The load probe measures each block (default :class:`CpuShare`: process CPU
-   seconds / wall seconds). Its median over the warm-ups is the calibration; a
-   block whose share falls below ``(1 - load_tolerance)`` of it is flagged as
-   loaded and left out of the statistics. When more than ``max_loaded`` of the
-   blocks are flagged, every verdict is ``inconclusive``: a loaded machine must
-   never produce a gain or a regression.
+   verdict is decided (tie, regression or gain), or after ``max_blocks``
+   unloaded blocks, or once ``budget_s`` (on ``clock``) is spent, whichever
+   comes first. Looks count unloaded blocks (Rule 5). A stop forced by the
+   budget (or Rule 5's cap) is examined as the next planned look, so the
+   number of looks never exceeds the plan.
+4. Two witnesses measure each block. The load probe (default
+   :class:`CpuShare`: process CPU seconds / wall seconds) is relative: its
+   median over the warm-ups is the calibration, and a block whose share
+   falls below ``(1 - load_tolerance)`` of it is flagged. The machine meter
+   (``validation.load.Meter``, NOTE [Machine load]) is absolute: a block
+   during which other work kept more than ``LOADED_CORES`` cores busy is
+   flagged. Flagged blocks are loaded: left out of the statistics.
+5. A loaded block does not count towards the planned looks or
+   ``max_blocks``: with a budget the run goes on to replace it, until the
+   budget is spent or :data:`EXTENSION` times ``max_blocks`` blocks were run
+   (without a budget nothing is replaced). When more than ``max_loaded`` of
+   the blocks are loaded, every verdict is ``inconclusive``: a loaded
+   machine must never produce a gain or a regression.
+6. An ``inconclusive`` verdict is *loaded* (``Comparison.load`` says how,
+   ``Comparison.reading`` reads ``inconclusive (loaded: ...)``) when blocks
+   were loaded and either more than ``max_loaded`` of them were or the run
+   ended before ``max_blocks`` unloaded blocks: the machine was too busy to
+   decide. Otherwise it is the data's own answer (a difference near the
+   gate, noise the meter did not see).
 """
 
 from __future__ import annotations
@@ -33,10 +47,13 @@ from typing import Protocol
 import numpy as np
 
 from . import stats
+from .load import Load, Meter, inconclusive
 
-__all__ = ["Comparison", "LoadProbe", "CpuShare", "compare", "run_block", "MAX_LOADED"]
+__all__ = ["Comparison", "LoadProbe", "LoadMeter", "CpuShare", "compare", "run_block", "loaded_reason", "MAX_LOADED",
+           "EXTENSION"]
 
-MAX_LOADED = 0.25  # Rule 4: above this share of loaded blocks every verdict is inconclusive
+MAX_LOADED = 0.25  # Rule 5: above this share of loaded blocks every verdict is inconclusive
+EXTENSION = 4  # Rule 5: at most this many times max_blocks blocks, loaded ones replaced
 
 
 class LoadProbe(Protocol):
@@ -45,6 +62,14 @@ class LoadProbe(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> float: ...
+
+
+class LoadMeter(Protocol):
+    """Measures one block of the machine: ``start()`` before it, ``stop()`` after it (``validation.load.Meter``)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> Load: ...
 
 
 class CpuShare:
@@ -72,8 +97,11 @@ class Comparison:
     ``blocks``: the blocks the statistics use (measured, not loaded);
     ``ratio``: their median ratio; ``ci95``: its interval at the per-look
     level ``confidence`` (95% family-wise over the planned looks);
-    ``loaded``: indices (into ``ratios``) of blocks the probe flagged;
-    ``ratios``, ``arm_seconds``, ``baseline_seconds``: every measured block.
+    ``loaded``: indices (into ``ratios``) of blocks flagged loaded (Rule 4);
+    ``ratios``, ``arm_seconds``, ``baseline_seconds``: every measured block;
+    ``others``: per measured block, the cores other work kept busy (empty
+    without a machine meter); ``load``: why an ``inconclusive`` verdict is
+    the machine's (Rule 6), else empty.
     """
 
     arm: str
@@ -90,10 +118,17 @@ class Comparison:
     ratios: tuple[float, ...]
     arm_seconds: tuple[float, ...]
     baseline_seconds: tuple[float, ...]
+    others: tuple[float, ...] = ()
+    load: str = ""
+
+    @property
+    def reading(self) -> str:
+        """The verdict as shown: ``inconclusive (loaded: ...)`` for a loaded one (Rule 6)."""
+        return inconclusive(self.load) if self.load else self.verdict
 
     def as_dict(self) -> dict:
-        """Plain JSON types (for evidence)."""
-        return asdict(self)
+        """Plain JSON types (for evidence), ``reading`` included (reports show it without importing this module)."""
+        return {**asdict(self), "reading": self.reading}
 
 
 def _block_order(names: list[str], index: int) -> list[str]:
@@ -112,14 +147,26 @@ def run_block(arms: Mapping[str, Callable[[], object]], index: int, clock: Calla
     return times
 
 
+def loaded_reason(flagged: list[bool] | np.ndarray, readings: list[Load]) -> str:
+    """Rule 6's words: how many blocks were loaded, and the median load the meter read in them (when metered)."""
+    flagged = np.asarray(flagged, dtype=bool)
+    reason = f"{int(flagged.sum())} of {flagged.size} blocks loaded"
+    if len(readings) == flagged.size and flagged.any():
+        others = np.median([r.others for r, f in zip(readings, flagged) if f])
+        reason += f", median {float(others):.2f} of {readings[0].cores} cores busy with other work"
+    return reason
+
+
 def _summaries(
-    seconds: dict[str, list[float]], flagged: list[bool], *, baseline: str, gate: float, confidence: float,
-    max_loaded: float, alpha: float, looks: tuple[int, ...], with_drift: bool = True,
+    seconds: dict[str, list[float]], flagged: list[bool], readings: list[Load], *, baseline: str, gate: float,
+    confidence: float, max_loaded: float, max_blocks: int, alpha: float, looks: tuple[int, ...],
+    with_drift: bool = True,
 ) -> list[Comparison]:
     """One :class:`Comparison` per non-baseline arm; ``with_drift=False`` (a look that may not stop) skips the drift test."""
     keep = ~np.asarray(flagged, dtype=bool)
     base = np.asarray(seconds[baseline])
     too_loaded = (~keep).mean() > max_loaded
+    cut_short = (~keep).any() and (too_loaded or keep.sum() < max_blocks)  # Rule 6
     results = []
     for arm, values in seconds.items():
         if arm == baseline:
@@ -134,7 +181,8 @@ def _summaries(
             ci95=(float(low), float(high)), confidence=confidence,
             drift=stats.drift(used, alpha) if with_drift else stats.Drift(0.0, 1.0, False), loaded=tuple(int(i) for i in np.flatnonzero(~keep)),
             verdict=decided, looks=looks, ratios=tuple(ratios.tolist()),
-            arm_seconds=tuple(values), baseline_seconds=tuple(seconds[baseline]),
+            arm_seconds=tuple(values), baseline_seconds=tuple(seconds[baseline]), others=tuple(r.others for r in readings),
+            load=loaded_reason(flagged, readings) if decided == "inconclusive" and cut_short else "",
         ))
     return results
 
@@ -149,6 +197,7 @@ def compare(
     warmup_blocks: int = 2,
     clock: Callable[[], float] = time.perf_counter,
     load_probe: LoadProbe | None = None,
+    meter: LoadMeter | None = None,
     alpha: float = 0.05,
     load_tolerance: float = 0.2,
     max_loaded: float = MAX_LOADED,
@@ -158,9 +207,12 @@ def compare(
 
     ``arms`` maps a name to a zero-argument callable (one unit of work).
     ``on_block(index, seconds_per_arm)`` is called after each measured block
-    (progress bars; arms that record extra per-block data). See the NOTE for
-    the rules. Raises ``ValueError`` (state untouched, nothing run) when the
-    baseline is missing, there is no other arm, or a bound is out of range.
+    (progress bars; arms that record extra per-block data). ``load_probe``
+    and ``meter`` are Rule 4's witnesses; an injected ``load_probe`` (a
+    fake) replaces both defaults, so the machine is metered then only when
+    ``meter`` is given too. See the NOTE for the rules. Raises
+    ``ValueError`` (state untouched, nothing run) when the baseline is
+    missing, there is no other arm, or a bound is out of range.
     """
     if baseline not in arms or len(arms) < 2:
         raise ValueError(f"expected a baseline among >= 2 arms, found baseline {baseline!r} and arms {list(arms)}")
@@ -170,32 +222,44 @@ def compare(
             f"budget_s > 0 or None; found gate={gate}, max_blocks={max_blocks}, warmup_blocks={warmup_blocks}, "
             f"budget_s={budget_s}"
         )
-    probe = load_probe if load_probe is not None else CpuShare()
+    if load_probe is None:
+        load_probe, meter = CpuShare(), meter if meter is not None else Meter()
     plan = stats.planned_looks(max_blocks)
     confidence = stats.look_confidence(alpha, len(plan))
-    summarise = dict(baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded, alpha=alpha)
+    cap = max_blocks if budget_s is None else EXTENSION * max_blocks  # Rule 5
+    summarise = dict(baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded,
+                     max_blocks=max_blocks, alpha=alpha)
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     shares, started = [], clock()
     for index in range(warmup_blocks):
-        probe.start()
+        load_probe.start()
         run_block(arms, index, clock)
-        shares.append(probe.stop())
+        shares.append(load_probe.stop())
     calibration = float(np.median(shares))
     flagged: list[bool] = []
+    readings: list[Load] = []
     looks: list[int] = []
     while True:
         index = len(flagged)
-        probe.start()
+        load_probe.start()
+        if meter is not None:
+            meter.start()
         times = run_block(arms, warmup_blocks + index, clock)
-        flagged.append(probe.stop() < (1 - load_tolerance) * calibration)
+        busy = meter.stop() if meter is not None else None
+        low_share = load_probe.stop() < (1 - load_tolerance) * calibration
+        flagged.append(low_share or (busy is not None and busy.loaded))
+        if busy is not None:
+            readings.append(busy)
         for name, value in times.items():
             seconds[name].append(value)
         if on_block is not None:
             on_block(index, times)
+        clean = flagged.count(False)
         out_of_budget = budget_s is not None and clock() - started >= budget_s
-        if len(flagged) not in plan and not out_of_budget:
+        at_end = out_of_budget or len(flagged) >= cap or clean >= max_blocks
+        if not at_end and (flagged[-1] or clean not in plan):
             continue
-        looks.append(len(flagged))
-        results = _summaries(seconds, flagged, looks=tuple(looks), with_drift=False, **summarise)
-        if all(r.verdict != "inconclusive" for r in results) or out_of_budget or len(flagged) >= max_blocks:
-            return _summaries(seconds, flagged, looks=tuple(looks), **summarise)
+        looks.append(clean)
+        results = _summaries(seconds, flagged, readings, looks=tuple(looks), with_drift=False, **summarise)
+        if all(r.verdict != "inconclusive" for r in results) or at_end:
+            return _summaries(seconds, flagged, readings, looks=tuple(looks), **summarise)

@@ -17,7 +17,9 @@ NOTE [Source against its base]
 3. Times are each worker's own step seconds (the pipe's round trip is not
    timed); ``compare``'s clock is their running sum. The load probe is the
    workers' CPU seconds over the driver's wall seconds for the block
-   (:class:`WorkerShare`): about 1 when one worker computes at a time.
+   (:class:`WorkerShare`): about 1 when one worker computes at a time; the
+   machine meter counts the workers' CPU as the measurement's own (NOTE
+   [Machine load] Rule 1).
 4. ``plain`` never touches ``reference_trainer``'s step, so REV and HEAD run
    the same code: it is the A/A control and must not come out a regression
    or a gain (a decided difference there means the method, not the source,
@@ -43,7 +45,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from reports.numbers import interval, number
-from validation.abba import Comparison, LoadProbe, compare
+from validation.abba import Comparison, LoadMeter, LoadProbe, compare
+from validation.load import Meter
 from validation.errors import SetupError
 from validation.evidence import Checks
 
@@ -178,10 +181,10 @@ class _SummedClock:
 
 def compare_sources(sides: Mapping[str, Mapping[str, Callable[[], object]]], *, baseline: str, gate: float,
                     max_blocks: int, budget_s: float, clock: Callable[[], float],
-                    load_probe: LoadProbe | None) -> dict[str, Comparison]:
+                    load_probe: LoadProbe | None, meter: LoadMeter | None = None) -> dict[str, Comparison]:
     """Per arm, ``compare`` of its two sides (``sides[arm] = {rev_label: step, head_label: step}``), Rule 2."""
     return {arm: compare(steps, baseline=baseline, gate=gate, max_blocks=max_blocks, budget_s=budget_s / len(sides),
-                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe)[0]
+                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe, meter=meter)[0]
             for arm, steps in sides.items()}
 
 
@@ -190,13 +193,13 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
     control = results[CONTROL]
     checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
                  control.verdict not in ("regression", "gain"),
-                 f"{control.verdict}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}")
+                 f"{control.reading}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}")
     for arm, result in results.items():
         if arm == CONTROL:
             continue
         low, high = result.ci95
         checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
-                     f"{result.verdict}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
+                     f"{result.reading}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
                      f"{result.blocks} blocks; "
                      f"first losses {losses[arm]}")
     return checks
@@ -204,14 +207,16 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
 
 def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
           gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
-          worker: Callable[[Path], Worker] = Worker) -> Judged:
+          worker: Callable[[Path], Worker] = Worker, meter: LoadMeter | None = None) -> Judged:
     """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
 
     ``rev``: a commit, branch or tag; None: :func:`merge_base`. The workload,
     block bound and budget are :func:`canary.plan`'s gated ones for
     ``preset`` x ``profile``. Raises :class:`SetupError` for an unknown REV
     or a worker that fails. ``root``: the checkout that is
-    HEAD; ``worker``: starts a side's worker on a tree (tests fake both).
+    HEAD; ``worker``: starts a side's worker on a tree (tests fake both);
+    ``meter``: the machine meter (default: ``validation.load.Meter`` counting
+    the workers' CPU as the measurement's own, Rule 3).
     """
     rev = rev or merge_base(root)
     commit, tree = source_tree(rev, out, root)
@@ -224,7 +229,7 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
             print(f"rtv bench --baseline: {rev} resolves to HEAD's commit {commit[:12]}: an A/A run (both sides run "
                   "the same committed trainer; pass --baseline REV to compare with another revision)", flush=True)
         return _judged(tree, root, preset, profile, arms=arms, gate=gate, threads=threads, seed=seed, worker=worker,
-                       config={"scope": scope, "a_a": a_a}, label=label, identities=identities)
+                       meter=meter, config={"scope": scope, "a_a": a_a}, label=label, identities=identities)
     finally:
         try:
             remove_tree(tree, root)
@@ -234,7 +239,8 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
 
 
 def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[str, ...], gate: float, threads: int,
-            seed: int, worker: Callable[[Path], Worker], config: dict, label: str, identities: dict) -> Judged:
+            seed: int, worker: Callable[[Path], Worker], meter: LoadMeter | None, config: dict, label: str,
+            identities: dict) -> Judged:
     """:func:`judge`'s comparison of REV's ``tree`` with HEAD's ``root`` and its record's parts."""
     import time
 
@@ -254,7 +260,8 @@ def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[st
             sides[arm] = {side: clock.step(w) for side, w in pair.items()}
         results = compare_sources(sides, baseline=BASE_SIDE, gate=gate, max_blocks=plan_.max_blocks,
                                   budget_s=plan_.budget_s, clock=clock,
-                                  load_probe=WorkerShare(workers, time.perf_counter))
+                                  load_probe=WorkerShare(workers, time.perf_counter),
+                                  meter=meter or Meter(pids=lambda: [w.process.pid for w in workers]))
     finally:
         for worker in workers:
             worker.close()

@@ -19,8 +19,10 @@ forward and rest-of-step seconds in the same block). The target median
 ``target`` is given. Every other arm is reported, not enforced. Before any
 timing, every arm's first loss must agree with plain's (like with like).
 
-Timings on a shared machine are noisy: the load probe drops loaded blocks
-and a noisy run ends ``inconclusive``, never a false gain or regression.
+Timings on a shared machine are noisy: loaded blocks are dropped and
+replaced within the budget (NOTE [Alternating blocks] Rules 4-6), and a run
+the load cut short ends ``inconclusive (loaded: ...)``, never a false gain
+or regression; a target check it cannot decide is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from tqdm import tqdm
 
 from reports.numbers import interval, number
 from validation import stats
-from validation.abba import MAX_LOADED, Comparison, LoadProbe, compare
+from validation.abba import MAX_LOADED, Comparison, LoadMeter, LoadProbe, compare, loaded_reason
+from validation.load import inconclusive
 from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import Checks
@@ -47,7 +50,8 @@ from ..presets import PLACEMENT_REQUESTS
 from ..registry import Judged
 from .arms import TimedArm, TimedWorkload, arm_name, base_model, device_clock, plain_arm, versioned_arm
 
-__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "judge", "TARGET_RATIO", "KIND"]
+__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "first_losses", "agree", "judge", "TARGET_RATIO",
+           "KIND"]
 
 KIND = "benchmark"
 TARGET_RATIO = 1.03
@@ -151,7 +155,7 @@ def build_arms(group: Group, seed: int) -> dict[str, TimedArm]:
 Builder = Callable[[Group, int], dict[str, TimedArm]]
 
 
-def _first_losses(arms: dict[str, TimedArm]) -> dict[str, float]:
+def first_losses(arms: dict[str, TimedArm]) -> dict[str, float]:
     """Each arm's first real loss (a staleness-2 arm fills its pipeline first)."""
     losses = {}
     for name, arm in arms.items():
@@ -162,12 +166,18 @@ def _first_losses(arms: dict[str, TimedArm]) -> dict[str, float]:
     return losses
 
 
-def _agree(losses: dict[str, float], dtype: str) -> bool:
+def agree(losses: dict[str, float], dtype: str) -> bool:
+    """Like with like: every arm's first loss equals plain's (a clock-free check; bitwise-near in float32)."""
     tolerance = 1e-5 if dtype == "float32" else 2e-2
     return all(abs(v - losses["plain"]) <= tolerance * max(1.0, abs(losses["plain"])) for v in losses.values())
 
 
-def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float], gate: float) -> dict:
+def _median(values: np.ndarray) -> float:
+    """The median; NaN when every block was loaded (none kept), without numpy's empty-slice warning."""
+    return float(np.median(values)) if len(values) else float("nan")
+
+
+def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float], gate: float, max_blocks: int) -> dict:
     """Replay / retain per block divided by that block's floor ``1 + F/(F+B)``; same statistics and load rule as ``compare``.
 
     Examined once, at ``compare``'s last look and at its per-look level, so
@@ -178,13 +188,17 @@ def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float
     ratios = (np.asarray(replay.arm_seconds) / np.asarray(retain.arm_seconds) / np.asarray(floors))[keep]
     low, high = stats.median_ci(ratios, replay.confidence)
     too_loaded = len(replay.loaded) > MAX_LOADED * len(floors)
-    return {
+    verdict = "inconclusive" if too_loaded else str(stats.verdict(low, high, gate))
+    cut_short = verdict == "inconclusive" and not keep.all() and (too_loaded or int(keep.sum()) < max_blocks)
+    floor = {
         "arm": replay.arm, "baseline": f"{retain.arm} x floor", "blocks": int(ratios.size),
-        "ratio": float(np.median(ratios)), "ci95": [float(low), float(high)], "confidence": replay.confidence,
-        "loaded": list(replay.loaded), "floor": float(np.median(np.asarray(floors)[keep])),
-        "verdict": "inconclusive" if too_loaded else str(stats.verdict(low, high, gate)),
+        "ratio": _median(ratios), "ci95": [float(low), float(high)], "confidence": replay.confidence,
+        "loaded": list(replay.loaded), "floor": _median(np.asarray(floors)[keep]),
+        "verdict": verdict,
         "drift": asdict(stats.drift(ratios)), "ratios": ratios.tolist(),
+        "load": loaded_reason(~keep, []) if cut_short else "",  # NOTE [Alternating blocks] Rule 6
     }
+    return {**floor, "reading": inconclusive(floor["load"]) if floor["load"] else floor["verdict"]}
 
 
 def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: TimedWorkload) -> dict[str, dict]:
@@ -195,7 +209,7 @@ def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: Tim
     seconds.update({r.arm: np.asarray(r.arm_seconds)[keep] for r in results})
     measured = {}
     for name, arm in arms.items():
-        step = float(np.median(seconds[name]))
+        step = _median(seconds[name])
         measured[name] = {
             "step_seconds": step, "tokens_per_second": workload.tokens / step,
             "held_device_bytes": arm.held.get("device", 0), "held_host_bytes": arm.held.get("host", 0),
@@ -218,9 +232,10 @@ def _profile(arms: dict[str, TimedArm], measured: dict[str, dict], traces: Path 
 
 
 def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
-               load_probe: LoadProbe | None, progress: bool, build: Builder, traces: Path | None) -> dict:
+               load_probe: LoadProbe | None, meter: LoadMeter | None, progress: bool, build: Builder,
+               traces: Path | None) -> dict:
     arms = build(group, seed)
-    losses = _first_losses(arms)
+    losses = first_losses(arms)
     floors: list[float] = []
     bar = tqdm(total=plan_.max_blocks, desc=group.label, unit="block", disable=not progress, leave=True)
 
@@ -234,7 +249,7 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     budget = plan_.budget_s * len(group.arms) / sum(len(g.arms) for g in plan_.groups)  # by runs per block
     results = compare(arms, baseline="plain", gate=gate, max_blocks=plan_.max_blocks, budget_s=budget,
                       warmup_blocks=WARMUP_BLOCKS, clock=device_clock(group.workload.device, clock),
-                      load_probe=load_probe, on_block=on_block)
+                      load_probe=load_probe, meter=meter, on_block=on_block)
     bar.close()
     by_arm = {r.arm: r for r in results}
     measured = _measure(arms, results, group.workload)
@@ -242,10 +257,10 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     arms.clear()  # free the arms' models before the next group builds its own
     floor = None
     if {"retain@s0", "replay@s0"} <= set(by_arm):
-        floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate)
+        floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate, plan_.max_blocks)
     return {
         "workload": asdict(group.workload), "label": group.label, "gated": group.gated,
-        "first_losses": losses, "arms_agree": _agree(losses, group.workload.dtype),
+        "first_losses": losses, "arms_agree": agree(losses, group.workload.dtype),
         "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
         "arms": measured, "profile": profile, "traces": traced,
     }
@@ -264,7 +279,9 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
             retain = by_arm["retain@s0"]
             checks.check(f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)",
                          retain["verdict"] != "regression", _verdict_detail(retain))
-            if target is not None:
+            if target is not None and retain["load"]:
+                checks.skip(f"{label}: retain@s0 / plain median <= {target}", retain["reading"])
+            elif target is not None:
                 checks.check(f"{label}: retain@s0 / plain median <= {target}", retain["ratio"] <= target,
                              f"median ratio {number(retain['ratio'], '.4f')}")
         if group["replay_floor"] is not None:
@@ -277,14 +294,14 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
 def _verdict_detail(comparison: dict) -> str:
     """Why a comparison check holds or not: its verdict and the interval it came from."""
     low, high = comparison["ci95"]
-    return (f"{comparison['verdict']}: median ratio {number(comparison['ratio'], '.4f')}, "
+    return (f"{comparison['reading']}: median ratio {number(comparison['ratio'], '.4f')}, "
             f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks")
 
 
 def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
           threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
-          load_probe: LoadProbe | None = None, progress: bool = False, build: Builder = build_arms,
-          traces: Path | None = None) -> Judged:
+          load_probe: LoadProbe | None = None, meter: LoadMeter | None = None, progress: bool = False,
+          build: Builder = build_arms, traces: Path | None = None) -> Judged:
     """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
     The keywords are for ``rtv bench`` and the tests, which judge with them and
@@ -292,7 +309,7 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     ``run`` passes none (the benchmark is not registered ``takes_gate``: its
     ``gate`` is the width of the equivalence band, not the run's ``--gate``).
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
-    reported only). ``clock`` and ``load_probe`` go to ``compare``; ``build``
+    reported only). ``clock``, ``load_probe`` and ``meter`` go to ``compare``; ``build``
     makes a group's arms (tests fake all three). ``traces``: a folder where
     the ``torch.profiler`` Chrome traces of the median profiled block of
     ``plain`` and ``retain@s0`` per group are kept (``profiling.profiled_pass``;
@@ -306,8 +323,8 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
-        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, progress=progress,
-                             build=build, traces=traces) for g in plan_.groups]
+        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, meter=meter,
+                             progress=progress, build=build, traces=traces) for g in plan_.groups]
     finally:
         torch.set_num_threads(before)
     return Judged(

@@ -10,10 +10,14 @@ NOTE [Cost growth]
    its code path on ``tiny`` CPU shapes, said in the record (``swapped``).
    At each shape every arm is compared with ``plain`` through
    ``validation.abba.compare`` (its own blocks and looks, arms built fresh per
-   shape, the device clock), so each point has a ratio with its interval.
+   shape, the device clock), so each point has a ratio with its interval;
+   before any timing, every arm's first loss must equal plain's (like with
+   like: the sweep's one check that reads no clock).
 2. Fit: per arm (``plain`` included), the median step seconds at each shape
    (over the blocks the load probe kept; a shape with none is left out of
-   the fit and named in ``left_out``) is fitted as
+   the fit and named in ``left_out``; when that leaves fewer shapes than
+   terms, the fit's check is skipped as ``inconclusive (loaded: ...)``,
+   NOTE [Machine load] Rule 4) is fitted as
    ``fixed + per_token * B*T + per_token2 * B*T**2`` by non-negative least
    squares (``scipy.optimize.nnls``: a cost is never negative), with the
    residuals kept. A fixed per-step cost shows as a ratio falling with
@@ -53,13 +57,14 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from validation.abba import LoadProbe, compare
+from validation.abba import LoadMeter, LoadProbe, compare
 from validation.errors import SetupError
 from validation.evidence import Checks
+from validation.load import inconclusive
 
 from ..registry import Judged
 from .arms import TimedWorkload, device_clock
-from .canary import WARMUP_BLOCKS, Builder, Group, build_arms
+from .canary import WARMUP_BLOCKS, Builder, Group, agree, build_arms, first_losses
 
 __all__ = ["KIND", "CPU_GRIDS", "GPU_LENGTHS", "MODEL_SHAPES", "STEP_BOUND", "ARM_FACTOR", "TERMS", "SweepPlan",
            "RUN_BUDGETS_S", "OUTSIDE_S", "MIN_BUDGET_S", "plan", "block_bound", "seconds_bound", "budget_left", "fit",
@@ -198,14 +203,32 @@ def _fit_arm(points: list[dict], arm: str) -> dict:
     return {**fit(*zip(*used)), "left_out": left_out}
 
 
+def _checks(points: list[dict], fits: dict[str, dict]) -> Checks:
+    """Like with like at every shape (no clock); the fit, skipped as loaded when loaded shapes left too few (Rule 2)."""
+    checks = Checks()
+    unlike = [p["label"] for p in points if not p["arms_agree"]]
+    checks.check("at every shape, every arm's first loss equals plain's", not unlike,
+                 f"first losses differ at {', '.join(unlike)}" if unlike else "first losses agree")
+    name = "every arm's costs were fitted"
+    left_out = sorted({shape for f in fits.values() for shape in f["left_out"]})
+    if all(np.isfinite(f["fixed"]) for f in fits.values()):
+        checks.check(name, True, f"{len(points) - len(left_out)} of {len(points)} shapes fitted"
+                     + (f"; fully loaded, left out: {', '.join(left_out)}" if left_out else ""))
+    else:
+        loads = [p["comparisons"][0]["load"] for p in points if f"{p['batch']}x{p['seq_len']}" in left_out]
+        checks.skip(name, inconclusive(f"{len(left_out)} of {len(points)} shapes fully loaded ({'; '.join(loads)}), "
+                                       f"fewer than the {len(TERMS)} terms need"))
+    return checks
+
+
 def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
           clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
-          build: Builder = build_arms) -> Judged:
+          meter: LoadMeter | None = None, build: Builder = build_arms) -> Judged:
     """Run :func:`plan`'s grid (Rule 1) and fit each arm (Rule 2); the caller records it (kind ``benchmark-sweep``).
 
     ``budget_s``: seconds for the whole sweep instead of the plan's (``rtv
-    bench`` passes :func:`budget_left`). ``clock``, ``load_probe`` and
-    ``build`` are as ``canary.judge``'s (tests fake them). Raises
+    bench`` passes :func:`budget_left`). ``clock``, ``load_probe``,
+    ``meter`` and ``build`` are as ``canary.judge``'s (tests fake them). Raises
     :class:`SetupError` for an unknown preset or profile.
     """
     sweep = plan(preset, profile)
@@ -215,18 +238,17 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budge
     started, points = time.perf_counter(), []
     for workload, bound in zip(sweep.workloads, bounds):
         built = build(Group(workload, ("plain", *sweep.arms), False), seed)
+        losses = first_losses(built)
         results = compare(built, baseline="plain", gate=gate, max_blocks=sweep.max_blocks,
                           budget_s=sweep.budget_s * bound / sum(bounds), warmup_blocks=WARMUP_BLOCKS,
-                          clock=device_clock(workload.device, clock), load_probe=load_probe)
+                          clock=device_clock(workload.device, clock), load_probe=load_probe, meter=meter)
         points.append({"workload": asdict(workload), "label": workload.label, "batch": workload.sequences,
-                       "seq_len": workload.seq_len, "tokens": workload.tokens,
-                       "comparisons": [r.as_dict() for r in results]})
+                       "seq_len": workload.seq_len, "tokens": workload.tokens, "first_losses": losses,
+                       "arms_agree": agree(losses, workload.dtype), "comparisons": [r.as_dict() for r in results]})
         built.clear()
     fits = {arm: _fit_arm(points, arm) for arm in ("plain", *sweep.arms)}
-    checks = Checks()
+    checks = _checks(points, fits)
     fitted = all(np.isfinite(f["fixed"]) for f in fits.values())
-    checks.check("every arm's costs were fitted", fitted,
-                 "; ".join(f"{a}: {len(f['left_out'])} shapes fully loaded" for a, f in fits.items()))
     first = sweep.workloads[0]
     return Judged(KIND, {"preset": preset, "profile": profile, "model": first.model, "device": first.device,
                          "gate": gate, "seed": seed, "arms": list(sweep.arms), "terms": list(TERMS),

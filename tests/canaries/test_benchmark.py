@@ -18,7 +18,7 @@ from canaries.benchmark import profiling
 from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
-from tests.benchmark_fakes import TINY, FakeMachine, FakeProbe, run_fake, tiny_plan
+from tests.benchmark_fakes import TINY, FakeMachine, FakeMeter, FakeProbe, run_fake, tiny_plan
 from validation import history
 from validation.evidence import source_fingerprint, verify
 
@@ -208,3 +208,21 @@ def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_i
     for component in profile["components"]:
         assert f"| {component['name']} |" in markdown and component["buys"] in markdown
     assert "one norm pass where it made two" in markdown
+
+
+@pytest.mark.parametrize(("others", "passed"), [(1.6, True), (0.1, False)])
+def test_a_loaded_machine_makes_the_gates_inconclusive_loaded_an_idle_one_still_fails_them(
+        tmp_path: Path, tiny: None, others: float, passed: bool) -> None:
+    """The same 1.5x retain and 4.5x replay costs: loaded, the gates cannot decide (skips, no failure); idle, they fail."""
+    costs = {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}
+    record = run_fake(tmp_path, costs, real_steps=3, meter=FakeMeter(idle=others), target=1.03)
+    assert record["passed"] is passed
+    (group,) = record["measurements"]["groups"]
+    retain = next(c for c in group["comparisons"] if c["arm"] == "retain@s0")
+    target = "tiny 1x4 full: retain@s0 / plain median <= 1.03"
+    if passed:
+        assert retain["verdict"] == "inconclusive" and retain["load"].startswith("32 of 32 blocks loaded")
+        assert record["skips"][target].startswith("inconclusive (loaded: 32 of 32 blocks loaded, median 1.60 of 2")
+        assert group["replay_floor"]["load"].startswith("32 of 32 blocks loaded")
+    else:
+        assert retain["verdict"] == "regression" and retain["load"] == "" and not record["checks"][target]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from canaries.benchmark import baseline
-from tests.benchmark_fakes import FakeProbe
+from tests.benchmark_fakes import FakeMeter, FakeProbe
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
 
@@ -124,7 +124,7 @@ def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_cont
     (clone / "reference_trainer" / "__init__.py").write_text("# edited\n", encoding="utf-8")
     subprocess.run([*GIT, "commit", "-qam", "edit"], cwd=clone, check=True)
     judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
-                            worker=lambda tree: FakeWorker(tree, clone, slower))
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, slower))
     comparisons = {c["arm"]: c for c in judged.measurements["comparisons"]}
     assert list(comparisons) == ["plain", "retain@s0"] and comparisons["plain"]["verdict"] == "tie"
     assert comparisons["retain@s0"]["verdict"] == verdict and comparisons["retain@s0"]["ratio"] == pytest.approx(slower)
@@ -169,9 +169,19 @@ def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path:
 def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
     clone = _clone(tmp_path)
     judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
-                            worker=lambda tree: FakeWorker(tree, clone, faster, control_too=True))
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, faster, control_too=True))
     control = next(c for c in judged.checks if "A/A control" in c.name)
     assert not control.ok and not judged.checks.passed
+
+
+def test_on_a_loaded_machine_a_decided_looking_difference_is_inconclusive_loaded_not_a_failure(tmp_path: Path) -> None:
+    """The control and the arm 10% apart, every block loaded: nothing is decided and nothing fails; the reading says why."""
+    clone = _clone(tmp_path)
+    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone, meter=FakeMeter(idle=1.6),
+                            worker=lambda tree: FakeWorker(tree, clone, 1.1, control_too=True))
+    assert judged.checks.passed and all(c["verdict"] == "inconclusive" for c in judged.measurements["comparisons"])
+    assert all("inconclusive (loaded: 128 of 128 blocks loaded, median 1.60 of 2 cores" in c.detail
+               for c in judged.checks)
 
 
 SLOWDOWN = '''

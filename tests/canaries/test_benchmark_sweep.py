@@ -16,7 +16,8 @@ from canaries.benchmark import canary as benchmark
 from canaries.benchmark import sweep
 from canaries.benchmark.arms import TimedWorkload
 from canaries.cli import main
-from tests.benchmark_fakes import FakeMachine, FakeProbe, tiny_plan
+from tests.benchmark_fakes import FakeMachine, FakeMeter, FakeProbe, tiny_plan
+from validation.load import Load, Meter, inconclusive
 
 
 # Known costs (seconds): fixed, per token, per token² (B*T**2), per arm.
@@ -24,10 +25,13 @@ COSTS = {"plain": (2e-3, 1e-5, 0.0), "retain@s0": (3e-3, 1e-5, 0.0), "replay@s0"
 
 
 class CostClock:
-    """A fake clock advanced by each arm's known cost at the shape it was built for."""
+    """A fake clock advanced by each arm's known cost at the shape it was built for (``factor`` times it: load).
+
+    Each run returns a fake loss of 1.0 (the sweep's like-with-like check reads it).
+    """
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.now, self.factor = 0.0, 1.0
 
     def __call__(self) -> float:
         return self.now
@@ -39,8 +43,9 @@ class CostClock:
             fixed, per_token, per_token2 = COSTS[name]
             cost = fixed + per_token * batch * length + per_token2 * batch * length**2
 
-            def run() -> None:
-                self.now += cost
+            def run() -> float:
+                self.now += cost * self.factor
+                return 1.0
             return run
         return {name: arm(name) for name in group.arms}
 
@@ -67,6 +72,71 @@ def test_the_fit_recovers_known_fixed_per_token_and_quadratic_costs() -> None:
     quadratic = (2e-3 + 1.4e-5 * 4 * 4096 + 2e-9 * 4 * 4096**2) / (2e-3 + 1e-5 * 4 * 4096)
     assert model["shapes"][1]["ratios"]["replay@s0"] == pytest.approx(quadratic, rel=1e-6)
     assert model["ratios"]["replay@s0"] == sorted(model["ratios"]["replay@s0"]), "a per-token² cost: rising"
+
+
+class LoadedBlocks(FakeMeter):
+    """A machine meter that finds two blocks of every three loaded and slows every arm 3x while they run."""
+
+    def __init__(self, clock: CostClock) -> None:
+        super().__init__()
+        self.clock, self.loaded = clock, False
+
+    def start(self) -> None:
+        self.loaded = self.reads % 3 != 0
+        self.clock.factor = 3.0 if self.loaded else 1.0
+
+    def stop(self) -> Load:
+        self.clock.factor = 1.0
+        self.reads += 1
+        return Load(1.5 if self.loaded else 0.0, 2, 0.1, "fake")
+
+
+def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
+    """The loaded blocks (3x slower) are most of each shape's blocks: kept in the medians, they would triple the fit."""
+    clock = CostClock()
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock),
+                         build=clock.build)
+    fits = judged.measurements["fits"]
+    for point in judged.measurements["points"]:
+        comparison = point["comparisons"][0]
+        assert len(comparison["loaded"]) > len(comparison["ratios"]) / 2  # the load is real in the data ...
+    for arm, known in COSTS.items():  # ... and absent from the fit
+        assert [fits[arm][t] for t in sweep.TERMS] == pytest.approx(known, rel=1e-6, abs=1e-12)
+
+
+def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_passes() -> None:
+    clock = CostClock()
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+                         build=clock.build)
+    checks = {c.name: c for c in judged.checks}
+    fit = checks["every arm's costs were fitted"]
+    assert fit.skipped and fit.detail.startswith("inconclusive (loaded: 4 of 4 shapes fully loaded (32 of 32 blocks")
+    assert "1.60 of 2 cores busy with other work" in fit.detail
+    assert judged.checks.passed and not checks["at every shape, every arm's first loss equals plain's"].skipped
+
+
+def test_rtv_bench_on_a_loaded_machine_exits_0_and_prints_the_skip_with_the_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    clock = CostClock()
+    monkeypatch.setattr(sweep, "judge", functools.partial(sweep.judge, clock=clock, load_probe=FakeProbe(),
+                                                          meter=FakeMeter(idle=1.6), build=clock.build))
+    assert main(["bench", "--sweep", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "SKIP  every arm's costs were fitted: inconclusive (loaded: 4 of 4 shapes fully loaded" in out
+    assert "→ inconclusive (loaded: 32 of 32 blocks loaded, median 1.60 of 2 cores busy with other work)" in out
+
+
+def test_a_sweep_whose_arms_disagree_on_the_first_loss_fails_whatever_the_load() -> None:
+    clock = CostClock()
+
+    def unlike(group, seed):
+        arms = clock.build(group, seed)
+        arms["retain@s0"] = lambda: 2.0
+        return arms
+
+    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+                         build=unlike)
+    assert not judged.checks.passed
 
 
 def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
@@ -177,11 +247,50 @@ def test_each_shape_gets_the_share_of_the_budget_its_block_bound_asks(monkeypatc
     assert given[-1] > 3 * given[0], "4x128 asks for more than 1x32"
 
 
+def median_step(arm, meter, tries: int = 3) -> tuple[float, Load]:
+    """The median of 5 timed steps after 2 warm-ups, re-timed up to ``tries`` times while the machine is loaded."""
+    import time
+
+    arm(), arm()
+    for _ in range(tries):
+        seconds = []
+        meter.start()
+        for _ in range(5):
+            start = time.perf_counter()
+            arm()
+            seconds.append(time.perf_counter() - start)
+        reading = meter.stop()
+        if not reading.loaded:
+            break
+    return sorted(seconds)[2], reading
+
+
+def within_bound(name: str, seconds: float, bound: float, reading: Load) -> None:
+    """Fails a step over its bound on an unloaded machine; on a loaded one, skips with the measured load."""
+    if seconds > bound and reading.loaded:
+        pytest.skip(f"{name}: {seconds:.3f} s > {bound:.3f} s, {inconclusive(reading)}")
+    assert seconds <= bound, f"{name}: {seconds:.3f} s > {bound:.3f} s ({reading})"
+
+
+@pytest.mark.parametrize(("seconds", "others", "outcome"), [(0.088, 1.4, "skipped"), (0.088, 0.1, "failed"),
+                                                            (0.050, 1.4, "passed")])
+def test_a_step_over_its_bound_is_inconclusive_loaded_on_a_busy_machine_and_a_failure_on_an_idle_one(
+        seconds: float, others: float, outcome: str) -> None:
+    reading = Load(others, 2, 0.5, "fake")
+    try:
+        within_bound("plain at small 4x32", seconds, 0.065, reading)
+    except pytest.skip.Exception as skipped:
+        assert outcome == "skipped" and str(skipped).startswith(
+            "plain at small 4x32: 0.088 s > 0.065 s, inconclusive (loaded: 1.40 of 2 cores")
+    except AssertionError:
+        assert outcome == "failed"
+    else:
+        assert outcome == "passed"
+
+
 @pytest.mark.bench
 def test_the_step_bound_is_above_real_steps_at_the_default_grid() -> None:
     """Rule 4's bound, against this machine: each arm's median step at each default shape is below its bound."""
-    import time
-
     import torch
 
     default = sweep.plan("cpu", "default")
@@ -192,14 +301,9 @@ def test_the_step_bound_is_above_real_steps_at_the_default_grid() -> None:
             arms = benchmark.build_arms(benchmark.Group(workload, ("plain", *default.arms), False), 0)
             plain_bound = sweep.block_bound(workload, ()) / 2
             for name, arm in arms.items():
-                arm(), arm()  # warm up
-                seconds = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    arm()
-                    seconds.append(time.perf_counter() - start)
+                seconds, reading = median_step(arm, Meter())
                 bound = plain_bound * (1 if name == "plain" else sweep.ARM_FACTOR)
-                assert sorted(seconds)[2] <= bound, f"{name} at {workload.label}: {sorted(seconds)[2]:.3f} s > {bound:.3f} s"
+                within_bound(f"{name} at {workload.label}", seconds, bound, reading)
     finally:
         torch.set_num_threads(before)
 
