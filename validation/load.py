@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LOADED_CORES", "Load", "Meter", "Sample", "sample", "between", "inconclusive"]
+__all__ = ["LOADED_CORES", "Load", "Meter", "CpuReading", "read_cpu", "between", "inconclusive"]
 
 LOADED_CORES = 0.5  # Rule 2
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -60,7 +60,7 @@ class Load:
 
 
 @dataclass(frozen=True)
-class Sample:
+class CpuReading:
     """Counters at one instant: machine busy seconds (None without ``/proc/stat``), own CPU seconds, wall seconds."""
 
     busy: float | None
@@ -85,9 +85,9 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime: fields 14 and 15 of proc(5)
 
 
-def sample(pids: Iterable[int] = ()) -> Sample:
+def read_cpu(pids: Iterable[int] = ()) -> CpuReading:
     """Rule 1's counters now; ``pids``: helper processes whose CPU counts as the measurement's own."""
-    return Sample(_machine_busy(), time.process_time() + sum(_cpu_of(p) for p in pids), time.perf_counter())
+    return CpuReading(_machine_busy(), time.process_time() + sum(_cpu_of(p) for p in pids), time.perf_counter())
 
 
 class Meter:
@@ -97,7 +97,7 @@ class Meter:
     the measurement's own; ``sampler``: the counters (tests fake it).
     """
 
-    def __init__(self, pids: Callable[[], Iterable[int]] = tuple, sampler: Callable[..., Sample] = sample) -> None:
+    def __init__(self, pids: Callable[[], Iterable[int]] = tuple, sampler: Callable[..., CpuReading] = read_cpu) -> None:
         self.pids, self.sampler = pids, sampler
         self.began = self.sampler(self.pids())
 
@@ -109,7 +109,7 @@ class Meter:
         return between(self.began, end)
 
 
-def between(began: Sample, end: Sample) -> Load:
+def between(began: CpuReading, end: CpuReading) -> Load:
     """Rule 1 (Rule 3 without ``/proc/stat``) from two samples."""
     cores = os.cpu_count() or 1
     wall = end.wall - began.wall
