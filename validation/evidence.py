@@ -287,6 +287,7 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
         raise OutOfSpace(f"no space left on the device while writing evidence {path} ({error})",
                          fix=f"free space under {path.parent} (old runs under rtv-out/ can go), or pass --out "
                              "DIR on a disk with room") from error
+    mark_evidence_folder(path.parent)  # once the record is there: a failed write leaves nothing behind
     _fsync_dir(path.parent)
     return path
 
@@ -309,7 +310,7 @@ def mark_evidence_folder(folder: Path) -> Path:
 
 def _write_new(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then link it to ``path`` (never replacing one)."""
-    mark_evidence_folder(path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:

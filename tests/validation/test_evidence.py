@@ -150,7 +150,7 @@ def test_a_concurrent_writer_that_wins_with_other_content_is_an_error(tmp_path: 
     with mock.patch.object(evidence.os, "link", racing_link), pytest.raises(EvidenceError, match="concurrently"):
         write_once(path, mine)
     assert verify(path)["measurements"]["peak_bytes"] == 7
-    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"], "the other writer's record, nothing of ours"
 
 
 def test_the_schema_changelog_names_every_version_up_to_the_one_written() -> None:

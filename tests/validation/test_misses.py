@@ -25,7 +25,7 @@ def test_a_forced_miss_is_one_verified_record_that_replays_to_its_estimate(tmp_p
             rt.observe_planner_misses(log):
         outputs = trainer.forward(inputs, options=rt.ForwardOptions(backward_state="retain", corrections=()))
     trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
-    assert log.paths == list(tmp_path.iterdir()) and len(log.paths) == 1
+    assert log.paths == list(tmp_path.glob("*.json")) and len(log.paths) == 1
     record = verify(log.paths[0])
     assert record["kind"] == MISS_KIND and record["passed"] and record["source"]["sha256"]
     miss = record["measurements"]
