@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shlex
+import tomllib
 from pathlib import Path
 
 README = Path(__file__).parents[1] / "README.md"
@@ -103,6 +105,15 @@ def test_the_tests_readme_names_every_test_folder_and_marker() -> None:
     assert listed == folders, f"tests/README.md's table and the test folders differ: {sorted(listed ^ folders)}"
     markers = set(re.findall(r'addinivalue_line\("markers", "([a-z]+):', (tests / "conftest.py").read_text()))
     assert markers and all(f"- `{marker}`:" in text for marker in markers), f"tests/README.md must describe {sorted(markers)}"
+
+
+def test_every_run_prints_its_20_slowest_tests_as_the_tests_readme_says() -> None:
+    root = README.parent
+    options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--durations=20" in shlex.split(options["addopts"])
+    text = (root / "tests" / "README.md").read_text()
+    section = text[text.index("## The time budget"):]
+    assert "--durations=20" in section and "≤ 60 s" in section and "user + sys" in section
 
 
 def test_the_gpu_ci_section_sets_up_environment_secrets_label_and_sweeper_in_that_order():

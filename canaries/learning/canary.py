@@ -27,10 +27,11 @@ correction-level arms (shown, never enforced) run from ``default`` on.
 The arm-seed runs go to 2 worker processes (one torch thread each). Cost,
 by design: a run takes about 1.1 s of CPU on this machine's cores (an RL
 run about 1.5 s, a next-byte run about 0.9 s), so ``quick``'s 48 runs are
-about 55 s of CPU with the two workers' start-up: about 30 s of wall time on
-2 idle cores, half its 60 s budget (docs/harness.md#time-budgets);
-``default``'s 130 runs about 75 s of wall time. The evidence records what
-the profile ran and each run's wall time.
+about 60 s of CPU with the two workers' start-up: about 30 s of wall time on
+2 idle cores, half its 60 s budget (docs/harness.md#time-budgets); measured
+on the shared machine (load average 12): 74 s of CPU (user + sys), 5.6 min
+of wall time. ``default``'s 130 runs take about 75 s of wall time on 2 idle
+cores. The evidence records what the profile ran and each run's wall time.
 
 Presets: ``cpu`` (FP32, CPU shapes); ``gpu`` (a wider model in BF16 on CUDA,
 more seeds; on a machine without CUDA it runs the CPU shapes and seeds and
