@@ -115,6 +115,15 @@ def test_the_tests_readme_names_every_test_folder_and_marker() -> None:
     assert markers and all(f"- `{marker}`:" in text for marker in markers), f"tests/README.md must describe {sorted(markers)}"
 
 
+def test_every_run_prints_its_20_slowest_tests_as_the_tests_readme_says() -> None:
+    root = README.parent
+    options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--durations=20" in shlex.split(options["addopts"])
+    text = (root / "tests" / "README.md").read_text()
+    section = text[text.index("## The time budget"):]
+    assert "--durations=20" in section and "≤ 60 s" in section and "user + sys" in section
+
+
 def test_the_gpu_ci_section_sets_up_environment_secrets_label_and_sweeper_in_that_order():
     text = README.read_text()
     section = text[text.index("### GPU CI for a team"):text.index("## Layout")]

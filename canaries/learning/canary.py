@@ -1,8 +1,8 @@
 """Learning-comparison canary: do stale, corrected and relocated backwards learn as well as strict training?
 
-Exact gradients are necessary, not sufficient. This canary trains every arm
-of ``canaries.learning.arms.ARMS`` (a plain PyTorch loop, the versioned
-trainer strict, stale by 1 and 2 steps with and without importance
+Exact gradients are necessary, not sufficient. This canary trains the arms
+of ``canaries.learning.arms.ARMS`` (all of them, or on ``quick`` the subset
+below: a plain PyTorch loop, the versioned trainer strict, stale by 1 and 2 steps with and without importance
 correction, retain / offload / replay, the other correction levels at
 staleness 2 (shown, not enforced), and deliberately broken sensitivity
 arms) on the two workloads of ``canaries.learning.workloads`` (next-byte
@@ -13,17 +13,25 @@ checks what must hold exactly (NOTE [Learning checks] in
 ``canaries.learning.summary``). A workload whose untrained model already
 meets its criterion is not run: the canary fails with that reason.
 
-Profiles (seeds per arm; every profile runs every arm on both workloads):
-``quick`` 3, ``default`` 5, ``nightly`` 10 (GPU preset: 3 / 8 / 16). The
-arm-seed runs go to 2 worker processes (one torch thread each). Measured on
-the 2-core development machine (shared, load average about 10): ``quick``
-took 75 s of CPU in all, about 1.2 s per arm-seed run (an RL run costs about
-twice a next-byte run); ``default`` takes 5/3 of that. On two idle cores
-that is about 40 s (quick) and 65 s (default) of wall time. The three
-correction-level arms (issue 29) add 3 of now 13 arms: about 30% more, so
-about 100 s of CPU and 50 s of wall time for ``quick`` on two idle cores
-(scaled from the per-run costs; not re-measured idle). The evidence
-records what the profile ran and each run's wall time.
+Profiles (seeds per arm, arms per workload; both workloads always):
+``quick`` 3 seeds x the 8 arms of :data:`QUICK_ARMS`, ``default`` 5 and
+``nightly`` 10 seeds x all 13 arms (GPU preset: 3 / 8 / 16 seeds). What
+``quick`` measures: every check of NOTE [Learning checks] that does not need
+many seeds, at the largest staleness: ``strict`` bitwise equal to ``plain``,
+offload and replay bitwise equal to retain at staleness 2, staleness-2
+records as scheduled (corrected and uncorrected, each learning to its
+criterion), and both broken arms caught (the mild one still judged worse).
+Its 3-seed verdicts are shown as every profile's are, but with 2 degrees of
+freedom only a large difference is decided; staleness 1 and the
+correction-level arms (shown, never enforced) run from ``default`` on.
+The arm-seed runs go to 2 worker processes (one torch thread each). Cost,
+by design: a run takes about 1.1 s of CPU on this machine's cores (an RL
+run about 1.5 s, a next-byte run about 0.9 s), so ``quick``'s 48 runs are
+about 60 s of CPU with the two workers' start-up: about 30 s of wall time on
+2 idle cores, half its 60 s budget (docs/harness.md#time-budgets); measured
+on the shared machine (load average 12): 74 s of CPU (user + sys), 5.6 min
+of wall time. ``default``'s 130 runs take about 75 s of wall time on 2 idle
+cores. The evidence records what the profile ran and each run's wall time.
 
 Presets: ``cpu`` (FP32, CPU shapes); ``gpu`` (a wider model in BF16 on CUDA,
 more seeds; on a machine without CUDA it runs the CPU shapes and seeds and
@@ -58,10 +66,19 @@ from validation.evidence import Checks
 
 from ..registry import Judged
 
-__all__ = ["KIND", "SEEDS", "LearningPlan", "cpu_workloads", "judge", "judge_plan", "plan", "tiny_plan"]
+__all__ = ["KIND", "QUICK_ARMS", "SEEDS", "LearningPlan", "cpu_workloads", "judge", "judge_plan", "plan", "profile_arms",
+           "tiny_plan"]
 
 KIND = "learning"
 SEEDS = {"cpu": {"quick": 3, "default": 5, "nightly": 10}, "gpu": {"quick": 3, "default": 8, "nightly": 16}}
+# What ``quick`` trains (module docstring): every exact pair and both broken arms, at staleness 2.
+QUICK_ARMS = ("plain", "strict", "stale2_corrected", "stale2_uncorrected", "stale2_corrected_offload",
+              "stale2_corrected_replay", "broken_dropped_updates", "broken_flipped_layer")
+
+
+def profile_arms(profile: str) -> tuple[Arm, ...]:
+    """The arms ``profile`` trains: :data:`QUICK_ARMS` for ``quick``, every arm of ``ARMS`` otherwise (in its order)."""
+    return tuple(a for a in ARMS if profile != "quick" or a.name in QUICK_ARMS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +114,7 @@ class LearningPlan:
             "notes": list(self.notes),
             "runs": len(self.workloads) * len(self.arms) * len(self.seeds),
             "profiles": {
-                preset: {profile: f"{n} seeds x {len(self.arms)} arms x {len(self.workloads)} workloads"
+                preset: {profile: f"{n} seeds x {len(profile_arms(profile))} arms x {len(self.workloads)} workloads"
                          for profile, n in seeds.items()}
                 for preset, seeds in SEEDS.items()
             },
@@ -146,7 +163,7 @@ def plan(preset: str, profile: str, *, gate: bool = False) -> LearningPlan:
         )
     if preset == "gpu" and torch.cuda.is_available():
         return LearningPlan(
-            preset=preset, profile=profile, seeds=tuple(range(SEEDS["gpu"][profile])),
+            preset=preset, profile=profile, seeds=tuple(range(SEEDS["gpu"][profile])), arms=profile_arms(profile),
             workloads=cpu_workloads(model_changes=_GPU_MODEL, device="cuda"), exact_enforced=False, gate=gate,
             notes=("GPU preset: BF16 model on CUDA; bitwise pairs are reported, not enforced (owed for FP32 on CPU)",),
         )
@@ -154,7 +171,7 @@ def plan(preset: str, profile: str, *, gate: bool = False) -> LearningPlan:
     if preset == "gpu":
         notes = ("GPU preset on a machine without CUDA: ran the CPU shapes, FP32 on CPU, with the CPU seeds",)
     return LearningPlan(
-        preset=preset, profile=profile, seeds=tuple(range(SEEDS["cpu"][profile])),
+        preset=preset, profile=profile, seeds=tuple(range(SEEDS["cpu"][profile])), arms=profile_arms(profile),
         workloads=cpu_workloads(), gate=gate, notes=notes, workers=min(2, os.cpu_count() or 1),
     )
 

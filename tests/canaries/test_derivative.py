@@ -72,8 +72,12 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
     assert "derivative canary: PASSED; 1 skipped" in out and f"wrote {path}" in out
 
 
-def test_coverage_fails_when_no_stale_backward_can_succeed() -> None:
-    """Negative control of the coverage check: every staleness bound capped at 0 empties the stale cells."""
+def test_coverage_fails_when_no_stale_backward_can_succeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the coverage check: every staleness bound capped at 0 empties the stale cells.
+
+    The intersection checks fill no cell (the quick profile's test runs them), so they are left out here.
+    """
+    monkeypatch.setattr(derivative, "INTERSECTIONS", {})
     result = derivative.examine(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
 
     assert list(result.failures) == [derivative.COVERAGE_CHECK]  # everything else agrees with the oracle
@@ -141,15 +145,13 @@ def test_unknown_profile_and_preset_are_refused_with_a_fix(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _run_swapped_gpu_preset(tmp_path: Path, checks: list[str] | None = None) -> dict:
+    """The gpu preset's record on this CPU machine, asserting its logical-rank check spawned 2 gloo processes."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu preset is not swapped")
-    monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
     spawned = mock.patch.object(derivative_scenarios, "run_ranks", wraps=derivative_scenarios.run_ranks)
     with spawned as spawn:
-        record = verify(canary("derivative").run("gpu", "quick", tmp_path))
+        record = verify(canary("derivative").run("gpu", "quick", tmp_path, checks=checks))
     assert [c.args[1] for c in spawn.call_args_list] == [2], "the logical-rank check runs on the preset's 2 processes"
     assert spawn.call_args.kwargs["backend"] == "gloo"  # a CPU model: gloo even where CUDA exists
     assert record["config"]["preset"]["swapped_for_cpu"] is True
@@ -158,6 +160,21 @@ def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
         "cuda_rng_unchanged_by_backward": "preset swapped to CPU (no CUDA device)"
     }
     assert record["passed"], record["details"]
+    return record
+
+
+def test_gpu_preset_runs_swapped_on_cpu_its_logical_ranks_and_a_bf16_scenario(tmp_path: Path) -> None:
+    """The fast sibling of the slow end-to-end run below: the swapped path, its spawn and BF16 tolerances."""
+    checks = [derivative.LOGICAL_CHECK, "scenario:stale_exact"]
+    assert set(_run_swapped_gpu_preset(tmp_path, checks)["checks"]) == set(checks)
+
+
+@pytest.mark.slow
+def test_gpu_preset_runs_swapped_on_cpu_and_reports_cuda_checks_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))  # the path, not depth
+    record = _run_swapped_gpu_preset(tmp_path)
     assert record["measurements"]["claimed_cells_empty"] == []
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canaries.learning.canary import SEEDS, judge_plan, plan, tiny_plan
+from canaries.learning.canary import QUICK_ARMS, SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.arms import ARMS, arm, run_arm
 from canaries.learning.summary import area_under_curve, expected_staleness, ratio_distribution
 from canaries.learning.workloads import Schedule
@@ -135,13 +135,32 @@ def test_the_rl_workload_learns_through_the_trainer_exactly_as_the_plain_loop() 
 def test_profiles_and_presets() -> None:
     assert [len(plan("cpu", p).seeds) for p in ("quick", "default", "nightly")] == [3, 5, 10]
     assert SEEDS["cpu"]["default"] >= 5 and SEEDS["gpu"]["nightly"] > SEEDS["cpu"]["nightly"]
-    assert {a.name for a in plan("cpu", "quick").arms} == {a.name for a in ARMS}
+    assert [a.name for a in plan("cpu", "quick").arms] == list(QUICK_ARMS)
+    assert [a.name for a in plan("cpu", "default").arms] == [a.name for a in ARMS] == [a.name for a in plan("gpu", "nightly").arms]
     if not torch.cuda.is_available():
         swapped = plan("gpu", "default")
         assert swapped.workloads[0].model.dtype == torch.float32 and "without CUDA" in swapped.notes[0]
     with pytest.raises(SetupError) as error:
         CANARIES["learning"].run("gpu-8b", "quick", Path("unused"))
     assert error.value.exit_code == 2 and "--preset gpu" in error.value.fix
+
+
+def test_quick_fits_its_budget_by_design_and_keeps_every_exact_pair_and_broken_arm() -> None:
+    """quick's 60 s (docs/harness.md#time-budgets) on 2 idle cores, planned at half: its runs times about 1.25 s
+    of CPU each (the costlier RL runs), over 2 workers, stay within 30 s. Planned, not timed: no clock here."""
+    quick = plan("cpu", "quick")
+    described = quick.describe()
+    assert described["runs"] == len(quick.seeds) * len(quick.arms) * len(quick.workloads)
+    assert described["runs"] * 1.25 / quick.workers <= 30.0, described["runs"]
+    assert described["profiles"]["cpu"]["quick"] == "3 seeds x 8 arms x 2 workloads"
+    assert described["profiles"]["cpu"]["default"] == f"5 seeds x {len(ARMS)} arms x 2 workloads"
+    names = {a.name for a in quick.arms}
+    for spec in quick.arms:  # every verdict and exact pair of quick has its other side in quick
+        assert {spec.baseline, spec.exact_with} - {None} <= names, spec.name
+    exact = {a.name for a in ARMS if a.exact_with} | {a.exact_with for a in ARMS if a.exact_with}
+    broken = {a.name for a in ARMS if a.sensitivity}
+    assert exact | broken <= names and len(broken) == 2
+    assert any(a.corrected for a in quick.arms) and any(a.delay and not a.corrected for a in quick.arms)
 
 
 def test_schedule_and_area_under_curve() -> None:
@@ -158,4 +177,5 @@ def test_quick_profile_through_the_registry(tmp_path: Path) -> None:
     assert result["passed"], [c for c, ok in result["checks"].items() if not ok]
     assert set(result["measurements"]["workloads"]) == {"next_byte", "pattern_rl"}
     for workload in result["measurements"]["workloads"].values():
+        assert list(workload["arms"]) == list(QUICK_ARMS)
         assert all(arm["seeds"] == [0, 1, 2] for arm in workload["arms"].values())

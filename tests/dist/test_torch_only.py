@@ -1,8 +1,10 @@
 """The trainer's runtime needs only torch and the standard library (docs/semantics.md#runtime-dependencies).
 
-A stub ``numpy`` that raises ``ModuleNotFoundError`` (an ``ImportError``) goes first on ``PYTHONPATH`` of a
-job (``torch_only_job.py``) that starts its second rank with a plain
-``subprocess``; the stub never reaches this test process.
+``slow`` (two fresh interpreters, about 7 s of CPU): a stub ``numpy`` that raises ``ModuleNotFoundError``
+(an ``ImportError``) goes first on ``PYTHONPATH`` of a job (``torch_only_job.py``) that starts its second
+rank with a plain ``subprocess``; the stub never reaches this test process. The fast siblings run the
+job's own single-process steps in this process with numpy hidden for the test (``numpy_hidden``): a
+trainer path that imports numpy or calls ``Tensor.numpy`` fails them too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch_only_job
 
 pytestmark = pytest.mark.dist
 
@@ -39,10 +43,37 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"ranks": ranks}
 
 
+@pytest.fixture
+def numpy_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the test, ``import numpy`` raises ``ImportError`` and ``Tensor.numpy`` raises, as without numpy."""
+
+    def no_numpy(self: torch.Tensor, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("Numpy is not available (hidden by the test)")
+
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+
+
+@pytest.mark.parametrize("policy", ["always", "when_available"])
+def test_with_numpy_hidden_a_stale_backward_is_corrected_in_process(numpy_hidden: None, policy: str) -> None:
+    assert not torch_only_job.numpy_is_importable()
+    result = torch_only_job.stale_backward(policy)
+    assert result["staleness"] == [1]
+    assert result["corrected"] == result["records"], f"{policy}: the stale record was not corrected"
+
+
+def test_with_numpy_hidden_a_logical_rank_failure_commits_nothing_in_process(numpy_hidden: None) -> None:
+    failure = torch_only_job.failing_logical_job()
+    assert failure["error"] == "GradientCommitError" and "injected fault" in failure["message"], failure
+    assert failure["all_grads_none"] and failure["pending"] == 0
+
+
+@pytest.mark.slow
 def test_the_stub_hides_numpy_from_every_rank(job: dict) -> None:
     assert [r["numpy_importable"] for r in job["ranks"]] == [False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["always", "when_available"])
 def test_a_stale_backward_is_corrected_without_numpy(job: dict, policy: str) -> None:
     result = job["ranks"][0][policy]
@@ -50,6 +81,7 @@ def test_a_stale_backward_is_corrected_without_numpy(job: dict, policy: str) -> 
     assert result["corrected"] == result["records"], f"{policy}: the stale record was not corrected"
 
 
+@pytest.mark.slow
 def test_a_logical_rank_failure_crosses_processes_without_numpy(job: dict) -> None:
     failures = [r["logical_failure"] for r in job["ranks"]]
     assert failures[0]["error"] == failures[1]["error"] == "GradientCommitError", failures
