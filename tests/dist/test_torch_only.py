@@ -91,5 +91,10 @@ def test_a_logical_rank_failure_crosses_processes_without_numpy(job: dict) -> No
         assert failure["all_grads_none"] and failure["pending"] == 0
 
 
+def test_with_numpy_hidden_a_save_with_a_stale_forward_pending_loads_and_continues_in_process(numpy_hidden: None) -> None:
+    assert torch_only_job.save_and_load() == {"equal": True, "revision": 2}
+
+
+@pytest.mark.slow
 def test_a_save_made_with_a_stale_forward_pending_loads_and_continues_without_numpy(job: dict) -> None:
     assert job["ranks"][0]["resume"] == {"equal": True, "revision": 2}
