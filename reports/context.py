@@ -132,11 +132,14 @@ class ReportContext:
     """The page: title, when it was made, the records, and the verdict.
 
     ``passed``: at least one record, every record verified, every record passed.
+    ``skipped``: the ``*.json`` below the folder not read as records
+    (``reports.records``), as links relative to the page.
     """
 
     title: str
     generated: str
     records: list[RecordView]
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
