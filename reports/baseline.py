@@ -6,7 +6,8 @@ reads one ``benchmark-baseline`` record (NOTE [Source against its base] in
 (``reports.benchmark.plot_ratios``) for its comparisons: each arm's median
 ratio of HEAD's step time to REV's with its interval, ``plain`` the A/A
 control; one line per comparison says which source scope the figure is for.
-A run whose REV is HEAD's commit (``config["a_a"]``) is labelled an A/A run
+A run whose two sides have the same trainer source (``config["a_a"]``: equal
+source digests) is labelled an A/A run
 first. Revision labels are short (:func:`short_revisions`): a record written
 before they were kept short still plots readable labels.
 """
@@ -25,8 +26,8 @@ from .generic import base_section
 
 __all__ = ["section", "short_revisions", "A_A_LINE"]
 
-A_A_LINE = ("A/A run: REV is HEAD's commit, so both sides run the same committed trainer; a decided difference "
-            "here is the method's noise (or HEAD's uncommitted edits), not a change between revisions")
+A_A_LINE = ("A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
+            "decided difference here is the method's noise, not a change between revisions")
 
 
 def short_revisions(text: str) -> str:
@@ -59,4 +60,4 @@ def section(record: dict, folder: Path) -> Section:
                                          headline=True)])
     if not config.get("a_a"):
         return built
-    return replace(built, key_figure=f"A/A run (REV is HEAD's commit): {built.key_figure}")
+    return replace(built, key_figure=f"A/A run (the same trainer source): {built.key_figure}")
