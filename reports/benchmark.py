@@ -236,11 +236,14 @@ def section(record: dict, folder: Path) -> Section:
                  f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
                  f"{config['note']}.")
     verdict, key_figure = _headline(record, comparisons)
+    enforced = comparisons["enforced"] if len(comparisons) else pd.Series(dtype=bool)
+    failed = [i for i, row in enumerate(comparisons.itertuples()) if row.enforced and row.verdict == "regression"]
     return Section(
         kind=record["kind"], title=f"Benchmark ({config['preset']}, {config['profile']})", passed=record["passed"],
         verdict=verdict, key_figure=key_figure, lines=lines,
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": checks_table(record)},
-        figures=figures, links=links, shown=True,  # the benchmark's verdicts are shown (enforced under --gate)
+        figures=figures, links=links, failed_rows={"Comparisons": failed},
+        shown=not enforced.any(),  # a verdict is shown only when no comparison is enforced (a gated group is)
     )

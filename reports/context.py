@@ -55,6 +55,9 @@ class Section:
     ``links``: ``(text, href)`` of files to open (traces), hrefs relative to the page.
     ``shown``: ``verdict`` is a comparison's outcome the record shows without
     enforcing it (the board reads ``shown: worse``, never ``passed`` beside it).
+    ``failed_rows``: per table name, the positions of the rows that failed the
+    record (an enforced comparison's ``regression``): their result cell is
+    red whatever its word (``reports.classes``); a shown-only verdict stays amber.
     """
 
     kind: str
@@ -67,6 +70,7 @@ class Section:
     figures: list[Figure] = field(default_factory=list)
     links: list[tuple[str, str]] = field(default_factory=list)
     shown: bool = False
+    failed_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
