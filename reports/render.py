@@ -95,7 +95,8 @@ def _view(loaded: LoadedRecord, folder: Path) -> RecordView:
                       created=loaded.record.get("created", "unknown"), environment=loaded.record.get("environment", {}),
                       source=loaded.record.get("source", {}), section=section, figures=figures,
                       failed_checks=_failed_checks(loaded),
-                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])])
+                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])],
+                      forced=loaded.record.get("config", {}).get("inject_failure") is True)
 
 
 def build_context(in_dir: Path, folder: Path, *, title: str) -> ReportContext:
