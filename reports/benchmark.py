@@ -27,7 +27,7 @@ from .generic import checks_table
 from .numbers import MISSING, interval, number
 from .plots import save_png
 
-__all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios"]
+__all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios", "enforced"]
 
 MIB = 2**20
 
@@ -51,8 +51,9 @@ def comparison_line(comparison: dict, workload: str, gate: float) -> str:
             f"→ {comparison['verdict']} vs ±{gate * 100:g}% gate")
 
 
-def _enforced(comparison: dict) -> bool:
-    """The gated comparisons (``canaries.benchmark.canary``): retain@s0 vs plain, and replay@s0 vs its floor."""
+def enforced(comparison: dict) -> bool:
+    """Whether a comparison of a gated group is enforced (``canaries.benchmark.canary``): retain@s0 vs plain, and
+    replay@s0 vs its floor; every other is reported only."""
     against_plain = comparison["baseline"] == "plain"
     return (comparison["arm"], against_plain) in {("retain@s0", True), ("replay@s0", False)}
 
@@ -65,7 +66,7 @@ def _comparisons(record: dict) -> pd.DataFrame:
             rows.append({"workload": group["label"], "arm": c["arm"], "baseline": c["baseline"], "blocks": c["blocks"],
                          "ratio": c["ratio"], "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
                          "drift_rho": c["drift"]["rho"], "loaded": len(c.get("loaded", ())),
-                         "verdict": c["verdict"], "enforced": group["gated"] and _enforced(c)})
+                         "verdict": c["verdict"], "enforced": group["gated"] and enforced(c)})
     return pd.DataFrame(rows)
 
 
