@@ -75,3 +75,10 @@ def test_the_board_names_each_canary_as_the_command_line_does(fixture_page: tupl
     assert set(_board(fixture_page[0])) == {"benchmark", "derivative", "learning", "memory", "mutations", "smoke"}
     labels = {declared.label for declared in KINDS.values()}
     assert set(CANARIES) <= labels, "every registered canary's records are shown under its CLI name"
+
+
+def test_every_board_label_is_a_name_the_command_line_or_the_evidence_uses() -> None:
+    """A canary's name (``rtv canary NAME``), with a flag of its command (``benchmark --baseline``), else the kind's."""
+    for declared in KINDS.values():
+        command = re.fullmatch(r"([a-z]+)(?: --[a-z-]+)?", declared.label)
+        assert declared.label == declared.name or (command and command[1] in CANARIES), declared
