@@ -26,7 +26,7 @@ from .generic import base_section
 
 __all__ = ["section", "short_revisions", "A_A_LINE"]
 
-CONTROL = "plain"  # the A/A control arm (canaries.benchmark.baseline.CONTROL)
+CONTROL_ARM = "plain"  # the A/A control arm: canaries.benchmark.baseline.CONTROL (reports never import the canaries)
 
 A_A_LINE = ("A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
             "decided difference here is the method's noise, not a change between revisions")
@@ -48,8 +48,8 @@ def _comparisons(record: dict) -> pd.DataFrame:
 
 def _failed_rows(table: pd.DataFrame) -> list[int]:
     """The rows that fail the record (its checks): the ``plain`` A/A control decided either way, an arm's regression."""
-    failing = lambda arm, verdict: verdict in (("regression", "gain") if arm == CONTROL else ("regression",))  # noqa: E731
-    return [i for i, row in enumerate(table.itertuples()) if failing(row.arm, row.verdict)]
+    decided = {CONTROL_ARM: ("regression", "gain")}
+    return [i for i, row in enumerate(table.itertuples()) if row.verdict in decided.get(row.arm, ("regression",))]
 
 
 def section(record: dict, folder: Path) -> Section:
