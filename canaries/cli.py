@@ -176,6 +176,10 @@ def _report(args: argparse.Namespace) -> int:
         raise SetupError(f"{source} is not a folder of evidence", fix="pass --in DIR, a folder of records")
     report = render_report(source, args.out_file)
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
+    if report.skipped:
+        first = ", ".join(map(str, report.skipped[:5])) + (" ..." if len(report.skipped) > 5 else "")
+        print(f"skipped {len(report.skipped)} *.json that are not records (no {EVIDENCE_MARKER} beside them and none "
+              f"verifies as evidence): {first}")
     if not report.records:
         print(f"no records in {source} nor in a folder rtv wrote records into below it (one holding "
               f"{EVIDENCE_MARKER}); a folder of records made otherwise is read when named: --in FOLDER")

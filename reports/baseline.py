@@ -6,7 +6,8 @@ reads one ``benchmark-baseline`` record (NOTE [Source against its base] in
 (``reports.benchmark.plot_ratios``) for its comparisons: each arm's median
 ratio of HEAD's step time to REV's with its interval, ``plain`` the A/A
 control; one line per comparison says which source scope the figure is for.
-A run whose REV is HEAD's commit (``config["a_a"]``) is labelled an A/A run
+A run whose two sides have the same trainer source (``config["a_a"]``: equal
+source digests) is labelled an A/A run
 first. Revision labels are short (:func:`short_revisions`): a record written
 before they were kept short still plots readable labels.
 """
@@ -25,8 +26,10 @@ from .generic import base_section
 
 __all__ = ["section", "short_revisions", "A_A_LINE"]
 
-A_A_LINE = ("A/A run: REV is HEAD's commit, so both sides run the same committed trainer; a decided difference "
-            "here is the method's noise (or HEAD's uncommitted edits), not a change between revisions")
+CONTROL_ARM = "plain"  # the A/A control arm: canaries.benchmark.baseline.CONTROL (reports never import the canaries)
+
+A_A_LINE = ("A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
+            "decided difference here is the method's noise, not a change between revisions")
 
 
 def short_revisions(text: str) -> str:
@@ -43,6 +46,12 @@ def _comparisons(record: dict) -> pd.DataFrame:
                          for c in record["measurements"]["comparisons"]])
 
 
+def _failed_rows(table: pd.DataFrame) -> list[int]:
+    """The rows that fail the record (its checks): the ``plain`` A/A control decided either way, an arm's regression."""
+    decided = {CONTROL_ARM: ("regression", "gain")}
+    return [i for i, row in enumerate(table.itertuples()) if row.verdict in decided.get(row.arm, ("regression",))]
+
+
 def section(record: dict, folder: Path) -> Section:
     """The baseline section (module docstring); writes ``baseline-<digest>-ratios.png`` into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -54,9 +63,10 @@ def section(record: dict, folder: Path) -> Section:
               for c in record["measurements"]["comparisons"]]
     lines.append(f"ratio = HEAD's step seconds / {scope.split(' ')[0]}'s, for {config['source_scope']}")
     built = base_section(record, lines=lines, tables={"HEAD against its base": table},
+                         failed_rows={"HEAD against its base": _failed_rows(table)},
                          figures=[Figure(path=plot, caption=f"{scope}: each arm's median ratio of step "
                                          "times with its interval, against the tie band (plain: the A/A control).",
                                          headline=True)])
     if not config.get("a_a"):
         return built
-    return replace(built, key_figure=f"A/A run (REV is HEAD's commit): {built.key_figure}")
+    return replace(built, key_figure=f"A/A run (the same trainer source): {built.key_figure}")

@@ -27,7 +27,7 @@ from .generic import checks_table
 from .numbers import MISSING, interval, number
 from .plots import save_png
 
-__all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios"]
+__all__ = ["section", "comparison_line", "difference_text", "samples_table", "plot_ratios", "enforced"]
 
 MIB = 2**20
 
@@ -53,8 +53,9 @@ def comparison_line(comparison: dict, workload: str, gate: float) -> str:
             f"→ {verdict} vs ±{gate * 100:g}% gate")
 
 
-def _enforced(comparison: dict) -> bool:
-    """The gated comparisons (``canaries.benchmark.canary``): retain@s0 vs plain, and replay@s0 vs its floor."""
+def enforced(comparison: dict) -> bool:
+    """Whether a comparison of a gated group is enforced (``canaries.benchmark.canary``): retain@s0 vs plain, and
+    replay@s0 vs its floor; every other is reported only."""
     against_plain = comparison["baseline"] == "plain"
     return (comparison["arm"], against_plain) in {("retain@s0", True), ("replay@s0", False)}
 
@@ -67,7 +68,7 @@ def _comparisons(record: dict) -> pd.DataFrame:
             rows.append({"workload": group["label"], "arm": c["arm"], "baseline": c["baseline"], "blocks": c["blocks"],
                          "ratio": c["ratio"], "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
                          "drift_rho": c["drift"]["rho"], "loaded": len(c.get("loaded", ())),
-                         "verdict": c["verdict"], "enforced": group["gated"] and _enforced(c)})
+                         "verdict": c["verdict"], "enforced": group["gated"] and enforced(c)})
     return pd.DataFrame(rows)
 
 
@@ -238,11 +239,14 @@ def section(record: dict, folder: Path) -> Section:
                  f"{'GPU preset run on CPU with its shapes swapped for CPU ones; ' if config['swapped_for_cpu'] else ''}"
                  f"{config['note']}.")
     verdict, key_figure = _headline(record, comparisons)
+    enforced = comparisons["enforced"] if len(comparisons) else pd.Series(dtype=bool)
+    failed = [i for i, row in enumerate(comparisons.itertuples()) if row.enforced and row.verdict == "regression"]
     return Section(
         kind=record["kind"], title=f"Benchmark ({config['preset']}, {config['profile']})", passed=record["passed"],
         verdict=verdict, key_figure=key_figure, lines=lines,
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
                 "Checks": checks_table(record)},
-        figures=figures, links=links, shown=True,  # the benchmark's verdicts are shown (enforced under --gate)
+        figures=figures, links=links, failed_rows={"Comparisons": failed},
+        shown=not enforced.any(),  # a verdict is shown only when no comparison is enforced (a gated group is)
     )

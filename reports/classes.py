@@ -1,18 +1,22 @@
 """The HTML page's CSS classes: a fixed vocabulary, chosen from a row's result, never from the text of its cells.
 
 :data:`CLASSES` is the whole vocabulary the page's stylesheet knows:
-``passed`` (green), ``failed`` (red: only what failed), ``shown`` (a
-verdict shown, not a failure: ``regression``, ``worse``, ``inconclusive``
-...), ``skipped`` (grey). :func:`result_class` maps a result word to one of
-them; a word it does not know is ``shown``, never ``failed``. A table's
-result cell is the cell of its first column named in :data:`RESULT_COLUMNS`;
-every other cell gets no class, so a description that says "failed" or
-"regression" is plain text.
+``passed`` (green), ``failed`` (red: exactly what failed the record),
+``shown`` (amber: a verdict shown, not enforced: ``regression``, ``worse``,
+``inconclusive`` ...), ``skipped`` (grey). :func:`result_class` maps a
+result word to one of them; a word it does not know is ``shown``, never
+``failed``. A word alone cannot say whether a verdict was enforced (a
+``regression`` fails a gated comparison and is only shown on a reported
+one), so a section builder names the rows that failed its record
+(``Section.failed_rows``) and :func:`classed_rows` gives their result cell
+``failed`` whatever its word. A table's result cell is the cell of its
+first column named in :data:`RESULT_COLUMNS`; every other cell gets no
+class, so a description that says "failed" or "regression" is plain text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import pandas as pd
 
@@ -21,7 +25,7 @@ __all__ = ["CLASSES", "RESULT_COLUMNS", "result_class", "classed_rows"]
 CLASSES = ("passed", "failed", "shown", "skipped")
 RESULT_COLUMNS = ("result", "verdict", "outcome", "state", "status")
 _WORDS = {
-    "passed": ("pass", "passed", "caught", "tie", "equivalent", "bitwise equal"),
+    "passed": ("pass", "passed", "caught", "tie", "equivalent", "bitwise equal", "measured", "refused"),
     "failed": ("fail", "failed", "not caught", "invalid", "differs", "different"),
     "skipped": ("skipped", "inapplicable", "not run"),
 }
@@ -39,8 +43,10 @@ def _result_column(columns: Sequence[str]) -> int | None:
     return named[0] if named else None
 
 
-def classed_rows(frame: pd.DataFrame) -> Iterable[list[tuple[object, str]]]:
-    """Each row of ``frame`` as ``(value, class)`` pairs: the result cell's class, ``""`` for every other cell."""
+def classed_rows(frame: pd.DataFrame, failed: Collection[int] = ()) -> Iterable[list[tuple[object, str]]]:
+    """Each row of ``frame`` as ``(value, class)`` pairs: the result cell's class (``failed`` in a row whose position
+    is in ``failed``: it failed the record), ``""`` for every other cell."""
     where = _result_column(list(frame.columns))
-    for row in frame.itertuples(index=False):
-        yield [(value, result_class(value) if index == where else "") for index, value in enumerate(row)]
+    for position, row in enumerate(frame.itertuples(index=False)):
+        css = lambda value: "failed" if position in failed else result_class(value)  # noqa: E731
+        yield [(value, css(value) if index == where else "") for index, value in enumerate(row)]

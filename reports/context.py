@@ -27,7 +27,15 @@ import pandas as pd
 from .classes import result_class
 from .kinds import kind
 
-__all__ = ["Figure", "Section", "RecordView", "ReportContext"]
+__all__ = ["Figure", "Section", "RecordView", "ReportContext", "forced_failure"]
+
+FORCED_FAILURE = "failure:"  # how ``rtv run --inject-failure`` names its fault (``canaries.suite``)
+
+
+def forced_failure(fault: str) -> bool:
+    """Whether an injected fault forces a check to fail (``--inject-failure``) rather than mutating the trainer
+    (``--inject-mutation``: ``mutation NAME``): it changes no record but the one it fails."""
+    return str(fault).startswith(FORCED_FAILURE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +63,9 @@ class Section:
     ``links``: ``(text, href)`` of files to open (traces), hrefs relative to the page.
     ``shown``: ``verdict`` is a comparison's outcome the record shows without
     enforcing it (the board reads ``shown: worse``, never ``passed`` beside it).
+    ``failed_rows``: per table name, the positions of the rows that failed the
+    record (an enforced comparison's ``regression``): their result cell is
+    red whatever its word (``reports.classes``); a shown-only verdict stays amber.
     """
 
     kind: str
@@ -67,6 +78,7 @@ class Section:
     figures: list[Figure] = field(default_factory=list)
     links: list[tuple[str, str]] = field(default_factory=list)
     shown: bool = False
+    failed_rows: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +90,9 @@ class RecordView:
     ``anchor`` the stable HTML id of its section (``section-<name>``);
     ``failed_checks`` each failed check with the reason the record gives;
     ``injected``: the faults put in on purpose while the record was made
-    (its ``config["injected"]``, ``validation.evidence.injected``).
+    (its ``config["injected"]``, ``validation.evidence.injected``);
+    ``forced``: the record is the one a forced failure was made on (its
+    ``config["inject_failure"]``, the smoke check's).
     """
 
     name: str
@@ -93,6 +107,7 @@ class RecordView:
     figures: list[Figure] = field(default_factory=list)
     failed_checks: list[tuple[str, str]] = field(default_factory=list)
     injected: list[str] = field(default_factory=list)
+    forced: bool = False
 
     @property
     def verdict(self) -> str:
@@ -106,10 +121,16 @@ class RecordView:
         return declared.label if declared else name
 
     @property
+    def marks(self) -> list[str]:
+        """The injected faults the board shows beside this record (:func:`forced_failure`): a mutation on every
+        record (each was made by the broken trainer), a forced failure only on the record it was forced on."""
+        return [fault for fault in self.injected if not forced_failure(fault) or self.forced]
+
+    @property
     def board_class(self) -> str:
         """The verdict cell's class (``reports.classes``): ``shown`` for a shown verdict that passed or a pass made
-        with an injected fault (not a clean pass), else the status's."""
-        shown = self.injected or (self.section is not None and self.section.shown)
+        by a mutated trainer (not a clean pass), else the status's."""
+        shown = self.marks or (self.section is not None and self.section.shown)
         return "shown" if shown and self.status == "passed" else result_class(self.status)
 
     @property
@@ -120,7 +141,7 @@ class RecordView:
             text = f"shown: {self.verdict}"
         else:
             text = self.verdict if self.verdict == self.status else f"{self.verdict} ({self.status})"
-        return text + "".join(f" · injected: {fault}" for fault in self.injected)
+        return text + "".join(f" · injected: {fault}" for fault in self.marks)
 
     @property
     def key_figure(self) -> str:
@@ -132,11 +153,14 @@ class ReportContext:
     """The page: title, when it was made, the records, and the verdict.
 
     ``passed``: at least one record, every record verified, every record passed.
+    ``skipped``: the ``*.json`` below the folder not read as records
+    (``reports.records``), as links relative to the page.
     """
 
     title: str
     generated: str
     records: list[RecordView]
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -163,6 +187,16 @@ class ReportContext:
     def injected(self) -> list[str]:
         """Every fault injected on purpose into some record of the page, once each, in board order."""
         return list(dict.fromkeys(fault for view in self.board for fault in view.injected))
+
+    @property
+    def injected_note(self) -> str:
+        """What the injected faults mean for the page's records: a mutation made every record (a pass too), a
+        forced failure only failed the record it names (every other record is the unchanged trainer's)."""
+        caught = "a failure below is the injected fault being caught, not a defect of the trainer"
+        if any(not forced_failure(fault) for fault in self.injected):
+            return f"This run is a negative control: {caught}, and a pass was made by a deliberately broken trainer."
+        return (f"This run is a negative control: {caught}; the trainer was not changed: the fault forced the "
+                "record marked with it on the board to fail, and every other record was made as in any run.")
 
     @property
     def headline(self) -> list[Figure]:

@@ -49,7 +49,7 @@ def base_section(record: dict[str, Any], **extra: Any) -> Section:
     lines = [] if kind(declared.name) else [f"kind {declared.name!r} is not registered in reports.kinds"]
     fields = dict(kind=declared.name, title=declared.title, passed=record.get("passed", False),
                   verdict="passed" if record.get("passed") else "failed", key_figure=figure, lines=lines, tables=tables,
-                  figures=[])
+                  figures=[], failed_rows={})
     for name, value in extra.items():
         fields[name] = {**fields[name], **value} if isinstance(value, dict) else [*fields[name], *value]
     return Section(**fields)

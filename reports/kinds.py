@@ -57,7 +57,7 @@ KINDS: dict[str, Kind] = {
         Kind(name="planner-canary", canary="planner",
              title="Planner canary: auto's choices and estimates against measured placements",
              measurements=("certificate", "seconds"), builder="reports.planner"),
-        Kind(name="planner-miss", canary="planner (miss)",
+        Kind(name="planner-miss",  # no canary: written by validation.misses.MissLog, shown by its kind's name
              title="Planner miss: an estimate exceeded or a refusal, replayable on a CPU",
              measurements=("kind", "estimate", "measured", "raised", "inputs")),
         Kind(name="mutation-suite", canary="mutations",

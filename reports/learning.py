@@ -158,6 +158,13 @@ def _headline(workloads: dict) -> tuple[str, list[str], list[str]]:
     return ("stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran"), lines, verdicts
 
 
+def _failed_verdicts(name: str, workload: dict, failed: set[str]) -> list[int]:
+    """The rows of :func:`verdict_table` whose gated check (``--gate``, named as ``canaries.learning.summary`` names
+    it) failed the record."""
+    gated = lambda v: f"{name}: {v['arm']} equivalent to {v['baseline']} ({v['metric']}, gated)"  # noqa: E731
+    return [i for i, v in enumerate(workload["verdicts"]) if gated(v) in failed]
+
+
 def _in_order(workload: dict, order: list[str]) -> dict:
     if "arms" not in workload:
         return workload
@@ -170,7 +177,8 @@ def section(record: dict, folder: Path) -> Section:
     order = [arm["name"] for arm in record["config"]["arms"]]  # the canary's order (JSON keys come sorted)
     workloads = {name: _in_order(workload, order) for name, workload in record["measurements"]["workloads"].items()}
     stem = f"learning-{record['digest'][:10]}"
-    figures, tables = [], {}
+    figures, tables, failed_rows = [], {}, {}
+    failed = {c.name for c in checks_of(record) if c.failed}
     for name, workload in workloads.items():
         if workload["precondition"]["reason"]:
             continue
@@ -180,6 +188,7 @@ def section(record: dict, folder: Path) -> Section:
         differences = save_png(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)
+        failed_rows[f"{name}: verdicts (paired TOST, α = 0.05)"] = _failed_verdicts(name, workload, failed)
         tables[f"{name}: arms"] = arms_table(workload)
     key_figure, lines, verdicts = _headline(workloads)
     shown = not record["config"].get("gate", False) and bool(verdicts)  # equivalence verdicts enforced only by --gate
@@ -195,4 +204,5 @@ def section(record: dict, folder: Path) -> Section:
         tables=tables,
         figures=figures,
         shown=shown,
+        failed_rows=failed_rows,
     )

@@ -92,4 +92,13 @@ def section(record: dict, folder: Path) -> Section:
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     return Section(kind=record["kind"], title="Planner canary: auto's choices and estimates against measured placements",
                    passed=record["passed"], verdict="passed" if record["passed"] else "failed", key_figure=key,
-                   lines=lines, tables={"cells": cells, "bytes per placement": memory}, figures=figures)
+                   lines=lines, tables={"cells": cells, "bytes per placement": memory}, figures=figures,
+                   failed_rows={"cells": _failed_cells(record, cells)})
+
+
+def _failed_cells(record: dict, cells: pd.DataFrame) -> list[int]:
+    """The rows of :func:`cells_table` that failed the record: a failed cell, and a wrong refusal when the
+    certificate's refusal check failed (a refusal judged right is green, as a measured cell is)."""
+    refusals_failed = any(c.failed and c.name.startswith("certificate: no wrong refusal") for c in checks_of(record))
+    return [i for i, row in enumerate(cells.itertuples()) if row.status == "failed"
+            or (refusals_failed and row.status == "refused" and row.refusal_right is False)]

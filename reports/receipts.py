@@ -50,6 +50,13 @@ def _requested_observed(m: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["what", "requested", "observed"])
 
 
+def _teardown(steps: list[dict[str, Any]]) -> pd.DataFrame:
+    """The teardown steps (``ci.teardown``), each step's ``ok`` as its ``result`` (a failed step is red on the page)."""
+    rows = [{"step": s.get("step"), "result": "pass" if s.get("ok") else "FAIL", "detail": s.get("detail"),
+             "seconds": s.get("seconds")} for s in steps]
+    return pd.DataFrame(rows, columns=["step", "result", "detail", "seconds"])
+
+
 def section(record: dict[str, Any], folder: Path) -> Section:
     """The receipt's section (``folder`` is unused: a receipt has no figures)."""
     m = record["measurements"]
@@ -62,7 +69,7 @@ def section(record: dict[str, Any], folder: Path) -> Section:
     tables = {"Requested and observed": _requested_observed(m)}
     steps = observed.get("teardown") or []
     if steps:
-        tables["Teardown"] = pd.DataFrame(steps)
+        tables["Teardown"] = _teardown(steps)
     tables["Timings (s)"] = pd.DataFrame(sorted((m.get("timings_s") or {}).items()), columns=["phase", "seconds"])
     return Section(
         kind=RECEIPT_KIND,

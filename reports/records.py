@@ -6,15 +6,21 @@ schema, types, digest, and its checks all passed / did not) or ``invalid``
 a record at all; never counts as passed). Every writer in the project writes
 records through ``validation.evidence``, so there is no other format to read.
 
-Which files are records (:func:`record_files`): every ``*.json`` in the
+Which files are records (:func:`find_records`): every ``*.json`` in the
 folder named (``--in``: asked for by name, so ``rtv report --in
 tests/fixtures/evidence`` reads the committed fixtures) and, below it, in
 each folder the harness marked (``validation.evidence.EVIDENCE_MARKER``,
-written by ``write_once`` into every folder it writes a record into). Below
-the folder named, a source tree is never entered, marked or not: a git
-checkout or worktree (a ``.git`` entry, e.g. ``rtv bench --baseline``'s
-``<out>/sources/<commit>``) or a ``tests/fixtures`` folder. So the committed
-records of a checkout lying under ``--in`` are never taken for this run's.
+written by ``write_once`` into every folder it writes a record into) or
+where some ``*.json`` verifies as evidence: a marker is lost where hidden
+files are dropped (``actions/upload-artifact`` drops them unless told
+otherwise) and is missing from folders written before it existed, and a
+failing record must never be left out for that. Below the folder named, a
+source tree is never entered, marked or not: a git checkout or worktree (a
+``.git`` entry, e.g. ``rtv bench --baseline``'s ``<out>/sources/<commit>``)
+or a ``tests/fixtures`` folder. So the committed records of a checkout
+lying under ``--in`` are never taken for this run's. Every other ``*.json``
+below the folder is skipped, and :attr:`Found.skipped` names it so that the
+terminal and the page can say so.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 from validation.errors import SetupError
 from validation.evidence import EVIDENCE_MARKER, EvidenceError, verify
 
-__all__ = ["LoadedRecord", "load_records", "record_files"]
+__all__ = ["Found", "LoadedRecord", "find_records", "load_records", "record_files"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,16 +66,37 @@ def _source_tree(folder: Path) -> bool:
     return (folder / ".git").exists() or (folder.name == "fixtures" and folder.parent.name == "tests")
 
 
-def record_files(folder: Path) -> list[Path]:
-    """The files :func:`load_records` reads (module docstring): ``folder``'s own ``*.json`` and those of the
-    folders below it the harness marked, never inside a source tree below ``folder``; sorted by path."""
-    root, found = Path(folder), []
+@dataclass(frozen=True)
+class Found:
+    """What :func:`find_records` found: the record files, and the ``*.json`` it skipped (module docstring)."""
+
+    records: list[Path]
+    skipped: list[Path]
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify(path)
+    except EvidenceError:
+        return False
+    return True
+
+
+def find_records(folder: Path) -> Found:
+    """The files :func:`load_records` reads (module docstring) and the ``*.json`` it skips, each sorted by path."""
+    root, found, skipped = Path(folder), [], []
     for here, folders, files in os.walk(root):
         here_path = Path(here)
         folders[:] = [name for name in folders if not _source_tree(here_path / name)]
-        if here_path == root or EVIDENCE_MARKER in files:
-            found += [here_path / name for name in files if name.endswith(".json") and not name.startswith(".")]
-    return sorted(found)
+        jsons = [here_path / name for name in files if name.endswith(".json") and not name.startswith(".")]
+        evidence = here_path == root or EVIDENCE_MARKER in files or any(map(_verifies, jsons))
+        (found if evidence else skipped).extend(jsons)
+    return Found(records=sorted(found), skipped=sorted(skipped))
+
+
+def record_files(folder: Path) -> list[Path]:
+    """The record files of :func:`find_records`, sorted by path."""
+    return find_records(folder).records
 
 
 def load_records(folder: Path) -> list[LoadedRecord]:

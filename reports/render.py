@@ -32,7 +32,7 @@ from .context import RecordView, ReportContext, Section
 from .generic import checks_table
 from .kinds import kind
 from .numbers import number
-from .records import LoadedRecord, load_records
+from .records import LoadedRecord, find_records, load_records
 
 __all__ = ["ReportPaths", "build_context", "render_report"]
 
@@ -70,6 +70,7 @@ class ReportPaths:
     plots: list[Path] = field(default_factory=list)
     records: int = 0
     passed: bool = False
+    skipped: list[Path] = field(default_factory=list)
 
 
 def _section(loaded: LoadedRecord, folder: Path) -> Section:
@@ -94,13 +95,16 @@ def _view(loaded: LoadedRecord, folder: Path) -> RecordView:
                       created=loaded.record.get("created", "unknown"), environment=loaded.record.get("environment", {}),
                       source=loaded.record.get("source", {}), section=section, figures=figures,
                       failed_checks=_failed_checks(loaded),
-                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])])
+                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])],
+                      forced=loaded.record.get("config", {}).get("inject_failure") is True)
 
 
 def build_context(in_dir: Path, folder: Path, *, title: str) -> ReportContext:
     """The page for every record under ``in_dir``, its figures written under ``folder / "plots"``."""
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return ReportContext(title=title, generated=generated, records=[_view(r, folder) for r in load_records(in_dir)])
+    records = [_view(r, folder) for r in load_records(in_dir)]  # SetupError when in_dir is no folder
+    skipped = [Path(os.path.relpath(path, folder)).as_posix() for path in find_records(in_dir).skipped]
+    return ReportContext(title=title, generated=generated, records=records, skipped=skipped)
 
 
 def render_report(in_dir: Path, out_file: Path | None = None, *, title: str | None = None) -> ReportPaths:
@@ -122,4 +126,5 @@ def render_report(in_dir: Path, out_file: Path | None = None, *, title: str | No
     embedded = {str(f.path): _data_uri(folder / f.path) for view in context.records for f in view.figures}
     html.write_text(_TEMPLATES.get_template("report.html.j2").render(page=context, embedded=embedded))
     plots = [folder / f.path for view in context.records for f in view.figures]
-    return ReportPaths(markdown=out_file, html=html, plots=plots, records=len(context.records), passed=context.passed)
+    return ReportPaths(markdown=out_file, html=html, plots=plots, records=len(context.records), passed=context.passed,
+                       skipped=[Path(os.path.normpath(folder / path)) for path in context.skipped])

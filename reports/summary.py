@@ -6,7 +6,12 @@
 baseline, median ratio with its interval, verdict), the overall verdict and
 links to the report and each record. ``pr-comment.md`` is written beside it
 only when some verdict is ``regression`` (a comment is noise otherwise); it
-holds the regressions alone. ``rtv report --summary`` fronts it; a workflow
+holds the regressions alone. A regression counts only where it is a
+finding: an enforced comparison of a benchmark (a gated workload's
+retain@s0 vs plain and replay@s0 vs its floor, ``reports.benchmark.enforced``)
+and a baseline's arm other than the ``plain`` A/A control; a reported-only
+arm slower than plain by design reads ``regression (reported)`` in the table
+and is counted nowhere. ``rtv report --summary`` fronts it; a workflow
 appends the summary with ``cat summary.md >> "$GITHUB_STEP_SUMMARY"`` and
 posts the comment when the file exists.
 """
@@ -17,7 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .baseline import short_revisions
+from .baseline import CONTROL_ARM, short_revisions
+from .benchmark import enforced
 from .numbers import interval, number
 from .records import LoadedRecord, load_records
 
@@ -37,35 +43,42 @@ class SummaryPaths:
     regressions: int
 
 
-def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict]]:
-    """``(workload, comparison)`` of one record: a benchmark's groups (replay floors too), or a baseline's arms."""
+def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict, bool]]:
+    """``(workload, comparison, counted)`` of one record: a benchmark's groups (replay floors too), or a baseline's
+    arms; ``counted``: its regression is a finding (module docstring)."""
     measurements = loaded.record["measurements"]
     if loaded.kind == "benchmark-baseline":
         scope = short_revisions(loaded.record["config"]["scope"])
-        return [(f"{loaded.record['config']['workload']} ({scope})", c) for c in measurements["comparisons"]]
-    return [(g["label"], c) for g in measurements["groups"]
+        return [(f"{loaded.record['config']['workload']} ({scope})", c, c["arm"] != CONTROL_ARM)
+                for c in measurements["comparisons"]]
+    return [(g["label"], c, g["gated"] and enforced(c)) for g in measurements["groups"]
             for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])]
 
 
 def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
-    """One row per comparison of the folder's benchmark records: workload, arm, baseline, ratio, interval, verdict, link."""
+    """One row per comparison of the folder's benchmark records: workload, arm, baseline, ratio, interval, verdict,
+    whether a regression there is counted (module docstring), link."""
     rows = []
     for loaded in load_records(in_dir):
         if loaded.kind not in BENCHMARK_KINDS or loaded.status == "invalid":
             continue
         link = Path(os.path.relpath(loaded.path, folder)).as_posix()
-        for workload, c in _comparisons(loaded):
+        for workload, c, counted in _comparisons(loaded):
             low, high = c["ci95"]
             rows.append({"workload": workload, "arm": c["arm"], "baseline": short_revisions(c["baseline"]), "ratio": c["ratio"],
-                         "interval": interval(low, high),
-                         "verdict": c["verdict"], "blocks": c["blocks"], "record": link})
+                         "interval": interval(low, high), "verdict": c["verdict"], "counted": counted,
+                         "blocks": c["blocks"], "record": link})
     return rows
+
+
+def _verdict(row: dict) -> str:
+    return f"{row['verdict']} (reported)" if row["verdict"] == "regression" and not row["counted"] else row["verdict"]
 
 
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| workload | arm vs baseline | ratio (95% CI) | verdict | blocks | record |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {number(r['ratio'], '.3f')} {r['interval']} | "
-              f"**{r['verdict']}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
+              f"**{_verdict(r)}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
     return lines
 
 
@@ -73,7 +86,7 @@ def write_summary(in_dir: Path, folder: Path, report: Path | None = None) -> Sum
     """Write the summary (and the PR comment on a regression) into ``folder``; ``report``: the page to link."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(in_dir, folder)
-    regressions = [r for r in rows if r["verdict"] == "regression"]
+    regressions = [r for r in rows if r["verdict"] == "regression" and r["counted"]]
     verdict = (f"{len(regressions)} regression(s)" if regressions else "no regression") + f" in {len(rows)} comparisons"
     link = [f"[full report]({Path(os.path.relpath(report, folder)).as_posix()})"] if report is not None else []
     ratio = "ratio = arm seconds / baseline seconds per ABBA block (above 1: slower)"

@@ -297,9 +297,10 @@ def mark_evidence_folder(folder: Path) -> Path:
 
     :func:`write_once` marks every folder it writes into, so a run folder is
     marked from its first record on. ``reports.records.load_records`` collects
-    records below the folder it is given only from marked folders: a source
-    tree's committed records (a baseline's worktree, ``tests/fixtures``) are
-    not this harness's output. Idempotent.
+    records below the folder it is given from marked folders, and from an
+    unmarked one only where its records verify (a marker lost in an upload),
+    never from a source tree (a baseline's worktree, ``tests/fixtures``):
+    its committed records are not this harness's output. Idempotent.
     """
     marker = Path(folder) / EVIDENCE_MARKER
     if not marker.is_file():

@@ -24,9 +24,13 @@ NOTE [Source against its base]
    the same code: it is the A/A control and must not come out a regression
    or a gain (a decided difference there means the method, not the source,
    is broken); it is always run, first, and never counted as a finding.
-5. REV resolving to HEAD's commit (the default merge base on ``main``) is an
-   A/A run of every arm: the record's ``config["a_a"]`` says so, the scope
-   and the terminal say so, and the report labels it. REV is labelled by
+5. REV whose trainer source is HEAD's (equal digests, Rule 1: REV resolving
+   to HEAD's commit, the default merge base on ``main``, with no uncommitted
+   trainer edits) is an A/A run of every arm: the record's
+   ``config["a_a"]`` says so, the scope and the terminal say so, and the
+   report labels it. REV at HEAD's commit with edited trainer files is no
+   A/A run (HEAD's side imports the work tree): the scope and terminal say
+   :data:`EDITED`. REV is labelled by
    itself when it has at most 12 characters, else by its commit's first 12
    (a plot's labels stay short); the full REV is in ``sources``. REV's
    worktree is removed (and git's entry for it pruned) when the run ends.
@@ -70,6 +74,9 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
         raise SetupError(f"git {' '.join(args)} failed: {done.stderr.strip()}",
                          fix="pass --baseline a commit, branch or tag of this repository")
     return done.stdout.strip()
+
+
+EDITED = "REV is HEAD's commit; HEAD has uncommitted edits"  # the scope of a run that is no A/A run for that
 
 
 def merge_base(root: Path = ROOT) -> str:
@@ -222,12 +229,15 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
     commit, tree = source_tree(rev, out, root)
     try:
         identities = {"baseline": {"rev": rev, **source_identity(tree)}, "head": source_identity(root)}
-        a_a = commit == _git("rev-parse", "HEAD", cwd=root)
+        a_a = identities["baseline"]["digest"] == identities["head"]["digest"]  # HEAD's side imports the work tree
+        edited = not a_a and commit == _git("rev-parse", "HEAD", cwd=root)
         label = revision_label(rev, commit)
-        scope = f"{label} → HEAD" + (" (A/A: REV is HEAD's commit)" if a_a else "")
+        scope = f"{label} → HEAD" + (" (A/A: the same trainer source)" if a_a else f" ({EDITED})" if edited else "")
         if a_a:
-            print(f"rtv bench --baseline: {rev} resolves to HEAD's commit {commit[:12]}: an A/A run (both sides run "
-                  "the same committed trainer; pass --baseline REV to compare with another revision)", flush=True)
+            print(f"rtv bench --baseline: {rev} ({commit[:12]}) has HEAD's trainer source: an A/A run (both sides run "
+                  "the same trainer; pass --baseline REV to compare with another revision)", flush=True)
+        elif edited:
+            print(f"rtv bench --baseline: {EDITED}: the comparison is of those edits", flush=True)
         return _judged(tree, root, preset, profile, arms=arms, gate=gate, threads=threads, seed=seed, worker=worker,
                        meter=meter, config={"scope": scope, "a_a": a_a}, label=label, identities=identities)
     finally:

@@ -154,8 +154,25 @@ def test_a_rev_that_is_heads_commit_is_an_a_a_run_said_on_the_terminal_in_the_re
     assert built.key_figure.startswith("A/A run") and built.lines[0].startswith("A/A run")
 
 
+def test_heads_commit_with_uncommitted_trainer_edits_is_no_a_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clone = _clone(tmp_path)
+    edited = clone / "reference_trainer" / "__init__.py"
+    edited.write_text(edited.read_text() + "\nEDITED = 1\n")  # HEAD's side imports this work tree
+    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
+                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+    sources = judged.measurements["sources"]
+    assert sources["head"]["commit"].endswith("+dirty") and sources["baseline"]["digest"] != sources["head"]["digest"]
+    assert judged.config["a_a"] is False and "A/A" not in judged.config["scope"]
+    assert "REV is HEAD's commit; HEAD has uncommitted edits" in judged.config["scope"]
+    assert "REV is HEAD's commit; HEAD has uncommitted edits" in capsys.readouterr().out
+
+
 def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path: Path) -> None:
     clone = _clone(tmp_path)
+    marker = clone / "reference_trainer" / "__init__.py"
+    marker.write_text(marker.read_text() + "\nMARKER = 1\n")
+    subprocess.run([*GIT, "commit", "-qam", "marker"], cwd=clone, check=True)  # HEAD~1's trainer differs
     judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
                             worker=lambda tree: FakeWorker(tree, clone, 1.0))
     listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=clone, capture_output=True, text=True,

@@ -61,7 +61,8 @@ def smokes(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
         calls.append({"seed": seed, "inject_failure": inject_failure})
-        record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": not inject_failure}, measurements={})
+        record = make_record("smoke", config={"seed": seed, "inject_failure": inject_failure},
+                             checks={"smoke ok": not inject_failure}, measurements={})
         return SimpleNamespace(checks=[], record=lambda: record)
 
     monkeypatch.setattr(smoke, "run_smoke", quick)
@@ -130,9 +131,10 @@ def test_a_preset_over_the_device_memory_is_refused_before_anything_is_written(t
 
 @pytest.mark.parametrize(("flag", "fault"), [(["--inject-mutation", "staleness_off_by_one"], "mutation staleness_off_by_one"),
                                              (["--inject-failure"], "failure: a smoke check fails on purpose")])
-def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_shows_it(smokes, monkeypatch, tmp_path,
-                                                                                     flag, fault):
-    """A failure is the control caught, a pass was made by a broken trainer: neither may pass for a real outcome."""
+def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_says_what_it_did(smokes, monkeypatch,
+                                                                                              tmp_path, flag, fault):
+    """A mutation made every record (a pass was made by a broken trainer, never green); a forced failure only fails
+    the record it forces (the board marks that one, the banner says the trainer was not changed)."""
     monkeypatch.setattr(registry, "CANARIES", {"a": FakeCanary("a"), "b": FakeCanary("b", passed=False)})
     main(["run", "--preset", "cpu", *flag, "--out", str(tmp_path)])
     records = sorted(tmp_path.glob("run-cpu-*/*.json"))
@@ -140,8 +142,15 @@ def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_show
     page = next(tmp_path.glob("run-cpu-*/report/index.md")).read_text()
     board = page[page.index("## Verdict board"):page.index("## Environment")]
     assert f"**Injected on purpose: {fault}.**" in page
-    assert sum(f"· injected: {fault} |" in line for line in board.splitlines()) == 3
     html = next(tmp_path.glob("run-cpu-*/report/index.html")).read_text()
-    assert f'<td class="shown">passed · injected: {fault}</td>' in html, "an injected run's pass is not a clean one"
     assert 'id="injected"' in html
+    marked = [line for line in board.splitlines() if f"· injected: {fault} |" in line]
+    if fault.startswith("mutation"):
+        assert len(marked) == 3 and "a pass was made by a deliberately broken trainer" in page
+        assert f'<td class="shown">passed · injected: {fault}</td>' in html, "a mutated run's pass is not a clean one"
+    else:  # the smoke record it forced to fail; canary b failed by itself, canary a passed
+        assert len(marked) == 1 and "| smoke | failed · injected" in marked[0]
+        assert "deliberately broken trainer" not in page and "the trainer was not changed" in page
+        assert '<td class="passed">passed</td>' in html, "a canary the forced failure did not touch passed"
+        assert '<td class="failed">failed</td>' in html, "canary b's own failure is not the control's"
     assert make_record("smoke", config={}, checks={"ok": True}, measurements={})["config"] == {}, "only inside the run"

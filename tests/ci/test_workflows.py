@@ -194,3 +194,17 @@ def test_the_hourly_sweeper_downs_old_clusters_of_any_user_and_fails_loudly():
     (sweep,) = [r for r in runs if r.startswith(".venv/bin/rtv gpu sweep")]
     assert "--older-than 3h" in sweep and "--fail-if-found" in sweep
     assert runs.index("python3 ci/guard.py endpoint") < runs.index(sweep)
+
+
+def test_every_upload_of_rtv_out_keeps_the_evidence_markers():
+    """upload-artifact@v4 drops hidden files unless told (v4.4.0 on): the ``.rtv-evidence`` marker beside each
+    record would be missing from every archived folder of evidence."""
+    from validation.evidence import EVIDENCE_MARKER
+
+    assert EVIDENCE_MARKER.startswith("."), "a hidden file: the reason the uploads must include them"
+    uploads = [(path.name, step) for path in sorted(WORKFLOWS.glob("*.yml"))
+               for job in _load(path.name)["jobs"].values() for step in job.get("steps", [])
+               if step.get("uses", "").startswith("actions/upload-artifact")
+               and str(step["with"]["path"]).startswith("rtv-out")]
+    assert len(uploads) >= 4
+    assert [name for name, step in uploads if step["with"].get("include-hidden-files") is not True] == []

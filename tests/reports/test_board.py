@@ -65,7 +65,8 @@ def test_the_class_vocabulary_is_fixed_and_an_unknown_word_is_never_red() -> Non
 
 def test_a_shown_verdict_reads_shown_never_passed_beside_it(fixture_page: tuple[str, str]) -> None:
     board = _board(fixture_page[0])
-    assert board["learning"] == "shown: worse, inconclusive" and board["benchmark"] == "shown: tie"
+    assert board["learning"] == "shown: worse, inconclusive"
+    assert board["benchmark"] == "tie (passed)", "the committed benchmark's gated comparison is enforced, not shown"
     assert board["derivative"] == "passed"
     assert '<td class="shown">shown: worse, inconclusive</td>' in fixture_page[1]
 
@@ -74,3 +75,10 @@ def test_the_board_names_each_canary_as_the_command_line_does(fixture_page: tupl
     assert set(_board(fixture_page[0])) == {"benchmark", "derivative", "learning", "memory", "mutations", "smoke"}
     labels = {declared.label for declared in KINDS.values()}
     assert set(CANARIES) <= labels, "every registered canary's records are shown under its CLI name"
+
+
+def test_every_board_label_is_a_name_the_command_line_or_the_evidence_uses() -> None:
+    """A canary's name (``rtv canary NAME``), with a flag of its command (``benchmark --baseline``), else the kind's."""
+    for declared in KINDS.values():
+        command = re.fullmatch(r"([a-z]+)(?: --[a-z-]+)?", declared.label)
+        assert declared.label == declared.name or (command and command[1] in CANARIES), declared

@@ -28,3 +28,15 @@ def test_the_section_plots_regret_and_bytes_and_lists_every_cell(tmp_path: Path)
     assert all(f.path.stat().st_size > 0 for f in view.figures)
     assert list(view.tables["cells"]["status"]) == ["measured", "failed"] and not view.passed
     assert any("every planned cell has a verdict" in line for line in view.lines)
+
+
+def test_a_wrong_refusal_is_red_a_right_one_and_a_measured_cell_green(tmp_path: Path) -> None:
+    from reports.classes import classed_rows
+
+    wrong, right = _cell("wrong", GOOD), _cell("right", GOOD)
+    wrong.auto, wrong.device_limit = None, 95  # every measured peak (90) fits: refusing it is wrong
+    right.auto, right.device_limit = None, 80  # no peak fits: refusing it is right
+    view = section(_record({"a": _cell("a", GOOD), "wrong": wrong, "right": right}), tmp_path)
+    assert not view.passed and list(view.tables["cells"]["status"]) == ["measured", "refused", "refused"]
+    rows = classed_rows(view.tables["cells"], view.failed_rows["cells"])
+    assert [next(css for _, css in row if css) for row in rows] == ["passed", "failed", "passed"]

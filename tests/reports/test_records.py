@@ -57,15 +57,28 @@ def test_a_baselines_worktree_under_in_is_never_read_as_records(tmp_path: Path) 
     assert "no regression" in (tmp_path / "report" / "summary.md").read_text()
 
 
-def test_unmarked_folders_and_tests_fixtures_below_in_are_skipped_and_the_folder_named_is_read(tmp_path: Path) -> None:
+def test_tests_fixtures_below_in_are_skipped_and_the_folder_named_is_read(tmp_path: Path) -> None:
     write_once(tmp_path / "run" / "smoke.json", make_record("smoke", config={}, checks={"ok": True}, measurements={}))
-    stray = tmp_path / "copied" / "not-the-harness"
-    stray.mkdir(parents=True)
-    (stray / "smoke.json").write_text(json.dumps(_failed()))
     write_once(tmp_path / "checkout" / "tests" / "fixtures" / "smoke.json", _failed())  # marked, still a fixture
     (tmp_path / "top.json").write_text(json.dumps(_failed()))  # the folder named: read
     assert [r.name for r in load_records(tmp_path)] == ["run/smoke", "top"]
     assert (tmp_path / "run" / evidence.EVIDENCE_MARKER).is_file(), "write_once marks the folder it writes into"
     # Named explicitly, a fixtures folder is read: `make board-png` renders the committed records.
     assert len(load_records(FIXTURES)) == len(list(FIXTURES.glob("*.json"))) == 6
-    assert [r.name for r in load_records(stray)] == ["smoke"]
+
+
+def test_a_failing_record_whose_marker_was_stripped_fails_the_report_and_other_json_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The repro: an artifact upload drops hidden files, so the marker is gone ("1 records, PASSED")."""
+    write_once(tmp_path / "gpu-receipt.json", make_record("smoke", config={}, checks={"ok": True}, measurements={}))
+    failing = write_once(tmp_path / "rtv-gate-1" / "evidence" / "run-x" / "smoke.json", _failed())
+    (failing.parent / evidence.EVIDENCE_MARKER).unlink()  # what upload-artifact@v4 leaves
+    other = tmp_path / "site" / "package.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps({"name": "not a record"}))
+    assert [r.name for r in load_records(tmp_path)] == ["gpu-receipt", "rtv-gate-1/evidence/run-x/smoke"]
+    out = tmp_path / "report" / "index.md"
+    assert main(["report", "--in", str(tmp_path), "--out", str(out)]) == 1
+    terminal = capsys.readouterr().out
+    assert "2 records, FAILED" in terminal and "skipped 1 *.json" in terminal and str(other) in terminal
+    assert "site/package.json" in out.read_text() and "site/package.json" in out.with_suffix(".html").read_text()

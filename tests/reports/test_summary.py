@@ -43,3 +43,33 @@ def test_a_stale_comment_is_removed_when_the_run_has_no_regression(tmp_path: Pat
     stale.write_text("an earlier run's comment")
     _summarise(tmp_path, {})
     assert not stale.exists()
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "evidence"
+
+
+def test_a_reported_only_arm_slower_than_plain_by_design_is_no_regression_of_the_pr(tmp_path: Path) -> None:
+    """The committed benchmark: replay@s0 vs plain is a regression by design (reported), every record passed."""
+    from reports.summary import write_summary
+
+    written = write_summary(FIXTURES, tmp_path)
+    summary = written.summary.read_text()
+    assert written.regressions == 0 and written.comment is None and not (tmp_path / "pr-comment.md").exists()
+    assert "### rtv bench: no regression in 3 comparisons" in summary
+    assert "| replay@s0 vs plain | " in summary and "**regression (reported)**" in summary
+
+
+def test_a_baselines_arm_regression_counts_and_its_a_a_control_does_not(tmp_path: Path) -> None:
+    from reports.summary import write_summary
+    from tests.reports.test_baseline_report import _comparison, _record
+    from validation.evidence import make_record, write_once
+
+    record = _record()
+    record["measurements"]["comparisons"] = [_comparison("plain", 1.1, 1.08, 1.12, "regression"),
+                                             _comparison("retain@s0", 1.1, 1.08, 1.12, "regression")]
+    write_once(tmp_path / "in" / "baseline.json", make_record("benchmark-baseline", config=record["config"],
+                                                               checks=record["checks"],
+                                                               measurements=record["measurements"]))
+    written = write_summary(tmp_path / "in", tmp_path / "out")
+    assert written.regressions == 1 and "| retain@s0 vs v1 |" in written.comment.read_text()
+    assert "| plain vs v1 |" not in written.comment.read_text()
