@@ -143,7 +143,7 @@ def test_a_rev_that_is_heads_commit_is_an_a_a_run_said_on_the_terminal_in_the_re
     clone = _clone(tmp_path)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
     judged = baseline.judge(head, "cpu", "quick", tmp_path / "out", root=clone,
-                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     assert "an A/A run" in capsys.readouterr().out
     assert judged.config["a_a"] is True and "A/A" in judged.config["scope"]
     assert judged.measurements["sources"]["baseline"]["rev"] == head  # the full REV is kept, the label is short
@@ -160,7 +160,7 @@ def test_heads_commit_with_uncommitted_trainer_edits_is_no_a_a_run(
     edited = clone / "reference_trainer" / "__init__.py"
     edited.write_text(edited.read_text() + "\nEDITED = 1\n")  # HEAD's side imports this work tree
     judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
-                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     sources = judged.measurements["sources"]
     assert sources["head"]["commit"].endswith("+dirty") and sources["baseline"]["digest"] != sources["head"]["digest"]
     assert judged.config["a_a"] is False and "A/A" not in judged.config["scope"]
@@ -174,7 +174,7 @@ def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path:
     marker.write_text(marker.read_text() + "\nMARKER = 1\n")
     subprocess.run([*GIT, "commit", "-qam", "marker"], cwd=clone, check=True)  # HEAD~1's trainer differs
     judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
-                            worker=lambda tree: FakeWorker(tree, clone, 1.0))
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=clone, capture_output=True, text=True,
                             check=True).stdout
     assert listed.count("worktree ") == 1 and str(tmp_path / "out") not in listed
