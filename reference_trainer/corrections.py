@@ -16,7 +16,11 @@ NOTE [Importance correction]
      ``"token"``.
   3. Weights are FP32, or FP64 for FP64 inputs and when either bound is not a
      normal FP32 number (above FP32's max or positive below its smallest
-     normal, e.g. 1e300 or 1e-300).
+     normal, e.g. 1e300 or 1e-300). A weighted cotangent that is no longer a
+     finite number of the cotangent's dtype (a finite cotangent times a weight
+     the options allowed, e.g. ``clip_low = 1e300`` on FP32 log-probs) is
+     refused with a ``GradientCommitError`` naming the weight, the dtype and
+     the option that allowed it, before anything is committed.
   4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be
      ``-inf`` (weight ``clip_low``) but not NaN or ``+inf``: those raise.
   5. The backward still differentiates the forward's weights; only the
