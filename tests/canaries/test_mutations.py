@@ -44,7 +44,7 @@ FIRST_FAILURE = {
     "known_norm_without_length": "grad norm: expected the norm of the",
     "flush_assigns": "expected the committed .grad plus both logical ranks' buffers",
     "busy_counts_every_checkpoint": "found CheckpointBusyError",
-    "scale_from_latest_forward": "admitted (forced offload)",
+    "scale_without_worst_case": "admitted (forced offload)",
     # issue 27: the planner's witnesses
     "attention_term_dropped": "under-estimates: ['",
     "host_budget_ignored": "tight host:one: offload",

@@ -1,4 +1,4 @@
-"""Admission at every dtype x autocast x dropout x LoRA combination the memory canary meets, against autograd's count.
+"""The saved-bytes estimate at every dtype x autocast x dropout x LoRA combination, against autograd's own count.
 
 The oracle is PyTorch's own: the same forward run again outside the trainer
 under ``torch.autograd.graph.saved_tensors_hooks``, counting each packed
