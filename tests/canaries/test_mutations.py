@@ -49,7 +49,7 @@ FIRST_FAILURE = {
     "attention_term_dropped": "under-estimates: ['",
     "host_budget_ignored": "tight host:one: offload",
     "offload_priced_at_zero": "offload 0.000 ms <= retain 0.000 ms",
-    "scale_across_shape_classes": "under-estimates: ['",
+    "scale_across_shape_classes": " refused, wrong: ",
 }
 
 # The planner canary runs whole (its grid) on each mutation, several seconds each, and the logical-rank scale
