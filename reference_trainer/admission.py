@@ -47,6 +47,7 @@ from .planner import (
     estimate_forward_cost,
     fused_attention_enabled,
     plan_placement,
+    saved_terms,
     shape_class,
 )
 
@@ -138,8 +139,8 @@ class Admission:
         self.device_limit = device_limit
         self.host_limit = host_limit
         self.device_type = device_type
-        # The largest measured/analytic saved bytes of each class (Rule 5): never below any forward that ran.
-        self._saved_scales: dict[SavedClass, float] = {}
+        # The largest measured saved bytes of each class, by length (Rule 5): no estimate below any forward that ran.
+        self._seen: dict[SavedClass, dict[int, int]] = {}
         self._seconds_per_token: float | None = None
         self._timing: list[tuple[Stopwatch, int]] = []  # forwards whose device time is not known yet, with their tokens
 
@@ -276,26 +277,36 @@ class Admission:
             seq_len=seq_len,
             snapshot_bytes=snapshot_bytes,
             staging_bytes=staging_bytes,
-            saved_scale=self._saved_scales.get(saved_class),
+            saved_scale=self._saved_scale(saved_class, batch, seq_len),
             measured_seconds_per_token=self._seconds_per_token or self.calibration.seconds_per_token,
             transfer_bytes_per_second=self.calibration.transfer_bytes_per_second,
             record_seconds=self.calibration.seconds_per_record,
             scores_saved=saved_class.scores_saved,
             lora=saved_class.lora,
             dropout_active=saved_class.dropout_active,
+            autocast=saved_class.autocast,
         )
+
+    def _saved_scale(self, saved_class: SavedClass, batch: int, seq_len: int) -> float | None:
+        """Rule 5: the largest ratio to the analytic count, at ``seq_len``, of the most each forward of the class
+        that ran allows a ``seq_len`` forward to save (``SavedTerms.worst_case``); ``None``: none ran."""
+        kind = dict(scores_saved=saved_class.scores_saved, lora=saved_class.lora,
+                    dropout_active=saved_class.dropout_active, autocast=saved_class.autocast)
+        terms, analytic = saved_terms(self.config, batch, **kind), analytic_saved_bytes(self.config, batch, seq_len, **kind)
+        scale = None
+        for length, measured in self._seen.get(saved_class, {}).items():
+            scale = merged_saved_scale(scale, terms.worst_case(length, measured, seq_len) / analytic)
+        return scale
 
     def observe(self, record: ForwardRecord, admitted: Admitted, stopwatch: Stopwatch) -> RecordUsage:
         """Learn from a forward that ran (its speed once ``stopwatch`` knows it); returns what its record now holds."""
         batch, seq_len = record.batch.input_ids.shape
         self._timing.append((stopwatch, batch * seq_len))
         saved, ledger, key = admitted.cost.saved_bytes, record.ledger, admitted.saved_class
-        if ledger is not None:  # measured: keep the largest measured/analytic ratio of its class (conservative)
+        if ledger is not None:  # measured: keep the largest of its class and length (conservative)
             saved = ledger.device_bytes + ledger.copied_bytes
-            analytic = analytic_saved_bytes(
-                self.config, batch, seq_len, scores_saved=key.scores_saved, lora=key.lora, dropout_active=key.dropout_active
-            )
-            self._saved_scales[key] = merged_saved_scale(self._saved_scales.get(key), saved / analytic)
+            seen = self._seen.setdefault(key, {})
+            seen[seq_len] = max(seen.get(seq_len, 0), saved)
             if saved > admitted.cost.saved_bytes:
                 misses.report("saved_bytes_exceeded", self.config, admitted.estimator, admitted.cost.saved_bytes,
                               measured=saved)

@@ -16,7 +16,11 @@ NOTE [Importance correction]
      ``"token"``.
   3. Weights are FP32, or FP64 for FP64 inputs and when either bound is not a
      normal FP32 number (above FP32's max or positive below its smallest
-     normal, e.g. 1e300 or 1e-300).
+     normal, e.g. 1e300 or 1e-300). A weighted cotangent that is no longer a
+     finite number of the cotangent's dtype (a finite cotangent times a weight
+     the options allowed, e.g. ``clip_low = 1e300`` on FP32 log-probs) is
+     refused with a ``GradientCommitError`` naming the weight, the dtype and
+     the option that allowed it, before anything is committed.
   4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be
      ``-inf`` (weight ``clip_low``) but not NaN or ``+inf``: those raise.
   5. The backward still differentiates the forward's weights; only the
@@ -31,7 +35,11 @@ NOTE [Importance correction]
      rank (the one whose code made the forward, NOTE [Logical ranks] Rule 2;
      the process's own code is one more scope) and checkpoint, so a logical
      rank is corrected only by its own forwards and the result does not
-     depend on how many processes host the logical ranks. A row is kept only
+     depend on how many processes host the logical ranks. The scope also
+     holds the forward's autocast state (device type, whether autocast is on
+     and its dtype): a forward under autocast scores tokens with rounded
+     weights and activations, so it pairs only with forwards made in the same
+     state, never an FP32 forward with an autocast one. A row is kept only
      while it can still be used: a pending older record of its scope asks
      for ``"when_available"`` and has the same tokens, and the checkpoint is
      still at the row's revision. Entries that lose either are dropped at the
@@ -84,7 +92,9 @@ __all__ = ["KnownLogprobs", "correct_record"]
 
 
 TokenKey = tuple[tuple[int, ...], tuple[int, ...]]  # (input ids, target ids) of one row
-Scope = tuple[int | None, str]  # (logical rank that made the records, None: the process's own; checkpoint name)
+Autocast = tuple[str, torch.dtype | None]  # a forward's device type and autocast dtype (None: autocast off)
+# (logical rank that made the records, None: the process's own; checkpoint name; autocast state)
+Scope = tuple[int | None, str, Autocast]
 Rows = dict[TokenKey, tuple[CheckpointVersion, torch.Tensor]]  # one scope's known rows: (revision, log-probs)
 
 
@@ -102,7 +112,8 @@ def _token_keys(batches: list[PaddedBatch]) -> list[list[TokenKey]]:
 
 
 def _scope(record: ForwardRecord) -> Scope:
-    return record.owner, record.checkpoint.name
+    state = record.rng_state
+    return record.owner, record.checkpoint.name, (state.device.type, state.autocast_dtype if state.autocast_enabled else None)
 
 
 def _wants_current(record: ForwardRecord) -> bool:
@@ -178,7 +189,9 @@ class KnownLogprobs:
     def released(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
         """``record`` is no longer pending: forget its keys and the rows only it could use."""
         self._keys.pop(record, None)
-        self._prune(_scope(record), record.checkpoint.version, pending)
+        pending = list(pending)
+        for scope in [s for s in self._known if s[:2] == (record.owner, record.checkpoint.name)]:  # any autocast state
+            self._prune(scope, record.checkpoint.version, pending)
 
     def forget(self, name: str) -> None:
         """Drop every scope of checkpoint ``name`` (its weights were replaced)."""

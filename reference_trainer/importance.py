@@ -149,6 +149,26 @@ def unit_log_ratios(
     return sequence_log_ratios(log_ratio[rows], mask[rows], level), unit_of_row[active.nonzero()[:, 0]]
 
 
+def _check_overflow(
+    cotangent: torch.Tensor, corrected: torch.Tensor, weights: torch.Tensor, correction: ImportanceCorrection
+) -> None:
+    """Raise if a weight made a finite cotangent non-finite in its dtype (Rule 3), naming the option that allowed it."""
+    overflowed = torch.isfinite(cotangent) & ~torch.isfinite(corrected)
+    if not bool(overflowed.any()):
+        return
+    weight = float(weights[overflowed].max())
+    option = next((f"{name}={value:g}" for name, value in (("clip_low", correction.clip_low),
+                                                           ("clip_high", correction.clip_high)) if weight == value),
+                  f"max_log_ratio={correction.max_log_ratio:g}")
+    largest = torch.finfo(corrected.dtype).max
+    raise GradientCommitError(
+        f"importance correction: the importance weight {weight:.3g} overflowed {corrected.dtype} (largest finite "
+        f"{largest:.3g}) when applied to the cotangent; {option} allowed a weight that large. Expected weight x "
+        f"|cotangent| <= {largest:.3g}: lower {option.split('=')[0]} (or clip_high), scale the loss down, or make "
+        "the forward in FP64; nothing was committed"
+    )
+
+
 def correct_cotangent(
     cotangent: torch.Tensor,
     current: torch.Tensor,
@@ -178,7 +198,9 @@ def correct_cotangent(
     weights, clipped = unit_weights[unit], unit_clipped[unit]
     flat = cotangent.reshape(-1, width)
     corrected = flat.masked_fill(~rows_mask, 0.0)
-    corrected[active] = (flat[active].to(weights.dtype) * weights).to(cotangent.dtype)
+    products = (flat[active].to(weights.dtype) * weights).to(cotangent.dtype)
+    _check_overflow(flat[active], products, weights, correction)
+    corrected[active] = products
     raw = torch.exp(log_ratios.double().clamp(max=correction.max_log_ratio))
     return corrected.reshape(cotangent.shape), _stats(weights, clipped, correction, staleness, raw, unit_weights)
 

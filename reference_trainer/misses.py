@@ -62,8 +62,9 @@ def plain_inputs(config: ModelConfig, estimator: Mapping[str, Any]) -> dict[str,
     """The keyword arguments of ``estimate_forward_cost`` (and its ``config``) as plain JSON numbers (Rule 2)."""
     model = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     model["dtype"] = str(config.dtype).removeprefix("torch.")
-    lora = estimator.get("lora")
-    return {**estimator, "config": model, "lora": None if lora is None else {
+    lora, autocast = estimator.get("lora"), estimator.get("autocast")
+    return {**estimator, "config": model, "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+            "lora": None if lora is None else {
         "rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}}
 
 
@@ -72,7 +73,9 @@ def replay_estimate(inputs: Mapping[str, Any]) -> int:
     model = dict(inputs["config"])
     config = ModelConfig(**{**model, "dtype": getattr(torch, model["dtype"])})
     lora = inputs["lora"]
-    rest = {k: v for k, v in inputs.items() if k not in ("config", "lora")}
+    rest = {k: v for k, v in inputs.items() if k not in ("config", "lora", "autocast")}
+    autocast = inputs.get("autocast")
+    rest["autocast"] = None if autocast is None else getattr(torch, autocast)
     lora_config = None if lora is None else LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
     return estimate_forward_cost(config, lora=lora_config, **rest).saved_bytes
 

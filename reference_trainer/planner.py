@@ -38,11 +38,17 @@ NOTE [Memory admission]
      backend in use saves them, :func:`attention_saves_scores`: two, or
      three with dropout active (probabilities, mask, dropped probabilities);
      each LoRA target's ``x·Aᵀ``; and every element at FP32 or wider while
-     dropout is active: its masks are FP32),
-     scaled by the largest measured/analytic ratio of forwards of the same
-     :class:`SavedClass`: everything that decides what a forward saves but its
-     exact length (shape class, whether attention saves scores, whether
-     dropout is active, autocast, the LoRA rank and targets). Times come from
+     dropout is active: its masks are FP32; under autocast the weight copies
+     it casts, once per forward, ``saved_bytes.py``), scaled once forwards of
+     the same :class:`SavedClass` ran (everything that decides what a forward
+     saves but its exact length: shape class, whether attention saves scores,
+     whether dropout is active, autocast, the LoRA rank and targets) by the
+     largest over them of the most each allows at this length: its measured
+     bytes fill the estimate's constant, per-length and per-square terms,
+     those that grow most towards this length first
+     (``SavedTerms.worst_case``), so a longer forward of the bucket is priced
+     with its larger share of dropout's ``T²`` terms and a shorter one with
+     its larger share of the weight casts. Times come from
      measurements when there are any (a default transfer bandwidth and
      forward speed otherwise, or a loaded calibration's constants with its
      per-record overhead, NOTE [Planner calibration constants]).
@@ -72,6 +78,7 @@ import torch
 from .errors import MemoryAdmissionError
 from .lora import LoRAConfig
 from .model import ModelConfig
+from .saved_bytes import SavedTerms, analytic_saved_bytes, autocast_weight_bytes, element_size, saved_terms
 
 __all__ = [
     "Placement",
@@ -81,6 +88,9 @@ __all__ = [
     "PlacementDecision",
     "RecordUsage",
     "SavedClass",
+    "SavedTerms",
+    "saved_terms",
+    "autocast_weight_bytes",
     "plan_placement",
     "estimate_forward_cost",
     "analytic_saved_bytes",
@@ -319,36 +329,6 @@ class SavedClass:
     lora: LoRAConfig | None  # None: a full checkpoint
 
 
-def analytic_saved_bytes(
-    config: ModelConfig,
-    batch: int,
-    seq_len: int,
-    *,
-    scores_saved: bool = True,
-    lora: LoRAConfig | None = None,
-    dropout_active: bool = False,
-) -> int:
-    """A conservative count of the bytes a ``(batch, seq_len)`` forward saves for backward.
-
-    A LoRA target saves its ``(B, T, rank)`` ``x·Aᵀ`` for ``B``'s gradient.
-    With dropout active every element is priced at FP32 or wider: keep-masks
-    are drawn in FP32 (``model.residual_dropout``) and math attention's dropout
-    path saves FP32 intermediates, so a BF16 model saves more than half of
-    what its FP32 twin does."""
-    tokens = batch * seq_len
-    elem = max(_element_size(config), 4) if dropout_active else _element_size(config)
-    c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    per_layer_token = 8 * c + 6 * q + 6 * kv + 6 * i + 4 * config.num_attention_heads
-    if lora is not None:
-        per_layer_token += lora.rank * len(lora.targets)
-    # Math attention saves its probabilities; with dropout also the mask and the dropped probabilities.
-    squares = 3 if dropout_active else 2
-    per_layer_square = squares * config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
-    per_layers = config.num_hidden_layers * (per_layer_token * tokens + per_layer_square) * elem
-    return per_layers + tokens * (4 * c * elem + 3 * v * 4 + 16)  # final norm, logits, FP32 log-softmax, ids
-
-
 def estimate_forward_cost(
     config: ModelConfig,
     *,
@@ -362,6 +342,7 @@ def estimate_forward_cost(
     scores_saved: bool = True,
     lora: LoRAConfig | None = None,
     dropout_active: bool = False,
+    autocast: torch.dtype | None = None,
     record_seconds: float = 0.0,
 ) -> ForwardCost:
     """The cost of one ``(batch, seq_len)`` forward of ``config``.
@@ -370,8 +351,9 @@ def estimate_forward_cost(
     replaces the analytic estimate's slack once known, with a 5% margin.
     """
     tokens = batch * seq_len
-    elem = _element_size(config)
-    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora, dropout_active=dropout_active)
+    elem = element_size(config)
+    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora,
+                                 dropout_active=dropout_active, autocast=autocast)
     if saved_scale is not None:
         saved = int(saved * saved_scale * 1.05) + 4096
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -388,7 +370,3 @@ def estimate_forward_cost(
         transfer_seconds=saved / transfer_bytes_per_second,
         record_seconds=record_seconds,
     )
-
-
-def _element_size(config: ModelConfig) -> int:
-    return {2: 2, 4: 4, 8: 8}.get(config.dtype.itemsize, 4)

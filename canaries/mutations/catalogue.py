@@ -35,7 +35,7 @@ from reference_trainer.commit import GradientTransaction
 from reference_trainer.corrections import KnownLogprobs
 from reference_trainer.grad_norms import KnownNorm
 from reference_trainer.records import RecordTable
-from reference_trainer.planner import ForwardCost, Placement, analytic_saved_bytes
+from reference_trainer.planner import ForwardCost, Placement, SavedTerms, analytic_saved_bytes
 from reference_trainer.ranks import LogicalRank
 from reference_trainer.ranks.reduction import LogicalSums
 from reference_trainer.ranks.tree import TreeFold
@@ -179,6 +179,11 @@ def _saved_class_of_config(self: Admission, checkpoint: Checkpoint, batch: int, 
     return _REAL_SAVED_CLASS(self, checkpoint, batch, seq_len, True)
 
 
+def _proportional(self: SavedTerms, seen_len: int, seen_bytes: int, seq_len: int) -> float:
+    """The seen forward's bytes scaled as the analytic count scales, as if every term grew alike."""
+    return seen_bytes * self.at(seq_len) / self.at(seen_len)
+
+
 def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """An injector: the analytic saved-bytes estimate with ``fixed`` options whatever the caller passes, in the
     planner and in admission's measured/analytic scale alike (defect 5b: ``lora=None``; no attention term:
@@ -311,9 +316,9 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("busy_counts_every_checkpoint", "the busy check counts every checkpoint's records", "derivative",
                  _patched(RecordTable, "count", _count_every_checkpoint),
                  "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds"),
-        Mutation("scale_from_latest_forward", "admission's saved-bytes scale is the latest forward's, not the "
-                 "class maximum", "memory", _patched(admission_module, "merged_saved_scale",
-                                                     lambda known, measured: measured),
+        Mutation("scale_without_worst_case", "admission prices a forward at a measured forward's ratio to the "
+                 "analytic count whatever its length (a longer one of the bucket saves a larger share of dropout's "
+                 "T² terms)", "memory", _patched(SavedTerms, "worst_case", _proportional),
                  "admission: long forward after a shorter one of its shape class (dropout on): held <= admitted"),
         Mutation("when_available_across_dropout", "defect 12: when_available pairs forwards that drew dropout masks",
                  "derivative", _patched(KnownLogprobs, "_maskless", lambda self, record: True),
@@ -337,7 +342,7 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("scale_across_shape_classes", "a measured saved-bytes scale is applied to forwards of every shape "
                  "class (one class for every batch and length)", "planner",
                  _patched(admission_module, "shape_class", lambda batch, seq_len: (0, 0)),
-                 "certificate: held after a forward / admitted saved bytes <= 1"),
+                 "certificate: no wrong refusal"),  # a larger batch's bytes price a smaller one: refused where it fits
     )
 }
 

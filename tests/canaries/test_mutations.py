@@ -44,12 +44,12 @@ FIRST_FAILURE = {
     "known_norm_without_length": "grad norm: expected the norm of the",
     "flush_assigns": "expected the committed .grad plus both logical ranks' buffers",
     "busy_counts_every_checkpoint": "found CheckpointBusyError",
-    "scale_from_latest_forward": "admitted (forced offload)",
+    "scale_without_worst_case": "admitted (forced offload)",
     # issue 27: the planner's witnesses
     "attention_term_dropped": "under-estimates: ['",
     "host_budget_ignored": "tight host:one: offload",
     "offload_priced_at_zero": "offload 0.000 ms <= retain 0.000 ms",
-    "scale_across_shape_classes": "under-estimates: ['",
+    "scale_across_shape_classes": " refused, wrong: ",
 }
 
 # The planner canary runs whole (its grid) on each mutation, several seconds each, and the logical-rank scale

@@ -187,3 +187,40 @@ def test_a_step_refused_for_a_stale_live_origin_leaves_grad_buffers_and_revision
     trainer.zero_grad()  # the way out: drop the stale gradients, then train on
     _backward_on_every_rank(trainer)
     assert trainer.optim_step()[ds.POLICY].stepped
+
+
+def test_zero_grad_of_one_checkpoint_leaves_the_other_checkpoints_logical_sums() -> None:
+    """``zero_grad(checkpoints=[...])`` clears the named checkpoint's sums only; the other's stay, bit for bit."""
+    trainer = ds.make_trainer()
+    trainer.add_checkpoint("other", lora=rt.LoRAConfig(rank=2), seed=3)
+
+    def body(view: Any) -> None:
+        items, advantages = ds.micro_batch(0, view.logical_rank)
+        loss = ds.rank_loss(view.forward(items, checkpoint=ds.POLICY), advantages, 10)
+        view.backward(loss + ds.rank_loss(view.forward(items, checkpoint="other"), advantages, 10))
+
+    run_logical(body, trainer, logical_dp=2)
+    before = logical_gradients(trainer)
+    assert {k[0] for k in before} == {ds.POLICY, "other"}, "non-vacuous: both checkpoints have pending sums"
+    trainer.zero_grad(checkpoints=[ds.POLICY])
+    after = logical_gradients(trainer)
+    kept = {k: v for k, v in before.items() if k[0] == "other"}
+    assert after.keys() == kept.keys() and all(torch.equal(after[k], kept[k]) for k in kept)
+
+
+def test_a_round_failed_on_two_logical_ranks_raises_the_lowest_ranks_own_error() -> None:
+    """Rank 0's backward is refused (a non-scalar loss), rank 1's fails its commit (NaN): every rank's backward
+    fails with rank 0's error as the common one, and ``run_logical`` raises it, not rank 1's."""
+    trainer = ds.make_trainer()
+
+    def body(view: Any) -> None:
+        items, advantages = ds.micro_batch(0, view.logical_rank)
+        outputs = view.forward(items)
+        if view.logical_rank == 0:
+            view.backward(outputs[0].target_logprobs)
+        else:
+            view.backward(ds.rank_loss(outputs, advantages, 10) * float("nan"))
+
+    with pytest.raises(rt.ConfigError, match="expected a one-element tensor"):
+        run_logical(body, trainer, logical_dp=2)
+    assert logical_gradients(trainer) == {}, "a failed round committed something"

@@ -583,3 +583,50 @@ def test_when_available_corrects_logprobs_drawn_without_masks(dropout: float) ->
     assert stats.tokens == weights.numel() and float(weights.std()) > 1e-3
     assert stats.mean == pytest.approx(float(weights.mean()), rel=1e-6)
     assert stats.max == pytest.approx(float(weights.max()), rel=1e-6)
+
+
+# --- when_available pairs forwards of one autocast state (NOTE [Importance correction] Rule 7) ---------------
+
+
+@pytest.mark.parametrize(("old_autocast", "new_autocast", "paired"), [
+    (None, torch.bfloat16, False), (torch.bfloat16, None, False), (torch.bfloat16, torch.float16, False),
+    (torch.bfloat16, torch.bfloat16, True), (None, None, True),
+])
+def test_when_available_pairs_a_forward_only_with_a_later_one_of_its_autocast_state(
+    old_autocast: torch.dtype | None, new_autocast: torch.dtype | None, paired: bool
+) -> None:
+    """An FP32 forward and an autocast one of the same tokens score them with different roundings: their ratio is
+    not the weights' change, so only forwards of one autocast state (on or off, and its dtype) pair."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    seq = sequence(1)
+
+    def forward() -> rt.ForwardOutput:
+        return trainer.forward(rt.ForwardInput(*seq), options=_options("when_available", 0.0, 1e6))
+
+    with torch.autocast("cpu", dtype=old_autocast or torch.bfloat16, enabled=old_autocast is not None):
+        old = forward()
+    train_step(trainer, seed=200)
+    with torch.autocast("cpu", dtype=new_autocast or torch.bfloat16, enabled=new_autocast is not None):
+        new = forward()
+    report = trainer.backward(-(old.target_logprobs * _advantages(1).float()).sum())
+    assert report.records[0].staleness == 1
+    assert (report.corrected != []) is paired, f"corrected: {report.corrected}"
+    del new
+
+
+# --- a weight that overflows the cotangent's dtype is named (NOTE [Importance correction] Rule 3) ------------
+
+
+def test_an_importance_weight_that_overflows_the_fp32_cotangent_is_named_with_the_option_that_allowed_it() -> None:
+    """``clip_low = clip_high = 1e300`` is allowed (FP64 weights, Rule 3), but 1e300 times an FP32 cotangent is not
+    an FP32 number: the backward names the weight, the dtype and the option, not the loss, and commits nothing."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    correction = rt.ImportanceCorrection(clip_low=1e300, clip_high=1e300, policy="always")
+    old = trainer.forward(rt.ForwardInput(*sequence(1)), options=rt.ForwardOptions(corrections=(correction,)))
+    train_step(trainer, seed=200)
+    with pytest.raises(rt.GradientCommitError, match=r"importance weight 1e\+300 overflowed torch\.float32") as info:
+        trainer.backward(-old.target_logprobs.sum())
+    assert "clip_low=1e+300" in str(info.value) and "check the loss" not in str(info.value), str(info.value)
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters()), "a refused backward committed"

@@ -81,12 +81,14 @@ def test_plain_inputs_replay_what_the_estimator_gave_for_every_input() -> None:
     config = rt.ModelConfig.tiny(dtype=torch.bfloat16, dropout=0.1)
     estimator = dict(batch=3, seq_len=40, snapshot_bytes=123, staging_bytes=456, saved_scale=1.7,
                      measured_seconds_per_token=3e-6, transfer_bytes_per_second=2e9, scores_saved=True,
-                     lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")), dropout_active=False)
+                     lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")), dropout_active=False,
+                     autocast=torch.float16)
     expected = planner.estimate_forward_cost(config, **estimator).saved_bytes
     plain = rt.PlannerMiss("refused", misses.plain_inputs(config, estimator), expected, None, "x").as_dict()["inputs"]
     assert json.loads(json.dumps(plain)) == plain  # plain JSON
     assert rt.replay_estimate(plain) == expected
-    for field, other in (("saved_scale", None), ("lora", None), ("dropout_active", True), ("seq_len", 41)):
+    for field, other in (("saved_scale", None), ("lora", None), ("dropout_active", True), ("seq_len", 41),
+                         ("autocast", None)):
         changed = misses.plain_inputs(config, {**estimator, field: other})
         assert rt.replay_estimate(changed) != expected, field  # each input matters: the replay reads it
     fp32 = misses.plain_inputs(config.replace(dtype=torch.float32), estimator)

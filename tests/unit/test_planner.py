@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import reference_trainer as rt
-from reference_trainer.planner import analytic_saved_bytes, attention_saves_scores, fused_attention_enabled, shape_class
+from reference_trainer.planner import (
+    SavedTerms, analytic_saved_bytes, attention_saves_scores, fused_attention_enabled, shape_class,
+)
 
 
 def _saves_a_square(dtype: torch.dtype, dropout: float) -> bool:
@@ -59,3 +61,14 @@ def test_a_decision_carries_the_price_of_every_placement() -> None:
     decision = plan_placement(request)
     assert decision.placement == "retain"
     assert decision.predicted_seconds == {"retain": 0.0, "offload": 1.0, "replay": 0.3}
+
+
+@pytest.mark.parametrize(("seen_bytes", "seq_len", "most"), [
+    (200, 20, 600.0),  # the analytic count itself scales as the analytic count: 10·20 + 20²
+    (150, 20, 500.0),  # longer: the square term fills first (100 B at 10, x4), the rest is per length (50 B, x2)
+    (150, 5, 62.5),  # shorter: the per-length term fills first (100 B, x1/2), the rest is the square (50 B, x1/4)
+    (300, 20, 1000.0),  # above the analytic count (200 B): the analytic 600 B plus the excess grown like the square
+])
+def test_the_worst_case_fills_the_terms_that_grow_most_first(seen_bytes: int, seq_len: int, most: float) -> None:
+    terms = SavedTerms(constant=0, per_length=10, per_square=1)  # seen at length 10: 100 B per length, 100 B square
+    assert terms.worst_case(10, seen_bytes, seq_len) == most

@@ -1,0 +1,99 @@
+"""The saved-bytes estimate at every dtype x autocast x dropout x LoRA combination, against autograd's own count.
+
+The oracle is PyTorch's own: the same forward run again outside the trainer
+under ``torch.autograd.graph.saved_tensors_hooks``, counting each packed
+storage once (``untyped_storage().nbytes()``), weights excluded (the trainer
+keeps them itself). What a forward saves must never exceed what admission
+admitted for it (NOTE [Memory admission] Rule 5), under autocast the weight
+copies it casts included, and for a longer forward of a length bucket whose
+scale a shorter one taught; and the estimate must not be grossly over either
+(it would keep ``retain`` out): at most ``OVER`` times what is saved.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import reference_trainer as rt
+from reference_trainer.model import token_logprobs
+from reference_trainer.running import model_logits
+from validation.memory import StorageCensus
+
+OVER = 3.0  # the most the admitted saved bytes may exceed what is saved, first forward of a class included
+# A short first forward (the weight casts weigh most), then two of one bucket (shape_class: (T - 1).bit_length()
+# == 5): the shorter teaches the class's scale, the longer saves a larger share of dropout's T² terms.
+FIRST, SHORT, LONG = 3, 17, 32
+GRID = list(itertools.product((torch.float32, torch.bfloat16), (None, torch.bfloat16), (0.0, 0.1), (None, 4)))
+IDS = [f"{str(d)[6:]}-autocast_{a and 'bf16'}-dropout_{p}-{'lora' if r else 'full'}" for d, a, p, r in GRID]
+# The refusal's fast run: where autocast casts weights (an FP32 model); the other combinations nightly.
+REFUSAL_GRID = [pytest.param(*c, id=i, marks=() if c[0] == torch.float32 and c[1] else pytest.mark.slow)
+                for c, i in zip(GRID, IDS)]
+
+
+def _trainer(dtype: torch.dtype, dropout: float, rank: int | None, **limits: int) -> rt.Trainer:
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype, dropout=dropout), seed=0), **limits)
+    if rank is None:
+        trainer.add_checkpoint("policy", full=True, seed=1)
+    else:
+        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=rank), seed=1)
+    return trainer
+
+
+def _tokens(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, length + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(trainer: rt.Trainer, tokens: torch.Tensor, autocast: torch.dtype | None, placement: str) -> rt.ForwardOutput:
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        inputs = [rt.ForwardInput(row[:-1], row[1:]) for row in tokens]
+        return trainer.forward(inputs, options=rt.ForwardOptions(backward_state=placement, corrections=()))[0]
+
+
+def _saved_by_autograd(trainer: rt.Trainer, tokens: torch.Tensor, autocast: torch.dtype | None) -> int:
+    """The oracle: bytes of the storages autograd packs for the same forward, outside the trainer, weights excluded."""
+    checkpoint = trainer.checkpoint("policy")
+    weights = {p.untyped_storage().data_ptr() for p in (*trainer.model.parameters(), *checkpoint.parameters())}
+    packed: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            packed[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model_logits(trainer.model, checkpoint, dict(checkpoint.named_parameters()), tokens[:, :-1])
+        token_logprobs(logits, tokens[:, 1:])
+    return sum(packed.values())
+
+
+@pytest.mark.parametrize(("dtype", "autocast", "dropout", "rank"), GRID, ids=IDS)
+def test_admitted_saved_bytes_cover_what_autograd_saves_and_are_not_grossly_over(dtype, autocast, dropout, rank) -> None:
+    trainer = _trainer(dtype, dropout, rank)
+    for seed, length in enumerate((FIRST, SHORT, LONG)):
+        tokens = _tokens(length, seed)
+        out = _forward(trainer, tokens, autocast, "retain")
+        saved, admitted = _saved_by_autograd(trainer, tokens, autocast), out.decision.saved_bytes
+        assert out.usage.saved_bytes <= admitted, f"length {length}: the ledger holds {out.usage.saved_bytes} B"
+        assert saved <= admitted <= OVER * saved, f"length {length}: autograd saves {saved} B, admitted {admitted} B"
+        trainer.backward(-out.target_logprobs.sum())
+
+
+@pytest.mark.parametrize(("dtype", "autocast", "dropout", "rank"), REFUSAL_GRID)
+def test_a_forced_offload_one_byte_over_the_host_limit_is_refused(dtype, autocast, dropout, rank) -> None:
+    """NOTE [Admission intersections] Rule 2: the host limit one byte under what a first forward saves (measured on a
+    twin); admitting it would exceed the host limit."""
+    tokens = _tokens(FIRST, 1)
+    saved = _saved_by_autograd(_trainer(dtype, dropout, rank), tokens, autocast)
+    trainer = _trainer(dtype, dropout, rank, host_memory_limit_bytes=saved - 1)
+    census = StorageCensus()
+    try:
+        out = _forward(trainer, tokens, autocast, "offload")
+    except rt.MemoryAdmissionError:
+        return
+    held = census.measure().host
+    assert held <= saved - 1, f"admitted ({out.decision.saved_bytes} B); the host holds {held} B over {saved - 1} B"
