@@ -26,7 +26,6 @@ from .generic import base_section
 
 __all__ = ["section", "short_revisions", "A_A_LINE"]
 
-CONTROL_ARM = "plain"  # the A/A control arm: canaries.benchmark.baseline.CONTROL (reports never import the canaries)
 
 A_A_LINE = ("A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
             "decided difference here is the method's noise, not a change between revisions")
@@ -46,9 +45,9 @@ def _comparisons(record: dict) -> pd.DataFrame:
                          for c in record["measurements"]["comparisons"]])
 
 
-def _failed_rows(table: pd.DataFrame) -> list[int]:
-    """The rows that fail the record (its checks): the ``plain`` A/A control decided either way, an arm's regression."""
-    decided = {CONTROL_ARM: ("regression", "gain")}
+def _failed_rows(table: pd.DataFrame, control: str) -> list[int]:
+    """The rows that fail the record (its checks): the A/A ``control`` arm decided either way, an arm's regression."""
+    decided = {control: ("regression", "gain")}
     return [i for i, row in enumerate(table.itertuples()) if row.verdict in decided.get(row.arm, ("regression",))]
 
 
@@ -63,7 +62,7 @@ def section(record: dict, folder: Path) -> Section:
               for c in record["measurements"]["comparisons"]]
     lines.append(f"ratio = HEAD's step seconds / {scope.split(' ')[0]}'s, for {config['source_scope']}")
     built = base_section(record, lines=lines, tables={"HEAD against its base": table},
-                         failed_rows={"HEAD against its base": _failed_rows(table)},
+                         failed_rows={"HEAD against its base": _failed_rows(table, config["control"])},
                          figures=[Figure(path=plot, caption=f"{scope}: each arm's median ratio of step "
                                          "times with its interval, against the tie band (plain: the A/A control).",
                                          headline=True)])

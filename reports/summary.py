@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .baseline import CONTROL_ARM, short_revisions
+from .baseline import short_revisions
 from .benchmark import enforced
 from .numbers import interval, number
 from .records import LoadedRecord, load_records
@@ -49,7 +49,7 @@ def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict, bool]]:
     measurements = loaded.record["measurements"]
     if loaded.kind == "benchmark-baseline":
         scope = short_revisions(loaded.record["config"]["scope"])
-        return [(f"{loaded.record['config']['workload']} ({scope})", c, c["arm"] != CONTROL_ARM)
+        return [(f"{loaded.record['config']['workload']} ({scope})", c, c["arm"] != loaded.record["config"]["control"])
                 for c in measurements["comparisons"]]
     return [(g["label"], c, g["gated"] and enforced(c)) for g in measurements["groups"]
             for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])]

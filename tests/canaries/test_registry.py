@@ -77,7 +77,7 @@ def test_the_registry_writes_exactly_one_verified_schema_2_record_per_run(
     ))
     out = tmp_path / "out"
     path = entry.run("cpu", "quick", out)
-    assert list(out.iterdir()) == [path] and path.name.startswith("judged-cpu-")
+    assert list(out.glob("*.json")) == [path] and path.name.startswith("judged-cpu-")
     record = verify(path)
     assert record["schema_version"] == SCHEMA_VERSION == 2 and record["kind"] == "judged-kind"
     assert record["config"] == {"preset": "cpu", "profile": "quick"} and record["measurements"] == {"n": 3}

@@ -15,7 +15,7 @@ def _comparison(arm: str, ratio: float, low: float, high: float, verdict: str) -
 def _record() -> dict:
     return {"kind": "benchmark-baseline", "digest": "ab" * 32, "passed": False, "schema_version": 2,
             "checks": {"retain@s0 v1 → HEAD: not a regression (±5% gate)": False}, "details": {}, "skips": {},
-            "config": {"workload": "small 4x64 full", "gate": 0.05, "scope": "v1 → HEAD",
+            "config": {"workload": "small 4x64 full", "gate": 0.05, "scope": "v1 → HEAD", "control": "plain",
                        "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)"},
             "measurements": {"comparisons": [_comparison("plain", 1.0, 0.98, 1.02, "tie"),
                                              _comparison("retain@s0", 1.10, 1.08, 1.12, "regression")],
