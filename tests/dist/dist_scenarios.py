@@ -8,11 +8,15 @@ one that kills a process very last.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -409,6 +413,54 @@ def zero_fault(rank: int) -> dict[str, Any]:
     return result
 
 
+def stale_pending_save(rank: int, logical: bool) -> dict[str, Any]:
+    """A forward of logical rank 1 (``logical``; else of physical rank 1's own code) pends at revision 0 across a
+    step, then the job saves: the kept versions and every file's digest, and the parameters after a load that
+    remakes that forward at its version and backpropagates it (NOTE [Resume] Rules 2 and 5)."""
+    trainer, held = make_trainer("lora"), []
+
+    def body(view: Any) -> None:
+        if view.logical_rank == 1:
+            held.append(view.forward(micro_batch(0, 1)[0]))  # stays pending past run_logical
+        items, advantages = micro_batch(0, view.logical_rank)
+        view.backward(rank_loss(view.forward(items), advantages, 10))
+
+    if logical:
+        run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    else:
+        if not dist.is_initialized() or rank == 1:
+            held.append(trainer.forward(micro_batch(0, 1)[0]))
+        items, advantages = micro_batch(0, 0)
+        trainer.backward(rank_loss(trainer.forward(items), advantages, 10))
+    trainer.optim_step()
+    trainer.zero_grad()
+    folder = [tempfile.mkdtemp(prefix="rt-stale-save-") if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(folder, src=0)
+    trainer.save(folder[0])
+    root = Path(folder[0])
+    saved = root / (root / "LATEST").read_text().split()[0]
+    facts: dict[str, Any] = {
+        "kept": [c["kept"] for c in json.loads((saved / "trainer.json").read_text())["checkpoints"]],
+        "digests": {n: e["sha256"] for n, e in json.loads((saved / "manifest.json").read_text())["files"].items()
+                    if n != "trainer.json"},  # it holds the saver's identity (NOTE [Resume] Rule 2)
+    }
+    facts["remade"] = []  # (made, made again) log-probs of each forward pending here
+    try:  # an error here must not leave the peer waiting at the barrier
+        torch.manual_seed(0)  # the base make_trainer built
+        loaded = rt.Trainer.load(folder[0], rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0)))
+        for outputs in held:
+            again = loaded.forward(micro_batch(0, 1)[0], checkpoint=outputs[0].version)
+            facts["remade"] += [(o.target_logprobs.detach(), a.target_logprobs.detach()) for o, a in zip(outputs, again)]
+    except Exception as exc:
+        facts["remade"] = error_facts(exc)
+    if dist.is_initialized():
+        dist.barrier()  # every process has loaded
+    if rank == 0:
+        shutil.rmtree(folder[0])
+    return facts
+
+
 # --- dead and silent peers -----------------------------------------------------------------
 
 
@@ -508,6 +560,8 @@ def two_process_suite() -> dict[str, Any]:
             "rank-user-error": lambda: rank_user_error(rank),
             "zero-fault": lambda: zero_fault(rank),
             "pending-then-load": lambda: pending_then_load(rank),
+            "stale-pending-save/logical": lambda: stale_pending_save(rank, True),
+            "stale-pending-save/plain": lambda: stale_pending_save(rank, False),
         }
     )
     everyone: list[Any] = [None] * dist.get_world_size()
