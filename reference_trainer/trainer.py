@@ -272,7 +272,7 @@ class Trainer:
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
         quantized = has_quantized_module(self.model)
         admitted = self._admission.plan_call(  # the whole call, before any group runs (NOTE [Memory admission] Rule 4)
-            selected,
+            selected, version,
             [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
             self.records,
             self._checkpoints.values(),
