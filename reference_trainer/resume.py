@@ -62,7 +62,8 @@ NOTE [Resume]
      continues the same job, bitwise (NOTE [Logical ranks] Rule 4).
   6. A load verifies every file (NOTE [Durable saves] Rule 3, ``saves.py``),
      decodes and checks every field (``save_meta.py``: a bad one is a
-     ``CorruptSaveError`` naming it) and the base model before the trainer
+     ``CorruptSaveError`` naming it; ``rng.pt``'s states too, each a
+     ``CorruptSaveError`` on it) and the base model before the trainer
      is built, and every checkpoint's state before any is restored. The
      trainer's construction freezes the model's parameters: a load refused
      after it puts their ``requires_grad`` back, so a refused load changes
@@ -323,10 +324,33 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
     # save on the device would double its memory, and the default limit, taken at construction, would count
     # it), and AdamW's step counters stay on the host, where torch keeps them in a run that never stopped.
     rng = _load_tensors(files[_RNG])
+    _check_rng(path, rng, meta.logical_dp)
     checkpoints = [_saved_checkpoint(path, index, spec, _load_tensors(files[spec.file]))
                    for index, spec in enumerate(meta.checkpoints)]
     streams = None if meta.logical_dp is None else (meta.logical_dp, rng["streams"])
     return SavedTrainer(meta.options, meta.next_generation, checkpoints, rng["process"], streams, meta.lineage)
+
+
+def _check_rng(path: str | os.PathLike, rng: Any, logical_dp: int | None) -> None:
+    """``CorruptSaveError`` on ``rng.pt`` unless it holds what a save writes: the process RNG state and, with
+    ``logical_dp``, a stream of every logical rank, else none (Rule 6: checked before anything changes)."""
+    def fail(expected: str, found: object) -> CorruptSaveError:
+        return CorruptSaveError(path, _RNG, "invalid", expected, repr(found)[:200])
+
+    if not isinstance(rng, dict) or set(rng) != {"process", "streams"}:
+        raise fail("a dict of 'process' and 'streams'", sorted(rng) if isinstance(rng, dict) else type(rng).__name__)
+    streams = rng["streams"]
+    ranks = set(range(logical_dp or 0))
+    if not isinstance(streams, dict) or set(streams) != ranks:
+        raise fail(f"'streams' a dict of logical ranks {sorted(ranks)} (logical_dp {logical_dp})",
+                   sorted(streams) if isinstance(streams, dict) else type(streams).__name__)
+    cpu = torch.get_rng_state()
+    for where, state in [("process", rng["process"]), *((f"streams[{r}]", s) for r, s in streams.items())]:
+        ok = isinstance(state, (tuple, list)) and len(state) == 2 and all(
+            t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1) for t in state)
+        if not ok or state[0] is None or state[0].shape != cpu.shape:
+            raise fail(f"'{where}' an RNG state: a CPU generator state (uint8, {tuple(cpu.shape)}) and a CUDA one "
+                       "(uint8) or None", state)
 
 
 def _saved_checkpoint(path: str | os.PathLike, index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:
