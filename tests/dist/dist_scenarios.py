@@ -413,10 +413,10 @@ def zero_fault(rank: int) -> dict[str, Any]:
     return result
 
 
-def stale_pending_save(rank: int, logical: bool) -> dict[str, Any]:
-    """A forward of logical rank 1 (``logical``; else of physical rank 1's own code) pends at revision 0 across a
-    step, then the job saves: the kept versions and every file's digest, and the parameters after a load that
-    remakes that forward at its version and backpropagates it (NOTE [Resume] Rules 2 and 5)."""
+def stale_pending_save(rank: int, mode: str) -> dict[str, Any]:
+    """A forward of logical rank 1 (``mode`` "rank" or "zero"; "plain": of physical rank 1's own code) pends at
+    revision 0 across a step, then the job saves: the kept versions and every file's digest, and, made again after a
+    load at its version (not in zero mode), the forward's log-probs then and now (NOTE [Resume] Rules 2 and 5)."""
     trainer, held = make_trainer("lora"), []
 
     def body(view: Any) -> None:
@@ -425,8 +425,17 @@ def stale_pending_save(rank: int, logical: bool) -> dict[str, Any]:
         items, advantages = micro_batch(0, view.logical_rank)
         view.backward(rank_loss(view.forward(items), advantages, 10))
 
-    if logical:
+    def fn(zero: Any) -> None:
+        batches = [micro_batch(0, rank) for rank in range(2)]
+        outputs = zero.forward(batches[0][0] + batches[1][0])
+        zero.backward(rank_loss(outputs[:2], batches[0][1], 10))
+        held_zero.extend(outputs[2:])  # logical rank 1's forward (one record) stays pending on the process hosting it
+
+    held_zero: list[Any] = []
+    if mode == "rank":
         run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    elif mode == "zero":
+        run_logical(fn, trainer, mode="zero", logical_dp=2, timeout_s=TIMEOUT_S)
     else:
         if not dist.is_initialized() or rank == 1:
             held.append(trainer.forward(micro_batch(0, 1)[0]))
@@ -560,8 +569,8 @@ def two_process_suite() -> dict[str, Any]:
             "rank-user-error": lambda: rank_user_error(rank),
             "zero-fault": lambda: zero_fault(rank),
             "pending-then-load": lambda: pending_then_load(rank),
-            "stale-pending-save/logical": lambda: stale_pending_save(rank, True),
-            "stale-pending-save/plain": lambda: stale_pending_save(rank, False),
+            **{f"stale-pending-save/{mode}": (lambda mode=mode: stale_pending_save(rank, mode))
+               for mode in ("rank", "zero", "plain")},
         }
     )
     everyone: list[Any] = [None] * dist.get_world_size()
