@@ -443,6 +443,14 @@ def stale_pending_save(rank: int, mode: str) -> dict[str, Any]:
         trainer.backward(rank_loss(trainer.forward(items), advantages, 10))
     trainer.optim_step()
     trainer.zero_grad()
+    if mode == "rank":  # a fresher forward of the pending one's tokens leaves log-probs for its correction
+
+        def fresher(view: Any) -> None:  # every logical rank backpropagates (logical rank 0 new tokens)
+            items, advantages = micro_batch(1 - view.logical_rank, view.logical_rank)
+            view.backward(rank_loss(view.forward(items), advantages, 10))
+
+        run_logical(fresher, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+        trainer.zero_grad()
     folder = [tempfile.mkdtemp(prefix="rt-stale-save-") if rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(folder, src=0)
@@ -451,6 +459,7 @@ def stale_pending_save(rank: int, mode: str) -> dict[str, Any]:
     saved = root / (root / "LATEST").read_text().split()[0]
     facts: dict[str, Any] = {
         "kept": [c["kept"] for c in json.loads((saved / "trainer.json").read_text())["checkpoints"]],
+        "logprob_rows": len(torch.load(saved / "checkpoint-0.pt", weights_only=True)["logprobs"]),
         "digests": {n: e["sha256"] for n, e in json.loads((saved / "manifest.json").read_text())["files"].items()
                     if n != "trainer.json"},  # it holds the saver's identity (NOTE [Resume] Rule 2)
     }

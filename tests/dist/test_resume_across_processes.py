@@ -77,9 +77,11 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
 @pytest.mark.parametrize("mode", ["rank", "zero", "plain"])
 def test_a_save_keeps_the_version_a_forward_pending_on_another_process_used(two_process, mode, one_thread):
     """A forward pending on physical rank 1 (NOTE [Logical ranks] Rule 2) has its version kept, at its bound, as at
-    W=1: the W=2 save is byte-identical and the forward made again after the load runs on exactly its weights."""
+    W=1, and (rank mode) the current log-probs its correction would use: the W=2 save is byte-identical and the
+    forward made again after the load runs on exactly its weights."""
     single = ds.stale_pending_save(0, mode)
     assert single["kept"] == [[[0, 2]]] and len(single["remade"]) == (0 if mode == "zero" else 2)
+    assert single["logprob_rows"] == (2 if mode == "rank" else 0), "rank mode: logical rank 1's rows for its correction"
     for rank in (0, 1):
         entry = two_process["ranks"][rank][f"stale-pending-save/{mode}"]
         assert "crash" not in entry, entry.get("crash")
