@@ -114,6 +114,7 @@ class Trainer:
         self.next_generation = 0
         """The generation the next added or loaded checkpoint takes (kept by saves, NOTE [Resume])."""
         self.known_logprobs = KnownLogprobs(model.config.dropout)
+        """Current log-probs for ``"when_available"`` corrections (NOTE [Importance correction] Rule 7; saves keep them)."""
         self.records = RecordTable(on_release=lambda record: self.known_logprobs.released(record, self.records))
         """The pending forward records (for inspection and tests)."""
         self.rank_gradients = RankGradients()
