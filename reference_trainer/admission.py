@@ -5,7 +5,10 @@ admission]): it sums what checkpoints and pending records actually hold
 (records measured by their saved-state ledgers), learns the model's saved
 bytes and forward speed from forwards that ran, asks :func:`plan_placement`
 for each record of a forward call and demotes pending retained records when
-that makes it fit (Rule 6), once the whole call is admitted (Rule 4).
+that makes it fit (Rule 6), once the whole call is admitted (Rule 4). A
+version a loaded trainer keeps (NOTE [Weight captures] Rule 4) counts once, in
+its checkpoint's held bytes: a forward at it, and its pending records, take no
+weight snapshot of their own.
 
 The device limit: an explicit ``memory_limit_bytes`` wins. Otherwise, on
 CUDA, the trainer plans against the device's capacity, not its free memory
@@ -104,6 +107,13 @@ class Admitted:
     estimator: dict[str, Any]  # what ``estimate_forward_cost`` was given (NOTE [Planner misses])
 
 
+def _kept(checkpoint: Checkpoint, version: CheckpointVersion) -> bool:
+    """``version`` is an older one ``checkpoint`` keeps (NOTE [Weight captures] Rule 4): its weights are counted in
+    ``held_nbytes``, so neither a forward at it nor its pending records take a snapshot of their own."""
+    held = version.generation == checkpoint.generation and version.revision in checkpoint.kept
+    return held and version != checkpoint.version
+
+
 @dataclass
 class _Held:
     """A pending record, or an earlier record of the call being planned, as the plan sees it."""
@@ -147,6 +157,7 @@ class Admission:
     def plan_call(
         self,
         checkpoint: Checkpoint,
+        version: CheckpointVersion,
         groups: list[tuple[list[int], ResolvedOptions]],
         pending: Iterable[ForwardRecord],
         checkpoints: Iterable[Checkpoint],
@@ -154,7 +165,8 @@ class Admission:
         quantized: bool,
         training: bool,
     ) -> list[Admitted]:
-        """Admit every record of one forward call (``groups``: each record's sequence lengths and options), or none.
+        """Admit every record of one forward call at ``version`` of ``checkpoint`` (its current one, or one it keeps)
+        (``groups``: each record's sequence lengths and options), or none.
 
         Each group is planned counting the ones before it as pending (Rule 4);
         the demotions they need are made only once every group is admitted,
@@ -164,13 +176,13 @@ class Admission:
         holdings = sum(c.held_nbytes() for c in checkpoints)
         admitted = []
         for lengths, options in groups:
-            plan, demote = self._decide(checkpoint, lengths, options, held, holdings, quantized, training)
+            plan, demote = self._decide(checkpoint, version, lengths, options, held, holdings, quantized, training)
             for entry, target in demote:
                 entry.usage, entry.demote = entry.usage.demoted(target), target
-            snapshot = checkpoint.trainable_nbytes()
+            snapshot = 0 if _kept(checkpoint, version) else checkpoint.trainable_nbytes()
             saved = plan.cost.saved_bytes
             usage = RecordUsage.of(plan.cost, plan.decision.placement, saved, saved, snapshot)
-            held.append(_Held(checkpoint.version, checkpoint, usage, None))
+            held.append(_Held(version, checkpoint, usage, None))
             admitted.append(plan)
         for entry in held:
             if entry.demote is not None:
@@ -181,6 +193,7 @@ class Admission:
     def _decide(
         self,
         checkpoint: Checkpoint,
+        version: CheckpointVersion,
         lengths: list[int],
         options: ResolvedOptions,
         held: list[_Held],
@@ -195,10 +208,12 @@ class Admission:
         Rule 6: to host copies where the host fits, else to replay); a forced
         placement is honoured or refused.
         """
-        shares_snapshot = any(h.version == checkpoint.version for h in held)
+        # A kept version's weights count in its checkpoint's holdings already (NOTE [Weight captures] Rule 4).
+        shares_snapshot = _kept(checkpoint, version) or any(h.version == version for h in held)
         involved = {h.checkpoint.name: h.checkpoint for h in held} | {checkpoint.name: checkpoint}
         # Weight snapshots are shared by every record of a version: counted once per pending version.
-        snapshots = sum({h.version: h.checkpoint.trainable_nbytes() for h in held}.values())
+        snapshots = sum({h.version: h.checkpoint.trainable_nbytes() for h in held if not _kept(h.checkpoint, h.version)}
+                        .values())
         saved_class = self._saved_class(checkpoint, len(lengths), max(lengths), training)
         estimator = self._estimator(
             saved_class,

@@ -44,7 +44,11 @@ NOTE [Importance correction]
      for ``"when_available"`` and has the same tokens, and the checkpoint is
      still at the row's revision. Entries that lose either are dropped at the
      next forward or release of the scope, so the cache never holds more
-     rows than the pending records of its scope have distinct rows.
+     rows than the pending records of its scope have distinct rows; but rows
+     a load restored (NOTE [Resume] Rule 2) are kept while the checkpoint
+     stays at their revision, for the forwards the caller makes again. A
+     record made at a kept older version (NOTE [Weight captures] Rule 4)
+     keeps and prunes nothing.
   8. Dropout: the ratio compares two forwards of the same tokens, which is
      meaningful only if both used the same dropout masks. Two different
      forwards draw the same masks only if neither draws any, so
@@ -133,6 +137,7 @@ class KnownLogprobs:
     def __init__(self, dropout: float) -> None:
         self._dropout = dropout
         self._known: dict[Scope, Rows] = {}
+        self._resumed: dict[Scope, dict[TokenKey, CheckpointVersion]] = {}  # rows a load restored (``resume``)
         self._keys: weakref.WeakKeyDictionary[ForwardRecord, list[TokenKey]] = weakref.WeakKeyDictionary()
 
     def _maskless(self, record: ForwardRecord) -> bool:
@@ -160,18 +165,23 @@ class KnownLogprobs:
         could use it was pending, and its keys read, when the row was kept.
         """
         known = {k: e for k, e in self._known.pop(scope, {}).items() if e[0] == current}
+        resumed = self._resumed.pop(scope, {})
         if known:
             wanted = {key for r in self._users(scope, current, pending) for key in self._keys.get(r, ())}
-            known = {k: e for k, e in known.items() if k in wanted}
+            known = {k: e for k, e in known.items() if k in wanted or resumed.get(k) == e[0]}
         if known:
             self._known[scope] = known
+            self._resumed[scope] = {k: v for k, v in resumed.items() if k in known}
         return known
 
     def remember(self, record: ForwardRecord, pending: Iterable[ForwardRecord]) -> None:
         """Keep the rows of ``record`` that an older pending record of its scope may use (Rule 7).
 
-        Nothing is read on the host unless such a record is pending.
+        Nothing is read on the host unless such a record is pending. A record made at a kept older version (NOTE
+        [Weight captures] Rule 4) has no current log-probs: it keeps nothing and prunes nothing.
         """
+        if record.version != record.checkpoint.version:
+            return
         scope, pending = _scope(record), list(pending)
         users = self._users(scope, record.version, pending) if self._maskless(record) else []
         if not users:
@@ -197,6 +207,25 @@ class KnownLogprobs:
         """Drop every scope of checkpoint ``name`` (its weights were replaced)."""
         for scope in [s for s in self._known if s[1] == name]:
             del self._known[scope]
+            self._resumed.pop(scope, None)
+
+    def saved(self, pending: Iterable[ForwardRecord]) -> dict[Scope, Rows]:
+        """The rows a record of ``pending`` can still use (Rule 7), for a save (NOTE [Resume] Rule 2)."""
+        users = [r for r in pending if _wants_current(r) and self._maskless(r) and r.version != r.checkpoint.version]
+        rows: dict[Scope, Rows] = {}
+        for scope, known in self._known.items():
+            for record in (r for r in users if _scope(r) == scope):
+                rows.setdefault(scope, {}).update({
+                    key: known[key] for key in self._keys.get(record, ())
+                    if key in known and known[key][0] == record.checkpoint.version})
+        return rows
+
+    def resume(self, rows: dict[Scope, Rows]) -> None:
+        """Hold the rows a save kept (``saved``): the forwards that use them are made again after the load, so each
+        is kept while its checkpoint stays at the row's version, even before they are (NOTE [Resume] Rule 2)."""
+        for scope, known in rows.items():
+            self._known[scope] = dict(known)
+            self._resumed[scope] = {key: version for key, (version, _) in known.items()}
 
     def current(self, record: ForwardRecord) -> tuple[torch.Tensor, list[int]]:
         """Padded current log-probs of ``record``'s rows (NaN where unknown) and the rows known."""

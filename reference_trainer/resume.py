@@ -16,7 +16,11 @@ NOTE [Resume]
      holds), with the largest staleness bound of the forwards at it, so a
      forward made again at its version (``checkpoint=output.version``) runs
      on exactly its weights (NOTE [Weight captures] Rule 4); one at the
-     current revision runs on the saved parameters. A forward made again
+     current revision runs on the saved parameters. Kept too: the current
+     log-probs a ``"when_available"`` correction of a pending forward would
+     use (NOTE [Importance correction] Rule 7), per logical rank and
+     checkpoint, held after the load while the checkpoint stays at their
+     revision. A forward made again
      draws its randomness (dropout) after the saved RNG, so a save with
      forwards pending continues bitwise only when they draw none. A save holds the saving trainer's identity and
      lineage (NOTE [Forward records] Rule 5), and the loaded trainer's lineage
@@ -28,8 +32,7 @@ NOTE [Resume]
      Another trainer's output is a ``ConfigError``, as without a load, and
      so is one of a checkpoint the loaded trainer lacks (added after the
      save: nothing of the loaded trainer replaced it). A save written before
-     the lineage was kept loads with an empty one. Also not kept:
-     importance-correction log-probs (they belong to the forwards), what
+     the lineage was kept loads with an empty one. Also not kept: what
      admission learnt of memory use, the memory limits and the planner's
      calibration (they belong to the machine: ``Trainer.load`` takes them
      again, as ``Trainer`` does).
@@ -42,7 +45,11 @@ NOTE [Resume]
      it would have without the save.
   5. Processes: every process holds the whole trainer state (logical ranks
      replicate it), so rank 0 alone writes the one copy. In a process group
-     ``save`` is collective: every process calls it. Under logical ranks the
+     ``save`` is collective: every process calls it. A forward pends on the
+     process that hosts its logical rank (NOTE [Logical ranks] Rule 2), so
+     what pending forwards need (Rule 2) is gathered from every process
+     (``save_pending.py``; those of the processes' own code are rank 0's).
+     Under logical ranks the
      hosted logical ranks' streams are gathered, rank 0 writes and its
      outcome is agreed (every process returns, or raises the same error);
      before any ``run_logical``, rank 0 writes and broadcasts its outcome
@@ -55,7 +62,8 @@ NOTE [Resume]
      continues the same job, bitwise (NOTE [Logical ranks] Rule 4).
   6. A load verifies every file (NOTE [Durable saves] Rule 3, ``saves.py``),
      decodes and checks every field (``save_meta.py``: a bad one is a
-     ``CorruptSaveError`` naming it) and the base model before the trainer
+     ``CorruptSaveError`` naming it; ``rng.pt``'s states too, each a
+     ``CorruptSaveError`` on it) and the base model before the trainer
      is built, and every checkpoint's state before any is restored. The
      trainer's construction freezes the model's parameters: a load refused
      after it puts their ``requires_grad`` back, so a refused load changes
@@ -87,6 +95,7 @@ from .model import DecoderLM
 from .options import ForwardOptions
 from .peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
+from .save_pending import Kept, LogprobRow, agreed_kept, agreed_logprobs, check_logprobs, group_exchange, resume_logprobs
 from .save_meta import TRAINER, CheckpointMeta, check_revisions, decode_meta, encode_options
 from .saves import FileData, read_folder, write_folder
 from .sinks import RankGradients
@@ -121,13 +130,15 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
     elif error is not None:
         raise error
     if host is None:
-        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed))
+        pending = agreed_kept(trainer, group_exchange), agreed_logprobs(trainer, group_exchange)
+        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed, *pending))
         return
     streams = (host.logical_dp, host.all_streams("save: logical RNG streams"))
+    pending = agreed_kept(trainer, host.exchange), agreed_logprobs(trainer, host.exchange)
     error = None
     if host.leader:
         try:
-            write_folder(path, _encode(trainer, streams))
+            write_folder(path, _encode(trainer, streams, *pending))
         except Exception as exc:  # every process raises it (Rule 5)
             error = exc
     host.agree(error, "save: written")
@@ -151,36 +162,26 @@ def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, F
         raise outcome[0].rebuild()
 
 
-def _checkpoint_bytes(checkpoint: Checkpoint, kept: dict[int, tuple[dict[str, torch.Tensor], int]]) -> memoryview:
-    """One checkpoint's file: its live state serialised in place (no device copy), committed grads and the kept
-    versions' weights included."""
+def _checkpoint_bytes(checkpoint: Checkpoint, kept: Kept, logprobs: list[LogprobRow]) -> memoryview:
+    """One checkpoint's file: its live state serialised in place (no device copy), committed grads, the kept
+    versions' weights and the current log-probs pending forwards can use included."""
     state = checkpoint.state_view()
     state["grads"] = {n: p.grad.detach() for n, p in checkpoint.named_parameters() if p.grad is not None}
     state["kept"] = {revision: {n: t.detach() for n, t in tensors.items()} for revision, (tensors, _) in kept.items()}
+    state["logprobs"] = logprobs
     return _tensors(state)
 
 
-def _kept_versions(trainer: Any, checkpoint: Checkpoint) -> dict[int, tuple[dict[str, torch.Tensor], int]]:
-    """Revision -> (weights, largest bound) of each older version of this generation a pending forward used or
-    ``checkpoint`` keeps, while a forward at it could still be backpropagated (Rule 2)."""
-    kept = {r: (capture.tensors, bound) for r, (capture, bound) in checkpoint.kept.items()}
-    for record in trainer.records:
-        version, bound = record.version, record.options.max_gradient_staleness
-        if (record.checkpoint is checkpoint and version.generation == checkpoint.generation
-                and 0 < checkpoint.revision - version.revision <= bound):
-            tensors, held = kept.get(version.revision, (record.capture.tensors, bound))
-            kept[version.revision] = (tensors, max(held, bound))
-    return kept
-
-
-def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None) -> dict[str, FileData]:
-    """The save's files; each checkpoint's made only when written (NOTE [Durable saves] Rule 4)."""
+def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None, agreed: dict[str, Kept],
+            logprobs: dict[str, list[LogprobRow]]) -> dict[str, FileData]:
+    """The save's files, with what every process's pending forwards need (``save_pending``); each checkpoint's made
+    only when written (NOTE [Durable saves] Rule 4)."""
     files: dict[str, FileData] = {}
     specs = []
     for index, checkpoint in enumerate(trainer.checkpoints.values()):
         file = f"checkpoint-{index}.pt"
-        kept = _kept_versions(trainer, checkpoint)
-        files[file] = functools.partial(_checkpoint_bytes, checkpoint, kept)
+        kept = agreed[checkpoint.name]
+        files[file] = functools.partial(_checkpoint_bytes, checkpoint, kept, logprobs[checkpoint.name])
         specs.append({
             "name": checkpoint.name,
             "file": file,
@@ -235,6 +236,7 @@ class SavedCheckpoint:
                                       f"shape {tuple(live.shape)}, dtype {live.dtype}")
         if any(set(t) != {n for n, _ in checkpoint.named_parameters()} for t in kept.values()):
             raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), "every parameter's weights")
+        check_logprobs(self.name, self.state.get("logprobs", []))
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Load the state, the generation, the committed gradients, their origins and the kept versions (checked)."""
@@ -265,6 +267,7 @@ class SavedTrainer:
             saved.check(trainer.checkpoint(saved.name))
         for saved in self.checkpoints:
             saved.restore(trainer.checkpoint(saved.name))
+            resume_logprobs(trainer, trainer.checkpoint(saved.name), saved.state.get("logprobs", []))
         trainer.records.resume(self.lineage, lambda name: _generation(trainer, name))
         trainer.rank_gradients.resumed = self.streams
         set_rng_state(self.process_rng, trainer.device)
@@ -321,10 +324,33 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
     # save on the device would double its memory, and the default limit, taken at construction, would count
     # it), and AdamW's step counters stay on the host, where torch keeps them in a run that never stopped.
     rng = _load_tensors(files[_RNG])
+    _check_rng(path, rng, meta.logical_dp)
     checkpoints = [_saved_checkpoint(path, index, spec, _load_tensors(files[spec.file]))
                    for index, spec in enumerate(meta.checkpoints)]
     streams = None if meta.logical_dp is None else (meta.logical_dp, rng["streams"])
     return SavedTrainer(meta.options, meta.next_generation, checkpoints, rng["process"], streams, meta.lineage)
+
+
+def _check_rng(path: str | os.PathLike, rng: Any, logical_dp: int | None) -> None:
+    """``CorruptSaveError`` on ``rng.pt`` unless it holds what a save writes: the process RNG state and, with
+    ``logical_dp``, a stream of every logical rank, else none (Rule 6: checked before anything changes)."""
+    def fail(expected: str, found: object) -> CorruptSaveError:
+        return CorruptSaveError(path, _RNG, "invalid", expected, repr(found)[:200])
+
+    if not isinstance(rng, dict) or set(rng) != {"process", "streams"}:
+        raise fail("a dict of 'process' and 'streams'", sorted(rng) if isinstance(rng, dict) else type(rng).__name__)
+    streams = rng["streams"]
+    ranks = set(range(logical_dp or 0))
+    if not isinstance(streams, dict) or set(streams) != ranks:
+        raise fail(f"'streams' a dict of logical ranks {sorted(ranks)} (logical_dp {logical_dp})",
+                   sorted(streams) if isinstance(streams, dict) else type(streams).__name__)
+    cpu = torch.get_rng_state()
+    for where, state in [("process", rng["process"]), *((f"streams[{r}]", s) for r, s in streams.items())]:
+        ok = isinstance(state, (tuple, list)) and len(state) == 2 and all(
+            t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1) for t in state)
+        if not ok or state[0] is None or state[0].shape != cpu.shape:
+            raise fail(f"'{where}' an RNG state: a CPU generator state (uint8, {tuple(cpu.shape)}) and a CUDA one "
+                       "(uint8) or None", state)
 
 
 def _saved_checkpoint(path: str | os.PathLike, index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:

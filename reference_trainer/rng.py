@@ -39,9 +39,10 @@ def rng_state(device: torch.device) -> RngState:
 
 
 def set_rng_state(state: RngState, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
+    """Set the generators ``rng_state`` read; the CUDA one first, so that if it refuses the CPU one is unchanged."""
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+    torch.set_rng_state(state[0])
 
 
 def seeded_rng_state(seed: int, device: torch.device) -> RngState:

@@ -104,7 +104,9 @@ def decode_meta(path: object, data: bytes, files: set[str], format_: dict[str, A
     check.that(len(set(names)) == len(names), "checkpoints", "distinct names", names)
     logical_dp = check.key(meta, "logical_dp", "")
     check.that(logical_dp is None or int_at_least(logical_dp, 1), "logical_dp", "null or an int >= 1", logical_dp)
-    lineage = [*meta.get("lineage", ()), *([meta["identity"]] if "identity" in meta else [])]
+    saved_lineage = meta.get("lineage", [])
+    check.that(isinstance(saved_lineage, list), "lineage", "a list of trainer identities (strings)", saved_lineage)
+    lineage = [*saved_lineage, *([meta["identity"]] if "identity" in meta else [])]
     check.that(all(isinstance(i, str) for i in lineage), "lineage/identity", "trainer identities (strings)", lineage)
     options = check.key(meta, "options", "")
     check.that(options is None or isinstance(options, dict), "options", "null or an object", options)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -150,6 +150,10 @@ class RankHost(Protocol):
 
     def all_streams(self, label: str) -> dict[int, RngState]:
         """Every logical rank's RNG stream, on every process."""
+        ...
+
+    def exchange(self, obj: Any, label: str) -> list[Any]:
+        """Every process's ``obj``, by physical rank, on every process."""
         ...
 
     def take_streams(self, streams: dict[int, RngState]) -> None:

@@ -113,8 +113,9 @@ class Trainer:
         self._checkpoints: dict[str, Checkpoint] = {}
         self.next_generation = 0
         """The generation the next added or loaded checkpoint takes (kept by saves, NOTE [Resume])."""
-        self._known_logprobs = KnownLogprobs(model.config.dropout)
-        self.records = RecordTable(on_release=lambda record: self._known_logprobs.released(record, self.records))
+        self.known_logprobs = KnownLogprobs(model.config.dropout)
+        """Current log-probs for ``"when_available"`` corrections (NOTE [Importance correction] Rule 7; saves keep them)."""
+        self.records = RecordTable(on_release=lambda record: self.known_logprobs.released(record, self.records))
         """The pending forward records (for inspection and tests)."""
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
@@ -185,7 +186,7 @@ class Trainer:
         if buffered:
             self.rank_gradients.clear([name], call="load_checkpoint")
         checkpoint.load(state_dict, self._new_generation())
-        self._known_logprobs.forget(name)
+        self.known_logprobs.forget(name)
 
     def _new_generation(self) -> int:
         self.next_generation += 1
@@ -272,7 +273,7 @@ class Trainer:
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
         quantized = has_quantized_module(self.model)
         admitted = self._admission.plan_call(  # the whole call, before any group runs (NOTE [Memory admission] Rule 4)
-            selected,
+            selected, version,
             [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
             self.records,
             self._checkpoints.values(),
@@ -309,7 +310,7 @@ class Trainer:
             owner=self.rank_gradients.running(), estimator=plan.estimator,
         )
         record.usage = self._admission.observe(record, plan, stopwatch.stop())
-        self._known_logprobs.remember(record, self.records)
+        self.known_logprobs.remember(record, self.records)
         return self.records.add(record)
 
     # --- backward -----------------------------------------------------------------
@@ -377,7 +378,7 @@ class Trainer:
         retain_graph: bool,
     ) -> RecordReport:
         """Correct the record's cotangent, run its model backward and stage the gradients."""
-        cotangent, stats = correct_record(self.model, record, record_cotangent(record, leaves), self._known_logprobs)
+        cotangent, stats = correct_record(self.model, record, record_cotangent(record, leaves), self.known_logprobs)
         transaction.start(record)
         seams.maybe_fail("model_backward")
         grads = record_backward(self.model, record, cotangent, retain_graph)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -73,6 +74,10 @@ class LogicalState:
         for part in self.comm.exchange(dict(self.rng), label):
             streams.update(part)
         return streams
+
+    def exchange(self, obj: Any, label: str) -> list[Any]:
+        """Every process's ``obj``, by physical rank, on every process (a save's kept versions, NOTE [Resume] Rule 5)."""
+        return self.comm.exchange(obj, label)
 
     def take_streams(self, streams: dict[int, RngState]) -> None:
         """The hosted logical ranks continue from their streams in ``streams`` (NOTE [Resume] Rule 5)."""

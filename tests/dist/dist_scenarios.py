@@ -8,11 +8,15 @@ one that kills a process very last.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -409,6 +413,72 @@ def zero_fault(rank: int) -> dict[str, Any]:
     return result
 
 
+def stale_pending_save(rank: int, mode: str) -> dict[str, Any]:
+    """A forward of logical rank 1 (``mode`` "rank" or "zero"; "plain": of physical rank 1's own code) pends at
+    revision 0 across a step, then the job saves: the kept versions and every file's digest, and, made again after a
+    load at its version (not in zero mode), the forward's log-probs then and now (NOTE [Resume] Rules 2 and 5)."""
+    trainer, held = make_trainer("lora"), []
+
+    def body(view: Any) -> None:
+        if view.logical_rank == 1:
+            held.append(view.forward(micro_batch(0, 1)[0]))  # stays pending past run_logical
+        items, advantages = micro_batch(0, view.logical_rank)
+        view.backward(rank_loss(view.forward(items), advantages, 10))
+
+    def fn(zero: Any) -> None:
+        batches = [micro_batch(0, rank) for rank in range(2)]
+        outputs = zero.forward(batches[0][0] + batches[1][0])
+        zero.backward(rank_loss(outputs[:2], batches[0][1], 10))
+        held_zero.extend(outputs[2:])  # logical rank 1's forward (one record) stays pending on the process hosting it
+
+    held_zero: list[Any] = []
+    if mode == "rank":
+        run_logical(body, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+    elif mode == "zero":
+        run_logical(fn, trainer, mode="zero", logical_dp=2, timeout_s=TIMEOUT_S)
+    else:
+        if not dist.is_initialized() or rank == 1:
+            held.append(trainer.forward(micro_batch(0, 1)[0]))
+        items, advantages = micro_batch(0, 0)
+        trainer.backward(rank_loss(trainer.forward(items), advantages, 10))
+    trainer.optim_step()
+    trainer.zero_grad()
+    if mode == "rank":  # a fresher forward of the pending one's tokens leaves log-probs for its correction
+
+        def fresher(view: Any) -> None:  # every logical rank backpropagates (logical rank 0 new tokens)
+            items, advantages = micro_batch(1 - view.logical_rank, view.logical_rank)
+            view.backward(rank_loss(view.forward(items), advantages, 10))
+
+        run_logical(fresher, trainer, logical_dp=2, timeout_s=TIMEOUT_S)
+        trainer.zero_grad()
+    folder = [tempfile.mkdtemp(prefix="rt-stale-save-") if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(folder, src=0)
+    trainer.save(folder[0])
+    root = Path(folder[0])
+    saved = root / (root / "LATEST").read_text().split()[0]
+    facts: dict[str, Any] = {
+        "kept": [c["kept"] for c in json.loads((saved / "trainer.json").read_text())["checkpoints"]],
+        "logprob_rows": len(torch.load(saved / "checkpoint-0.pt", weights_only=True)["logprobs"]),
+        "digests": {n: e["sha256"] for n, e in json.loads((saved / "manifest.json").read_text())["files"].items()
+                    if n != "trainer.json"},  # it holds the saver's identity (NOTE [Resume] Rule 2)
+    }
+    facts["remade"] = []  # (made, made again) log-probs of each forward pending here
+    try:  # an error here must not leave the peer waiting at the barrier
+        torch.manual_seed(0)  # the base make_trainer built
+        loaded = rt.Trainer.load(folder[0], rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0)))
+        for outputs in held:
+            again = loaded.forward(micro_batch(0, 1)[0], checkpoint=outputs[0].version)
+            facts["remade"] += [(o.target_logprobs.detach(), a.target_logprobs.detach()) for o, a in zip(outputs, again)]
+    except Exception as exc:
+        facts["remade"] = error_facts(exc)
+    if dist.is_initialized():
+        dist.barrier()  # every process has loaded
+    if rank == 0:
+        shutil.rmtree(folder[0])
+    return facts
+
+
 # --- dead and silent peers -----------------------------------------------------------------
 
 
@@ -508,6 +578,8 @@ def two_process_suite() -> dict[str, Any]:
             "rank-user-error": lambda: rank_user_error(rank),
             "zero-fault": lambda: zero_fault(rank),
             "pending-then-load": lambda: pending_then_load(rank),
+            **{f"stale-pending-save/{mode}": (lambda mode=mode: stale_pending_save(rank, mode))
+               for mode in ("rank", "zero", "plain")},
         }
     )
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import dist_scenarios as ds
+import numpy as np
 import pytest
 import resume_job as job
 
@@ -70,3 +72,23 @@ def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bit
     assert_nested_equal(back["final"], expected["final"], "resumed vs uninterrupted")
     assert any(a.tobytes() != b.tobytes() for a, b in zip(
         first["final"]["state"]["parameters"].values(), back["final"]["state"]["parameters"].values())), "training changed nothing"
+
+
+@pytest.mark.parametrize("mode", ["rank", "zero", "plain"])
+def test_a_save_keeps_the_version_a_forward_pending_on_another_process_used(two_process, mode, one_thread):
+    """A forward pending on physical rank 1 (NOTE [Logical ranks] Rule 2) has its version kept, at its bound, as at
+    W=1, and (rank mode) the current log-probs its correction would use: the W=2 save is byte-identical and the
+    forward made again after the load runs on exactly its weights."""
+    single = ds.stale_pending_save(0, mode)
+    assert single["kept"] == [[[0, 2]]] and len(single["remade"]) == (0 if mode == "zero" else 2)
+    assert single["logprob_rows"] == (2 if mode == "rank" else 0), "rank mode: logical rank 1's rows for its correction"
+    for rank in (0, 1):
+        entry = two_process["ranks"][rank][f"stale-pending-save/{mode}"]
+        assert "crash" not in entry, entry.get("crash")
+        facts = entry["value"]
+        assert facts["kept"] == single["kept"], f"rank {rank}: the save left out a version rank 1's forward used"
+        assert facts["digests"] == single["digests"], f"rank {rank}: the W=2 save differs from the W=1 one"
+    remade = two_process["ranks"][1][f"stale-pending-save/{mode}"]["value"]["remade"]
+    assert isinstance(remade, list) and len(remade) == len(single["remade"]), remade
+    for made, again in remade:
+        assert np.array_equal(made, again), "the forward made again did not run on its saved weights"

@@ -628,3 +628,26 @@ def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demote
     assert trainer.records.get(first[0].record_id).root is not None, "a refused call dropped a pending graph"
     second = trainer.forward(fits, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
     assert [r.placement for r in trainer.records] == ["replay", "replay"], second[0].decision.reason
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_loaded_trainer_predicts_the_bytes_the_uninterrupted_one_does(tmp_path, kind):
+    """A kept version's weights count once (in ``held_nbytes``, NOTE [Weight captures] Rule 4): a forward made again
+    at it takes no copy-on-write snapshot, and the next forward is priced as in the job that never stopped."""
+    def model() -> rt.DecoderLM:
+        return rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0, num_hidden_layers=1), seed=0)
+
+    torch.manual_seed(0)
+    trainer = rt.Trainer(model(), options=rt.ForwardOptions(corrections=()))
+    trainer.add_checkpoint("p", full=kind == "full", lora=rt.LoRAConfig(rank=2) if kind == "lora" else None, seed=1)
+    stale = trainer.forward(rt.ForwardInput(*sequence(1)))
+    fresh = trainer.forward(rt.ForwardInput(*sequence(2)))
+    trainer.backward(-fresh.target_logprobs.sum())
+    trainer.optim_step()
+    trainer.zero_grad()
+    trainer.save(tmp_path)
+    expected = trainer.forward(rt.ForwardInput(*sequence(3))).decision.predicted_bytes
+    loaded = rt.Trainer.load(tmp_path, model())
+    remade = loaded.forward(rt.ForwardInput(*sequence(1)), checkpoint=stale.version)
+    assert remade.decision.predicted_bytes == stale.decision.predicted_bytes, "made again: no snapshot of its own"
+    assert loaded.forward(rt.ForwardInput(*sequence(3))).decision.predicted_bytes == expected

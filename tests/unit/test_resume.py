@@ -315,3 +315,75 @@ def test_the_model_digest_is_the_raw_bytes_digest_earlier_saves_hold(dtype, tied
         next(model.parameters()).view(-1)[0] += 1
     changed = _model_identity(model)["digest"]
     assert changed != original and changed == _numpy_digest(model)
+
+
+# --- current log-probs of pending forwards ("when_available", NOTE [Resume] Rule 2) --------------------------------
+
+
+def _stale_pair(folder):
+    """A job saved under ``folder`` with forward A pending at revision 0 and forward C of A's tokens pending at
+    revision 1; returns the trainer, A and C."""
+    torch.manual_seed(0)
+    trainer = rt.Trainer(_model(dropout=0.0), options=rt.ForwardOptions(max_gradient_staleness=2))  # when_available
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    a = trainer.forward(rt.ForwardInput(*sequence(1)))
+    b = trainer.forward(rt.ForwardInput(*sequence(2)))
+    trainer.backward(-b.target_logprobs.sum())
+    trainer.optim_step()
+    trainer.zero_grad()
+    c = trainer.forward(rt.ForwardInput(*sequence(1)))
+    trainer.save(folder)
+    return trainer, a, c
+
+
+@pytest.mark.parametrize("order", ["a-then-c", "c-then-a"])
+def test_a_forward_made_again_at_a_kept_version_keeps_the_current_log_probs_of_its_tokens(tmp_path, order):
+    """Made again in either order, stale A is corrected by C's log-probs as in the job that never stopped: a forward
+    at a kept (older) version neither keeps nor prunes current log-probs (NOTE [Importance correction] Rule 7)."""
+    trainer, a, c = _stale_pair(tmp_path / "save")
+    report = trainer.backward(-a.target_logprobs.sum())
+    assert len(report.corrected) == 1, "the uninterrupted job corrects A with C's log-probs"
+    trainer.backward(-c.target_logprobs.sum())
+    trainer.optim_step()
+    loaded = rt.Trainer.load(tmp_path / "save", _model(dropout=0.0))
+    remade = {}
+    for name in order.split("-then-"):
+        remade[name] = loaded.forward(rt.ForwardInput(*sequence(1)), checkpoint={"a": a, "c": c}[name].version)
+    assert len(loaded.backward(-remade["a"].target_logprobs.sum()).corrected) == 1
+    loaded.backward(-remade["c"].target_logprobs.sum())
+    loaded.optim_step()
+    assert_nested_equal(_state(loaded), _state(trainer))
+
+
+def _rewritten_logprobs(source, target, change):
+    """``source``'s save written again under ``target`` with ``change`` applied to checkpoint 0's log-prob rows."""
+    files = read_folder(source)
+    state = torch.load(io.BytesIO(files["checkpoint-0.pt"]), weights_only=True)
+    state["logprobs"] = change(state["logprobs"])
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_folder(target, {**files, "checkpoint-0.pt": buffer.getvalue()})
+    return target
+
+
+BAD_ROWS = {
+    "not a list": lambda rows: {"rows": rows},
+    "a row twice": lambda rows: rows + rows,
+    "a missing key": lambda rows: [{k: v for k, v in rows[0].items() if k != "owner"}],
+    "a negative owner": lambda rows: [{**rows[0], "owner": -1}],
+    "float token ids": lambda rows: [{**rows[0], "inputs": rows[0]["inputs"].float()}],
+    "lengths that differ": lambda rows: [{**rows[0], "logprobs": rows[0]["logprobs"][:-1]}],
+    "integer log-probs": lambda rows: [{**rows[0], "logprobs": rows[0]["logprobs"].long()}],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ROWS))
+def test_bad_saved_log_probs_are_refused_and_leave_the_model_as_it_was(tmp_path, bad):
+    _stale_pair(tmp_path / "save")
+    rows = torch.load(io.BytesIO(read_folder(tmp_path / "save")["checkpoint-0.pt"]), weights_only=True)["logprobs"]
+    assert len(rows) == 1 and rows[0]["owner"] is None, "C's row, kept for A"
+    model = _model(dropout=0.0)
+    before = model_snapshot(model)
+    with pytest.raises(rt.ConfigError, match="saved current log-probs of 'policy'"):
+        rt.Trainer.load(_rewritten_logprobs(tmp_path / "save", tmp_path / "bad", BAD_ROWS[bad]), model)
+    assert_model_unchanged(model, before)

@@ -87,6 +87,7 @@ FIELD_CORRUPTIONS = {  # name -> (change, the field the error names)
     "unknown option": (_set(_top, "options", {"max_gradient_staleness": 2, "speed": "fast"}), "options"),
     "logical_dp zero": (_set(_top, "logical_dp", 0), "logical_dp"),
     "lineage not strings": (_set(_top, "lineage", [1]), "lineage"),
+    "lineage a string": (_set(_top, "lineage", "ab"), "lineage"),
     "kept version at the current revision": (_set(_policy, "kept", [[2, 2]]), "checkpoints[0].kept"),
     "missing next_generation": (lambda meta: meta.pop("next_generation"), "next_generation"),
 }
@@ -124,3 +125,56 @@ def test_a_manifest_without_a_file_every_save_writes_is_a_corrupt_save_naming_it
     with pytest.raises(rt.CorruptSaveError) as info:
         rt.Trainer.load(tmp_path / "bad", _model())
     assert (info.value.file, info.value.problem) == (file, "missing")
+
+
+def _rng_set(key: str, value: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], None]:
+    return lambda rng: rng.__setitem__(key, value(rng))
+
+
+RNG_CORRUPTIONS = {  # name -> (trainer.json change or None, rng.pt change)
+    "no streams": (None, lambda rng: rng.pop("streams")),
+    "streams without logical ranks": (None, _rng_set("streams", lambda rng: {0: rng["process"]})),
+    "no stream of a saved logical rank": (_set(_top, "logical_dp", 2), lambda rng: None),
+    "process state not a pair": (None, _rng_set("process", lambda rng: rng["process"][0])),
+    "process CPU state cut short": (None, _rng_set("process", lambda rng: (rng["process"][0][:8], None))),
+    "process CPU state not bytes": (None, _rng_set("process", lambda rng: (rng["process"][0].float(), None))),
+    "not a dict": (None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(RNG_CORRUPTIONS))
+def test_a_bad_rng_file_is_a_corrupt_save_naming_it_and_changes_nothing(save, tmp_path, name):
+    change, rng_change = RNG_CORRUPTIONS[name]
+    files = read_folder(_rewritten(save, tmp_path / "meta", change))
+    rng = torch.load(io.BytesIO(files["rng.pt"]), weights_only=True)
+    if rng_change is None:
+        rng = [rng]
+    else:
+        rng_change(rng)
+    buffer = io.BytesIO()
+    torch.save(rng, buffer)
+    write_folder(tmp_path / "bad", {**files, "rng.pt": buffer.getvalue()})
+    model = _model()
+    before, cpu_rng = model_snapshot(model), torch.get_rng_state()
+    with pytest.raises(rt.CorruptSaveError) as info:
+        rt.Trainer.load(tmp_path / "bad", model)
+    assert (info.value.file, info.value.problem) == ("rng.pt", "invalid")
+    assert "expected" in str(info.value) and "found" in str(info.value)
+    assert_model_unchanged(model, before)
+    assert torch.equal(torch.get_rng_state(), cpu_rng), "the process RNG changed"
+
+
+
+def test_a_refused_cuda_rng_state_leaves_the_cpu_generator_as_it_was(monkeypatch):
+    """``set_rng_state`` sets the CUDA generator first: if it refuses, the CPU one has not moved."""
+    from reference_trainer.rng import set_rng_state
+
+    def refuse(state: torch.Tensor, device: torch.device) -> None:
+        raise RuntimeError("a CUDA generator state of another size")
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", refuse)
+    before = torch.get_rng_state()
+    other = torch.Generator().manual_seed(5).get_state()
+    with pytest.raises(RuntimeError, match="CUDA generator"):
+        set_rng_state((other, torch.zeros(16, dtype=torch.uint8)), torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
