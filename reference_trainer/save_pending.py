@@ -31,8 +31,26 @@ def group_exchange(obj: Any, label: str) -> list[Any]:
 
 
 Kept = dict[int, tuple[dict[str, torch.Tensor], int]]  # revision -> (weights, largest staleness bound)
-LogprobRow = dict[str, Any]  # {"owner": logical rank or None, "inputs", "targets": int64 ids, "logprobs": per token}
-_ROW_KEYS = {"owner", "inputs", "targets", "logprobs"}
+# {"owner": logical rank or None, "autocast": [device type, autocast dtype's name or None], "inputs", "targets":
+# int64 ids, "logprobs": per token}
+LogprobRow = dict[str, Any]
+_ROW_KEYS = {"owner", "autocast", "inputs", "targets", "logprobs"}
+
+
+def _autocast_row(state: tuple[str, torch.dtype | None]) -> list[str | None]:
+    """A cache scope's autocast state (``corrections.Autocast``) as plain values a save holds."""
+    device, dtype = state
+    return [device, None if dtype is None else str(dtype).removeprefix("torch.")]
+
+
+def _autocast_state(row: object) -> tuple[str, torch.dtype | None] | None:
+    """The autocast state a saved row names, or None when it names none."""
+    if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
+        return None
+    if row[1] is None:
+        return row[0], None
+    dtype = getattr(torch, row[1], None) if isinstance(row[1], str) else None
+    return (row[0], dtype) if isinstance(dtype, torch.dtype) else None
 
 
 def _kept_versions(trainer: Any, checkpoint: Checkpoint) -> Kept:
@@ -94,34 +112,41 @@ def agreed_logprobs(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> 
     process RNG is (NOTE [Resume] Rule 5). ``exchange`` as in :func:`agreed_kept`.
     """
     local = trainer.known_logprobs.saved(trainer.records)
-    mine = {(owner, name, key): row for (owner, name), known in local.items() for key, (_, row) in known.items()}
-    merged: dict[tuple[int | None, str, tuple], torch.Tensor] = {}
+    mine = {(owner, name, tuple(_autocast_row(autocast)), key): row
+            for (owner, name, autocast), known in local.items() for key, (_, row) in known.items()}
+    merged: dict[tuple[int | None, str, tuple, tuple], torch.Tensor] = {}
     for rank, part in enumerate(exchange({k: v.detach().cpu() for k, v in mine.items()}, "save: known log-probs")):
         merged.update({k: v for k, v in part.items() if k[0] is not None or rank == 0})
     agreed: dict[str, list[LogprobRow]] = {name: [] for name in trainer.checkpoints}
-    for owner, name, key in sorted(merged, key=lambda k: (-1 if k[0] is None else k[0], k[1], k[2])):
-        agreed[name].append({"owner": owner, "inputs": torch.tensor(key[0], dtype=torch.int64),
-                             "targets": torch.tensor(key[1], dtype=torch.int64), "logprobs": merged[owner, name, key]})
+    order = sorted(merged, key=lambda k: (-1 if k[0] is None else k[0], k[1], (k[2][0], k[2][1] or ""), k[3]))
+    for owner, name, autocast, key in order:
+        agreed[name].append({"owner": owner, "autocast": list(autocast), "inputs": torch.tensor(key[0], dtype=torch.int64),
+                             "targets": torch.tensor(key[1], dtype=torch.int64),
+                             "logprobs": merged[owner, name, autocast, key]})
     return agreed
 
 
 def check_logprobs(name: str, rows: object) -> None:
     """Raise ``ConfigError`` unless ``rows`` are a save's log-prob rows of checkpoint ``name``: each an owner (None
-    or an int >= 0), 1-D int64 ``inputs`` and ``targets`` and floating ``logprobs`` of one length, no row twice."""
+    or an int >= 0), an autocast state ``[device type, dtype name or None]``, 1-D int64 ``inputs`` and ``targets``
+    and floating ``logprobs`` of one length, no row twice."""
     where = f"saved current log-probs of {name!r}"
     if not isinstance(rows, list):
         raise ConfigError(where, type(rows).__name__, "a list of rows")
     seen = set()
     for index, row in enumerate(rows):
         ok = isinstance(row, dict) and set(row) == _ROW_KEYS and (row["owner"] is None or int_at_least(row["owner"], 0))
+        ok = ok and _autocast_state(row["autocast"]) is not None
         tensors = [row[k] for k in ("inputs", "targets", "logprobs")] if ok else []
         ok = ok and all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in tensors)
         ok = ok and tensors[0].dtype == tensors[1].dtype == torch.int64 and tensors[2].is_floating_point()
         ok = ok and len({t.numel() for t in tensors}) == 1 and tensors[0].numel() > 0
-        key = (row["owner"], tuple(tensors[0].tolist()), tuple(tensors[1].tolist())) if ok else None
+        key = (row["owner"], tuple(row["autocast"]), tuple(tensors[0].tolist()), tuple(tensors[1].tolist())) if ok \
+            else None
         if not ok or key in seen:
             raise ConfigError(f"{where}, row {index}", repr(row)[:200],
-                              f"a distinct row with keys {sorted(_ROW_KEYS)}: an owner (None or an int >= 0), 1-D "
+                              f"a distinct row with keys {sorted(_ROW_KEYS)}: an owner (None or an int >= 0), an "
+                              "autocast state [device type, a torch dtype's name or None], 1-D "
                               "int64 inputs and targets and floating logprobs of one non-zero length")
         seen.add(key)
 
@@ -129,8 +154,9 @@ def check_logprobs(name: str, rows: object) -> None:
 def resume_logprobs(trainer: Any, checkpoint: Checkpoint, rows: list[LogprobRow]) -> None:
     """Hand ``rows`` (checked) to ``trainer``'s known log-probs, at ``checkpoint``'s restored version."""
     device = next(checkpoint.parameters()).device
-    known: dict[tuple[int | None, str], dict] = {}
+    known: dict[tuple[int | None, str, tuple[str, torch.dtype | None]], dict] = {}
     for row in rows:
         key = (tuple(row["inputs"].tolist()), tuple(row["targets"].tolist()))
-        known.setdefault((row["owner"], checkpoint.name), {})[key] = (checkpoint.version, row["logprobs"].to(device))
+        scope = (row["owner"], checkpoint.name, _autocast_state(row["autocast"]))
+        known.setdefault(scope, {})[key] = (checkpoint.version, row["logprobs"].to(device))
     trainer.known_logprobs.resume(known)

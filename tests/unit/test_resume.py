@@ -355,6 +355,31 @@ def test_a_forward_made_again_at_a_kept_version_keeps_the_current_log_probs_of_i
     assert_nested_equal(_state(loaded), _state(trainer))
 
 
+def test_saved_log_probs_keep_their_autocast_state_and_correct_only_forwards_made_under_it(tmp_path):
+    """A and C under CPU autocast (BF16): C's saved row names that state, and after the load it corrects A made again
+    under it as in the job that never stopped; A made again without autocast finds no row of its state."""
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    torch.manual_seed(0)
+    trainer = rt.Trainer(_model(dropout=0.0), options=rt.ForwardOptions(max_gradient_staleness=2))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    with bf16():
+        a = trainer.forward(rt.ForwardInput(*sequence(1)))
+    b = trainer.forward(rt.ForwardInput(*sequence(2)))
+    trainer.backward(-b.target_logprobs.sum())
+    trainer.optim_step()
+    with bf16():
+        c = trainer.forward(rt.ForwardInput(*sequence(1)))
+    trainer.save(tmp_path / "save")
+    (row,) = torch.load(io.BytesIO(read_folder(tmp_path / "save")["checkpoint-0.pt"]), weights_only=True)["logprobs"]
+    assert row["autocast"] == ["cpu", "bfloat16"]
+    assert len(trainer.backward(-a.target_logprobs.sum()).corrected) == 1, "C's row corrects A: one autocast state"
+    for under_autocast, corrected in ((True, 1), (False, 0)):
+        loaded = rt.Trainer.load(tmp_path / "save", _model(dropout=0.0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+            again = loaded.forward(rt.ForwardInput(*sequence(1)), checkpoint=a.version)
+        assert len(loaded.backward(-again.target_logprobs.sum()).corrected) == corrected, under_autocast
+
+
 def _rewritten_logprobs(source, target, change):
     """``source``'s save written again under ``target`` with ``change`` applied to checkpoint 0's log-prob rows."""
     files = read_folder(source)
@@ -374,6 +399,8 @@ BAD_ROWS = {
     "float token ids": lambda rows: [{**rows[0], "inputs": rows[0]["inputs"].float()}],
     "lengths that differ": lambda rows: [{**rows[0], "logprobs": rows[0]["logprobs"][:-1]}],
     "integer log-probs": lambda rows: [{**rows[0], "logprobs": rows[0]["logprobs"].long()}],
+    "an autocast dtype torch lacks": lambda rows: [{**rows[0], "autocast": ["cpu", "float7"]}],
+    "no autocast state": lambda rows: [{k: v for k, v in rows[0].items() if k != "autocast"}],
 }
 
 
