@@ -232,6 +232,16 @@ def test_masked_tokens_are_never_read_and_stay_exactly_zero(dtype, correction, t
 # --- statistics --------------------------------------------------------------------
 
 
+def _overflows(products: np.ndarray, dtype: torch.dtype) -> bool | None:
+    """Whether corrected cotangents of these FP64 magnitudes overflow ``dtype``: None within 1% of its largest finite
+    value (the weight's own rounding decides there)."""
+    largest = float(torch.finfo(dtype).max)
+    worst = float(np.max(np.abs(products))) if np.size(products) else 0.0
+    if worst > largest * 1.01:
+        return True
+    return False if worst < largest * 0.99 else None
+
+
 @given(
     dtype=st.sampled_from(DTYPES),
     correction=_corrections(),
@@ -243,6 +253,14 @@ def test_statistics_match_an_independent_numpy_computation(dtype, correction, to
     forward = _tensor([f for _, f, _ in tokens], dtype)
     active = torch.tensor([a for *_, a in tokens])
     cotangent = active.to(dtype) * 0.5
+    w_active = _reference_weights(_np(current[active]), _np(forward[active]), correction) if bool(active.any()) else []
+    overflow = _overflows(0.5 * np.asarray(w_active, dtype=np.float64), dtype)
+    if overflow:  # a weight x cotangent past the dtype's range is refused, naming the correction (Rule 3)
+        with pytest.raises(rt.GradientCommitError, match="importance weight .* overflowed"):
+            correct_cotangent(cotangent, current, forward, correction, staleness)
+        return
+    if overflow is None:  # within rounding of the dtype's largest finite value: either reading is right
+        return
 
     _, stats = correct_cotangent(cotangent, current, forward, correction, staleness)
 
@@ -276,7 +294,8 @@ def test_statistics_of_extreme_weights_stay_finite(low, high, ratio, mean):
     # Squaring 1e300 overflows and squaring 1e-300 underflows; the ESS is scale-free.
     correction = rt.ImportanceCorrection(clip_low=low, clip_high=high, max_log_ratio=700.0)
     current = torch.full((3,), ratio)
-    _, stats = correct_cotangent(torch.ones(3), current, torch.zeros(3), correction, staleness=1)
+    cotangent = torch.ones(3, dtype=torch.float64)  # an FP64 cotangent holds even a weight of 1e300
+    _, stats = correct_cotangent(cotangent, current, torch.zeros(3), correction, staleness=1)
     assert stats.mean == mean and stats.max == mean
     assert stats.effective_sample_size == 3.0
 
