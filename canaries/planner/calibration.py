@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from .certificate import CellResult, cell_verdict
+from .certificate import TIMING_CHECKS, CellResult, cell_verdict
 
 __all__ = ["FEATURES", "HELD_OUT_GATE", "fit", "priced", "held_out", "held_out_check"]
 
@@ -79,6 +79,6 @@ def held_out_check(calibrated: dict, loaded: str) -> tuple[str, bool | None, str
     apart = calibrated["pairs_apart"]
     detail = (f"{calibrated['ordering']:.3f} of {apart} held-out pairs apart (gate >= {HELD_OUT_GATE}); "
               f"constants {calibrated['constants']}")
-    return ("calibration: held-out cells ordered by constants fitted on the others",
+    return (TIMING_CHECKS[-1],
             calibrated["ordering"] >= HELD_OUT_GATE if apart else None,
             loaded if loaded and not apart else f"{detail}; left out: {loaded}" if loaded else detail)

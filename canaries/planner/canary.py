@@ -18,7 +18,10 @@ nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
    and offloads the next, forced offload of both is refused, replay wins);
 3. on a trainer under those limits every admitted placement and ``auto``
    are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
-   decisions (placements, predicted prices) recorded.
+   decisions (placements, predicted prices) recorded; blocks the load probe
+   flags are replaced while the grid's budget lasts, and a cell still loaded
+   records its measured load instead of timings to judge (NOTE [Planner
+   certificate] Rule 9).
 
 What runs is :func:`plan`'s: the CPU grid on the tiny model, or with CUDA present a GPU
 preset's declared subset (:data:`GPU_PLANS`) on its own model and LoRA rank, within

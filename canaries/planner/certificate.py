@@ -66,9 +66,12 @@ from validation import stats
 from .load import inconclusive
 
 __all__ = ["Gates", "ArmMemory", "CellResult", "CellVerdict", "pair_interval", "cell_verdict", "certify", "loaded_detail",
-           "AUTO"]
+           "AUTO", "TIMING_CHECKS"]
 
 AUTO = "auto"
+# Rule 9: the checks that read a clock (the calibration's held-out gate too); every other check reads bytes or prices
+TIMING_CHECKS = ("certificate: pairwise ordering on pairs apart", "certificate: median regret", "certificate: worst regret",
+                 "calibration: held-out cells ordered by constants fitted on the others")
 
 
 @dataclass(frozen=True)

@@ -173,3 +173,11 @@ def test_only_the_named_check_left_undecided_by_load_excuses_a_mutation() -> Non
     # A clock-free check that passed is a bug not caught, whatever the timing checks could not decide.
     assert mutations_module._inconclusive([loaded], "certificate: offload and replay priced above retain") == ""
     assert mutations_module._inconclusive([other], None) == ""
+
+
+def test_every_planner_mutation_is_meant_for_a_check_that_reads_no_clock() -> None:
+    """A loaded machine cannot hide them (NOTE [Planner certificate] Rule 9): their checks decide without timings."""
+    from canaries.planner.certificate import TIMING_CHECKS
+
+    planner = [m for m in MUTATIONS.values() if m.caught_by == "planner"]
+    assert planner and all(m.check is not None and m.check not in TIMING_CHECKS for m in planner)

@@ -28,3 +28,12 @@ def test_the_section_plots_regret_and_bytes_and_lists_every_cell(tmp_path: Path)
     assert all(f.path.stat().st_size > 0 for f in view.figures)
     assert list(view.tables["cells"]["status"]) == ["measured", "failed"] and not view.passed
     assert any("every planned cell has a verdict" in line for line in view.lines)
+
+
+def test_a_loaded_run_renders_with_its_timing_checks_inconclusive(tmp_path: Path) -> None:
+    loaded = _cell("a", GOOD)
+    loaded.load = "16 of 16 blocks under 80% of CPU share 1.00, median share 0.33"
+    record = _record({"a": loaded})
+    view = section(record, tmp_path)
+    assert record["passed"] and all(f.path.stat().st_size > 0 for f in view.figures)
+    assert record["skips"]["certificate: worst regret"].startswith("inconclusive (loaded: 1 cells, a: 16 of 16")
