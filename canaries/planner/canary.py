@@ -254,23 +254,27 @@ def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Call
 
     A block is flagged (NOTE [Alternating blocks] Rule 4) when its probe share falls below 80% of the reference:
     the warm-up's share, or ``idle_share`` (what the process gets of an idle machine: one core for a
-    single-threaded CPU run) when that is higher, so a machine loaded from the start is seen too. While
-    ``clock()`` is before ``extend_until`` a flagged block is replaced by a new one, at most ``blocks`` more."""
+    single-threaded CPU run) when that is higher, so a machine loaded from the start is seen too. A flagged block
+    is replaced by a new one, at most ``blocks`` more, while one more block (as long as the last) ends before
+    ``clock()`` reaches ``extend_until``."""
     probe.start()
     abba.run_block(arms, 0, clock)
     reference = max(probe.stop(), idle_share)
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     shares: list[float] = []
-    kept = 0
+    kept, last = 0, 0.0  # blocks kept; the last block's seconds (a replacement must end before extend_until)
 
     def more() -> bool:
         if len(shares) < blocks:
             return True
-        return extend_until is not None and kept < blocks and len(shares) < 2 * blocks and clock() < extend_until
+        return (extend_until is not None and kept < blocks and len(shares) < 2 * blocks
+                and clock() + last < extend_until)
 
     while more():
         probe.start()
+        began = clock()
         times = abba.run_block(arms, len(shares) + 1, clock)
+        last = clock() - began
         shares.append(probe.stop())
         if shares[-1] < (1 - LOAD_TOLERANCE) * reference:
             continue
