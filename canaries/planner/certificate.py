@@ -41,8 +41,10 @@ NOTE [Planner certificate]
      too.
   8. A placement the limits kept out whose measured peak and host bytes fit
      them was kept out by an over-estimate, invisible to Rules 2-5 (it is
-     never timed): its predicted / measured peak must stay within
-     ``Gates.kept_out_over_estimate``. Bytes, no clock.
+     never timed; its bytes are Rule 1's run): its predicted / measured peak
+     must stay within ``Gates.kept_out_over_estimate`` (2: on the CPU grid
+     today retain is kept out of the tight cells at 1.4-1.8; an estimate that
+     keeps it out at 59x fails). Bytes, no clock.
   9. Timing never fails a correct trainer: Rules 2 and 3 (and the held-out
      calibration) judge only cells that were not loaded; a timing check with
      no such cell left is ``inconclusive (loaded: <measured load>)``, a skip,
@@ -138,7 +140,7 @@ class CellVerdict:
     saved_ratios: dict[str, float] = field(default_factory=dict)
     over_limit: tuple[str, ...] = ()
     unpriced: tuple[str, ...] = ()  # placements priced at or below retain (Rule 7)
-    kept_out: dict[str, float] = field(default_factory=dict)  # Rule 8: predicted / measured peak of each
+    kept_out: dict[str, float] = field(default_factory=dict)  # Rule 8: each one's predicted / measured peak
     load: str | None = None  # Rule 9: the cell was loaded, its timings not judged
     error: str | None = None
 
