@@ -26,6 +26,14 @@ NOTE [Mutation verdicts]
      canary``). The derivative canary runs exactly the checks named; the
      memory canary runs its admission intersections alone, and the whole
      canary for any other check. The evidence lists every check that failed.
+  5. A clock cannot hide a bug it did not see, nor invent one. A mutated run
+     with no failed check whose named check (any check, for a mutation that
+     names none) was skipped as ``inconclusive (loaded: ...)`` (NOTE [Planner
+     certificate] Rule 9) is "not caught: inconclusive (loaded)": its
+     ``caught:`` check is a skip saying so, neither a pass (the suite did not
+     see the bug caught) nor a failure (a loaded machine is not a wrong
+     trainer); the record lists it under ``inconclusive``. A mutation whose
+     named check reads no clock is never excused this way.
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from validation.evidence import Checks, checks_of, verify
+from validation.evidence import Check, Checks, checks_of, verify
 
 from .. import presets
+from ..planner.load import is_inconclusive
 from .catalogue import MUTATIONS, Mutation, mutation
 from ..registry import Judged, canary
 
@@ -62,12 +71,18 @@ class MutationOutcome:
     failed_checks: tuple[str, ...]
     first_failure: str
     seconds: float
+    inconclusive: str = ""  # Rule 5: why the named check could not decide on this machine ("" when it did)
 
 
 def _failures(record: dict) -> tuple[tuple[str, ...], str]:
     failed = [c for c in checks_of(record) if c.failed]  # sorted by name in the file
     first = next((c.detail for c in failed if c.detail), failed[0].name if failed else "")
     return tuple(c.name for c in failed), first[:2000]
+
+
+def _inconclusive(checks: list[Check], named: str | None) -> str:
+    """Rule 5: the detail of the named check (any check when ``named`` is None) skipped as loaded, else ""."""
+    return next((c.detail for c in checks if c.skipped and is_inconclusive(c.detail) and named in (None, c.name)), "")
 
 
 def _focus(name: str, selected: Sequence[Mutation]) -> tuple[str, ...] | None:
@@ -87,8 +102,9 @@ def judge_mutation(mutation_: Mutation, preset: str, *, scratch: Path) -> Mutati
         record = verify(canary(mutation_.caught_by).run(preset, MUTATED_PROFILE, scratch,
                                                         checks=_focus(mutation_.caught_by, [mutation_])))
     failed, first = _failures(record)
+    inconclusive = "" if failed else _inconclusive(checks_of(record), mutation_.check)
     return MutationOutcome(mutation_.name, mutation_.caught_by, True, bool(failed), failed, first,
-                           time.perf_counter() - started)
+                           time.perf_counter() - started, inconclusive[:2000])
 
 
 def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> Judged:
@@ -110,13 +126,16 @@ def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> J
         for m in tqdm(selected, desc="mutations", unit="mutation", leave=False):
             outcome = judge_mutation(m, preset, scratch=Path(scratch))
             outcomes.append(outcome)
-            if outcome.applicable:
+            if outcome.inconclusive:
+                checks.skip(f"caught:{m.name}", f"not caught: {outcome.inconclusive}")
+            elif outcome.applicable:
                 checks.check(f"caught:{m.name}", outcome.caught,
                              f"failed {', '.join(outcome.failed_checks)}: {outcome.first_failure}" if outcome.caught
                              else f"every check of the {m.caught_by} canary passed with the bug injected")
             else:
                 checks.skip(f"caught:{m.name}", f"does not apply to preset {config.name!r}")
-            verdict = "inapplicable" if not outcome.applicable else "caught" if outcome.caught else "NOT CAUGHT"
+            verdict = ("inapplicable" if not outcome.applicable else "caught" if outcome.caught else
+                       "not caught: inconclusive (loaded)" if outcome.inconclusive else "NOT CAUGHT")
             tqdm.write(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}")
     return Judged(
         "mutation-suite",
@@ -134,12 +153,14 @@ def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> J
                     "failed_checks": list(o.failed_checks),
                     "first_failure": o.first_failure,
                     "seconds": round(o.seconds, 3),
+                    "inconclusive": o.inconclusive,
                 }
                 for o in outcomes
             },
             "run": [o.name for o in outcomes if o.applicable],
             "caught": [o.name for o in outcomes if o.caught],
             "inapplicable": [o.name for o in outcomes if not o.applicable],
+            "inconclusive": [o.name for o in outcomes if o.inconclusive],
             "unmutated_failures": {name: text for name, text in unmutated.items() if text},
         },
     )

@@ -146,3 +146,38 @@ def test_every_mutation_is_caught_by_a_registered_canary_and_unknown_names_are_r
     with pytest.raises(SetupError, match="unknown mutation 'typo'") as info:
         mutation("typo")
     assert "stale_weights" in info.value.fix
+
+
+def test_a_mutation_a_loaded_machine_left_undecided_is_neither_caught_nor_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [Mutation verdicts] Rule 5: "not caught: inconclusive (loaded)" is a skip, said so, never a pass."""
+    timed = Mutation("timed", "caught only by a clock (stand-in)", "memory", nullcontext, CHECKPOINT_STATE_CHECK)
+    monkeypatch.setitem(MUTATIONS, "timed", timed)
+    undecided = mutations_module.MutationOutcome("timed", "memory", True, False, (), "", 0.0,
+                                                 "inconclusive (loaded: 3 cells)")
+    monkeypatch.setattr(mutations_module, "judge_mutation", lambda m, preset, scratch: undecided)
+    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=["timed"]), tmp_path))
+    assert record["checks"] == {"unmutated:memory passes": True}  # what it saw; the mutation is not counted caught
+    assert record["skips"] == {"caught:timed": "not caught: inconclusive (loaded: 3 cells)"}
+    assert record["measurements"]["inconclusive"] == ["timed"] and record["measurements"]["caught"] == []
+
+
+def test_only_the_named_check_left_undecided_by_load_excuses_a_mutation() -> None:
+    from validation.evidence import Check
+
+    loaded = Check("certificate: worst regret", True, "inconclusive (loaded: 2 cells)", skipped=True)
+    other = Check("certificate: pairwise ordering on pairs apart", True, "no pair apart", skipped=True)
+    assert mutations_module._inconclusive([other, loaded], "certificate: worst regret") == "inconclusive (loaded: 2 cells)"
+    assert mutations_module._inconclusive([other, loaded], None) == "inconclusive (loaded: 2 cells)"
+    # A clock-free check that passed is a bug not caught, whatever the timing checks could not decide.
+    assert mutations_module._inconclusive([loaded], "certificate: offload and replay priced above retain") == ""
+    assert mutations_module._inconclusive([other], None) == ""
+
+
+def test_every_planner_mutation_is_meant_for_a_check_that_reads_no_clock() -> None:
+    """A loaded machine cannot hide them (NOTE [Planner certificate] Rule 9): their checks decide without timings."""
+    from canaries.planner.certificate import TIMING_CHECKS
+
+    planner = [m for m in MUTATIONS.values() if m.caught_by == "planner"]
+    assert planner and all(m.check is not None and m.check not in TIMING_CHECKS for m in planner)

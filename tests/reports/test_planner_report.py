@@ -40,3 +40,12 @@ def test_a_wrong_refusal_is_red_a_right_one_and_a_measured_cell_green(tmp_path: 
     assert not view.passed and list(view.tables["cells"]["status"]) == ["measured", "refused", "refused"]
     rows = classed_rows(view.tables["cells"], view.failed_rows["cells"])
     assert [next(css for _, css in row if css) for row in rows] == ["passed", "failed", "passed"]
+
+
+def test_a_loaded_run_renders_with_its_timing_checks_inconclusive(tmp_path: Path) -> None:
+    loaded = _cell("a", GOOD)
+    loaded.load = "16 of 16 blocks under 80% of CPU share 1.00, median share 0.33"
+    record = _record({"a": loaded})
+    view = section(record, tmp_path)
+    assert record["passed"] and all(f.path.stat().st_size > 0 for f in view.figures)
+    assert record["skips"]["certificate: worst regret"].startswith("inconclusive (loaded: 1 cells, a: 16 of 16")
