@@ -80,7 +80,7 @@ def section(record: dict, folder: Path) -> Section:
                       caption="auto's regret per measured cell, with its interval", headline=True),
                Figure(path=save_png(_bytes_figure(memory), stem.with_name(stem.name + "-bytes.png")),
                       caption="predicted against measured peak per cell and placement (above the line: an under-estimate)")]
-    percent = lambda share: number(share * 100, ".1f") + "%"  # noqa: E731
+    percent = lambda share: number(share, ".1%")  # noqa: E731
     key = (f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
            f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
            f"ratio {number(certificate['worst_peak_ratio'], '.2f')}")

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LOADED_CORES", "Load", "Meter", "CpuReading", "read_cpu", "between", "inconclusive"]
+__all__ = ["LOADED_CORES", "Load", "Meter", "CpuReading", "read_cpu", "between", "inconclusive", "is_inconclusive"]
 
 LOADED_CORES = 0.5  # Rule 2
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -122,6 +122,14 @@ def between(began: CpuReading, end: CpuReading) -> Load:
     return Load(others, cores, wall)
 
 
+_INCONCLUSIVE = "inconclusive (loaded: "
+
+
 def inconclusive(reading: object) -> str:
     """Rule 4's words for a check the machine was too busy to decide."""
-    return f"inconclusive (loaded: {reading})"
+    return f"{_INCONCLUSIVE}{reading})"
+
+
+def is_inconclusive(detail: str) -> bool:
+    """Whether ``detail`` (a check's skip reason) is :func:`inconclusive`'s: undecided by load, neither pass nor fail."""
+    return detail.startswith(_INCONCLUSIVE)

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from validation.evidence import Check, Checks, checks_of, verify
 
 from .. import presets
-from ..planner.load import is_inconclusive
+from validation.load import is_inconclusive
 from .catalogue import MUTATIONS, Mutation, mutation
 from ..registry import Judged, canary
 

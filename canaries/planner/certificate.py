@@ -63,9 +63,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from reports.numbers import number
 from validation import stats
-
-from .load import inconclusive
+from validation.load import inconclusive
 
 __all__ = ["Gates", "ArmMemory", "CellResult", "CellVerdict", "pair_interval", "cell_verdict", "certify", "loaded_detail",
            "AUTO", "TIMING_CHECKS"]
@@ -282,26 +282,26 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
          + "; ".join(f"{v.label}: {v.error}" for v in verdicts if v.error)),
         ("certificate: pairwise ordering on pairs apart", None if not apart else ordering >= gates.ordering,
          loaded if loaded and not apart else
-         f"{ordering:.3f} of {apart} pairs apart (gate >= {gates.ordering}); wrong: {wrong_pairs or 'none'}{left_out}"),
+         f"{number(ordering, '.3f')} of {apart} pairs apart (gate >= {gates.ordering}); wrong: {wrong_pairs or 'none'}{left_out}"),
         ("certificate: median regret", _timing(median <= gates.median_regret, measured, timed),
          loaded if loaded and not timed else
-         f"median {median:.4f}, p95 {p95:.4f} (gate <= {gates.median_regret}){left_out}"),
+         f"median {number(median, '.4f')}, p95 {number(p95, '.4f')} (gate <= {gates.median_regret}){left_out}"),
         ("certificate: worst regret", _timing(worst <= gates.worst_regret, measured, timed),
-         loaded if loaded and not timed else f"worst {worst:.4f} (gate <= {gates.worst_regret}); "
+         loaded if loaded and not timed else f"worst {number(worst, '.4f')} (gate <= {gates.worst_regret}); "
          + ", ".join(f"{v.label} {v.gated_regret:.3f}" for v in timed) + left_out),
         ("certificate: no wrong refusal", len(wrong) / max(1, len(refused)) <= gates.wrong_refusals,
          f"{len(refused)} refused, wrong: {wrong or 'none'}"),
         ("certificate: measured peak / predicted peak <= 1", ratios.size > 0 and not under,
-         f"worst {figures['worst_peak_ratio']:.3f} over {ratios.size} runs; under-estimates: {under or 'none'}"),
+         f"worst {number(figures['worst_peak_ratio'], '.3f')} over {ratios.size} runs; under-estimates: {under or 'none'}"),
         ("certificate: held after a forward / admitted saved bytes <= 1", bool(saved) and not under_saved,
-         f"worst {figures['worst_saved_ratio']:.3f} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
+         f"worst {number(figures['worst_saved_ratio'], '.3f')} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
         ("certificate: admitted placements within the limits (measured)", not over_limit,
          "; ".join(over_limit) or "every admitted placement's measured bytes within its limits"),
         ("certificate: offload and replay priced above retain", bool(measured) and not unpriced,
          "; ".join(unpriced) or f"in all {len(measured)} measured cells"),
         ("certificate: placements kept out where they fit: predicted / measured peak within the bound",
          None if not kept_out else not over_kept_out,
-         f"worst {figures['worst_kept_out_over_estimate']:.2f} over {len(kept_out)} kept out (gate <= "
+         f"worst {number(figures['worst_kept_out_over_estimate'], '.2f')} over {len(kept_out)} kept out (gate <= "
          f"{gates.kept_out_over_estimate}); over: {over_kept_out or 'none'}" if kept_out else
          "no placement was kept out where its measured bytes fit"),
     ]

@@ -211,6 +211,8 @@ def test_offload_priced_at_zero_fails_without_any_pair_measurably_apart() -> Non
 
     free = _checks({"a": cell({"retain": 0.0, "offload": 0.0, "replay": 0.4})})
     assert free["certificate: pairwise ordering on pairs apart"] is None  # skipped: no pair apart
+    details = [detail for _, _, detail in certify(["a"], {"a": cell(GOOD)})[1]]
+    assert not [d for d in details if "nan" in d.lower()], details  # no figure to give reads n/a, never nan
     assert free["certificate: offload and replay priced above retain"] is False
     assert _checks({"a": cell(GOOD)})["certificate: offload and replay priced above retain"] is True  # the control
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+import re
 from pathlib import Path
 
 from canaries.planner.certificate import certify
@@ -49,3 +50,5 @@ def test_a_loaded_run_renders_with_its_timing_checks_inconclusive(tmp_path: Path
     view = section(record, tmp_path)
     assert record["passed"] and all(f.path.stat().st_size > 0 for f in view.figures)
     assert record["skips"]["certificate: worst regret"].startswith("inconclusive (loaded: 1 cells, a: 16 of 16")
+    said = [view.key_figure, *view.lines, *record["details"].values(), *record["skips"].values()]
+    assert not [text for text in said if re.search(r"\bnan\b|n/a%", str(text), re.IGNORECASE)], said
