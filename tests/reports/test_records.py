@@ -97,7 +97,8 @@ def test_a_marked_folders_only_record_tampered_with_is_read_as_invalid_and_fails
     tampered.write_bytes(data[:at] + b"f" + data[at + 1:])  # "smoke" -> "smokf": still JSON, no longer its digest
     with pytest.raises(evidence.EvidenceError):
         evidence.verify(tampered)
-    assert [(r.name, r.status) for r in load_records(tmp_path)] == [("gpu-receipt", "passed"), ("run-x/smoke", "invalid")]
+    loaded = [(r.name, r.status) for r in load_records(tmp_path)]
+    assert loaded == [("gpu-receipt", "passed"), ("run-x/smoke", "invalid")], loaded
     assert main(["report", "--in", str(tmp_path), "--out", str(tmp_path / "report" / "index.md")]) == 1
     terminal = capsys.readouterr().out
     assert "2 records, FAILED" in terminal and "skipped" not in terminal, terminal
