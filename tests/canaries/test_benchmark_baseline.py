@@ -240,3 +240,20 @@ def test_bench_baseline_finds_a_deliberate_ten_percent_slowdown(tmp_path: Path) 
     assert by_arm["retain@s0"]["verdict"] == "regression" and 1.04 < by_arm["retain@s0"]["ratio"] < 1.18
     assert by_arm["plain"]["verdict"] not in ("regression", "gain")
     assert record["config"]["scope"] == "HEAD~1 → HEAD"
+
+
+def test_a_rev_whose_commit_differs_only_outside_the_trainer_is_an_a_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A/A is decided by the trainer's source digest, not the commit: a commit that touches only the README leaves both
+    sides running the same trainer."""
+    clone = _clone(tmp_path)
+    readme = clone / "README.md"
+    readme.write_text(readme.read_text() + "\nAn edit outside the trainer.\n")
+    subprocess.run([*GIT, "commit", "-qam", "readme"], cwd=clone, check=True)
+    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+                            meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
+    sources = judged.measurements["sources"]
+    assert sources["baseline"]["commit"] != sources["head"]["commit"], sources
+    assert sources["baseline"]["digest"] == sources["head"]["digest"], sources
+    assert judged.config["a_a"] is True and "A/A" in judged.config["scope"], judged.config
+    assert "an A/A run" in capsys.readouterr().out

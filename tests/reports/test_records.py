@@ -82,3 +82,23 @@ def test_a_failing_record_whose_marker_was_stripped_fails_the_report_and_other_j
     terminal = capsys.readouterr().out
     assert "2 records, FAILED" in terminal and "skipped 1 *.json" in terminal and str(other) in terminal
     assert "site/package.json" in out.read_text() and "site/package.json" in out.with_suffix(".html").read_text()
+
+
+def test_a_marked_folders_only_record_tampered_with_is_read_as_invalid_and_fails_the_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A marked folder is collected on its marker alone: a record there that no longer verifies (one byte changed
+    after writing) is a record gone invalid, never a stray ``*.json`` to skip."""
+    write_once(tmp_path / "gpu-receipt.json", make_record("smoke", config={}, checks={"ok": True}, measurements={}))
+    tampered = write_once(tmp_path / "run-x" / "smoke.json",
+                          make_record("smoke", config={}, checks={"ok": True}, measurements={}))
+    assert (tampered.parent / evidence.EVIDENCE_MARKER).is_file()
+    data = tampered.read_bytes()
+    at = data.index(b'"smoke"') + 5
+    tampered.write_bytes(data[:at] + b"f" + data[at + 1:])  # "smoke" -> "smokf": still JSON, no longer its digest
+    with pytest.raises(evidence.EvidenceError):
+        evidence.verify(tampered)
+    loaded = [(r.name, r.status) for r in load_records(tmp_path)]
+    assert loaded == [("gpu-receipt", "passed"), ("run-x/smoke", "invalid")], loaded
+    assert main(["report", "--in", str(tmp_path), "--out", str(tmp_path / "report" / "index.md")]) == 1
+    terminal = capsys.readouterr().out
+    assert "2 records, FAILED" in terminal and "skipped" not in terminal, terminal

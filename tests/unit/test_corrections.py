@@ -630,3 +630,18 @@ def test_an_importance_weight_that_overflows_the_fp32_cotangent_is_named_with_th
         trainer.backward(-old.target_logprobs.sum())
     assert "clip_low=1e+300" in str(info.value) and "check the loss" not in str(info.value), str(info.value)
     assert all(p.grad is None for p in trainer.checkpoint("policy").parameters()), "a refused backward committed"
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_loss_under_a_correction_is_refused_as_the_loss_not_as_a_weight_overflow(scale: float) -> None:
+    """A cotangent that is already non-finite before any weight is applied is the loss's fault (Rule 3 names only a
+    weight that made a finite cotangent non-finite): the commit refuses the non-finite gradient, and commits nothing."""
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    correction = rt.ImportanceCorrection(policy="always")
+    old = trainer.forward(rt.ForwardInput(*sequence(1)), options=rt.ForwardOptions(corrections=(correction,)))
+    train_step(trainer, seed=200)
+    with pytest.raises(rt.GradientCommitError, match="expected a finite gradient, found non-finite values") as info:
+        trainer.backward(-old.target_logprobs.sum() * scale)
+    assert "check the loss" in str(info.value) and "overflowed" not in str(info.value), str(info.value)
+    assert all(p.grad is None for p in trainer.checkpoint("policy").parameters()), "a refused backward committed"

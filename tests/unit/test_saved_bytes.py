@@ -16,10 +16,12 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference_trainer as rt
 from reference_trainer.model import token_logprobs
 from reference_trainer.running import model_logits
+from reference_trainer.saved_bytes import autocast_weight_bytes
 from validation.memory import StorageCensus
 
 OVER = 3.0  # the most the admitted saved bytes may exceed what is saved, first forward of a class included
@@ -97,3 +99,46 @@ def test_a_forced_offload_one_byte_over_the_host_limit_is_refused(dtype, autocas
         return
     held = census.measure().host
     assert held <= saved - 1, f"admitted ({out.decision.saved_bytes} B); the host holds {held} B over {saved - 1} B"
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Records the storages ``_to_copy`` makes from ``weights`` (autocast's casts), by data pointer and bytes."""
+
+    def __init__(self, weights: set[int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weights, self.dtype, self.casts = weights, dtype, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and out.dtype == self.dtype
+                and args[0].untyped_storage().data_ptr() in self.weights):
+            self.casts[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("rank", [None, 4], ids=["full", "lora"])
+def test_autocast_weight_bytes_are_the_weight_casts_a_real_forward_makes(rank) -> None:
+    """The oracle: the BF16 copies of parameters autocast makes in a real forward (every projection, the LM head and
+    each LoRA factor), seen at the dispatcher, and those of them autograd saves. A full fine-tune saves every cast
+    (every projection's input needs a gradient); LoRA's first layer's q/k/v inputs need none, so it saves fewer."""
+    trainer = _trainer(torch.float32, 0.0, rank)
+    checkpoint = trainer.checkpoint("policy")
+    weights = {p.untyped_storage().data_ptr() for p in (*trainer.model.parameters(), *checkpoint.parameters())}
+    tokens, packed = _tokens(5, 0), set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    recorder = _WeightCasts(weights, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            recorder:
+        logits = model_logits(trainer.model, checkpoint, dict(checkpoint.named_parameters()), tokens[:, :-1])
+        token_logprobs(logits, tokens[:, 1:])
+    cast = sum(recorder.casts.values())
+    saved = sum(n for ptr, n in recorder.casts.items() if ptr in packed)
+    lora = None if rank is None else rt.LoRAConfig(rank=rank)
+    config = trainer.model.config
+    assert autocast_weight_bytes(config, lora, torch.bfloat16) == cast, f"autocast cast {cast} B of weights"
+    assert saved == cast if rank is None else 0 < saved <= cast, f"autograd saved {saved} B of {cast} B cast"
+    assert autocast_weight_bytes(config, lora, torch.float32) == 0  # weights already in FP32: nothing cast
