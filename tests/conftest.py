@@ -51,6 +51,19 @@ def _older_objects_frozen() -> None:
     gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def tiny_learning_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The learning canary's verified record of its tiny configuration (every arm kind, every panel group), made
+    once per test run: the canary's tests judge it, the report's tests draw it."""
+    from canaries.learning.canary import judge_plan, tiny_plan
+    from canaries.registry import canary
+    from tests.once import once_per_run
+    from validation.evidence import verify
+
+    return once_per_run(tmp_path_factory, "tiny-learning-record",
+                        lambda folder: verify(canary("learning").record("cpu", judge_plan(tiny_plan()), folder)))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 

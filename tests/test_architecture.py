@@ -194,15 +194,15 @@ def _private_attributes(path: Path, aliases: dict[str, str]) -> list[tuple[str, 
 
 def _module_aliases(path: Path, name: str, modules: dict[str, Path]) -> dict[str, str]:
     aliases = {}
+    submodules = {target.rpartition(".")[2]: target for target, imported in _imports(name, path, modules)
+                  if imported is None and target in modules}  # once: each ImportFrom below binds the same names
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in modules and alias.asname:
                     aliases[alias.asname] = alias.name
         elif isinstance(node, ast.ImportFrom):
-            for target, imported in _imports(name, path, modules):
-                if imported is None and target in modules:
-                    aliases[target.rpartition(".")[2]] = target
+            aliases.update(submodules)
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and not node.level:
             for alias in node.names:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -18,9 +19,9 @@ from validation.errors import SetupError
 from validation.evidence import verify
 
 
-@pytest.fixture(scope="module")
-def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return verify(CANARIES["learning"].record("cpu", judge_plan(tiny_plan()), tmp_path_factory.mktemp("learning")))
+@pytest.fixture
+def record(tiny_learning_record: dict) -> dict:
+    return copy.deepcopy(tiny_learning_record)  # a test may change its copy, never the others'
 
 
 def test_the_tiny_run_passes_every_check(record: dict) -> None:

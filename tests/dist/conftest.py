@@ -3,14 +3,11 @@
 The spawn is the expensive part (about a second of start-up, then every
 scenario in :mod:`dist_scenarios`), so it runs once per test run: under
 pytest-xdist the first worker that needs it runs it and the others read its
-pickled results, behind a file lock.
+pickled results (``tests.once``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +15,7 @@ import dist_scenarios
 import pytest
 import torch
 
+from tests.once import once_per_run
 from validation.spawn import spawn_ranks
 
 
@@ -33,18 +31,7 @@ def _run_suite() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def two_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Rank 0's report of the two-process suite: ``{"ranks": [r0, r1], "peers": {...}}``."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        results = _run_suite()
-    else:
-        path = tmp_path_factory.getbasetemp().parent / f"two-process-suite-{run}.pkl"
-        with open(f"{path}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists():
-                results = pickle.loads(path.read_bytes())
-            else:
-                results = _run_suite()
-                path.write_bytes(pickle.dumps(results))
+    results = once_per_run(tmp_path_factory, "two-process-suite", lambda folder: _run_suite())
     if "failed" in results:
         pytest.fail(f"the two-process suite did not complete:\n{results['failed']}")
     return results
