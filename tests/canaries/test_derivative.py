@@ -75,9 +75,11 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
 def test_coverage_fails_when_no_stale_backward_can_succeed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control of the coverage check: every staleness bound capped at 0 empties the stale cells.
 
-    The intersection checks fill no cell (the quick profile's test runs them), so they are left out here.
+    The intersection checks fill no cell and the scenarios' cells are the exploration's too (the quick profile's
+    test and each scenario's test run them), so both are left out here.
     """
     monkeypatch.setattr(derivative, "INTERSECTIONS", {})
+    monkeypatch.setattr(derivative, "_fixed_checks", lambda config: [])
     result = derivative.examine(preset("cpu").on_this_machine(), profile="quick", bound_cap=0)
 
     assert list(result.failures) == [derivative.COVERAGE_CHECK]  # everything else agrees with the oracle
