@@ -39,7 +39,7 @@ def test_the_verdict_board_picture_is_committed_and_small() -> None:
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
 
 
-# The throughput questions (issue 26), the command that answers each, and the picture of its plot where it has one.
+# The throughput questions, in the README's order, the command that answers each, and the picture of its plot where it has one.
 THROUGHPUT = {
     "What does this change cost against main?": ("rtv bench --baseline", "docs/bench-baseline.png"),
     "How does the cost grow?": ("rtv bench --profile default", "docs/bench-sweep.png"),
@@ -60,7 +60,7 @@ def _answers() -> dict[str, str]:
 
 def test_each_throughput_question_has_its_command_and_the_picture_of_its_plot() -> None:
     answers = _answers()
-    assert list(answers) == list(THROUGHPUT), "the five questions, in the issue's order"
+    assert list(answers) == list(THROUGHPUT), "the five questions, in THROUGHPUT's order"
     for question, (command, picture) in THROUGHPUT.items():
         answer = answers[question]
         assert f"`{command}" in answer, f"{question!r}: no `{command}` in its answer"

@@ -1,4 +1,4 @@
-"""The suite's strength, measured: a sampled mutmut run over the trainer and the harness (issue 21, point 5).
+"""The suite's strength, measured: a sampled mutmut run over the trainer and the harness.
 
 NOTE [Mutation score]
   1. The tool is mutmut, pinned in the ``mutation`` extra (its internals used

@@ -1,4 +1,4 @@
-"""The derivative canary's intersection checks: where two features meet (issue 21, Build 2).
+"""The derivative canary's intersection checks: where two features meet.
 
 Each feature alone is judged by the scenarios and the exploration
 (``canaries.derivative.scenarios``, ``canaries.derivative.machine``); these

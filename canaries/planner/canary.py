@@ -1,4 +1,4 @@
-"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement (issue 27).
+"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement.
 
 A grid of cells (:data:`CELL_GRIDS`: checkpoint kind × dropout × batch × sequence
 length × pending forwards (staleness) × device limit × host limit), chosen
