@@ -39,7 +39,8 @@ def test_the_verdict_board_picture_is_committed_and_small() -> None:
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
 
 
-# The throughput questions, in the README's order, the command that answers each, and the picture of its plot where it has one.
+# The throughput questions in the README's order, the command that answers each, and the picture of its plot where
+# it has one.
 THROUGHPUT = {
     "What does this change cost against main?": ("rtv bench --baseline", "docs/bench-baseline.png"),
     "How does the cost grow?": ("rtv bench --profile default", "docs/bench-sweep.png"),
@@ -93,6 +94,58 @@ def test_the_layout_table_matches_the_tree() -> None:
     test_folders = {p.name for p in (root / "tests").iterdir() if p.is_dir() and any(p.glob("*.py"))}
     described = set(re.findall(r"`([a-z_]+)/`", rows["tests/"]))
     assert test_folders <= described, f"test folders the table does not list: {sorted(test_folders - described)}"
+
+
+def package_folders(root: Path) -> list[str]:
+    """Every importable package folder under ``root`` (``pyproject.toml``'s ``packages.find`` include), as
+    ``pkg/`` or ``pkg/sub/``, in path order."""
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = sorted({pattern.rstrip("*") for pattern in include})
+    inits = (init for top in tops for init in (root / top).rglob("__init__.py"))
+    return sorted(init.parent.relative_to(root).as_posix() + "/" for init in inits)
+
+
+def layout_gaps(rows: dict[str, str], folders: list[str]) -> list[str]:
+    """The package folders the Layout table leaves out, each as the edit that adds it. A top-level package has a row
+    of its own; a subpackage is named in its top-level package's row (`` `sub/` ``, or `` `sub/deeper/` ``) unless it
+    has a row of its own."""
+    gaps = []
+    for folder in folders:
+        top, _, rest = folder.partition("/")
+        if folder in rows:
+            continue
+        if not rest:
+            gaps.append(f"README.md's Layout table has no row for the package {folder}: add the row "
+                        f"| `{folder}` | <what it holds> |")
+        elif f"`{rest}`" not in rows.get(f"{top}/", ""):
+            gaps.append(f"README.md's Layout table does not name the subpackage {folder}: add `{rest}` and what it "
+                        f"holds to the `{top}/` row")
+    return gaps
+
+
+def test_the_layout_table_names_every_package_and_subpackage() -> None:
+    gaps = layout_gaps(_layout_rows(), package_folders(README.parent))
+    assert not gaps, "\n".join(gaps)
+
+
+def test_negative_control_a_package_left_out_of_the_layout_table_is_named_with_its_row(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.packages.find]\ninclude = ["pkg*", "lib*"]\n')
+    for folder in ("pkg", "pkg/named", "pkg/unnamed", "pkg/named/deep", "lib", "pkg/data", "tests/unit"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        if folder != "pkg/data":  # a folder without __init__.py is no package
+            (tmp_path / folder / "__init__.py").write_text("")
+    folders = package_folders(tmp_path)
+    assert folders == ["lib/", "pkg/", "pkg/named/", "pkg/named/deep/", "pkg/unnamed/"]
+    rows = {"pkg/": "the package; `named/` and `named/deep/`", "pkg/unnamed/": "a row of its own"}
+    assert layout_gaps(rows, folders) == [
+        "README.md's Layout table has no row for the package lib/: add the row | `lib/` | <what it holds> |"]
+    del rows["pkg/unnamed/"]
+    rows["pkg/"] = "the package; `named/`"
+    assert layout_gaps(rows, folders)[1:] == [
+        "README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it holds "
+        "to the `pkg/` row",
+        "README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to the "
+        "`pkg/` row"]
 
 
 def test_the_docs_row_and_index_name_every_page() -> None:
