@@ -93,7 +93,7 @@ DEFINED_TWICE = {  # name -> why each module keeps its own
 }
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
@@ -141,7 +141,7 @@ def _owner(target: str, modules: dict[str, Path]) -> str | None:
     return target or None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edges(root: Path, packages: tuple[str, ...]) -> tuple[tuple[str, str, str | None], ...]:
     """Every import as (module, the scanned module it names or else the dotted name written, the name or None)."""
     modules = _modules(root, packages)

@@ -28,7 +28,7 @@ def test_the_api_example_runs_and_fits_in_20_lines() -> None:
     code = _api_example()
     assert len([line for line in code.splitlines() if line.strip()]) <= 20
     scope: dict = {}
-    exec(compile(code, "README.md (The API in 20 lines)", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "README.md (The API in 20 lines)", "exec"), scope)  # the README's own example
     trainer, report = scope["trainer"], scope["report"]
     assert trainer.checkpoint("policy").revision == 2 and report is not None
 
@@ -87,7 +87,7 @@ def test_the_layout_table_matches_the_tree() -> None:
     assert rows, "no Layout table"
     for path in rows:
         assert (root / path).exists(), f"the Layout table names {path}, which does not exist"
-    folders = {p.name for p in root.iterdir() if p.is_dir() and any(p.rglob("*.py")) or p.name in (".ci", ".github")}
+    folders = {p.name for p in root.iterdir() if (p.is_dir() and any(p.rglob("*.py"))) or p.name in (".ci", ".github")}
     folders -= {".venv", ".git", "rtv-out", "build"} | {p.name for p in root.iterdir() if p.name.endswith(".egg-info")}
     named = {path.strip("/").split("/")[0] for path in rows}
     assert folders <= named, f"folders missing from the Layout table: {sorted(folders - named)}"
@@ -142,10 +142,10 @@ def test_negative_control_a_package_left_out_of_the_layout_table_is_named_with_i
     del rows["pkg/unnamed/"]
     rows["pkg/"] = "the package; `named/`"
     assert layout_gaps(rows, folders)[1:] == [
-        "README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it holds "
-        "to the `pkg/` row",
-        "README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to the "
-        "`pkg/` row"]
+        ("README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it "
+         "holds to the `pkg/` row"),
+        ("README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to "
+         "the `pkg/` row")]
 
 
 def test_the_docs_row_and_index_name_every_page() -> None:
@@ -215,7 +215,7 @@ def _check_rtv(args: list[str]) -> None:
     if "--help" in args:
         script = Path(sys.executable).parent / "rtv"
         done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(README.parent)))
+                              env=dict(os.environ, PYTHONPATH=str(README.parent)), check=False)
         assert done.returncode == 0 and done.stdout.startswith("usage: rtv"), done.stderr
         return
     from canaries.cli import _build_parser

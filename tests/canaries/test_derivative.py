@@ -88,7 +88,7 @@ def test_coverage_fails_when_no_stale_backward_can_succeed(monkeypatch: pytest.M
 def _gradients_off_by_a_tenth_of_a_percent():
     original = trainer_module.record_backward
 
-    def record_backward(model, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
+    def record_backward(model, record, cotangent, retain_graph):
         return {n: g * 1.001 for n, g in original(model, record, cotangent, retain_graph).items()}
 
     return mock.patch.object(trainer_module, "record_backward", record_backward)

@@ -18,7 +18,6 @@ from unittest import mock
 
 import pytest
 
-import reference_trainer as rt
 from canaries.memory import canary as memory
 from canaries.memory.intersections import SCENARIOS
 from canaries.memory.scale import SCALE_CHECKS

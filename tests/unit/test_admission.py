@@ -523,7 +523,7 @@ def test_a_call_refused_in_its_second_group_ran_nothing_demoted_nothing_and_drew
         trainer.forward([*first, *forced], options=NO_CORRECTION)
     _assert_same_state(before, _state(trainer))
     out = trainer.forward(first, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
-    assert "demoted 1" in out[0].decision.reason and [r.placement for r in trainer.records][0] == "offload"
+    assert "demoted 1" in out[0].decision.reason and next(r.placement for r in trainer.records) == "offload"
     del pending
 
 

@@ -403,7 +403,7 @@ def test_masked_target_positions_are_not_corrected_tokens() -> None:
 
 
 # --- The ``when_available`` cache with default options (NOTE [Importance correction] Rules 6-8).
-# 
+#
 # A logical rank is corrected only with log-probs its own forwards computed
 # (so results do not depend on how many processes host the logical ranks);
 # the cache keeps only what a pending record can still use (its size does not
