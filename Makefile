@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rtv-installed
 TORCH_INDEX_URL ?=
 
-.PHONY: venv install run test board-png bench-pngs
+.PHONY: venv install run test lint board-png bench-pngs
 
 venv: $(PY)
 
@@ -29,6 +29,15 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -n auto
+
+# The tools that keep the tree tidy, configured in pyproject.toml: ruff check (its rule set), ruff format --check,
+# mypy (strict on reference_trainer/ and validation/). All three run and report; the target fails if any failed.
+lint: install
+	@status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
+	$(VENV)/bin/ruff format --check . || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	exit $$status
 
 # The README's picture of the verdict board: the report of the committed fixture evidence,
 # its first screen captured by headless Chromium (Debian's chromium package). Committed on purpose.

@@ -144,7 +144,8 @@ class Launcher(Teardown):
                         want = self._expectation(spec, run)
                         self._launch_and_wait(spec, run)
                         self._fetch(run, out_dir, want)
-                except (Exception, Interrupted) as error:  # every interruption ends in teardown and a receipt
+                # every interruption ends in teardown and a receipt
+                except (Exception, Interrupted) as error:  # noqa: BLE001
                     run.interruption, run.error = _interruption(error, run.phase), error
                     self.echo(f"rtv gpu launch: interrupted during {run.phase.value}: {run.interruption['detail']}")
             finally:
@@ -214,7 +215,7 @@ class Launcher(Teardown):
                     self.echo(f"rtv gpu launch: job {run.job_id} is "
                               f"{getattr(run.job_status, 'value', 'gone from the queue')}")
                     return
-            except Exception:  # noqa: BLE001 - a few failed polls are tolerated, not more
+            except Exception:  # a few failed polls are tolerated, not more
                 failures += 1
                 if failures >= self.t.poll_failures:
                     raise

@@ -192,7 +192,7 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
         task.update_envs(envs or {})
         if validate:
             task.validate()
-    except Exception as error:  # noqa: BLE001 - SkyPilot raises several types for a bad file
+    except Exception as error:  # SkyPilot raises several types for a bad file
         raise _fail(path, f"SkyPilot refused it: {type(error).__name__}: {error}",
                     "fix the field it names (see docs.skypilot.co, Task YAML)") from error
     alternatives = _alternatives(path, list(task.resources))

@@ -35,6 +35,7 @@ from .interrupts import CallTimeout, bounded
 __all__ = ["RunState", "Teardown", "Timeouts"]
 
 _PENDING = ("PENDING", "RUNNING")  # a request that may still create the cluster
+_ECHO = functools.partial(print, flush=True)  # a line as soon as it is known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +116,7 @@ class Teardown:
 
     def __init__(self, sdk: Any, *, timeouts: Timeouts = Timeouts(), clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time,
-                 echo: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
+                 echo: Callable[[str], None] = _ECHO) -> None:
         self.sdk = sdk
         self.t = timeouts
         self.clock = clock

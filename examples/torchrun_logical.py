@@ -62,7 +62,7 @@ def train_rank_mode(logical_dp: int, steps: int) -> tuple[rt.Trainer, int]:
     corrected = 0
     for step in range(steps):
 
-        def body(view) -> int:
+        def body(view, step: int = step) -> int:
             items, advantages = micro_batch(step, view.logical_rank)
             outputs = view.forward(items)
             tokens = view.global_token_count([item.targets() >= 0 for item in items])

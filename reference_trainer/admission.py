@@ -133,6 +133,8 @@ class _Held:
     @property
     def targets(self) -> list[Placement]:
         """Where this record may be demoted to (Rule 6): what its own options allow."""
+        if self.record is None:  # planned in this call: nothing to demote yet
+            return []
         options = self.record.options
         return [Placement.OFFLOAD] * options.allow_offload + [Placement.REPLAY] * options.allow_replay
 
@@ -185,7 +187,7 @@ class Admission:
             held.append(_Held(version, checkpoint, usage, None))
             admitted.append(plan)
         for entry in held:
-            if entry.demote is not None:
+            if entry.demote is not None and entry.record is not None:  # only a pending record is demotable
                 entry.record.demote(entry.demote)
                 entry.record.usage = entry.usage
         return admitted
@@ -255,6 +257,7 @@ class Admission:
                 decision = replace(decision, reason=f"{decision.reason}; demoted {len(demote)} pending retained record(s) ({where})")
             return Admitted(decision, cost, saved_class, estimator), demote
         misses.report("refused", self.config, estimator, cost.saved_bytes, raised=str(refusal))
+        assert refusal is not None, "_demotions yields at least the assignment that demotes nothing"
         raise refusal
 
     def _learn_speed(self) -> None:
@@ -305,7 +308,7 @@ class Admission:
     def _saved_scale(self, saved_class: SavedClass, batch: int, seq_len: int) -> float | None:
         """Rule 5: the largest ratio to the analytic count, at ``seq_len``, of the most each forward of the class
         that ran allows a ``seq_len`` forward to save (``SavedTerms.worst_case``); ``None``: none ran."""
-        kind = dict(scores_saved=saved_class.scores_saved, lora=saved_class.lora,
+        kind: dict[str, Any] = dict(scores_saved=saved_class.scores_saved, lora=saved_class.lora,
                     dropout_active=saved_class.dropout_active, autocast=saved_class.autocast)
         terms, analytic = saved_terms(self.config, batch, **kind), analytic_saved_bytes(self.config, batch, seq_len, **kind)
         scale = None

@@ -60,7 +60,7 @@ class PlannerCalibration:
         return cls(1.0 / _DEFAULT_TRANSFER_BYTES_PER_SECOND, DEFAULT_SECONDS_PER_TOKEN, 0.0)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> PlannerCalibration:
+    def load(cls, path: str | os.PathLike[str]) -> PlannerCalibration:
         """Rule 2: the constants of a JSON file, at its top level or under ``measurements.calibration.constants``."""
         try:
             with open(path, encoding="utf-8") as file:
@@ -75,7 +75,7 @@ class PlannerCalibration:
         return cls(**{name: data[name] for name in names})
 
 
-def resolve_calibration(value: PlannerCalibration | str | os.PathLike | None) -> PlannerCalibration | None:
+def resolve_calibration(value: PlannerCalibration | str | os.PathLike[str] | None) -> PlannerCalibration | None:
     """A trainer's ``planner_calibration`` argument as constants (``None``: the defaults, chosen by admission)."""
     if value is None or isinstance(value, PlannerCalibration):
         return value

@@ -272,7 +272,7 @@ class Checkpoint:
         with torch.no_grad():
             for name, master in self._masters.items():
                 grad = self._params[name].grad
-                if grad is not None:
+                if grad is not None and master.grad is not None:
                     grad.copy_(master.grad)
 
     def step(self, lr: float | None, max_grad_norm: float | None) -> CheckpointStep:
@@ -280,7 +280,7 @@ class Checkpoint:
         if not self.has_gradients():
             return CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision)
         params = self._stepped_tensors()  # FP32: the live parameters; else FP32 masters
-        known, grads = self._known_norm, [p.grad for p in params]
+        known, grads = self._known_norm, [p.grad for p in params if p.grad is not None]
         if known is not None and known.matches(grads):  # NOTE [Gradient norm] Rule 3: no pass, no host read
             value, norm = known.norm, known.tensor
         else:

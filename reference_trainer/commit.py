@@ -64,6 +64,16 @@ class _Staged:
     old: torch.Tensor | None = None  # set by validate: the sink's gradient the value adds to
     new: torch.Tensor | None = None  # set by validate: what publish assigns (old + value, or value)
 
+    def staged_value(self) -> torch.Tensor:
+        """The staged gradient, while this transaction still owns it (Rule 5)."""
+        assert self.value is not None, f"{self.name}: the staged gradient was handed to a sink"
+        return self.value
+
+    def new_value(self) -> torch.Tensor:
+        """What publish assigns, once validate computed it."""
+        assert self.new is not None, f"{self.name}: validate has not computed the new gradient"
+        return self.new
+
 
 @dataclass(frozen=True)
 class _Norms:
@@ -80,7 +90,7 @@ def staged_norms(staged: Mapping[tuple[str, str], _Staged]) -> _Norms:
     """
     news: dict[str, list[torch.Tensor]] = {}
     for (checkpoint_name, _), s in staged.items():
-        news.setdefault(checkpoint_name, []).append(s.new)
+        news.setdefault(checkpoint_name, []).append(s.new_value())
     tensors = {name: total_norm(grads) for name, grads in news.items()}
     if not tensors:
         return _Norms({}, {})
@@ -101,11 +111,11 @@ def first_non_finite(staged: Mapping[tuple[str, str], _Staged], norms: _Norms) -
     if all(math.isfinite(v) for v in norms.values.values()):
         return None
     for key, s in staged.items():
-        if not bool(torch.isfinite(s.value).all()):
+        if not bool(torch.isfinite(s.staged_value()).all()):
             return key, ("expected a finite gradient, found non-finite values; check the loss and its "
                          "cotangents (nothing was committed)")
     for key, s in staged.items():
-        if s.old is not None and not bool(torch.isfinite(s.new).all()):
+        if s.old is not None and not bool(torch.isfinite(s.new_value()).all()):
             return key, ("the accumulated gradient overflows to non-finite values; expected a finite sum. "
                          "Step or zero_grad before accumulating more (nothing was committed)")
     return None
@@ -149,7 +159,7 @@ class GradientTransaction:
             if staged is None:
                 self._staged[key] = _Staged(checkpoint, name, capture.targets[name], grad)
             else:
-                staged.value = staged.value + grad
+                staged.value = staged.staged_value() + grad
         self._origins.setdefault(checkpoint.name, set()).add((capture.version, bound))
 
     def validate(self) -> None:
@@ -165,7 +175,7 @@ class GradientTransaction:
                     f"{where}: gradient target was replaced after the forward; expected the "
                     "same parameter object, found a different one. Forward again."
                 )
-            value = staged.value
+            value = staged.staged_value()
             for what, found, expected in (
                 ("shape", tuple(value.shape), tuple(live.shape)),
                 ("dtype", value.dtype, live.dtype),
@@ -175,7 +185,8 @@ class GradientTransaction:
                     raise GradientCommitError(f"{where}: gradient {what} expected {expected}, found {found}")
         for staged in self._staged.values():
             staged.old = self._sink.current(staged.checkpoint, staged.name)
-            staged.new = staged.value if staged.old is None else staged.old + staged.value
+            value = staged.staged_value()
+            staged.new = value if staged.old is None else staged.old + value
         self._norms = staged_norms(self._staged)
         bad = first_non_finite(self._staged, self._norms)
         if bad is not None:
@@ -222,7 +233,7 @@ class GradientTransaction:
             return
         published: dict[str, list[torch.Tensor]] = {}
         for staged in self._staged.values():
-            published.setdefault(staged.checkpoint.name, []).append(staged.new)
+            published.setdefault(staged.checkpoint.name, []).append(staged.new_value())
         for name, grads in published.items():
             known = KnownNorm(grads, self._norms.values[name], *self._norms.kinds[name])
             self._sink.record_norm(self._checkpoints(name), known)

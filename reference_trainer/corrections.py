@@ -192,7 +192,7 @@ class KnownLogprobs:
         known = self._prune(scope, record.version, pending)
         for row, key in enumerate(self._keys[record]):
             if key in wanted:  # a copy of the row: the padded batch's storage is not kept alive
-                known[key] = (record.version, record.forward_logprobs[row, : record.batch.lengths[row]].clone())
+                known[key] = (record.version, record.logprobs()[row, : record.batch.lengths[row]].clone())
         if known:
             self._known[scope] = known
 
@@ -230,7 +230,7 @@ class KnownLogprobs:
     def current(self, record: ForwardRecord) -> tuple[torch.Tensor, list[int]]:
         """Padded current log-probs of ``record``'s rows (NaN where unknown) and the rows known."""
         known = self._known.get(_scope(record), {}) if self._maskless(record) else {}
-        current = torch.full_like(record.forward_logprobs, math.nan)
+        current = torch.full_like(record.logprobs(), math.nan)
         rows: list[int] = []
         if not known:
             return current, rows
@@ -266,6 +266,6 @@ def correct_record(
             return cotangent, None
     corrected = cotangent.clone()
     corrected[rows], stats = correct_cotangent(
-        cotangent[rows], current[rows], record.forward_logprobs[rows], correction, age, record.batch.targets[rows] >= 0
+        cotangent[rows], current[rows], record.logprobs()[rows], correction, age, record.batch.targets[rows] >= 0
     )
     return corrected, stats

@@ -8,7 +8,7 @@ import torch
 
 from . import seams
 from .errors import GradientCommitError
-from .records import ForwardRecord
+from .records import ForwardRecord, tag_of
 
 __all__ = ["cotangents_by_record", "output_cotangents", "record_cotangent"]
 
@@ -38,16 +38,16 @@ def cotangents_by_record(
     """``(output leaf, its cotangent)`` pairs grouped by the record id each leaf is tagged with (Rule 2)."""
     grouped: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
     for leaf, cotangent in zip(leaves, cotangents):
-        grouped.setdefault(leaf._rt_record_id, []).append((leaf, cotangent))
+        grouped.setdefault(tag_of(leaf).record_id, []).append((leaf, cotangent))
     return grouped
 
 
 def record_cotangent(record: ForwardRecord, leaves: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
     """The padded ``(B, T)`` cotangent of a record's root from ``(output leaf, its cotangent)`` pairs (Rule 3)."""
-    cotangent = torch.zeros_like(record.forward_logprobs)
+    cotangent = torch.zeros_like(record.logprobs())
     for leaf, grad in leaves:
         if grad is not None:
-            cotangent[leaf._rt_row, : grad.numel()] = grad
+            cotangent[tag_of(leaf).row, : grad.numel()] = grad
     # Masked targets carry no gradient; zeroing their cotangent keeps them out of corrections.
     cotangent.masked_fill_(record.batch.targets < 0, 0.0)
     return cotangent

@@ -7,6 +7,8 @@ attributes, so callers never parse messages.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 __all__ = [
     "int_at_least",
     "is_number",
@@ -194,7 +196,7 @@ class PeerError(TrainerError):
         super().__init__(message)
 
 
-def int_at_least(value: object, minimum: int) -> bool:
+def int_at_least(value: object, minimum: int) -> TypeGuard[int]:
     """True iff ``value`` is an int, not a bool (``True`` is an ``int`` in Python), and ``>= minimum``.
 
     The one check behind every integer argument; each caller raises its own
@@ -203,6 +205,6 @@ def int_at_least(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def is_number(value: object) -> bool:
-    """True iff ``value`` is an int or a float, not a bool."""
+def is_number(value: object) -> TypeGuard[int | float]:
+    """True iff ``value`` is an int or a float, not a bool (callers may then use it as a number)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -48,8 +48,8 @@ class RatioStats:
         scale = torch.where(high > 0, high, torch.ones_like(high))
         mean = (values / scale).mean() * scale  # scaled first: a sum of ratios near e**709 would overflow
         parts = torch.cat((torch.stack((values.min(), high, mean)), quantiles))
-        low, high, mean, *quantiles = parts.tolist()
-        return cls(min=low, max=high, mean=mean, quantiles=dict(zip(QUANTILES, quantiles)))
+        low, top, average, *levels = parts.tolist()
+        return cls(min=low, max=top, mean=average, quantiles=dict(zip(QUANTILES, levels)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ FLOAT8_DTYPES = frozenset(
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
 )
+_CPU = torch.device("cpu")  # torch.device is immutable: one instance serves every default
 
 
 @dataclass(eq=False)
@@ -28,7 +29,7 @@ class _Packed:
     size: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")
+    device: torch.device = _CPU
     stamp: int = 0
 
 
@@ -97,7 +98,7 @@ class SavedStateLedger:
             if self.arena is None or not self.arena.holds(self._copies[key]):  # the arena's block is counted once
                 self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
         packed.alias, packed.storage_key = None, key
-        packed.offset, packed.size, packed.stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+        packed.offset, packed.size, packed.stride = int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride())
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
 
     def demote(self) -> None:
@@ -129,13 +130,15 @@ class SavedStateLedger:
             if packed.alias._version != packed.stamp:
                 raise _tampered(packed.stamp, packed.alias._version)
             return packed.alias
-        copy = self._copies[packed.storage_key]
+        key = packed.storage_key
+        assert key is not None, "a packed tensor without an alias was copied"
+        copy = self._copies[key]
         if copy._version != packed.stamp:
             raise _tampered(packed.stamp, copy._version)
-        restored = self._restored.get(packed.storage_key)
+        restored = self._restored.get(key)
         if restored is None:
             restored = copy if packed.device.type == "cpu" else copy.to(packed.device, non_blocking=True)
-            self._restored[packed.storage_key] = restored
+            self._restored[key] = restored
         view = torch.empty(0, dtype=packed.dtype, device=restored.device)
         # An arena slice starts inside its buffer's storage (aligned for every dtype).
         offset = packed.offset + restored.storage_offset() // packed.dtype.itemsize

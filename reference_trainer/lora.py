@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +26,8 @@ from .model import DecoderLM, Projection
 __all__ = ["LoRAConfig", "LoRAAdapter", "attach_lora", "freeze", "ALL_PROJECTIONS"]
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +124,7 @@ def attach_lora(model: DecoderLM, config: LoRAConfig, tensors: Mapping[str, torc
             proj.lora = None
 
 
-def freeze(model: nn.Module) -> nn.Module:
+def freeze(model: _M) -> _M:
     """Make every parameter of ``model`` non-trainable; returns ``model``."""
     for param in model.parameters():
         param.requires_grad_(False)

@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .errors import ConfigError, int_at_least, is_number
+
+if TYPE_CHECKING:  # typing.TypeIs from Python 3.13; for the annotations only, never imported at run time
+    from typing_extensions import TypeIs
 
 __all__ = [
     "Reduction",
@@ -63,7 +66,7 @@ __all__ = [
 Reduction = Literal["token_mean", "sum", "sequence_mean"]
 _REDUCTIONS = ("token_mean", "sum", "sequence_mean")
 
-TokenValues = Union[torch.Tensor, Sequence[torch.Tensor]]
+TokenValues = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]  # one tensor, or one per sequence
 
 
 def pad_sequences(
@@ -213,12 +216,11 @@ def _check_reduction(reduction: str) -> None:
 
 
 def _check_bound(field: str, value: object, low: float, high: float) -> None:
-    ok = is_number(value)
-    if not ok or not math.isfinite(value) or not low <= value <= high:
+    if not is_number(value) or not math.isfinite(value) or not low <= value <= high:
         raise ConfigError(field, value, f"a finite number in [{low}, {high}]")
 
 
-def _is_list(value: object) -> bool:
+def _is_list(value: object) -> TypeIs[list[Any] | tuple[Any, ...]]:
     return isinstance(value, (list, tuple))
 
 
@@ -242,7 +244,7 @@ def _check_float(field: str, values: torch.Tensor) -> None:
         raise ConfigError(field, values.dtype, "a floating-point tensor of log-probs")
 
 
-def _shape_of(values: TokenValues) -> object:
+def _shape_of(values: object) -> object:
     if _is_list(values):
         return [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in values]
     return tuple(values.shape) if isinstance(values, torch.Tensor) else values
@@ -282,7 +284,7 @@ def _advantages(
     else:
         per_token = isinstance(advantages, torch.Tensor) and advantages.shape == logprobs.shape
     if per_token:
-        adv = _like("advantages", advantages, logprobs, lp)
+        adv = _like("advantages", cast(TokenValues, advantages), logprobs, lp)  # per_token: not a float
     else:
         adv = torch.as_tensor(
             [float(a) for a in advantages] if _is_list(advantages) else advantages,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,19 +82,19 @@ class ModelConfig:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError("dtype", self.dtype, "a floating-point torch.dtype")
 
-    def replace(self, **changes: object) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def tiny(cls, **changes: object) -> ModelConfig:
+    def tiny(cls, **changes: Any) -> ModelConfig:
         """CPU tests: a train step in milliseconds."""
         return cls(**changes)
 
     @classmethod
-    def small(cls, **changes: object) -> ModelConfig:
+    def small(cls, **changes: Any) -> ModelConfig:
         """The CPU benchmark shape."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             vocab_size=4096,
             hidden_size=256,
             num_hidden_layers=4,
@@ -104,9 +106,9 @@ class ModelConfig:
         return cls(**{**fields, **changes})
 
     @classmethod
-    def qwen3_8b(cls, **changes: object) -> ModelConfig:
+    def qwen3_8b(cls, **changes: Any) -> ModelConfig:
         """The exact shape of Qwen3-8B (8,190,735,360 parameters)."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             vocab_size=151936,
             hidden_size=4096,
             num_hidden_layers=36,
@@ -141,6 +143,8 @@ class Projection(nn.Linear):
     It is set only inside :func:`reference_trainer.lora.attach_lora`.
     """
 
+    __call__: Callable[..., torch.Tensor]  # what forward returns (nn.Module types a call as Any)
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
         self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
@@ -155,6 +159,8 @@ class Projection(nn.Linear):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions ``0..T-1`` (``inv_freq`` is not persistent)."""
+
+    inv_freq: torch.Tensor  # a registered buffer
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -273,6 +279,8 @@ class DecoderLM(nn.Module):
     global RNG, or from ``seed`` when given.
     """
 
+    __call__: Callable[..., torch.Tensor]  # what forward returns (nn.Module types a call as Any)
+
     def __init__(self, config: ModelConfig, *, seed: int | None = None) -> None:
         super().__init__()
         self.config = config
@@ -304,7 +312,8 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(input_ids.shape[1], x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))  # (B, T, V)
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))  # (B, T, V)
+        return logits
 
 
 def check_right_padded(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -61,7 +61,7 @@ class _Unset:
     def __copy__(self) -> _Unset:
         return self
 
-    def __deepcopy__(self, memo: dict) -> _Unset:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Unset:
         return self
 
 

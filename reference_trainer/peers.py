@@ -55,6 +55,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
 NCCL_WATCHDOG_MARGIN_S = 60.0
+_FROM_PEER = "_rt_from_peer"  # the attribute that marks an exception rebuilt from a peer's
 
 
 def select_backend(device: torch.device | str | None, cuda_available: bool) -> str:
@@ -126,7 +127,7 @@ def timeout_seconds(value: float | None, env: str, default: float) -> float:
 def _picklable(value: object) -> bool:
     try:
         pickle.dumps(value)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever pickle raises, the value cannot travel
         return False
     return True
 
@@ -137,8 +138,8 @@ class PeerFailure:
 
     module: str
     qualname: str
-    args: tuple
-    attrs: dict
+    args: tuple[Any, ...]
+    attrs: dict[str, Any]
     text: str
     where: str
     logical_rank: int | None
@@ -157,7 +158,7 @@ class PeerFailure:
             where,
             logical_rank,
             "".join(traceback.format_exception(exc)),
-            bool(getattr(exc, "_rt_from_peer", False)),
+            bool(getattr(exc, _FROM_PEER, False)),
         )
 
     @property
@@ -175,16 +176,22 @@ class PeerFailure:
             exc = cls.__new__(cls, *self.args)
             exc.args = self.args
             vars(exc).update(self.attrs)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a class that cannot be rebuilt here travels as a PeerError
             exc = PeerError(f"{self.where} raised {self.qualname}: {self.text}", command="?")
-        exc._rt_from_peer = self.from_peer
+        setattr(exc, _FROM_PEER, self.from_peer)
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised on {self.where}; its traceback there:\n{self.traceback}")
         return exc
 
 
+def _wait(work: dist.Work | None, timeout_s: float) -> None:
+    """Wait for a point-to-point transfer (``None`` only for a process outside the group: never the control group)."""
+    assert work is not None, "every process is in the control group"
+    work.wait(datetime.timedelta(seconds=timeout_s))
+
+
 def mark_from_peer(exc: BaseException) -> BaseException:
-    exc._rt_from_peer = True
+    setattr(exc, _FROM_PEER, True)
     return exc
 
 
@@ -235,7 +242,8 @@ class Comm:
             return [obj]
         if self.rank != 0:
             self._send((label, obj), 0, label)
-            return self._expect(0, label, self.timeout_s)
+            everyone: list[Any] = self._expect(0, label, self.timeout_s)
+            return everyone
         # Hear every peer out even after one failed: a live peer blocks in its send until
         # rank 0 receives it, and only then can it take the abort.
         parts, dead, failure = [obj], set(), None
@@ -272,6 +280,7 @@ class Comm:
         if first is None:
             return
         if first == self.rank:
+            assert error is not None, "this process's failure is its own error"
             raise error
         raise failures[first].rebuild()
 
@@ -321,7 +330,7 @@ class Comm:
         timeout_s = timeout_s or self.timeout_s
         try:
             for tensor in (size, data):
-                dist.isend(tensor, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+                _wait(dist.isend(tensor, peer, group=self.control), timeout_s)
         except RuntimeError as exc:
             raise PeerError(
                 f"{label}: could not send to physical rank {peer} within {timeout_s:g} s; it died or "
@@ -333,10 +342,10 @@ class Comm:
     def _recv(self, peer: int, label: str, timeout_s: float) -> Any:
         size = torch.zeros(1, dtype=torch.int64)
         try:
-            dist.irecv(size, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+            _wait(dist.irecv(size, peer, group=self.control), timeout_s)
             buffer = bytearray(int(size))  # pickles are never empty; irecv writes into it
             data = torch.frombuffer(buffer, dtype=torch.uint8)
-            dist.irecv(data, peer, group=self.control).wait(datetime.timedelta(seconds=timeout_s))
+            _wait(dist.irecv(data, peer, group=self.control), timeout_s)
         except RuntimeError as exc:
             raise PeerError(
                 f"{label}: lost physical rank {peer} (its connection closed, or no answer within "

@@ -296,8 +296,8 @@ def fused_attention_enabled(device_type: str) -> bool:
     """Whether scaled-dot-product attention may use a fused kernel (flash, memory-efficient, cuDNN) here."""
     backends = torch.backends.cuda
     if device_type == "cuda":
-        return backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
-    return backends.flash_sdp_enabled()  # the CPU's fused kernel follows the flash switch
+        return bool(backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled())
+    return bool(backends.flash_sdp_enabled())  # the CPU's fused kernel follows the flash switch
 
 
 def attention_saves_scores(dtype: torch.dtype, device_type: str, dropout: float, fused_enabled: bool) -> bool:

@@ -40,10 +40,30 @@ from .inputs import ForwardOutput, PaddedBatch
 from .ledger import SavedStateLedger
 from .options import ResolvedOptions
 from .planner import Placement, PlacementDecision, RecordUsage
+from .rng import ForwardState
 
-__all__ = ["ForwardRecord", "RecordTable"]
+__all__ = ["ForwardRecord", "OutputTag", "RecordTable", "tag_of"]
 
 _record_ids = itertools.count()
+_TAG = "_rt_output"  # the attribute that carries an output leaf's tag
+
+
+@dataclass(frozen=True)
+class OutputTag:
+    """What a trainer output leaf carries (Rule 2): its record and row, the table that holds the record, and the
+    identity of the trainer and the version that made it (Rule 5, even once that table is gone)."""
+
+    record_id: int
+    row: int
+    table: weakref.ref[RecordTable]
+    trainer: str
+    version: CheckpointVersion
+
+
+def tag_of(leaf: torch.Tensor) -> OutputTag:
+    """The tag of a trainer output leaf (one :meth:`RecordTable.consumed_by` returned)."""
+    tag: OutputTag = getattr(leaf, _TAG)
+    return tag
 
 
 @dataclass(eq=False, kw_only=True)
@@ -54,7 +74,7 @@ class ForwardRecord:
     capture: WeightCapture
     options: ResolvedOptions
     batch: PaddedBatch
-    rng_state: dict[str, Any]
+    rng_state: ForwardState
     decision: PlacementDecision
     root: torch.Tensor | None = None
     forward_logprobs: torch.Tensor | None = None
@@ -70,6 +90,11 @@ class ForwardRecord:
     def version(self) -> CheckpointVersion:
         return self.capture.version
 
+    def logprobs(self) -> torch.Tensor:
+        """The forward's padded ``(B, T)`` log-probs, kept while the record is pending."""
+        assert self.forward_logprobs is not None, f"forward record {self.id} was released"
+        return self.forward_logprobs
+
     @property
     def placement(self) -> str:
         """Where the saved state is now: the planner's choice, or what a retained record was demoted to."""
@@ -81,6 +106,7 @@ class ForwardRecord:
         """Move a retained record's saved state off the device (NOTE [Memory admission] Rule 6): to host copies
         (``OFFLOAD``), or dropped with its graph (``REPLAY``: the backward re-runs the forward from what every
         record keeps, NOTE [Saved-state lifetime] Rule 5)."""
+        assert self.ledger is not None, "only a record with a ledger (retained) is demoted"
         if placement is Placement.OFFLOAD:
             self.ledger.demote()
             return
@@ -140,9 +166,8 @@ class RecordTable:
         """Make ``record`` pending and return its outputs: tagged leaves, one per input (Rule 2)."""
         outputs = []
         for row, length in enumerate(record.batch.lengths):
-            leaf = record.forward_logprobs[row, :length].clone().requires_grad_(True)
-            leaf._rt_record_id, leaf._rt_row, leaf._rt_table = record.id, row, weakref.ref(self)
-            leaf._rt_trainer, leaf._rt_version = self.identity, record.version  # Rule 5, even once this table is gone
+            leaf = record.logprobs()[row, :length].clone().requires_grad_(True)
+            setattr(leaf, _TAG, OutputTag(record.id, row, weakref.ref(self), self.identity, record.version))
             weakref.finalize(leaf, _output_dropped, weakref.ref(self), record.id)
             outputs.append(
                 ForwardOutput(
@@ -167,7 +192,7 @@ class RecordTable:
     def release_outputs(self, outputs: Sequence[ForwardOutput | None]) -> None:
         """Release the records behind ``outputs`` (a forward call that failed part-way)."""
         for output in outputs:
-            record = None if output is None else self._records.get(output.record_id)
+            record = None if output is None or output.record_id is None else self._records.get(output.record_id)
             if record is not None:
                 self.release(record)
 
@@ -177,15 +202,16 @@ class RecordTable:
             raise ConfigError("loss", type(loss).__name__, "a tensor that depends on trainer outputs")
         if loss.numel() != 1:
             raise ConfigError("loss", f"a tensor of shape {tuple(loss.shape)}", "a one-element tensor", "reduce it first, e.g. loss.sum()")
-        leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, "_rt_record_id")]
+        leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, _TAG)]
         records: dict[int, ForwardRecord] = {}
         for leaf in leaves:
-            if leaf._rt_table() is not self:
-                raise self._foreign(leaf)
-            record = self._records.get(leaf._rt_record_id)
+            tag = tag_of(leaf)
+            if tag.table() is not self:
+                raise self._foreign(tag)
+            record = self._records.get(tag.record_id)
             if record is None:
                 raise GradientCommitError(
-                    f"output of forward record {leaf._rt_record_id} was already backpropagated or "
+                    f"output of forward record {tag.record_id} was already backpropagated or "
                     "released; expected a pending output. Pass retain_graph=True to backpropagate "
                     "twice, or forward again"
                 )
@@ -194,15 +220,15 @@ class RecordTable:
             raise ConfigError("loss", "a loss that reaches no trainer output", "a loss built from forward outputs")
         return leaves, [records[i] for i in sorted(records)]
 
-    def _foreign(self, leaf: torch.Tensor) -> TrainerError:
+    def _foreign(self, tag: OutputTag) -> TrainerError:
         """The error for another trainer's output (Rule 5): replaced when this trainer resumed its state."""
-        version: CheckpointVersion = leaf._rt_version
-        current = self._generation(version.name) if leaf._rt_trainer in self.lineage else None
+        version = tag.version
+        current = self._generation(version.name) if tag.trainer in self.lineage else None
         if current is not None:
             return CheckpointReplacedError(version.name, version.generation, current, by="Trainer.load")
         return ConfigError(
             "loss",
-            f"a loss built from another trainer's output (forward record {leaf._rt_record_id})",
+            f"a loss built from another trainer's output (forward record {tag.record_id})",
             "a loss built from this trainer's forward outputs only",
             "backpropagate each trainer's outputs through that trainer's backward",
         )
@@ -228,7 +254,7 @@ def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
         return [loss]
     leaves: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
-    stack = [loss.grad_fn]
+    stack: list[torch.autograd.graph.Node | None] = [loss.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:

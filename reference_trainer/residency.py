@@ -182,8 +182,8 @@ def _replay(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
     reported = allocation_failures_reported(model.config, record.estimator, record.decision.saved_bytes)
     with reported, torch.enable_grad(), restored_forward_state(record.rng_state, model):
         root = run_model(model, record.checkpoint, record.capture, record.batch)
-    if not torch.equal(root.detach(), record.forward_logprobs):
-        worst = float((root.detach() - record.forward_logprobs).abs().max())
+    if not torch.equal(root.detach(), record.logprobs()):
+        worst = float((root.detach() - record.logprobs()).abs().max())
         raise GradientCommitError(
             f"replay of forward record {record.id} did not reproduce the outputs the caller saw "
             f"(max abs difference {worst:.3e}); expected bitwise-equal log-probs. The model or its "

@@ -82,7 +82,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,7 @@ __all__ = ["FORMAT", "SavedCheckpoint", "SavedTrainer", "load_trainer", "read_sa
 
 FORMAT = {"format": "reference-trainer-save", "version": 1}
 _RNG = "rng.pt"
+_Trainer = TypeVar("_Trainer")  # ``Trainer``, which imports this module
 
 
 def _check_path(path: object) -> None:
@@ -112,7 +113,7 @@ def _check_path(path: object) -> None:
         raise ConfigError("path", path, "a folder path: a str or an os.PathLike (e.g. pathlib.Path)")
 
 
-def write_save(trainer: Any, path: str | os.PathLike) -> None:
+def write_save(trainer: Any, path: str | os.PathLike[str]) -> None:
     """``trainer.save(path)``: refuse what Rule 3 refuses, then write on rank 0 (Rule 5). ``trainer``: a ``Trainer``."""
     _check_path(path)
     sink: RankGradients = trainer.rank_gradients
@@ -130,21 +131,21 @@ def write_save(trainer: Any, path: str | os.PathLike) -> None:
     elif error is not None:
         raise error
     if host is None:
-        pending = agreed_kept(trainer, group_exchange), agreed_logprobs(trainer, group_exchange)
-        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed, *pending))
+        agreed = agreed_kept(trainer, group_exchange), agreed_logprobs(trainer, group_exchange)
+        _write_on_rank_zero(path, lambda: _encode(trainer, sink.resumed, *agreed))
         return
     streams = (host.logical_dp, host.all_streams("save: logical RNG streams"))
-    pending = agreed_kept(trainer, host.exchange), agreed_logprobs(trainer, host.exchange)
-    error = None
+    agreed = agreed_kept(trainer, host.exchange), agreed_logprobs(trainer, host.exchange)
+    written: Exception | None = None
     if host.leader:
         try:
-            write_folder(path, _encode(trainer, streams, *pending))
-        except Exception as exc:  # every process raises it (Rule 5)
-            error = exc
-    host.agree(error, "save: written")
+            write_folder(path, _encode(trainer, streams, *agreed))
+        except Exception as exc:  # noqa: BLE001 - every process raises it (Rule 5)
+            written = exc
+    host.agree(written, "save: written")
 
 
-def _write_on_rank_zero(path: str | os.PathLike, files: Callable[[], dict[str, FileData]]) -> None:
+def _write_on_rank_zero(path: str | os.PathLike[str], files: Callable[[], dict[str, FileData]]) -> None:
     """Without logical ranks: write alone, or, in a process group, on rank 0 with its outcome broadcast (Rule 5)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         write_folder(path, files())
@@ -231,8 +232,8 @@ class SavedCheckpoint:
             for name, tensor in tensors.items():
                 live = checkpoint.parameter(name)
                 if not isinstance(tensor, torch.Tensor) or (tensor.shape, tensor.dtype) != (live.shape, live.dtype):
-                    found = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else tensor
-                    raise ConfigError(f"saved {where} of {self.name!r} parameter {name!r}", found,
+                    wrong = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                    raise ConfigError(f"saved {where} of {self.name!r} parameter {name!r}", wrong,
                                       f"shape {tuple(live.shape)}, dtype {live.dtype}")
         if any(set(t) != {n for n, _ in checkpoint.named_parameters()} for t in kept.values()):
             raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), "every parameter's weights")
@@ -279,18 +280,18 @@ def _generation(trainer: Any, name: str) -> int | None:
     return None if checkpoint is None else checkpoint.generation
 
 
-def load_trainer(cls: type, path: str | os.PathLike, model: DecoderLM, memory_limit_bytes: int | None,
-                 host_memory_limit_bytes: int | None, planner_calibration: Any = None) -> Any:
+def load_trainer(cls: Callable[..., _Trainer], path: str | os.PathLike[str], model: DecoderLM, memory_limit_bytes: int | None,
+                 host_memory_limit_bytes: int | None, planner_calibration: Any = None) -> _Trainer:
     """``Trainer.load``: read and check everything (Rule 6), then build ``cls`` (the ``Trainer``) and restore it."""
     saved = read_save(path, model)
     with _unfrozen_if_refused(model):
-        trainer = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
+        trainer: Any = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
                       host_memory_limit_bytes=host_memory_limit_bytes, planner_calibration=planner_calibration)
         for spec in saved.checkpoints:
             trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
         trainer.next_generation = saved.next_generation
         saved.restore(trainer)
-    return trainer
+    return cast(_Trainer, trainer)  # built by ``cls``
 
 
 @contextlib.contextmanager
@@ -305,7 +306,7 @@ def _unfrozen_if_refused(model: DecoderLM) -> Iterator[None]:
         raise
 
 
-def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
+def read_save(path: str | os.PathLike[str], model: DecoderLM) -> SavedTrainer:
     """The save in force under ``path``, verified and decoded for ``model``, which must be the saved base (Rule 6)."""
     _check_path(path)
     if not isinstance(model, DecoderLM):
@@ -331,7 +332,7 @@ def read_save(path: str | os.PathLike, model: DecoderLM) -> SavedTrainer:
     return SavedTrainer(meta.options, meta.next_generation, checkpoints, rng["process"], streams, meta.lineage)
 
 
-def _check_rng(path: str | os.PathLike, rng: Any, logical_dp: int | None) -> None:
+def _check_rng(path: str | os.PathLike[str], rng: Any, logical_dp: int | None) -> None:
     """``CorruptSaveError`` on ``rng.pt`` unless it holds what a save writes: the process RNG state and, with
     ``logical_dp``, a stream of every logical rank, else none (Rule 6: checked before anything changes)."""
     def fail(expected: str, found: object) -> CorruptSaveError:
@@ -353,7 +354,7 @@ def _check_rng(path: str | os.PathLike, rng: Any, logical_dp: int | None) -> Non
                        "(uint8) or None", state)
 
 
-def _saved_checkpoint(path: str | os.PathLike, index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:
+def _saved_checkpoint(path: str | os.PathLike[str], index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:
     """A checkpoint's entry and its file's state, their revisions checked against each other."""
     revision = state.get("revision") if isinstance(state, dict) else None
     if not isinstance(revision, int) or isinstance(revision, bool) or not isinstance(state.get("grads"), dict):
@@ -374,7 +375,7 @@ def _model_identity(model: DecoderLM) -> dict[str, str]:
     return {"config": repr(model.config), "digest": digest.hexdigest()}
 
 
-def _raw_bytes(tensor: torch.Tensor) -> ctypes.Array:
+def _raw_bytes(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
     """A contiguous CPU tensor's bytes, in place, as a buffer ``hashlib`` reads (torch alone: no numpy, no copy).
 
     Valid while ``tensor`` lives; torch offers no buffer of its own (``bytes(storage)`` iterates byte by byte)."""

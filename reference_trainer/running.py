@@ -33,8 +33,11 @@ def model_logits(
     args, kwargs = (input_ids,), {"attention_mask": attention_mask}
     if checkpoint is None:
         return model(*args, **kwargs)
+    assert tensors is not None, "a checkpoint's call passes its tensors"
     if checkpoint.is_full:
-        return functional_call(model, dict(tensors), args, kwargs)
+        logits: torch.Tensor = functional_call(model, dict(tensors), args, kwargs)
+        return logits
+    assert checkpoint.lora_config is not None, "a checkpoint that is not full is a LoRA one"
     with attach_lora(model, checkpoint.lora_config, tensors):
         return model(*args, **kwargs)
 

@@ -251,19 +251,12 @@ def _prompt_batch(prompts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tenso
             allowed = "a non-empty list of equal-length 1-D tensors"
             raise ConfigError("prompts", shapes, allowed, "group prompts by length")
         prompts = torch.stack(list(prompts))
-    valid = (
-        isinstance(prompts, torch.Tensor)
-        and prompts.dim() in (1, 2)
-        and not prompts.dtype.is_floating_point
-        and prompts.dtype != torch.bool
-        and prompts.shape[-1] >= 1
-        and prompts.numel() > 0
-    )
-    if not valid:
-        found = prompts
-        if isinstance(prompts, torch.Tensor):
-            found = (tuple(prompts.shape), prompts.dtype)
-        raise ConfigError("prompts", found, "integer token ids of shape (B, P) or (P,), P >= 1")
+    expected = "integer token ids of shape (B, P) or (P,), P >= 1"
+    if not isinstance(prompts, torch.Tensor):
+        raise ConfigError("prompts", prompts, expected)
+    if (prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool
+            or prompts.shape[-1] < 1 or prompts.numel() == 0):
+        raise ConfigError("prompts", (tuple(prompts.shape), prompts.dtype), expected)
     return (prompts if prompts.dim() == 2 else prompts[None]).long()
 
 

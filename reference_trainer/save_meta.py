@@ -66,9 +66,9 @@ class _Check:
             raise self.fail(field, expected, found)
 
     def int(self, value: object, field: str, minimum: int, maximum: int | None = None) -> int:
-        within = int_at_least(value, minimum) and (maximum is None or value <= maximum)
-        self.that(within, field, f"an int in [{minimum}, {'...' if maximum is None else maximum}]", value)
-        return value  # type: ignore[return-value]
+        if not int_at_least(value, minimum) or (maximum is not None and value > maximum):
+            raise self.fail(field, f"an int in [{minimum}, {'...' if maximum is None else maximum}]", value)
+        return value
 
     def key(self, entry: dict[str, Any], key: str, where: str) -> Any:
         self.that(key in entry, f"{where}{key}", "present", sorted(entry))
@@ -115,7 +115,8 @@ def decode_meta(path: object, data: bytes, files: set[str], format_: dict[str, A
 
 
 def _checkpoint(check: _Check, entry: object, where: str, next_generation: int, files: set[str]) -> CheckpointMeta:
-    check.that(isinstance(entry, dict), where[:-1], "an object", entry)
+    if not isinstance(entry, dict):
+        raise check.fail(where[:-1], "an object", entry)
     name = check.key(entry, "name", where)
     check.that(isinstance(name, str) and bool(name), f"{where}name", "a non-empty string", name)
     file = check.key(entry, "file", where)
@@ -132,16 +133,16 @@ def _checkpoint(check: _Check, entry: object, where: str, next_generation: int, 
         optimizer=check.built(f"{where}optimizer", lambda: AdamWConfig(**optimizer), optimizer),
         generation=generation,
         origins={(CheckpointVersion(name, g, r), bound) for g, r, bound in origins},
-        kept=dict(kept),  # type: ignore[arg-type]
+        kept={revision: bound for revision, bound in kept},
     )
 
 
 def _triples(check: _Check, value: object, field: str, width: int) -> list[tuple[int, ...]]:
     """A list of ``width``-long lists of ints >= 0."""
-    ok = isinstance(value, list) and all(
-        isinstance(item, list) and len(item) == width and all(int_at_least(x, 0) for x in item) for item in value)
-    check.that(ok, field, f"a list of {width} ints >= 0 each", value)
-    return [tuple(item) for item in value]  # type: ignore[union-attr]
+    if not isinstance(value, list) or not all(
+            isinstance(item, list) and len(item) == width and all(int_at_least(x, 0) for x in item) for item in value):
+        raise check.fail(field, f"a list of {width} ints >= 0 each", value)
+    return [tuple(item) for item in value]
 
 
 def check_revisions(path: object, index: int, spec: CheckpointMeta, revision: int) -> None:

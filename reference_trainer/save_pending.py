@@ -90,7 +90,8 @@ def agreed_kept(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> dict
             sent.update(part)
     agreed: dict[str, Kept] = {}
     for checkpoint in trainer.checkpoints.values():
-        name, kept, bounds = checkpoint.name, local[checkpoint.name], {}
+        name, kept = checkpoint.name, local[checkpoint.name]
+        bounds: dict[int, int] = {}
         for part in needs:
             for revision, bound in part.get(name, {}).items():
                 bounds[revision] = max(bound, bounds.get(revision, bound))
@@ -114,7 +115,7 @@ def agreed_logprobs(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> 
     local = trainer.known_logprobs.saved(trainer.records)
     mine = {(owner, name, tuple(_autocast_row(autocast)), key): row
             for (owner, name, autocast), known in local.items() for key, (_, row) in known.items()}
-    merged: dict[tuple[int | None, str, tuple, tuple], torch.Tensor] = {}
+    merged: dict[tuple[int | None, str, tuple[Any, ...], tuple[Any, ...]], torch.Tensor] = {}
     for rank, part in enumerate(exchange({k: v.detach().cpu() for k, v in mine.items()}, "save: known log-probs")):
         merged.update({k: v for k, v in part.items() if k[0] is not None or rank == 0})
     agreed: dict[str, list[LogprobRow]] = {name: [] for name in trainer.checkpoints}
@@ -154,7 +155,7 @@ def check_logprobs(name: str, rows: object) -> None:
 def resume_logprobs(trainer: Any, checkpoint: Checkpoint, rows: list[LogprobRow]) -> None:
     """Hand ``rows`` (checked) to ``trainer``'s known log-probs, at ``checkpoint``'s restored version."""
     device = next(checkpoint.parameters()).device
-    known: dict[tuple[int | None, str, tuple[str, torch.dtype | None]], dict] = {}
+    known: dict[Any, dict[Any, Any]] = {}
     for row in rows:
         key = (tuple(row["inputs"].tolist()), tuple(row["targets"].tolist()))
         scope = (row["owner"], checkpoint.name, _autocast_state(row["autocast"]))

@@ -78,6 +78,7 @@ import stat
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError, CorruptSaveError, SaveInForceError, int_at_least
 from .save_locks import LOCK, STAGING, abandoned, lock_of, locked, stage, unstage
@@ -94,7 +95,7 @@ _NOT_REGULAR = (errno.ELOOP, errno.ENXIO, errno.ENODEV)  # open of a symbolic li
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG)
 
 
-def write_folder(path: str | os.PathLike, files: Mapping[str, FileData]) -> Path:
+def write_folder(path: str | os.PathLike[str], files: Mapping[str, FileData]) -> Path:
     """Write ``files`` (name -> bytes) as the new save in force under ``path`` (Rules 2, 5, 6); returns its folder."""
     root = _root(path)
     for name in files:
@@ -177,7 +178,7 @@ def _make_folders(root: Path, created: list[Path]) -> None:
 
 def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
-    manifest: dict = {"files": {}}
+    manifest: dict[str, Any] = {"files": {}}
     for file, made in files.items():
         data = made() if callable(made) else made  # made at its turn, let go at the next (Rule 4)
         _write_synced(staging / file, data)
@@ -210,7 +211,8 @@ def _commit(root: Path, created: list[Path], staging: Path, manifest_bytes: byte
                 _undo(root, created, written)
                 raise
             if not isinstance(exc, Exception):  # an interrupt, raised as it came: the new save is in force
-                exc.add_note(f"the new save {name!r} of {root} is in force (LATEST names it)")
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"the new save {name!r} of {root} is in force (LATEST names it)")
                 raise
             raise SaveInForceError(root, name, step, repr(exc)) from exc
     return root / name
@@ -280,7 +282,7 @@ def _read_pointer(root: Path) -> tuple[str, str]:
     return fields[0], fields[1]
 
 
-def read_folder(path: str | os.PathLike) -> dict[str, bytes]:
+def read_folder(path: str | os.PathLike[str]) -> dict[str, bytes]:
     """Every file of the save in force under ``path``, each verified against the manifest (Rules 3, 6)."""
     root = _root(path)
     with locked(root, fcntl.LOCK_SH, lambda: _check_holds_saves(root)):
@@ -337,7 +339,7 @@ def _open_save(root: Path, save: str) -> int:
         raise CorruptSaveError(root, save, "changed", "a folder", "a symbolic link or a file") from None
 
 
-def _entries(manifest_bytes: bytes, root: Path, save: str) -> dict[str, dict]:
+def _entries(manifest_bytes: bytes, root: Path, save: str) -> dict[str, dict[str, Any]]:
     """The manifest's entries, each a plain name with a size and a digest; else ``CorruptSaveError`` naming it."""
     where = f"{save}/{MANIFEST}"
     try:
@@ -371,7 +373,7 @@ def _read(folder: int, file: str, root: Path, where: str) -> bytes:
     except OSError as exc:
         if exc.errno not in _NOT_REGULAR:
             raise
-        found = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        found = "a symbolic link" if exc.errno == errno.ELOOP else str(exc.strerror)
         raise CorruptSaveError(root, where, "changed", "a regular file", found) from None
     with os.fdopen(handle, "rb") as stream:
         mode = os.fstat(handle).st_mode

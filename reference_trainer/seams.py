@@ -85,7 +85,7 @@ class ArmedFault:
 
 faults: Overrides[ArmedFault] = Overrides()
 capacities: Overrides[Callable[[torch.device], tuple[int, int] | None]] = Overrides()
-device_contexts: Overrides[Callable[[torch.device], AbstractContextManager]] = Overrides()
+device_contexts: Overrides[Callable[[torch.device], AbstractContextManager[Any]]] = Overrides()
 host_read_observers: Overrides[list[tuple[str, torch.device]]] = Overrides()
 stopwatches: Overrides[Callable[[torch.device], Any]] = Overrides()
 planner_miss_observers: Overrides[Callable[[Any], None]] = Overrides()
@@ -104,7 +104,7 @@ def capacity_override() -> Callable[[torch.device], tuple[int, int] | None] | No
     return capacities.innermost()
 
 
-def device_context(device: torch.device) -> AbstractContextManager:
+def device_context(device: torch.device) -> AbstractContextManager[Any]:
     """The context that makes ``device`` the thread's current device: ``torch.cuda.device`` on CUDA, else nothing."""
     enter = device_contexts.innermost()
     if enter is not None:

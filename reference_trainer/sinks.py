@@ -130,11 +130,27 @@ class SummedGradients:
 class RankHost(Protocol):
     """The logical-rank runtime (``reference_trainer.ranks``) that fills a trainer's buffers."""
 
-    hosted: range
-    running: int | None  # the hosted logical rank whose code runs now; None: the process's own code
-    logical_dp: int
-    leader: bool  # this is physical rank 0, the one that writes saves (NOTE [Resume] Rule 5)
-    sums: GradientFold  # every hosted logical rank's commits, folded
+    # What the trainer reads (read-only here, so the runtime may hold a subtype or compute it).
+    @property
+    def hosted(self) -> range: ...
+
+    @property
+    def running(self) -> int | None:
+        """The hosted logical rank whose code runs now; None: the process's own code."""
+        ...
+
+    @property
+    def logical_dp(self) -> int: ...
+
+    @property
+    def leader(self) -> bool:
+        """This is physical rank 0, the one that writes saves (NOTE [Resume] Rule 5)."""
+        ...
+
+    @property
+    def sums(self) -> GradientFold:
+        """Every hosted logical rank's commits, folded."""
+        ...
 
     def check_caller(self, call: str) -> None:
         """Raise ``ConfigError`` unless ``trainer.<call>()`` is called from the process's own code."""

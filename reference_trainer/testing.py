@@ -76,7 +76,7 @@ def substitute_device_capacity(capacity: int | Callable[[torch.device], int | No
 
 
 @contextmanager
-def substitute_device_context(enter: Callable[[torch.device], AbstractContextManager]) -> Iterator[None]:
+def substitute_device_context(enter: Callable[[torch.device], AbstractContextManager[Any]]) -> Iterator[None]:
     """Inside the block, ``seams.device_context`` returns ``enter(device)`` (for any device, CPU included)."""
     if not callable(enter):
         raise ConfigError("enter", type(enter).__name__, "a function of the device returning a context manager")

@@ -94,7 +94,7 @@ class Trainer:
         options: ForwardOptions | None = None,
         memory_limit_bytes: int | None = None,
         host_memory_limit_bytes: int | None = None,
-        planner_calibration: PlannerCalibration | str | os.PathLike | None = None,
+        planner_calibration: PlannerCalibration | str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(model, DecoderLM):
             raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
@@ -194,14 +194,14 @@ class Trainer:
 
     # --- saves (NOTE [Resume] in resume.py, NOTE [Durable saves] in saves.py) -------
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Write this trainer's state (not its pending forwards) to the folder ``path``; collective in a process group."""
         write_save(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: DecoderLM, *, memory_limit_bytes: int | None = None,
+    def load(cls, path: str | os.PathLike[str], model: DecoderLM, *, memory_limit_bytes: int | None = None,
              host_memory_limit_bytes: int | None = None,
-             planner_calibration: PlannerCalibration | str | os.PathLike | None = None) -> Trainer:
+             planner_calibration: PlannerCalibration | str | os.PathLike[str] | None = None) -> Trainer:
         """A trainer over ``model`` (the saved base) as saved under ``path``; the process RNG becomes the saved one. The
         limits and calibration are the machine's, given again. Every file is verified first; a refused load changes nothing."""
         return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes, planner_calibration)

@@ -231,8 +231,8 @@ def section(record: dict, folder: Path) -> Section:
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
     lines += [_profile_line(g) for g in record["measurements"]["groups"] if g.get("profile")]
-    links = [(f"{g['label']}: torch.profiler trace of {arm}'s median profiled block (Chrome trace JSON: Perfetto, "
-               "chrome://tracing)",
+    links = [((f"{g['label']}: torch.profiler trace of {arm}'s median profiled block (Chrome trace JSON: Perfetto, "
+               "chrome://tracing)"),
               Path(os.path.relpath(path, folder.parent)).as_posix())  # folder: the page's plots folder
              for g in record["measurements"]["groups"] for arm, path in g.get("traces", {}).items()]
     lines.append(f"Workloads: {', '.join(config['workloads'])}; {config['threads']} thread(s); "

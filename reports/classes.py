@@ -48,5 +48,6 @@ def classed_rows(frame: pd.DataFrame, failed: Collection[int] = ()) -> Iterable[
     is in ``failed``: it failed the record), ``""`` for every other cell."""
     where = _result_column(list(frame.columns))
     for position, row in enumerate(frame.itertuples(index=False)):
-        css = lambda value: "failed" if position in failed else result_class(value)  # noqa: E731
-        yield [(value, css(value) if index == where else "") for index, value in enumerate(row)]
+        failed_css = "failed" if position in failed else None
+        yield [(value, (failed_css or result_class(value)) if index == where else "")
+               for index, value in enumerate(row)]

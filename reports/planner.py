@@ -84,11 +84,11 @@ def section(record: dict, folder: Path) -> Section:
     key = (f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
            f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
            f"ratio {number(certificate['worst_peak_ratio'], '.2f')}")
-    lines = [f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
-             f"{certificate['cells_refused']} refused ({len(certificate['wrong_refusals'])} wrongly), "
-             f"{len(certificate['cells_failed'])} failed; over-estimate of the peak: median "
-             f"{number(certificate['median_over_estimate'], '.2f')}, worst "
-             f"{number(certificate['worst_over_estimate'], '.2f')}"]
+    lines = [(f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
+              f"{certificate['cells_refused']} refused ({len(certificate['wrong_refusals'])} wrongly), "
+              f"{len(certificate['cells_failed'])} failed; over-estimate of the peak: median "
+              f"{number(certificate['median_over_estimate'], '.2f')}, worst "
+              f"{number(certificate['worst_over_estimate'], '.2f')}")]
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
     return Section(kind=record["kind"], title="Planner canary: auto's choices and estimates against measured placements",
                    passed=record["passed"], verdict="passed" if record["passed"] else "failed", key_figure=key,

@@ -7,7 +7,7 @@ or uploaded as it is. :func:`render_report` renders the context with the two
 jinja2 templates in ``reports/templates``: the Markdown links its plots, the
 HTML embeds them as data URIs (one self-contained file).
 
-The page reads top down (issue 17): records that failed or do not verify,
+The page reads top down: records that failed or do not verify,
 each with its failed checks and why; the verdict board (one row per record,
 id ``verdict-board``); the headline plots; then each record's section
 (``section-<name>``, its tables ``<section id>-table-<n>``).

@@ -45,8 +45,8 @@ def _plot(ratios: pd.DataFrame, model: dict | None, path: Path) -> Path:
     if measured.empty:
         axes.text(0.5, 0.5, "no shape measured: every block loaded", ha="center", transform=axes.transAxes)
         axes.set_xlim(ratios["tokens"].min() / 2, ratios["tokens"].max() * 2)
-    for arm, rows in measured.groupby("arm", sort=False):
-        rows = rows.sort_values("tokens")
+    for arm, group in measured.groupby("arm", sort=False):
+        rows = group.sort_values("tokens")
         low = np.nan_to_num(rows["ratio"] - rows["ci_low"])
         high = np.nan_to_num(rows["ci_high"] - rows["ratio"])
         line = axes.errorbar(rows["tokens"], rows["ratio"], yerr=[low, high], marker="o", capsize=3, label=arm)

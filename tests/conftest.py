@@ -32,7 +32,7 @@ def _cap_threads() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     # RTV_TORCH_THREADS: an exact count; mutmut forks its test process, and a child forked after torch's
     # thread pool ran hangs in its first parallel op (validation.mutation_score sets 1).
-    torch.set_num_threads(int(os.environ.get("RTV_TORCH_THREADS", 0)) or max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(int(os.environ.get("RTV_TORCH_THREADS", "0")) or max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)

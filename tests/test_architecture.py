@@ -1,4 +1,4 @@
-"""The shape of the code, checked: layering, private names, import cycles, module sizes (style.md, issue 11).
+"""The shape of the code, checked: layering, private names, import cycles, module sizes (style.md).
 
 :func:`violations` scans the five packages' sources (``ast`` only, nothing
 is imported) and reports, per rule:
@@ -6,7 +6,7 @@ is imported) and reports, per rule:
 - ``layering``: a package imports one it never imports (:data:`NEVER_IMPORTS`):
   ``reference_trainer`` a harness package; ``ci`` ``canaries`` (the harness's
   top, the ``rtv`` command line in ``canaries``, drives ``ci``; a GPU job
-  reaches the canaries through ``rtv run``, issue 22); ``reports`` the trainer
+  reaches the canaries through ``rtv run``); ``reports`` the trainer
   (it reads evidence files); ``validation`` ``canaries`` (the canaries build on
   it);
 - ``climb``: a module of ``reference_trainer`` imports one of a higher layer
@@ -38,7 +38,7 @@ is imported) and reports, per rule:
 - ``canary-folder``: a module at the top of ``canaries/`` named for one canary's
   family (:data:`CANARY_PREFIXES`), or a registered canary (``canaries/registry.py``)
   whose module is not inside ``canaries/<name>/``: a canary and what only it uses
-  live in its folder, the shared pieces beside them (issue 22);
+  live in its folder, the shared pieces beside them;
 - ``defined-twice``: a public top-level class or UPPER_CASE constant defined in
   two harness modules (one name per concept; :data:`DEFINED_TWICE` lists the
   deliberate ones, each with why);
@@ -93,7 +93,7 @@ DEFINED_TWICE = {  # name -> why each module keeps its own
 }
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
@@ -141,7 +141,7 @@ def _owner(target: str, modules: dict[str, Path]) -> str | None:
     return target or None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edges(root: Path, packages: tuple[str, ...]) -> tuple[tuple[str, str, str | None], ...]:
     """Every import as (module, the scanned module it names or else the dotted name written, the name or None)."""
     modules = _modules(root, packages)

@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ("validation", "canaries", "reports", "ci")
 KNOWN = {
-    repr("quick"): "the run's profile and the mutation suite's: one RUN_PROFILE (issue 22, Build 5)",
-    repr("policy"): "the canaries' checkpoint name: one constant once canaries/ has a folder per canary (issue 22, Build 2)",
+    repr("quick"): "the run's profile and the mutation suite's: one RUN_PROFILE",
+    repr("policy"): "the canaries' checkpoint name: one constant, shared by the canaries' folders",
 }
 
 

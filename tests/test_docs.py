@@ -9,7 +9,11 @@ Conventions (``docs/README.md``):
 - no file cites a section sign or a contract document kept outside the
   repository (the shared spec folder beside the checkout);
 - every name in ``reference_trainer.__all__`` has a heading `` ### `Name` ``
-  in ``docs/api.md``, and every such heading names a public name.
+  in ``docs/api.md``, and every such heading names a public name;
+- comments and docs speak of the code, not of a tracker a reader of the
+  repository cannot see: no "issue" / "defect" / "PR" / "ticket" with a
+  number, and no bare hash-number (say the rule, the test or the NOTE it
+  means instead). The word alone ("issues") and a quoted colour are fine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ _DOC_REF = re.compile(r"(?<![\w./-])docs/([\w./-]*[\w-])(?:#([\w-]+))?")
 _MD_LINK = re.compile(r"\]\((?!https?:|mailto:)([^)\s#]*)(?:#([^)\s]+))?\)")
 # Written with escapes and character classes so that this file does not match itself.
 _OUTSIDE = re.compile("\u00a7|contract[.]md|contract[ ]section|shared[/]spec|[.][.]/shared")
+# A tracker's item by number. Written with character classes so that this file does not match itself.
+_TRACKER = re.compile(r"\b(?:[i]ssue|[d]efect|[P]R|[t]icket|[p]ull request)s?[- ]?#?[0-9]+\b|(?<![\w&#\"'/])#[0-9]+\b",
+                      re.IGNORECASE)
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _API_HEADING = re.compile(r"^### `([^`]+)`\s*$", re.MULTILINE)
 
@@ -100,6 +107,16 @@ def citation_problems(root: Path) -> list[str]:
     return problems
 
 
+def tracker_citations(root: Path) -> list[str]:
+    """Every line under ``root`` that cites a tracker's item by number, as ``path:line: the citation``."""
+    found = []
+    for path in source_files(root):
+        name = path.relative_to(root).as_posix()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            found += [f"{name}:{number}: {match.group(0)!r}" for match in _TRACKER.finditer(line)]
+    return found
+
+
 def api_problems(api_markdown: str, names: list[str]) -> list[str]:
     """Public names without their `` ### `Name` `` heading in the API page, and headings of no public name."""
     documented = set(_API_HEADING.findall(api_markdown))
@@ -112,6 +129,11 @@ def api_problems(api_markdown: str, names: list[str]) -> list[str]:
 def test_every_citation_in_the_tree_resolves_inside_the_repository() -> None:
     problems = citation_problems(ROOT)
     assert not problems, "\n".join(problems)
+
+
+def test_no_comment_or_doc_cites_a_tracker_item() -> None:
+    found = tracker_citations(ROOT)
+    assert not found, "say the rule, test or NOTE it means instead of the tracker's number:\n" + "\n".join(found)
 
 
 def test_the_api_page_documents_every_public_name() -> None:
@@ -154,6 +176,23 @@ def test_broken_and_outside_citations_are_reported(tmp_path: Path) -> None:
     assert any(p.startswith("pkg/bad.py:2") and "outside the repository" in p for p in problems), problems
     assert any(p.startswith("docs/semantics.md:5") and "api.md" in p for p in problems), problems  # a page link
     assert len([p for p in problems if p.startswith("docs/semantics.md")]) == 1  # #staleness resolves
+
+
+def test_a_planted_tracker_citation_is_reported(tmp_path: Path) -> None:
+    issue, defect = "issue ", "defect "  # split so that the real tree's check does not see them
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "bad.py").write_text(
+        f"x = 1  # as {issue}12 asks\n"
+        f'"""({defect}4, per {issue.title().strip()}-7)."""\n'
+        'color = "#555"  # a colour in quotes is not a tracker\n'
+    )
+    (tmp_path / "notes.md").write_text("Fixed in #" + "34.\nThe `issues` tool; step 12; an issue, 2 defects.\n")
+    assert tracker_citations(tmp_path) == [
+        "notes.md:1: '#3" + "4'",
+        f"pkg/bad.py:1: '{issue}12'",
+        f"pkg/bad.py:2: '{defect}4'",
+        f"pkg/bad.py:2: '{issue.title().strip()}-7'",
+    ]
 
 
 def test_a_missing_or_stale_api_name_is_reported() -> None:

@@ -28,7 +28,7 @@ def test_the_api_example_runs_and_fits_in_20_lines() -> None:
     code = _api_example()
     assert len([line for line in code.splitlines() if line.strip()]) <= 20
     scope: dict = {}
-    exec(compile(code, "README.md (The API in 20 lines)", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "README.md (The API in 20 lines)", "exec"), scope)  # the README's own example
     trainer, report = scope["trainer"], scope["report"]
     assert trainer.checkpoint("policy").revision == 2 and report is not None
 
@@ -39,7 +39,8 @@ def test_the_verdict_board_picture_is_committed_and_small() -> None:
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size < 150_000
 
 
-# The throughput questions (issue 26), the command that answers each, and the picture of its plot where it has one.
+# The throughput questions in the README's order, the command that answers each, and the picture of its plot where
+# it has one.
 THROUGHPUT = {
     "What does this change cost against main?": ("rtv bench --baseline", "docs/bench-baseline.png"),
     "How does the cost grow?": ("rtv bench --profile default", "docs/bench-sweep.png"),
@@ -60,7 +61,7 @@ def _answers() -> dict[str, str]:
 
 def test_each_throughput_question_has_its_command_and_the_picture_of_its_plot() -> None:
     answers = _answers()
-    assert list(answers) == list(THROUGHPUT), "the five questions, in the issue's order"
+    assert list(answers) == list(THROUGHPUT), "the five questions, in THROUGHPUT's order"
     for question, (command, picture) in THROUGHPUT.items():
         answer = answers[question]
         assert f"`{command}" in answer, f"{question!r}: no `{command}` in its answer"
@@ -86,13 +87,65 @@ def test_the_layout_table_matches_the_tree() -> None:
     assert rows, "no Layout table"
     for path in rows:
         assert (root / path).exists(), f"the Layout table names {path}, which does not exist"
-    folders = {p.name for p in root.iterdir() if p.is_dir() and any(p.rglob("*.py")) or p.name in (".ci", ".github")}
+    folders = {p.name for p in root.iterdir() if (p.is_dir() and any(p.rglob("*.py"))) or p.name in (".ci", ".github")}
     folders -= {".venv", ".git", "rtv-out", "build"} | {p.name for p in root.iterdir() if p.name.endswith(".egg-info")}
     named = {path.strip("/").split("/")[0] for path in rows}
     assert folders <= named, f"folders missing from the Layout table: {sorted(folders - named)}"
     test_folders = {p.name for p in (root / "tests").iterdir() if p.is_dir() and any(p.glob("*.py"))}
     described = set(re.findall(r"`([a-z_]+)/`", rows["tests/"]))
     assert test_folders <= described, f"test folders the table does not list: {sorted(test_folders - described)}"
+
+
+def package_folders(root: Path) -> list[str]:
+    """Every importable package folder under ``root`` (``pyproject.toml``'s ``packages.find`` include), as
+    ``pkg/`` or ``pkg/sub/``, in path order."""
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = sorted({pattern.rstrip("*") for pattern in include})
+    inits = (init for top in tops for init in (root / top).rglob("__init__.py"))
+    return sorted(init.parent.relative_to(root).as_posix() + "/" for init in inits)
+
+
+def layout_gaps(rows: dict[str, str], folders: list[str]) -> list[str]:
+    """The package folders the Layout table leaves out, each as the edit that adds it. A top-level package has a row
+    of its own; a subpackage is named in its top-level package's row (`` `sub/` ``, or `` `sub/deeper/` ``) unless it
+    has a row of its own."""
+    gaps = []
+    for folder in folders:
+        top, _, rest = folder.partition("/")
+        if folder in rows:
+            continue
+        if not rest:
+            gaps.append(f"README.md's Layout table has no row for the package {folder}: add the row "
+                        f"| `{folder}` | <what it holds> |")
+        elif f"`{rest}`" not in rows.get(f"{top}/", ""):
+            gaps.append(f"README.md's Layout table does not name the subpackage {folder}: add `{rest}` and what it "
+                        f"holds to the `{top}/` row")
+    return gaps
+
+
+def test_the_layout_table_names_every_package_and_subpackage() -> None:
+    gaps = layout_gaps(_layout_rows(), package_folders(README.parent))
+    assert not gaps, "\n".join(gaps)
+
+
+def test_negative_control_a_package_left_out_of_the_layout_table_is_named_with_its_row(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.packages.find]\ninclude = ["pkg*", "lib*"]\n')
+    for folder in ("pkg", "pkg/named", "pkg/unnamed", "pkg/named/deep", "lib", "pkg/data", "tests/unit"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        if folder != "pkg/data":  # a folder without __init__.py is no package
+            (tmp_path / folder / "__init__.py").write_text("")
+    folders = package_folders(tmp_path)
+    assert folders == ["lib/", "pkg/", "pkg/named/", "pkg/named/deep/", "pkg/unnamed/"]
+    rows = {"pkg/": "the package; `named/` and `named/deep/`", "pkg/unnamed/": "a row of its own"}
+    assert layout_gaps(rows, folders) == [
+        "README.md's Layout table has no row for the package lib/: add the row | `lib/` | <what it holds> |"]
+    del rows["pkg/unnamed/"]
+    rows["pkg/"] = "the package; `named/`"
+    assert layout_gaps(rows, folders)[1:] == [
+        ("README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it "
+         "holds to the `pkg/` row"),
+        ("README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to "
+         "the `pkg/` row")]
 
 
 def test_the_docs_row_and_index_name_every_page() -> None:
@@ -162,7 +215,7 @@ def _check_rtv(args: list[str]) -> None:
     if "--help" in args:
         script = Path(sys.executable).parent / "rtv"
         done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(README.parent)))
+                              env=dict(os.environ, PYTHONPATH=str(README.parent)), check=False)
         assert done.returncode == 0 and done.stdout.startswith("usage: rtv"), done.stderr
         return
     from canaries.cli import _build_parser

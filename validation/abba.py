@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -126,7 +126,7 @@ class Comparison:
         """The verdict as shown: ``inconclusive (loaded: ...)`` for a loaded one (Rule 6)."""
         return inconclusive(self.load) if self.load else self.verdict
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Plain JSON types (for evidence), ``reading`` included (reports show it without importing this module)."""
         return {**asdict(self), "reading": self.reading}
 
@@ -227,7 +227,7 @@ def compare(
     plan = stats.planned_looks(max_blocks)
     confidence = stats.look_confidence(alpha, len(plan))
     cap = max_blocks if budget_s is None else EXTENSION * max_blocks  # Rule 5
-    summarise = dict(baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded,
+    summarise: dict[str, Any] = dict(baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded,
                      max_blocks=max_blocks, alpha=alpha)
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     shares, started = [], clock()

@@ -15,6 +15,7 @@ before. It slows the work down, so measure outside timed runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -28,12 +29,13 @@ class AllocationPeak(TorchDispatchMode):
     """Within the ``with`` block: ``live`` bytes of storages made inside it, and their ``peak``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves TorchDispatchMode.__init__ unannotated
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live = 0
         self.peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for key in [key for key, (ref, _) in self.storages.items() if ref.expired()]:
             self.live -= self.storages.pop(key)[1]
@@ -59,4 +61,4 @@ def peak_bytes(work: Callable[[], object], device: torch.device | str) -> int:
         return torch.cuda.max_memory_allocated(device) - baseline
     with AllocationPeak() as tally:
         work()
-    return tally.peak
+    return int(tally.peak)

@@ -190,12 +190,17 @@ def _check_keys(side: str, values: Mapping[str, object], reference: Mapping[str,
         )
 
 
+def _floating(name: str, side: str, value: object) -> torch.Tensor:
+    """``value`` if it is a floating-point tensor; else the ``ComparisonError`` that names the side."""
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        what = f"a tensor of dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ComparisonError(f"{name}: expected a floating-point tensor on the {side} side, found {what}")
+    return value
+
+
 def _norms(name: str, found: object, reference: object) -> tuple[float, float]:
     """``(||found - reference||, ||reference||)`` in FP64, after the structural checks (Rule 3)."""
-    for side, value in (("found", found), ("reference", reference)):
-        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-            what = f"a tensor of dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ComparisonError(f"{name}: expected a floating-point tensor on the {side} side, found {what}")
+    found, reference = _floating(name, "found", found), _floating(name, "reference", reference)
     if tuple(found.shape) != tuple(reference.shape):
         raise ComparisonError(f"{name}: expected shape {tuple(reference.shape)}, found {tuple(found.shape)}")
     ref = reference.detach().double()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -71,20 +72,20 @@ class PairedEquivalence:
     higher_is_better: bool
     verdict: str
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["differences"] = list(self.differences)
         return out
 
 
-def _values(name: str, values: Sequence[float]) -> np.ndarray:
+def _values(name: str, values: Sequence[float] | np.ndarray) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 1 or not np.isfinite(array).all():
         raise EquivalenceInputError(f"{name}: expected a 1-D sequence of finite numbers (one per seed), found {values!r}")
     return array
 
 
-def equivalence_margin(baseline: Sequence[float], floor: float) -> tuple[float, float]:
+def equivalence_margin(baseline: Sequence[float] | np.ndarray, floor: float) -> tuple[float, float]:
     """``(margin, baseline_sd)``: ``max(floor, sample SD of the baseline across seeds)`` (Rule 2)."""
     if not is_number(floor) or not math.isfinite(floor) or floor < 0:
         raise EquivalenceInputError(f"floor: expected a finite number >= 0, found {floor!r}")

@@ -363,7 +363,7 @@ def _check(record: Any, where: object) -> dict[str, Any]:
     if wrong:
         expected = {name: _TYPES[name].__name__ for name in wrong}
         raise EvidenceError(f"{where}: fields of the wrong type: expected {expected}, found {wrong}")
-    if version >= 2:  # an int from here on: the type check above held
+    if type(version) is int and version >= 2:  # an int here: the type check above held
         _check_reasons(record, where)
     bad_checks = {name: type(ok).__name__ for name, ok in record["checks"].items() if not isinstance(ok, bool)}
     if bad_checks:

@@ -43,6 +43,7 @@ import platform
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -67,7 +68,7 @@ MIN_CHANGE = 0.02
 SEVERITY = ("regression", "suspicious", "improvement")
 
 
-def machine_identity(environment: dict | None = None) -> dict:
+def machine_identity(environment: dict[str, Any] | None = None) -> dict[str, Any]:
     """CPU model, core count, torch build and device name of this machine (or of a record's ``environment``)."""
     import torch
 
@@ -83,7 +84,7 @@ def machine_identity(environment: dict | None = None) -> dict:
             "device": env.get("cuda") or "cpu"}
 
 
-def _machine_id(machine: dict) -> str:
+def _machine_id(machine: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -107,7 +108,7 @@ def _interval(seconds: list[float], confidence: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def record_rows(record: dict, path: str = "") -> list[dict]:
+def record_rows(record: dict[str, Any], path: str = "") -> list[dict[str, Any]]:
     """Rule 1's rows of a ``benchmark`` or ``benchmark-baseline`` record (HEAD's side of the latter)."""
     machine = machine_identity(record["environment"])
     common = {"recorded": record["created"], "record": path, "commit_id": record["source"]["git_commit"],
@@ -129,7 +130,7 @@ def record_rows(record: dict, path: str = "") -> list[dict]:
     return [{**common, **row} for row in rows]
 
 
-def append(path: Path, record: dict, record_path: str = "") -> int:
+def append(path: Path, record: dict[str, Any], record_path: str = "") -> int:
     """Append ``record``'s rows to the store at ``path``; returns how many."""
     rows = record_rows(record, record_path)
     with open_store(path) as db:
@@ -201,7 +202,8 @@ def series(table: pd.DataFrame) -> list[Series]:
         per_commit = rows.groupby("commit_id", sort=False)[["seconds", "ci_low", "ci_high"]].median()
         values = per_commit["seconds"].to_numpy()
         if values.size < MIN_COMMITS:
-            changes, verdict = (), "insufficient data"
+            changes: tuple[Change, ...] = ()
+            verdict = "insufficient data"
         else:
             commits = list(per_commit.index)
             changes = tuple(Change(commits[i], i, change, p, v) for i, change, p, v in detect(values))

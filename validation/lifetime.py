@@ -27,7 +27,7 @@ __all__ = ["TensorCensus", "CensusEntry", "live_tensors", "live_tensors_like"]
 
 @dataclass
 class CensusEntry:
-    ref: weakref.ref
+    ref: weakref.ref[torch.Tensor]
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int

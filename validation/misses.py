@@ -1,4 +1,4 @@
-"""Planner misses on record: an observer that writes each miss as write-once, verified evidence (issue 27, Build 5).
+"""Planner misses on record: an observer that writes each miss as write-once, verified evidence.
 
 :class:`MissLog` is passed to ``reference_trainer.observe_planner_misses``
 (NOTE [Planner misses]). Each miss becomes one record of kind

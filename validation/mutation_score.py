@@ -1,4 +1,4 @@
-"""The suite's strength, measured: a sampled mutmut run over the trainer and the harness (issue 21, point 5).
+"""The suite's strength, measured: a sampled mutmut run over the trainer and the harness.
 
 NOTE [Mutation score]
   1. The tool is mutmut, pinned in the ``mutation`` extra (its internals used
@@ -40,6 +40,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -87,9 +88,9 @@ def parse_results(text: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in found if m}
 
 
-def summarize(statuses: dict[str, str]) -> dict[str, dict]:
+def summarize(statuses: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Rule 4 per top-level package: status counts, checked, killed and the score (None when nothing was checked)."""
-    by_package: dict[str, Counter] = {}
+    by_package: dict[str, Counter[str]] = {}
     for name, status in statuses.items():
         by_package.setdefault(name.split(".")[0], Counter())[status] += 1
     out = {}
@@ -106,7 +107,7 @@ def _source_file(root: Path, module: str) -> Path:
     return base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
 
 
-def locate(name: str, shown: str, root: Path) -> dict:
+def locate(name: str, shown: str, root: Path) -> dict[str, Any]:
     """A survivor's file, line and mutated lines, from its name and its ``mutmut show`` diff (hunks count from the def)."""
     module, _, function = name.partition("__mutmut_")[0].rpartition(".")
     # A method is mangled as xǁClassǁmethod, a function as x_function.
@@ -154,10 +155,11 @@ def _env() -> dict[str, str]:
     return {**env, "RTV_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _mutmut(config: MutationConfig, scratch: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def _mutmut(config: MutationConfig, scratch: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """One mutmut command (or ``-c CODE`` in its interpreter) in the scratch copy, its output captured."""
     command = [config.python, *args] if args[0] == "-c" else [config.python, "-m", "mutmut", *args]
-    return subprocess.run(command, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def _generated(scratch: Path) -> list[str]:

@@ -25,7 +25,7 @@ from reference_trainer import (
     token_logprobs,
 )
 from reference_trainer.lora import attach_lora
-from reference_trainer.model import RotaryEmbedding
+from reference_trainer.model import ModelConfig, RotaryEmbedding
 
 from .enumeration import level_weights
 from .oracle_state import (
@@ -115,7 +115,7 @@ class OracleTrainer:
 
     def __init__(
         self,
-        model_config,
+        model_config: ModelConfig,
         base_state: Mapping[str, torch.Tensor],
         *,
         device: torch.device | str = "cpu",
@@ -132,7 +132,7 @@ class OracleTrainer:
         self._records: dict[int, OracleRecord] = {}
         self._next_record = 0
 
-    def _model(self, config, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool) -> DecoderLM:
+    def _model(self, config: ModelConfig, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool) -> DecoderLM:
         """``base_state`` in ``dtype`` on the oracle's device: built on meta, storage allocated once on the
         device, filled tensor by tensor (never a second copy of the model: 8B in FP64 is 65 GB)."""
         config = config.replace(dtype=dtype)
@@ -378,7 +378,7 @@ class OracleTrainer:
         return {name: self._step_one(ckpt, lr, max_grad_norm, None if grads is None else grads[name])
                 for name, ckpt in self._checkpoints.items()}
 
-    def _step_one(self, ckpt: OracleCheckpoint, lr, max_grad_norm, given) -> OracleStep:
+    def _step_one(self, ckpt: OracleCheckpoint, lr: float | None, max_grad_norm: float | None, given: Mapping[str, torch.Tensor | None] | None) -> OracleStep:
         masters = {n: m.detach().clone() for n, m in ckpt.masters.items()}
         if not ckpt.grads:
             return OracleStep(False, "no gradients", None, False, masters)

@@ -11,6 +11,7 @@ trainer's code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ class OracleState:
 
     weights: dict[str, torch.Tensor]
     masters: dict[str, torch.Tensor]
-    optimizer: dict
+    optimizer: dict[str, Any]
     revision: int
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_trainer import DecoderLM, LoRAConfig, Trainer, token_logprobs
+from reference_trainer import DecoderLM, LoRAConfig, ModelConfig, Trainer, token_logprobs
 from reference_trainer.lora import attach_lora
 
 __all__ = ["WeightsAt", "snapshot_weights", "plain_gradients", "token_batch", "relative_error"]
@@ -44,7 +44,7 @@ def snapshot_weights(trainer: Trainer, checkpoint: str) -> WeightsAt:
 
 
 def plain_gradients(
-    model_config,
+    model_config: ModelConfig,
     weights: WeightsAt,
     sequences: Sequence[tuple[torch.Tensor, torch.Tensor]],
     loss_fn: Callable[[list[torch.Tensor]], torch.Tensor],

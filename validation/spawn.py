@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from .errors import CheckFailed
 
@@ -103,8 +103,9 @@ def spawn_ranks(
     # is bound here, to loopback: a TCPStore binds every interface itself (the local-Slurm stage saw it).
     listener = socket.create_server(("127.0.0.1", 0), backlog=world_size * 4)
     port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.detach())  # the store owns (and closes) the socket from here
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch's stubs re-export it without declaring it
+        "127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
+        master_listen_fd=listener.detach())  # the store owns (and closes) the socket from here
     readers: dict[Connection, int] = {}
     processes = []
     for rank in range(world_size):
@@ -127,7 +128,8 @@ def spawn_ranks(
         if remaining <= 0:
             timed_out = True
             break
-        for reader in wait(list(readers), timeout=remaining):
+        for ready in wait(list(readers), timeout=remaining):
+            reader = cast(Connection, ready)  # wait returns some of the connections it was given
             rank = readers.pop(reader)
             try:
                 values[rank] = reader.recv()
@@ -161,7 +163,7 @@ def _worker(
     dist_timeout_s: float,
     pipe: Connection,
     fn: Callable[..., Any],
-    args: tuple,
+    args: tuple[Any, ...],
     backend: str,
 ) -> None:
     import torch
@@ -178,19 +180,19 @@ def _worker(
     torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=dist_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         options: dict[str, Any] = {}
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", rank)
             torch.cuda.set_device(options["device_id"])
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
-        message = (to_plain(fn(*args)), None)
-    except BaseException:
+        message: tuple[Any, str | None] = (to_plain(fn(*args)), None)
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
         message = (None, traceback.format_exc())
     try:  # let every peer read its last message before this process goes away
         dist.barrier()
-    except Exception:
-        pass  # a dead or broken peer: nothing left to wait for
+    except Exception:  # noqa: BLE001 - a dead or broken peer: nothing left to wait for
+        pass
     pipe.send(message)
     pipe.close()
     # Skip interpreter and process-group teardown: with a dead peer it can block.

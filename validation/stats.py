@@ -86,7 +86,7 @@ def median_ci(ratios: np.ndarray, confidence: float) -> tuple[np.ndarray, np.nda
     return values[..., k - 1], values[..., n - k]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _order_index(n: int, confidence: float) -> int:
     """The 1-based ``k`` of Rule 1: ``P(Bin(n, 1/2) <= k - 1) <= tail < P(Bin(n, 1/2) <= k)``; 0 if none."""
     tail = (1.0 - confidence) / 2

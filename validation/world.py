@@ -119,7 +119,8 @@ def joined(world: GivenWorld, command: Callable[[], int]) -> int:
     global _JOINED
     import torch.distributed as dist
 
-    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(minutes=10)))
+    # torch's stubs re-export rendezvous and PrefixStore without declaring them:
+    store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(minutes=10)))  # type: ignore[attr-defined]
     store.set(f"rtv/facts/{world.rank}", pickle.dumps(_this_process(world)))
     facts = [pickle.loads(_get(store, f"rtv/facts/{rank}")) for rank in range(world.world_size)]
     _JOINED = _Joined(world, store, facts)
@@ -163,7 +164,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     return [o.value for o in outcomes]
 
 
-def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple, backend: str, timeout_s: float) -> None:
+def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float) -> None:
     """This process's part of call number ``joined_world.calls``: a group of its own, ``fn``, the value posted."""
     import torch
     import torch.distributed as dist
@@ -175,11 +176,12 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple, backen
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(options["device_id"])
-        dist.init_process_group(backend, store=dist.PrefixStore(f"rtv/group/{call}", joined_world.store),
+        group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=group_store,
                                 rank=world.rank, world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **options)
         try:
-            message = (to_plain(fn(*args)), None)
+            message: tuple[Any, str | None] = (to_plain(fn(*args)), None)
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every rank's story goes back to rank 0, as from a spawned rank
@@ -194,7 +196,8 @@ def _get(store: Any, key: str) -> bytes:
     while True:
         try:
             store.wait([key], _WAIT)
-            return store.get(key)
+            value: bytes = store.get(key)
+            return value
         except dist.DistStoreError as error:
             if "timeout" not in str(error):  # only a wait that ran out is waited again
                 raise

@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _git(*args: str, cwd: Path = ROOT) -> str:
     """``git args`` in ``cwd``; a failure is a :class:`SetupError` carrying git's message."""
-    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SetupError(f"git {' '.join(args)} failed: {done.stderr.strip()}",
                          fix="pass --baseline a commit, branch or tag of this repository")

@@ -60,6 +60,7 @@ NOTE [Derivative canary]
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -97,7 +98,8 @@ def claimed_cells(config: Preset) -> list[Cell]:
     kinds = checkpoint_kinds(config)
     grid = itertools.product((1, 2), ("retain", "offload", "replay"), (False, True), kinds)
     levels = itertools.product((1, 2), kinds, LEVELS)
-    return [(s, p, c, k, "token" if c else None) for s, p, c, k in grid] + [(s, "retain", True, k, l) for s, k, l in levels]
+    return ([(s, p, c, k, "token" if c else None) for s, p, c, k in grid]
+            + [(s, "retain", True, k, level) for s, k, level in levels])
 
 
 @dataclass
@@ -183,14 +185,15 @@ def examine(
     for check, scenario, kind in fixed:
         if not all(result.checks.values()):
             break
-        measured = result.record_check(check, lambda: run_scenario(config, scenario, kind=kind, bound_cap=bound_cap))
+        scenario_run = functools.partial(run_scenario, config, scenario, kind=kind, bound_cap=bound_cap)
+        measured = result.record_check(check, scenario_run)
         bar.update()
         if measured is not None:
             result.measured.merge(measured)
     for check, intersection in intersections.items():  # Rule 10: after the scenarios, so older bugs fail there
         if not all(result.checks.values()):
             break
-        result.record_check(check, lambda: intersection(config))
+        result.record_check(check, functools.partial(intersection, config))
         bar.update()
     if explored and all(result.checks.values()):
         _explore(config, profile, result, bound_cap, bar)

@@ -1,4 +1,4 @@
-"""The derivative canary's intersection checks of committed gradients (issue 21, the bugs the suite let through).
+"""The derivative canary's intersection checks of committed gradients (bugs an earlier suite let through).
 
 Three places where a gradient the trainer already holds meets a later call;
 each check is cheap, deterministic and judged against an independent twin

@@ -1,4 +1,4 @@
-"""The derivative canary's intersection checks: where two features meet (issue 21, Build 2).
+"""The derivative canary's intersection checks: where two features meet.
 
 Each feature alone is judged by the scenarios and the exploration
 (``canaries.derivative.scenarios``, ``canaries.derivative.machine``); these
@@ -134,7 +134,7 @@ def _train_logical(config: Preset, logical_dp: int, options: rt.ForwardOptions |
     flags: dict[str, list[tuple[int, bool]]] = {}
     for step in range(_STEPS):
 
-        def body(view: Any) -> None:
+        def body(view: Any, step: int = step) -> None:
             rank = view.logical_rank
             data = sequences(500 + step + rank, [6, 4], _VOCAB)  # rank r + 1's of the step before
             outs = view.forward([rt.ForwardInput(ids, t) for ids, t, _ in data], options=options)

@@ -1,4 +1,4 @@
-"""The memory canary's intersection checks: admission where two features meet (issue 21, Build 2).
+"""The memory canary's intersection checks: admission where two features meet.
 
 NOTE [Admission intersections]
   1. Held <= admitted: after every admitted forward, what the pending records

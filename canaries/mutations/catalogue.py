@@ -4,9 +4,10 @@ Each :class:`Mutation` puts one realistic bug back into the real trainer for
 the duration of a ``with mutation.apply():`` block, by patching a named seam
 of the fixed code with ``unittest.mock.patch`` (a small wrapper or a one-line
 replacement, never a hand copy of a large function), and names the canary
-and the check meant to catch it. Issue 21's defects and let-through bugs are
-reintroduced here one by one, and issue 27's planner witnesses (each must fail
-the planner certificate, NOTE [Planner certificate]).
+and the check meant to catch it. Bugs where two features meet (NOTE
+[Intersection checks], NOTE [Admission intersections]), bugs an earlier suite
+let through, and the planner's witnesses (each must fail the planner
+certificate, NOTE [Planner certificate]) are reintroduced here one by one.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _aliasing_copy(self: SavedStateLedger, tensor: torch.Tensor) -> torch.Tensor
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-# --- issue 21: the defects ---------------------------------------------------------------------------
+# --- where two features meet (NOTE [Intersection checks], NOTE [Admission intersections]) --------------
 
 
 _REAL_UNITS = importance_module.unit_log_ratios
@@ -156,7 +157,7 @@ def _sequence_per_token(log_ratio: torch.Tensor, mask: torch.Tensor, active: tor
 
 
 def _process_scope(record: Any) -> tuple[None, str]:
-    """Defect 1: the ``when_available`` scope ignores the record's owner: one cache for every logical rank."""
+    """The ``when_available`` scope ignores the record's owner: one cache for every logical rank."""
     return None, record.checkpoint.name
 
 
@@ -164,7 +165,7 @@ _REAL_FLUSH = RankGradients.flush
 
 
 def _flush_then_check(self: RankGradients, checkpoints: list[Checkpoint]) -> None:
-    """Defect 3: the buffers are summed into ``.grad`` first, the committed origins checked after."""
+    """The buffers are summed into ``.grad`` first, the committed origins checked after."""
     with mock.patch.object(sinks_module, "_first_error", lambda checkpoints: None):
         _REAL_FLUSH(self, checkpoints)
     for checkpoint in checkpoints:
@@ -175,7 +176,7 @@ _REAL_SAVED_CLASS = Admission._saved_class
 
 
 def _saved_class_of_config(self: Admission, checkpoint: Checkpoint, batch: int, seq_len: int, training: bool) -> Any:
-    """Defect 5a: the saved-bytes class follows ``config.dropout`` only, as if the model were always training."""
+    """The saved-bytes class follows ``config.dropout`` only, as if the model were always training."""
     return _REAL_SAVED_CLASS(self, checkpoint, batch, seq_len, True)
 
 
@@ -186,8 +187,8 @@ def _proportional(self: SavedTerms, seen_len: int, seen_bytes: int, seq_len: int
 
 def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """An injector: the analytic saved-bytes estimate with ``fixed`` options whatever the caller passes, in the
-    planner and in admission's measured/analytic scale alike (defect 5b: ``lora=None``; no attention term:
-    ``scores_saved=False``)."""
+    planner and in admission's measured/analytic scale alike (LoRA's term left out: ``lora=None``; no attention
+    term: ``scores_saved=False``)."""
 
     def estimate(config: Any, batch: int, seq_len: int, **options: Any) -> int:
         return analytic_saved_bytes(config, batch, seq_len, **{**options, **fixed})
@@ -201,7 +202,7 @@ def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManag
     return inject
 
 
-# --- issue 27: the planner's witnesses (each must fail the planner certificate) ----------------------------
+# --- the planner's witnesses (each must fail NOTE [Planner certificate]) -----------------------------------
 
 _REAL_EXTRA_SECONDS = ForwardCost.extra_seconds
 
@@ -215,7 +216,7 @@ _REAL_DECIDE = Admission._decide
 
 
 def _decide_and_demote(self: Admission, *args: Any) -> Any:
-    """Defect 7: each group's demotions are made as soon as it is planned, before the call is admitted whole."""
+    """Each group's demotions are made as soon as it is planned, before the call is admitted whole."""
     plan, demote = _REAL_DECIDE(self, *args)
     for entry, target in demote:
         entry.record.demote(target)
@@ -223,7 +224,7 @@ def _decide_and_demote(self: Admission, *args: Any) -> Any:
     return plan, demote
 
 
-# --- issue 21: the bugs the suite let through -----------------------------------------------------------
+# --- bugs an earlier suite let through (each now has the check that catches it) ------------------------
 
 
 class _AssigningSink(LiveGradSink):
@@ -284,26 +285,26 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("per_rank_normalisation", "each logical rank normalises its loss by its own token count",
                  "derivative", _patched(LogicalRank, "global_token_count", _local_count),
                  "logical_global_normalisation"),
-        # issue 21's defects, one at a time
-        Mutation("shared_correction_cache", "defect 1: one when_available cache shared by every logical rank of a "
+        # where two features meet, one bug at a time
+        Mutation("shared_correction_cache", "one when_available cache shared by every logical rank of a "
                  "process", "derivative", _patched(corrections_module, "_scope", _process_scope),
                  "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)"),
-        Mutation("flush_before_checks", "defect 3: optim_step sums the logical-rank buffers into .grad before it "
+        Mutation("flush_before_checks", "optim_step sums the logical-rank buffers into .grad before it "
                  "checks the committed origins", "derivative", _patched(RankGradients, "flush", _flush_then_check),
                  "intersection: refused optim_step over a stale live .grad with logical-rank buffers pending "
                  "changes nothing"),
-        Mutation("fp32_masters_for_fp64", "defect 4: FP32 masters for every dtype other than FP32, FP64 included",
+        Mutation("fp32_masters_for_fp64", "FP32 masters for every dtype other than FP32, FP64 included",
                  "derivative", _patched(checkpoints_module, "needs_master", lambda dtype: dtype != torch.float32),
                  "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance"),
-        Mutation("saved_scale_ignores_training", "defect 5a: the saved-bytes class ignores train/eval mode (dropout "
+        Mutation("saved_scale_ignores_training", "the saved-bytes class ignores train/eval mode (dropout "
                  "active follows the config only)", "memory", _patched(Admission, "_saved_class", _saved_class_of_config),
                  "admission: train-mode forward after an eval-mode one (dropout on): held <= admitted"),
-        Mutation("lora_term_uncounted", "defect 5b: the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
+        Mutation("lora_term_uncounted", "the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
                  "memory", _estimate_with(lora=None), "admission: first forward of LoRA rank 256: held <= admitted"),
-        Mutation("groups_admitted_one_by_one", "defect 7: a multi-group forward makes each group's demotions before "
+        Mutation("groups_admitted_one_by_one", "a multi-group forward makes each group's demotions before "
                  "the whole call is admitted", "derivative", _patched(Admission, "_decide", _decide_and_demote),
                  "intersection: refused forward whose second option group is refused by admission changes nothing"),
-        Mutation("optimizer_state_unchecked", "defect 8: load_checkpoint accepts an AdamW state that cannot step",
+        Mutation("optimizer_state_unchecked", "load_checkpoint accepts an AdamW state that cannot step",
                  "derivative", _patched(checkpoints_module, "check_adamw_state", lambda *args: None),
                  "intersection: refused load_checkpoint of an AdamW state without exp_avg (discard_graphs=True) "
                  "changes nothing"),
@@ -320,17 +321,17 @@ MUTATIONS: dict[str, Mutation] = {
                  "analytic count whatever its length (a longer one of the bucket saves a larger share of dropout's "
                  "T² terms)", "memory", _patched(SavedTerms, "worst_case", _proportional),
                  "admission: long forward after a shorter one of its shape class (dropout on): held <= admitted"),
-        Mutation("when_available_across_dropout", "defect 12: when_available pairs forwards that drew dropout masks",
+        Mutation("when_available_across_dropout", "when_available pairs forwards that drew dropout masks",
                  "derivative", _patched(KnownLogprobs, "_maskless", lambda self, record: True),
                  "intersection: when_available with dropout and unchanged weights reweights nothing"),
         Mutation("fold_in_arrival_order", "logical ranks' gradients are folded left to right as they arrive, not in "
                  "the fixed tree", "memory", _patched(TreeFold, "push", _arrival_push), _SCALE_BITS),
         Mutation("no_cross_process_reduction", "each process finishes the logical-rank sum from its own partial sums "
                  "only", "memory", _patched(LogicalSums, "_exchange", _local_pieces), _SCALE_BITS),
-        Mutation("budget_ignores_checkpoints", "defect 6: the plan leaves out what the checkpoints hold (AdamW "
+        Mutation("budget_ignores_checkpoints", "the plan leaves out what the checkpoints hold (AdamW "
                  "state, masters, .grad)", "memory", _patched(Checkpoint, "held_nbytes", lambda self: 0),
                  "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"),
-        # issue 27: the planner's witnesses
+        # the planner's witnesses
         Mutation("attention_term_dropped", "the analytic saved-bytes estimate leaves out attention's H·B·T² "
                  "probabilities (and dropout's masks of them)", "planner", _estimate_with(scores_saved=False),
                  "certificate: held after a forward / admitted saved bytes <= 1"),

@@ -1,4 +1,4 @@
-"""Calibration of the planner's cost model on paired, within-cell deltas (issue 27, Build 3).
+"""Calibration of the planner's cost model on paired, within-cell deltas.
 
 NOTE [Planner calibration]
   1. An arm's extra seconds are linear in its features: bytes moved (both

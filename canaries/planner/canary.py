@@ -1,4 +1,4 @@
-"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement (issue 27).
+"""The planner canary: ``auto``'s choices and the planner's estimates against every measured placement.
 
 A grid of cells (:data:`CELL_GRIDS`: checkpoint kind × dropout × batch × sequence
 length × pending forwards (staleness) × device limit × host limit), chosen
@@ -317,7 +317,7 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
         moved, tokens = 2.0 * sum(d.saved_bytes for d in decisions), float(cell.batch * cell.seq_len * cell.pending)
         result.features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, float(cell.pending)],
                            "replay": [0.0, tokens, float(cell.pending)]}
-    except Exception:  # Rule 6: a failed cell is recorded, never lost
+    except Exception:  # noqa: BLE001 - Rule 6: a failed cell is recorded, never lost
         result.error = traceback.format_exc(limit=4)
     return result
 

@@ -1,4 +1,4 @@
-"""The planner's certificate: its choices and estimates held against measured placements (issue 27).
+"""The planner's certificate: its choices and estimates held against measured placements.
 
 NOTE [Planner certificate]
   1. A cell is one workload under one pair of limits. Every placement the
@@ -78,7 +78,7 @@ TIMING_CHECKS = ("certificate: pairwise ordering on pairs apart", "certificate: 
 
 @dataclass(frozen=True)
 class Gates:
-    """The certificate's gates (issue 27, Acceptance)."""
+    """The certificate's gates: the bounds Rules 2-5 and 8 judge against (NOTE [Planner certificate])."""
 
     ordering: float = 0.95
     median_regret: float = 0.02

@@ -95,7 +95,7 @@ def sample_listeners(out: Path, marker: str, job_user: str, interval_s: float) -
     """Append one ``ss -ltnupH`` sample every ``interval_s`` until killed (lines flushed at once)."""
     with open(out, "a", buffering=1) as log:
         while True:
-            lines = subprocess.run(["ss", "-ltnupH"], capture_output=True, text=True).stdout.splitlines()
+            lines = subprocess.run(["ss", "-ltnupH"], capture_output=True, text=True, check=False).stdout.splitlines()
             log.write(f"--- {time.time():.0f}\n")
             for line in lines:
                 log.write(_attributed(line, marker, job_user) + "\n")

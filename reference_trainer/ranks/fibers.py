@@ -100,7 +100,7 @@ class Fiber:
         try:
             with self._context.enter():
                 self.result = self.body()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - kept and raised again in the caller's frame
             self.error = exc
         finally:
             self.done = True

@@ -32,15 +32,15 @@ def _state_for(trainer: Trainer, logical_dp: int, timeout_s: float, idle_timeout
     world = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     layout = LogicalLayout(logical_dp, *world)
     sink = trainer.rank_gradients
-    state = sink.host
-    if isinstance(state, LogicalState) and state.layout == layout:
-        state.comm.timeout_s, state.comm.idle_timeout_s = timeout_s, idle_timeout_s
-        return state
-    if isinstance(state, LogicalState) and (state.holds_outputs() or sink.pending()):
+    current = sink.host
+    if isinstance(current, LogicalState) and current.layout == layout:
+        current.comm.timeout_s, current.comm.idle_timeout_s = timeout_s, idle_timeout_s
+        return current
+    if isinstance(current, LogicalState) and (current.holds_outputs() or sink.pending()):
         raise ConfigError(
             "logical_dp",
             logical_dp,
-            f"{state.layout.logical_dp}, the layout of this trainer's pending logical gradients or outputs",
+            f"{current.layout.logical_dp}, the layout of this trainer's pending logical gradients or outputs",
             hint="call optim_step or zero_grad and drop zero-mode outputs before changing it",
         )
     comm = Comm(timeout_s, idle_timeout_s, trainer.device)
@@ -117,7 +117,8 @@ class LogicalRank:
             raise ConfigError("reduce", type(tensor).__name__, "a tensor")
         if tensor.dtype == torch.bool:
             tensor = tensor.long()
-        return fiber.pause(Request("reduce", tensor=tensor))
+        total: torch.Tensor = fiber.pause(Request("reduce", tensor=tensor))
+        return total
 
     def global_token_count(self, mask: torch.Tensor | Sequence[torch.Tensor]) -> int:
         """Non-zero entries of ``mask`` summed over every logical rank: normalise losses by this, never per process."""

@@ -90,6 +90,7 @@ class LogicalSums:
                 for node, piece in pieces[key]:
                     fold.push(node, piece)
                 total = fold.total()
+                assert total is not None, f"{key}: every key of a bucket has a piece"
                 if len(pieces[key]) == 1 and world > 1:  # a view of the whole received bucket: keep only its shard
                     total = total.clone()
                 old = self.totals.get(key)
@@ -123,8 +124,8 @@ class LogicalSums:
         received = self.comm.all_to_all(sends, sizes, f"{label}: {len(bucket)} logical-rank partial sums")
         del sends
         pieces: dict[Key, list[tuple[Node, torch.Tensor]]] = {key: [] for key in bucket}
-        for part, flat in zip(nodes, received):
-            flat = flat.to(self.device)
+        for part, arrived in zip(nodes, received):
+            flat = arrived.to(self.device)
             offset = 0
             for key in bucket:
                 for node in part.get(key, ()):

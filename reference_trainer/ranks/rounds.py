@@ -8,7 +8,7 @@ reduce, a backward's agreement), or fail every logical rank the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from ..errors import GradientCommitError, PeerError
 from ..peers import PeerFailure, mark_from_peer
 from ..rng import rng_state, set_rng_state
-from .fibers import Fiber, Raise
+from .fibers import Fiber, Raise, Request
 from .layout import ordered_sum
 from .state import LogicalState
 
@@ -35,20 +35,34 @@ def _where(state: LogicalState, logical_rank: int) -> str:
     return f"logical rank {logical_rank} (physical rank {state.layout.rank})"
 
 
+def _request(fiber: Fiber) -> Request:
+    """The request of a fiber that is not done: it paused in this round with one."""
+    assert fiber.request is not None, f"logical rank {fiber.logical_rank} paused without a request"
+    return fiber.request
+
+
+def _reduced(fiber: Fiber) -> torch.Tensor:
+    """The tensor a fiber paused to reduce."""
+    tensor = _request(fiber).tensor
+    assert tensor is not None, "a reduce request carries its tensor"
+    return tensor
+
+
 def _status(state: LogicalState, fiber: Fiber, share: bool) -> _Status:
     logical_rank = fiber.logical_rank
     if fiber.done:
         if fiber.error is not None:
             return _Status(logical_rank, "error", PeerFailure.of(fiber.error, _where(state, logical_rank), logical_rank))
         return _Status(logical_rank, "done", fiber.result if share else None)
-    request = fiber.request
+    request = _request(fiber)
     if request.kind == "reduce":
-        return _Status(logical_rank, "reduce", (tuple(request.tensor.shape), str(request.tensor.dtype)))
+        tensor = _reduced(fiber)
+        return _Status(logical_rank, "reduce", (tuple(tensor.shape), str(tensor.dtype)))
     error = request.error
     return _Status(logical_rank, "agree", None if error is None else PeerFailure.of(error, _where(state, logical_rank), logical_rank))
 
 
-def drive(state: LogicalState, label: str, bodies: dict[int, Callable[[], Any]], share: bool = False) -> list[Any]:
+def drive(state: LogicalState, label: str, bodies: Mapping[int, Callable[[], Any]], share: bool = False) -> list[Any]:
     """Run one body per hosted logical rank through rounds; results by logical rank (all of them if ``share``)."""
     fibers = [Fiber(logical_rank, body, state.device) for logical_rank, body in bodies.items()]
     caller = rng_state(state.device)
@@ -75,9 +89,9 @@ def _decide(state: LogicalState, label: str, statuses: list[_Status], fibers: li
     kinds = {s.kind for s in statuses}
     if kinds == {"reduce"}:
         if len({s.detail for s in statuses}) == 1:
-            mine = torch.stack([f.request.tensor.detach() for f in fibers])  # (L/W, *shape)
+            mine = torch.stack([_reduced(f).detach() for f in fibers])  # (L/W, *shape)
             total = ordered_sum(list(state.comm.all_gather(mine, label)))
-            return {f.logical_rank: total.to(f.request.tensor.device).clone() for f in fibers}
+            return {f.logical_rank: total.to(_reduced(f).device).clone() for f in fibers}
         found = ", ".join(f"logical rank {s.logical_rank}: {s.detail[0]} {s.detail[1]}" for s in statuses)
         message = f"{label}: reduce expects one shape and dtype on every logical rank, found {found}"
         return {f.logical_rank: Raise(PeerError(message, command=label)) for f in fibers}
@@ -105,8 +119,8 @@ def _decide(state: LogicalState, label: str, statuses: list[_Status], fibers: li
             doings = ", ".join(f"logical rank {s.logical_rank} {_doing(s.kind)}" for s in statuses)
             cause = f"logical ranks diverged: {doings}"
             cause += "; every logical rank must call reduce and backward the same number of times, in the same order"
-        doing = _doing(fiber.request.kind)
-        if fiber.request.kind == "agree":
+        doing = _doing(_request(fiber).kind)
+        if _request(fiber).kind == "agree":
             error: BaseException = GradientCommitError(
                 f"{label}: backward committed nothing: {cause} while this one {doing}"
             )
@@ -135,7 +149,7 @@ def _finish(statuses: list[_Status], fibers: list[Fiber], share: bool) -> list[A
     if failed:
         root = min(failed, key=lambda s: (s.detail.from_peer, s.logical_rank))
         mine = [f for f in fibers if f.logical_rank == root.logical_rank]
-        if mine:
+        if mine and mine[0].error is not None:
             raise mine[0].error
         raise root.detail.rebuild()
     if share:

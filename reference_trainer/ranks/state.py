@@ -120,7 +120,7 @@ class LogicalState:
         """The running logical-rank sums of ``checkpoints`` and every logical rank's origins, on every process (Rules 4-5)."""
         names = [c.name for c in checkpoints]
         local = {rank: {name: set(buffer.origins.get(name, ())) for name in names} for rank, buffer in buffers.items()}
-        meta: dict[int, dict] = {}
+        meta: dict[int, dict[str, set[Any]]] = {}
         for part in self.comm.exchange(local, "optim_step: logical origins"):
             meta.update(part)
         origins = {name: set().union(*(meta[rank][name] for rank in range(self.layout.logical_dp))) for name in names}

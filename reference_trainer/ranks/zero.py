@@ -14,7 +14,7 @@ import contextvars
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -67,7 +67,7 @@ class Exit:
     error: PeerFailure | None
 
 
-Command = Union[Forward, Backward, TrainerCall, Exit]
+Command = Forward | Backward | TrainerCall | Exit
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ class RankZero:
 
     def optim_step(self, **kwargs: Any) -> StepReport:
         """``trainer.optim_step(**kwargs)`` on every process."""
-        return self._session.run(TrainerCall("optim_step", kwargs))
+        report: StepReport = self._session.run(TrainerCall("optim_step", kwargs))
+        return report
 
     def zero_grad(self, **kwargs: Any) -> None:
         """``trainer.zero_grad(**kwargs)`` on every process."""
@@ -205,7 +206,8 @@ class ZeroSession:
             retain_graph=retain_graph,
             dtype=str(payload.dtype).removeprefix("torch."),
         )
-        return self.run(command, payload)
+        report: BackwardReport = self.run(command, payload)
+        return report
 
     # every process ---------------------------------------------------------------------
 
@@ -223,7 +225,7 @@ class ZeroSession:
                 self.execute(header, None)
             except PeerError:
                 raise
-            except Exception:
+            except Exception:  # noqa: BLE001 - see below
                 continue  # every process raised it at this command; rank 0's fn decides what follows
 
     def execute(self, header: Header, payload: torch.Tensor | None) -> Any:
@@ -231,11 +233,12 @@ class ZeroSession:
         self._release(header.release)
         return _EXECUTORS[type(header.command)](self, header.command, header.label, payload)
 
-    def _trainer_call(self, command: TrainerCall, label: str, payload: None) -> Any:
-        call = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}[command.method]
+    def _trainer_call(self, command: TrainerCall, label: str, payload: torch.Tensor | None) -> Any:
+        calls: dict[str, Callable[..., Any]] = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}
+        call = calls[command.method]
         return self._agreed(label, lambda: call(**command.kwargs))
 
-    def _exit(self, command: Exit, label: str, payload: None) -> None:
+    def _exit(self, command: Exit, label: str, payload: torch.Tensor | None) -> None:
         return None
 
     def _agreed(self, label: str, work: Callable[[], Any]) -> Any:
@@ -243,7 +246,7 @@ class ZeroSession:
         error: Exception | None = None
         try:
             result = work()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - agreed with every process, which all raise it
             error, result = exc, None
         self.comm.agree(error, f"{label}: outcome")
         return result
@@ -274,7 +277,7 @@ class ZeroSession:
         return self.comm.broadcast(tokens, label).cpu()
 
     def _forward_hosted(
-        self, command: Forward, chunks: list[list[int]], tokens: torch.Tensor
+        self, command: Forward, chunks: list[range], tokens: torch.Tensor
     ) -> list[tuple[int, int, ForwardOutput]]:
         """``(handle, logical rank, output)`` for the inputs of every logical rank this process hosts; the caller's RNG kept."""
         state = self.state
@@ -286,7 +289,7 @@ class ZeroSession:
             ids = tokens[offsets[i] : offsets[i + 1]].view(2, -1)
             return ForwardInput(ids[0].to(state.device), ids[1].to(state.device), command.options[i])
 
-        made = []
+        made: list[tuple[int, int, ForwardOutput]] = []
         caller = rng_state(state.device)
         try:
             for logical_rank in state.layout.hosted:
@@ -302,7 +305,7 @@ class ZeroSession:
         return made
 
     def _gathered(
-        self, command: Forward, chunks: list[list[int]], made: list[tuple[int, int, ForwardOutput]], label: str
+        self, command: Forward, chunks: list[range], made: list[tuple[int, int, ForwardOutput]], label: str
     ) -> tuple[list[torch.Tensor] | None, list[tuple[Any, ...]]]:
         """Every process's output values (rank 0 only; ``None`` elsewhere) and their descriptions, in process order."""
         per_process = self.state.layout.per_process
@@ -317,7 +320,7 @@ class ZeroSession:
         return gathered, [m for part in metas for m in part]
 
     def _proxies(
-        self, command: Forward, chunks: list[list[int]], gathered: list[torch.Tensor], described: list[tuple[Any, ...]]
+        self, command: Forward, chunks: list[range], gathered: list[torch.Tensor], described: list[tuple[Any, ...]]
     ) -> list[ForwardOutput]:
         """Rank 0's outputs: a leaf copy of each gathered output, released everywhere once the caller drops it."""
         state = self.state

@@ -32,7 +32,8 @@ def test_default_cpu_plan_has_the_arms_that_matter_and_nightly_adds_the_rest() -
     assert set(gated.arms) | set(others.arms) == every and set(gated.arms) & set(others.arms) == {"plain"}
     assert gated.label != others.label and gated.label.startswith(small.label)
     nightly = benchmark.plan("cpu", "nightly").groups
-    assert {(g.workload.model, g.workload.lora) for g in nightly} == {(m, l) for m in ("tiny", "small") for l in (0, 1)}
+    models = {(g.workload.model, g.workload.lora) for g in nightly}
+    assert models == {(m, lora) for m in ("tiny", "small") for lora in (0, 1)}
     assert [g.gated for g in nightly].count(True) == 1
     quick = benchmark.plan("cpu", "quick")
     assert quick.budget_s <= 45 and {"plain", "retain@s0", "replay@s0"} == set(quick.groups[0].arms)

@@ -32,8 +32,8 @@ from validation.oracle import OracleTrainer
 from validation.profiles import EXPLORATION
 from validation.reference import plain_gradients, relative_error, snapshot_weights
 
-# The intersection checks (NOTE [Intersection checks]) fail on 0369375 until the issue-21 fixes of defects
-# 1, 3, 4 and 7 merge: so do the tests here that need a passing canary.
+# The checks a passing quick run records beside the exploration's: the fixed scenarios and every
+# intersection check (NOTE [Intersection checks]).
 FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), "scenario:stale_grid[full]",
          *INTERSECTIONS]
 
@@ -90,7 +90,7 @@ def test_coverage_fails_when_no_stale_backward_can_succeed(monkeypatch: pytest.M
 def _gradients_off_by_a_tenth_of_a_percent():
     original = trainer_module.record_backward
 
-    def record_backward(model, record, cotangent, retain_graph):  # noqa: ANN001, ANN202
+    def record_backward(model, record, cotangent, retain_graph):
         return {n: g * 1.001 for n, g in original(model, record, cotangent, retain_graph).items()}
 
     return mock.patch.object(trainer_module, "record_backward", record_backward)

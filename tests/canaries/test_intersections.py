@@ -1,10 +1,10 @@
-"""The canaries' intersection checks (NOTE [Intersection checks], NOTE [Admission intersections]; issue 21).
+"""The canaries' intersection checks (NOTE [Intersection checks], NOTE [Admission intersections]).
 
-Two kinds of tests. The checks pass on a correct trainer: these fail on
-0369375 (defects 1, 3, 4, 5, 7 of issue 21) until the fixes are merged, and
-each names the defect it waits for. The negative controls feed each check a
-trainer that breaks the invariant deterministically (a factory or a patch at
-the public surface), so they pass with or without the fixes.
+Two kinds of tests. The checks pass on a correct trainer: each names the
+mutation of ``canaries/mutations/catalogue.py`` that breaks it (the mutation
+suite, tests/canaries/test_mutations.py, proves the check catches it). The
+negative controls feed each check a trainer that breaks the invariant
+deterministically (a factory or a patch at the public surface).
 """
 
 from __future__ import annotations
@@ -25,27 +25,22 @@ from canaries.presets import preset
 
 CPU = preset("cpu").on_this_machine()
 
-# --- the checks pass on a correct trainer (fail before the issue-21 fixes merge) ---------------
-
-WAITS_FOR = {
-    "optim_step over a stale live .grad with logical-rank buffers pending": "defect 3",
-    "forward whose second option group is refused by admission": "defect 7",
-}
+# --- the checks pass on a correct trainer ------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(REFUSED_CALLS))
 def test_each_refused_call_raises_and_changes_nothing(name: str) -> None:
-    """Fails on 0369375 for the calls in WAITS_FOR (defects 3 and 7 of issue 21)."""
+    """Broken by the mutations flush_before_checks, groups_admitted_one_by_one and optimizer_state_unchecked."""
     assert issubclass(getattr(rt, check_refused_call(CPU, name)), rt.TrainerError)
 
 
 def test_logical_ranks_agree_at_w1_and_w2_with_default_options() -> None:
-    """Fails on 0369375 (defect 1: one when_available cache shared by the logical ranks of a process)."""
+    """Broken by the mutation shared_correction_cache (one when_available cache for every logical rank)."""
     assert di.check_logical_default_options(CPU) >= 2  # stale records compared
 
 
 def test_fp64_checkpoint_steps_in_fp64() -> None:
-    """Fails on 0369375 (defect 4: FP64 parameters step through FP32 masters)."""
+    """Broken by the mutation fp32_masters_for_fp64 (FP64 parameters step through FP32 masters)."""
     assert di.check_fp64_lr0_step(CPU) <= 1e-12
     measured = INTERSECTIONS["intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance"](CPU)
     assert measured.steps >= 3 and measured.stale_records >= 3
@@ -53,7 +48,7 @@ def test_fp64_checkpoint_steps_in_fp64() -> None:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_admission_scenarios_hold_no_more_than_admitted(name: str) -> None:
-    """Fails on 0369375 (defect 5: eval-mode scale reused in train mode; LoRA x·Aᵀ not estimated)."""
+    """Broken by the mutations saved_scale_ignores_training and lora_term_uncounted."""
     passed, detail, values = check_scenario(CPU, name)
     assert passed, detail
     assert values["host_limit_bytes"] == values["held_unlimited_bytes"] - 1
@@ -67,12 +62,12 @@ def test_each_gradient_intersection_holds_on_a_correct_trainer(name: str) -> Non
 
 
 def test_when_available_with_dropout_at_lr0_reweights_nothing() -> None:
-    """Negative control: the mutation when_available_across_dropout (defect 12)."""
+    """Negative control: the mutation when_available_across_dropout."""
     assert di.check_when_available_dropout(CPU) == 1
 
 
 def test_the_checkpoints_state_is_in_the_admission_budget() -> None:
-    """Negative control: the mutation budget_ignores_checkpoints (defect 6)."""
+    """Negative control: the mutation budget_ignores_checkpoints."""
     passed, detail, values = check_checkpoint_budget(CPU)
     assert passed and "refused" in values, detail
     assert values["checkpoint_state_bytes"] > 0

@@ -18,7 +18,6 @@ from unittest import mock
 
 import pytest
 
-import reference_trainer as rt
 from canaries.memory import canary as memory
 from canaries.memory.intersections import SCENARIOS
 from canaries.memory.scale import SCALE_CHECKS
@@ -65,7 +64,7 @@ def test_canary_passes_on_the_reference_trainer_and_writes_verified_evidence(cle
             assert checks[f"{p}: {name}"] is True
     assert OFFLOAD_CHECKS <= set(checks)
     assert {name for name in checks if name.startswith("admission:")} and not any(n.startswith("cuda") for n in checks)
-    # NOTE [Admission intersections]; these fail on 0369375 until the fix of issue 21's defect 5 merges.
+    # NOTE [Admission intersections] Rules 1 and 2: held <= admitted, after every forward and per scenario.
     assert checks["admission: held <= admitted after every forward"] is True
     for name in SCENARIOS:
         assert checks[f"admission: {name}: held <= admitted"] is True

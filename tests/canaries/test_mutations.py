@@ -30,7 +30,7 @@ FIRST_FAILURE = {
     "offload_alias": "census",
     "fold_in_arrival_order": ".grad differs from the tree oracle",
     "no_cross_process_reduction": "W=2 differs from W=1",
-    # issue 21's defects
+    # where two features meet (NOTE [Intersection checks], NOTE [Admission intersections])
     "shared_correction_cache": "(staleness, corrected) per step/logical rank: expected W=1's",
     "flush_before_checks": "refused with StaleGradientError; expected the state unchanged, found: .grad objects replaced",
     "fp32_masters_for_fp64": "grad norm of the stepped gradients",
@@ -45,7 +45,7 @@ FIRST_FAILURE = {
     "flush_assigns": "expected the committed .grad plus both logical ranks' buffers",
     "busy_counts_every_checkpoint": "found CheckpointBusyError",
     "scale_without_worst_case": "admitted (forced offload)",
-    # issue 27: the planner's witnesses
+    # the planner's witnesses (NOTE [Planner certificate])
     "attention_term_dropped": "under-estimates: ['",
     "host_budget_ignored": "tight host:one: offload",
     "offload_priced_at_zero": "offload 0.000 ms <= retain 0.000 ms",

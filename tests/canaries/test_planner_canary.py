@@ -354,4 +354,4 @@ def test_no_replacement_block_starts_that_would_end_past_the_budget() -> None:
     shares = [1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0]  # the 2nd of 4 blocks flagged
     for extend_until, run in ((35.0, 4), (37.0, 5)):  # 30 s spent (warm-up and 4 blocks of 6 s): one more ends at 36
         arms, now = _arms()
-        assert timed_blocks(arms, 4, lambda: now[0], _Shares(shares), extend_until=extend_until).run == run
+        assert timed_blocks(arms, 4, lambda now=now: now[0], _Shares(shares), extend_until=extend_until).run == run

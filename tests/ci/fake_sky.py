@@ -127,7 +127,7 @@ class FakeServer:
         if entry["state"] == "PENDING":
             try:
                 entry["result"], entry["state"] = entry["thunk"](), "SUCCEEDED"
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - a failed request, as the SDK reports it
                 entry["result"], entry["state"] = error, "FAILED"
         if entry["state"] == "FAILED":
             raise entry["result"]
@@ -270,8 +270,9 @@ class FakeSky:
 
             return self._request(statuses, "sky.job_status", cluster_name)
 
-    def cancel(self, cluster_name: str, all: bool = False, all_users: bool = False,  # noqa: A002 - SkyPilot's name
-               job_ids: list[int] | None = None) -> RequestId:
+    def cancel(self, cluster_name: str,
+               all: bool = False,  # noqa: A002 - SkyPilot's name
+               all_users: bool = False, job_ids: list[int] | None = None) -> RequestId:
         with self.server.lock:
             self._enter("cancel")
 

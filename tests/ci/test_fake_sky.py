@@ -85,7 +85,7 @@ def test_statuses_are_skypilots_own_types(sky_sandbox, sky_fake):
 def test_the_sandbox_cannot_start_an_api_server(sky_sandbox, sky_home):
     port = int(sky_home["SKYPILOT_API_SERVER_LOCAL_PORT"])
     assert port != 46580  # SkyPilot's default port
-    with pytest.raises(Exception, match="disabled|SKYPILOT_DISABLE_LOCAL_API_SERVER"):
+    with pytest.raises(Exception, match=r"disabled|SKYPILOT_DISABLE_LOCAL_API_SERVER"):
         sky_sandbox.status()
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "something listens on the sandbox's API port"

@@ -18,7 +18,7 @@ def test_bounded_returns_raises_or_times_out():
         bounded(lambda: 1 / 0, timeout=5)
     gate = threading.Event()
     started = time.monotonic()
-    with pytest.raises(CallTimeout, match="hang did not return within 0.2 s"):
+    with pytest.raises(CallTimeout, match=r"hang did not return within 0\.2 s"):
         bounded(gate.wait, timeout=0.2, name="hang")
     assert time.monotonic() - started < 2
     gate.set()

@@ -150,7 +150,7 @@ def test_a_succeeded_job_with_passing_evidence_passes_and_is_priced(sky_fake, sk
     assert m["cost"]["estimate"] == pytest.approx(hourly * m["billed_s"] / 3600, rel=1e-3)
     assert Path(m["observed"]["logs"]).read_text()
     launched = fake.tasks[0]
-    assert list(launched.resources)[0].labels["rtv-ci-cluster"] == "rtv-gate-42-1"
+    assert next(iter(launched.resources)).labels["rtv-ci-cluster"] == "rtv-gate-42-1"
 
 
 @pytest.mark.parametrize("evidence", ["failed", "tampered", "missing"])
@@ -213,7 +213,7 @@ def test_a_teardown_that_times_out_is_left_running_not_cancelled(sky_fake, gate,
     record = receipt_of(launch(fake, gate, tmp_path))
     calls = fake.calls
     assert "api_cancel" not in calls[calls.index("down"):], calls
-    assert [s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down"][0] is False
+    assert next(s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down") is False
 
 
 def test_a_launch_that_never_came_up_bills_nothing(sky_fake, gate, tmp_path):

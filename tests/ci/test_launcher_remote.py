@@ -1,4 +1,4 @@
-"""The launcher in the world it runs in: a remote API server, many runners, lost and cancelled work (issue 23, Why 1-7).
+"""The launcher in the world it runs in: a remote API server, many runners, lost and cancelled work.
 
 Each test is one way the kind world (one machine, one HOME, one SkyPilot
 user) hid a defect: evidence fetched through files only the server has,
@@ -37,7 +37,7 @@ def lost_cluster(fake, gate, name: str = "rtv-gate-9-1"):
     return name
 
 
-# --- Why 1: evidence through the remote path ------------------------------------------------------
+# --- evidence through the remote path -------------------------------------------------------------
 
 def test_evidence_comes_back_through_the_log_api_without_any_ssh_config(sky_fake, gate, tmp_path, sky_home):
     fake = sky_fake.FakeSky()
@@ -56,7 +56,7 @@ def test_a_log_without_a_whole_frame_is_evidence_not_fetched(sky_fake, gate, tmp
     assert outcome.exit_code == 3 and not evidence["fetched"] and "no RTV-EVIDENCE frame" in evidence["summary"]
 
 
-# --- Why 2: every identity sees every CI cluster --------------------------------------------------
+# --- every identity sees every CI cluster ---------------------------------------------------------
 
 def test_another_runner_sees_downs_and_bills_a_lost_runners_cluster(sky_fake, sky_sandbox, gate, tmp_path):
     from .conftest import H200_TYPES
@@ -95,7 +95,7 @@ def test_every_status_query_asks_across_all_users(sky_fake, gate, tmp_path, monk
     assert seen and all(seen), seen
 
 
-# --- Why 3: evidence tied to the run --------------------------------------------------------------
+# --- evidence tied to the run ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(("evidence", "reason"), [
     ("stale", "foreign or stale"), ("stale", "before this launch was submitted"),
@@ -121,7 +121,7 @@ def test_the_job_is_given_this_runs_id_commit_and_source_digest(sky_fake, gate, 
     assert envs["RTV_SOURCE_DIGEST"] == source_fingerprint()["sha256"] and envs["RTV_COMMIT"] == record["measurements"]["commit"]
 
 
-# --- Why 4: backstops -----------------------------------------------------------------------------
+# --- backstops ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fault", ["sigint", "sigterm"])
 @pytest.mark.parametrize("call", ["stream_and_get", "job_status"])
@@ -231,7 +231,7 @@ def test_sweep_leaves_a_cluster_whose_launch_time_is_unknown(sky_fake, gate, tmp
     assert name in runner_a.clusters
 
 
-# --- Why 5: the judge applies rtv run's rule ------------------------------------------------------
+# --- the judge applies rtv run's rule -------------------------------------------------------------
 
 def test_a_failed_benchmark_is_shown_not_enforced_as_in_rtv_run(sky_fake, gate, tmp_path):
     outcome = launch(sky_fake.FakeSky(evidence="shown"), gate, tmp_path)
@@ -241,7 +241,7 @@ def test_a_failed_benchmark_is_shown_not_enforced_as_in_rtv_run(sky_fake, gate, 
     assert failed.exit_code == 3
 
 
-# --- Why 6: receipts ------------------------------------------------------------------------------
+# --- receipts -------------------------------------------------------------------------------------
 
 def test_billing_runs_from_the_clusters_launch_to_proven_absence(sky_fake, gate, tmp_path):
     from .test_launcher import _MinuteClock
@@ -261,7 +261,7 @@ def test_a_launch_that_provisioned_then_failed_bills_what_ran(sky_fake, gate, tm
     assert m["exit_code"] == 3 and m["observed"]["launched"] and m["gpu_minutes"] > 0, m
 
 
-# --- Why 7: the fake is faithful, and the launcher's calls fit the real SDK -----------------------
+# --- the fake is faithful, and the launcher's calls fit the real SDK ------------------------------
 
 def test_the_fake_server_behaves_as_skypilots_does(sky_fake, sky_sandbox, gate):
     errors = sky_sandbox.exceptions

@@ -14,7 +14,7 @@ STAGE = Path(__file__).resolve().parents[2] / ".ci" / "local_slurm_stage"
 
 
 def run_stage(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=30, check=False)
 
 
 def test_without_apt_get_the_stage_skips(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_without_apt_get_the_stage_skips(tmp_path: Path) -> None:
 def _stage_nobody_can_run(scratch: Path) -> Path:
     """The stage as ``nobody`` can reach it: in place, or copied (with the script it runs) into a folder
     that others may enter, when the checkout lies under one they may not (a 0700 temporary folder)."""
-    if subprocess.run(["runuser", "-u", "nobody", "--", "test", "-x", str(STAGE)]).returncode == 0:
+    if subprocess.run(["runuser", "-u", "nobody", "--", "test", "-x", str(STAGE)], check=False).returncode == 0:
         return STAGE
     scratch.chmod(0o755)
     for relative in (".ci/local_slurm_stage", "ci/local_slurm/stage.sh"):

@@ -66,7 +66,7 @@ def rtv_gpu(*args: str) -> list[str]:
 def as_runner_b(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``rtv gpu ARGS`` as runner B (another runner, which launched nothing)."""
     return subprocess.run(rtv_gpu(*args), capture_output=True, text=True, cwd=REPO, env=identity("runnerb"),
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 class Launch:
@@ -100,7 +100,8 @@ class Launch:
     def job_status(self) -> str:
         """The latest job's status as runner A sees it (a probe process of its identity)."""
         result = subprocess.run([sys.executable, "-m", "ci.local_slurm.sky_sdk", "job-status", self.cluster],
-                                capture_output=True, text=True, cwd=REPO, env=identity("runnera"), timeout=120)
+                                capture_output=True, text=True, cwd=REPO, env=identity("runnera"), timeout=120,
+                                check=False)
         return result.stdout.strip()
 
     def wait_for_running_job(self) -> None:
@@ -174,7 +175,7 @@ def slurm_jobs() -> list[str]:
 def job_user_processes() -> tuple[list[str], list[str]]:
     """(processes of the job user, its idle sshd login sessions): ``ps`` lines."""
     result = subprocess.run(["ps", "-o", "pid=,comm=,args=", "-u", os.environ["RTV_SLURM_USER"]],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     lines = [line.strip() for line in result.stdout.splitlines()]
     sessions = [line for line in lines if line.split()[1] == "sshd"]
     return [line for line in lines if line not in sessions], sessions
@@ -191,7 +192,7 @@ def prove_nothing_left(case: str, launches: list[Launch], receipt: Path | list[P
         jobs, records = slurm_jobs(), cluster_records()
         processes, sessions = job_user_processes()
         launchers_exited = all(launch.proc.poll() is not None for launch in launches)
-        if not (jobs or records or processes) and launchers_exited or time.monotonic() > deadline:
+        if (not (jobs or records or processes) and launchers_exited) or time.monotonic() > deadline:
             break
         time.sleep(1)
     observed = (observed or {}) | {
@@ -312,9 +313,9 @@ def test_sigterm_then_sigkill_and_the_cluster_is_gone_by_the_end(when: str) -> N
 def test_the_api_server_restarted_while_a_launch_is_in_flight() -> None:
     launch = Launch("server-restart", "hold-cpu.sky.yaml")
     launch.wait_until("provisioning", lambda: bool(slurm_jobs()), timeout_s=180)
-    restart = subprocess.run(["bash", "-c", f'source {os.environ["RTV_COMMON_SH"]} && server_env && '
-                              f'exec "{sys.executable}" -m ci.local_slurm.sky_sdk restart-server --pid-file "$API_PID"'],
-                             capture_output=True, text=True, cwd=REPO, timeout=300)
+    restart = subprocess.run(["bash", "-c", (f'source {os.environ["RTV_COMMON_SH"]} && server_env && '
+                              f'exec "{sys.executable}" -m ci.local_slurm.sky_sdk restart-server --pid-file "$API_PID"')],
+                             capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
     assert restart.returncode == 0, restart.stdout + restart.stderr
     try:  # the launch ends in teardown (interrupted request), or it survived the restart and its job holds
         code: int | None = launch.finish(timeout_s=180)

@@ -25,7 +25,7 @@ def test_task_files_load_and_validate_offline(sky_sandbox, repo_root: Path, name
     assert spec.job_deadline_s > spec.time_limit_s
     assert 'bash ci/node_install.sh "$RTV_VENV"' in spec.setup, "the node installs from the committed lock"
     assert spec.envs["RTV_TORCH_INDEX"].endswith("/cu" + spec.envs["RTV_CUDA"].replace(".", ""))
-    assert f'--nproc "$RTV_NPROC"' in spec.run and spec.envs["RTV_NPROC"] == str(count)
+    assert '--nproc "$RTV_NPROC"' in spec.run and spec.envs["RTV_NPROC"] == str(count)
     assert "pytest tests/gpu" in spec.run and '--preset "$RTV_PRESET"' in spec.run
     if count == 8:
         assert '--preset "$RTV_BENCH_PRESET"' in spec.run and spec.envs["RTV_BENCH_PRESET"] == "gpu-8b"
@@ -82,7 +82,7 @@ def test_the_unchanged_copy_loads(sky_sandbox, repo_root: Path, tmp_path: Path):
 def test_a_missing_task_file_says_which_exist(tmp_path: Path):
     from ci.tasks import TaskFileError, load_task
 
-    with pytest.raises(TaskFileError, match="ci/gate.sky.yaml"):
+    with pytest.raises(TaskFileError, match=r"ci/gate\.sky\.yaml"):
         load_task(tmp_path / "nope.sky.yaml")
 
 

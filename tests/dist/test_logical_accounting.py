@@ -3,7 +3,7 @@
 Held: :func:`validation.memory.reachable_bytes` of ``trainer.rank_gradients``,
 sampled in every logical rank's ``fn`` before its backward and at rest
 (``canaries.memory.scale``); moved: ``rt.logical_traffic`` over one step.
-Bounds of issue 28: held <= (ceil(log2(L/W)) + 2) x the gradient bytes,
+The bounds of ``canaries.memory.scale``: held <= (ceil(log2(L/W)) + 2) x the gradient bytes,
 received <= 2.2 x the gradient bytes (control messages apart). W = 1 and a
 W = 2 sample by default; the whole grid (L up to 64, W up to 4) is ``slow``.
 """

@@ -108,7 +108,7 @@ def test_eight_logical_ranks_on_two_processes_in_zero_mode(two_process: dict) ->
 
 def test_a_logical_rank_is_corrected_by_its_own_forwards_only_on_one_and_two_processes(two_process: dict, one_thread: None) -> None:
     """Logical ranks 0 and 1 hold stale records of the same tokens; only rank 0 scores them again. Rank 1
-    must not be corrected with rank 0's log-probs on one process either (defect 1 of issue 21)."""
+    must not be corrected with rank 0's log-probs on one process either (the mutation shared_correction_cache)."""
     one = to_plain(ds.shared_tokens())
     rank0, rank1 = scenario(two_process, "shared-tokens", 0), scenario(two_process, "shared-tokens", 1)
     assert one["corrected"] == {0: True, 1: False}

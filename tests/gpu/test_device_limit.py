@@ -35,7 +35,7 @@ def test_auto_offloads_replays_or_refuses_instead_of_running_out_of_memory() -> 
         tokens = torch.randint(0, 4096, (8, 512), device="cuda")
         placements, refused = [], None
         outs = []
-        for step in range(12):  # keeps graphs pending until the budget is spent
+        for _ in range(12):  # keeps graphs pending until the budget is spent
             try:
                 outs.append(trainer.forward([rt.ForwardInput(row) for row in tokens], options=rt.ForwardOptions(corrections=())))
             except rt.MemoryAdmissionError as error:

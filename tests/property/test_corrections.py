@@ -256,7 +256,7 @@ def test_statistics_match_an_independent_numpy_computation(dtype, correction, to
     w_active = _reference_weights(_np(current[active]), _np(forward[active]), correction) if bool(active.any()) else []
     overflow = _overflows(0.5 * np.asarray(w_active, dtype=np.float64), dtype)
     if overflow:  # a weight x cotangent past the dtype's range is refused, naming the correction (Rule 3)
-        with pytest.raises(rt.GradientCommitError, match="importance weight .* overflowed"):
+        with pytest.raises(rt.GradientCommitError, match=r"importance weight .* overflowed"):
             correct_cotangent(cotangent, current, forward, correction, staleness)
         return
     if overflow is None:  # within rounding of the dtype's largest finite value: either reading is right

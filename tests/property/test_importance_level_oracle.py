@@ -39,7 +39,6 @@ from validation.enumeration import (
     exact_expectation,
     level_weights,
     per_token_objective,
-    sequence_logprobs,
     sequence_token_logprobs,
     table_policy,
 )

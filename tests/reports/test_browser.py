@@ -1,4 +1,4 @@
-"""The HTML report checked in a real headless Chromium (issue 17): DOM, tables, images, screenshot.
+"""The HTML report checked in a real headless Chromium: DOM, tables, images, screenshot.
 
 The report is built from the committed fixture evidence (``tests/fixtures/evidence``);
 the browser must show the verdict board within the first screen, every

@@ -39,5 +39,5 @@ def report(queue, function, *args) -> None:
     """Run ``function(*args)`` and put ``(result, None)`` or ``(None, the error's repr)`` on ``queue``."""
     try:
         queue.put((function(*args), None))
-    except BaseException as exc:  # the parent judges every outcome
+    except BaseException as exc:  # noqa: BLE001 - the parent judges every outcome
         queue.put((None, repr(exc)))

@@ -311,7 +311,7 @@ def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
     assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"
 
 
-# --- held <= admitted: the estimate covers what a forward really saves (issue 21, defect 5) ------
+# --- held <= admitted: the estimate covers what a forward really saves (NOTE [Memory admission] Rule 5)
 
 
 def _trainer_in_census(rank: int, *, dropout: float = 0.1, **limits) -> tuple[rt.Trainer, StorageCensus]:
@@ -419,7 +419,7 @@ def test_a_first_lora_forward_holds_at_most_the_saved_bytes_admitted(placement: 
     _assert_saved_within_admitted(_admit_until_refused(trainer, census, range(2), backward_state=placement))
 
 
-# --- the budget covers the checkpoints' own state (issue 21, defect 6) ------------------------
+# --- the budget covers the checkpoints' own state (NOTE [Memory admission] Rule 1) -------------
 
 
 def _nbytes(tensors) -> int:
@@ -483,7 +483,7 @@ def test_a_default_limit_counts_what_others_use_and_refuses_what_the_checkpoints
     assert trainer.live_records() == 0
 
 
-# --- a refused call changes nothing (issue 21, defect 7) --------------------------------------
+# --- a refused call changes nothing (NOTE [Memory admission] Rule 4) -------------------------
 
 
 def _state(trainer: rt.Trainer) -> dict:
@@ -523,7 +523,7 @@ def test_a_call_refused_in_its_second_group_ran_nothing_demoted_nothing_and_drew
         trainer.forward([*first, *forced], options=NO_CORRECTION)
     _assert_same_state(before, _state(trainer))
     out = trainer.forward(first, options=NO_CORRECTION)  # non-vacuous: alone, the first group demotes the record
-    assert "demoted 1" in out[0].decision.reason and [r.placement for r in trainer.records][0] == "offload"
+    assert "demoted 1" in out[0].decision.reason and next(r.placement for r in trainer.records) == "offload"
     del pending
 
 
@@ -544,7 +544,7 @@ def test_each_group_of_a_call_is_planned_beside_the_groups_before_it() -> None:
     _assert_same_state(before, _state(trainer))
 
 
-# --- the measured scale is the class maximum (a let-through bug of issue 21) -------------------
+# --- the measured scale is the class maximum (NOTE [Memory admission] Rule 5) -----------------
 
 
 def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> None:

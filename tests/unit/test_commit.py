@@ -236,11 +236,11 @@ def test_finite_gradients_whose_squares_overflow_still_commit() -> None:
 # publishes, so each check is exercised here on purpose-built staging.
 
 
-def _transaction(trainer: rt.Trainer, lookup=None) -> GradientTransaction:  # noqa: ANN001
+def _transaction(trainer: rt.Trainer, lookup=None) -> GradientTransaction:
     released: list = []
     return GradientTransaction(LiveGradSink(), lookup or trainer.checkpoint, released.append)
 
-def _grads(capture, transform=lambda g: g) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _grads(capture, transform=lambda g: g) -> dict[str, torch.Tensor]:
     return {n: transform(torch.ones_like(t)) for n, t in capture.tensors.items()}
 
 def _assert_nothing_published(trainer: rt.Trainer) -> None:
@@ -276,7 +276,7 @@ def test_validate_refuses_a_replaced_checkpoint_object() -> None:
         ("device", lambda g: g.to("meta")),
     ],
 )
-def test_validate_refuses_a_gradient_of_the_wrong_shape_dtype_or_device(what: str, transform) -> None:  # noqa: ANN001
+def test_validate_refuses_a_gradient_of_the_wrong_shape_dtype_or_device(what: str, transform) -> None:
     trainer = make_trainer("full", dropout=0.0)
     capture = trainer.checkpoint("policy").capture()
     transaction = _transaction(trainer)

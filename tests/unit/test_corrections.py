@@ -403,7 +403,7 @@ def test_masked_target_positions_are_not_corrected_tokens() -> None:
 
 
 # --- The ``when_available`` cache with default options (NOTE [Importance correction] Rules 6-8).
-# 
+#
 # A logical rank is corrected only with log-probs its own forwards computed
 # (so results do not depend on how many processes host the logical ranks);
 # the cache keeps only what a pending record can still use (its size does not
@@ -431,7 +431,7 @@ def _step(trainer: rt.Trainer, seed: int, lr: float | None = None) -> None:
     trainer.zero_grad()
 
 
-# --- defect 1: one cache per logical rank ------------------------------------------------------
+# --- one cache per logical rank (NOTE [Importance correction] Rule 7) --------------------------
 
 
 def test_a_logical_rank_is_corrected_only_with_logprobs_its_own_forwards_computed() -> None:
@@ -461,7 +461,7 @@ def test_a_logical_rank_is_corrected_only_with_logprobs_its_own_forwards_compute
     assert corrected == [{1: True, 0: False}, {1: False}]
 
 
-# --- defect 2: bounded by what can still be used --------------------------------------------------
+# --- bounded by what can still be used (NOTE [Importance correction] Rule 7) ----------------------
 
 
 def _live_tensors() -> int:
@@ -528,7 +528,7 @@ def test_rows_no_pending_record_can_use_are_not_kept() -> None:
     assert _unusable_rows_schedule(_default_trainer()) == _unusable_rows_schedule(plain)
 
 
-# --- let-through: no token keys read without an older record pending ------------------------------
+# --- no token keys read without an older record pending (NOTE [Importance correction] Rule 7) ---------
 
 
 def test_same_revision_forwards_with_default_options_read_no_token_keys() -> None:
@@ -544,7 +544,7 @@ def test_same_revision_forwards_with_default_options_read_no_token_keys() -> Non
     assert [why for why, _ in reads if why == "token keys"] == []
 
 
-# --- defect 12: dropout masks ------------------------------------------------------------------------
+# --- dropout masks (NOTE [Importance correction] Rule 8) ----------------------------------------------
 
 
 def _stale_then_again(trainer: rt.Trainer, lr: float | None) -> tuple[rt.BackwardReport, torch.Tensor]:

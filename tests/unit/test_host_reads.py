@@ -94,7 +94,7 @@ class _HostConversions(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         self.count += func in self.CONVERSIONS
         return func(*args, **(kwargs or {}))
 

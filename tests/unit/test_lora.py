@@ -12,9 +12,10 @@ from reference_trainer.lora import ALL_PROJECTIONS, LoRAAdapter, LoRAConfig, fre
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
 
 CONFIG = ModelConfig.tiny()
+LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
-def make(lora: LoRAConfig = LoRAConfig(rank=4, alpha=8.0)) -> tuple[DecoderLM, LoRAAdapter, torch.Tensor]:
+def make(lora: LoRAConfig = LORA) -> tuple[DecoderLM, LoRAAdapter, torch.Tensor]:
     model = DecoderLM(CONFIG, seed=0).eval()
     adapter = LoRAAdapter(model, lora, seed=1)
     ids = torch.randint(0, CONFIG.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))

@@ -124,7 +124,7 @@ def test_advantages_and_behaviour_are_constants():
 # so ratio r = exp(logp). Per token: l = -min(r A, clip(r) A), dl/dlogp = -r A when
 # the unclipped term is the min, else 0.
 PPO_CASES = [
-    # (r, A, l, dl/dlogp)
+    # each: ratio r, advantage A, loss l, then dl/dlogp
     (1.1, 2.0, -2.2, -2.2),  # inside the range
     (1.5, 2.0, -2.4, 0.0),  # A > 0, above: min is 1.2*2 = 2.4 (clipped, flat)
     (0.5, 2.0, -1.0, -1.0),  # A > 0, below: min is 0.5*2 = 1.0 < 1.6 (unclipped)

@@ -367,8 +367,8 @@ def test_saved_log_probs_keep_their_autocast_state_and_correct_only_forwards_mad
     b = trainer.forward(rt.ForwardInput(*sequence(2)))
     trainer.backward(-b.target_logprobs.sum())
     trainer.optim_step()
-    with bf16():
-        c = trainer.forward(rt.ForwardInput(*sequence(1)))
+    with bf16():  # C: the forward whose log-probs are the saved row
+        trainer.forward(rt.ForwardInput(*sequence(1)))
     trainer.save(tmp_path / "save")
     (row,) = torch.load(io.BytesIO(read_folder(tmp_path / "save")["checkpoint-0.pt"]), weights_only=True)["logprobs"]
     assert row["autocast"] == ["cpu", "bfloat16"]

@@ -90,9 +90,9 @@ def test_an_edited_pointer_or_another_base_model_is_refused(tmp_path):
     with pytest.raises(rt.ConfigError, match="base model"):
         rt.Trainer.load(tmp_path, rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=1))
     (tmp_path / "LATEST").write_text("save-000001 " + "0" * 64 + "\n")
-    with pytest.raises(rt.CorruptSaveError, match="manifest.json"):
+    with pytest.raises(rt.CorruptSaveError, match=r"manifest\.json"):
         rt.Trainer.load(tmp_path, _model())
-    with pytest.raises(rt.ConfigError, match="trainer.save"):
+    with pytest.raises(rt.ConfigError, match=r"trainer\.save"):
         rt.Trainer.load(tmp_path / "nowhere", _model())
 
 
@@ -441,7 +441,7 @@ def test_a_fifo_in_a_save_is_refused_without_waiting(tmp_path, file):
 def _raised(function, *args) -> BaseException | None:
     try:
         function(*args)
-    except BaseException as exc:  # the caller judges it
+    except BaseException as exc:  # noqa: BLE001 - the caller judges it
         return exc
     return None
 

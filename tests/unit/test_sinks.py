@@ -16,7 +16,7 @@ from reference_trainer.sinks import BufferGradSink, LiveGradSink
 from tests.support import make_trainer
 
 
-def _commit_constants(sink, bound: int = 2):  # noqa: ANN001, ANN202
+def _commit_constants(sink, bound: int = 2):
     """A trainer whose capture's gradients (constant 1, 2, ... per parameter) were committed into ``sink``."""
     trainer = make_trainer("full", dropout=0.0)
     capture = trainer.checkpoint("policy").capture()

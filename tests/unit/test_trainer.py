@@ -285,7 +285,7 @@ class _NewUpcasts(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         sources = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16]
         if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and not any(out is a for a in args):

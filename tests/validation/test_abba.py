@@ -155,7 +155,7 @@ def simulate(true_ratio: float, *, trials: int, sigma: float = 0.04, seed: int =
     verdicts: Counter = Counter()
     for _ in range(trials):
         noise = rng.lognormal(0.0, sigma, 4 * 66)
-        machine = FakeMachine(lambda name, i: (true_ratio if name == "arm" else 1.0) * noise[i])
+        machine = FakeMachine(lambda name, i, noise=noise: (true_ratio if name == "arm" else 1.0) * noise[i])
         (result,) = run(machine, "base", "arm", max_blocks=64)
         verdicts[result.verdict] += 1
     return verdicts

@@ -24,7 +24,7 @@ def test_zero_reference_is_refused_unless_allowed_and_found_is_exactly_zero() ->
     with pytest.raises(ComparisonError, match="reference is exactly zero"):
         relative_l2(zero.clone(), zero)  # both zero: vacuous, refused by default
     assert relative_l2(zero.clone(), zero, allow_zero=True) == 0.0
-    with pytest.raises(ComparisonError, match="found norm 1.000e-06"):
+    with pytest.raises(ComparisonError, match=r"found norm 1\.000e-06"):
         relative_l2(torch.tensor([1e-6, 0.0, 0.0]), zero, allow_zero=True)
 
 
@@ -98,11 +98,11 @@ def test_none_on_both_sides_agrees_but_something_must_be_compared() -> None:
 
 def test_dtype_is_checked_against_the_expected_dtypes() -> None:
     found, reference = _pair()
-    with pytest.raises(ComparisonError, match="'a' expected dtype torch.float64, found torch.float32"):
+    with pytest.raises(ComparisonError, match=r"'a' expected dtype torch\.float64, found torch\.float32"):
         compare_gradients({**found, "a": found["a"].float()}, reference, tolerance=1.0)
     fp32 = {n: t.float() for n, t in found.items()}
     assert compare_gradients(fp32, reference, tolerance=1e-3, dtypes={"a": torch.float32, "b": torch.float32}).passed
-    with pytest.raises(ComparisonError, match="'b' expected dtype torch.bfloat16"):
+    with pytest.raises(ComparisonError, match=r"'b' expected dtype torch\.bfloat16"):
         compare_gradients(fp32, reference, tolerance=1.0, dtypes={"a": torch.float32, "b": torch.bfloat16})
 
 

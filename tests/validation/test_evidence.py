@@ -67,7 +67,7 @@ def test_a_record_without_checks_that_says_passed_does_not_verify(tmp_path: Path
 def test_tampering_is_detected(tmp_path: Path, what: str, change) -> None:
     path = write_once(tmp_path / "r.json", _record())
     _rewrite(path, change)
-    with pytest.raises(EvidenceError, match="digest|disagrees"):
+    with pytest.raises(EvidenceError, match=r"digest|disagrees"):
         verify(path)
 
 

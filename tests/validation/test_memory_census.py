@@ -52,7 +52,8 @@ def test_storage_census_flags_a_deliberately_kept_activation(fast_gc) -> None:
         out = trainer.forward(rt.ForwardInput(*sequence(int(keep))), options=rt.ForwardOptions(backward_state="offload"))
         trainer.backward(out.target_logprobs.sum())
         grads = [p.grad for p in trainer.checkpoint("policy").parameters()]
-        results[keep] = two_witnesses("left", lambda: census.measure(ignore=[out.target_logprobs, *grads]).total, baseline=0)
+        ignore = [out.target_logprobs, *grads]
+        results[keep] = two_witnesses("left", lambda c=census, i=ignore: c.measure(ignore=i).total, baseline=0)
         if handle is not None:
             handle.remove()
     assert not results[False].leaked

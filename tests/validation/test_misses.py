@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 
 import reference_trainer as rt
 from reference_trainer import planner
-from validation.evidence import verify
+from validation.evidence import EvidenceError, verify
 from validation.misses import MISS_KIND, MissLog
 
 _REAL = planner.analytic_saved_bytes
@@ -35,9 +36,5 @@ def test_a_forced_miss_is_one_verified_record_that_replays_to_its_estimate(tmp_p
     tampered = log.paths[0].read_text().replace(f'"estimate": {miss["estimate"]}', '"estimate": 1')
     log.paths[0].chmod(0o644)
     log.paths[0].write_text(tampered)
-    try:
+    with pytest.raises(EvidenceError, match="digest"):  # the digest no longer matches
         verify(log.paths[0])
-    except Exception as error:  # the digest no longer matches
-        assert "digest" in str(error)
-    else:
-        raise AssertionError("a tampered miss record verified")
