@@ -1,0 +1,131 @@
+"""Purpose-built wrong adapters, one per check, each with one realistic bug (and two broken ones).
+
+Each subclasses a right adapter of ``validation.conform.adapters.plain`` and
+changes one thing, so a check that catches it is shown not to be vacuous:
+the right parent passes the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import Tensor
+
+from validation.conform.adapters.plain import SnapshotAsyncAdapter, SyncAdapter
+
+
+class UnmaskedLogprobs(SyncAdapter):
+    """sync: masked targets (-100) are not zeroed; they count as token 0's log-prob."""
+
+    name = "unmasked-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        logprobs = torch.log_softmax(self._model(input_tokens).float(), dim=-1)
+        return logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+class DoubledLearningRate(SyncAdapter):
+    """sync: the optimizer ignores spec.lr (steps at twice it)."""
+
+    name = "doubled-lr"
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        for group in self._optimizer.param_groups:
+            group["lr"] = 2 * spec.lr
+
+
+class MeanOverMicroBatches(SyncAdapter):
+    """splits: ``.grad`` holds the mean of the backward calls since ``zero_grad`` (a per-micro-batch mean)."""
+
+    name = "mean-over-micro-batches"
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._backwards = 0
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        self._backwards = 0
+
+    def backward(self, loss: Tensor) -> None:
+        before = [None if p.grad is None else p.grad.clone() for p in self._model.parameters()]
+        self._model.zero_grad(set_to_none=True)
+        loss.backward()
+        self._backwards += 1
+        for param, old in zip(self._model.parameters(), before):
+            if old is not None and param.grad is not None:
+                param.grad = old + (param.grad - old) / self._backwards
+
+
+class OneStepOffPolicy(SnapshotAsyncAdapter):
+    """sync: "staleness 0" that runs one step off-policy: a forward runs on the weights before the last step."""
+
+    name = "one-step-off-policy"
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        self._previous = copy.deepcopy(self._model)
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        live, self._model = self._model, self._previous
+        try:
+            return super().forward(input_tokens, target_tokens)  # copies self._model: the previous weights
+        finally:
+            self._model = live
+
+    def optim_step(self) -> None:
+        self._previous = copy.deepcopy(self._model)
+        super().optim_step()
+
+
+class SaveWithoutGradients(SyncAdapter):
+    """resume: saves the model and optimizer but not the gradients accumulated since the last step."""
+
+    name = "save-without-gradients"
+    capabilities = frozenset({"save"})
+    bitwise_resume = True
+
+    def save(self, path: str) -> None:
+        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()},
+                   os.path.join(path, "state.pt"))
+
+    def load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "state.pt"))
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+
+
+class NoReduceAcrossProcesses(SyncAdapter):
+    """processes: claims processes but each rank steps on its own rows' gradient (no sum over the group)."""
+
+    name = "no-reduce"
+    capabilities = frozenset({"processes"})
+
+
+class MissingBackward:
+    """broken: no backward method."""
+
+    name = "missing-backward"
+    capabilities = frozenset()
+
+    def start(self, spec) -> None: ...
+
+    def module(self) -> torch.nn.Module: ...
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor: ...
+
+    def optim_step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+class SummedLogprobs(SyncAdapter):
+    """broken: forward returns one log-prob per sequence (B,), not per token (B, T)."""
+
+    name = "summed-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        return super().forward(input_tokens, target_tokens).sum(-1)
