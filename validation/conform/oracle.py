@@ -2,7 +2,10 @@
 
 NOTE [Conformance oracle]
   1. The oracle is a deep copy of ``module()`` taken right after ``start``,
-     cast to FP64. It never reads an adapter's numbers: only the weights the
+     its parameters cast to FP64; buffers keep the dtype the module gives
+     them (a rotary table a Qwen3-style model keeps in FP32 on purpose stays
+     the model's own constant, not a precision the oracle may change). It
+     never reads an adapter's numbers: only the weights the
      suite snapshots (``snapshot``: a copy of every ``requires_grad``
      parameter of ``module()``, by name) and the tokens and loss the suite
      itself made.
@@ -115,8 +118,11 @@ class FP64Oracle:
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
-        self._model = copy.deepcopy(adapter.module()).to(torch.float64)
+        self._model = copy.deepcopy(adapter.module())
         self._model.requires_grad_(False)
+        for param in self._model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(torch.float64)
 
     def logprobs(self, weights: Mapping[str, Tensor], ids: Tensor, targets: Tensor) -> Tensor:
         """FP64 ``(B, T)`` target log-probs of the copy at ``weights``."""
