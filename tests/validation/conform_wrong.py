@@ -81,6 +81,23 @@ class OneStepOffPolicy(SnapshotAsyncAdapter):
         super().optim_step()
 
 
+class OneRecordAtATime(SyncAdapter):
+    """splits: keeps one pending forward: a backward reaches only the latest forward's graph."""
+
+    name = "one-record-at-a-time"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        computed = super().forward(input_tokens, target_tokens)
+        returned = computed.detach().requires_grad_(True)  # the trainer's record stands behind a leaf
+        self._record = (returned, computed)
+        return returned
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+        returned, computed = self._record
+        computed.backward(returned.grad)
+
+
 class SaveWithoutGradients(SyncAdapter):
     """resume: saves the model and optimizer but not the gradients accumulated since the last step."""
 
@@ -120,6 +137,13 @@ class MissingBackward:
     def optim_step(self) -> None: ...
 
     def zero_grad(self) -> None: ...
+
+
+class SaveClaimedWithoutLoad(SyncAdapter):
+    """broken: claims "save" but has no save or load."""
+
+    name = "save-claimed"
+    capabilities = frozenset({"save"})
 
 
 class SummedLogprobs(SyncAdapter):

@@ -14,7 +14,7 @@ import torch
 
 from validation.conform import (FAILED, NOT_APPLICABLE, PASSED, AdapterError, ConformSpec, conform, conform_record)
 from validation.conform.checks import splits, stale, sync
-from validation.conform.processes import judge_processes, run_job
+from validation.conform.processes import judge_processes, rank_rows, run_job
 from validation.conform.protocol import require_protocol
 from validation.conform.resume import resume
 from validation.evidence import checks_of
@@ -68,6 +68,11 @@ def test_splits_names_the_ratio_of_a_per_micro_batch_mean() -> None:
     assert "as 2 micro-batches the gradient is 0.5 x the oracle's" in verdict.reason
 
 
+def test_splits_catches_a_trainer_that_keeps_one_forward_pending() -> None:
+    verdict = splits(wrong.OneRecordAtATime, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["arm"] == "4 separate forward calls, one backward"
+
+
 def test_resume_catches_a_save_that_drops_the_pending_gradients() -> None:
     verdict = resume(wrong.SaveWithoutGradients, SPEC)
     assert verdict.status == FAILED
@@ -115,6 +120,19 @@ def test_a_forward_of_the_wrong_shape_stops_the_suite_as_a_broken_adapter() -> N
     with pytest.raises(AdapterError, match=r"returned a tensor of shape \(4,\), requires_grad=True; expected "
                                            r"differentiable target log-probs of shape \(4, 8\)"):
         conform("conform_wrong:SummedLogprobs", SPEC, checks=("sync",))
+
+
+def test_the_ranks_rows_partition_each_batch() -> None:
+    assert [rank_rows(SPEC, rank, 2) for rank in range(2)] == [[0, 2], [1, 3]]
+    assert rank_rows(SPEC, 0, 1) == [0, 1, 2, 3]
+
+
+def test_an_adapter_claiming_save_without_save_and_load_is_refused() -> None:
+    with pytest.raises(AdapterError) as caught:
+        require_protocol(wrong.SaveClaimedWithoutLoad())
+    assert caught.value.one_line().endswith("missing method save, load (needed: start, module, forward, backward, "
+                                            "optim_step, zero_grad, save, load); fix: define save(), load() as in "
+                                            "docs/conform.md#the-adapter-protocol, or drop 'save' from capabilities")
 
 
 def test_processes_judges_each_rank_against_the_one_process_run() -> None:

@@ -26,7 +26,7 @@ from .jobs import make_batch, started
 from .oracle import compare, snapshot, tolerance
 from .protocol import ConformSpec
 
-__all__ = ["PROCESS_STEPS", "WORLD", "load_factory", "run_job", "judge_processes", "processes"]
+__all__ = ["PROCESS_STEPS", "WORLD", "load_factory", "rank_rows", "run_job", "judge_processes", "processes"]
 
 PROCESS_STEPS = 2
 WORLD = 2
@@ -38,12 +38,17 @@ def load_factory(path: str) -> Callable[[], Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def rank_rows(spec: ConformSpec, rank: int, world: int) -> list[int]:
+    """The rows of each batch rank ``rank`` of ``world`` feeds: ``rank, rank + world, ...``."""
+    return list(range(rank, spec.batch, world))
+
+
 def run_job(factory: Callable[[], Any], spec: ConformSpec, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank`` of ``world``'s share of the job (module docstring); its parameters at the end, FP64."""
     driven = started(factory, spec)
     for step in range(PROCESS_STEPS):
         batch = make_batch(spec, step)
-        driven.adapter.backward(driven.step_loss(batch.rows(list(range(rank, spec.batch, world))), batch.active))
+        driven.adapter.backward(driven.step_loss(batch.rows(rank_rows(spec, rank, world)), batch.active))
         driven.adapter.optim_step()
         driven.adapter.zero_grad()
     return snapshot(driven.module())
