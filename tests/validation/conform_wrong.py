@@ -115,6 +115,36 @@ class SaveWithoutGradients(SyncAdapter):
         self._optimizer.load_state_dict(state["optimizer"])
 
 
+class Float16Logprobs(SyncAdapter):
+    """sync: log-probs computed from logits rounded to float16 (a memory saving that costs accuracy)."""
+
+    name = "float16-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        logits = self._model(input_tokens).to(torch.float16).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logprobs * (target_tokens >= 0)
+
+
+class ResumedOneUlpOff(SaveWithoutGradients):
+    """resume: claims bitwise, but ``load`` leaves each weight one ulp off (e.g. weights rebuilt from a master copy)."""
+
+    name = "resumed-one-ulp-off"
+
+    def save(self, path: str) -> None:
+        grads = {name: p.grad for name, p in self._model.named_parameters()}
+        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
+                   os.path.join(path, "state.pt"))
+
+    def load(self, path: str) -> None:
+        super().load(path)
+        grads = torch.load(os.path.join(path, "state.pt"))["grads"]
+        with torch.no_grad():
+            for name, param in self._model.named_parameters():
+                param.grad = grads[name]
+                param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
+
+
 class NoReduceAcrossProcesses(SyncAdapter):
     """processes: claims processes but each rank steps on its own rows' gradient (no sum over the group)."""
 

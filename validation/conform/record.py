@@ -4,8 +4,9 @@ Each applicable check of each adapter is a check of the record named
 ``"<adapter> <check>"``; a check that is not applicable is a skip with its
 reason (neither passed nor failed). A *negative control* (an adapter that
 must fail one check, e.g. ``naive-async`` must fail ``stale``) records that
-check as ``"<adapter> <check> fails (negative control)"``, passed when the
-check failed; its other applicable checks must pass as usual.
+check as ``"<adapter> <check> fails (negative control)"``, passed only when
+the check failed (not when it passed or was not applicable); its other
+applicable checks must pass as usual.
 ``measurements["adapters"]`` holds every verdict with its status, reason and
 evidence (the worst element and its oracle value for a failure), which the
 report's table reads (``reports.conform``).
@@ -35,12 +36,12 @@ def collect_checks(reports: Sequence[AdapterReport], negative_controls: Mapping[
         control = negative_controls.get(report.name)
         for verdict in report.verdicts:
             name = f"{report.name} {verdict.check}"
-            if verdict.status == NOT_APPLICABLE:
-                checks.skip(name, f"not applicable: {verdict.reason}")
-            elif verdict.check == control:
+            if verdict.check == control:  # a control that did not run (not applicable) did not fire either
                 caught = verdict.status == FAILED
                 checks.check(f"{name} fails (negative control)", caught,
-                             verdict.reason if caught else f"the negative control passed: {verdict.reason}")
+                             verdict.reason if caught else f"the negative control {verdict.status}: {verdict.reason}")
+            elif verdict.status == NOT_APPLICABLE:
+                checks.skip(name, f"not applicable: {verdict.reason}")
             else:
                 checks.check(name, verdict.status == PASSED, verdict.reason)
     return checks
