@@ -10,9 +10,9 @@ from __future__ import annotations
 from .adapters import NEGATIVE_CONTROLS, SHIPPED
 from .checks import FAILED, NOT_APPLICABLE, PASSED, Verdict
 from .protocol import CAPABILITIES, Adapter, AdapterError, ConformSpec
-from .record import KIND, conform_record
+from .record import KIND, conform_record, record_parts
 from .suite import CHECKS, REQUIRES, AdapterReport, conform, resolve
 
 __all__ = ["Adapter", "AdapterError", "AdapterReport", "CAPABILITIES", "CHECKS", "ConformSpec", "FAILED", "KIND",
            "NEGATIVE_CONTROLS", "NOT_APPLICABLE", "PASSED", "REQUIRES", "SHIPPED", "Verdict", "conform",
-           "conform_record", "resolve"]
+           "conform_record", "record_parts", "resolve"]

@@ -24,7 +24,7 @@ from .checks import FAILED, NOT_APPLICABLE, PASSED
 from .protocol import ConformSpec
 from .suite import AdapterReport
 
-__all__ = ["KIND", "conform_record", "collect_checks"]
+__all__ = ["KIND", "conform_record", "collect_checks", "record_parts"]
 
 KIND = "conform"
 
@@ -53,12 +53,18 @@ def _adapter_measurements(report: AdapterReport) -> dict[str, Any]:
                          for v in report.verdicts}}
 
 
+def record_parts(reports: Sequence[AdapterReport], spec: ConformSpec, *,
+                 negative_controls: Mapping[str, str] | None = None,
+                 seconds: float | None = None) -> tuple[dict[str, Any], Checks, dict[str, Any]]:
+    """The record's ``(config, checks, measurements)`` (module docstring), for ``make_record`` or a canary's ``Judged``."""
+    controls = dict(negative_controls or {})
+    config = {"spec": asdict(spec), "adapters": [r.path for r in reports], "negative_controls": controls}
+    measurements = {"adapters": {r.name: _adapter_measurements(r) for r in reports}, "seconds": seconds}
+    return config, collect_checks(reports, controls), measurements
+
+
 def conform_record(reports: Sequence[AdapterReport], spec: ConformSpec, *,
                    negative_controls: Mapping[str, str] | None = None, seconds: float | None = None) -> dict[str, Any]:
     """One schema-2 record of ``reports`` (``validation.evidence.make_record``)."""
-    controls = dict(negative_controls or {})
-    return make_record(KIND, config={"spec": asdict(spec), "adapters": [r.path for r in reports],
-                                     "negative_controls": controls},
-                       checks=collect_checks(reports, controls),
-                       measurements={"adapters": {r.name: _adapter_measurements(r) for r in reports},
-                                     "seconds": seconds})
+    config, checks, measurements = record_parts(reports, spec, negative_controls=negative_controls, seconds=seconds)
+    return make_record(KIND, config=config, checks=checks, measurements=measurements)
