@@ -1,6 +1,6 @@
 """The third-party adapter ``hf-lora`` (transformers' Qwen3 + PEFT LoRA) judged by the conformance suite.
 
-Needs the ``conform-hf`` extra, which cannot sit beside ``ci`` (pyproject.toml):
+Needs the ``conform-hf`` extra (transformers 4.x and peft, pyproject.toml):
 skipped with that reason where transformers or peft is missing. Slow: building
 the model imports transformers (seconds).
 """

@@ -15,8 +15,9 @@ of its forwards is pending (opened at a forward, closed by the backward that
 consumed the last one), and claims no ``"save"`` (a save between a forward
 and its backward would leave it open under a second adapter).
 
-Needs ``transformers`` and ``peft`` (the ``conform-hf`` extra, its own
-environment: docs/conform.md#the-shipped-adapters); imported in ``start``.
+Needs ``transformers`` (4.51 to 4.x) and ``peft``: the ``conform-hf`` extra
+(docs/conform.md#the-shipped-adapters); imported in ``start``, so the rest of
+the suite runs without them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _qwen3_lora(spec: ConformSpec) -> torch.nn.Module:
         import transformers
     except ImportError as error:
         raise AdapterError("hf-lora", f"needs transformers and peft, found {error}",
-                           fix="pip install -e '.[conform-hf]' in its own venv (docs/conform.md#the-shipped-adapters)"
+                           fix="pip install -e '.[conform-hf]' (docs/conform.md#the-shipped-adapters)"
                            ) from error
     config = transformers.Qwen3Config(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
