@@ -183,3 +183,8 @@ class SummedLogprobs(SyncAdapter):
 
     def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
         return super().forward(input_tokens, target_tokens).sum(-1)
+
+
+def raising_factory() -> SyncAdapter:
+    """broken: the factory itself fails."""
+    raise RuntimeError("no GPU\nsecond line")

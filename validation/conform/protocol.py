@@ -120,7 +120,8 @@ class AdapterError(SetupError):
         super().__init__(f"adapter {adapter!r} is broken: {cause}", fix=fix)
 
     def one_line(self) -> str:
-        return f"{self.cause}; fix: {self.fix}"
+        """The cause and the fix on one line (``rtv conform`` prints it so)."""
+        return " ".join(f"{self.cause}; fix: {self.fix}".split())
 
 
 def adapter_name(adapter: Any) -> str:

@@ -93,7 +93,11 @@ def conform(adapter: str, spec: ConformSpec, *, checks: Sequence[str] = CHECKS,
     """Run ``checks`` (in :data:`CHECKS` order) on the adapter ``adapter`` names; ``progress`` sees each verdict."""
     path = resolve(adapter)
     factory = load_adapter_factory(path)
-    probe = factory()
+    try:
+        probe = factory()
+    except Exception as error:  # noqa: BLE001 - any failure to build it is a broken adapter
+        raise AdapterError(path, f"the factory raised {type(error).__name__}: {error}",
+                           fix="make the factory return an Adapter without arguments (build the model in start)") from error
     require_protocol(probe)
     verdicts = []
     for check in (c for c in CHECKS if c in checks):
