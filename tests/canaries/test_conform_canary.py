@@ -27,6 +27,17 @@ def test_the_record_passes_when_the_negative_control_fails_stale(cheap: None, tm
     assert "snapshot-async processes" not in record["skips"]  # it does not claim processes: not applicable, no skip
 
 
+def test_processes_is_left_out_on_quick_and_inside_a_torchrun_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert canary._left_out("quick") == "not run on the quick profile"
+    monkeypatch.setenv("RANK", "0")
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    assert canary._left_out("default") == "not run inside a torchrun world"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name)
+    assert canary._left_out("default") is None
+
+
 def test_the_record_fails_when_the_negative_control_does_not_fire(cheap: None, monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path) -> None:
     monkeypatch.setattr(canary, "NEGATIVE_CONTROLS", {"naive-async": "splits"})  # a check it passes
