@@ -176,6 +176,16 @@ class SaveClaimedWithoutLoad(SyncAdapter):
     capabilities = frozenset({"save"})
 
 
+class FrozenModule(SyncAdapter):
+    """broken: module() returns a model with nothing trainable (the trainer's weights live elsewhere)."""
+
+    name = "frozen-module"
+
+    def module(self) -> torch.nn.Module:
+        frozen = copy.deepcopy(self._model)
+        return frozen.requires_grad_(False)
+
+
 class SummedLogprobs(SyncAdapter):
     """broken: forward returns one log-prob per sequence (B,), not per token (B, T)."""
 

@@ -161,6 +161,11 @@ def test_an_adapter_claiming_save_without_save_and_load_is_refused() -> None:
                                             "docs/conform.md#the-adapter-protocol, or drop 'save' from capabilities")
 
 
+def test_a_module_with_nothing_trainable_is_a_broken_adapter() -> None:
+    with pytest.raises(AdapterError, match=r"module\(\) returned a module with no trainable parameter; expected"):
+        conform("conform_wrong:FrozenModule", SPEC, checks=("splits",))
+
+
 def test_processes_judges_each_rank_against_the_one_process_run() -> None:
     """The fast sibling of the spawned check: shares of the job computed in process, as two ranks would."""
     one = run_job(wrong.NoReduceAcrossProcesses, SPEC, 0, 1)

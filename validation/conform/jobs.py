@@ -65,7 +65,8 @@ class Driven:
     def module(self) -> torch.nn.Module:
         module = self.adapter.module()
         if not isinstance(module, torch.nn.Module) or not trainable(module):
-            found = type(module).__name__ if not isinstance(module, torch.nn.Module) else "a module with no trainable parameter"
+            is_module = isinstance(module, torch.nn.Module)
+            found = "a module with no trainable parameter" if is_module else type(module).__name__
             raise AdapterError(self.name, f"module() returned {found}; expected the live torch.nn.Module whose "
                                "requires_grad parameters are the weights it trains",
                                fix="return the trained model (or a view sharing its parameters) from module()")
