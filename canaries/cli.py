@@ -11,6 +11,8 @@
     rtv history [--store FILE] [--arm A] [--workload W] [--out FILE]
                                           every benchmark so far: trends, change points, verdicts
     rtv report [--in DIR] [--out FILE] [--summary]
+    rtv conform [ADAPTER ...] [--adapter package.module:factory] [--list] [--out DIR]
+                                          the conformance suite on any trainer's adapter (docs/conform.md)
     rtv mutation-score [--paths P ...] [--tests T ...] [--sample N] [--seed S] [--budget S] [--out DIR]
                                           the suite's strength: a sampled mutmut run, its record and report
 
@@ -46,6 +48,7 @@ from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT, EVIDENCE_MARKER
 from validation.world import given_world, joined
 
+from .conform.command import add_conform_command
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 from . import suite
 
@@ -335,6 +338,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           help="evidence folder (default: ./rtv-out/mutation)")
     mutation.set_defaults(handler=_mutation_score)
 
+    add_conform_command(sub)
     add_gpu_commands(sub)
     return parser
 

@@ -23,6 +23,7 @@ EXTRA_PACKAGES = {
     "harness": ("numpy", "pandas", "matplotlib", "scipy", "jinja2", "tqdm", "hypothesis", "ruptures"),
     "ci": ("sky",),
     "mutation": ("mutmut",),
+    "conform-hf": ("transformers", "peft"),
 }
 
 

@@ -146,6 +146,9 @@ CANARIES: dict[str, Canary] = {
         Canary(name="learning", module="canaries.learning.canary",
                summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
                takes_gate=True),
+        Canary(name="conform", module="canaries.conform.canary",
+               summary="the conformance suite: this trainer's adapter passes every check, naive-async (the negative "
+                       "control) fails stale"),
         Canary(name="benchmark", module="canaries.benchmark.canary",
                summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
                enforced=False),

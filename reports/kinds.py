@@ -75,6 +75,8 @@ KINDS: dict[str, Kind] = {
              builder="reports.sweep"),
         Kind(name="mutation-score", title="Mutation score: the suite's strength, measured with mutmut",
              builder="reports.mutation"),
+        Kind(name="conform", title="Conformance: adapters x checks against the suite's FP64 oracle",
+             measurements=("seconds",), builder="reports.conform"),
         Kind(name=RECEIPT_KIND, title="GPU CI termination receipt", builder="reports.receipts"),
     )
 }

@@ -1,0 +1,1 @@
+"""The conformance suite's command (``rtv conform``) and its part of ``rtv run`` (``canary``)."""

@@ -1,0 +1,200 @@
+"""Purpose-built wrong adapters, one per check, each with one realistic bug (and two broken ones).
+
+Each subclasses a right adapter of ``validation.conform.adapters.plain`` and
+changes one thing, so a check that catches it is shown not to be vacuous:
+the right parent passes the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import Tensor
+
+from validation.conform.adapters.plain import SnapshotAsyncAdapter, SyncAdapter
+
+
+class UnmaskedLogprobs(SyncAdapter):
+    """sync: masked targets (-100) are not zeroed; they count as token 0's log-prob."""
+
+    name = "unmasked-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        logprobs = torch.log_softmax(self._model(input_tokens).float(), dim=-1)
+        return logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+class DoubledLearningRate(SyncAdapter):
+    """sync: the optimizer ignores spec.lr (steps at twice it)."""
+
+    name = "doubled-lr"
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        for group in self._optimizer.param_groups:
+            group["lr"] = 2 * spec.lr
+
+
+class MeanOverMicroBatches(SyncAdapter):
+    """splits: ``.grad`` holds the mean of the backward calls since ``zero_grad`` (a per-micro-batch mean)."""
+
+    name = "mean-over-micro-batches"
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._backwards = 0
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        self._backwards = 0
+
+    def backward(self, loss: Tensor) -> None:
+        before = [None if p.grad is None else p.grad.clone() for p in self._model.parameters()]
+        self._model.zero_grad(set_to_none=True)
+        loss.backward()
+        self._backwards += 1
+        for param, old in zip(self._model.parameters(), before):
+            if old is not None and param.grad is not None:
+                param.grad = old + (param.grad - old) / self._backwards
+
+
+class OneStepOffPolicy(SnapshotAsyncAdapter):
+    """sync: "staleness 0" that runs one step off-policy: a forward runs on the weights before the last step."""
+
+    name = "one-step-off-policy"
+
+    def start(self, spec) -> None:
+        super().start(spec)
+        self._previous = copy.deepcopy(self._model)
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        live, self._model = self._model, self._previous
+        try:
+            return super().forward(input_tokens, target_tokens)  # copies self._model: the previous weights
+        finally:
+            self._model = live
+
+    def optim_step(self) -> None:
+        self._previous = copy.deepcopy(self._model)
+        super().optim_step()
+
+
+class OneRecordAtATime(SyncAdapter):
+    """splits: keeps one pending forward: a backward reaches only the latest forward's graph."""
+
+    name = "one-record-at-a-time"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        computed = super().forward(input_tokens, target_tokens)
+        returned = computed.detach().requires_grad_(True)  # the trainer's record stands behind a leaf
+        self._record = (returned, computed)
+        return returned
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+        returned, computed = self._record
+        computed.backward(returned.grad)
+
+
+class SaveWithoutGradients(SyncAdapter):
+    """resume: saves the model and optimizer but not the gradients accumulated since the last step."""
+
+    name = "save-without-gradients"
+    capabilities = frozenset({"save"})
+    bitwise_resume = True
+
+    def save(self, path: str) -> None:
+        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()},
+                   os.path.join(path, "state.pt"))
+
+    def load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "state.pt"))
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+
+
+class Float16Logprobs(SyncAdapter):
+    """sync: log-probs computed from logits rounded to float16 (a memory saving that costs accuracy)."""
+
+    name = "float16-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        logits = self._model(input_tokens).to(torch.float16).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logprobs * (target_tokens >= 0)
+
+
+class ResumedOneUlpOff(SaveWithoutGradients):
+    """resume: claims bitwise, but ``load`` leaves each weight one ulp off (e.g. weights rebuilt from a master copy)."""
+
+    name = "resumed-one-ulp-off"
+
+    def save(self, path: str) -> None:
+        grads = {name: p.grad for name, p in self._model.named_parameters()}
+        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
+                   os.path.join(path, "state.pt"))
+
+    def load(self, path: str) -> None:
+        super().load(path)
+        grads = torch.load(os.path.join(path, "state.pt"))["grads"]
+        with torch.no_grad():
+            for name, param in self._model.named_parameters():
+                param.grad = grads[name]
+                param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
+
+
+class NoReduceAcrossProcesses(SyncAdapter):
+    """processes: claims processes but each rank steps on its own rows' gradient (no sum over the group)."""
+
+    name = "no-reduce"
+    capabilities = frozenset({"processes"})
+
+
+class MissingBackward:
+    """broken: no backward method."""
+
+    name = "missing-backward"
+    capabilities = frozenset()
+
+    def start(self, spec) -> None: ...
+
+    def module(self) -> torch.nn.Module: ...
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor: ...
+
+    def optim_step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+class SaveClaimedWithoutLoad(SyncAdapter):
+    """broken: claims "save" but has no save or load."""
+
+    name = "save-claimed"
+    capabilities = frozenset({"save"})
+
+
+class FrozenModule(SyncAdapter):
+    """broken: module() returns a model with nothing trainable (the trainer's weights live elsewhere)."""
+
+    name = "frozen-module"
+
+    def module(self) -> torch.nn.Module:
+        frozen = copy.deepcopy(self._model)
+        return frozen.requires_grad_(False)
+
+
+class SummedLogprobs(SyncAdapter):
+    """broken: forward returns one log-prob per sequence (B,), not per token (B, T)."""
+
+    name = "summed-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        return super().forward(input_tokens, target_tokens).sum(-1)
+
+
+def raising_factory() -> SyncAdapter:
+    """broken: the factory itself fails."""
+    raise RuntimeError("no GPU\nsecond line")

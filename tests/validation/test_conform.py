@@ -1,0 +1,202 @@
+"""The conformance suite (``validation.conform``): each check catches its purpose-built wrong adapter by name,
+the right adapter passes the same check, unclaimed capabilities are not applicable, broken adapters are refused.
+
+Wrong adapters live in ``conform_wrong.py`` beside this file (a module, as an
+outside adapter is). Shapes are the spec's tiny defaults; the *processes*
+check spawns two gloo processes, so it is ``slow``, with a fast sibling that
+judges in-process shares of the job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from validation.conform import (FAILED, NOT_APPLICABLE, PASSED, AdapterError, ConformSpec, conform, conform_record)
+from validation.conform.checks import splits, stale, sync
+from validation.conform.processes import judge_processes, rank_rows, run_job
+from validation.conform.oracle import tolerance
+from validation.conform.protocol import require_protocol
+from validation.conform.resume import resume
+from validation.evidence import checks_of
+
+import conform_wrong as wrong
+from validation.conform.adapters.plain import NaiveAsyncAdapter, SnapshotAsyncAdapter, SyncAdapter
+
+SPEC = ConformSpec()
+
+
+def test_sync_passes_the_plain_loop_and_catches_unmasked_logprobs() -> None:
+    assert sync(SyncAdapter, SPEC).status == PASSED
+    verdict = sync(wrong.UnmaskedLogprobs, SPEC)
+    assert verdict.status == FAILED
+    assert verdict.reason.startswith("step 0: the gradient is not the oracle's at the live weights: worst element")
+    assert verdict.evidence["worst"]["error"] > verdict.evidence["worst"]["tolerance"]
+
+
+def test_sync_catches_logprobs_rounded_through_float16_at_the_float32_tolerance() -> None:
+    """Within 2x of the tolerance (1.8x here): a tolerance loosened twofold lets it pass."""
+    verdict = sync(wrong.Float16Logprobs, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["worst"]["error"] < 2 * verdict.evidence["worst"]["tolerance"]
+
+
+def test_the_tolerance_is_the_one_docs_conform_md_states_for_each_dtype() -> None:
+    stated = {torch.float32: 1.2e-4, torch.float64: 2.3e-13, torch.bfloat16: 0.088, torch.float16: 0.031}
+    page = (Path(__file__).parents[2] / "docs" / "conform.md").read_text()
+    assert "(float32 1.2e-4, float64 2.3e-13, bfloat16 0.088, float16 0.031)" in page
+    for dtype, value in stated.items():
+        assert tolerance(dtype) == pytest.approx(value, rel=0.02), dtype
+
+
+def test_sync_catches_an_optimizer_that_ignores_the_spec_lr() -> None:
+    verdict = sync(wrong.DoubledLearningRate, SPEC)
+    assert verdict.status == FAILED and "optim_step did not move the weights as AdamW(lr=0.01" in verdict.reason
+
+
+def test_sync_catches_staleness_zero_that_runs_one_step_off_policy() -> None:
+    verdict = sync(wrong.OneStepOffPolicy, SPEC)
+    assert verdict.status == FAILED and verdict.reason.startswith("step 1: the gradient is not the oracle's")
+
+
+def test_stale_passes_snapshots_and_catches_the_in_place_update_of_naive_async() -> None:
+    right = stale(SnapshotAsyncAdapter, SPEC)
+    assert right.status == PASSED and set(right.evidence["per_staleness"]) == {1, 2}
+    measured = right.evidence["adapter_measurements"]
+    assert measured["peak_snapshot_bytes"] == 2 * measured["live_parameter_bytes"]  # two forwards pending at k = 1
+    verdict = stale(NaiveAsyncAdapter, SPEC)
+    assert verdict.status == FAILED
+    assert "staleness 1: the gradient is not the oracle's at the forward's weights (revision 0)" in verdict.reason
+    assert "the backward ran through weights updated after the forward" in verdict.reason
+    assert verdict.evidence["against_live"]["error"] > verdict.evidence["against_live"]["tolerance"]
+
+
+def test_stale_refuses_to_pass_when_the_weights_did_not_move() -> None:
+    verdict = stale(SnapshotAsyncAdapter, ConformSpec(lr=1e-12))
+    assert verdict.status == FAILED and "vacuous" in verdict.reason
+
+
+def test_splits_names_the_ratio_of_a_per_micro_batch_mean() -> None:
+    assert splits(SyncAdapter, SPEC).status == PASSED
+    assert splits(SnapshotAsyncAdapter, SPEC).status == PASSED  # accumulates its copies' gradients
+    verdict = splits(wrong.MeanOverMicroBatches, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["arm"] == "2 micro-batches"
+    assert verdict.evidence["ratio"] == pytest.approx(0.5, rel=1e-4)
+    assert "as 2 micro-batches the gradient is 0.5 x the oracle's" in verdict.reason
+
+
+def test_splits_catches_a_trainer_that_keeps_one_forward_pending() -> None:
+    verdict = splits(wrong.OneRecordAtATime, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["arm"] == "4 separate forward calls, one backward"
+
+
+def test_resume_catches_a_save_that_drops_the_pending_gradients() -> None:
+    verdict = resume(wrong.SaveWithoutGradients, SPEC)
+    assert verdict.status == FAILED
+    assert verdict.reason.startswith("saved after call 2 (step 0's backward) and continued from load")  # shrunk
+
+
+def test_resume_holds_a_bitwise_claim_to_bitwise_equality() -> None:
+    verdict = resume(wrong.ResumedOneUlpOff, SPEC)
+    assert verdict.status == FAILED and "(bitwise claimed)" in verdict.reason
+    assert 0 < verdict.evidence["worst"]["error"] < tolerance(torch.float32)  # within tolerance, but not bitwise
+
+
+def test_naive_async_fails_stale_and_only_stale() -> None:
+    report = conform("naive-async", SPEC, checks=("sync", "stale", "splits", "resume", "processes"))
+    assert {v.check: v.status for v in report.verdicts} == {
+        "sync": PASSED, "stale": FAILED, "splits": PASSED, "resume": NOT_APPLICABLE, "processes": NOT_APPLICABLE}
+    assert not report.passed
+
+
+def test_a_check_the_adapter_does_not_claim_is_not_applicable_never_passed() -> None:
+    report = conform("sync", SPEC, checks=("stale", "resume", "processes"))
+    assert [(v.status, v.reason) for v in report.verdicts] == [
+        (NOT_APPLICABLE, "the adapter does not claim 'stale'"), (NOT_APPLICABLE, "the adapter does not claim 'save'"),
+        (NOT_APPLICABLE, "the adapter does not claim 'processes'")]
+    assert not report.passed  # nothing ran
+    record = conform_record([report], SPEC)
+    assert not record["passed"] and record["checks"] == {} and set(record["skips"]) == {
+        "sync stale", "sync resume", "sync processes"}
+
+
+def test_the_negative_control_passes_the_record_only_when_it_fails_its_check() -> None:
+    naive = conform("naive-async", SPEC, checks=("sync", "stale"))
+    record = conform_record([naive], SPEC, negative_controls={"naive-async": "stale"})
+    assert record["passed"] and record["checks"] == {"naive-async sync": True,
+                                                     "naive-async stale fails (negative control)": True}
+    snapshot = conform("snapshot-async", SPEC, checks=("stale",))
+    control = conform_record([snapshot], SPEC, negative_controls={"snapshot-async": "stale"})
+    assert not control["passed"]
+    assert [c.detail for c in checks_of(control) if c.failed][0].startswith("the negative control passed")
+    unclaimed = conform_record([conform("sync", SPEC, checks=("sync", "stale"))], SPEC, negative_controls={"sync": "stale"})
+    assert unclaimed["checks"]["sync stale fails (negative control)"] is False  # a control that did not run
+
+
+def test_an_adapter_without_a_method_is_refused_naming_it_and_the_fix() -> None:
+    with pytest.raises(AdapterError) as caught:
+        require_protocol(wrong.MissingBackward())
+    assert caught.value.one_line() == ("adapter 'missing-backward' is broken: missing method backward (needed: start, "
+                                       "module, forward, backward, optim_step, zero_grad); fix: define backward() as "
+                                       "in docs/conform.md#the-adapter-protocol")
+
+
+def test_a_forward_of_the_wrong_shape_stops_the_suite_as_a_broken_adapter() -> None:
+    with pytest.raises(AdapterError, match=r"returned a tensor of shape \(4,\), requires_grad=True; expected "
+                                           r"differentiable target log-probs of shape \(4, 8\)"):
+        conform("conform_wrong:SummedLogprobs", SPEC, checks=("sync",))
+
+
+def test_the_ranks_rows_partition_each_batch() -> None:
+    assert [rank_rows(SPEC, rank, 2) for rank in range(2)] == [[0, 2], [1, 3]]
+    assert rank_rows(SPEC, 0, 1) == [0, 1, 2, 3]
+
+
+def test_an_adapter_claiming_save_without_save_and_load_is_refused() -> None:
+    with pytest.raises(AdapterError) as caught:
+        require_protocol(wrong.SaveClaimedWithoutLoad())
+    assert caught.value.one_line().endswith("missing method save, load (needed: start, module, forward, backward, "
+                                            "optim_step, zero_grad, save, load); fix: define save(), load() as in "
+                                            "docs/conform.md#the-adapter-protocol, or drop 'save' from capabilities")
+
+
+def test_a_module_with_nothing_trainable_is_a_broken_adapter() -> None:
+    with pytest.raises(AdapterError, match=r"module\(\) returned a module with no trainable parameter; expected"):
+        conform("conform_wrong:FrozenModule", SPEC, checks=("splits",))
+
+
+def test_processes_judges_each_rank_against_the_one_process_run() -> None:
+    """The fast sibling of the spawned check: shares of the job computed in process, as two ranks would."""
+    one = run_job(wrong.NoReduceAcrossProcesses, SPEC, 0, 1)
+    assert judge_processes(one, [one, {n: t.numpy() for n, t in one.items()}], 1e-4).status == PASSED
+    ranks = [run_job(wrong.NoReduceAcrossProcesses, SPEC, rank, 2) for rank in range(2)]
+    verdict = judge_processes(one, ranks, 1e-4)
+    assert verdict.status == FAILED and verdict.reason.startswith("at 2 processes rank 0's parameters differ")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_processes_spawned_passes_the_reference_and_catches_a_missing_reduce() -> None:
+    assert conform("reference", SPEC, checks=("processes",)).verdicts[0].status == PASSED
+    verdict = conform("conform_wrong:NoReduceAcrossProcesses", SPEC, checks=("processes",)).verdicts[0]
+    assert verdict.status == FAILED and "at 2 processes rank 0's parameters differ" in verdict.reason
+
+
+def test_the_reference_adapter_backpropagates_stale_forwards_exactly() -> None:
+    from validation.conform.adapters.reference import ReferenceAdapter
+
+    assert stale(ReferenceAdapter, SPEC).status == PASSED
+
+
+@pytest.mark.slow
+def test_the_reference_adapter_passes_every_check() -> None:
+    report = conform("reference", SPEC)
+    assert report.passed and all(v.status == PASSED for v in report.verdicts), report.verdicts
+    assert "bitwise equal" in report.verdict("resume").reason
+
+
+def test_float64_spec_passes_at_its_tighter_tolerance() -> None:
+    report = conform("snapshot-async", ConformSpec(dtype="float64"), checks=("sync", "stale"))
+    assert report.passed
+    assert torch.finfo(torch.float64).eps * 1024 == pytest.approx(report.verdict("sync").evidence["worst"]["tolerance"])

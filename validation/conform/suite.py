@@ -1,0 +1,113 @@
+"""The suite: every check on one adapter, named by a shipped name or ``package.module:factory``.
+
+:func:`conform` resolves the adapter (:func:`resolve`), refuses one that
+cannot be driven (:class:`~validation.conform.protocol.AdapterError`, exit 2)
+and runs :data:`CHECKS` in order, each on a fresh adapter from the factory.
+A check whose capability the adapter does not claim (:data:`REQUIRES`) is
+*not applicable*, never passed. An exception an adapter raises inside a
+check (a trainer that cannot do what the check asks) fails that check with
+its type and message; a protocol violation (a missing method, a wrong
+return type or shape) stops the suite as a broken adapter.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .adapters import SHIPPED
+from .checks import FAILED, NOT_APPLICABLE, PASSED, Verdict, splits, stale, sync
+from .processes import processes
+from .protocol import AdapterError, ConformSpec, adapter_name, require_protocol
+from .resume import resume
+
+__all__ = ["AdapterReport", "CHECKS", "REQUIRES", "conform", "resolve", "load_adapter_factory"]
+
+CHECKS = ("sync", "stale", "splits", "resume", "processes")
+REQUIRES = {"stale": "stale", "resume": "save", "processes": "processes"}  # check -> the capability it needs
+_BY_FACTORY = {"sync": sync, "stale": stale, "splits": splits, "resume": resume}  # processes takes the path
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """One adapter's verdicts, with what it claimed and said of itself."""
+
+    name: str
+    path: str
+    capabilities: tuple[str, ...]
+    notes: str
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def passed(self) -> bool:
+        """Every applicable check passed (and at least one ran)."""
+        ran = [v for v in self.verdicts if v.status != NOT_APPLICABLE]
+        return bool(ran) and all(v.status == PASSED for v in ran)
+
+    def verdict(self, check: str) -> Verdict:
+        return next(v for v in self.verdicts if v.check == check)
+
+
+def resolve(adapter: str) -> str:
+    """A shipped adapter's name, or ``package.module:factory`` as given: its factory path."""
+    if adapter in SHIPPED:
+        return SHIPPED[adapter][0]
+    module, colon, factory = adapter.partition(":")
+    if not colon or not module or not factory.isidentifier():
+        raise AdapterError(adapter, f"expected a shipped adapter ({', '.join(SHIPPED)}) or package.module:factory",
+                           fix="pass --adapter package.module:factory (a callable returning an Adapter), or a name "
+                               "rtv conform --list shows")
+    return adapter
+
+
+def load_adapter_factory(path: str) -> Callable[[], Any]:
+    """The callable ``path`` names; :class:`AdapterError` for a module or name that is not there."""
+    module_name, _, name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise AdapterError(path, f"cannot import {module_name} ({error})",
+                           fix="put its folder on PYTHONPATH (or install it) and check the module name") from error
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise AdapterError(path, f"{module_name} has no callable {name!r}",
+                           fix=f"define {name}() returning an Adapter in {module_name}") from None
+    return factory
+
+
+def _run_check(check: str, factory: Callable[[], Any], path: str, spec: ConformSpec) -> Verdict:
+    try:
+        return processes(path, spec) if check == "processes" else _BY_FACTORY[check](factory, spec)
+    except AdapterError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the adapter's own failure is this check's verdict
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return Verdict(check, FAILED, f"the adapter raised {type(error).__name__}: {first}",
+                       {"raised": type(error).__name__})
+
+
+def conform(adapter: str, spec: ConformSpec, *, checks: Sequence[str] = CHECKS,
+            progress: Callable[[str, Verdict], None] | None = None) -> AdapterReport:
+    """Run ``checks`` (in :data:`CHECKS` order) on the adapter ``adapter`` names; ``progress`` sees each verdict."""
+    path = resolve(adapter)
+    factory = load_adapter_factory(path)
+    try:
+        probe = factory()
+    except Exception as error:  # noqa: BLE001 - any failure to build it is a broken adapter
+        raise AdapterError(path, f"the factory raised {type(error).__name__}: {error}",
+                           fix="make the factory return an Adapter without arguments (build the model in start)") from error
+    require_protocol(probe)
+    verdicts = []
+    for check in (c for c in CHECKS if c in checks):
+        needed = REQUIRES.get(check)
+        if needed is not None and needed not in probe.capabilities:
+            verdict = Verdict(check, NOT_APPLICABLE, f"the adapter does not claim {needed!r}")
+        else:
+            verdict = _run_check(check, factory, path, spec)
+        verdicts.append(verdict)
+        if progress is not None:
+            progress(adapter_name(probe), verdict)
+    return AdapterReport(adapter_name(probe), path, tuple(sorted(probe.capabilities)),
+                         str(getattr(probe, "notes", "")), tuple(verdicts))
