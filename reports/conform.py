@@ -19,9 +19,6 @@ from .generic import base_section
 
 __all__ = ["section"]
 
-_ORDER = ("sync", "stale", "splits", "resume", "processes")  # the suite's order (validation.conform.suite.CHECKS)
-
-
 def _cell(verdict: dict[str, Any], control: bool) -> str:
     status = verdict["status"]
     if status == "failed":
@@ -30,7 +27,8 @@ def _cell(verdict: dict[str, Any], control: bool) -> str:
 
 
 def _grid(adapters: dict[str, Any], controls: dict[str, str]) -> pd.DataFrame:
-    checks = [c for c in _ORDER if any(c in a["verdicts"] for a in adapters.values())]
+    # The suite's order, as the records hold it (each adapter's verdicts in the order they ran).
+    checks = list(dict.fromkeys(c for a in adapters.values() for c in a["verdicts"]))
     rows = [{"adapter": name, "capabilities": ", ".join(a["capabilities"]) or "none",
              **{c: _cell(a["verdicts"][c], controls.get(name) == c) if c in a["verdicts"] else "" for c in checks}}
             for name, a in adapters.items()]

@@ -204,7 +204,7 @@ def _fenced_commands() -> list[str]:
 def _installed_by_make() -> set[str]:
     """The distributions `make install` puts in .venv: torch, then the project with the extras its Makefile names."""
     project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
-    extras = re.search(r"pip install -e '\.\[([a-z,]+)\]'", (README.parent / "Makefile").read_text()).group(1)
+    extras = re.search(r"pip install -e '\.\[([a-z,-]+)\]'", (README.parent / "Makefile").read_text()).group(1)
     specs = project["dependencies"] + [s for e in extras.split(",") for s in project["optional-dependencies"][e]]
     names = {"torch", project["name"]} | {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0] for spec in specs}
     return {name.lower().replace("_", "-") for name in names}

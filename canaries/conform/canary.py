@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import time
 
-from validation.conform import CHECKS, NEGATIVE_CONTROLS, REQUIRES, ConformSpec, conform, record_parts
+from validation.conform import CHECKS, KIND, NEGATIVE_CONTROLS, REQUIRES, ConformSpec, conform, record_parts
 from validation.world import given_world
 
 from ..registry import Judged
 
 __all__ = ["judge"]
 
-KIND = "conform"
 ADAPTERS = ("reference", "naive-async")
 
 

@@ -57,15 +57,17 @@ def test_a_failed_check_exits_1_and_the_report_names_its_worst_element(tmp_path:
 
 
 @pytest.mark.parametrize(("adapter", "said"), [
-    ("conform_wrong:MissingBackward", "rtv conform: adapter 'missing-backward' is broken: missing method backward "
-                                      "(needed: start, module, forward, backward, optim_step, zero_grad); fix: define "
-                                      "backward() as in docs/conform.md#the-adapter-protocol"),
-    ("conform_wrong:SummedLogprobs", "rtv conform: adapter 'summed-logprobs' is broken: forward(input_tokens (4, 8), "
-                                     "target_tokens (4, 8)) returned a tensor of shape (4,), requires_grad=True; "
-                                     "expected differentiable target log-probs of shape (4, 8); fix: return "),
+    ("conform_wrong:MissingBackward", ("rtv conform: adapter 'missing-backward' is broken: missing method backward "
+                                       "(needed: start, module, forward, backward, optim_step, zero_grad); fix: "
+                                       "define backward() as in docs/conform.md#the-adapter-protocol")),
+    ("conform_wrong:SummedLogprobs", ("rtv conform: adapter 'summed-logprobs' is broken: forward(input_tokens "
+                                      "(4, 8), target_tokens (4, 8)) returned a tensor of shape (4,), "
+                                      "requires_grad=True; expected differentiable target log-probs of shape (4, 8); "
+                                      "fix: return ")),
     ("no_such_module:factory", "rtv conform: adapter 'no_such_module:factory' is broken: cannot import no_such_module"),
-    ("conform_wrong:raising_factory", "rtv conform: adapter 'conform_wrong:raising_factory' is broken: the factory "
-                                      "raised RuntimeError: no GPU second line; fix: make the factory return"),
+    ("conform_wrong:raising_factory", ("rtv conform: adapter 'conform_wrong:raising_factory' is broken: the "
+                                       "factory raised RuntimeError: no GPU second line; fix: make the factory "
+                                       "return")),
 ])
 def test_a_broken_adapter_exits_2_named_in_one_line_with_the_fix(importable: None, tmp_path: Path, adapter: str,
                                                                  said: str, capsys: pytest.CaptureFixture[str]) -> None:

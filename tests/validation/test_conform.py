@@ -129,7 +129,7 @@ def test_the_negative_control_passes_the_record_only_when_it_fails_its_check() -
     snapshot = conform("snapshot-async", SPEC, checks=("stale",))
     control = conform_record([snapshot], SPEC, negative_controls={"snapshot-async": "stale"})
     assert not control["passed"]
-    assert [c.detail for c in checks_of(control) if c.failed][0].startswith("the negative control passed")
+    assert next(c.detail for c in checks_of(control) if c.failed).startswith("the negative control passed")
     unclaimed = conform_record([conform("sync", SPEC, checks=("sync", "stale"))], SPEC, negative_controls={"sync": "stale"})
     assert unclaimed["checks"]["sync stale fails (negative control)"] is False  # a control that did not run
 

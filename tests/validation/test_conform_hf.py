@@ -13,8 +13,8 @@ pytest.importorskip("transformers", reason="needs the conform-hf extra (pip inst
                                            "transformers not installed")
 pytest.importorskip("peft", reason="needs the conform-hf extra (pip install -e '.[conform-hf]'): peft not installed")
 
-from validation.conform import FAILED, NOT_APPLICABLE, PASSED, ConformSpec, conform  # noqa: E402
-from validation.conform.adapters import hf_lora  # noqa: E402
+from validation.conform import FAILED, NOT_APPLICABLE, PASSED, ConformSpec, conform
+from validation.conform.adapters import hf_lora
 
 pytestmark = pytest.mark.slow
 

@@ -77,6 +77,7 @@ def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         driven.adapter.zero_grad()
         worst_grad = grad if worst_grad is None or grad.error > worst_grad.error else worst_grad
         worst_step = moved if worst_step is None or moved.error > worst_step.error else worst_step
+    assert worst_grad is not None and worst_step is not None  # SYNC_STEPS >= 1
     return Verdict("sync", PASSED, f"{SYNC_STEPS} steps: worst gradient error {worst_grad.error:.3g}, worst step "
                    f"error {worst_step.error:.3g} (tolerance {tol:.3g})",
                    {"worst": worst_grad.evidence(), "worst_step": worst_step.evidence()})
@@ -169,7 +170,11 @@ def splits(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
 
 def _ratio(found: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor]) -> float:
     """The least-squares factor ``<found, expected> / <expected, expected>`` over all parameters."""
-    dot = sum(float((found[n].double() * e).sum()) for n, e in expected.items() if found.get(n) is not None)
+    dot = 0.0
+    for name, e in expected.items():
+        g = found.get(name)
+        if g is not None:
+            dot += float((g.double() * e).sum())
     return dot / sum(float((e * e).sum()) for e in expected.values())
 
 

@@ -133,6 +133,7 @@ class FP64Oracle:
                   active_total: int) -> dict[str, Tensor]:
         """The FP64 gradient of the suite's loss summed over ``(ids, targets, advantages)`` batches at ``weights``."""
         leaves = {name: w.detach().clone().requires_grad_(True) for name, w in weights.items()}
-        loss = sum(suite_loss(self.logprobs(leaves, ids, targets), adv, active_total) for ids, targets, adv in batches)
+        loss = torch.stack([suite_loss(self.logprobs(leaves, ids, targets), adv, active_total)
+                            for ids, targets, adv in batches]).sum()
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         return {name: torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(leaves, grads)}

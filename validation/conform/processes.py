@@ -35,7 +35,8 @@ WORLD = 2
 def load_factory(path: str) -> Callable[[], Any]:
     """The factory ``package.module:name`` names (imported here; the caller turns errors into usage errors)."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    factory: Callable[[], Any] = getattr(importlib.import_module(module), name)
+    return factory
 
 
 def rank_rows(spec: ConformSpec, rank: int, world: int) -> list[int]:
@@ -57,7 +58,8 @@ def run_job(factory: Callable[[], Any], spec: ConformSpec, rank: int, world: int
 def _rank_job(path: str, spec: ConformSpec) -> dict[str, np.ndarray]:
     import torch.distributed as dist
 
-    return to_plain(run_job(load_factory(path), spec, dist.get_rank(), dist.get_world_size()))
+    plain: dict[str, np.ndarray] = to_plain(run_job(load_factory(path), spec, dist.get_rank(), dist.get_world_size()))
+    return plain
 
 
 def judge_processes(one: dict[str, torch.Tensor], ranks: list[dict[str, Any]], tol: float) -> Verdict:

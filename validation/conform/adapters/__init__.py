@@ -17,7 +17,7 @@ SHIPPED = {  # name -> (factory path, one line)
     "snapshot-async": ("validation.conform.adapters.plain:SnapshotAsyncAdapter",
                        "a deep copy of the weights per forward: correct, at a measured memory cost"),
     "hf-lora": ("validation.conform.adapters.hf_lora:HFLoRAAdapter",
-                "Hugging Face transformers (Qwen3 config) + PEFT LoRA, stale backwards through "
-                "allow_mutation_on_saved_tensors (needs the conform-hf extra)"),
+                ("Hugging Face transformers (Qwen3 config) + PEFT LoRA, stale backwards through "
+                 "allow_mutation_on_saved_tensors (needs the conform-hf extra)")),
 }
 NEGATIVE_CONTROLS = {"naive-async": "stale"}  # adapter -> the one check it must fail

@@ -23,6 +23,7 @@ the suite runs without them.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -58,7 +59,7 @@ def _qwen3_lora(spec: ConformSpec) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.02)
-    return model
+    return cast(torch.nn.Module, model)
 
 
 class HFLoRAAdapter:
