@@ -26,9 +26,10 @@ def _cell(verdict: dict[str, Any], control: bool) -> str:
     return status
 
 
-def _grid(adapters: dict[str, Any], controls: dict[str, str]) -> pd.DataFrame:
-    # The suite's order, as the records hold it (each adapter's verdicts in the order they ran).
-    checks = list(dict.fromkeys(c for a in adapters.values() for c in a["verdicts"]))
+def _grid(adapters: dict[str, Any], controls: dict[str, str], order: list[str]) -> pd.DataFrame:
+    """``order``: the suite's order of its checks, as the record states it; a check it does not name goes last."""
+    seen = dict.fromkeys(c for a in adapters.values() for c in a["verdicts"])
+    checks = [c for c in order if c in seen] + [c for c in seen if c not in order]
     rows = [{"adapter": name, "capabilities": ", ".join(a["capabilities"]) or "none",
              **{c: _cell(a["verdicts"][c], controls.get(name) == c) if c in a["verdicts"] else "" for c in checks}}
             for name, a in adapters.items()]
@@ -57,8 +58,8 @@ def section(record: dict[str, Any], folder: Path) -> Section:
             f"{spec['seq_len']}, batch {spec['batch']}, {spec['dtype']}, max staleness {spec['max_staleness']}, "
             f"seed {spec['seed']}")
     notes = [f"{name}: {a['notes']}" for name, a in adapters.items() if a.get("notes")]
-    built = base_section(record, lines=[line, *notes],
-                         tables={"adapters x checks": _grid(adapters, controls), "failures": _failures(adapters)})
+    grid = _grid(adapters, controls, record["config"].get("check_order", []))
+    built = base_section(record, lines=[line, *notes], tables={"adapters x checks": grid, "failures": _failures(adapters)})
     passing = sum(1 for name, a in adapters.items()
                   if all(v["status"] != "failed" or controls.get(name) == c for c, v in a["verdicts"].items()))
     return replace(built, key_figure=f"{passing} of {len(adapters)} adapters as required")

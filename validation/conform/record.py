@@ -22,7 +22,7 @@ from validation.evidence import Checks, make_record
 
 from .checks import FAILED, NOT_APPLICABLE, PASSED
 from .protocol import ConformSpec
-from .suite import AdapterReport
+from .suite import CHECKS, AdapterReport
 
 __all__ = ["KIND", "conform_record", "collect_checks", "record_parts"]
 
@@ -58,7 +58,8 @@ def record_parts(reports: Sequence[AdapterReport], spec: ConformSpec, *,
                  seconds: float | None = None) -> tuple[dict[str, Any], Checks, dict[str, Any]]:
     """The record's ``(config, checks, measurements)`` (module docstring), for ``make_record`` or a canary's ``Judged``."""
     controls = dict(negative_controls or {})
-    config = {"spec": asdict(spec), "adapters": [r.path for r in reports], "negative_controls": controls}
+    config = {"spec": asdict(spec), "adapters": [r.path for r in reports], "negative_controls": controls,
+              "check_order": list(CHECKS)}
     measurements = {"adapters": {r.name: _adapter_measurements(r) for r in reports}, "seconds": seconds}
     return config, collect_checks(reports, controls), measurements
 
