@@ -19,11 +19,14 @@ from .errors import (
     CorruptSaveError,
     GradientCommitError,
     MemoryAdmissionError,
+    EngineBusyError,
     PeerError,
+    PublicationError,
     SaveInForceError,
     StaleGradientError,
     TrainerError,
     UnsupportedSavedStateError,
+    VersionConflictError,
 )
 from .inputs import ForwardInput, ForwardOutput
 from .planner import PlacementDecision
@@ -45,6 +48,7 @@ from .ranks import (
 )
 from .residency import mark_quantized_saved_state
 from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
+from .rollout import Generation, PublicationReport, RolloutEngine, WeightPublication
 from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer
 
 __all__ = [
@@ -60,6 +64,13 @@ __all__ = [
     "LogicalLayout",
     "LogicalBatch",
     "BASE",
+    "EngineBusyError",
+    "Generation",
+    "PublicationError",
+    "PublicationReport",
+    "RolloutEngine",
+    "VersionConflictError",
+    "WeightPublication",
     "AdamWConfig",
     "BackwardReport",
     "Checkpoint",
