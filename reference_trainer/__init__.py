@@ -10,6 +10,7 @@ Its layers, lowest first: the core (every module beside this one, ``errors.py``,
 never a higher (tests/test_architecture.py, ``TRAINER_LAYERS``).
 """
 
+from .behaviour import BehaviourStats
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
 from .importance import CorrectionStats, RatioStats
 from .errors import (
@@ -73,6 +74,7 @@ __all__ = [
     "WeightPublication",
     "AdamWConfig",
     "BackwardReport",
+    "BehaviourStats",
     "Checkpoint",
     "CheckpointBusyError",
     "CheckpointReplacedError",

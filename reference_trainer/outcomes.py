@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .behaviour import BehaviourStats
 from .checkpoints import CheckpointStep, CheckpointVersion
 from .importance import CorrectionStats
 
@@ -22,13 +23,15 @@ class StepReport:
 
 @dataclass(frozen=True, kw_only=True)
 class RecordReport:
-    """One record a backward consumed: its version, age, placement (now) and any correction."""
+    """One record a backward consumed: its version, age (the trainer lag), placement (now), any correction, and
+    its behaviour tokens' lag, masking and ratio (``None`` when its inputs carry none, NOTE [Behaviour tokens])."""
 
     record_id: int
     version: CheckpointVersion
     staleness: int
     placement: str
     correction: CorrectionStats | None
+    behaviour: BehaviourStats | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

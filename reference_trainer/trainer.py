@@ -20,6 +20,7 @@ import torch
 
 from . import misses, seams
 from .admission import Admission, Admitted, default_device_limit
+from .behaviour import behaviour_cotangent
 from .calibration import PlannerCalibration, resolve_calibration
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
@@ -354,7 +355,8 @@ class Trainer:
         retain_graph: bool,
     ) -> RecordReport:
         """Correct the record's cotangent, run its model backward and stage the gradients."""
-        cotangent, stats = correct_record(self.model, record, record_cotangent(record, leaves), self.known_logprobs)
+        cotangent, behaviour = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
+        cotangent, stats = correct_record(self.model, record, cotangent, self.known_logprobs)
         transaction.start(record)
         seams.maybe_fail("model_backward")
         grads = record_backward(self.model, record, cotangent, retain_graph)
@@ -365,6 +367,7 @@ class Trainer:
             staleness=staleness(record.checkpoint, record.version),
             placement=record.placement,
             correction=stats,
+            behaviour=behaviour,
         )
 
     # --- optimizer ----------------------------------------------------------------
