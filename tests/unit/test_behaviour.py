@@ -133,3 +133,21 @@ def test_bad_behaviour_inputs_and_options_are_refused() -> None:
         rt.ForwardOptions(max_behaviour_staleness=True)
     with pytest.raises(rt.ConfigError, match="behaviour_corrections"):
         rt.ForwardOptions(behaviour_corrections=(rt.ImportanceCorrection(), rt.ImportanceCorrection()))
+
+
+def test_stale_tokens_take_part_in_no_ratio_and_no_correction() -> None:
+    trainer = _trainer()
+    _steps(trainer, 2)
+    first = trainer.forward(_input(), checkpoint="policy")
+    forward = first.target_logprobs.detach()
+    trainer.backward(-first.target_logprobs.sum())
+    trainer.zero_grad()
+    # The last two tokens are stale (lag 2 > 1) and their behaviour log-probs would give ratios of 100.
+    shift = torch.tensor([0.0] * (PROMPT - 1) + [math.log(2.0)] * 4 + [math.log(100.0)] * 2)
+    correction = rt.ImportanceCorrection(clip_low=0.0, clip_high=1000.0)
+    output = trainer.forward(_input([2, 2, 2, 2, 0, 0], forward - shift, max_behaviour_staleness=1,
+                                    behaviour_corrections=correction), checkpoint="policy")
+    (record,) = trainer.backward(-output.target_logprobs.sum()).records
+    assert record.behaviour.stale_tokens == 2
+    assert record.behaviour.ratio.max == pytest.approx(2.0, rel=1e-5)
+    assert record.behaviour.correction.tokens == 4 and record.behaviour.correction.max == pytest.approx(2.0, rel=1e-5)

@@ -53,8 +53,8 @@ def test_fp32_behaviour_logprobs_equal_a_full_recompute_at_every_batch_and_paddi
     # Two references: each sequence alone, and the trainer's right-padded batch of them all.
     outputs = trainer.forward([rt.ForwardInput(input_tokens=s.input_tokens, target_tokens=s.target_tokens)
                                for s in samples], checkpoint="policy")
-    for s, output in zip(samples, outputs):
-        assert s.completion.shape == (NEW_TOKENS,)
+    for s, output, prompt in zip(samples, outputs, _prompts(batch)):
+        assert torch.equal(s.prompt, prompt) and s.completion.shape == (NEW_TOKENS,)
         alone = _unpadded_logprobs(trainer, s)
         batched = output.target_logprobs.detach()[s.prompt.shape[0] - 1 :]
         assert (s.behaviour_logprobs.double() - alone).abs().max() <= FP32_LOGPROB_TOLERANCE

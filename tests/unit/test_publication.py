@@ -189,3 +189,15 @@ def test_inflight_tokens_carry_exactly_the_version_that_drew_them(kv_cache: bool
             assert (redecoded - s.behaviour_logprobs[i]).abs().max() <= FP32_LOGPROB_TOLERANCE
             others = [reference[r].score(prefix, s.completion[i : i + 1]) for r in reference if r != revision]
             assert all((o - s.behaviour_logprobs[i]).abs().max() > 10 * FP32_LOGPROB_TOLERANCE for o in others)
+
+
+def test_a_publication_holds_the_weights_of_its_version_even_when_applied_after_a_step() -> None:
+    trainer = _trainer()
+    early = rt.RolloutEngine(trainer.model)
+    trainer.publish(early, checkpoint="policy")
+    publication = rt.rollout.publication_of(trainer.checkpoint("policy"))
+    _step(trainer)
+    late = rt.RolloutEngine(trainer.model)
+    late.apply(publication)  # made at revision 0, applied after the step to revision 1
+    assert late.version.revision == 0
+    assert torch.equal(_served_state(late)[2][0], _served_state(early)[2][0])
