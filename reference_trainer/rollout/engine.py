@@ -160,10 +160,18 @@ class Generation:
         self._versions: list[CheckpointVersion] = []
         self._cache: KVCache | None = None
         self._cache_version: CheckpointVersion | None = None
+        self.cancelled = False
 
     @property
     def done(self) -> bool:
         return len(self._versions) == self.max_new_tokens
+
+    def cancel(self) -> None:
+        """Stop this generation: it draws nothing more, has no samples and no longer holds a drain back."""
+        if not self.done and not self.cancelled:
+            self.cancelled = True
+            self._cache = None
+            self._engine.finished(self)
 
     @property
     def versions(self) -> list[CheckpointVersion]:
@@ -172,8 +180,8 @@ class Generation:
 
     def step(self) -> None:
         """Draw the next token of every row at the version served now (NOTE [Weight publication] Rule 4)."""
-        if self.done:
-            raise ConfigError("step", "a finished generation", "a generation with tokens left to draw")
+        if self.done or self.cancelled:
+            raise ConfigError("step", "a finished or cancelled generation", "a generation with tokens left to draw")
         engine = self._engine
         served = engine._served
         if not engine.kv_cache:
@@ -192,7 +200,7 @@ class Generation:
 
     def samples(self) -> list[Sample]:
         """One :class:`Sample` per prompt (real tokens only); ``version`` is the oldest token's."""
-        if not self.done:
+        if not self.done or self.cancelled:
             raise ConfigError("samples", f"{len(self._versions)} of {self.max_new_tokens} tokens drawn",
                               "a finished generation", "step until done")
         behaviour = torch.cat(self._logprobs, dim=1)  # (B, C)

@@ -25,7 +25,8 @@ NOTE [Weight publication]
      version, its KV cache first rebuilt at the new weights, so every token's
      behaviour log-prob is exactly its version's log-prob of its prefix.
      ``"drain"`` lets the running generations finish at the old version and
-     switches when the last one finishes (or at once when none runs);
+     switches when the last one finishes or is cancelled (or at once when
+     none runs);
      starting a generation while a drained publication waits is an
      ``EngineBusyError``. Each token records the revision that drew it.
   5. Cost: the report gives the tensors and bytes sent and the seconds the

@@ -201,3 +201,31 @@ def test_a_publication_holds_the_weights_of_its_version_even_when_applied_after_
     late.apply(publication)  # made at revision 0, applied after the step to revision 1
     assert late.version.revision == 0
     assert torch.equal(_served_state(late)[2][0], _served_state(early)[2][0])
+
+
+def test_a_cancelled_generation_no_longer_holds_a_drained_publication_back() -> None:
+    trainer = _trainer()
+    engine = rt.RolloutEngine(trainer.model)
+    trainer.publish(engine, checkpoint="policy")
+    running = engine.start(PROMPTS, max_new_tokens=3)
+    running.step()
+    _step(trainer)
+    assert not trainer.publish(engine, checkpoint="policy").switched
+    running.cancel()
+    assert engine.version.revision == 1 and engine.pending_version is None
+    with pytest.raises(rt.ConfigError, match="cancelled"):
+        running.step()
+    with pytest.raises(rt.ConfigError, match="samples"):
+        running.samples()
+
+
+def test_the_weight_publication_fault_defaults_to_the_first_tensor_and_other_stages_take_no_index() -> None:
+    trainer = _trainer()
+    engine = rt.RolloutEngine(trainer.model)
+    with inject_fault("weight_publication"), pytest.raises(rt.PublicationError) as failed:
+        trainer.publish(engine, checkpoint="policy")
+    assert failed.value.tensor == next(iter(dict(trainer.checkpoint("policy").named_parameters())))
+    assert engine.version is None
+    with pytest.raises(rt.ConfigError, match="index"):
+        with inject_fault("validate", index=1):
+            pass
