@@ -128,6 +128,11 @@ class RolloutEngine:
         if self._served is None:
             raise EngineBusyError("the engine serves no version yet: expected a publication first, found none")
         check_draw_options(temperature, None, None)
+        for name, tokens in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0 \
+                    or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+                found = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+                raise ConfigError(name, found, "a non-empty 1-D integer tensor")
         ids = torch.cat((prompt, completion)).long().unsqueeze(0)  # (1, P+C)
         pads = torch.zeros(1, dtype=torch.long, device=ids.device)
         logits = self.logits(self._served, ids, pads, None)[0, prompt.shape[0] - 1 : -1]  # (C, V)

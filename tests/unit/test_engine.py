@@ -132,6 +132,10 @@ def test_bad_engine_arguments_and_an_unpublished_engine_are_refused() -> None:
         engine.start(_prompts(1), max_new_tokens=0)
     with pytest.raises(rt.ConfigError, match="temperature"):
         engine.start(_prompts(1), max_new_tokens=1, temperature=0.0)
+    with pytest.raises(rt.ConfigError, match="completion"):
+        engine.score(torch.tensor([1, 2]), torch.tensor([], dtype=torch.long))
+    with pytest.raises(rt.ConfigError, match="prompt"):
+        engine.score(torch.tensor([[1, 2]]), torch.tensor([3]))
     generation = engine.start(_prompts(1), max_new_tokens=1)
     with pytest.raises(rt.ConfigError, match="samples"):
         generation.samples()
