@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
@@ -29,13 +30,19 @@ def mismatch_table(record: dict) -> pd.DataFrame:
 
 
 def plot_gaps(gaps: dict[str, list[float]], path: Path, *, tolerance: float) -> Path:
-    """|engine - trainer| log-prob per token, one box per setting, log scale, the FP32 tolerance drawn across."""
+    """|engine - trainer| log-prob per token, one row of points per setting (its median marked), log scale, the FP32
+    tolerance drawn across."""
     if not gaps:
         raise ValueError("plot_gaps: expected gaps per setting, found none")
     labels = list(gaps)
     figure = MplFigure(figsize=(8, 0.32 * len(labels) + 1.4), layout="constrained")
     axes = figure.add_subplot()
-    axes.boxplot([[max(g, _FLOOR) for g in gaps[label]] for label in labels], vert=False, tick_labels=labels)
+    for row, label in enumerate(labels):
+        values = [max(g, _FLOOR) for g in gaps[label]]
+        axes.scatter(values, [row] * len(values), s=8, alpha=0.5, color="tab:blue", label="tokens" if row == 0 else None)
+        axes.scatter([float(np.median(values))], [row], marker="|", s=200, color="black",
+                     label="median" if row == 0 else None)
+    axes.set_yticks(range(len(labels)), labels)
     axes.axvline(tolerance, color="tab:red", linestyle="--", label=f"FP32 tolerance {tolerance:g}")
     axes.set_xscale("log")
     axes.set_xlabel("|engine - trainer| log-prob per token")
