@@ -141,6 +141,8 @@ CANARIES: dict[str, Canary] = {
                summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
         Canary(name="planner", module="canaries.planner.canary",
                summary="auto's placements and the planner's byte estimates against every measured placement (certificate)"),
+        Canary(name="rollout", module="canaries.rollout.canary",
+               summary="the rollout engine agrees with the trainer, publications are all or nothing, per-token versions are exact"),
         Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
         Canary(name="learning", module="canaries.learning.canary",

@@ -10,6 +10,7 @@ Its layers, lowest first: the core (every module beside this one, ``errors.py``,
 never a higher (tests/test_architecture.py, ``TRAINER_LAYERS``).
 """
 
+from .behaviour import BehaviourStats
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
 from .importance import CorrectionStats, RatioStats
 from .errors import (
@@ -19,11 +20,14 @@ from .errors import (
     CorruptSaveError,
     GradientCommitError,
     MemoryAdmissionError,
+    EngineBusyError,
     PeerError,
+    PublicationError,
     SaveInForceError,
     StaleGradientError,
     TrainerError,
     UnsupportedSavedStateError,
+    VersionConflictError,
 )
 from .inputs import ForwardInput, ForwardOutput
 from .planner import PlacementDecision
@@ -45,6 +49,7 @@ from .ranks import (
 )
 from .residency import mark_quantized_saved_state
 from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
+from .rollout import Generation, PublicationReport, RolloutEngine, WeightPublication
 from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer
 
 __all__ = [
@@ -60,8 +65,16 @@ __all__ = [
     "LogicalLayout",
     "LogicalBatch",
     "BASE",
+    "EngineBusyError",
+    "Generation",
+    "PublicationError",
+    "PublicationReport",
+    "RolloutEngine",
+    "VersionConflictError",
+    "WeightPublication",
     "AdamWConfig",
     "BackwardReport",
+    "BehaviourStats",
     "Checkpoint",
     "CheckpointBusyError",
     "CheckpointReplacedError",

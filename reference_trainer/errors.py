@@ -23,6 +23,9 @@ __all__ = [
     "CorruptSaveError",
     "SaveInForceError",
     "PeerError",
+    "PublicationError",
+    "VersionConflictError",
+    "EngineBusyError",
 ]
 
 
@@ -194,6 +197,40 @@ class PeerError(TrainerError):
         self.command = command
         self.peer = peer
         super().__init__(message)
+
+
+class PublicationError(TrainerError):
+    """A weight publication failed; the engine serves the weights and version it served before, bitwise.
+
+    ``version``: the publication's; ``tensor``: the name of the tensor that
+    failed (``None`` when the whole publication was refused). Fix the cause
+    and publish again (NOTE [Weight publication] in ``rollout/publication.py``).
+    """
+
+    def __init__(self, message: str, *, version: object, tensor: str | None = None) -> None:
+        self.version = version
+        self.tensor = tensor
+        super().__init__(message)
+
+
+class VersionConflictError(PublicationError):
+    """A publication's compare-and-set failed: the live version is not the expected one, or not older.
+
+    ``live``: the version the engine serves (or has pending). Publish a newer
+    version, or read ``engine.version`` and pass it as ``expected``.
+    """
+
+    def __init__(self, message: str, *, version: object, live: object) -> None:
+        self.live = live
+        super().__init__(message, version=version)
+
+
+class EngineBusyError(TrainerError):
+    """The engine cannot start a generation now: nothing is published yet, or a drained publication waits.
+
+    Publish a version first, or finish the running generations (the drained
+    version is then served).
+    """
 
 
 def int_at_least(value: object, minimum: int) -> TypeGuard[int]:

@@ -20,7 +20,9 @@ which tests observe with ``testing.observe_host_reads``:
   (``commit.staged_norms``); they prove the gradients finite, and
   ``optim_step`` reuses them (NOTE [Gradient norm]). A replayed record adds
   its bitwise check and a stale record with an importance correction adds
-  the correction's checks and statistics.
+  the correction's checks and statistics, and a record whose inputs carry
+  behaviour revisions or log-probs one read of their lags (NOTE [Behaviour
+  tokens] Rule 5).
 """
 
 from __future__ import annotations

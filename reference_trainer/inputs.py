@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +26,20 @@ class ForwardInput:
     negative target masks position ``t`` (log-prob 0, no gradient). With
     ``target_tokens=None`` the targets are the inputs shifted left by one, the
     last position masked. ``options`` override the call's and trainer's.
+
+    ``behaviour_logprobs`` (floating) and ``behaviour_revisions`` (integer),
+    each ``None`` or of ``input_tokens``' shape and aligned with
+    ``target_logprobs``: the log-prob the sampler gave each target token and
+    the revision of the weights that drew it (-1: unknown); a rollout
+    engine's ``Sample.aligned_behaviour_logprobs`` and
+    ``aligned_behaviour_revisions`` (NOTE [Behaviour tokens] in ``behaviour.py``).
     """
 
     input_tokens: torch.Tensor
     target_tokens: torch.Tensor | None = None
     options: ForwardOptions | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    behaviour_revisions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         tokens = self.input_tokens
@@ -49,6 +59,16 @@ class ForwardInput:
             )
         if self.options is not None and not isinstance(self.options, ForwardOptions):
             raise ConfigError("options", self.options, "None or a ForwardOptions")
+        for name, floating in (("behaviour_logprobs", True), ("behaviour_revisions", False)):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, torch.Tensor)
+                or tuple(value.shape) != tuple(tokens.shape)
+                or value.dtype.is_floating_point != floating
+                or value.dtype == torch.bool
+            ):
+                kind = "a floating" if floating else "an integer"
+                raise ConfigError(name, _describe(value), f"None or {kind} tensor of shape {tuple(tokens.shape)}")
 
     def targets(self) -> torch.Tensor:
         if self.target_tokens is not None:
@@ -84,12 +104,18 @@ class ForwardOutput:
 
 @dataclass
 class PaddedBatch:
-    """Right-padded ``(B, T)`` ids, real-token mask and targets (pads target -1)."""
+    """Right-padded ``(B, T)`` ids, real-token mask and targets (pads target -1).
+
+    ``behaviour_logprobs`` (FP32, NaN where not given) and ``behaviour_revisions``
+    (-1 where not given): ``None`` unless an input carries them.
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     targets: torch.Tensor
     lengths: list[int]
+    behaviour_logprobs: torch.Tensor | None = None
+    behaviour_revisions: torch.Tensor | None = None
 
     @classmethod
     def build(cls, inputs: Sequence[ForwardInput], device: torch.device) -> PaddedBatch:
@@ -103,7 +129,22 @@ class PaddedBatch:
         mask = None
         if min(lengths) < width:
             mask = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
-        return cls(ids, mask, targets, lengths)
+        logprobs = _padded(inputs, "behaviour_logprobs", width, math.nan, torch.float32, device)
+        revisions = _padded(inputs, "behaviour_revisions", width, -1, torch.long, device)
+        return cls(ids, mask, targets, lengths, logprobs, revisions)
+
+
+def _padded(inputs: Sequence[ForwardInput], name: str, width: int, fill: float, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor | None:
+    """The inputs' ``name`` tensors as one right-padded ``(B, width)`` copy (``fill`` elsewhere); ``None`` if none has one."""
+    if all(getattr(item, name) is None for item in inputs):
+        return None
+    out = torch.full((len(inputs), width), fill, dtype=dtype, device=device)
+    for row, item in enumerate(inputs):
+        value = getattr(item, name)
+        if value is not None:
+            out[row, : value.shape[0]] = value
+    return out
 
 
 def flatten_inputs(inputs: object) -> tuple[list[ForwardInput], Callable[[list[Any]], Any]]:

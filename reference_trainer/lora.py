@@ -23,7 +23,7 @@ from torch import nn
 from .errors import ConfigError, int_at_least, is_number
 from .model import DecoderLM, Projection
 
-__all__ = ["LoRAConfig", "LoRAAdapter", "attach_lora", "freeze", "ALL_PROJECTIONS"]
+__all__ = ["LoRAConfig", "LoRAAdapter", "adapter_shapes", "attach_lora", "freeze", "ALL_PROJECTIONS"]
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -58,6 +58,15 @@ def _target_projections(model: DecoderLM, targets: tuple[str, ...]) -> Iterator[
     for path, module in model.named_modules():
         if isinstance(module, Projection) and path.rsplit(".", 1)[-1] in targets:
             yield path, module
+
+
+def adapter_shapes(model: DecoderLM, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every factor a :class:`LoRAAdapter` of ``config`` has for ``model``, in model order."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, proj in _target_projections(model, config.targets):
+        shapes[f"{path}.lora_A.weight"] = (config.rank, proj.in_features)
+        shapes[f"{path}.lora_B.weight"] = (proj.out_features, config.rank)
+    return shapes
 
 
 class LoRAAdapter:

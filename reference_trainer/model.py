@@ -174,7 +174,8 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x2, x1)`` for the halves ``(x1, x2)`` of the last dimension (the rotary convention)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -201,8 +202,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin  # (B, H, T, D)
-        k = k * cos + _rotate_half(k) * sin  # (B, Hkv, T, D)
+        q = q * cos + rotate_half(q) * sin  # (B, H, T, D)
+        k = k * cos + rotate_half(k) * sin  # (B, Hkv, T, D)
         # Right padding needs only the causal mask: real tokens never see pads.
         y = F.scaled_dot_product_attention(
             q,

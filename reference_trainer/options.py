@@ -123,6 +123,10 @@ class ForwardOptions:
     ``ImportanceCorrection()``; an empty tuple disables correction).
     ``backward_state``: ``"auto" | "retain" | "offload" | "replay"`` (default ``"auto"``).
     ``allow_offload`` / ``allow_replay``: bool (default True).
+    ``max_behaviour_staleness``: ``None`` (default, no bound) or an int >= 0:
+    tokens whose behaviour lag exceeds it are masked (NOTE [Behaviour tokens]).
+    ``behaviour_corrections``: at most one :class:`ImportanceCorrection` of the
+    behaviour-vs-forward ratio (default ``()``, none; its ``policy`` is unused).
     """
 
     max_gradient_staleness: int = UNSET
@@ -130,13 +134,19 @@ class ForwardOptions:
     backward_state: str = UNSET
     allow_offload: bool = UNSET
     allow_replay: bool = UNSET
+    max_behaviour_staleness: int | None = UNSET
+    behaviour_corrections: tuple[ImportanceCorrection, ...] = UNSET
 
     def __post_init__(self) -> None:
         staleness = self.max_gradient_staleness
         if staleness is not UNSET and not int_at_least(staleness, 0):
             raise ConfigError("max_gradient_staleness", staleness, "an int >= 0 (not bool or float)")
-        if self.corrections is not UNSET:
-            object.__setattr__(self, "corrections", _validate_corrections(self.corrections))
+        behaviour = self.max_behaviour_staleness
+        if behaviour is not UNSET and behaviour is not None and not int_at_least(behaviour, 0):
+            raise ConfigError("max_behaviour_staleness", behaviour, "None or an int >= 0 (not bool or float)")
+        for name in ("corrections", "behaviour_corrections"):
+            if getattr(self, name) is not UNSET:
+                object.__setattr__(self, name, _validate_corrections(getattr(self, name), name))
         if self.backward_state is not UNSET and self.backward_state not in BACKWARD_STATES:
             raise ConfigError("backward_state", self.backward_state, f"one of {BACKWARD_STATES}")
         for name in ("allow_offload", "allow_replay"):
@@ -145,19 +155,17 @@ class ForwardOptions:
                 raise ConfigError(name, value, "a bool")
 
 
-def _validate_corrections(value: object) -> tuple[ImportanceCorrection, ...]:
+def _validate_corrections(value: object, field: str) -> tuple[ImportanceCorrection, ...]:
     if isinstance(value, ImportanceCorrection):
         value = (value,)
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes)):
-        raise ConfigError("corrections", value, "a tuple of at most one ImportanceCorrection")
+        raise ConfigError(field, value, "a tuple of at most one ImportanceCorrection")
     items = tuple(value)
     if len(items) > 1:
-        raise ConfigError(
-            "corrections", items, "at most one ImportanceCorrection", "keep one, or pass () to disable"
-        )
+        raise ConfigError(field, items, "at most one ImportanceCorrection", "keep one, or pass () to disable")
     for item in items:
         if not isinstance(item, ImportanceCorrection):
-            raise ConfigError("corrections", item, "ImportanceCorrection instances")
+            raise ConfigError(field, item, "ImportanceCorrection instances")
     return items
 
 
@@ -170,10 +178,16 @@ class ResolvedOptions:
     backward_state: str = "auto"
     allow_offload: bool = True
     allow_replay: bool = True
+    max_behaviour_staleness: int | None = None
+    behaviour_corrections: tuple[ImportanceCorrection, ...] = ()
 
     @property
     def correction(self) -> ImportanceCorrection | None:
         return self.corrections[0] if self.corrections else None
+
+    @property
+    def behaviour_correction(self) -> ImportanceCorrection | None:
+        return self.behaviour_corrections[0] if self.behaviour_corrections else None
 
 
 def resolve_options(*levels: ForwardOptions | None) -> ResolvedOptions:

@@ -36,7 +36,7 @@ import torch
 
 from .errors import ConfigError, int_at_least, is_number
 
-__all__ = ["PatternTask", "Sample", "sample", "PATTERNS"]
+__all__ = ["PatternTask", "Sample", "sample", "draw", "check_draw_options", "prompt_batch", "PATTERNS"]
 
 PATTERNS = ("count_up", "repeat")
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over seed space
@@ -125,7 +125,9 @@ class Sample:
     ``prompt`` ``(P,)`` and ``completion`` ``(C,)`` int64 token ids;
     ``behaviour_logprobs`` ``(C,)`` FP32 (NOTE [Behaviour log-probs]);
     ``version``: whatever object the sampler was given (e.g. the
-    ``CheckpointVersion`` that produced it).
+    ``CheckpointVersion`` that produced it); a rollout engine's sample has the
+    version of its oldest token there and, in ``behaviour_revisions`` ``(C,)``
+    int64, the revision of the weights that drew each completion token.
 
     For a training forward, ``input_tokens`` ``(P+C-1,)`` and ``target_tokens``
     (the inputs shifted by one, prompt positions masked with -1) make the
@@ -138,6 +140,7 @@ class Sample:
     completion: torch.Tensor
     behaviour_logprobs: torch.Tensor
     version: object = None
+    behaviour_revisions: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -168,6 +171,15 @@ class Sample:
         out[self.prompt.shape[0] - 1 :] = self.behaviour_logprobs
         return out
 
+    @property
+    def aligned_behaviour_revisions(self) -> torch.Tensor | None:
+        """``behaviour_revisions`` laid out like ``target_logprobs`` (-1 where masked); ``None`` without them."""
+        if self.behaviour_revisions is None:
+            return None
+        out = torch.full_like(self.input_tokens, -1)
+        out[self.prompt.shape[0] - 1 :] = self.behaviour_revisions
+        return out
+
 
 def sample(
     logits_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -193,14 +205,9 @@ def sample(
     ``top_k >= 1``, ``0 < top_p <= 1``. Behaviour log-probs follow
     NOTE [Behaviour log-probs]. ``version`` is stored, as is, on every sample.
     """
-    ids = _prompt_batch(prompts)
+    ids = prompt_batch(prompts)
     _check_int("max_new_tokens", max_new_tokens, 1)
-    if not is_number(temperature) or not 0.0 < temperature < math.inf:
-        raise ConfigError("temperature", temperature, "a finite float > 0", "top_k=1 is greedy")
-    if top_k is not None:
-        _check_int("top_k", top_k, 1)
-    if top_p is not None and (not is_number(top_p) or not 0.0 < top_p <= 1.0):
-        raise ConfigError("top_p", top_p, "None or a float in (0, 1]")
+    check_draw_options(temperature, top_k, top_p)
 
     prompt_len = ids.shape[1]
     logprobs = []
@@ -208,12 +215,8 @@ def sample(
         for _ in range(max_new_tokens):
             logits = logits_fn(ids)
             _check_logits(logits, ids)
-            _check_generator(generator, logits.device)
-            full = torch.log_softmax(logits[:, -1, :].float() / temperature, dim=-1)  # (B, V)
-            kept = _kept_tokens(full, top_k, top_p)  # (B, V)
-            # multinomial normalises, so the kept probabilities need no renormalising.
-            token = torch.multinomial(full.exp() * kept, 1, generator=generator)  # (B, 1)
-            logprobs.append(full.gather(-1, token))  # see NOTE rule 1
+            token, logprob = draw(logits[:, -1, :], temperature, top_k, top_p, generator)
+            logprobs.append(logprob)
             ids = torch.cat([ids, token.to(ids.dtype)], dim=1)
 
     behaviour = torch.cat(logprobs, dim=1)  # (B, C)
@@ -226,6 +229,37 @@ def sample(
         )
         for b in range(ids.shape[0])
     ]
+
+
+def check_draw_options(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ``ConfigError`` unless ``temperature > 0`` (finite), ``top_k`` None or >= 1, ``top_p`` None or in (0, 1]."""
+    if not is_number(temperature) or not 0.0 < temperature < math.inf:
+        raise ConfigError("temperature", temperature, "a finite float > 0", "top_k=1 is greedy")
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    if top_p is not None and (not is_number(top_p) or not 0.0 < top_p <= 1.0):
+        raise ConfigError("top_p", top_p, "None or a float in (0, 1]")
+
+
+def draw(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``(B, V)`` next-token logits: ``(tokens (B, 1), behaviour log-probs (B, 1) FP32)``.
+
+    Truncation and log-probs follow NOTE [Behaviour log-probs]; the options are
+    those :func:`check_draw_options` accepts (not checked again here).
+    ``generator`` must be on the logits' device (``None``: the global RNG).
+    """
+    _check_generator(generator, logits.device)
+    full = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    kept = _kept_tokens(full, top_k, top_p)  # (B, V)
+    # multinomial normalises, so the kept probabilities need no renormalising.
+    token = torch.multinomial(full.exp() * kept, 1, generator=generator)  # (B, 1)
+    return token, full.gather(-1, token)  # see NOTE rule 1
 
 
 def _check_logits(logits: object, ids: torch.Tensor) -> None:
@@ -244,7 +278,8 @@ def _check_generator(generator: torch.Generator | None, device: torch.device) ->
     )
 
 
-def _prompt_batch(prompts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+def prompt_batch(prompts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """``prompts`` as an int64 ``(B, P)`` tensor (see :func:`sample`); ``ConfigError`` otherwise."""
     if isinstance(prompts, (list, tuple)):
         shapes = [tuple(p.shape) if isinstance(p, torch.Tensor) else p for p in prompts]
         if len(set(shapes)) != 1 or not isinstance(prompts[0], torch.Tensor):

@@ -160,14 +160,16 @@ def encode_options(options: ForwardOptions | None) -> dict[str, Any] | None:
     if options is None:
         return None
     encoded = {f.name: getattr(options, f.name) for f in fields(ForwardOptions) if getattr(options, f.name) is not UNSET}
-    if "corrections" in encoded:
-        encoded["corrections"] = [asdict(c) for c in encoded["corrections"]]
+    for name in ("corrections", "behaviour_corrections"):
+        if name in encoded:
+            encoded[name] = [asdict(c) for c in encoded[name]]
     return encoded
 
 
 def _decode_options(encoded: dict[str, Any] | None) -> ForwardOptions | None:
     if encoded is None:
         return None
-    if "corrections" in encoded:
-        encoded = {**encoded, "corrections": tuple(ImportanceCorrection(**c) for c in encoded["corrections"])}
+    for name in ("corrections", "behaviour_corrections"):
+        if name in encoded:
+            encoded = {**encoded, name: tuple(ImportanceCorrection(**c) for c in encoded[name])}
     return ForwardOptions(**encoded)

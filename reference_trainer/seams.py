@@ -5,7 +5,9 @@ Each seam does the real thing unless a substitute is in force;
 force for a block (:class:`Overrides`, innermost wins). The trainer calls:
 
 - :func:`maybe_fail` at each stage of a backward (NOTE [Gradient commit] in
-  ``commit.py``): raises :class:`InjectedFault` once if a fault is armed;
+  ``commit.py``) and at each tensor a rollout engine stages from a weight
+  publication (``"weight_publication"``, NOTE [Weight publication]): raises
+  :class:`InjectedFault` once if a fault is armed;
 - :func:`capacity_override` from ``admission.device_capacity`` (the device's
   total and free memory);
 - :func:`device_context` from threads that run a logical rank
@@ -27,6 +29,7 @@ import torch
 
 __all__ = [
     "FAULT_STAGES",
+    "INDEXED_STAGES",
     "ArmedFault",
     "InjectedFault",
     "Overrides",
@@ -45,7 +48,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish")
+FAULT_STAGES = ("user_autograd", "model_backward", "validate", "publish", "weight_publication")
+INDEXED_STAGES = ("publish", "weight_publication")  # a fault there names the tensor's index
 
 
 class Overrides(Generic[T]):
@@ -76,7 +80,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class ArmedFault:
-    """A fault armed for ``stage`` (and, for ``"publish"``, the parameter ``index``); fires once."""
+    """A fault armed for ``stage`` (and, for an indexed stage, the tensor ``index``); fires once."""
 
     stage: str
     index: int | None

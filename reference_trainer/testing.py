@@ -39,17 +39,20 @@ __all__ = [
 
 @contextmanager
 def inject_fault(stage: str, *, index: int | None = None) -> Iterator[None]:
-    """Inside the block, the next backward fails at ``stage``.
+    """Inside the block, the next backward (or weight publication) fails at ``stage``.
 
     ``stage`` is one of ``FAULT_STAGES``; for ``"publish"``, ``index`` is the
     position (0-based, in publication order) of the parameter whose
-    publication fails (default 0). ``index`` is only valid with ``"publish"``.
+    publication fails (default 0); for ``"weight_publication"``, the tensor
+    of a rollout engine's weight publication whose staging fails (default 0).
+    ``index`` is only valid with those two stages.
     """
     if stage not in FAULT_STAGES:
         raise ConfigError("stage", stage, f"one of {FAULT_STAGES}")
-    if index is not None and stage != "publish":
-        raise ConfigError("index", index, "None unless stage='publish'")
-    with seams.faults.pushed(seams.ArmedFault(stage, index if stage != "publish" or index is not None else 0)):
+    indexed = stage in seams.INDEXED_STAGES
+    if index is not None and not indexed:
+        raise ConfigError("index", index, f"None unless stage is one of {seams.INDEXED_STAGES}")
+    with seams.faults.pushed(seams.ArmedFault(stage, index if not indexed or index is not None else 0)):
         yield
 
 

@@ -14,18 +14,17 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import misses, seams
 from .admission import Admission, Admitted, default_device_limit
+from .behaviour import behaviour_cotangent
 from .calibration import PlannerCalibration, resolve_calibration
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import KnownLogprobs, correct_record
-from .importance import CorrectionStats
 from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
 from .cotangents import cotangents_by_record, output_cotangents, record_cotangent
 from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs
@@ -34,7 +33,9 @@ from .running import base_logprobs, model_logits
 from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
+from .outcomes import BackwardReport, RecordReport, StepReport
 from .resume import load_trainer, write_save
+from .rollout import PublicationReport, RolloutEngine, publication_of
 from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
 from .rng import capture_forward_state, draws_undone_on_failure
 from .sinks import GradientSink, LiveGradSink, RankGradients
@@ -42,38 +43,6 @@ from .staleness import check_age, staleness
 from .timing import start_stopwatch
 
 __all__ = ["Trainer", "StepReport", "CheckpointStep", "BackwardReport", "RecordReport"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepReport:
-    """Per-checkpoint outcome of ``optim_step``; index by checkpoint name."""
-
-    checkpoints: dict[str, CheckpointStep]
-
-    def __getitem__(self, name: str) -> CheckpointStep:
-        return self.checkpoints[name]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecordReport:
-    """One record a backward consumed: its version, age, placement (now) and any correction."""
-
-    record_id: int
-    version: CheckpointVersion
-    staleness: int
-    placement: str
-    correction: CorrectionStats | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackwardReport:
-    """Which records a backward consumed, their ages and any correction applied."""
-
-    records: list[RecordReport] = field(default_factory=list)
-
-    @property
-    def corrected(self) -> list[RecordReport]:
-        return [r for r in self.records if r.correction is not None]
 
 
 class Trainer:
@@ -245,6 +214,14 @@ class Trainer:
 
         return logits_fn, None if selected is None else selected.version
 
+    def publish(self, engine: RolloutEngine, *, checkpoint: str | None = None, mode: str = "drain",
+                expected: CheckpointVersion | None = None) -> PublicationReport:
+        """Send ``checkpoint``'s live weights at its version to a ``RolloutEngine``: all or nothing, compare-and-set on
+        ``expected``, ``mode`` ``"drain"`` or ``"inflight"`` (NOTE [Weight publication] in ``rollout/publication.py``)."""
+        if not isinstance(engine, RolloutEngine):
+            raise ConfigError("engine", type(engine).__name__, "a reference_trainer.RolloutEngine")
+        return engine.apply(publication_of(self._select_checkpoint(checkpoint)), mode=mode, expected=expected)
+
     # --- forward ------------------------------------------------------------------
 
     def forward(self, inputs: Any, *, checkpoint: Any = None, options: ForwardOptions | None = None) -> Any:
@@ -378,7 +355,8 @@ class Trainer:
         retain_graph: bool,
     ) -> RecordReport:
         """Correct the record's cotangent, run its model backward and stage the gradients."""
-        cotangent, stats = correct_record(self.model, record, record_cotangent(record, leaves), self.known_logprobs)
+        cotangent, behaviour = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
+        cotangent, stats = correct_record(self.model, record, cotangent, self.known_logprobs)
         transaction.start(record)
         seams.maybe_fail("model_backward")
         grads = record_backward(self.model, record, cotangent, retain_graph)
@@ -389,6 +367,7 @@ class Trainer:
             staleness=staleness(record.checkpoint, record.version),
             placement=record.placement,
             correction=stats,
+            behaviour=behaviour,
         )
 
     # --- optimizer ----------------------------------------------------------------

@@ -60,6 +60,9 @@ KINDS: dict[str, Kind] = {
         Kind(name="planner-miss",  # no canary: written by validation.misses.MissLog, shown by its kind's name
              title="Planner miss: an estimate exceeded or a refusal, replayable on a CPU",
              measurements=("kind", "estimate", "measured", "raised", "inputs")),
+        Kind(name="rollout-canary", canary="rollout",
+             title="Rollout canary: engine against trainer log-probs, publication faults, per-token versions and lag",
+             measurements=("publication", "lags", "seconds"), builder="reports.rollout"),
         Kind(name="mutation-suite", canary="mutations",
              title="Mutation suite: every injected bug is caught",
              measurements=("run", "caught", "inapplicable"), builder="reports.canaries"),

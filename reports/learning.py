@@ -32,7 +32,7 @@ from reports.plots import LEGEND_POINTS, save_png
 
 __all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
 
-GROUPS = ("staleness", "placement", "levels", "sensitivity")
+GROUPS = ("staleness", "placement", "levels", "rollout", "sensitivity")
 _METRIC_TITLES = {"final": "final metric", "auc": "area under the curve (mean over steps)"}
 
 

@@ -18,6 +18,10 @@ is imported) and reports, per rule:
   module inside it rather than its ``__init__``, the subpackage's public
   boundary (:data:`RANKS_INTERNALS_ALLOWED`: the mutation suite, which plants
   faults inside);
+- ``rollout``: a module of the rollout engine ``reference_trainer/rollout/``
+  imports a trainer module outside :data:`ROLLOUT_IMPORTS` (the model code,
+  sampling, versions, errors and seams): the engine runs the trainer's model,
+  never the trainer;
 - ``private``: package code imports a private name (``_x``) from another
   module, by ``from m import _x`` or as ``m._x`` on an imported module
   (``reference_trainer.testing`` is the allowed hook; tests are not scanned);
@@ -79,6 +83,9 @@ TRAINER_LAYERS = ("core", "ranks", "boundary")  # lowest first; a trainer module
 RANKS_INTERNALS_ALLOWED = {  # module prefix -> why it may import a module inside ranks/
     "canaries.mutations": "the mutation suite plants its faults inside the logical ranks (LogicalSums, TreeFold)",
 }
+ROLLOUT = f"{TRAINER}.rollout"
+ROLLOUT_IMPORTS = tuple(f"{TRAINER}.{m}" for m in ("model", "lora", "sampling", "checkpoints", "errors", "seams",
+                                                    "host_reads"))
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
 IS_NUMBER = f"{TRAINER}.errors.is_number"  # the one test for "an int or a float, not a bool"
 MAX_LINES = 450
@@ -100,7 +107,7 @@ def _tree(path: Path) -> ast.Module:
 
 @dataclass(frozen=True)
 class Violation:
-    rule: str  # layering | climb | ranks-boundary | private | cycle | size | callback | note | canary-folder
+    rule: str  # layering | climb | ranks-boundary | rollout | private | cycle | size | callback | note | canary-folder
     # | defined-twice | homonym | is-number
     module: str
     detail: str
@@ -176,6 +183,10 @@ def _import_rules(edges: tuple[tuple[str, str], ...]) -> list[Violation]:
         if internal and not any(_inside(name, allowed) for allowed in RANKS_INTERNALS_ALLOWED):
             found.append(Violation("ranks-boundary", name, f"imports {target}: import it from {RANKS}, "
                                                            "the subpackage's public boundary"))
+        if _inside(name, ROLLOUT) and _inside(target, TRAINER) and not _inside(target, ROLLOUT) \
+                and target not in ROLLOUT_IMPORTS:
+            found.append(Violation("rollout", name, f"imports {target}: the rollout engine imports only "
+                                                    f"{', '.join(ROLLOUT_IMPORTS)} of the trainer"))
         if target == f"{TRAINER}.trainer" and package == TRAINER and name not in TRAINER_CALLERS:
             found.append(Violation("callback", name, "imports reference_trainer.trainer: the trainer's parts "
                                                      "never call back into it"))
@@ -350,7 +361,7 @@ def _number_checks(modules: dict[str, Path]) -> list[Violation]:
 
 
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the twelve rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the thirteen rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
@@ -442,6 +453,10 @@ def test_no_modules_import_each_other_in_a_cycle(package: str) -> None:
 @pytest.mark.parametrize("package", _params(PACKAGES))
 def test_every_module_stays_within_its_size(package: str) -> None:
     assert _in(package, "size") == []
+
+
+def test_the_rollout_engine_imports_the_model_code_never_the_trainer() -> None:
+    assert _in(TRAINER, "rollout") == []
 
 
 def test_no_part_of_the_trainer_calls_back_into_trainer_py() -> None:
@@ -574,6 +589,9 @@ PLANTED_IMPORTS = {  # (module, the module it is made to import) -> the violatio
     ("reference_trainer.ranks.state", "reference_trainer"): {("climb", "reference_trainer.ranks.state")},
     ("reference_trainer.ranks.tree", "reference_trainer.trainer"): {("callback", "reference_trainer.ranks.tree")},
     ("reports.summary", "reference_trainer.checkpoints"): {("layering", "reports.summary")},
+    ("reference_trainer.rollout.engine", "reference_trainer.records"): {("rollout", "reference_trainer.rollout.engine")},
+    ("reference_trainer.rollout.cache", "reference_trainer.trainer"): {("rollout", "reference_trainer.rollout.cache"),
+                                                                      ("callback", "reference_trainer.rollout.cache")},
     ("validation.oracle", "canaries.registry"): {("layering", "validation.oracle")},
     ("canaries.derivative.scenarios", "reference_trainer.ranks.logical"): {
         ("ranks-boundary", "canaries.derivative.scenarios")},

@@ -36,6 +36,17 @@ NOTE [Arms]
      token level), so the verdicts show which level learns best on each
      workload. Their success and equivalence are reported, never checks;
      their records are checked as every arm's are.
+  7. Rollout arms (``loop="engine"``, group ``rollout``, shown, the RL
+     workload only): the samples come from a ``RolloutEngine`` that serves
+     the weights of ``max(0, t - k)`` at step t (k the arm's ``delay``:
+     behaviour lag k), published from the trainer's full checkpoint; the
+     trainer forwards them at revision t with their per-token behaviour
+     log-probs and revisions and backpropagates at once (trainer staleness
+     0). ``drain``: every token of step t has lag ``min(t, k)``;
+     ``inflight``: the next revision lands after each sequence's first token,
+     so the later tokens have lag one less (once t >= k). ``corrected``: the rollout
+     correction, ``behaviour_corrections=(ImportanceCorrection(level),)``.
+     The run records each step's largest behaviour lag as its staleness.
 """
 
 from __future__ import annotations
@@ -74,6 +85,8 @@ class Arm:
     baseline: str | None = None
     exact_with: str | None = None
     enforced: bool = True
+    publication: str = "drain"
+    only_on: str | None = None  # the one workload the arm runs on (None: every workload)
 
     @property
     def sensitivity(self) -> bool:
@@ -101,6 +114,14 @@ ARMS: tuple[Arm, ...] = (
     *(Arm(name=f"stale2_{level}", summary=f"stale2_corrected at importance level {level!r} (shown)", group="levels",
           delay=2, corrected=True, level=level, baseline="strict", enforced=False)
       for level in ("sequence", "geometric", "average")),
+    Arm(name="engine_lag0", summary="samples from the rollout engine, behaviour lag 0 (shown)", group="rollout",
+        loop="engine", baseline="strict", enforced=False, only_on="pattern_rl"),
+    *(Arm(name=f"engine_lag{lag}_{mode}{'_corrected' if corrected else ''}",
+          summary=f"engine samples at behaviour lag {lag}, {mode}, {'rollout-corrected' if corrected else 'uncorrected'}"
+                  " (shown)",
+          group="rollout", loop="engine", delay=lag, publication=mode, corrected=corrected, baseline="strict",
+          enforced=False, only_on="pattern_rl")
+      for lag in (1, 2) for mode in ("drain", "inflight") for corrected in (False, True)),
     Arm(name="broken_dropped_updates", summary=f"plain loop, one optimizer update in {DROP_EVERY} lost (broken)",
         group="sensitivity", loop="plain", sabotage="dropped_updates", baseline="plain"),
     Arm(name="broken_flipped_layer", summary=f"plain loop, gradient sign flipped on {FLIPPED_LAYER}* (broken)",
@@ -140,7 +161,7 @@ def run_arm(spec: Arm, workload: Workload, seed: int) -> ArmRun:
     """Train ``spec`` on ``workload`` for ``workload.schedule.steps`` steps from seed ``seed``."""
     start = time.perf_counter()
     result = ArmRun(arm=spec.name, seed=seed)
-    loop = _plain_loop if spec.loop == "plain" else _versioned_loop
+    loop = {"plain": _plain_loop, "versioned": _versioned_loop, "engine": _engine_loop}[spec.loop]
     loop(spec, workload, seed, result)
     result.wall_s = time.perf_counter() - start
     return result
@@ -258,3 +279,45 @@ def _versioned_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) ->
     while pending:
         backward_and_step()
     result.digest = _digest(trainer.checkpoint(CHECKPOINT).named_parameters())
+
+
+# --- samples from the rollout engine (NOTE rule 7) -----------------------------------
+
+
+def _engine_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> None:
+    schedule = workload.schedule
+    trainer = rt.Trainer(rt.DecoderLM(workload.model, seed=seed).to(workload.device))
+    adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
+    checkpoint = trainer.add_checkpoint(CHECKPOINT, full=True, optimizer=adamw)
+    corrections = (rt.ImportanceCorrection(level=spec.level),) if spec.corrected else ()
+    options = rt.ForwardOptions(max_gradient_staleness=0, corrections=(), behaviour_corrections=corrections)
+    engine = rt.RolloutEngine(trainer.model)
+    publications = {0: rt.rollout.publication_of(checkpoint)}
+    _evaluate_at(workload, 0, trainer.policy()[0], result)
+    for step in range(schedule.steps):
+        served = max(0, step - spec.delay)
+        if engine.version is None or engine.version.revision < served:
+            engine.apply(publications[served])
+
+        def after_token(drawn: int, newer: int = served + 1, steady: bool = step >= spec.delay) -> None:
+            if spec.publication == "inflight" and steady and drawn == 1 and newer in publications:
+                engine.apply(publications[newer], mode="inflight")
+
+        samples = workload.engine_samples(seed, step, engine, after_token)
+        inputs = [rt.ForwardInput(s.input_tokens, s.target_tokens, behaviour_logprobs=s.aligned_behaviour_logprobs,
+                                  behaviour_revisions=s.aligned_behaviour_revisions) for s in samples]
+        outputs = trainer.forward(inputs, options=options)
+        report = trainer.backward(workload.batch_of(seed, samples).objective([o.target_logprobs for o in outputs]))
+        behaviour = [r.behaviour for r in report.records]
+        result.staleness.append(max(b.lag_max for b in behaviour))
+        corrected = [b.correction for b in behaviour if b.correction is not None]
+        result.corrected.append(bool(corrected))
+        result.weights.extend(c.mean for c in corrected)
+        result.raw_ratios.extend(asdict(c.raw) for c in corrected)
+        result.clipped_ratios.extend(asdict(c.clipped) for c in corrected)
+        trainer.optim_step(lr=schedule.lr(step))
+        trainer.zero_grad()
+        publications[checkpoint.revision] = rt.rollout.publication_of(checkpoint)
+        publications.pop(step - spec.delay, None)  # no later step serves it
+        _evaluate_at(workload, step + 1, trainer.policy()[0], result)
+    result.digest = _digest(checkpoint.named_parameters())

@@ -227,7 +227,7 @@ def _pool(workers: int) -> Iterator[Executor | None]:
 
 def _train_all(workload: Workload, plan_: LearningPlan, pool: Executor | None) -> dict[str, list[ArmRun]]:
     """Every arm on every seed, with a progress bar per arm and seed (stderr)."""
-    jobs = [(arm, seed) for arm in plan_.arms for seed in plan_.seeds]
+    jobs = [(arm, seed) for arm in _arms_on(workload, plan_) for seed in plan_.seeds]
     done: dict[tuple[str, int], ArmRun] = {}
     with tqdm(total=len(jobs), desc=f"learning {workload.name}", unit="run", file=sys.stderr, leave=False) as bar:
         if pool is None:
@@ -241,7 +241,12 @@ def _train_all(workload: Workload, plan_: LearningPlan, pool: Executor | None) -
                 done[futures[future]] = future.result()
                 bar.set_postfix_str("{} seed {}".format(*futures[future]))
                 bar.update()
-    return {arm.name: [done[arm.name, seed] for seed in plan_.seeds] for arm in plan_.arms}
+    return {arm.name: [done[arm.name, seed] for seed in plan_.seeds] for arm in _arms_on(workload, plan_)}
+
+
+def _arms_on(workload: Workload, plan_: LearningPlan) -> tuple[Arm, ...]:
+    """The plan's arms that run on ``workload`` (NOTE [Arms] Rule 7: the rollout arms only on the RL task)."""
+    return tuple(a for a in plan_.arms if a.only_on in (None, workload.name))
 
 
 def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks) -> dict:
@@ -255,7 +260,7 @@ def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | No
     if not precondition["passed"]:
         print(f"learning: {workload.name}: {precondition['reason']}")
         return entry
-    entry.update(summarize_workload(workload, plan_.arms, _train_all(workload, plan_, pool),
+    entry.update(summarize_workload(workload, _arms_on(workload, plan_), _train_all(workload, plan_, pool),
                                     exact_enforced=plan_.exact_enforced, gate=plan_.gate, checks=checks))
     return entry
 

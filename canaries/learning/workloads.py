@@ -37,7 +37,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.losses import reinforce_loss
-from reference_trainer.sampling import PatternTask, sample
+from reference_trainer.sampling import PatternTask, Sample, sample
 from validation.errors import SetupError
 
 __all__ = ["Schedule", "Batch", "Workload", "NextByteWorkload", "PatternRLWorkload", "STDLIB_FILES"]
@@ -232,11 +232,30 @@ class PatternRLWorkload(Workload):
         )
 
     def batch(self, seed: int, step: int, logits_fn: LogitsFn) -> Batch:
-        task = self.task(seed)
-        prompts = task.prompts(self.prompts, start=step * self.prompts).repeat_interleave(self.group, dim=0)
         samples = sample(
-            logits_fn, prompts.to(self.device), max_new_tokens=self.completion_len, generator=_generator(seed, step, self.device)
+            logits_fn, self._step_prompts(seed, step), max_new_tokens=self.completion_len,
+            generator=_generator(seed, step, self.device),
         )
+        return self.batch_of(seed, samples)
+
+    def engine_samples(self, seed: int, step: int, engine: rt.RolloutEngine,
+                       after_token: Callable[[int], None]) -> list[Sample]:
+        """Step ``step``'s samples drawn by a rollout engine (same prompts and generator as :meth:`batch`);
+        ``after_token(n)`` runs after the n-th token of every row (a publication may land there)."""
+        generation = engine.start(self._step_prompts(seed, step), max_new_tokens=self.completion_len,
+                                  generator=_generator(seed, step, self.device))
+        while not generation.done:
+            generation.step()
+            after_token(len(generation.versions))
+        return generation.samples()
+
+    def _step_prompts(self, seed: int, step: int) -> torch.Tensor:
+        prompts = self.task(seed).prompts(self.prompts, start=step * self.prompts)
+        return prompts.repeat_interleave(self.group, dim=0).to(self.device)  # (prompts * group, P)
+
+    def batch_of(self, seed: int, samples: Sequence[Sample]) -> Batch:
+        """The REINFORCE batch of one step's samples (the class docstring's advantages)."""
+        task = self.task(seed)
         completions = torch.stack([s.completion for s in samples])  # (B, C)
         rewards = (completions == task.targets(torch.stack([s.prompt for s in samples]))).float()  # (B, C)
         to_go = rewards.flip(-1).cumsum(-1).flip(-1)  # (B, C)

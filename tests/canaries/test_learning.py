@@ -180,3 +180,23 @@ def test_quick_profile_through_the_registry(tmp_path: Path) -> None:
     for workload in result["measurements"]["workloads"].values():
         assert list(workload["arms"]) == list(QUICK_ARMS)
         assert all(arm["seeds"] == [0, 1, 2] for arm in workload["arms"].values())
+
+
+def test_the_rollout_arms_sample_from_the_engine_at_their_behaviour_lag_on_the_rl_task_only() -> None:
+    from canaries.learning.canary import LearningPlan, _arms_on, cpu_workloads
+
+    text, rl = cpu_workloads()
+    rl = rl.replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2), prompts=2, group=2,
+                    eval_prompts=4)
+    runs = {}
+    for name, corrected in (("engine_lag2_inflight_corrected", 1.0), ("engine_lag2_drain_corrected", 1.0),
+                            ("engine_lag1_drain", 0.0)):
+        runs[name] = run = run_arm(arm(name), rl, 0)
+        assert run.staleness == expected_staleness(arm(name), 4) == [0, 1, min(2, arm(name).delay), arm(name).delay]
+        assert run.fraction_corrected == corrected and len(run.raw_ratios) == (4 if corrected else 0)
+    # Inflight: the next revision lands after the first token from step 2 on, so those steps' ratios differ.
+    inflight, drain = runs["engine_lag2_inflight_corrected"], runs["engine_lag2_drain_corrected"]
+    assert inflight.raw_ratios[:2] == drain.raw_ratios[:2] and inflight.raw_ratios[2:] != drain.raw_ratios[2:]
+    every = LearningPlan(preset="cpu", profile="default", seeds=(0,), workloads=(text, rl))
+    assert not any(a.loop == "engine" for a in _arms_on(text, every))
+    assert sum(a.loop == "engine" for a in _arms_on(rl, every)) == 9

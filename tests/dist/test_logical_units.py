@@ -219,6 +219,21 @@ def test_trainer_step_inside_a_zero_mode_fn_is_refused_and_zero_step_works() -> 
     run_logical(lambda view: None, trainer, logical_dp=2)  # usable again once fn returned
 
 
+def test_zero_mode_refuses_inputs_carrying_behaviour_data_rather_than_dropping_it() -> None:
+    trainer = ds.make_trainer()
+
+    def fn(zero: object) -> str:
+        items, _ = ds.micro_batch(0, 0)
+        tagged = [rt.ForwardInput(i.input_tokens, i.target_tokens, behaviour_revisions=torch.zeros_like(i.input_tokens))
+                  for i in items]
+        with pytest.raises(rt.ConfigError, match="RankZero"):
+            zero.forward(tagged)
+        return "refused"
+
+    assert run_logical(fn, trainer, mode="zero", logical_dp=2) == "refused"
+    assert trainer.live_records() == 0
+
+
 # --- calls that would escape fn's logical rank (NOTE [Logical ranks] Rules 2 and 5) -----------------
 
 

@@ -179,3 +179,12 @@ def test_a_refused_cuda_rng_state_leaves_the_cpu_generator_as_it_was(monkeypatch
     with pytest.raises(RuntimeError, match="CUDA generator"):
         set_rng_state((other, torch.zeros(16, dtype=torch.uint8)), torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_trainer_options_with_behaviour_fields_are_saved_and_loaded_as_they_were(tmp_path: Path) -> None:
+    options = rt.ForwardOptions(max_behaviour_staleness=1,
+                                behaviour_corrections=(rt.ImportanceCorrection(level="sequence", clip_high=3.0),))
+    trainer = rt.Trainer(_model(), options=options)
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), seed=1)
+    trainer.save(tmp_path / "save")
+    assert rt.Trainer.load(tmp_path / "save", _model()).options == options

@@ -1,0 +1,106 @@
+"""Per-token behaviour versions and log-probs at backward: lag, masking of stale tokens, the behaviour ratio.
+
+NOTE [Behaviour tokens]
+  1. A ``ForwardInput`` may carry, per position and aligned with its
+     ``target_logprobs``, the behaviour log-prob of the target token and the
+     revision of the weights that drew it (-1: unknown, e.g. prompt
+     positions). A behaviour token is a real target (not masked) with a
+     known revision.
+  2. Behaviour lag = the forward's revision - the token's revision (the
+     trainer lag, NOTE [Staleness] Rule 1, is beside it in the report).
+     ``BackwardReport`` gives per record, over its behaviour tokens, the
+     lag's minimum, median (the lower one), maximum and histogram. A
+     negative lag (a token drawn by weights newer than the forward's, a
+     bookkeeping error upstream) is reported as it is.
+  3. With ``max_behaviour_staleness = b``, a behaviour token whose lag
+     exceeds ``b`` is masked: its cotangent becomes 0, so it gets no
+     gradient; it takes part in no ratio; it is counted
+     (``stale_tokens``). Never silently used.
+  4. The behaviour ratio of a real, unmasked target with a behaviour log-prob
+     is ``exp(forward log-prob - behaviour log-prob)``; its raw statistics
+     (token level, ``RatioStats``) are reported whenever behaviour log-probs
+     are given. With ``behaviour_corrections=(ImportanceCorrection(...),)``
+     the rows holding behaviour log-probs are reweighted at its level, clips
+     and bound (NOTE [Importance correction] Rules 2-4, 9-10; its ``policy``
+     is not used); a real target of such a row without a behaviour log-prob
+     takes part in no ratio and gets no gradient. This runs before any
+     staleness correction of the record, which then multiplies in.
+  5. A record with behaviour data adds one host read at backward (its lags
+     and counts, NOTE [Host syncs]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .host_reads import read_on_host
+from .importance import CorrectionStats, RatioStats, correct_cotangent
+from .records import ForwardRecord
+from .staleness import staleness
+
+__all__ = ["BehaviourStats", "behaviour_cotangent"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BehaviourStats:
+    """One record's behaviour tokens (Rules 2-4): lag distribution, stale tokens masked, ratio statistics.
+
+    ``tokens``: behaviour tokens (stale ones included). Lags are 0 when
+    ``tokens`` is 0. ``ratio``: ``None`` without behaviour log-probs;
+    ``correction``: ``None`` without a behaviour correction.
+    """
+
+    tokens: int
+    lag_min: int
+    lag_median: int
+    lag_max: int
+    lag_histogram: dict[int, int]
+    max_behaviour_staleness: int | None
+    stale_tokens: int
+    ratio: RatioStats | None
+    correction: CorrectionStats | None
+
+
+def behaviour_cotangent(record: ForwardRecord, cotangent: torch.Tensor) -> tuple[torch.Tensor, BehaviourStats | None]:
+    """``record``'s cotangent with stale behaviour tokens masked and any behaviour correction applied."""
+    batch = record.batch
+    if batch.behaviour_revisions is None and batch.behaviour_logprobs is None:
+        return cotangent, None
+    real = batch.targets >= 0  # (B, T)
+    revisions = batch.behaviour_revisions if batch.behaviour_revisions is not None else torch.full_like(batch.targets, -1)
+    known = real & (revisions >= 0)
+    lags = record.version.revision - revisions  # (B, T), Rule 2
+    bound = record.options.max_behaviour_staleness
+    stale = known & (lags > bound) if bound is not None else torch.zeros_like(known)
+    cotangent = cotangent.masked_fill(stale, 0.0)  # Rule 3
+    ratio, correction = None, None
+    if batch.behaviour_logprobs is not None:
+        used = real & ~stale & ~batch.behaviour_logprobs.isnan()
+        forward = record.forward_logprobs
+        ratio = RatioStats.of(torch.exp(forward[used].double() - batch.behaviour_logprobs[used].double()))
+        cotangent, correction = _corrected(record, cotangent, used)
+    *known_lags, stale_tokens = read_on_host(torch.cat((lags[known], stale.sum().view(1))), "behaviour lags")  # Rule 5
+    histogram: dict[int, int] = {}
+    for lag in sorted(known_lags):
+        histogram[lag] = histogram.get(lag, 0) + 1
+    ordered = sorted(known_lags) or [0]
+    return cotangent, BehaviourStats(
+        tokens=len(known_lags), lag_min=ordered[0], lag_median=ordered[(len(ordered) - 1) // 2], lag_max=ordered[-1],
+        lag_histogram=histogram, max_behaviour_staleness=bound, stale_tokens=stale_tokens,
+        ratio=ratio, correction=correction)
+
+
+def _corrected(record: ForwardRecord, cotangent: torch.Tensor,
+               used: torch.Tensor) -> tuple[torch.Tensor, CorrectionStats | None]:
+    """Rule 4's reweighting of the rows holding behaviour log-probs, when a behaviour correction is asked for."""
+    correction = record.options.behaviour_correction
+    rows = used.any(-1)
+    if correction is None or not bool(rows.any()):
+        return cotangent, None
+    corrected = cotangent.clone()
+    corrected[rows], stats = correct_cotangent(
+        cotangent[rows], record.forward_logprobs[rows], record.batch.behaviour_logprobs[rows], correction,
+        staleness(record.checkpoint, record.version), used[rows])
+    return corrected, stats

@@ -1,0 +1,51 @@
+"""The rollout canary: its detector, one mismatch cell each way (fast), the whole quick canary and its report (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from canaries.rollout import scenarios
+from canaries.rollout.canary import _ratio_moves, judge
+from canaries.rollout.scenarios import Setting
+from reference_trainer.importance import RatioStats
+from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
+from reports.rollout import section
+from validation.evidence import make_record
+
+CPU = torch.device("cpu")
+
+
+class _Stats:
+    def __init__(self, low: float, high: float) -> None:
+        self.ratio = RatioStats(min=low, max=high, mean=(low + high) / 2, quantiles={})
+
+
+def test_the_detector_fires_on_ratios_off_one_and_not_on_ratios_of_one() -> None:
+    assert not _ratio_moves(_Stats(1.0, 1.0))
+    assert not _ratio_moves(_Stats(1 - FP32_LOGPROB_TOLERANCE / 2, 1 + FP32_LOGPROB_TOLERANCE / 2))
+    assert _ratio_moves(_Stats(1.0, 1.001)) and _ratio_moves(_Stats(0.999, 1.0))
+
+
+def test_an_fp32_cell_is_within_the_tolerance_and_a_bf16_cell_is_not() -> None:
+    fp32 = scenarios.mismatch(Setting("fp32", True, 2, "left+right"), 3, CPU)
+    bf16 = scenarios.mismatch(Setting("bf16", True, 2, "left+right"), 3, CPU)
+    assert len(fp32) == len(bf16) == 6
+    assert max(map(abs, fp32)) <= FP32_LOGPROB_TOLERANCE < max(map(abs, bf16))
+
+
+@pytest.mark.slow
+def test_the_quick_canary_passes_catches_its_negative_controls_and_renders(tmp_path: Path) -> None:
+    judged = judge("cpu", "quick")
+    checks = {c.name: c for c in judged.checks}
+    assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
+    assert {"negative_control_filled_logprobs_caught", "negative_control_skipped_publication_caught",
+            "publication_faults_leave_engine_bitwise", "inflight_versions_exact"} <= set(checks)
+    assert len(judged.measurements["mismatch"]) == 24
+    record = make_record(judged.kind, config=judged.config, checks=judged.checks, measurements=judged.measurements)
+    view = section(record, tmp_path)
+    assert view.passed and view.key_figure.startswith("worst FP32 gap")
+    assert len(view.tables["engine against trainer per setting"]) == 24
+    assert [f.path.stat().st_size > 0 for f in view.figures] == [True]
