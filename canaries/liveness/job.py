@@ -35,7 +35,6 @@ __all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "job"]
 CASES = ("lag", "kill", "skip", "none")
 INJECTED_RANK = 1
 LAG_PAST_DEADLINE_S = 1.0
-LOGICAL_DP = 2
 
 
 def _lag(seconds: float) -> None:
@@ -67,7 +66,7 @@ def job(case: str, deadline_s: float, pid_dir: str) -> dict[str, Any]:
         for step in range(2):
             if case == "lag" and step == 1 and injected:
                 _lag(deadline_s + LAG_PAST_DEADLINE_S)
-            rt.run_logical(_step_body(case, step, rank), trainer, logical_dp=LOGICAL_DP, timeout_s=60.0)
+            rt.run_logical(_step_body(case, step, rank), trainer, logical_dp=2, timeout_s=60.0)
             if not (case == "skip" and step == 0 and injected):
                 trainer.optim_step()
     except rt.PeerError as error:
