@@ -137,4 +137,5 @@ def judge(preset: str, profile: str) -> Judged:
         print(f"{'SKIP' if check.skipped else 'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
     config = {"preset": preset, "profile": profile, "deadline_s": DEADLINE_S, "margin_s": MARGIN_S,
               "processes": 2, "backend": "gloo", "cases": list(CASES)}
-    return Judged(KIND, config, checks, {"cases": rows})
+    named = {case: (row["diagnosis"] or {}).get("text", "no dump") for case, row in rows.items() if case != "none"}
+    return Judged(KIND, config, checks, {"deadline_s": DEADLINE_S, "margin_s": MARGIN_S, **named, "cases": rows})
