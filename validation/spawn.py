@@ -191,6 +191,8 @@ def _worker(
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", rank)
             torch.cuda.set_device(options["device_id"])
+            if watch is not None:  # torch's flight recorder, read when the group is made
+                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
         if watch is not None:
             watchdog.install(watch.deadline_s, watch.folder, rank=rank, store=store)

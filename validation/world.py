@@ -198,6 +198,8 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple, backen
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(options["device_id"])
+            if watch is not None:  # torch's flight recorder, read when the group is made
+                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
         dist.init_process_group(backend, store=dist.PrefixStore(f"rtv/group/{call}", joined_world.store),
                                 rank=world.rank, world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **options)
