@@ -106,7 +106,7 @@ def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> li
         return [baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)]
     judged = [benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                              progress=True, traces=run_dir / "traces")]
+                              progress=True, traces=run_dir / "traces", pauses=True)]
     if args.profile in SWEPT_PROFILES:
         with suite.threads(args.threads):
             budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)

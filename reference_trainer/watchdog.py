@@ -318,11 +318,11 @@ def first_disagreement(traces: Mapping[int, Sequence[CollectiveRecord]], world_s
         records = {rank: seqs.get(seq) for rank, seqs in sorted(by_seq.items())}
         reference = _reference([r for r in records.values() if r is not None])
         odd = tuple(rank for rank, r in records.items() if r is None or r.signature() != reference.signature())
-        if odd or (dead and reference.ended is None):
+        if odd:
             return Disagreement(seq, reference, records, odd, dead)
     if not dead or not every:
         return None
-    last = every[-1]  # every rank agrees to the end: the dead ranks are missing from what comes next
+    last = every[-1]  # the live ranks agree to the end: the dead ranks are missing from the collective they were in
     records = {rank: seqs.get(last) for rank, seqs in sorted(by_seq.items())}
     return Disagreement(last, _reference([r for r in records.values() if r is not None]), records, (), dead)
 

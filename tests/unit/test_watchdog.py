@@ -132,10 +132,23 @@ def test_without_a_watchdog_a_failed_collective_dumps_nothing(tmp_path: Path) ->
     assert not list(tmp_path.iterdir())
 
 
+class AskingStore:
+    """A store whose dump request is present; after a few looks it stops the listener, so no run waits forever."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.store, self.stop, self.looks = dist.HashStore(), stop, 0
+        self.store.set("rtv/watchdog/dump", "0")
+
+    def check(self, keys: list[str]) -> bool:
+        self.looks += 1
+        if self.looks >= 3:
+            self.stop.set()
+        return self.store.check(keys)
+
+
 def test_a_dump_request_on_the_store_makes_a_live_process_dump_its_stack(tmp_path: Path) -> None:
-    store = dist.HashStore()
-    dog = watchdog.Watchdog(5.0, tmp_path, 1, store, "rtv/watchdog/dump", threading.Event())
-    store.set("rtv/watchdog/dump", "0")
+    stop = threading.Event()
+    dog = watchdog.Watchdog(5.0, tmp_path, 1, AskingStore(stop), "rtv/watchdog/dump", stop)
     dog._listen()  # returns once it has seen the request
     body = json.loads((tmp_path / "rank-1-asked.json").read_text())
     assert body["reason"] == "asked" and "_listen" in body["stack"] and body["error"] is None
