@@ -8,7 +8,8 @@ bounds every collective step. ``Comm`` sends control messages through rank 0
 (a star, so a silent peer is named) and tensors through collectives
 (NOTE [Logical ranks] Rule 8, in ``ranks/__init__.py``); ``PeerFailure`` carries an
 exception to another process, which raises the same type (Rule 6). A peer
-that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``.
+that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``;
+each collective is traced and dumped on failure (NOTE [Collective watchdog]).
 
 NOTE [NCCL timeouts]: on CUDA the backend follows the model's device
 (:func:`select_backend`: NCCL only for a CUDA model), ``init_distributed``

@@ -44,11 +44,12 @@ on timeout (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
 (torch's flight recorder exists for NCCL only, and records the backend's
 collectives, not the trainer call that issued them nor our control
 messages) and the comparison of traces (the flight recorder's analyser reads
-NCCL dumps only). ``monitored_barrier`` is not used: ``Comm``'s control
-exchange already goes through rank 0 peer by peer with a timeout each, which
-names a silent peer the way ``monitored_barrier`` does, and a barrier of its
-own after a failure would wait a second deadline for a peer that is not
-coming.
+NCCL dumps only). ``monitored_barrier`` is not used inside a job:
+``Comm``'s control exchange already goes through rank 0 peer by peer with a
+timeout each, which names a silent peer the way ``monitored_barrier`` does;
+a watched spawned job ends with one, bounded by the deadline
+(``validation.spawn``), so a rank that died after its last collective is
+named there too.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ _ACTIVE: Watchdog | None = None
 def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = None,
             key: str = "rtv/watchdog/dump") -> Watchdog:
     """Watch this process's collectives from now on (the trace restarts at 0); replaces a watchdog installed before."""
-    global _ACTIVE
+    global _ACTIVE, _TRACE
     if not is_number(deadline_s) or not deadline_s > 0:
         raise ConfigError("deadline_s", deadline_s, "a number of seconds > 0")
     uninstall()
@@ -227,7 +228,6 @@ def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = No
     if store is not None:
         watchdog._stop = threading.Event()
         threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True).start()
-    global _TRACE
     _TRACE = _Trace()
     _ACTIVE = watchdog
     return watchdog

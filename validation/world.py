@@ -15,7 +15,8 @@ that runs depends on how ``rtv`` was started:
    call asks for, NCCL on ``cuda:LOCAL_RANK``), runs ``fn``, leaves the group
    and posts its value back, which rank 0 returns as a spawn would have (a
    rank that raised: :class:`validation.spawn.SpawnError` with every rank's
-   story). Between calls no process group exists, so rank 0's one-process
+   story). A watched call (NOTE [Hang reports]) posts each process's
+   watchdog dumps with its value, so rank 0's folder holds every node's. Between calls no process group exists, so rank 0's one-process
    checks stay one-process. The other ranks only serve calls until rank 0 is
    done; they write nothing, so every record is written once, by rank 0, and
    carries every process's facts (:func:`world_facts`: host, node rank, local
@@ -36,6 +37,7 @@ import socket
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import SetupError
@@ -165,8 +167,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     _JOINED.store.set(f"rtv/call/{call}", pickle.dumps((fn, args, backend, dist_timeout_s, watch)))
     _run_call(_JOINED, fn, args, backend, dist_timeout_s, watch)
     messages = [pickle.loads(_get(_JOINED.store, f"rtv/result/{call}/{rank}")) for rank in range(world_size)]
-    outcomes = [RankOutcome(rank, value, error, 0) for rank, (value, error) in enumerate(messages)]
+    outcomes = [RankOutcome(rank, value, error, 0) for rank, (value, error, _) in enumerate(messages)]
     if watch is not None:
+        for _, _, dumps in messages:  # another node's dumps were written on its own disk
+            for name, text in dumps.items():
+                if not (Path(watch.folder) / name).exists():
+                    (Path(watch.folder) / name).write_text(text)
         return _checked(outcomes, watch, True, "run_ranks: a rank of the torchrun world failed")
     if not all(o.ok for o in outcomes):
         raise SpawnError(outcomes, "run_ranks: a rank of the torchrun world failed")
@@ -213,7 +219,8 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple, backen
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every rank's story goes back to rank 0, as from a spawned rank
         message = (None, traceback.format_exc())
-    joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps(message))
+    dumps = {} if watch is None else {p.name: p.read_text() for p in Path(watch.folder).glob(f"rank-{world.rank}-*")}
+    joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps((*message, dumps)))
 
 
 def _get(store: Any, key: str) -> bytes:

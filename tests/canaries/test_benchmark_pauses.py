@@ -64,6 +64,8 @@ def test_the_bytes_of_a_save_are_its_manifests_files_and_the_manifest(tmp_path: 
     for _ in range(2):  # the second save replaces the first: only the one in force counts
         trainer.save(tmp_path / "save")
     (folder,) = (tmp_path / "save").glob("save-*")
+    (tmp_path / "save" / "save-000000").mkdir()  # what a writer killed before its LATEST left: not in force
+    (tmp_path / "save" / "save-000000" / "weights.bin").write_bytes(b"x" * 1000)
     manifest = json.loads((folder / "manifest.json").read_text())
     listed = sum(entry["bytes"] for entry in manifest["files"].values())
     assert saved_bytes(tmp_path / "save") == listed + (folder / "manifest.json").stat().st_size
