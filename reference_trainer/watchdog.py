@@ -91,6 +91,8 @@ TRACE_LENGTH = 64
 BACKSTOP_MARGIN_S = 30.0  # Rule 4: how long past the deadline a wait may block before the process is ended
 SAME_SHAPE_OPS = ("all_gather", "broadcast", "gather")  # every rank passes the same shape (all_to_all's splits differ)
 _POLL_S = 0.1  # how often a listener looks for a dump request (Rule 3)
+# (op, group, call, dtypes, shapes or None): what ranks must agree on at one sequence number (Rule 5)
+Signature = tuple[str, str, str, tuple[str, ...], "tuple[tuple[int, ...], ...] | None"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class CollectiveRecord:
     started: float  # time.time()
     ended: float | None = None
 
-    def signature(self) -> tuple:
+    def signature(self) -> Signature:
         """What must be equal on every rank at this sequence number (Rule 5)."""
         shapes = self.shapes if self.op in SAME_SHAPE_OPS else None
         return (self.op, self.group, self.call, self.dtypes, shapes)
@@ -191,6 +193,7 @@ class Watchdog:
             error.add_note(f"watchdog: this process's stack and collective trace are in {path}")
 
     def _listen(self) -> None:
+        assert self._stop is not None, "install starts a listener only with its stop event"
         while not self._stop.wait(_POLL_S):
             try:
                 asked = self.store.check([self.key])
@@ -224,7 +227,7 @@ def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = No
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     watchdog = Watchdog(float(deadline_s), folder, rank, store, key)
-    watchdog._backstop = open(folder / f"rank-{rank}-backstop.txt", "w")  # noqa: SIM115 - faulthandler keeps its fd
+    watchdog._backstop = open(folder / f"rank-{rank}-backstop.txt", "w")  # faulthandler keeps its fd: closed by uninstall
     if store is not None:
         watchdog._stop = threading.Event()
         threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True).start()
@@ -329,7 +332,7 @@ def first_disagreement(traces: Mapping[int, Sequence[CollectiveRecord]], world_s
 
 def _reference(records: list[CollectiveRecord]) -> CollectiveRecord:
     """The record most ranks hold at one sequence number; ties go to the lowest rank's (``records`` in rank order)."""
-    counts: dict[tuple, int] = {}
+    counts: dict[Signature, int] = {}
     for record in records:
         counts[record.signature()] = counts.get(record.signature(), 0) + 1
     return max(records, key=lambda r: counts[r.signature()])  # max keeps the first of equals
@@ -337,7 +340,7 @@ def _reference(records: list[CollectiveRecord]) -> CollectiveRecord:
 
 def read_dumps(folder: str | Path) -> dict[int, list[CollectiveRecord]]:
     """Each rank's trace from its earliest dump in ``folder`` (its snapshot at detection time, Rule 5)."""
-    earliest: dict[int, dict] = {}
+    earliest: dict[int, dict[str, Any]] = {}
     for path in Path(folder).glob("rank-*.json"):
         body = json.loads(path.read_text())
         if body["rank"] not in earliest or body["dumped_at"] < earliest[body["rank"]]["dumped_at"]:
