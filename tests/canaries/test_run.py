@@ -161,7 +161,7 @@ class WatchedCanary(FakeCanary):
 
     def __init__(self, name: str, *, hangs: bool = False) -> None:
         super().__init__(name)
-        self.hangs, self.deadlines = hangs, []
+        self.hangs, self.deadlines, self.summary = hangs, [], "a stand-in that may hang"
 
     def run(self, preset: str, profile: str, out_dir: Path) -> Path:
         from validation.hangs import HangDetected, next_watch
@@ -196,3 +196,12 @@ def test_a_hang_timeout_that_is_not_a_positive_number_is_a_usage_error(tmp_path,
     with pytest.raises(SystemExit) as info:
         main(["run", "--hang-timeout", value, "--out", str(tmp_path)])
     assert info.value.code == 2 and "--hang-timeout" in capsys.readouterr().err
+
+
+def test_rtv_canary_exits_7_on_a_hang_with_the_diagnosis_and_watches_with_its_flag(monkeypatch, tmp_path, capsys):
+    hung = WatchedCanary("hung", hangs=True)
+    monkeypatch.setitem(registry.CANARIES, "hung", hung)  # the command line reads the registry's own dict
+    assert main(["canary", "hung", "--hang-timeout", "9", "--out", str(tmp_path)]) == 7
+    assert hung.deadlines == [9.0]
+    err = capsys.readouterr().err
+    assert "rank 1 never reached it" in err and "fix: read" in err
