@@ -1,10 +1,10 @@
 """``rtv``: the one command line of the harness (a thin layer over the packages).
 
     rtv run [--preset cpu|gpu|gpu-8b] [--nproc N] [--inject-mutation NAME] [--inject-failure]
-            [--threads N] [--seed S] [--gate] [--out DIR]
+            [--threads N] [--seed S] [--gate] [--hang-timeout S] [--out DIR]
                                           the main job, one path for every preset (canaries.suite):
                                           smoke, every registered canary, one report
-    rtv canary NAME [--preset P] [--profile quick|default|nightly] [--out DIR]
+    rtv canary NAME [--preset P] [--profile quick|default|nightly] [--hang-timeout S] [--out DIR]
     rtv bench [--preset P] [--profile quick|default|nightly] [--gate G] [--target R] [--out DIR]
               [--baseline [REV] [--arm A ...]]   this source against REV's (default: the merge base with main)
               [--sweep]                          only the cost-growth sweep (default and nightly run it too)
@@ -24,7 +24,8 @@ package.
 
 Exit status (docs/harness.md#exit-codes): 0 when every enforced check passed, 1 when one
 failed or a step raised (a shown-not-enforced canary, the benchmark, fails
-the run only under ``--gate``), 2 for usage and setup errors. The console
+the run only under ``--gate``), 2 for usage and setup errors, 7 when a
+collective hung past ``--hang-timeout`` (``validation.hangs``). The console
 script enters through ``canaries.entry`` (Python and torch checked first). A
 ``validation.errors.HarnessError`` is printed as its cause and its fix, and
 exits with its ``exit_code``.
@@ -68,7 +69,8 @@ def _passed(path: Path) -> bool:
 def _run(args: argparse.Namespace) -> int:
     """``rtv run``: the one run path of every preset (``canaries.suite.run``)."""
     request = suite.RunRequest(preset=args.preset, out=args.out, nproc=args.nproc, inject_mutation=args.inject_mutation,
-                         inject_failure=args.inject_failure, threads=args.threads, seed=args.seed, gate=args.gate)
+                         inject_failure=args.inject_failure, threads=args.threads, seed=args.seed, gate=args.gate,
+                         hang_timeout_s=args.hang_timeout)
     return suite.run(request)
 
 
@@ -76,7 +78,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _canary_command(args: argparse.Namespace) -> int:
-    with suite.threads(args.threads):
+    from validation.hangs import watching
+
+    from .presets import preset
+
+    deadline = args.hang_timeout if args.hang_timeout is not None else preset(args.preset).hang_timeout_s
+    with suite.threads(args.threads), watching(deadline, args.out):
         path = canary(args.name).run(args.preset, args.profile, args.out)
     passed = _passed(path)
     print(f"rtv canary {args.name}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
@@ -102,7 +109,7 @@ def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> li
         return [baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)]
     judged = [benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                              progress=True, traces=run_dir / "traces")]
+                              progress=True, traces=run_dir / "traces", pauses=True)]
     if args.profile in SWEPT_PROFILES:
         with suite.threads(args.threads):
             budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)
@@ -215,6 +222,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value < 1:
@@ -235,7 +249,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description=f"Run the smoke, every registered canary ({', '.join(CANARIES)}) on --preset "
         f"(profile: {', '.join(f'{p} {q}' for p, q in suite.RUN_PROFILES.items())}), and render a report, all in a new "
         "folder under --out; every flag applies to every preset. Exits 1 if anything failed, 2 when refused "
-        "(a GPU preset without CUDA, --nproc above the GPUs, a mutation that cannot show on the preset).",
+        "(a GPU preset without CUDA, --nproc above the GPUs, a mutation that cannot show on the preset), "
+        "7 when a collective hung past --hang-timeout.",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: ./rtv-out)")
     run.add_argument("--seed", type=int, default=0, help="seed for the smoke's weights and tokens (default: 0)")
@@ -257,6 +272,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
     run.add_argument("--nproc", type=_positive, default=None,
                      help="processes for the logical-rank parts (default: the preset's; a GPU preset: at most its GPUs)")
+    run.add_argument("--hang-timeout", type=_seconds, default=None, metavar="S",
+                     help="collective watchdog deadline in seconds (default: the preset's); a collective that waits "
+                     "longer dumps every process's stack and trace into the run folder and the run exits 7")
     run.set_defaults(handler=_run)
 
     listing = "\n".join(f"  {c.name:12} {c.summary}" for c in CANARIES.values())
@@ -271,6 +289,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                help="depth: quick (seconds), default, nightly (minutes)")
     canary_parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
     canary_parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    canary_parser.add_argument("--hang-timeout", type=_seconds, default=None, metavar="S",
+                               help="collective watchdog deadline in seconds (default: the preset's); a hang exits 7")
     canary_parser.set_defaults(handler=_canary_command)
 
     bench = sub.add_parser(

@@ -50,6 +50,7 @@ class Preset:
     memory_limit_bytes: int | None = None
     swapped: bool = False  # a GPU preset running on CPU with a small shape
     oracle_layers: int | None = None  # the FP64 oracle's canaries run the model's first N layers (None: all)
+    hang_timeout_s: float = 120.0  # the collective watchdog's deadline (rtv run --hang-timeout; validation.hangs)
 
     @property
     def oracle_model(self) -> ModelConfig:
@@ -92,6 +93,7 @@ class Preset:
             "memory_limit_bytes": self.memory_limit_bytes,
             "swapped_for_cpu": self.swapped,
             "oracle_layers": self.oracle_layers,
+            "hang_timeout_s": self.hang_timeout_s,
         }
 
 
@@ -106,6 +108,7 @@ PRESETS: dict[str, Preset] = {
         logical_dp=2,
         sequences=4,
         seq_len=256,
+        hang_timeout_s=300.0,
     ),
     "gpu-8b": Preset(
         "gpu-8b",
@@ -117,6 +120,7 @@ PRESETS: dict[str, Preset] = {
         sequences=4,
         seq_len=256,  # capped: the FP64 oracle's activations grow with every token
         oracle_layers=4,  # the FP64 oracle checks the 8B shape on its first 4 of 36 layers (stated in the evidence)
+        hang_timeout_s=600.0,
     ),
 }
 

@@ -139,6 +139,8 @@ CANARIES: dict[str, Canary] = {
                takes_checks=True),
         Canary(name="resume", module="canaries.resume.canary",
                summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
+        Canary(name="liveness", module="canaries.liveness.canary",
+               summary="injected hangs (a lagging, a killed, a diverging rank) are reported in time, naming the rank and the collective"),
         Canary(name="planner", module="canaries.planner.canary",
                summary="auto's placements and the planner's byte estimates against every measured placement (certificate)"),
         Canary(name="rollout", module="canaries.rollout.canary",

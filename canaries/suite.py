@@ -16,7 +16,10 @@ through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
    preset's profile (:data:`RUN_PROFILES`), then the report; an injected
    mutation or failure is in every record's ``config["injected"]``
    (``validation.evidence.injected``) and on the report's board;
-3. a summary; exit 1 if a step failed, else 0.
+3. a summary; exit 7 (``validation.hangs.HANG_EXIT_CODE``) if a canary's
+   processes hung (the canaries run inside ``validation.hangs.watching``
+   with ``hang_timeout_s``, default the preset's: NOTE [Hang reports]), 1
+   if a step failed, else 0.
 
 The run folder is ``<out>/run-<preset>-<stamp>`` (``validation.evidence.evidence_path``)
 on every preset. :func:`run_canaries` runs each canary of
@@ -44,6 +47,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
+from validation.hangs import HANG_EXIT_CODE, HangDetected, watching
 from validation.evidence import DEFAULT_OUT, Check, evidence_path, injected, verify, write_once
 from validation.world import world_facts
 
@@ -66,6 +70,7 @@ class RunRequest:
     threads: int = 1
     seed: int = 0
     gate: bool = False
+    hang_timeout_s: float | None = None  # the collective watchdog's deadline (None: the preset's)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class CanaryOutcome:
     passed: bool
     enforced: bool
     where: str  # the evidence path, or why there is none
+    hung: bool = False  # it raised validation.hangs.HangDetected: the run exits HANG_EXIT_CODE
 
     @property
     def fails_run(self) -> bool:
@@ -169,9 +175,10 @@ def run(request: RunRequest) -> int:
     _require_gpus(request.preset, None if world_facts() is not None else request.nproc)  # a world: a GPU each
     config = preset(request.preset, request.nproc).on_this_machine()
     check_fits(config, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
+    deadline = request.hang_timeout_s if request.hang_timeout_s is not None else config.hang_timeout_s
     with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config), \
             _failure(request.inject_failure):
-        return _steps(request)
+        return _steps(request, deadline)
 
 
 def _smoke(out: Path, *, seed: int, inject_failure: bool) -> Path:
@@ -188,10 +195,11 @@ def _smoke(out: Path, *, seed: int, inject_failure: bool) -> Path:
     return path
 
 
-def _steps(request: RunRequest) -> int:
+def _steps(request: RunRequest, hang_timeout_s: float) -> int:
     run_dir = evidence_path(request.out, f"run-{request.preset}").with_suffix("")  # named like the records it holds
     run_dir.mkdir(parents=True, exist_ok=False)
-    print(f"rtv run --preset {request.preset}: evidence goes to {run_dir}", flush=True)
+    print(f"rtv run --preset {request.preset}: evidence goes to {run_dir} (hang deadline {hang_timeout_s:g} s)",
+          flush=True)
     started = time.perf_counter()
     outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
     try:
@@ -203,7 +211,9 @@ def _steps(request: RunRequest) -> int:
         traceback.print_exc()
         outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
     profile = RUN_PROFILES[request.preset]
-    for outcome in run_canaries(request.preset, profile, run_dir, gate=request.gate, echo=tqdm.write):
+    with watching(hang_timeout_s, run_dir):
+        ran = run_canaries(request.preset, profile, run_dir, gate=request.gate, echo=tqdm.write)
+    for outcome in ran:
         outcomes.append(("FAIL" if outcome.fails_run else outcome.state, outcome.label, outcome.where))
     print("\n== report ==", flush=True)
     report = None
@@ -222,6 +232,10 @@ def _steps(request: RunRequest) -> int:
     print(f"rtv run: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}; everything is in {run_dir}")
     if report is not None:
         print(f"report: {report.html}\n  (Markdown: {report.markdown}; {len(report.plots)} plots)")
+    hung = [o.label for o in ran if o.hung]
+    if hung:
+        print(f"rtv run: a collective hung in {', '.join(hung)} (exit {HANG_EXIT_CODE}); the dumps are in {run_dir / 'hangs'}")
+        return HANG_EXIT_CODE
     return 0 if not failed else 1
 
 
@@ -233,6 +247,7 @@ def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False
         label = f"canary {canary.name} ({profile})"
         enforced = canary.enforced or gate
         echo(f"\n== {label} ==")
+        hung = False
         try:
             options = {"gate": True} if gate and canary.takes_gate else {}
             path = canary.run(preset, profile, run_dir, **options)
@@ -241,8 +256,8 @@ def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False
             raise
         except Exception as error:  # noqa: BLE001 - one broken canary must not hide the others (HarnessError too)
             traceback.print_exc()
-            passed, where = False, f"raised {type(error).__name__}: {error}"
-        outcome = CanaryOutcome(canary.name, label, passed, enforced, where)
+            passed, where, hung = False, f"raised {type(error).__name__}: {error}", isinstance(error, HangDetected)
+        outcome = CanaryOutcome(canary.name, label, passed, enforced, where, hung)
         echo(f"{outcome.state}  {label}: {where}")
         outcomes.append(outcome)
     return outcomes

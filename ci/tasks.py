@@ -28,6 +28,11 @@ module adds the rules SkyPilot does not know and the launcher relies on:
 5. ``setup`` installs the project the README's way, wrapped in ``timeout
    ... "$RTV_SETUP_LIMIT"``: SkyPilot's autodown starts only once the job
    runs, so a hung setup would otherwise hold the cluster forever.
+6. A ``run`` that runs ``rtv run`` (``rtv" run`` or ``canaries.entry run``)
+   passes it ``--hang-timeout "$RTV_HANG_TIMEOUT"``, declared in ``envs`` in
+   seconds and below ``RTV_TIME_LIMIT``: a hung collective ends the job by
+   the watchdog (exit 7, its dumps in the evidence frame) before the task's
+   own limit, and the frame and the teardown still follow.
 
 A file that breaks a rule, or that SkyPilot refuses, raises
 :class:`TaskFileError` (exit 2) naming the file, what was expected and
@@ -50,6 +55,7 @@ ALTERNATIVE_LABEL = "rtv-alternative"  # the resources label naming each failove
 
 EMIT = '-m ci.frames emit "$RTV_OUT" --status "$status"'  # the run's last step (rule 4)
 CLEAN = 'rm -rf "$RTV_OUT"'  # the run's first step (rule 4)
+HANG_FLAG = '--hang-timeout "$RTV_HANG_TIMEOUT"'  # what rtv run is given (rule 6)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -171,6 +177,23 @@ def _check_autodown(path: Path, res: Any, where: str) -> None:
         pass  # the provider's SDK is not installed here: its support cannot be checked (module docstring)
 
 
+def _check_hang_timeout(path: Path, envs: dict[str, str], run: str, time_limit_s: float) -> None:
+    """Rule 6."""
+    if not re.search(r'(rtv"? |canaries\.entry )run\b', run):
+        return
+    if HANG_FLAG not in run:
+        raise _fail(path, f"expected `rtv run` in `run` to pass `{HANG_FLAG}`, found no such flag",
+                    f"add {HANG_FLAG} to the rtv run command and RTV_HANG_TIMEOUT (seconds) to envs")
+    try:
+        seconds = float(envs.get("RTV_HANG_TIMEOUT", ""))
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < time_limit_s:
+        raise _fail(path, f"expected envs RTV_HANG_TIMEOUT in seconds, > 0 and below RTV_TIME_LIMIT "
+                          f"({time_limit_s:g} s), found {envs.get('RTV_HANG_TIMEOUT')!r}",
+                    "declare RTV_HANG_TIMEOUT: \"300\" (the watchdog must end a hung job before the task's limit)")
+
+
 def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] | None = None) -> TaskSpec:
     """Parse ``path`` with SkyPilot and check the rules above; :class:`TaskFileError` otherwise.
 
@@ -219,6 +242,7 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
         raise _fail(path, "expected `setup` to install the project under `timeout ... \"$RTV_SETUP_LIMIT\"`, "
                           f"found {'no setup' if not setup.strip() else 'no such call'}",
                     'wrap it: timeout --kill-after=30s "$RTV_SETUP_LIMIT" bash -euxc \'make install ...\'')
+    _check_hang_timeout(path, envs, run, limits["RTV_TIME_LIMIT"])
     infra = str(res.cloud).lower() if res.cloud is not None else None
     return TaskSpec(
         path=path, task=task, name=task.name or path.stem, accelerators=accelerators,

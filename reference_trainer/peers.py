@@ -8,7 +8,8 @@ bounds every collective step. ``Comm`` sends control messages through rank 0
 (a star, so a silent peer is named) and tensors through collectives
 (NOTE [Logical ranks] Rule 8, in ``ranks/__init__.py``); ``PeerFailure`` carries an
 exception to another process, which raises the same type (Rule 6). A peer
-that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``.
+that dies, hangs or answers out of turn makes ``Comm`` raise ``PeerError``;
+each collective is traced and dumped on failure (NOTE [Collective watchdog]).
 
 NOTE [NCCL timeouts]: on CUDA the backend follows the model's device
 (:func:`select_backend`: NCCL only for a CUDA model), ``init_distributed``
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
+from .watchdog import current as current_watchdog, recorded
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -53,6 +55,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+_COMMAND = "zero-mode command"  # the trace's call of a zero-mode command, sent or awaited (the same on every rank)
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
 NCCL_WATCHDOG_MARGIN_S = 60.0
 _FROM_PEER = "_rt_from_peer"  # the attribute that marks an exception rebuilt from a peer's
@@ -240,16 +243,20 @@ class Comm:
         """Every process's ``obj``, by physical rank; raises ``PeerError`` if a peer does not answer in kind."""
         if not self.distributed:
             return [obj]
+        with recorded("exchange", "control", (), label):
+            return self._exchange(obj, label)
+
+    def _exchange(self, obj: Any, label: str) -> list[Any]:
         if self.rank != 0:
             self._send((label, obj), 0, label)
-            everyone: list[Any] = self._expect(0, label, self.timeout_s)
+            everyone: list[Any] = self._expect(0, label, self.wait_s)
             return everyone
         # Hear every peer out even after one failed: a live peer blocks in its send until
         # rank 0 receives it, and only then can it take the abort.
         parts, dead, failure = [obj], set(), None
         for peer in range(1, self.world_size):
             try:
-                their_label, value = self._recv(peer, label, self.timeout_s)
+                their_label, value = self._recv(peer, label, self.wait_s)
             except PeerError as exc:
                 dead.add(peer)
                 failure = failure or exc
@@ -286,11 +293,13 @@ class Comm:
 
     def broadcast_command(self, header: Any, label: str) -> None:
         """Rank 0 sends a zero-mode command (``zero.Header``) to every other process."""
-        self._fan_out((label, header), label)
+        with recorded("command", "control", (), _COMMAND):
+            self._fan_out((label, header), label)
 
     def next_command(self, after: str) -> Any:
         label = f"waiting for rank 0's next command (after {after})"
-        return self._expect(0, label, self.idle_timeout_s, any_label=True)
+        with recorded("command", "control", (), _COMMAND):
+            return self._expect(0, label, self.idle_timeout_s, any_label=True)
 
     def _fan_out(self, message: Any, label: str) -> None:
         for peer in range(1, self.world_size):
@@ -319,7 +328,7 @@ class Comm:
         for peer in range(1, self.world_size):
             if peer not in skip:
                 try:
-                    self._send(("abort", _Abort(failure)), peer, exc.command, timeout_s=min(self.timeout_s, 5.0))
+                    self._send(("abort", _Abort(failure)), peer, exc.command, timeout_s=min(self.wait_s, 5.0))
                 except PeerError:
                     pass
 
@@ -327,7 +336,7 @@ class Comm:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         self._count("control", sent=data.numel() + 8)
-        timeout_s = timeout_s or self.timeout_s
+        timeout_s = timeout_s or self.wait_s
         try:
             for tensor in (size, data):
                 _wait(dist.isend(tensor, peer, group=self.control), timeout_s)
@@ -364,7 +373,8 @@ class Comm:
             return local
         local = local.to(self.device).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(parts, local, async_op=True), label)
+        with recorded("all_gather", "data", (local,), label):
+            self._wait(dist.all_gather(parts, local, async_op=True), label)
         others = self.world_size - 1
         self._count("all_gather", sent=_nbytes(local) * others, received=_nbytes(local) * others)
         return torch.cat(parts)
@@ -375,10 +385,11 @@ class Comm:
             return parts
         local = torch.cat([part.to(self.device) for part in parts])
         received = torch.empty(sum(sizes), dtype=local.dtype, device=self.device)
-        work = dist.all_to_all_single(
-            received, local, output_split_sizes=sizes, input_split_sizes=[p.numel() for p in parts], async_op=True
-        )
-        self._wait(work, label)
+        with recorded("all_to_all", "data", (local,), label):
+            work = dist.all_to_all_single(
+                received, local, output_split_sizes=sizes, input_split_sizes=[p.numel() for p in parts], async_op=True
+            )
+            self._wait(work, label)
         mine = parts[self.rank].numel()
         item = local.element_size()
         self._count("all_to_all", sent=(local.numel() - mine) * item, received=(sum(sizes) - sizes[self.rank]) * item)
@@ -389,7 +400,8 @@ class Comm:
         if not self.distributed:
             return tensor
         tensor = tensor.to(self.device).contiguous()
-        self._wait(dist.broadcast(tensor, 0, async_op=True), label)
+        with recorded("broadcast", "data", (tensor,), label):
+            self._wait(dist.broadcast(tensor, 0, async_op=True), label)
         if self.rank == 0:
             self._count("broadcast", sent=_nbytes(tensor) * (self.world_size - 1))
         else:
@@ -404,7 +416,8 @@ class Comm:
         padded = torch.zeros(width, dtype=local.dtype, device=self.device)
         padded[: local.numel()] = local
         parts = [torch.empty_like(padded) for _ in sizes] if self.rank == 0 else None
-        self._wait(dist.gather(padded, parts, dst=0, async_op=True), label)
+        with recorded("gather", "data", (padded,), label):
+            self._wait(dist.gather(padded, parts, dst=0, async_op=True), label)
         if self.rank == 0:
             self._count("gather", received=_nbytes(padded) * (self.world_size - 1))
         else:
@@ -417,19 +430,24 @@ class Comm:
         count.sent += sent
         count.received += received
 
+    @property
+    def wait_s(self) -> float:
+        """How long one wait may take: ``timeout_s``, or the watchdog's deadline when shorter (NOTE [Collective watchdog])."""
+        watchdog = current_watchdog()
+        return self.timeout_s if watchdog is None else watchdog.bound(self.timeout_s)
+
     def _wait(self, work: Any, label: str) -> None:
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            work.wait(datetime.timedelta(seconds=self.wait_s))
         except RuntimeError as exc:
             others = [r for r in range(self.world_size) if r != self.rank]
             peer = others[0] if len(others) == 1 else None
             raise PeerError(
-                f"{label}: a collective with physical ranks {others} failed within {self.timeout_s:g} s; "
+                f"{label}: a collective with physical ranks {others} failed within {self.wait_s:g} s; "
                 f"a peer died or hung (check their logs): {exc}",
                 command=label,
                 peer=peer,
             ) from exc
-
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

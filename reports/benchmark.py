@@ -197,6 +197,34 @@ def _profile_line(group: dict) -> str:
             "'Where the versioned step's time goes').")
 
 
+PAUSE_LABELS = {"save": "trainer.save", "load": "Trainer.load", "offload": "a forward demoted to offload"}
+
+
+def _pauses_table(pauses: dict | None) -> pd.DataFrame:
+    """NOTE [Pause costs] Rule 2: per pause, its seconds and its ratio to the step, each with its interval."""
+    columns = ["pause", "seconds", "seconds CI", "× step", "× step CI", "extra s over the step", "extra s CI",
+               "bytes written", "blocks", "reading"]
+    rows = [{"pause": PAUSE_LABELS.get(a["arm"], a["arm"]), "seconds": number(a["seconds"], ".4g"),
+             "seconds CI": interval(*a["seconds_ci"], ".4g"), "× step": number(a["ratio"], ".3f"),
+             "× step CI": interval(*a["ratio_ci"], ".3f"), "extra s over the step": number(a["extra_seconds"], ".4g"),
+             "extra s CI": interval(*a["extra_seconds_ci"], ".4g"),
+             "bytes written": pauses["bytes"] if a["arm"] == "save" else MISSING, "blocks": a["blocks"],
+             "reading": a["reading"]} for a in (pauses or {}).get("arms", [])]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def pause_line(pauses: dict) -> str:
+    """One sentence for the pause costs (NOTE [Pause costs] Rule 2)."""
+    by_arm = {a["arm"]: a for a in pauses["arms"]}
+    save, load, offload = by_arm["save"], by_arm["load"], by_arm["offload"]
+    return (f"Pauses on {pauses['workload']} (step {number(pauses['step_seconds'], '.4g')} s): a save "
+            f"{number(save['ratio'], '.2f')} {interval(*save['ratio_ci'], '.2f', between='..')} of a step, "
+            f"writing {pauses['bytes'] / MIB:.2f} MiB; a load {number(load['ratio'], '.2f')} "
+            f"{interval(*load['ratio_ci'], '.2f', between='..')}; a forward demoted to offload "
+            f"+{number(offload['extra_seconds'], '.4g')} s {interval(*offload['extra_seconds_ci'], '.4g', between='..')}"
+            f" a step ({save['blocks']} ABBA blocks; {save['reading']}).")
+
+
 def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:
     gated = comparisons[comparisons["enforced"] & (comparisons["arm"] == "retain@s0")]
     if gated.empty:
@@ -231,6 +259,7 @@ def section(record: dict, folder: Path) -> Section:
     lines += [comparison_line(g["replay_floor"], g["label"], gate) for g in record["measurements"]["groups"]
               if g["replay_floor"]]
     lines += [_profile_line(g) for g in record["measurements"]["groups"] if g.get("profile")]
+    lines += [pause_line(record["measurements"]["pauses"])] if record["measurements"].get("pauses") else []
     links = [((f"{g['label']}: torch.profiler trace of {arm}'s median profiled block (Chrome trace JSON: Perfetto, "
                "chrome://tracing)"),
               Path(os.path.relpath(path, folder.parent)).as_posix())  # folder: the page's plots folder
@@ -246,6 +275,7 @@ def section(record: dict, folder: Path) -> Section:
         verdict=verdict, key_figure=key_figure, lines=lines,
         tables={"Comparisons": comparisons, "Arms": arms,
                 "Where retain@s0's extra time goes": _profile_table(record["measurements"]["groups"]),
+                "Pause costs": _pauses_table(record["measurements"].get("pauses")),
                 "Checks": checks_table(record)},
         figures=figures, links=links, failed_rows={"Comparisons": failed},
         shown=not enforced.any(),  # a verdict is shown only when no comparison is enforced (a gated group is)

@@ -15,7 +15,7 @@ from canaries.benchmark.arms import TimedArm, TimedWorkload
 from validation.evidence import verify
 from validation.load import Load
 
-__all__ = ["TINY", "FakeProbe", "FakeMeter", "FakeMachine", "tiny_plan", "run_fake"]
+__all__ = ["TINY", "FAKE_PAUSES", "FakeProbe", "FakeMeter", "FakeMachine", "fake_pauses", "tiny_plan", "run_fake"]
 
 TINY = TimedWorkload(model="tiny", sequences=1, seq_len=4)
 
@@ -71,6 +71,18 @@ class FakeMachine:
             self.now += self.costs.get(name, 1.0)
             return step() if self.real_steps is None or runs <= self.real_steps else 0.0
         return run
+
+
+FAKE_PAUSES = {"workload": TINY.label, "bytes": 2**20, "step_seconds": 0.5, "max_blocks": 8, "budget_s": 10.0,
+               "arms": [{"arm": arm, "blocks": 8, "ratio": ratio, "ratio_ci": [ratio - 0.1, ratio + 0.1],
+                         "seconds": ratio / 2, "seconds_ci": [ratio / 2 - 0.05, ratio / 2 + 0.05],
+                         "extra_seconds": ratio / 2 - 0.5, "extra_seconds_ci": [ratio / 2 - 0.55, ratio / 2 - 0.45],
+                         "reading": "measured"} for arm, ratio in (("save", 0.8), ("load", 0.4), ("offload", 1.2))]}
+
+
+def fake_pauses(monkeypatch) -> None:
+    """``rtv bench``'s pause costs stood in by :data:`FAKE_PAUSES` (the real ones save and load real trainers)."""
+    monkeypatch.setattr(benchmark, "measure_pauses", lambda workload, profile, **_: FAKE_PAUSES)
 
 
 def tiny_plan(preset: str, profile: str, profiled_blocks: int = 0) -> benchmark.Plan:

@@ -84,8 +84,13 @@ def spawn_ranks(
     dist_timeout_s: float = 30.0,
     check: bool = True,
     backend: str = "gloo",
+    watch: Any = None,
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` gloo processes; each rank's value, by rank.
+
+    ``watch`` (a ``validation.hangs.Watch``): each rank installs the
+    collective watchdog with its deadline and dump folder, and the rendezvous
+    store for dump requests (NOTE [Hang reports]); the caller settles it.
 
     ``backend="nccl"``: rank r runs on ``cuda:r`` (``torch.cuda.set_device``
     and ``device_id``, as ``reference_trainer.init_distributed`` does under
@@ -112,7 +117,7 @@ def spawn_ranks(
         reader, writer = context.Pipe(duplex=False)
         process = context.Process(
             target=_worker,
-            args=(rank, world_size, store.port, dist_timeout_s, writer, fn, args, backend),
+            args=(rank, world_size, store.port, dist_timeout_s, writer, fn, args, backend, watch),
             name=f"rank-{rank}",
             daemon=True,
         )
@@ -165,9 +170,12 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     backend: str,
+    watch: Any,
 ) -> None:
     import torch
     import torch.distributed as dist
+
+    from reference_trainer import watchdog
 
     os.environ.update(
         RANK=str(rank),
@@ -185,14 +193,22 @@ def _worker(
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", rank)
             torch.cuda.set_device(options["device_id"])
+            if watch is not None:  # torch's flight recorder, read when the group is made
+                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
+        if watch is not None:
+            watchdog.install(watch.deadline_s, watch.folder, rank=rank, store=store)
         message: tuple[Any, str | None] = (to_plain(fn(*args)), None)
     except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
         message = (None, traceback.format_exc())
     try:  # let every peer read its last message before this process goes away
-        dist.barrier()
+        if watch is not None and backend == "gloo":  # bounded by the deadline, naming a missing rank
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=watch.deadline_s), wait_all_ranks=True)
+        else:
+            dist.barrier()
     except Exception:  # noqa: BLE001 - a dead or broken peer: nothing left to wait for
         pass
+    watchdog.uninstall()
     pipe.send(message)
     pipe.close()
     # Skip interpreter and process-group teardown: with a dead peer it can block.

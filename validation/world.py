@@ -15,7 +15,8 @@ that runs depends on how ``rtv`` was started:
    call asks for, NCCL on ``cuda:LOCAL_RANK``), runs ``fn``, leaves the group
    and posts its value back, which rank 0 returns as a spawn would have (a
    rank that raised: :class:`validation.spawn.SpawnError` with every rank's
-   story). Between calls no process group exists, so rank 0's one-process
+   story). A watched call (NOTE [Hang reports]) posts each process's
+   watchdog dumps with its value, so rank 0's folder holds every node's. Between calls no process group exists, so rank 0's one-process
    checks stay one-process. The other ranks only serve calls until rank 0 is
    done; they write nothing, so every record is written once, by rank 0, and
    carries every process's facts (:func:`world_facts`: host, node rank, local
@@ -36,9 +37,11 @@ import socket
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import SetupError
+from .hangs import Watch, next_watch, settle
 from .spawn import RankOutcome, SpawnError, spawn_ranks, to_plain
 
 __all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "world_facts"]
@@ -147,27 +150,53 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
     ``backend`` and ``dist_timeout_s`` are the process group's, spawned or
     joined; the other ``spawn_options`` (``timeout_s``, ``check``) apply to
-    spawned ranks only.
+    spawned ranks only. Inside ``validation.hangs.watching`` the ranks are
+    watched (NOTE [Hang reports]): a hang raises ``HangDetected``.
     """
+    watch = next_watch()
     if _JOINED is None:
-        return spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
+        if watch is None:
+            return spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
+        check = spawn_options.pop("check", True)
+        outcomes = spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, check=False,
+                               watch=watch, **spawn_options)
+        return _checked(outcomes, watch, check, "spawn_ranks: a rank failed")
     if world_size != _JOINED.world.world_size:
         raise SetupError(f"a check asked for {world_size} processes; the torchrun world has {_JOINED.world.world_size}",
                          fix=f"run rtv under torchrun with {world_size} processes in all, or alone (it spawns its own)")
     call = _JOINED.calls
-    _JOINED.store.set(f"rtv/call/{call}", pickle.dumps((fn, args, backend, dist_timeout_s)))
-    _run_call(_JOINED, fn, args, backend, dist_timeout_s)
+    _JOINED.store.set(f"rtv/call/{call}", pickle.dumps((fn, args, backend, dist_timeout_s, watch)))
+    _run_call(_JOINED, fn, args, backend, dist_timeout_s, watch)
     messages = [pickle.loads(_get(_JOINED.store, f"rtv/result/{call}/{rank}")) for rank in range(world_size)]
-    outcomes = [RankOutcome(rank, value, error, 0) for rank, (value, error) in enumerate(messages)]
+    outcomes = [RankOutcome(rank, value, error, 0) for rank, (value, error, _) in enumerate(messages)]
+    if watch is not None:
+        for _, _, dumps in messages:  # another node's dumps were written on its own disk
+            for name, text in dumps.items():
+                if not (Path(watch.folder) / name).exists():
+                    (Path(watch.folder) / name).write_text(text)
+        return _checked(outcomes, watch, True, "run_ranks: a rank of the torchrun world failed")
     if not all(o.ok for o in outcomes):
         raise SpawnError(outcomes, "run_ranks: a rank of the torchrun world failed")
     return [o.value for o in outcomes]
 
 
-def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float) -> None:
+def _checked(outcomes: list[RankOutcome], watch: Watch, check: bool, reason: str) -> list[Any]:
+    """A watched call's values (``check``) or outcomes, once its watch is settled (``HangDetected`` first)."""
+    settle(watch, outcomes, check=check)
+    if not check:
+        return outcomes
+    if not all(o.ok for o in outcomes):
+        raise SpawnError(outcomes, reason)
+    return [o.value for o in outcomes]
+
+
+def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float,
+              watch: Watch | None) -> None:
     """This process's part of call number ``joined_world.calls``: a group of its own, ``fn``, the value posted."""
     import torch
     import torch.distributed as dist
+
+    from reference_trainer import watchdog
 
     world, call = joined_world.world, joined_world.calls
     joined_world.calls += 1
@@ -176,17 +205,24 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(options["device_id"])
+            if watch is not None:  # torch's flight recorder, read when the group is made
+                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
         group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store,
                                 rank=world.rank, world_size=world.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **options)
         try:
+            if watch is not None:
+                watchdog.install(watch.deadline_s, watch.folder, rank=world.rank, store=joined_world.store,
+                                 key=f"rtv/watchdog/{call}")
             message: tuple[Any, str | None] = (to_plain(fn(*args)), None)
         finally:
+            watchdog.uninstall()
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every rank's story goes back to rank 0, as from a spawned rank
         message = (None, traceback.format_exc())
-    joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps(message))
+    dumps = {} if watch is None else {p.name: p.read_text() for p in Path(watch.folder).glob(f"rank-{world.rank}-*")}
+    joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps((*message, dumps)))
 
 
 def _get(store: Any, key: str) -> bytes:
@@ -209,5 +245,5 @@ def _serve(joined_world: _Joined) -> None:
         posted = pickle.loads(_get(joined_world.store, f"rtv/call/{joined_world.calls}"))
         if posted == _DONE:
             return
-        fn, args, backend, timeout_s = posted
-        _run_call(joined_world, fn, args, backend, timeout_s)
+        fn, args, backend, timeout_s, watch = posted
+        _run_call(joined_world, fn, args, backend, timeout_s, watch)

@@ -84,6 +84,7 @@ class TimedArm:
     name: str
     step: Callable[[], float]
     model: rt.DecoderLM | None = None
+    trainer: rt.Trainer | None = None  # a versioned arm's (``pauses`` saves and loads it)
     forward_seconds: list[float] = field(default_factory=list)
     rest_seconds: list[float] = field(default_factory=list)
     held: dict[str, int] = field(default_factory=dict)
@@ -181,7 +182,7 @@ def versioned_arm(
     inputs = [rt.ForwardInput(ids[row], targets[row]) for row in range(workload.sequences)]
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     pending: deque[list[rt.ForwardOutput]] = deque()
-    arm = TimedArm(name=arm_name(placement, staleness), step=lambda: 0.0, model=trainer.model)
+    arm = TimedArm(name=arm_name(placement, staleness), step=lambda: 0.0, model=trainer.model, trainer=trainer)
     clock = device_clock(workload.device)
 
     def step() -> float:

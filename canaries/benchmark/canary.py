@@ -49,6 +49,7 @@ from . import profiling
 from ..presets import PLACEMENT_REQUESTS
 from ..registry import Judged
 from .arms import TimedArm, TimedWorkload, arm_name, base_model, device_clock, plain_arm, versioned_arm
+from .pauses import measure_pauses
 
 __all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "first_losses", "agree", "judge", "TARGET_RATIO",
            "KIND"]
@@ -301,7 +302,7 @@ def _verdict_detail(comparison: dict) -> str:
 def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
           threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
           load_probe: LoadProbe | None = None, meter: LoadMeter | None = None, progress: bool = False,
-          build: Builder = build_arms, traces: Path | None = None) -> Judged:
+          build: Builder = build_arms, traces: Path | None = None, pauses: bool = False) -> Judged:
     """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
     The keywords are for ``rtv bench`` and the tests, which judge with them and
@@ -314,7 +315,9 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     the ``torch.profiler`` Chrome traces of the median profiled block of
     ``plain`` and ``retain@s0`` per group are kept (``profiling.profiled_pass``;
     ``rtv bench`` asks, ``rtv run`` does not: its profile is computed all the
-    same, its traces are not kept). Raises :class:`SetupError` for an unknown preset or a bad gate.
+    same, its traces are not kept). ``pauses``: also measure the pause costs of a save, a load and a forward
+    demoted to offload on the first workload (NOTE [Pause costs] in ``pauses``; ``rtv bench`` asks).
+    Raises :class:`SetupError` for an unknown preset or a bad gate.
     """
     if not 0 < gate < 1:
         raise SetupError(f"expected 0 < gate < 1, found {gate}", fix="pass e.g. --gate 0.05 (a ±5% band)")
@@ -325,6 +328,8 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     try:
         groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, meter=meter,
                              progress=progress, build=build, traces=traces) for g in plan_.groups]
+        paused = measure_pauses(plan_.groups[0].workload, profile, seed=seed, clock=clock, load_probe=load_probe,
+                                meter=meter) if pauses else None
     finally:
         torch.set_num_threads(before)
     return Judged(
@@ -334,5 +339,5 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
          "warmup_blocks": WARMUP_BLOCKS, "profiled_blocks": plan_.profiled_blocks, "swapped_for_cpu": plan_.swapped,
          "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)), "note": NOISE_NOTE},
         _checks(groups, gate, target),
-        {"groups": groups, "seconds": time.perf_counter() - started},
+        {"groups": groups, "seconds": time.perf_counter() - started, **({"pauses": paused} if paused else {})},
     )

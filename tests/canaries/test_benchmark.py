@@ -18,7 +18,7 @@ from canaries.benchmark import profiling
 from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
-from tests.benchmark_fakes import TINY, FakeMachine, FakeMeter, FakeProbe, run_fake, tiny_plan
+from tests.benchmark_fakes import FAKE_PAUSES, TINY, FakeMachine, FakeMeter, FakeProbe, fake_pauses, run_fake, tiny_plan
 from validation import history
 from validation.evidence import source_fingerprint, verify
 
@@ -69,6 +69,7 @@ def test_a_staleness_two_arm_backpropagates_two_revisions_late() -> None:
 @pytest.fixture
 def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
+    fake_pauses(monkeypatch)
 
 
 def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> None:
@@ -114,6 +115,8 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
     ratios = html.parent / "plots" / f"benchmark-{record['digest'][:12]}-ratios.png"
     assert html.name == "index.html" and html.exists() and ratios.exists()
     assert record["passed"] is (code == 0)
+    assert record["measurements"]["pauses"] == FAKE_PAUSES, "rtv bench measures the pause costs"
+    assert "a save 0.80 [0.70..0.90] of a step" in html.with_suffix(".md").read_text()
 
 
 def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,

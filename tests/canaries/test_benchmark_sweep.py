@@ -16,7 +16,7 @@ from canaries.benchmark import canary as benchmark
 from canaries.benchmark import sweep
 from canaries.benchmark.arms import TimedWorkload
 from canaries.cli import main
-from tests.benchmark_fakes import FakeMachine, FakeMeter, FakeProbe, tiny_plan
+from tests.benchmark_fakes import FakeMachine, FakeMeter, FakeProbe, fake_pauses, tiny_plan
 from validation.load import Load, Meter, inconclusive
 
 
@@ -175,6 +175,7 @@ def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit
     _fake_sweep(monkeypatch)
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
+    fake_pauses(monkeypatch)
     monkeypatch.setattr(benchmark, "judge", functools.partial(
         benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     assert main(["bench", "--profile", "default", "--out", str(tmp_path)]) == 0

@@ -154,3 +154,54 @@ def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_says
         assert '<td class="passed">passed</td>' in html, "a canary the forced failure did not touch passed"
         assert '<td class="failed">failed</td>' in html, "canary b's own failure is not the control's"
     assert make_record("smoke", config={}, checks={"ok": True}, measurements={})["config"] == {}, "only inside the run"
+
+
+class WatchedCanary(FakeCanary):
+    """A stand-in that reads the hang deadline a multi-process call of it would get, and can hang on purpose."""
+
+    def __init__(self, name: str, *, hangs: bool = False) -> None:
+        super().__init__(name)
+        self.hangs, self.deadlines, self.summary = hangs, [], "a stand-in that may hang"
+
+    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
+        from validation.hangs import HangDetected, next_watch
+
+        watch = next_watch()
+        self.deadlines.append(watch.deadline_s)
+        if self.hangs:
+            raise HangDetected([], {"text": "rank 1 never reached it", "folder": watch.folder})
+        return super().run(preset, profile, out_dir)
+
+
+@pytest.mark.parametrize(("argv", "deadline"), [([], presets.PRESETS["gpu"].hang_timeout_s),
+                                                (["--hang-timeout", "4.5"], 4.5)])
+def test_the_hang_deadline_is_the_flag_or_the_presets(two_gpus, smokes, monkeypatch, tmp_path, argv, deadline):
+    fake = WatchedCanary("a")
+    monkeypatch.setattr(registry, "CANARIES", {"a": fake})
+    assert main(["run", "--preset", "gpu", "--nproc", "2", *argv, "--out", str(tmp_path)]) == 0
+    assert fake.deadlines == [deadline]
+
+
+def test_a_hung_canary_makes_the_run_exit_7_and_the_others_still_run(smokes, monkeypatch, tmp_path, capsys):
+    hung, after = WatchedCanary("hung", hangs=True), WatchedCanary("after")
+    monkeypatch.setattr(registry, "CANARIES", {"hung": hung, "after": after})
+    assert main(["run", "--out", str(tmp_path)]) == 7
+    assert after.calls, "the canary after the hung one ran"
+    out = capsys.readouterr().out
+    assert "a collective hung in canary hung (quick) (exit 7)" in out and "rank 1 never reached it" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "soon"])
+def test_a_hang_timeout_that_is_not_a_positive_number_is_a_usage_error(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--hang-timeout", value, "--out", str(tmp_path)])
+    assert info.value.code == 2 and "--hang-timeout" in capsys.readouterr().err
+
+
+def test_rtv_canary_exits_7_on_a_hang_with_the_diagnosis_and_watches_with_its_flag(monkeypatch, tmp_path, capsys):
+    hung = WatchedCanary("hung", hangs=True)
+    monkeypatch.setitem(registry.CANARIES, "hung", hung)  # the command line reads the registry's own dict
+    assert main(["canary", "hung", "--hang-timeout", "9", "--out", str(tmp_path)]) == 7
+    assert hung.deadlines == [9.0]
+    err = capsys.readouterr().err
+    assert "rank 1 never reached it" in err and "fix: read" in err

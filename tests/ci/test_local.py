@@ -77,7 +77,7 @@ def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Pa
     assert lines == [
         "python - none",  # ci/node_install.sh keeps rtv's own venv and checks it (no CUDA here: RTV_CUDA=none)
         "python -m pytest tests/gpu -q",
-        f"rtv run --preset cpu --nproc 2 --out {out.resolve()}",
+        f"rtv run --preset cpu --nproc 2 --hang-timeout 300 --out {out.resolve()}",
         f"python -m ci.frames emit {out.resolve()} --status 0",  # the evidence frame the launcher would read from the log
     ]
     assert len(list(out.rglob("canary-stub-*.json"))) == 1
@@ -141,7 +141,8 @@ def test_local_runs_both_nodes_commands_and_judges_node_zeros_evidence(two_nodes
     assert len(runs) == 2, runs
     for node_rank, line in enumerate(runs):
         assert f"--nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1" in line
-        assert line.endswith(f"--nproc-per-node 1 -m canaries.entry run --preset cpu --out {out.resolve()}")
+        assert line.endswith(f"--nproc-per-node 1 -m canaries.entry run --preset cpu --hang-timeout 300 "
+                                 f"--out {out.resolve()}")
     assert len(list(out.rglob("canary-stub-*.json"))) == 1
 
 

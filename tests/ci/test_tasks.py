@@ -31,6 +31,19 @@ def test_task_files_load_and_validate_offline(sky_sandbox, repo_root: Path, name
         assert '--preset "$RTV_BENCH_PRESET"' in spec.run and spec.envs["RTV_BENCH_PRESET"] == "gpu-8b"
 
 
+@pytest.mark.parametrize("name", ["gate.sky.yaml", "canaries.sky.yaml", "canaries-2node.sky.yaml"])
+def test_every_gpu_task_passes_the_hang_deadline_and_turns_on_the_nccl_flight_recorder(sky_sandbox, repo_root: Path,
+                                                                                         name: str):
+    """A hung GPU job ends by the watchdog (exit 7, its dumps framed home) well before the task's own limit."""
+    from ci.tasks import load_task
+
+    spec = load_task(repo_root / "ci" / name)
+    runs = [line for line in spec.run.splitlines() if " run --preset" in line]
+    assert runs and all('--hang-timeout "$RTV_HANG_TIMEOUT"' in line for line in runs), runs
+    assert 0 < float(spec.envs["RTV_HANG_TIMEOUT"]) * 4 <= spec.time_limit_s
+    assert spec.envs["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(spec.envs["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+
+
 def _mutated(repo_root: Path, tmp_path: Path, change) -> Path:
     config = yaml.safe_load((repo_root / "ci" / "gate.sky.yaml").read_text())
     change(config)
@@ -55,6 +68,11 @@ MALFORMED = {
     "run keeps earlier records": (lambda c: c.update(run=c["run"].replace('rm -rf "$RTV_OUT"\n', "")), "rm -rf"),
     "run sends no evidence home": (lambda c: c.update(run=c["run"].rsplit("\n", 2)[0]), "ci.frames emit"),
     "nothing requested": (lambda c: c["resources"].pop("accelerators"), "accelerators"),
+    "rtv run without the hang deadline": (lambda c: c.update(run=c["run"].replace(' --hang-timeout "$RTV_HANG_TIMEOUT"', "")),
+                                          "--hang-timeout"),
+    "no hang deadline declared": (lambda c: c["envs"].pop("RTV_HANG_TIMEOUT"), "RTV_HANG_TIMEOUT"),
+    "hang deadline past the time limit": (lambda c: c["envs"].update(RTV_HANG_TIMEOUT="2400"), "RTV_HANG_TIMEOUT"),
+    "hang deadline not in seconds": (lambda c: c["envs"].update(RTV_HANG_TIMEOUT="5m"), "RTV_HANG_TIMEOUT"),
 }
 
 

@@ -83,3 +83,24 @@ def test_the_derivative_canary_under_two_torchrun_nodes_writes_one_passed_record
     assert [(f["rank"], f["node_rank"]) for f in record["environment"]["world"]] == [(0, 0), (1, 1)]
     logical = [name for name in record["checks"] if "logical" in name]
     assert len(logical) >= 2 and all(record["checks"][name] for name in logical), logical
+
+
+@pytest.mark.slow  # two torchrun nodes and a 2 s deadline waited out
+def test_a_hang_in_a_torchrun_world_is_named_and_leaves_no_process(tmp_path: Path):
+    """Rank 1 of the world lags past the deadline: rank 0 names it, exits 7, and every rank's process ends."""
+    out = tmp_path / "evidence"
+    node0, node1 = two_nodes([str(ROOT / "tests" / "dist" / "torchrun_hang_job.py"), str(out)], out_dir=tmp_path,
+                             timeout_s=240)
+    (line,) = [line for line in node0.stdout.splitlines() if line.startswith("RESULT ")]
+    diagnosis = json.loads(line.removeprefix("RESULT "))
+    assert diagnosis["odd_ranks"] == [1] and diagnosis["by_rank"]["1"] is None, diagnosis
+    assert diagnosis["call"].startswith("run_logical(mode='rank')")
+    assert "exitcode  : 7" in node0.stdout or node0.returncode != 0, "rank 0's command exits 7"
+    assert node1.returncode == 0, node1.stdout[-3000:]
+    dumps = sorted(p.name for p in Path(diagnosis["folder"]).glob("rank-*.json"))
+    assert {"rank-0-failed.json", "rank-1-asked.json"} <= set(dumps), dumps
+    pids = [int(p.read_text()) for p in (out / "pids").iterdir()]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,99 @@
+"""Pause costs: what a save, a load and a forward demoted to offload cost training, at the benchmark's shape.
+
+NOTE [Pause costs]
+  1. Arms: ``step`` (the versioned trainer's ``retain@s0`` step on the
+     benchmark's first workload), ``save`` (``trainer.save`` of that trainer
+     into a scratch folder; each save removes the one before, as every save
+     does), ``load`` (``Trainer.load`` of that folder over the same base
+     model) and ``offload`` (the same step with every forward's saved state
+     offloaded to the host: what the planner's demotion of a forward that
+     cannot keep its state on the device costs). They run in alternating
+     blocks against ``step`` (``validation.abba.compare``, NOTE
+     [Alternating blocks]): drift cancels, loaded blocks are dropped.
+  2. Reading: each arm's cost is its median ratio to the step with that
+     ratio's interval (a save of ratio 0.8 [0.7, 0.9] pauses training for
+     0.8 of a step), and its median seconds with the order-statistic
+     interval of the median over the unloaded blocks (``validation.stats.
+     median_ci``, at the comparison's per-look confidence). The demotion cost
+     is ``offload``'s extra seconds over ``step`` (per step: one forward's
+     state out and back). ``bytes`` is what one save writes (the files of the
+     save in force). There is no verdict: a pause has no baseline to tie with.
+  3. A run the load cut short reads ``inconclusive (loaded: ...)``, as every
+     comparison does, and keeps whatever blocks it has.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import reference_trainer as rt
+from validation import stats
+from validation.abba import Comparison, LoadMeter, LoadProbe, compare
+
+from .arms import TimedWorkload, base_model, device_clock, versioned_arm
+
+__all__ = ["PAUSE_ARMS", "PAUSE_BLOCKS", "measure_pauses", "saved_bytes"]
+
+PAUSE_ARMS = ("save", "load", "offload")
+PAUSE_BLOCKS = {"quick": (8, 10.0), "default": (16, 30.0), "nightly": (32, 120.0)}  # (max blocks, budget s)
+
+
+def saved_bytes(folder: Path) -> int:
+    """The bytes of the save in force under ``folder`` (the one ``LATEST`` names, NOTE [Durable saves] Rule 1)."""
+    latest = (folder / "LATEST").read_text().split()[0]
+    return sum(p.stat().st_size for p in (folder / latest).iterdir() if p.is_file())
+
+
+def _median(values: np.ndarray) -> float:
+    return float(np.median(values)) if values.size else float("nan")
+
+
+def _kept(result: Comparison) -> np.ndarray:
+    """Which measured blocks the statistics use (not loaded, NOTE [Alternating blocks] Rule 4)."""
+    keep = np.ones(len(result.ratios), dtype=bool)
+    keep[list(result.loaded)] = False
+    return keep
+
+
+def _summary(result: Comparison) -> dict:
+    """Rule 2: the arm's ratio to the step and its seconds, each with its interval."""
+    keep = _kept(result)
+    seconds, step = np.asarray(result.arm_seconds)[keep], np.asarray(result.baseline_seconds)[keep]
+    low, high = stats.median_ci(seconds, result.confidence) if seconds.size else (np.nan, np.nan)
+    extra_low, extra_high = stats.median_ci(seconds - step, result.confidence) if seconds.size else (np.nan, np.nan)
+    return {"arm": result.arm, "blocks": result.blocks, "ratio": result.ratio, "ratio_ci": list(result.ci95),
+            "seconds": _median(seconds),
+            "seconds_ci": [float(low), float(high)],
+            "extra_seconds": _median(seconds - step),
+            "extra_seconds_ci": [float(extra_low), float(extra_high)],
+            "confidence": result.confidence, "loaded": list(result.loaded),
+            "reading": result.reading if result.load else "measured"}  # Rule 2: no verdict; Rule 3: a loaded run
+
+
+def measure_pauses(workload: TimedWorkload, profile: str, *, seed: int = 0,
+                   clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
+                   meter: LoadMeter | None = None) -> dict:
+    """Rule 1's arms on ``workload``, compared in blocks; ``{"workload", "step_seconds", "bytes", "arms": [...]}``."""
+    max_blocks, budget_s = PAUSE_BLOCKS[profile]
+    model = base_model(workload, seed) if workload.lora else None
+    step = versioned_arm(workload, "retain", 0, seed=seed, model=model)
+    offload = versioned_arm(workload, "offload", 0, seed=seed, model=model)
+    with tempfile.TemporaryDirectory(prefix="rtv-pauses-") as scratch:
+        folder = Path(scratch) / "save"
+        arms = {"step": step, "save": lambda: step.trainer.save(folder),
+                "load": lambda: rt.Trainer.load(folder, step.trainer.model), "offload": offload}
+        step()
+        step.trainer.save(folder)  # load has a save to read from the first block on
+        results = compare(arms, baseline="step", gate=0.05, max_blocks=max_blocks, budget_s=budget_s,
+                          clock=device_clock(workload.device, clock),
+                          load_probe=load_probe, meter=meter)
+        written = saved_bytes(folder)
+    by_arm = {r.arm: _summary(r) for r in results}
+    return {"workload": workload.label, "bytes": written, "max_blocks": max_blocks, "budget_s": budget_s,
+            "step_seconds": _median(np.asarray(results[0].baseline_seconds)[_kept(results[0])]),
+            "arms": [by_arm[name] for name in PAUSE_ARMS]}
