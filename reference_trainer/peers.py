@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
-from .watchdog import current as current_watchdog, recorded
+from .watchdog import bounded, recorded
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -244,36 +244,33 @@ class Comm:
         if not self.distributed:
             return [obj]
         with recorded("exchange", "control", (), label):
-            return self._exchange(obj, label)
-
-    def _exchange(self, obj: Any, label: str) -> list[Any]:
-        if self.rank != 0:
-            self._send((label, obj), 0, label)
-            everyone: list[Any] = self._expect(0, label, self.wait_s)
-            return everyone
-        # Hear every peer out even after one failed: a live peer blocks in its send until
-        # rank 0 receives it, and only then can it take the abort.
-        parts, dead, failure = [obj], set(), None
-        for peer in range(1, self.world_size):
-            try:
-                their_label, value = self._recv(peer, label, self.wait_s)
-            except PeerError as exc:
-                dead.add(peer)
-                failure = failure or exc
-                continue
-            if their_label != label and failure is None:
-                failure = PeerError(
-                    f"{label}: physical rank {peer} is at {their_label!r}, expected {label!r}; every "
-                    "process must make the same calls in the same order",
-                    command=label,
-                    peer=peer,
-                )
-            parts.append(value)
-        if failure is not None:
-            self._abort(failure, skip=dead)
-            raise failure
-        self._fan_out((label, parts), label)
-        return parts
+            if self.rank != 0:
+                self._send((label, obj), 0, label)
+                everyone: list[Any] = self._expect(0, label, self.wait_s)
+                return everyone
+            # Hear every peer out even after one failed: a live peer blocks in its send until
+            # rank 0 receives it, and only then can it take the abort.
+            parts, dead, failure = [obj], set(), None
+            for peer in range(1, self.world_size):
+                try:
+                    their_label, value = self._recv(peer, label, self.wait_s)
+                except PeerError as exc:
+                    dead.add(peer)
+                    failure = failure or exc
+                    continue
+                if their_label != label and failure is None:
+                    failure = PeerError(
+                        f"{label}: physical rank {peer} is at {their_label!r}, expected {label!r}; every "
+                        "process must make the same calls in the same order",
+                        command=label,
+                        peer=peer,
+                    )
+                parts.append(value)
+            if failure is not None:
+                self._abort(failure, skip=dead)
+                raise failure
+            self._fan_out((label, parts), label)
+            return parts
 
     def agree(self, error: Exception | None, label: str) -> None:
         """Every process's outcome of one local step; the lowest failing physical rank's error is raised everywhere.
@@ -432,9 +429,8 @@ class Comm:
 
     @property
     def wait_s(self) -> float:
-        """How long one wait may take: ``timeout_s``, or the watchdog's deadline when shorter (NOTE [Collective watchdog])."""
-        watchdog = current_watchdog()
-        return self.timeout_s if watchdog is None else watchdog.bound(self.timeout_s)
+        """How long one wait may take: ``timeout_s``, or a watchdog's shorter deadline (NOTE [Collective watchdog])."""
+        return bounded(self.timeout_s)
 
     def _wait(self, work: Any, label: str) -> None:
         try:

@@ -78,6 +78,7 @@ __all__ = [
     "CollectiveRecord",
     "Disagreement",
     "Watchdog",
+    "bounded",
     "current",
     "first_disagreement",
     "install",
@@ -252,6 +253,11 @@ def uninstall() -> None:
 
 def current() -> Watchdog | None:
     return _ACTIVE
+
+
+def bounded(timeout_s: float) -> float:
+    """``timeout_s``, or the installed watchdog's deadline when shorter (NOTE [Collective watchdog])."""
+    return timeout_s if _ACTIVE is None else _ACTIVE.bound(timeout_s)
 
 
 @contextmanager
