@@ -77,10 +77,10 @@ def behaviour_cotangent(record: ForwardRecord, cotangent: torch.Tensor) -> tuple
     cotangent = cotangent.masked_fill(stale, 0.0)  # Rule 3
     ratio, correction = None, None
     if batch.behaviour_logprobs is not None:
-        used = real & ~stale & ~batch.behaviour_logprobs.isnan()
-        forward = record.forward_logprobs
-        ratio = RatioStats.of(torch.exp(forward[used].double() - batch.behaviour_logprobs[used].double()))
-        cotangent, correction = _corrected(record, cotangent, used)
+        behaviour = batch.behaviour_logprobs
+        used = real & ~stale & ~behaviour.isnan()
+        ratio = RatioStats.of(torch.exp(record.logprobs()[used].double() - behaviour[used].double()))
+        cotangent, correction = _corrected(record, cotangent, behaviour, used)
     *known_lags, stale_tokens = read_on_host(torch.cat((lags[known], stale.sum().view(1))), "behaviour lags")  # Rule 5
     histogram: dict[int, int] = {}
     for lag in sorted(known_lags):
@@ -92,15 +92,15 @@ def behaviour_cotangent(record: ForwardRecord, cotangent: torch.Tensor) -> tuple
         ratio=ratio, correction=correction)
 
 
-def _corrected(record: ForwardRecord, cotangent: torch.Tensor,
+def _corrected(record: ForwardRecord, cotangent: torch.Tensor, behaviour: torch.Tensor,
                used: torch.Tensor) -> tuple[torch.Tensor, CorrectionStats | None]:
-    """Rule 4's reweighting of the rows holding behaviour log-probs, when a behaviour correction is asked for."""
+    """Rule 4's reweighting of the rows holding ``behaviour`` log-probs, when a behaviour correction is asked for."""
     correction = record.options.behaviour_correction
     rows = used.any(-1)
     if correction is None or not bool(rows.any()):
         return cotangent, None
     corrected = cotangent.clone()
     corrected[rows], stats = correct_cotangent(
-        cotangent[rows], record.forward_logprobs[rows], record.batch.behaviour_logprobs[rows], correction,
+        cotangent[rows], record.logprobs()[rows], behaviour[rows], correction,
         staleness(record.checkpoint, record.version), used[rows])
     return corrected, stats

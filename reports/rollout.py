@@ -63,10 +63,10 @@ def section(record: dict, folder: Path) -> Section:
         figures.append(Figure(path=path, caption="BF16 engine against the FP32 trainer: per-token log-prob gaps "
                                                  "per setting (shown, not gated)"))
     faults, flight = m["publication"]["faults"], m["publication"]["inflight"]
-    lines = [f"publication: {faults['unchanged']} of {faults['tensors']} faulted publications left the engine bitwise "
-             f"unchanged; {faults['nbytes']} bytes per publication in {number(faults['seconds'], '.2g')} s",
-             f"inflight versions {flight['versions']}: re-decoding at the recorded version within "
-             f"{number(flight['worst_own_version_gap'], '.2g')}",
+    lines = [(f"publication: {faults['unchanged']} of {faults['tensors']} faulted publications left the engine "
+              f"bitwise unchanged; {faults['nbytes']} bytes per publication in {number(faults['seconds'], '.2g')} s"),
+             (f"inflight versions {flight['versions']}: re-decoding at the recorded version within "
+              f"{number(flight['worst_own_version_gap'], '.2g')}"),
              f"behaviour lag: one step off-policy {m['lags']['one_step']}, staleness 0 {m['lags']['staleness_0']}"]
     built = base_section(record, lines=lines, tables={"engine against trainer per setting": table}, figures=figures)
     return replace(built, key_figure=f"worst FP32 gap {number(float(fp32['worst'].max()), '.2g')} vs tolerance "

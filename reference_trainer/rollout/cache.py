@@ -69,8 +69,10 @@ class CachedDecoder(nn.Module):
         visible = (keys <= columns.unsqueeze(1)) & (keys >= pads.view(batch, 1, 1))  # (B, T, S), Rule 2
         visible = (visible | (keys == columns.unsqueeze(1))).unsqueeze(1)  # (B, 1, T, S)
         for index, layer in enumerate(body.layers):
+            assert isinstance(layer, DecoderLayer)  # TransformerBody.layers holds DecoderLayers only (an nn.ModuleList)
             x = _layer(layer, x, cos, sin, visible, cache, index)
-        return self.decoder.lm_head(body.norm(x))  # (B, T, V)
+        logits: torch.Tensor = self.decoder.lm_head(body.norm(x))  # (B, T, V)
+        return logits
 
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -94,4 +96,5 @@ def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
             cache.values.append(v)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=attn.num_heads != attn.num_kv_heads)
     x = x + attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    out: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    return out

@@ -14,6 +14,7 @@ import copy
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch.func import functional_call
@@ -26,11 +27,29 @@ from ..sampling import Sample, check_draw_options, draw, prompt_batch
 from .cache import CachedDecoder, KVCache
 from .publication import MODES, PublicationReport, ServedWeights, WeightPublication, check_newer, stage
 
+if TYPE_CHECKING:  # typing.Unpack from Python 3.11; for the annotations only, never imported at run time
+    from typing_extensions import Unpack
+
 __all__ = ["FP32_LOGPROB_TOLERANCE", "RolloutEngine", "Generation"]
 
 FP32_LOGPROB_TOLERANCE = 1e-4
 """The most an FP32 engine's behaviour log-prob may differ from the trainer's ``target_logprobs`` at the same
 weights, per token, whatever the cache, batch size and padding (measured: about 1e-6 on the tiny model)."""
+
+
+class _DrawOptions(TypedDict, total=False):
+    """:meth:`RolloutEngine.start`'s keyword options that have defaults."""
+
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+
+
+class _StartOptions(_DrawOptions):
+    """:meth:`RolloutEngine.start`'s keyword options, as :meth:`RolloutEngine.generate` passes them on."""
+
+    max_new_tokens: int
 
 
 class RolloutEngine:
@@ -116,7 +135,8 @@ class RolloutEngine:
         self._running.append(generation)
         return generation
 
-    def generate(self, prompts: torch.Tensor | Sequence[torch.Tensor], **options: object) -> list[Sample]:
+    def generate(self, prompts: torch.Tensor | Sequence[torch.Tensor],
+                 **options: Unpack[_StartOptions]) -> list[Sample]:
         """:meth:`start` with ``options``, stepped to the end: one :class:`Sample` per prompt."""
         generation = self.start(prompts, **options)
         while not generation.done:
@@ -145,7 +165,8 @@ class RolloutEngine:
         weights = served.tensors if served.lora is None else {}
         adapter = nullcontext() if served.lora is None else attach_lora(self._decoder.decoder, served.lora, served.tensors)
         with torch.no_grad(), adapter:
-            return functional_call(self._decoder, dict(weights), (ids, pads, cache))
+            logits: torch.Tensor = functional_call(self._decoder, dict(weights), (ids, pads, cache))
+        return logits
 
     def finished(self, generation: Generation) -> None:
         """``generation`` drew its last token; a drained publication switches once none runs (Rule 4)."""
@@ -189,6 +210,7 @@ class Generation:
             raise ConfigError("step", "a finished or cancelled generation", "a generation with tokens left to draw")
         engine = self._engine
         served = engine._served
+        assert served is not None  # start() refuses an engine serving nothing, and a served version is only replaced
         if not engine.kv_cache:
             logits = engine.logits(served, self._ids, self._pads, None)
         elif self._cache is None or self._cache_version != served.version:  # prefill, or rebuild at a new version
