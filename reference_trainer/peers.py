@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
-from .watchdog import bounded, recorded
+from .watchdog import bounded_wait_s, recorded
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -430,7 +430,7 @@ class Comm:
     @property
     def wait_s(self) -> float:
         """How long one wait may take: ``timeout_s``, or a watchdog's shorter deadline (NOTE [Collective watchdog])."""
-        return bounded(self.timeout_s)
+        return bounded_wait_s(self.timeout_s)
 
     def _wait(self, work: Any, label: str) -> None:
         try:

@@ -78,7 +78,7 @@ __all__ = [
     "CollectiveRecord",
     "Disagreement",
     "Watchdog",
-    "bounded",
+    "bounded_wait_s",
     "current",
     "first_disagreement",
     "install",
@@ -255,7 +255,7 @@ def current() -> Watchdog | None:
     return _ACTIVE
 
 
-def bounded(timeout_s: float) -> float:
+def bounded_wait_s(timeout_s: float) -> float:
     """``timeout_s``, or the installed watchdog's deadline when shorter (NOTE [Collective watchdog])."""
     return timeout_s if _ACTIVE is None else _ACTIVE.bound(timeout_s)
 

@@ -35,7 +35,7 @@ _MD_LINK = re.compile(r"\]\((?!https?:|mailto:)([^)\s#]*)(?:#([^)\s]+))?\)")
 _OUTSIDE = re.compile("\u00a7|contract[.]md|contract[ ]section|shared[/]spec|[.][.]/shared")
 # A tracker's item by number. Written with character classes so that this file does not match itself.
 # A bare "#N" after "(" is the trainer's own count of a rank's commands ("run_logical (#2)", ranks/state.py), not a
-# tracker's item; "issue (#2)" is still one.
+# tracker's item; the same words after an issue's or defect's name are still one.
 _TRACKER = re.compile(r"\b(?:[i]ssue|[d]efect|[P]R|[t]icket|[p]ull request)s?[- ]?\(?#?[0-9]+\b|(?<![\w&#\"'/(])#[0-9]+\b",
                       re.IGNORECASE)
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
