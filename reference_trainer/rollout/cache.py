@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import DecoderLM, DecoderLayer, rotate_half
+from ..model import DecoderLM, DecoderLayer
 
 __all__ = ["KVCache", "CachedDecoder"]
 
@@ -81,11 +81,7 @@ def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     b, t, _ = h.shape
-    q = attn.q_norm(attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q = q * cos + rotate_half(q) * sin  # (B, H, T, D)
-    k = k * cos + rotate_half(k) * sin  # (B, Hkv, T, D)
+    q, k, v = attn.project(h, cos, sin)
     if cache is not None:
         if index < len(cache.keys):
             k = torch.cat((cache.keys[index], k), dim=2)  # (B, Hkv, S, D)
