@@ -14,7 +14,9 @@ NOTE [Behaviour tokens]
      bookkeeping error upstream) is reported as it is.
   3. With ``max_behaviour_staleness = b``, a behaviour token whose lag
      exceeds ``b`` is masked: its cotangent becomes 0, so it gets no
-     gradient; it takes part in no ratio; it is counted
+     gradient; it takes part in no ratio, the staleness correction's
+     included (there it is a masked target, NOTE [Importance correction]
+     Rule 2); it is counted
      (``stale_tokens``). Never silently used.
   4. The behaviour ratio of a real, unmasked target with a behaviour log-prob
      is ``exp(forward log-prob - behaviour log-prob)``; its raw statistics
@@ -63,11 +65,17 @@ class BehaviourStats:
     correction: CorrectionStats | None
 
 
-def behaviour_cotangent(record: ForwardRecord, cotangent: torch.Tensor) -> tuple[torch.Tensor, BehaviourStats | None]:
-    """``record``'s cotangent with stale behaviour tokens masked and any behaviour correction applied."""
+def behaviour_cotangent(
+    record: ForwardRecord, cotangent: torch.Tensor
+) -> tuple[torch.Tensor, BehaviourStats | None, torch.Tensor | None]:
+    """``record``'s cotangent with stale behaviour tokens masked and any behaviour correction applied.
+
+    Also returns the stale mask ``(B, T)`` (``None`` without behaviour data): the staleness correction that runs
+    next must leave those tokens out of every ratio, as if their targets were masked (Rule 3).
+    """
     batch = record.batch
     if batch.behaviour_revisions is None and batch.behaviour_logprobs is None:
-        return cotangent, None
+        return cotangent, None, None
     real = batch.targets >= 0  # (B, T)
     revisions = batch.behaviour_revisions if batch.behaviour_revisions is not None else torch.full_like(batch.targets, -1)
     known = real & (revisions >= 0)
@@ -89,7 +97,7 @@ def behaviour_cotangent(record: ForwardRecord, cotangent: torch.Tensor) -> tuple
     return cotangent, BehaviourStats(
         tokens=len(known_lags), lag_min=ordered[0], lag_median=ordered[(len(ordered) - 1) // 2], lag_max=ordered[-1],
         lag_histogram=histogram, max_behaviour_staleness=bound, stale_tokens=stale_tokens,
-        ratio=ratio, correction=correction)
+        ratio=ratio, correction=correction), stale
 
 
 def _corrected(record: ForwardRecord, cotangent: torch.Tensor, behaviour: torch.Tensor,

@@ -251,9 +251,14 @@ def _current_logprobs(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
 
 
 def correct_record(
-    model: DecoderLM, record: ForwardRecord, cotangent: torch.Tensor, known: KnownLogprobs
+    model: DecoderLM, record: ForwardRecord, cotangent: torch.Tensor, known: KnownLogprobs,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CorrectionStats | None]:
-    """``record``'s cotangent, reweighted if it is stale and asks for a correction (Rules 1 and 6)."""
+    """``record``'s cotangent, reweighted if it is stale and asks for a correction (Rules 1 and 6).
+
+    ``excluded`` ``(B, T)``: targets treated as masked (Rule 2), e.g. stale behaviour tokens (NOTE [Behaviour
+    tokens] Rule 3); ``None``: only the masked targets.
+    """
     correction = record.options.correction
     age = staleness(record.checkpoint, record.version)
     if correction is None or age == 0:
@@ -264,8 +269,8 @@ def correct_record(
         current, rows = known.current(record)
         if not rows:
             return cotangent, None
+    active = record.batch.targets >= 0 if excluded is None else (record.batch.targets >= 0) & ~excluded
     corrected = cotangent.clone()
     corrected[rows], stats = correct_cotangent(
-        cotangent[rows], current[rows], record.logprobs()[rows], correction, age, record.batch.targets[rows] >= 0
-    )
+        cotangent[rows], current[rows], record.logprobs()[rows], correction, age, active[rows])
     return corrected, stats

@@ -355,8 +355,8 @@ class Trainer:
         retain_graph: bool,
     ) -> RecordReport:
         """Correct the record's cotangent, run its model backward and stage the gradients."""
-        cotangent, behaviour = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
-        cotangent, stats = correct_record(self.model, record, cotangent, self.known_logprobs)
+        cotangent, behaviour, stale = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
+        cotangent, stats = correct_record(self.model, record, cotangent, self.known_logprobs, stale)
         transaction.start(record)
         seams.maybe_fail("model_backward")
         grads = record_backward(self.model, record, cotangent, retain_graph)

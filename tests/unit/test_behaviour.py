@@ -151,3 +151,25 @@ def test_stale_tokens_take_part_in_no_ratio_and_no_correction() -> None:
     assert record.behaviour.stale_tokens == 2
     assert record.behaviour.ratio.max == pytest.approx(2.0, rel=1e-5)
     assert record.behaviour.correction.tokens == 4 and record.behaviour.correction.max == pytest.approx(2.0, rel=1e-5)
+
+
+def test_a_stale_masked_token_is_a_masked_target_under_the_sequence_level_staleness_correction() -> None:
+    """Rule 3: a stale token takes part in no ratio, so the staleness correction's sequence ratio leaves it out."""
+    def run(stale_by_target: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        trainer = _trainer()
+        _steps(trainer, 2)  # the forward runs at revision 2; tokens of revision 0 are stale under bound 1
+        correction = rt.ImportanceCorrection(level="sequence", policy="always", clip_low=0.0, clip_high=1e6)
+        options = rt.ForwardOptions(max_gradient_staleness=1, max_behaviour_staleness=1, corrections=(correction,))
+        targets = _targets((2, 3, 4) if stale_by_target else ())
+        revisions = torch.tensor([-1] * (PROMPT - 1) + [0, 0, 0, 2, 2, 2])
+        output = trainer.forward(rt.ForwardInput(TOKENS, targets, options=options, behaviour_revisions=revisions),
+                                 checkpoint="policy")
+        _steps(trainer, 1)  # the record is now one revision stale: the staleness correction runs at backward
+        (record,) = trainer.backward(-(output.target_logprobs * torch.arange(1.0, 9.0)).sum()).records
+        assert record.behaviour.stale_tokens == (0 if stale_by_target else 3)
+        assert record.correction.tokens == 3
+        return record.correction.raw.mean, _gradients(trainer)
+
+    (masked_ratio, masked), (oracle_ratio, oracle) = run(False), run(True)
+    assert masked_ratio == oracle_ratio and masked_ratio != 1.0
+    assert all(torch.equal(masked[n], oracle[n]) for n in masked)
