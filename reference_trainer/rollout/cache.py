@@ -41,6 +41,11 @@ class KVCache:
     def columns(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    def truncate(self, columns: int) -> None:
+        """Keep each layer's first ``columns`` columns: undo a call that failed part way (any number of layers)."""
+        self.keys = [k[:, :, :columns] for k in self.keys]
+        self.values = [v[:, :, :columns] for v in self.values]
+
 
 class CachedDecoder(nn.Module):
     """``forward(input_ids, pads, cache) -> logits`` for the columns after those ``cache`` holds.

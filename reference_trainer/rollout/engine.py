@@ -131,16 +131,25 @@ class RolloutEngine:
             raise ConfigError("max_new_tokens", max_new_tokens, "an int >= 1")
         check_draw_options(temperature, top_k, top_p)
         ids, pads = _left_padded(prompts, self._decoder.decoder.lm_head.weight.device)
+        _check_token_range(ids, self._decoder.decoder.config.vocab_size)
         generation = Generation(self, ids, pads, max_new_tokens, (temperature, top_k, top_p), generator)
         self._running.append(generation)
         return generation
 
     def generate(self, prompts: torch.Tensor | Sequence[torch.Tensor],
                  **options: Unpack[_StartOptions]) -> list[Sample]:
-        """:meth:`start` with ``options``, stepped to the end: one :class:`Sample` per prompt."""
+        """:meth:`start` with ``options``, stepped to the end: one :class:`Sample` per prompt.
+
+        If a step raises (anything, ``KeyboardInterrupt`` and out-of-memory included) the generation is cancelled
+        before the exception propagates, so it holds no drained publication back and the engine can start again.
+        """
         generation = self.start(prompts, **options)
-        while not generation.done:
-            generation.step()
+        try:
+            while not generation.done:
+                generation.step()
+        except BaseException:
+            generation.cancel()
+            raise
         return generation.samples()
 
     def score(self, prompt: torch.Tensor, completion: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -205,9 +214,27 @@ class Generation:
         return list(self._versions)
 
     def step(self) -> None:
-        """Draw the next token of every row at the version served now (NOTE [Weight publication] Rule 4)."""
+        """Draw the next token of every row at the version served now (NOTE [Weight publication] Rule 4).
+
+        All or nothing: if the forward or the draw raises, the KV cache is rolled back to the columns drawn so far
+        and nothing is recorded, so the generation can step again or be cancelled.
+        """
         if self.done or self.cancelled:
             raise ConfigError("step", "a finished or cancelled generation", "a generation with tokens left to draw")
+        cache, version = self._cache, self._cache_version
+        columns = cache.columns if cache is not None else 0
+        try:
+            self._draw()
+        except BaseException:
+            if cache is not None:
+                cache.truncate(columns)
+            self._cache, self._cache_version = cache, version
+            raise
+        if self.done:
+            self._engine.finished(self)
+
+    def _draw(self) -> None:
+        """One token per row, appended with its log-prob and version; the KV cache grows by the columns run."""
         engine = self._engine
         served = engine._served
         assert served is not None  # start() refuses an engine serving nothing, and a served version is only replaced
@@ -222,8 +249,6 @@ class Generation:
         self._ids = torch.cat((self._ids, token.to(self._ids.dtype)), dim=1)
         self._logprobs.append(logprob)
         self._versions.append(served.version)
-        if self.done:
-            engine.finished(self)
 
     def samples(self) -> list[Sample]:
         """One :class:`Sample` per prompt (real tokens only); ``version`` is the oldest token's."""
@@ -240,6 +265,14 @@ class Generation:
                    behaviour_revisions=revisions.to(completions.device).clone())
             for b in range(completions.shape[0])
         ]
+
+
+def _check_token_range(ids: torch.Tensor, vocab_size: int) -> None:
+    """``ConfigError`` unless every prompt token is an id of the model's vocabulary (one host read)."""
+    low, high = (int(v) for v in torch.stack((ids.min(), ids.max())).tolist())
+    if low < 0 or high >= vocab_size:
+        raise ConfigError("prompts", f"token ids from {low} to {high}", f"token ids in [0, {vocab_size})",
+                          "map the prompt through the model's tokenizer (ModelConfig.vocab_size)")
 
 
 def _left_padded(prompts: torch.Tensor | Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

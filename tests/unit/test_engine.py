@@ -144,3 +144,72 @@ def test_bad_engine_arguments_and_an_unpublished_engine_are_refused() -> None:
         generation.step()
     with pytest.raises(rt.ConfigError, match="engine"):
         trainer.publish(object(), checkpoint="policy")
+
+
+def _moved(trainer: rt.Trainer) -> rt.CheckpointVersion:
+    """One optimizer step of the policy: a newer version to publish."""
+    output = trainer.forward(rt.ForwardInput(input_tokens=torch.arange(12) % 64), checkpoint="policy")
+    trainer.backward(-output.target_logprobs.sum())
+    trainer.optim_step()
+    trainer.zero_grad()
+    return trainer.checkpoint("policy").version
+
+
+@pytest.mark.parametrize("bad", [[5, 64], [-1, 3]], ids=["past-the-vocabulary", "negative"])
+def test_a_prompt_token_outside_the_vocabulary_is_refused_and_leaves_nothing_running(bad: list[int]) -> None:
+    trainer = _trainer()
+    engine = _published(trainer)
+    with pytest.raises(rt.ConfigError, match=r"expected token ids in \[0, 64\), found .*; map the prompt"):
+        engine.generate([torch.tensor([2, 3, 4]), torch.tensor(bad)], max_new_tokens=2)
+    version = _moved(trainer)
+    assert trainer.publish(engine, checkpoint="policy").switched  # a drain: nothing holds it back
+    assert engine.version == version and len(engine.generate(_prompts(2), max_new_tokens=1)) == 2
+
+
+def test_a_generate_interrupted_mid_way_is_cancelled_and_the_drained_publication_waiting_on_it_proceeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer()
+    engine = _published(trainer)
+    real_draw, calls, published = rt.rollout.engine.draw, [], []
+
+    def draw_then_interrupt(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        if len(calls) == 2:  # mid-generate: a drained publication waits on this generation, then a Ctrl-C
+            published.append(trainer.publish(engine, checkpoint="policy"))
+            raise KeyboardInterrupt
+        return real_draw(*args)
+
+    _moved(trainer)
+    monkeypatch.setattr(rt.rollout.engine, "draw", draw_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(_prompts(2), max_new_tokens=NEW_TOKENS)
+    assert not published[0].switched  # it was pending while the generation ran ...
+    assert engine.version == published[0].version and engine.pending_version is None  # ... and switched on cancel
+    monkeypatch.setattr(rt.rollout.engine, "draw", real_draw)
+    assert len(engine.generate(_prompts(2), max_new_tokens=2)) == 2
+
+
+@pytest.mark.parametrize("failing_step", [0, 2], ids=["prefill", "decode"])
+def test_a_step_whose_draw_raises_rolls_the_cache_back_and_the_generation_continues_exactly(
+        failing_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer()
+    engine = _published(trainer)
+    expected = engine.generate(_prompts(4), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(3))
+    generation = engine.start(_prompts(4), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(3))
+    for _ in range(failing_step):
+        generation.step()
+    real_draw = rt.rollout.engine.draw
+
+    def failing(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(rt.rollout.engine, "draw", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        generation.step()
+    monkeypatch.setattr(rt.rollout.engine, "draw", real_draw)
+    assert len(generation.versions) == failing_step
+    while not generation.done:
+        generation.step()
+    for got, want in zip(generation.samples(), expected):
+        assert torch.equal(got.completion, want.completion)
+        assert torch.equal(got.behaviour_logprobs, want.behaviour_logprobs)
