@@ -3,17 +3,23 @@
 NOTE [Behaviour tokens]
   1. A ``ForwardInput`` may carry, per position and aligned with its
      ``target_logprobs``, the behaviour log-prob of the target token and the
-     revision of the weights that drew it (-1: unknown, e.g. prompt
-     positions). A behaviour token is a real target (not masked) with a
-     known revision.
+     revision and generation of the weights that drew it (-1: unknown, e.g.
+     prompt positions; an unknown generation is taken to be the forward's).
+     A behaviour token is a real target (not masked) with a known revision.
   2. Behaviour lag = the forward's revision - the token's revision (the
-     trainer lag, NOTE [Staleness] Rule 1, is beside it in the report).
-     ``BackwardReport`` gives per record, over its behaviour tokens, the
-     lag's minimum, median (the lower one), maximum and histogram. A
-     negative lag (a token drawn by weights newer than the forward's, a
-     bookkeeping error upstream) is reported as it is.
-  3. With ``max_behaviour_staleness = b``, a behaviour token whose lag
-     exceeds ``b`` is masked: its cotangent becomes 0, so it gets no
+     trainer lag, NOTE [Staleness] Rule 1, is beside it in the report),
+     defined only between weights of one generation: revisions restart or
+     are restored at a new generation (``Trainer.load``, a checkpoint
+     removed and added again), so a token drawn under another generation
+     has no lag; it is stale whatever the bound (Rule 3), counted, and
+     left out of the lag distribution. ``BackwardReport`` gives per record,
+     over its behaviour tokens of the forward's generation, the lag's
+     minimum, median (the lower one), maximum and histogram. A negative lag
+     within a generation (a token drawn by weights newer than the forward's,
+     a bookkeeping error upstream) is reported as it is.
+  3. A behaviour token of another generation, and with
+     ``max_behaviour_staleness = b`` one whose lag exceeds ``b``, is stale
+     and masked: its cotangent becomes 0, so it gets no
      gradient; it takes part in no ratio, the staleness correction's
      included (there it is a masked target, NOTE [Importance correction]
      Rule 2); it is counted
@@ -49,8 +55,9 @@ __all__ = ["BehaviourStats", "behaviour_cotangent"]
 class BehaviourStats:
     """One record's behaviour tokens (Rules 2-4): lag distribution, stale tokens masked, ratio statistics.
 
-    ``tokens``: behaviour tokens (stale ones included). Lags are 0 when
-    ``tokens`` is 0. ``ratio``: ``None`` without behaviour log-probs;
+    ``tokens``: behaviour tokens (stale ones and those of another generation
+    included); the lags are over those of the forward's generation, 0 when
+    there are none. ``ratio``: ``None`` without behaviour log-probs;
     ``correction``: ``None`` without a behaviour correction.
     """
 
@@ -77,11 +84,15 @@ def behaviour_cotangent(
     if batch.behaviour_revisions is None and batch.behaviour_logprobs is None:
         return cotangent, None, None
     real = batch.targets >= 0  # (B, T)
-    revisions = batch.behaviour_revisions if batch.behaviour_revisions is not None else torch.full_like(batch.targets, -1)
+    unknown = torch.full_like(batch.targets, -1)
+    revisions = batch.behaviour_revisions if batch.behaviour_revisions is not None else unknown
+    generations = batch.behaviour_generations if batch.behaviour_generations is not None else unknown
     known = real & (revisions >= 0)
+    other_generation = known & (generations >= 0) & (generations != record.version.generation)  # Rule 2
     lags = record.version.revision - revisions  # (B, T), Rule 2
     bound = record.options.max_behaviour_staleness
-    stale = known & (lags > bound) if bound is not None else torch.zeros_like(known)
+    too_old = known & (lags > bound) if bound is not None else torch.zeros_like(known)
+    stale = other_generation | too_old  # Rule 3
     cotangent = cotangent.masked_fill(stale, 0.0)  # Rule 3
     ratio, correction = None, None
     if batch.behaviour_logprobs is not None:
@@ -89,13 +100,14 @@ def behaviour_cotangent(
         used = real & ~stale & ~behaviour.isnan()
         ratio = RatioStats.of(torch.exp(record.logprobs()[used].double() - behaviour[used].double()))
         cotangent, correction = _corrected(record, cotangent, behaviour, used)
-    *known_lags, stale_tokens = read_on_host(torch.cat((lags[known], stale.sum().view(1))), "behaviour lags")  # Rule 5
+    counts = torch.stack((known.sum(), stale.sum()))
+    *known_lags, tokens, stale_tokens = read_on_host(torch.cat((lags[known & ~other_generation], counts)), "behaviour lags")
     histogram: dict[int, int] = {}
     for lag in sorted(known_lags):
         histogram[lag] = histogram.get(lag, 0) + 1
     ordered = sorted(known_lags) or [0]
     return cotangent, BehaviourStats(
-        tokens=len(known_lags), lag_min=ordered[0], lag_median=ordered[(len(ordered) - 1) // 2], lag_max=ordered[-1],
+        tokens=tokens, lag_min=ordered[0], lag_median=ordered[(len(ordered) - 1) // 2], lag_max=ordered[-1],
         lag_histogram=histogram, max_behaviour_staleness=bound, stale_tokens=stale_tokens,
         ratio=ratio, correction=correction), stale
 

@@ -27,12 +27,13 @@ class ForwardInput:
     ``target_tokens=None`` the targets are the inputs shifted left by one, the
     last position masked. ``options`` override the call's and trainer's.
 
-    ``behaviour_logprobs`` (floating) and ``behaviour_revisions`` (integer),
-    each ``None`` or of ``input_tokens``' shape and aligned with
-    ``target_logprobs``: the log-prob the sampler gave each target token and
-    the revision of the weights that drew it (-1: unknown); a rollout
-    engine's ``Sample.aligned_behaviour_logprobs`` and
-    ``aligned_behaviour_revisions`` (NOTE [Behaviour tokens] in ``behaviour.py``).
+    ``behaviour_logprobs`` (floating), ``behaviour_revisions`` and
+    ``behaviour_generations`` (integer), each ``None`` or of
+    ``input_tokens``' shape and aligned with ``target_logprobs``: the log-prob
+    the sampler gave each target token and the revision and generation of the
+    weights that drew it (-1: unknown); a rollout engine's
+    ``Sample.aligned_behaviour_logprobs``, ``aligned_behaviour_revisions`` and
+    ``aligned_behaviour_generations`` (NOTE [Behaviour tokens] in ``behaviour.py``).
     """
 
     input_tokens: torch.Tensor
@@ -40,6 +41,7 @@ class ForwardInput:
     options: ForwardOptions | None = None
     behaviour_logprobs: torch.Tensor | None = None
     behaviour_revisions: torch.Tensor | None = None
+    behaviour_generations: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         tokens = self.input_tokens
@@ -59,7 +61,8 @@ class ForwardInput:
             )
         if self.options is not None and not isinstance(self.options, ForwardOptions):
             raise ConfigError("options", self.options, "None or a ForwardOptions")
-        for name, floating in (("behaviour_logprobs", True), ("behaviour_revisions", False)):
+        for name, floating in (("behaviour_logprobs", True), ("behaviour_revisions", False),
+                               ("behaviour_generations", False)):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, torch.Tensor)
@@ -106,8 +109,8 @@ class ForwardOutput:
 class PaddedBatch:
     """Right-padded ``(B, T)`` ids, real-token mask and targets (pads target -1).
 
-    ``behaviour_logprobs`` (FP32, NaN where not given) and ``behaviour_revisions``
-    (-1 where not given): ``None`` unless an input carries them.
+    ``behaviour_logprobs`` (FP32, NaN where not given), ``behaviour_revisions`` and
+    ``behaviour_generations`` (-1 where not given): ``None`` unless an input carries them.
     """
 
     input_ids: torch.Tensor
@@ -116,6 +119,7 @@ class PaddedBatch:
     lengths: list[int]
     behaviour_logprobs: torch.Tensor | None = None
     behaviour_revisions: torch.Tensor | None = None
+    behaviour_generations: torch.Tensor | None = None
 
     @classmethod
     def build(cls, inputs: Sequence[ForwardInput], device: torch.device) -> PaddedBatch:
@@ -131,7 +135,8 @@ class PaddedBatch:
             mask = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
         logprobs = _padded(inputs, "behaviour_logprobs", width, math.nan, torch.float32, device)
         revisions = _padded(inputs, "behaviour_revisions", width, -1, torch.long, device)
-        return cls(ids, mask, targets, lengths, logprobs, revisions)
+        generations = _padded(inputs, "behaviour_generations", width, -1, torch.long, device)
+        return cls(ids, mask, targets, lengths, logprobs, revisions, generations)
 
 
 def _padded(inputs: Sequence[ForwardInput], name: str, width: int, fill: float, dtype: torch.dtype,

@@ -126,8 +126,9 @@ class Sample:
     ``behaviour_logprobs`` ``(C,)`` FP32 (NOTE [Behaviour log-probs]);
     ``version``: whatever object the sampler was given (e.g. the
     ``CheckpointVersion`` that produced it); a rollout engine's sample has the
-    version of its oldest token there and, in ``behaviour_revisions`` ``(C,)``
-    int64, the revision of the weights that drew each completion token.
+    version of its oldest token there and, in ``behaviour_revisions`` and
+    ``behaviour_generations`` ``(C,)`` int64, the revision and generation of
+    the weights that drew each completion token.
 
     For a training forward, ``input_tokens`` ``(P+C-1,)`` and ``target_tokens``
     (the inputs shifted by one, prompt positions masked with -1) make the
@@ -141,6 +142,7 @@ class Sample:
     behaviour_logprobs: torch.Tensor
     version: object = None
     behaviour_revisions: torch.Tensor | None = None
+    behaviour_generations: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -174,10 +176,18 @@ class Sample:
     @property
     def aligned_behaviour_revisions(self) -> torch.Tensor | None:
         """``behaviour_revisions`` laid out like ``target_logprobs`` (-1 where masked); ``None`` without them."""
-        if self.behaviour_revisions is None:
+        return self._aligned(self.behaviour_revisions)
+
+    @property
+    def aligned_behaviour_generations(self) -> torch.Tensor | None:
+        """``behaviour_generations`` laid out like ``target_logprobs`` (-1 where masked); ``None`` without them."""
+        return self._aligned(self.behaviour_generations)
+
+    def _aligned(self, per_token: torch.Tensor | None) -> torch.Tensor | None:
+        if per_token is None:
             return None
         out = torch.full_like(self.input_tokens, -1)
-        out[self.prompt.shape[0] - 1 :] = self.behaviour_revisions
+        out[self.prompt.shape[0] - 1 :] = per_token
         return out
 
 

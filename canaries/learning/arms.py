@@ -305,7 +305,8 @@ def _engine_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> No
 
         samples = workload.engine_samples(seed, step, engine, after_token)
         inputs = [rt.ForwardInput(s.input_tokens, s.target_tokens, behaviour_logprobs=s.aligned_behaviour_logprobs,
-                                  behaviour_revisions=s.aligned_behaviour_revisions) for s in samples]
+                                  behaviour_revisions=s.aligned_behaviour_revisions,
+                                  behaviour_generations=s.aligned_behaviour_generations) for s in samples]
         outputs = trainer.forward(inputs, options=options)
         report = trainer.backward(workload.batch_of(seed, samples).objective([o.target_logprobs for o in outputs]))
         behaviour = [r.behaviour for r in report.records]

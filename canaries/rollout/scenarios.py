@@ -70,7 +70,8 @@ def forward_samples(trainer: rt.Trainer, samples: list, *, behaviour: bool = Tru
     """The trainer's forward of the samples, one right-padded batch, carrying their behaviour data."""
     inputs = [rt.ForwardInput(input_tokens=s.input_tokens, target_tokens=s.target_tokens, options=options,
                               behaviour_logprobs=s.aligned_behaviour_logprobs if behaviour else None,
-                              behaviour_revisions=s.aligned_behaviour_revisions if behaviour else None)
+                              behaviour_revisions=s.aligned_behaviour_revisions if behaviour else None,
+                              behaviour_generations=s.aligned_behaviour_generations if behaviour else None)
               for s in samples]
     return trainer.forward(inputs, checkpoint="policy")
 
@@ -100,7 +101,7 @@ def behaviour_report(trainer: rt.Trainer, samples: list, *, options: rt.ForwardO
         with torch.no_grad():
             own = forward_samples(trainer, samples, behaviour=False)
         samples = [Sample(prompt=s.prompt, completion=s.completion, version=s.version,
-                          behaviour_revisions=s.behaviour_revisions,
+                          behaviour_revisions=s.behaviour_revisions, behaviour_generations=s.behaviour_generations,
                           behaviour_logprobs=o.target_logprobs.detach()[s.prompt.shape[0] - 1 :])
                    for s, o in zip(samples, own)]
     outputs = forward_samples(trainer, samples, options=options)

@@ -176,7 +176,8 @@ class ZeroSession:
 
     def forward(self, inputs: Any, checkpoint: Any, options: Any) -> Any:
         flat, rebuild = flatten_inputs(inputs)
-        if any(i.behaviour_logprobs is not None or i.behaviour_revisions is not None for i in flat):
+        behaviour = ("behaviour_logprobs", "behaviour_revisions", "behaviour_generations")
+        if any(getattr(i, name) is not None for i in flat for name in behaviour):
             raise ConfigError("inputs", "inputs carrying behaviour log-probs or revisions",
                               "inputs without them under RankZero (only tokens and targets are sent to the ranks)",
                               "forward them through a Trainer of one process, or drop the behaviour fields")

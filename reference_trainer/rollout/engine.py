@@ -256,13 +256,14 @@ class Generation:
             raise ConfigError("samples", f"{len(self._versions)} of {self.max_new_tokens} tokens drawn",
                               "a finished generation", "step until done")
         behaviour = torch.cat(self._logprobs, dim=1)  # (B, C)
-        revisions = torch.tensor([v.revision for v in self._versions], dtype=torch.long)
+        revisions = torch.tensor([v.revision for v in self._versions], dtype=torch.long, device=self._ids.device)
+        generations = torch.tensor([v.generation for v in self._versions], dtype=torch.long, device=self._ids.device)
         completions = self._ids[:, self._prompt_width :]
         pads = self._pads.tolist()
         return [
             Sample(prompt=self._ids[b, pads[b] : self._prompt_width].clone(), completion=completions[b].clone(),
                    behaviour_logprobs=behaviour[b].clone(), version=self._versions[0],
-                   behaviour_revisions=revisions.to(completions.device).clone())
+                   behaviour_revisions=revisions.clone(), behaviour_generations=generations.clone())
             for b in range(completions.shape[0])
         ]
 

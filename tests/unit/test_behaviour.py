@@ -173,3 +173,29 @@ def test_a_stale_masked_token_is_a_masked_target_under_the_sequence_level_stalen
     (masked_ratio, masked), (oracle_ratio, oracle) = run(False), run(True)
     assert masked_ratio == oracle_ratio and masked_ratio != 1.0
     assert all(torch.equal(masked[n], oracle[n]) for n in masked)
+
+
+@pytest.mark.parametrize("bound", [None, 5])
+def test_tokens_of_another_generation_are_stale_whatever_the_bound_and_have_no_lag(bound: int | None) -> None:
+    trainer = _trainer()
+    _steps(trainer, 1)
+    saved = trainer.checkpoint("policy").state_dict()  # revision 1
+    _steps(trainer, 2)  # revision 3 of generation 0: the weights that drew the tokens below
+    drawn = trainer.checkpoint("policy").version
+    trainer.load_checkpoint("policy", saved)  # back to revision 1, under a new generation
+    assert trainer.checkpoint("policy").version.generation != drawn.generation
+    # Two tokens drawn at revision 3 of the old generation (a lag of -2 if revisions alone counted), four at this one.
+    generations = torch.tensor([-1] * (PROMPT - 1) + [drawn.generation] * 2 + [trainer.checkpoint("policy").generation] * 4)
+    revisions = torch.tensor([-1] * (PROMPT - 1) + [3, 3, 1, 1, 0, 0])
+    options = rt.ForwardOptions(max_behaviour_staleness=bound)
+    output = trainer.forward(rt.ForwardInput(TOKENS, _targets(), options=options, behaviour_revisions=revisions,
+                                             behaviour_generations=generations), checkpoint="policy")
+    (record,) = trainer.backward(-(output.target_logprobs * torch.arange(1.0, 9.0)).sum()).records
+    behaviour = record.behaviour
+    assert (behaviour.tokens, behaviour.stale_tokens) == (6, 2)
+    assert behaviour.lag_histogram == {0: 2, 1: 2} and behaviour.lag_min == 0  # no negative lag
+    masked = _gradients(trainer)
+    oracle = trainer.forward(rt.ForwardInput(input_tokens=TOKENS, target_tokens=_targets((2, 3))), checkpoint="policy")
+    trainer.backward(-(oracle.target_logprobs * torch.arange(1.0, 9.0)).sum())
+    expected = _gradients(trainer)
+    assert all(torch.equal(masked[n], expected[n]) for n in masked)

@@ -213,3 +213,12 @@ def test_a_step_whose_draw_raises_rolls_the_cache_back_and_the_generation_contin
     for got, want in zip(generation.samples(), expected):
         assert torch.equal(got.completion, want.completion)
         assert torch.equal(got.behaviour_logprobs, want.behaviour_logprobs)
+
+
+def test_samples_carry_the_generation_of_every_token() -> None:
+    trainer = _trainer()
+    engine = _published(trainer)
+    (s,) = engine.generate(_prompts(1), max_new_tokens=NEW_TOKENS)
+    generation = trainer.checkpoint("policy").version.generation
+    assert s.behaviour_generations.tolist() == [generation] * NEW_TOKENS
+    assert s.aligned_behaviour_generations.tolist() == [-1] * (s.prompt.shape[0] - 1) + [generation] * NEW_TOKENS
