@@ -145,6 +145,22 @@ class ResumedOneUlpOff(SaveWithoutGradients):
                 param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
 
 
+class NaNGradient(SnapshotAsyncAdapter):
+    """sync, stale, splits: one parameter's gradient is NaN (a diverged layer); the step uses the true gradient."""
+
+    name = "nan-gradient"
+
+    def backward(self, loss: Tensor) -> None:
+        super().backward(loss)
+        first = next(self._model.parameters())
+        self._true = first.grad.clone()
+        first.grad.fill_(float("nan"))
+
+    def optim_step(self) -> None:
+        next(self._model.parameters()).grad = self._true
+        super().optim_step()
+
+
 class NoReduceAcrossProcesses(SyncAdapter):
     """processes: claims processes but each rank steps on its own rows' gradient (no sum over the group)."""
 

@@ -17,7 +17,7 @@ import torch
 from validation.conform import (FAILED, NOT_APPLICABLE, PASSED, AdapterError, ConformSpec, conform, conform_record)
 from validation.conform.checks import splits, stale, sync
 from validation.conform.processes import judge_processes, rank_rows, run_job
-from validation.conform.oracle import tolerance
+from validation.conform.oracle import compare, tolerance
 from validation.conform.protocol import require_protocol
 from validation.conform.resume import resume
 from validation.evidence import checks_of
@@ -164,6 +164,32 @@ def test_an_adapter_claiming_save_without_save_and_load_is_refused() -> None:
 def test_a_module_with_nothing_trainable_is_a_broken_adapter() -> None:
     with pytest.raises(AdapterError, match=r"module\(\) returned a module with no trainable parameter; expected"):
         conform("conform_wrong:FrozenModule", SPEC, checks=("splits",))
+
+
+@pytest.mark.parametrize("check", [sync, stale, splits])
+def test_a_nan_gradient_fails_every_gradient_check_naming_the_element(check) -> None:
+    verdict = check(wrong.NaNGradient, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["worst"]["error"] == float("inf")
+    assert verdict.evidence["worst"]["parameter"] == "model.embed_tokens.weight" and "found nan" in verdict.reason
+
+
+def test_a_non_finite_found_element_is_an_infinite_error_naming_it_wherever_it_lies() -> None:
+    """The comparison every check (resume's too) makes: a NaN or inf never passes, in the first tensor or a later one."""
+    oracle = {"a": torch.ones(2, 2, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}
+    for name, index, value in (("a", (1, 0), float("nan")), ("b", (2,), float("inf")), ("b", (0,), float("nan"))):
+        found = {n: t.clone() for n, t in oracle.items()}
+        found[name][index] = value
+        worst = compare(found, oracle, 1e-4)
+        assert (worst.error, worst.parameter, worst.index, worst.ok) == (float("inf"), name, index, False)
+    exact = compare(oracle, oracle, 0.0)
+    assert exact.ok and exact.error == 0.0 and exact.parameter in oracle  # a named element even at error 0
+
+
+def test_a_rank_with_nan_parameters_fails_processes() -> None:
+    one = {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}
+    broken = {**one, "b": torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64)}
+    verdict = judge_processes(one, [one, broken], 1e-4)
+    assert verdict.status == FAILED and verdict.evidence["rank"] == 1 and verdict.evidence["worst"]["index"] == [1]
 
 
 def test_processes_judges_each_rank_against_the_one_process_run() -> None:

@@ -18,6 +18,7 @@ NOTE [Conformance oracle]
      ``max |found - oracle| / scale`` with ``scale`` the largest ``|oracle|``
      element, so one number judges a whole gradient or weight set; the worst
      element's parameter, index, found and oracle values are kept as evidence.
+     A NaN or infinite element is an infinite error that names it.
   4. The tolerance derives from the parameters' dtype alone
      (``tolerance``): the smaller of ``1024 * eps`` and ``sqrt(eps)``
      (float32 1.2e-4, float64 2.3e-13, bfloat16 0.088, float16 0.031).
@@ -98,15 +99,22 @@ class WorstElement:
 
 
 def compare(found: Mapping[str, Tensor | None], oracle: Mapping[str, Tensor], tol: float) -> WorstElement:
-    """Rule 3 over the oracle's names; a missing or ``None`` found tensor counts as zeros."""
+    """Rule 3 over the oracle's names; a missing or ``None`` found tensor counts as zeros.
+
+    A non-finite element (NaN or inf, found or oracle) is an infinite error
+    that names that element, so it never passes.
+    """
     scale = max(float(t.abs().max()) for t in oracle.values() if t.numel()) or 1.0
-    worst: tuple[float, str, tuple[int, ...], float, float] = (-1.0, "", (), 0.0, 0.0)
+    worst: tuple[float, str, tuple[int, ...], float, float] = (0.0, "", (), 0.0, 0.0)
     for name, expected in oracle.items():
         got = found.get(name)
         got64 = torch.zeros_like(expected) if got is None else got.detach().to(torch.float64).reshape(expected.shape)
-        diff = (got64 - expected).abs()
+        if not expected.numel():
+            continue
+        finite = torch.isfinite(got64) & torch.isfinite(expected)
+        diff = torch.where(finite, (got64 - expected).abs(), torch.full_like(expected, math.inf))
         flat = int(diff.argmax())
-        if float(diff.flatten()[flat]) > worst[0]:
+        if float(diff.flatten()[flat]) >= worst[0]:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
             worst = (float(diff.flatten()[flat]), name, index, float(got64.flatten()[flat]), float(expected.flatten()[flat]))
     error, name, index, got_value, oracle_value = worst
