@@ -37,6 +37,20 @@ class DoubledLearningRate(SyncAdapter):
             group["lr"] = 2 * spec.lr
 
 
+def off_spec_adamw(optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **changed: object) -> type[SyncAdapter]:
+    """sync: an optimizer that departs from the spec's AdamW in ``changed`` settings (or is another ``optimizer``)."""
+
+    class OffSpecAdamW(SyncAdapter):
+        name = f"off-spec-{optimizer.__name__}-{'-'.join(f'{k}={v}' for k, v in changed.items())}"
+
+        def start(self, spec) -> None:
+            super().start(spec)
+            settings = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+            self._optimizer = optimizer(self._model.parameters(), **{**settings, **changed})
+
+    return OffSpecAdamW
+
+
 class MeanOverMicroBatches(SyncAdapter):
     """splits: ``.grad`` holds the mean of the backward calls since ``zero_grad`` (a per-micro-batch mean)."""
 

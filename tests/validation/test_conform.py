@@ -55,6 +55,15 @@ def test_sync_catches_an_optimizer_that_ignores_the_spec_lr() -> None:
     assert verdict.status == FAILED and "optim_step did not move the weights as AdamW(lr=0.01" in verdict.reason
 
 
+@pytest.mark.parametrize("changed", [{"weight_decay": 0.0}, {"betas": (0.9, 0.99)}, {"betas": (0.8, 0.999)},
+                                     {"eps": 1e-3}, {"lr": 1.01e-2}, {"optimizer": torch.optim.Adam}],
+                         ids=["no-weight-decay", "beta2-0.99", "beta1-0.8", "eps-1e-3", "lr-1.01x", "adam-l2"])
+def test_sync_judges_the_update_so_each_off_spec_adamw_setting_fails(changed: dict) -> None:
+    """The update is ~lr of the weights: judged at the weights' scale these all passed."""
+    verdict = sync(wrong.off_spec_adamw(**changed), SPEC)
+    assert verdict.status == FAILED and "optim_step did not move the weights as AdamW" in verdict.reason, verdict.reason
+
+
 def test_sync_catches_staleness_zero_that_runs_one_step_off_policy() -> None:
     verdict = sync(wrong.OneStepOffPolicy, SPEC)
     assert verdict.status == FAILED and verdict.reason.startswith("step 1: the gradient is not the oracle's")

@@ -56,8 +56,18 @@ class _AdamW64:
         return {name: param.detach().clone() for name, param in self._params.items()}
 
 
+def _update(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a step changed, per parameter: ``after - before`` (the comparison's scale is then the update's, not the weights')."""
+    return {name: after[name] - before[name] for name in before}
+
+
 def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
-    """Staleness 0: each step's gradient is the oracle's at the live weights, and the step is AdamW's from them."""
+    """Staleness 0: each step's gradient is the oracle's at the live weights, and the step is AdamW's from them.
+
+    A step is judged by its update (new weights - old) against FP64 AdamW's
+    update from the same weights and gradient, so an update some 1e-2 of the
+    weights is not judged at the weights' scale.
+    """
     driven = started(factory, spec)
     oracle, tol = FP64Oracle(driven.adapter), tolerance(spec.torch_dtype)
     adamw = _AdamW64(spec, list(snapshot(driven.module())))
@@ -70,7 +80,7 @@ def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         if not grad.ok:
             return _failed("sync", f"step {step}: the gradient is not the oracle's at the live weights", grad)
         driven.adapter.optim_step()
-        moved = compare(snapshot(driven.module()), adamw.step(weights, found), tol)
+        moved = compare(_update(snapshot(driven.module()), weights), _update(adamw.step(weights, found), weights), tol)
         if not moved.ok:
             return _failed("sync", f"step {step}: optim_step did not move the weights as AdamW(lr={spec.lr}, "
                            f"betas={spec.betas}, eps={spec.eps}, weight_decay={spec.weight_decay}) does", moved)
