@@ -26,6 +26,16 @@ class UnmaskedLogprobs(SyncAdapter):
         return logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
+class ScaledNormGradient(SyncAdapter):
+    """sync, splits: one small-gradient parameter's gradient is 5% short (a norm weight counted through a mean)."""
+
+    name = "scaled-norm-gradient"
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+        dict(self._model.named_parameters())["model.layers.0.post_attention_layernorm.weight"].grad.mul_(0.95)
+
+
 class DoubledLearningRate(SyncAdapter):
     """sync: the optimizer ignores spec.lr (steps at twice it)."""
 

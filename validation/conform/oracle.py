@@ -15,8 +15,11 @@ NOTE [Conformance oracle]
      the suite's loss (``suite_loss``) and returns its FP64 gradient with
      respect to the snapshot's names.
   3. A comparison (``compare``) is the worst element over all parameters:
-     ``max |found - oracle| / scale`` with ``scale`` the largest ``|oracle|``
-     element, so one number judges a whole gradient or weight set; the worst
+     ``max |found - oracle| / scale`` with ``scale`` per parameter tensor:
+     its largest ``|oracle|`` element, floored at ``SCALE_FLOOR`` (1e-3) of
+     the largest over all parameters (a parameter whose gradient is small is
+     judged at its own size, one that is all but zero not at rounding noise),
+     so one number judges a whole gradient or weight set; the worst
      element's parameter, index, found and oracle values are kept as evidence.
      A NaN or infinite element is an infinite error that names it.
   4. The tolerance derives from the parameters' dtype alone
@@ -40,6 +43,7 @@ from .protocol import logits_of
 __all__ = ["WorstElement", "FP64Oracle", "compare", "suite_loss", "snapshot", "tolerance", "token_logprobs64"]
 
 MASKED = -100  # a target the suite masks: log-prob 0, no gradient
+SCALE_FLOOR = 1e-3  # Rule 3: a parameter's scale is at least this fraction of the largest oracle element
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -76,7 +80,7 @@ def suite_loss(logprobs: Tensor, advantages: Tensor, active_total: int) -> Tenso
 
 @dataclass(frozen=True)
 class WorstElement:
-    """Rule 3: the worst element of ``found`` against the oracle, relative to the oracle's largest element."""
+    """Rule 3: the worst element of ``found`` against the oracle, relative to its parameter's ``scale``."""
 
     error: float
     tolerance: float
@@ -92,7 +96,7 @@ class WorstElement:
 
     def worst(self) -> str:
         return (f"worst element {self.parameter}{list(self.index)}: found {self.found:.6g}, oracle {self.oracle:.6g} "
-                f"(error {self.error:.3g} of the largest oracle element {self.scale:.3g}; tolerance {self.tolerance:.3g})")
+                f"(error {self.error:.3g} of the parameter's scale {self.scale:.3g}; tolerance {self.tolerance:.3g})")
 
     def evidence(self) -> dict[str, Any]:
         return {**asdict(self), "index": list(self.index), "ok": self.ok}
@@ -104,21 +108,22 @@ def compare(found: Mapping[str, Tensor | None], oracle: Mapping[str, Tensor], to
     A non-finite element (NaN or inf, found or oracle) is an infinite error
     that names that element, so it never passes.
     """
-    scale = max(float(t.abs().max()) for t in oracle.values() if t.numel()) or 1.0
-    worst: tuple[float, str, tuple[int, ...], float, float] = (0.0, "", (), 0.0, 0.0)
+    overall = max((float(t.abs().max()) for t in oracle.values() if t.numel()), default=0.0)
+    worst = WorstElement(0.0, tol, "", (), 0.0, 0.0, 1.0)
     for name, expected in oracle.items():
-        got = found.get(name)
-        got64 = torch.zeros_like(expected) if got is None else got.detach().to(torch.float64).reshape(expected.shape)
         if not expected.numel():
             continue
+        got = found.get(name)
+        got64 = torch.zeros_like(expected) if got is None else got.detach().to(torch.float64).reshape(expected.shape)
+        scale = max(float(expected.abs().max()), SCALE_FLOOR * overall) or 1.0
         finite = torch.isfinite(got64) & torch.isfinite(expected)
-        diff = torch.where(finite, (got64 - expected).abs(), torch.full_like(expected, math.inf))
-        flat = int(diff.argmax())
-        if float(diff.flatten()[flat]) >= worst[0]:
+        error = torch.where(finite, (got64 - expected).abs() / scale, torch.full_like(expected, math.inf)).flatten()
+        flat = int(error.argmax())
+        if float(error[flat]) >= worst.error:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
-            worst = (float(diff.flatten()[flat]), name, index, float(got64.flatten()[flat]), float(expected.flatten()[flat]))
-    error, name, index, got_value, oracle_value = worst
-    return WorstElement(error / scale, tol, name, index, got_value, oracle_value, scale)
+            worst = WorstElement(float(error[flat]), tol, name, index, float(got64.flatten()[flat]),
+                                 float(expected.flatten()[flat]), scale)
+    return worst
 
 
 class FP64Oracle:
