@@ -65,6 +65,12 @@ def test_a_failed_check_exits_1_and_the_report_names_its_worst_element(tmp_path:
                                       "requires_grad=True; expected differentiable target log-probs of shape (4, 8); "
                                       "fix: return ")),
     ("no_such_module:factory", "rtv conform: adapter 'no_such_module:factory' is broken: cannot import no_such_module"),
+    ("conform_wrong:StartWithoutSpec", ("rtv conform: adapter 'start-without-spec' is broken: start() cannot be "
+                                        "called as start(spec); fix: define start(spec) as in docs/conform.md")),
+    ("conform_wrong:BackwardWithoutLoss", ("rtv conform: adapter 'backward-without-loss' is broken: backward() cannot "
+                                           "be called as backward(loss); fix: define backward(loss)")),
+    ("conform_wrong:ModuleNotTheModel", ("rtv conform: adapter 'module-not-the-model' is broken: module()(input_ids "
+                                         "(4, 8)) raised RuntimeError: ")),
     ("conform_wrong:raising_factory", ("rtv conform: adapter 'conform_wrong:raising_factory' is broken: the "
                                        "factory raised RuntimeError: no GPU second line; fix: make the factory "
                                        "return")),
@@ -75,6 +81,21 @@ def test_a_broken_adapter_exits_2_named_in_one_line_with_the_fix(importable: Non
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(said) and "; fix: " in lines[0]
     assert not list(tmp_path.iterdir())  # no record of a suite that could not run
+
+
+@pytest.mark.parametrize(("source", "raised"), [("x = (\n", "SyntaxError"),
+                                               ("raise RuntimeError('no GPU at import')\n", "RuntimeError: no GPU")])
+def test_a_factory_module_that_fails_at_import_exits_2(source: str, raised: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "fails_at_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "fails_at_import", raising=False)
+    assert main(["conform", "--adapter", "fails_at_import:factory", "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rtv conform: adapter 'fails_at_import:factory' is broken: "
+                                                   f"importing fails_at_import raised {raised}")
+    assert not (tmp_path / "out").exists()
 
 
 def test_no_adapter_named_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,6 +226,35 @@ class FrozenModule(SyncAdapter):
         return frozen.requires_grad_(False)
 
 
+class StartWithoutSpec(SyncAdapter):
+    """broken: ``start`` takes no spec."""
+
+    name = "start-without-spec"
+
+    def start(self) -> None:  # type: ignore[override]
+        pass
+
+
+class BackwardWithoutLoss(SyncAdapter):
+    """broken: ``backward`` takes no loss (the trainer keeps its own)."""
+
+    name = "backward-without-loss"
+
+    def backward(self) -> None:  # type: ignore[override]
+        pass
+
+
+class ModuleNotTheModel(SyncAdapter):
+    """broken: ``module()`` returns a trainable module that is not the model forward runs (a bare head)."""
+
+    name = "module-not-the-model"
+
+    def module(self) -> torch.nn.Module:
+        if not hasattr(self, "_head"):
+            self._head = torch.nn.Linear(4, 3)
+        return self._head
+
+
 class SummedLogprobs(SyncAdapter):
     """broken: forward returns one log-prob per sequence (B,), not per token (B, T)."""
 

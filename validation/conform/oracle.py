@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .protocol import logits_of
+from .protocol import AdapterError, adapter_name, logits_of
 
 __all__ = ["WorstElement", "FP64Oracle", "compare", "suite_loss", "snapshot", "tolerance", "token_logprobs64"]
 
@@ -139,7 +139,13 @@ class FP64Oracle:
 
     def logprobs(self, weights: Mapping[str, Tensor], ids: Tensor, targets: Tensor) -> Tensor:
         """FP64 ``(B, T)`` target log-probs of the copy at ``weights``."""
-        output = torch.func.functional_call(self._model, dict(weights), (ids,))
+        try:
+            output = torch.func.functional_call(self._model, dict(weights), (ids,))
+        except Exception as error:  # module() is not the model forward runs: a broken adapter
+            raise AdapterError(adapter_name(self._adapter), f"module()(input_ids {tuple(ids.shape)}) raised "
+                               f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                               fix="return the model whose call maps (B, T) token ids to (B, T, V) logits (the one "
+                                   "forward runs) from module()") from error
         return token_logprobs64(logits_of(self._adapter, output, ids), targets)
 
     def gradients(self, weights: Mapping[str, Tensor], batches: Sequence[tuple[Tensor, Tensor, Tensor]],

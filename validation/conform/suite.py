@@ -63,13 +63,17 @@ def resolve(adapter: str) -> str:
 
 
 def load_adapter_factory(path: str) -> Callable[[], Any]:
-    """The callable ``path`` names; :class:`AdapterError` for a module or name that is not there."""
+    """The callable ``path`` names; :class:`AdapterError` for a module that is not there or fails to import, or a
+    name that is not there."""
     module_name, _, name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise AdapterError(path, f"cannot import {module_name} ({error})",
                            fix="put its folder on PYTHONPATH (or install it) and check the module name") from error
+    except Exception as error:  # a module that fails at import (SyntaxError, its own raise) is broken
+        raise AdapterError(path, f"importing {module_name} raised {type(error).__name__}: {error}",
+                           fix=f"make {module_name} import cleanly (python -c 'import {module_name}')") from error
     factory = getattr(module, name, None)
     if not callable(factory):
         raise AdapterError(path, f"{module_name} has no callable {name!r}",
