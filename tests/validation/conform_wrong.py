@@ -150,6 +150,27 @@ class Float16Logprobs(SyncAdapter):
         return logprobs * (target_tokens >= 0)
 
 
+class Float16StaleLogprobs(SnapshotAsyncAdapter):
+    """stale: exact snapshots, but log-probs from logits rounded to float16: wrong at every revision, not stale."""
+
+    name = "float16-stale-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        frozen = copy.deepcopy(self._model)
+        frozen.zero_grad(set_to_none=True)
+        self._pending.append(frozen)
+        logits = frozen(input_tokens).to(torch.float16).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logprobs * (target_tokens >= 0)
+
+
+class RaisingStaleBackward(SyncAdapter):
+    """stale: claims it, but a stale backward raises autograd's in-place error (a control that fires for no reason)."""
+
+    name = "raising-stale-backward"
+    capabilities = frozenset({"stale"})
+
+
 class ResumedOneUlpOff(SaveWithoutGradients):
     """resume: claims bitwise, but ``load`` leaves each weight one ulp off (e.g. weights rebuilt from a master copy)."""
 

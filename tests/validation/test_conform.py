@@ -97,11 +97,28 @@ def test_stale_passes_snapshots_and_catches_the_in_place_update_of_naive_async()
     assert "staleness 1: the gradient is not the oracle's at the forward's weights (revision 0)" in verdict.reason
     assert "the backward ran through weights updated after the forward" in verdict.reason
     assert verdict.evidence["against_live"]["error"] > verdict.evidence["against_live"]["tolerance"]
+    assert verdict.evidence["diagnosis"] == "updated_weights"
+    assert verdict.evidence["against_live"]["error"] < verdict.evidence["worst"]["error"]
+
+
+def test_stale_says_not_staleness_when_the_live_weights_oracle_is_no_nearer() -> None:
+    verdict = stale(wrong.Float16StaleLogprobs, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["diagnosis"] == "not_staleness"
+    assert "the backward ran through weights updated" not in verdict.reason and "so not staleness" in verdict.reason
+    assert verdict.evidence["against_live"]["error"] >= verdict.evidence["worst"]["error"]
 
 
 def test_stale_refuses_to_pass_when_the_weights_did_not_move() -> None:
     verdict = stale(SnapshotAsyncAdapter, ConformSpec(lr=1e-12))
     assert verdict.status == FAILED and "vacuous" in verdict.reason
+
+
+def test_stale_asks_the_live_and_forward_oracles_to_differ_by_twice_the_tolerance() -> None:
+    """lr 6e-7 moves the oracle by 1.5 tolerances (the separation is linear in lr here): vacuous; 1e-2 is not."""
+    verdict = stale(SnapshotAsyncAdapter, ConformSpec(lr=6e-7, max_staleness=1))
+    tol = tolerance(torch.float32)
+    assert verdict.status == FAILED and "within twice the tolerance" in verdict.reason
+    assert tol < verdict.evidence["worst"]["error"] <= 2 * tol
 
 
 def test_splits_names_the_ratio_of_a_per_micro_batch_mean() -> None:
@@ -159,6 +176,17 @@ def test_the_negative_control_passes_the_record_only_when_it_fails_its_check() -
     assert next(c.detail for c in checks_of(control) if c.failed).startswith("the negative control passed")
     unclaimed = conform_record([conform("sync", SPEC, checks=("sync", "stale"))], SPEC, negative_controls={"sync": "stale"})
     assert unclaimed["checks"]["sync stale fails (negative control)"] is False  # a control that did not run
+
+
+@pytest.mark.parametrize("control", [wrong.RaisingStaleBackward, wrong.Float16StaleLogprobs])
+def test_a_negative_control_that_fails_stale_for_another_reason_did_not_fire(control: type) -> None:
+    """The adapter raised, or its gradient is wrong at every revision: not the in-place update the control stands for."""
+    report = conform(f"conform_wrong:{control.__name__}", SPEC, checks=("stale",))
+    assert report.verdict("stale").status == FAILED
+    record = conform_record([report], SPEC, negative_controls={control.name: "stale"})
+    assert record["checks"] == {f"{control.name} stale fails (negative control)": False} and not record["passed"]
+    detail = next(c.detail for c in checks_of(record) if c.failed)
+    assert detail.startswith("the negative control failed, but not for the reason it stands for: ")
 
 
 def test_an_adapter_without_a_method_is_refused_naming_it_and_the_fix() -> None:

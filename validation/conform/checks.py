@@ -19,9 +19,10 @@ from .jobs import ConformBatch, Driven, make_batch, started
 from .oracle import WorstElement, FP64Oracle, compare, snapshot, tolerance
 from .protocol import ConformSpec
 
-__all__ = ["Verdict", "PASSED", "FAILED", "NOT_APPLICABLE", "sync", "stale", "splits", "SYNC_STEPS"]
+__all__ = ["Verdict", "PASSED", "FAILED", "NOT_APPLICABLE", "UPDATED_WEIGHTS", "sync", "stale", "splits", "SYNC_STEPS"]
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+UPDATED_WEIGHTS = "updated_weights"  # a stale failure's diagnosis: nearer the live weights' oracle than revision v's
 SYNC_STEPS = 3
 
 
@@ -97,8 +98,11 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
     """For k in 1..max_staleness: forward at revision v, k other steps, backward: the oracle's gradient at v.
 
     Not vacuous: the oracle at the live weights must differ from revision v's
-    by more than the tolerance, or the check fails saying the weights did not
-    move enough to tell them apart.
+    by more than twice the tolerance (so a gradient within tolerance of one
+    cannot be within tolerance of the other), or the check fails saying the
+    weights did not move enough to tell them apart. A failure is diagnosed
+    :data:`UPDATED_WEIGHTS` (evidence ``diagnosis``) only when the gradient
+    is nearer the live weights' oracle than revision v's.
     """
     driven = started(factory, spec)
     oracle, tol = FP64Oracle(driven.adapter), tolerance(spec.torch_dtype)
@@ -115,16 +119,12 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         at_v = oracle.gradients(weights, [batch.oracle_batch()], batch.active)
         at_live = oracle.gradients(live, [batch.oracle_batch()], batch.active)
         separation = compare(at_live, at_v, tol)
-        if separation.ok:
-            return _failed("stale", f"staleness {k}: vacuous, the oracle at the live weights is within tolerance of "
-                           f"revision {revision - k}'s; raise spec.lr", separation)
+        if separation.error <= 2 * tol:
+            return _failed("stale", f"staleness {k}: vacuous, the oracle at the live weights is within twice the "
+                           f"tolerance of revision {revision - k}'s; raise spec.lr", separation)
         against_v = compare(found, at_v, tol)
         if not against_v.ok:
-            against_live = compare(found, at_live, tol)
-            return _failed("stale", f"staleness {k}: the gradient is not the oracle's at the forward's weights "
-                           f"(revision {revision - k}); against the live weights (revision {revision}) its error is "
-                           f"{against_live.error:.3g}: the backward ran through weights updated after the forward "
-                           "(live or in-place-updated weights)", against_v, against_live=against_live.evidence())
+            return _stale_failed(k, revision, against_v, compare(found, at_live, tol))
         per_k[k] = {"error": against_v.error, "live_oracle_separation": separation.error}
         driven.adapter.optim_step()
         driven.adapter.zero_grad()
@@ -136,6 +136,20 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
                    f"weights; the live weights' oracle differs by >= "
                    f"{min(v['live_oracle_separation'] for v in per_k.values()):.3g} (tolerance {tol:.3g}){measured}",
                    {"per_staleness": per_k, **extra})
+
+
+def _stale_failed(k: int, revision: int, against_v: WorstElement, against_live: WorstElement) -> Verdict:
+    """The failure of staleness ``k``, diagnosed :data:`UPDATED_WEIGHTS` only when the live weights' oracle is nearer."""
+    if against_live.error < against_v.error:
+        diagnosis, why = UPDATED_WEIGHTS, ("the backward ran through weights updated after the forward (live or "
+                                           "in-place-updated weights)")
+    else:
+        diagnosis, why = "not_staleness", ("the live weights' oracle is no nearer, so not staleness: a gradient "
+                                           "wrong at any revision (precision, or the computation)")
+    return _failed("stale", f"staleness {k}: the gradient is not the oracle's at the forward's weights (revision "
+                   f"{revision - k}); against the live weights (revision {revision}) its error is "
+                   f"{against_live.error:.3g}: {why}", against_v, against_live=against_live.evidence(),
+                   diagnosis=diagnosis)
 
 
 def _arms(batch: ConformBatch) -> dict[str, Callable[[Driven, ConformBatch], None]]:
