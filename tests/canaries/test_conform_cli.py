@@ -46,6 +46,14 @@ def test_an_adapter_written_outside_the_project_passes_with_exit_0(importable: N
     assert resumed[0].startswith("PASS  tiny-token-model resume: saved after each of calls") and "bitwise equal" in resumed[0]
 
 
+def test_the_worked_example_keeps_float64_log_probs_at_a_float64_spec(importable: None) -> None:
+    """Log-probs cast down to float32 miss float64's tolerance by orders of magnitude."""
+    from validation.conform import PASSED, ConformSpec, conform
+
+    report = conform("conform_adapter:make_adapter", ConformSpec(dtype="float64"), checks=("sync",))
+    assert report.verdict("sync").status == PASSED, report.verdict("sync").reason
+
+
 def test_a_failed_check_exits_1_and_the_report_names_its_worst_element(tmp_path: Path) -> None:
     assert main(["conform", "naive-async", "--out", str(tmp_path)]) == 1
     record = verify(_run_folder(tmp_path) / "conform.json")
