@@ -106,6 +106,34 @@ def test_a_factory_module_that_fails_at_import_exits_2(source: str, raised: str,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("named", [["sync", "sync"], ["sync", "--adapter", "validation.conform.adapters.plain:SyncAdapter"]])
+def test_two_adapters_of_one_name_exit_2_before_any_check_runs(named: list[str], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conform", *named, "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "its name 'sync' is also 'sync''s" in lines[0] and "; fix: " in lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def _key_figure(control_verdict, tmp_path: Path) -> str:
+    from reports.conform import section
+    from validation.conform import AdapterReport, ConformSpec, conform_record
+
+    report = AdapterReport("naive-async", "x:y", ("stale",), "", (control_verdict,))
+    record = conform_record([report], ConformSpec(), negative_controls={"naive-async": "stale"})
+    return section(record, tmp_path).key_figure
+
+
+def test_the_key_figure_counts_a_control_only_when_it_fired(tmp_path: Path) -> None:
+    from validation.conform import FAILED, NOT_APPLICABLE, PASSED, Verdict
+
+    fired = Verdict("stale", FAILED, "in place", {"diagnosis": "updated_weights"})
+    assert _key_figure(fired, tmp_path) == "1 of 1 adapters as required"
+    for not_fired in (Verdict("stale", PASSED, "ok"), Verdict("stale", NOT_APPLICABLE, "unclaimed"),
+                      Verdict("stale", FAILED, "the adapter raised RuntimeError: x", {"raised": "RuntimeError"})):
+        assert _key_figure(not_fired, tmp_path) == "0 of 1 adapters as required", not_fired
+
+
 def test_no_adapter_named_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conform"]) == 2
     assert "fix: name one (rtv conform --list)" in capsys.readouterr().err

@@ -213,6 +213,16 @@ class NoReduceAcrossProcesses(SyncAdapter):
     capabilities = frozenset({"processes"})
 
 
+class RaisesAtStep(SyncAdapter):
+    """sync: ``optim_step`` raises with a story over several lines whose cause is the last (as a spawned rank's is)."""
+
+    name = "raises-at-step"
+
+    def optim_step(self) -> None:
+        raise RuntimeError("a rank raised\n--- rank 1: exit code 1\nTraceback (most recent call last):\n"
+                           "ValueError: the optimizer state is on another device")
+
+
 class MissingBackward:
     """broken: no backward method."""
 

@@ -127,7 +127,21 @@ def test_splits_names_the_ratio_of_a_per_micro_batch_mean() -> None:
     verdict = splits(wrong.MeanOverMicroBatches, SPEC)
     assert verdict.status == FAILED and verdict.evidence["arm"] == "2 micro-batches"
     assert verdict.evidence["ratio"] == pytest.approx(0.5, rel=1e-4)
-    assert "as 2 micro-batches the gradient is 0.5 x the oracle's" in verdict.reason
+    assert "as 2 micro-batches the gradient of model." in verdict.reason and "is 0.5 x the oracle's" in verdict.reason
+
+
+def test_splits_names_the_ratio_of_the_worst_parameter_not_of_all() -> None:
+    """One small parameter 5% short: over all parameters the factor reads ~1; its own reads 0.95."""
+    verdict = splits(wrong.ScaledNormGradient, SPEC)
+    assert verdict.status == FAILED and verdict.evidence["ratio"] == pytest.approx(0.95, rel=1e-4)
+    assert "the gradient of model.layers.0.post_attention_layernorm.weight is 0.95 x" in verdict.reason
+
+
+def test_an_adapter_that_raises_keeps_the_cause_of_a_many_line_message() -> None:
+    verdict = conform("conform_wrong:RaisesAtStep", SPEC, checks=("sync",)).verdict("sync")
+    assert verdict.status == FAILED and verdict.reason.startswith("the adapter raised RuntimeError: a rank raised ... "
+                                                                  "ValueError: the optimizer state is on another device")
+    assert verdict.evidence["message"].count("\n") == 3
 
 
 def test_splits_catches_a_trainer_that_keeps_one_forward_pending() -> None:
