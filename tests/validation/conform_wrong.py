@@ -223,6 +223,21 @@ class RaisesAtStep(SyncAdapter):
                            "ValueError: the optimizer state is on another device")
 
 
+class UnguardedAllReduce(SyncAdapter):
+    """processes (right): sums gradients with ``dist.all_reduce`` unconditionally, as a world-size-agnostic trainer does."""
+
+    name = "unguarded-all-reduce"
+    capabilities = frozenset({"processes"})
+
+    def backward(self, loss: Tensor) -> None:
+        import torch.distributed as dist
+
+        loss.backward()
+        for param in self._model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+
+
 class MissingBackward:
     """broken: no backward method."""
 

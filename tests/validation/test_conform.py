@@ -276,6 +276,8 @@ def test_processes_spawned_passes_the_reference_and_catches_a_missing_reduce() -
     assert conform("reference", SPEC, checks=("processes",)).verdicts[0].status == PASSED
     verdict = conform("conform_wrong:NoReduceAcrossProcesses", SPEC, checks=("processes",)).verdicts[0]
     assert verdict.status == FAILED and "at 2 processes rank 0's parameters differ" in verdict.reason
+    alone = conform("conform_wrong:UnguardedAllReduce", SPEC, checks=("processes",)).verdicts[0]
+    assert alone.status == PASSED, alone.reason  # its one-process run has a process group (of 1) too
 
 
 def test_the_reference_adapter_backpropagates_stale_forwards_exactly() -> None:
