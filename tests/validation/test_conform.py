@@ -73,11 +73,11 @@ def test_sync_catches_an_optimizer_that_ignores_the_spec_lr() -> None:
     assert verdict.status == FAILED and "optim_step did not move the weights as AdamW(lr=0.01" in verdict.reason
 
 
-@pytest.mark.parametrize("changed", [{"weight_decay": 0.0}, {"betas": (0.9, 0.99)}, {"betas": (0.8, 0.999)},
-                                     {"eps": 1e-3}, {"lr": 1.01e-2}, {"optimizer": torch.optim.Adam}],
-                         ids=["no-weight-decay", "beta2-0.99", "beta1-0.8", "eps-1e-3", "lr-1.01x", "adam-l2"])
+@pytest.mark.parametrize("changed", [{"weight_decay": 0.0}, {"betas": (0.9, 0.99)}, {"lr": 1.01e-2}],
+                         ids=["no-weight-decay", "beta2-0.99", "lr-1.01x"])
 def test_sync_judges_the_update_so_each_off_spec_adamw_setting_fails(changed: dict) -> None:
-    """The update is ~lr of the weights: judged at the weights' scale these all passed."""
+    """The update is ~lr of the weights: judged at the weights' scale these passed (eps 1e-3, beta1 0.8 and Adam's
+    L2 decay were caught even so)."""
     verdict = sync(wrong.off_spec_adamw(**changed), SPEC)
     assert verdict.status == FAILED and "optim_step did not move the weights as AdamW" in verdict.reason, verdict.reason
 
