@@ -52,7 +52,9 @@ class TinyTrainerAdapter:
         return self._model
 
     def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
-        logprobs = torch.log_softmax(self._model(input_tokens).float(), dim=-1)
+        logits = self._model(input_tokens)  # (B, T, V) in the spec's dtype
+        # Promote only upward (bfloat16 -> float32); never downcast: float64 log-probs stay float64.
+        logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         picked = logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return picked * (target_tokens != -100)  # (B, T); masked targets: 0, no gradient
 

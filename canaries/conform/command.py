@@ -41,6 +41,7 @@ def _conform(args: argparse.Namespace) -> int:
     if args.list:
         return _list()
     from validation.conform import AdapterError, ConformSpec, conform
+    from validation.conform.suite import require_distinct_names
 
     adapters = [*args.adapters, *args.adapter]
     if not adapters:
@@ -49,6 +50,7 @@ def _conform(args: argparse.Namespace) -> int:
     spec = ConformSpec(seed=args.seed, dtype=args.dtype, max_staleness=args.max_staleness)
     started, reports = time.monotonic(), []
     try:
+        require_distinct_names(adapters)
         for adapter in adapters:
             reports.append(conform(adapter, spec, progress=_print))
     except AdapterError as error:

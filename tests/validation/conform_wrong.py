@@ -26,6 +26,16 @@ class UnmaskedLogprobs(SyncAdapter):
         return logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
+class ScaledNormGradient(SyncAdapter):
+    """sync, splits: one small-gradient parameter's gradient is 5% short (a norm weight counted through a mean)."""
+
+    name = "scaled-norm-gradient"
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+        dict(self._model.named_parameters())["model.layers.0.post_attention_layernorm.weight"].grad.mul_(0.95)
+
+
 class DoubledLearningRate(SyncAdapter):
     """sync: the optimizer ignores spec.lr (steps at twice it)."""
 
@@ -35,6 +45,20 @@ class DoubledLearningRate(SyncAdapter):
         super().start(spec)
         for group in self._optimizer.param_groups:
             group["lr"] = 2 * spec.lr
+
+
+def off_spec_adamw(optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **changed: object) -> type[SyncAdapter]:
+    """sync: an optimizer that departs from the spec's AdamW in ``changed`` settings (or is another ``optimizer``)."""
+
+    class OffSpecAdamW(SyncAdapter):
+        name = f"off-spec-{optimizer.__name__}-{'-'.join(f'{k}={v}' for k, v in changed.items())}"
+
+        def start(self, spec) -> None:
+            super().start(spec)
+            settings = {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
+            self._optimizer = optimizer(self._model.parameters(), **{**settings, **changed})
+
+    return OffSpecAdamW
 
 
 class MeanOverMicroBatches(SyncAdapter):
@@ -126,6 +150,27 @@ class Float16Logprobs(SyncAdapter):
         return logprobs * (target_tokens >= 0)
 
 
+class Float16StaleLogprobs(SnapshotAsyncAdapter):
+    """stale: exact snapshots, but log-probs from logits rounded to float16: wrong at every revision, not stale."""
+
+    name = "float16-stale-logprobs"
+
+    def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+        frozen = copy.deepcopy(self._model)
+        frozen.zero_grad(set_to_none=True)
+        self._pending.append(frozen)
+        logits = frozen(input_tokens).to(torch.float16).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logprobs * (target_tokens >= 0)
+
+
+class RaisingStaleBackward(SyncAdapter):
+    """stale: claims it, but a stale backward raises autograd's in-place error (a control that fires for no reason)."""
+
+    name = "raising-stale-backward"
+    capabilities = frozenset({"stale"})
+
+
 class ResumedOneUlpOff(SaveWithoutGradients):
     """resume: claims bitwise, but ``load`` leaves each weight one ulp off (e.g. weights rebuilt from a master copy)."""
 
@@ -145,11 +190,52 @@ class ResumedOneUlpOff(SaveWithoutGradients):
                 param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
 
 
+class NaNGradient(SnapshotAsyncAdapter):
+    """sync, stale, splits: one parameter's gradient is NaN (a diverged layer); the step uses the true gradient."""
+
+    name = "nan-gradient"
+
+    def backward(self, loss: Tensor) -> None:
+        super().backward(loss)
+        first = next(self._model.parameters())
+        self._true = first.grad.clone()
+        first.grad.fill_(float("nan"))
+
+    def optim_step(self) -> None:
+        next(self._model.parameters()).grad = self._true
+        super().optim_step()
+
+
 class NoReduceAcrossProcesses(SyncAdapter):
     """processes: claims processes but each rank steps on its own rows' gradient (no sum over the group)."""
 
     name = "no-reduce"
     capabilities = frozenset({"processes"})
+
+
+class RaisesAtStep(SyncAdapter):
+    """sync: ``optim_step`` raises with a story over several lines whose cause is the last (as a spawned rank's is)."""
+
+    name = "raises-at-step"
+
+    def optim_step(self) -> None:
+        raise RuntimeError("a rank raised\n--- rank 1: exit code 1\nTraceback (most recent call last):\n"
+                           "ValueError: the optimizer state is on another device")
+
+
+class UnguardedAllReduce(SyncAdapter):
+    """processes (right): sums gradients with ``dist.all_reduce`` unconditionally, as a world-size-agnostic trainer does."""
+
+    name = "unguarded-all-reduce"
+    capabilities = frozenset({"processes"})
+
+    def backward(self, loss: Tensor) -> None:
+        import torch.distributed as dist
+
+        loss.backward()
+        for param in self._model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
 
 
 class MissingBackward:
@@ -184,6 +270,35 @@ class FrozenModule(SyncAdapter):
     def module(self) -> torch.nn.Module:
         frozen = copy.deepcopy(self._model)
         return frozen.requires_grad_(False)
+
+
+class StartWithoutSpec(SyncAdapter):
+    """broken: ``start`` takes no spec."""
+
+    name = "start-without-spec"
+
+    def start(self) -> None:  # type: ignore[override]
+        pass
+
+
+class BackwardWithoutLoss(SyncAdapter):
+    """broken: ``backward`` takes no loss (the trainer keeps its own)."""
+
+    name = "backward-without-loss"
+
+    def backward(self) -> None:  # type: ignore[override]
+        pass
+
+
+class ModuleNotTheModel(SyncAdapter):
+    """broken: ``module()`` returns a trainable module that is not the model forward runs (a bare head)."""
+
+    name = "module-not-the-model"
+
+    def module(self) -> torch.nn.Module:
+        if not hasattr(self, "_head"):
+            self._head = torch.nn.Linear(4, 3)
+        return self._head
 
 
 class SummedLogprobs(SyncAdapter):

@@ -19,9 +19,10 @@ from .jobs import ConformBatch, Driven, make_batch, started
 from .oracle import WorstElement, FP64Oracle, compare, snapshot, tolerance
 from .protocol import ConformSpec
 
-__all__ = ["Verdict", "PASSED", "FAILED", "NOT_APPLICABLE", "sync", "stale", "splits", "SYNC_STEPS"]
+__all__ = ["Verdict", "PASSED", "FAILED", "NOT_APPLICABLE", "UPDATED_WEIGHTS", "sync", "stale", "splits", "SYNC_STEPS"]
 
 PASSED, FAILED, NOT_APPLICABLE = "passed", "failed", "not applicable"
+UPDATED_WEIGHTS = "updated_weights"  # a stale failure's diagnosis: nearer the live weights' oracle than revision v's
 SYNC_STEPS = 3
 
 
@@ -56,8 +57,18 @@ class _AdamW64:
         return {name: param.detach().clone() for name, param in self._params.items()}
 
 
+def _update(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a step changed, per parameter: ``after - before`` (the comparison's scale is then the update's, not the weights')."""
+    return {name: after[name] - before[name] for name in before}
+
+
 def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
-    """Staleness 0: each step's gradient is the oracle's at the live weights, and the step is AdamW's from them."""
+    """Staleness 0: each step's gradient is the oracle's at the live weights, and the step is AdamW's from them.
+
+    A step is judged by its update (new weights - old) against FP64 AdamW's
+    update from the same weights and gradient, so an update some 1e-2 of the
+    weights is not judged at the weights' scale.
+    """
     driven = started(factory, spec)
     oracle, tol = FP64Oracle(driven.adapter), tolerance(spec.torch_dtype)
     adamw = _AdamW64(spec, list(snapshot(driven.module())))
@@ -70,7 +81,7 @@ def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         if not grad.ok:
             return _failed("sync", f"step {step}: the gradient is not the oracle's at the live weights", grad)
         driven.adapter.optim_step()
-        moved = compare(snapshot(driven.module()), adamw.step(weights, found), tol)
+        moved = compare(_update(snapshot(driven.module()), weights), _update(adamw.step(weights, found), weights), tol)
         if not moved.ok:
             return _failed("sync", f"step {step}: optim_step did not move the weights as AdamW(lr={spec.lr}, "
                            f"betas={spec.betas}, eps={spec.eps}, weight_decay={spec.weight_decay}) does", moved)
@@ -87,8 +98,11 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
     """For k in 1..max_staleness: forward at revision v, k other steps, backward: the oracle's gradient at v.
 
     Not vacuous: the oracle at the live weights must differ from revision v's
-    by more than the tolerance, or the check fails saying the weights did not
-    move enough to tell them apart.
+    by more than twice the tolerance (so a gradient within tolerance of one
+    cannot be within tolerance of the other), or the check fails saying the
+    weights did not move enough to tell them apart. A failure is diagnosed
+    :data:`UPDATED_WEIGHTS` (evidence ``diagnosis``) only when the gradient
+    is nearer the live weights' oracle than revision v's.
     """
     driven = started(factory, spec)
     oracle, tol = FP64Oracle(driven.adapter), tolerance(spec.torch_dtype)
@@ -105,16 +119,12 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         at_v = oracle.gradients(weights, [batch.oracle_batch()], batch.active)
         at_live = oracle.gradients(live, [batch.oracle_batch()], batch.active)
         separation = compare(at_live, at_v, tol)
-        if separation.ok:
-            return _failed("stale", f"staleness {k}: vacuous, the oracle at the live weights is within tolerance of "
-                           f"revision {revision - k}'s; raise spec.lr", separation)
+        if separation.error <= 2 * tol:
+            return _failed("stale", f"staleness {k}: vacuous, the oracle at the live weights is within twice the "
+                           f"tolerance of revision {revision - k}'s; raise spec.lr", separation)
         against_v = compare(found, at_v, tol)
         if not against_v.ok:
-            against_live = compare(found, at_live, tol)
-            return _failed("stale", f"staleness {k}: the gradient is not the oracle's at the forward's weights "
-                           f"(revision {revision - k}); against the live weights (revision {revision}) its error is "
-                           f"{against_live.error:.3g}: the backward ran through weights updated after the forward "
-                           "(live or in-place-updated weights)", against_v, against_live=against_live.evidence())
+            return _stale_failed(k, revision, against_v, compare(found, at_live, tol))
         per_k[k] = {"error": against_v.error, "live_oracle_separation": separation.error}
         driven.adapter.optim_step()
         driven.adapter.zero_grad()
@@ -126,6 +136,20 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
                    f"weights; the live weights' oracle differs by >= "
                    f"{min(v['live_oracle_separation'] for v in per_k.values()):.3g} (tolerance {tol:.3g}){measured}",
                    {"per_staleness": per_k, **extra})
+
+
+def _stale_failed(k: int, revision: int, against_v: WorstElement, against_live: WorstElement) -> Verdict:
+    """The failure of staleness ``k``, diagnosed :data:`UPDATED_WEIGHTS` only when the live weights' oracle is nearer."""
+    if against_live.error < against_v.error:
+        diagnosis, why = UPDATED_WEIGHTS, ("the backward ran through weights updated after the forward (live or "
+                                           "in-place-updated weights)")
+    else:
+        diagnosis, why = "not_staleness", ("the live weights' oracle is no nearer, so not staleness: a gradient "
+                                           "wrong at any revision (precision, or the computation)")
+    return _failed("stale", f"staleness {k}: the gradient is not the oracle's at the forward's weights (revision "
+                   f"{revision - k}); against the live weights (revision {revision}) its error is "
+                   f"{against_live.error:.3g}: {why}", against_v, against_live=against_live.evidence(),
+                   diagnosis=diagnosis)
 
 
 def _arms(batch: ConformBatch) -> dict[str, Callable[[Driven, ConformBatch], None]]:
@@ -160,22 +184,20 @@ def splits(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         found = driven.gradients()
         comparison = compare(found, expected, tol)
         if not comparison.ok:
-            return _failed("splits", f"as {arm} the gradient is {_ratio(found, expected):.4g} x the oracle's "
-                           "(the one-batch gradient)", comparison, arm=arm, ratio=_ratio(found, expected))
+            ratio = _ratio(found.get(comparison.parameter), expected[comparison.parameter])
+            return _failed("splits", f"as {arm} the gradient of {comparison.parameter} is {ratio:.4g} x the oracle's "
+                           "(the one-batch gradient)", comparison, arm=arm, ratio=ratio)
         errors[arm] = comparison.error
     driven.adapter.zero_grad()
     return Verdict("splits", PASSED, f"{len(errors)} splits: worst error {max(errors.values()):.3g} "
                    f"(tolerance {tol:.3g})", {"errors": errors})
 
 
-def _ratio(found: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor]) -> float:
-    """The least-squares factor ``<found, expected> / <expected, expected>`` over all parameters."""
-    dot = 0.0
-    for name, e in expected.items():
-        g = found.get(name)
-        if g is not None:
-            dot += float((g.double() * e).sum())
-    return dot / sum(float((e * e).sum()) for e in expected.values())
+def _ratio(found: torch.Tensor | None, expected: torch.Tensor) -> float:
+    """The least-squares factor ``<found, expected> / <expected, expected>`` of one parameter (the worst element's)."""
+    if found is None:
+        return 0.0
+    return float((found.double() * expected).sum()) / (float((expected * expected).sum()) or 1.0)
 
 
 def _extra(driven: Driven) -> dict[str, Any]:

@@ -15,9 +15,13 @@ NOTE [Conformance oracle]
      the suite's loss (``suite_loss``) and returns its FP64 gradient with
      respect to the snapshot's names.
   3. A comparison (``compare``) is the worst element over all parameters:
-     ``max |found - oracle| / scale`` with ``scale`` the largest ``|oracle|``
-     element, so one number judges a whole gradient or weight set; the worst
+     ``max |found - oracle| / scale`` with ``scale`` per parameter tensor:
+     its largest ``|oracle|`` element, floored at ``SCALE_FLOOR`` (1e-3) of
+     the largest over all parameters (a parameter whose gradient is small is
+     judged at its own size, one that is all but zero not at rounding noise),
+     so one number judges a whole gradient or weight set; the worst
      element's parameter, index, found and oracle values are kept as evidence.
+     A NaN or infinite element is an infinite error that names it.
   4. The tolerance derives from the parameters' dtype alone
      (``tolerance``): the smaller of ``1024 * eps`` and ``sqrt(eps)``
      (float32 1.2e-4, float64 2.3e-13, bfloat16 0.088, float16 0.031).
@@ -34,11 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .protocol import logits_of
+from .protocol import AdapterError, adapter_name, logits_of
 
 __all__ = ["WorstElement", "FP64Oracle", "compare", "suite_loss", "snapshot", "tolerance", "token_logprobs64"]
 
 MASKED = -100  # a target the suite masks: log-prob 0, no gradient
+SCALE_FLOOR = 1e-3  # Rule 3: a parameter's scale is at least this fraction of the largest oracle element
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -75,7 +80,7 @@ def suite_loss(logprobs: Tensor, advantages: Tensor, active_total: int) -> Tenso
 
 @dataclass(frozen=True)
 class WorstElement:
-    """Rule 3: the worst element of ``found`` against the oracle, relative to the oracle's largest element."""
+    """Rule 3: the worst element of ``found`` against the oracle, relative to its parameter's ``scale``."""
 
     error: float
     tolerance: float
@@ -91,26 +96,34 @@ class WorstElement:
 
     def worst(self) -> str:
         return (f"worst element {self.parameter}{list(self.index)}: found {self.found:.6g}, oracle {self.oracle:.6g} "
-                f"(error {self.error:.3g} of the largest oracle element {self.scale:.3g}; tolerance {self.tolerance:.3g})")
+                f"(error {self.error:.3g} of the parameter's scale {self.scale:.3g}; tolerance {self.tolerance:.3g})")
 
     def evidence(self) -> dict[str, Any]:
         return {**asdict(self), "index": list(self.index), "ok": self.ok}
 
 
 def compare(found: Mapping[str, Tensor | None], oracle: Mapping[str, Tensor], tol: float) -> WorstElement:
-    """Rule 3 over the oracle's names; a missing or ``None`` found tensor counts as zeros."""
-    scale = max(float(t.abs().max()) for t in oracle.values() if t.numel()) or 1.0
-    worst: tuple[float, str, tuple[int, ...], float, float] = (-1.0, "", (), 0.0, 0.0)
+    """Rule 3 over the oracle's names; a missing or ``None`` found tensor counts as zeros.
+
+    A non-finite element (NaN or inf, found or oracle) is an infinite error
+    that names that element, so it never passes.
+    """
+    overall = max((float(t.abs().max()) for t in oracle.values() if t.numel()), default=0.0)
+    worst = WorstElement(0.0, tol, "", (), 0.0, 0.0, 1.0)
     for name, expected in oracle.items():
+        if not expected.numel():
+            continue
         got = found.get(name)
         got64 = torch.zeros_like(expected) if got is None else got.detach().to(torch.float64).reshape(expected.shape)
-        diff = (got64 - expected).abs()
-        flat = int(diff.argmax())
-        if float(diff.flatten()[flat]) > worst[0]:
+        scale = max(float(expected.abs().max()), SCALE_FLOOR * overall) or 1.0
+        finite = torch.isfinite(got64) & torch.isfinite(expected)
+        error = torch.where(finite, (got64 - expected).abs() / scale, torch.full_like(expected, math.inf)).flatten()
+        flat = int(error.argmax())
+        if float(error[flat]) >= worst.error:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
-            worst = (float(diff.flatten()[flat]), name, index, float(got64.flatten()[flat]), float(expected.flatten()[flat]))
-    error, name, index, got_value, oracle_value = worst
-    return WorstElement(error / scale, tol, name, index, got_value, oracle_value, scale)
+            worst = WorstElement(float(error[flat]), tol, name, index, float(got64.flatten()[flat]),
+                                 float(expected.flatten()[flat]), scale)
+    return worst
 
 
 class FP64Oracle:
@@ -126,7 +139,13 @@ class FP64Oracle:
 
     def logprobs(self, weights: Mapping[str, Tensor], ids: Tensor, targets: Tensor) -> Tensor:
         """FP64 ``(B, T)`` target log-probs of the copy at ``weights``."""
-        output = torch.func.functional_call(self._model, dict(weights), (ids,))
+        try:
+            output = torch.func.functional_call(self._model, dict(weights), (ids,))
+        except Exception as error:  # module() is not the model forward runs: a broken adapter
+            raise AdapterError(adapter_name(self._adapter), f"module()(input_ids {tuple(ids.shape)}) raised "
+                               f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                               fix="return the model whose call maps (B, T) token ids to (B, T, V) logits (the one "
+                                   "forward runs) from module()") from error
         return token_logprobs64(logits_of(self._adapter, output, ids), targets)
 
     def gradients(self, weights: Mapping[str, Tensor], batches: Sequence[tuple[Tensor, Tensor, Tensor]],

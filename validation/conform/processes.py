@@ -5,7 +5,9 @@ rows ``r, r + W, ...`` of each step's batch (its loss normalised by the
 whole batch's token count, so the ranks' losses add up to the batch's) and
 the adapter must combine the ranks' gradients before stepping (a sum over
 the default process group, which the suite has initialised: gloo, with
-torchrun's environment, ``validation.spawn.spawn_ranks``). Every rank's final
+torchrun's environment, ``validation.spawn.spawn_ranks``). The one-process
+run is spawned too, in a gloo world of 1, so an adapter may call
+``dist.all_reduce`` unconditionally. Every rank's final
 parameters must equal the one-process run's within the tolerance (NOTE
 [Conformance oracle] Rules 3-4): a sum over processes may add in another order.
 """
@@ -77,6 +79,7 @@ def judge_processes(one: dict[str, torch.Tensor], ranks: list[dict[str, Any]], t
 
 def processes(path: str, spec: ConformSpec) -> Verdict:
     """The check, for the adapter whose factory ``path`` names (the ranks import it)."""
-    one = run_job(load_factory(path), spec, 0, 1)
+    (alone,) = spawn_ranks(_rank_job, 1, path, spec, timeout_s=150.0)  # a gloo world of 1: the same calls succeed
     ranks = spawn_ranks(_rank_job, WORLD, path, spec, timeout_s=150.0)
-    return judge_processes(one, ranks, tolerance(spec.torch_dtype))
+    return judge_processes({name: torch.as_tensor(value) for name, value in alone.items()}, ranks,
+                           tolerance(spec.torch_dtype))

@@ -13,7 +13,8 @@ claims) and ``bitwise_resume`` (``True``: a resumed run must end bitwise
 equal to the uninterrupted one, not only within tolerance).
 
 :func:`require_protocol` refuses an adapter that cannot be driven (a missing
-method, an unknown capability) with :class:`AdapterError`, before any check
+method, one whose signature does not take the suite's arguments, an unknown
+capability) with :class:`AdapterError`, before any check
 runs; the suite raises the same error for a call that returns the wrong
 type or shape. Either names the adapter, what was expected and found, and
 the fix, and ``rtv conform`` prints it as one line and exits 2.
@@ -21,6 +22,7 @@ the fix, and ``rtv conform`` prints it as one line and exits 2.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -35,6 +37,8 @@ __all__ = ["Adapter", "AdapterError", "CAPABILITIES", "ConformSpec", "METHODS", 
 CAPABILITIES = frozenset({"stale", "save", "processes"})
 METHODS = ("start", "module", "forward", "backward", "optim_step", "zero_grad")  # every adapter
 SAVE_METHODS = ("save", "load")  # adapters claiming "save"
+ARGUMENTS = {"start": ("spec",), "module": (), "forward": ("input_tokens", "target_tokens"), "backward": ("loss",),
+             "optim_step": (), "zero_grad": (), "save": ("path",), "load": ("path",)}  # what the suite passes
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -141,6 +145,23 @@ def require_protocol(adapter: Any) -> None:
         raise AdapterError(name, f"missing method {', '.join(missing)} (needed: {', '.join(needed)})",
                            fix=f"define {', '.join(f'{m}()' for m in missing)} as in docs/conform.md#the-adapter-protocol"
                            + (", or drop 'save' from capabilities" if set(missing) <= set(SAVE_METHODS) else ""))
+    for method in needed:
+        _require_arguments(name, method, getattr(adapter, method))
+
+
+def _require_arguments(name: str, method: str, bound: Any) -> None:
+    """:class:`AdapterError` unless ``bound`` accepts the positional arguments the suite passes it."""
+    try:
+        signature = inspect.signature(bound)
+    except (TypeError, ValueError):  # a callable inspect cannot read (a builtin): the call itself will tell
+        return
+    expected = ARGUMENTS[method]
+    try:
+        signature.bind(*expected)
+    except TypeError:
+        wanted = f"{method}({', '.join(expected)})"
+        raise AdapterError(name, f"{method}({', '.join(signature.parameters)}) cannot be called as {wanted}",
+                           fix=f"define {wanted} as in docs/conform.md#the-adapter-protocol") from None
 
 
 def logits_of(adapter: Any, output: Any, ids: Tensor, vocab: int | None = None) -> Tensor:

@@ -5,8 +5,10 @@ Each applicable check of each adapter is a check of the record named
 reason (neither passed nor failed). A *negative control* (an adapter that
 must fail one check, e.g. ``naive-async`` must fail ``stale``) records that
 check as ``"<adapter> <check> fails (negative control)"``, passed only when
-the check failed (not when it passed or was not applicable); its other
-applicable checks must pass as usual.
+the check failed for the reason the control stands for (``fired``: a
+*stale* failure must carry the diagnosis ``updated_weights``; not when the
+adapter raised, failed for another reason, passed or was not applicable);
+its other applicable checks must pass as usual.
 ``measurements["adapters"]`` holds every verdict with its status, reason and
 evidence (the worst element and its oracle value for a failure), which the
 report's table reads (``reports.conform``).
@@ -20,13 +22,24 @@ from typing import Any
 
 from validation.evidence import Checks, make_record
 
-from .checks import FAILED, NOT_APPLICABLE, PASSED
+from .checks import FAILED, NOT_APPLICABLE, PASSED, UPDATED_WEIGHTS, Verdict
 from .protocol import ConformSpec
 from .suite import CHECKS, AdapterReport
 
-__all__ = ["KIND", "conform_record", "collect_checks", "record_parts"]
+__all__ = ["KIND", "CONTROL_DIAGNOSES", "conform_record", "collect_checks", "fired", "record_parts"]
 
 KIND = "conform"
+CONTROL_DIAGNOSES = {"stale": UPDATED_WEIGHTS}  # check -> the diagnosis a control's failure of it must carry
+
+
+def fired(verdict: Verdict) -> bool:
+    """A negative control's check failed for the reason it stands for: its diagnosis, where the check makes one."""
+    wanted = CONTROL_DIAGNOSES.get(verdict.check)
+    return verdict.status == FAILED and (wanted is None or verdict.evidence.get("diagnosis") == wanted)
+
+
+def _outcome(verdict: Verdict) -> str:
+    return verdict.status if verdict.status != FAILED else "failed, but not for the reason it stands for"
 
 
 def collect_checks(reports: Sequence[AdapterReport], negative_controls: Mapping[str, str]) -> Checks:
@@ -37,9 +50,9 @@ def collect_checks(reports: Sequence[AdapterReport], negative_controls: Mapping[
         for verdict in report.verdicts:
             name = f"{report.name} {verdict.check}"
             if verdict.check == control:  # a control that did not run (not applicable) did not fire either
-                caught = verdict.status == FAILED
+                caught = fired(verdict)
                 checks.check(f"{name} fails (negative control)", caught,
-                             verdict.reason if caught else f"the negative control {verdict.status}: {verdict.reason}")
+                             verdict.reason if caught else f"the negative control {_outcome(verdict)}: {verdict.reason}")
             elif verdict.status == NOT_APPLICABLE:
                 checks.skip(name, f"not applicable: {verdict.reason}")
             else:

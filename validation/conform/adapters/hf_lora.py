@@ -91,7 +91,7 @@ class HFLoRAAdapter:
         self._forwards += 1
         self._pending.add(self._forwards)
         logits = self._model(input_ids=input_tokens).logits  # (B, T, V)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # never down
         picked = logprobs.gather(-1, target_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         picked = picked * (target_tokens >= 0)  # (B, T); masked targets: 0, no gradient
         picked.register_hook(lambda grad, forward=self._forwards: self._pending.discard(forward))
