@@ -91,6 +91,7 @@ __all__ = [
 TRACE_LENGTH = 64
 BACKSTOP_MARGIN_S = 30.0  # Rule 4: how long past the deadline a wait may block before the process is ended
 SAME_SHAPE_OPS = ("all_gather", "broadcast", "gather")  # every rank passes the same shape (all_to_all's splits differ)
+LISTENER_JOIN_S = 10.0  # how long uninstall waits for a listener in the middle of a look or a dump
 _POLL_S = 0.1  # how often a listener looks for a dump request (Rule 3)
 # (op, group, call, dtypes, shapes or None): what ranks must agree on at one sequence number (Rule 5)
 Signature = tuple[str, str, str, tuple[str, ...], "tuple[tuple[int, ...], ...] | None"]
@@ -163,6 +164,7 @@ class Watchdog:
     key: str = "rtv/watchdog/dump"
     _stop: threading.Event | None = None
     _backstop: Any = None
+    _listener: threading.Thread | None = None
 
     def bound(self, timeout_s: float) -> float:
         return min(timeout_s, self.deadline_s)
@@ -179,7 +181,9 @@ class Watchdog:
                 "trace": [asdict(r) for r in _TRACE.snapshot()], "stack": stack}
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank-{self.rank}-{reason}.json"
-        path.write_text(json.dumps(body, indent=1))
+        partial = path.with_name(path.name + ".partial")  # not rank-*.json: a reader never sees half a dump
+        partial.write_text(json.dumps(body, indent=1))
+        os.replace(partial, path)
         return path
 
     def fired(self, error: PeerError, record: CollectiveRecord) -> None:
@@ -231,20 +235,24 @@ def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = No
     watchdog._backstop = open(folder / f"rank-{rank}-backstop.txt", "w")  # faulthandler keeps its fd: closed by uninstall
     if store is not None:
         watchdog._stop = threading.Event()
-        threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True).start()
+        watchdog._listener = threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True)
+        watchdog._listener.start()
     _TRACE = _Trace()
     _ACTIVE = watchdog
     return watchdog
 
 
 def uninstall() -> None:
-    """Stop watching: the listener stops, an empty backstop file is removed."""
+    """Stop watching: the listener stops (joined, at most :data:`LISTENER_JOIN_S`), an empty backstop file is
+    removed."""
     global _ACTIVE
     watchdog, _ACTIVE = _ACTIVE, None
     if watchdog is None:
         return
     if watchdog._stop is not None:
         watchdog._stop.set()
+    if watchdog._listener is not None:
+        watchdog._listener.join(LISTENER_JOIN_S)
     watchdog._backstop.close()
     backstop = Path(watchdog._backstop.name)
     if backstop.exists() and backstop.stat().st_size == 0:
@@ -345,10 +353,16 @@ def _reference(records: list[CollectiveRecord]) -> CollectiveRecord:
 
 
 def read_dumps(folder: str | Path) -> dict[int, list[CollectiveRecord]]:
-    """Each rank's trace from its earliest dump in ``folder`` (its snapshot at detection time, Rule 5)."""
+    """Each rank's trace from its earliest dump in ``folder`` (its snapshot at detection time, Rule 5).
+
+    A file that is no readable JSON (a dump cut off by a process that died while writing it) is skipped.
+    """
     earliest: dict[int, dict[str, Any]] = {}
     for path in Path(folder).glob("rank-*.json"):
-        body = json.loads(path.read_text())
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
         if body["rank"] not in earliest or body["dumped_at"] < earliest[body["rank"]]["dumped_at"]:
             earliest[body["rank"]] = body
     return {rank: [CollectiveRecord.from_json(r) for r in body["trace"]] for rank, body in earliest.items()}
