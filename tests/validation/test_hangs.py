@@ -88,3 +88,18 @@ def test_a_backstop_stack_alone_is_a_hang_too(tmp_path: Path) -> None:
 
 def test_no_dump_no_diagnosis(tmp_path: Path) -> None:
     assert diagnose(tmp_path, 2) is None
+
+
+def test_a_call_whose_only_evidence_is_nccls_flight_recorder_keeps_it_and_exits_7(tmp_path: Path) -> None:
+    """torch's flight recorder dumps on an NCCL timeout under the name ``nccl_environment`` gives it; settling
+    keeps such a folder (it is evidence) and reports the hang."""
+    from reference_trainer.watchdog import nccl_environment
+
+    with watching(3.0, tmp_path):
+        watch = next_watch()
+    recorder = Path(nccl_environment(watch.folder, 3.0)["TORCH_FR_DUMP_TEMP_FILE"] + "1")  # torch appends the rank
+    recorder.write_bytes(b"\x80pickled entries")
+    with pytest.raises(HangDetected) as info:
+        settle(watch, OUTCOMES, check=True)
+    assert recorder.exists() and info.value.diagnosis["flight_recorders"] == [recorder.name]
+    assert recorder.name in str(info.value)
