@@ -200,13 +200,14 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
 
     world, call = joined_world.world, joined_world.calls
     joined_world.calls += 1
+    recorder = {} if backend != "nccl" or watch is None else watchdog.nccl_environment(watch.folder, watch.deadline_s)
+    saved = {name: os.environ.get(name) for name in recorder}
     try:
         options: dict[str, Any] = {}
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(options["device_id"])
-            if watch is not None:  # torch's flight recorder, read when the group is made
-                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
+        os.environ.update(recorder)  # torch's flight recorder, read when the group is made; this call's alone
         group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store,
                                 rank=world.rank, world_size=world.world_size,
@@ -221,8 +222,19 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every rank's story goes back to rank 0, as from a spawned rank
         message = (None, traceback.format_exc())
+    finally:
+        _restore(saved)
     dumps = {} if watch is None else {p.name: p.read_text() for p in Path(watch.folder).glob(f"rank-{world.rank}-*")}
     joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps((*message, dumps)))
+
+
+def _restore(saved: Mapping[str, str | None]) -> None:
+    """``os.environ`` as it was where ``saved`` says (None: the variable was not set)."""
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _get(store: Any, key: str) -> bytes:

@@ -63,3 +63,33 @@ def test_the_spawned_ranks_rendezvous_listens_on_loopback_only():
     """A TCPStore binds every interface by itself; the harness's store must not be reachable from the network."""
     (found, _) = run_ranks(_listeners_of_master_port, 2)
     assert found == ["0100007F"], f"expected only 127.0.0.1 to listen on the rendezvous port, found {found}"
+
+
+def test_a_watched_nccl_call_sets_the_flight_recorder_for_its_group_alone(monkeypatch, tmp_path):
+    """Each joined-world call's NCCL settings are in ``os.environ`` while its group is made and gone after, so a
+    later call (or check) in the same process does not inherit them."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from validation import world as world_module
+    from validation.hangs import Watch
+
+    seen = {}
+
+    def init_process_group(backend, **options):
+        seen.update({name: os.environ.get(name) for name in ("RT_DIST_TIMEOUT_S", "TORCH_FR_DUMP_TEMP_FILE")})
+        raise RuntimeError("no NCCL here")
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("RT_DIST_TIMEOUT_S", "1234")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    store = dist.HashStore()
+    joined = world_module._Joined(GivenWorld(0, 1, 0, "127.0.0.1", 1), store, [])
+    world_module._run_call(joined, print, (), "nccl", 30.0, Watch(2.0, str(tmp_path)))
+    assert seen == {"RT_DIST_TIMEOUT_S": "2", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl-flight-recorder-rank-")}
+    assert os.environ["RT_DIST_TIMEOUT_S"] == "1234" and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    value, error, _ = pickle.loads(store.get("rtv/result/0/0"))
+    assert value is None and "no NCCL here" in error
