@@ -44,7 +44,7 @@ from .errors import SetupError
 from .hangs import Watch, next_watch, settle
 from .spawn import RankOutcome, SpawnError, spawn_ranks, to_plain
 
-__all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "world_facts"]
+__all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "spawn_watched", "world_facts"]
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -153,14 +153,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     spawned ranks only. Inside ``validation.hangs.watching`` the ranks are
     watched (NOTE [Hang reports]): a hang raises ``HangDetected``.
     """
-    watch = next_watch()
     if _JOINED is None:
-        if watch is None:
-            return spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
-        check = spawn_options.pop("check", True)
-        outcomes = spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, check=False,
-                               watch=watch, **spawn_options)
-        return _checked(outcomes, watch, check, "spawn_ranks: a rank failed")
+        return spawn_watched(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
+    watch = next_watch()
     if world_size != _JOINED.world.world_size:
         raise SetupError(f"a check asked for {world_size} processes; the torchrun world has {_JOINED.world.world_size}",
                          fix=f"run rtv under torchrun with {world_size} processes in all, or alone (it spawns its own)")
@@ -178,6 +173,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     if not all(o.ok for o in outcomes):
         raise SpawnError(outcomes, "run_ranks: a rank of the torchrun world failed")
     return [o.value for o in outcomes]
+
+
+def spawn_watched(fn: Callable[..., Any], world_size: int, *args: Any, check: bool = True,
+                  **spawn_options: Any) -> list[Any]:
+    """``validation.spawn.spawn_ranks(fn, world_size, *args, check=check, **spawn_options)`` on this machine, even in
+    a joined world (a check whose process counts differ from the world's); inside ``validation.hangs.watching``
+    the ranks are watched (NOTE [Hang reports]) and a hang raises ``HangDetected``."""
+    watch = next_watch()
+    if watch is None:
+        return spawn_ranks(fn, world_size, *args, check=check, **spawn_options)
+    outcomes = spawn_ranks(fn, world_size, *args, check=False, watch=watch, **spawn_options)
+    return _checked(outcomes, watch, check, "spawn_ranks: a rank failed")
 
 
 def _checked(outcomes: list[RankOutcome], watch: Watch, check: bool, reason: str) -> list[Any]:

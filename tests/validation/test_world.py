@@ -93,3 +93,35 @@ def test_a_watched_nccl_call_sets_the_flight_recorder_for_its_group_alone(monkey
     assert os.environ["RT_DIST_TIMEOUT_S"] == "1234" and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     value, error, _ = pickle.loads(store.get("rtv/result/0/0"))
     assert value is None and "no NCCL here" in error
+
+
+@pytest.mark.parametrize("call", ["memory", "conform"])
+def test_the_memory_scale_and_conformance_processes_checks_spawn_watched(monkeypatch, tmp_path, call):
+    """docs/harness.md#hangs: their spawned ranks get the run's watch like any ``run_ranks`` call."""
+    from validation import spawn as spawn_module
+    from validation import world as world_module
+    from validation.hangs import watching
+
+    watches = []
+
+    def spawned(fn, world_size, *args, watch=None, **options):
+        watches.append(watch)
+        raise RuntimeError("stop before any process starts")
+
+    monkeypatch.setattr(spawn_module, "spawn_ranks", spawned)
+    monkeypatch.setattr(world_module, "spawn_ranks", spawned)
+    with watching(5.0, tmp_path), pytest.raises(RuntimeError, match="stop before"):
+        if call == "memory":
+            from canaries.memory import scale
+
+            monkeypatch.setattr(scale, "scale_readings", lambda cases, *rest: {})
+            monkeypatch.setattr(scale, "spawn_ranks", spawned, raising=False)
+            scale.scale_check("quick", None)
+        else:
+            from validation.conform import processes
+
+            monkeypatch.setattr(processes, "run_job", lambda *a: None)
+            monkeypatch.setattr(processes, "load_factory", lambda path: None)
+            monkeypatch.setattr(processes, "spawn_ranks", spawned, raising=False)
+            processes.processes("adapter:factory", None)
+    assert len(watches) == 1 and watches[0] is not None and watches[0].deadline_s == 5.0

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from validation.spawn import spawn_ranks, to_plain
+from validation.spawn import to_plain
+from validation.world import spawn_watched
 
 from .checks import FAILED, PASSED, Verdict
 from .jobs import make_batch, started
@@ -78,5 +79,5 @@ def judge_processes(one: dict[str, torch.Tensor], ranks: list[dict[str, Any]], t
 def processes(path: str, spec: ConformSpec) -> Verdict:
     """The check, for the adapter whose factory ``path`` names (the ranks import it)."""
     one = run_job(load_factory(path), spec, 0, 1)
-    ranks = spawn_ranks(_rank_job, WORLD, path, spec, timeout_s=150.0)
+    ranks = spawn_watched(_rank_job, WORLD, path, spec, timeout_s=150.0)
     return judge_processes(one, ranks, tolerance(spec.torch_dtype))
