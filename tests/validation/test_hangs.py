@@ -103,3 +103,44 @@ def test_a_call_whose_only_evidence_is_nccls_flight_recorder_keeps_it_and_exits_
         settle(watch, OUTCOMES, check=True)
     assert recorder.exists() and info.value.diagnosis["flight_recorders"] == [recorder.name]
     assert recorder.name in str(info.value)
+
+
+def _rank_1_stuck_for_good(deadline_s: float) -> str:
+    """After one step together, rank 1 never reaches the second step (nor the closing barrier); rank 0 waits."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import reference_trainer as rt
+
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+
+    def body(view):
+        out = view.forward(rt.ForwardInput(torch.arange(6)), checkpoint="policy")
+        view.backward(-out.target_logprobs.sum())
+
+    try:
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+        if dist.get_rank() == 1:
+            time.sleep(3600)
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+    except rt.PeerError as error:
+        return f"PeerError: {error}"
+    return "ok"
+
+
+@pytest.mark.slow  # two processes, a 1 s deadline waited out, and a 1 s margin
+@pytest.mark.dist
+def test_a_spawned_rank_still_running_a_margin_past_the_dump_request_is_killed(tmp_path: Path, monkeypatch) -> None:
+    from validation import spawn
+
+    monkeypatch.setattr(spawn, "FIRED_MARGIN_S", 1.0)
+    watch = Watch(1.0, str(tmp_path))
+    outcomes = spawn.spawn_ranks(_rank_1_stuck_for_good, 2, 1.0, check=False, timeout_s=120.0, watch=watch)
+    assert outcomes[0].ok and outcomes[0].value.startswith("PeerError"), outcomes[0]
+    assert outcomes[1].exitcode == -9 and "after the watchdog's dump request" in outcomes[1].error, outcomes[1]
+    with pytest.raises(HangDetected) as info:
+        settle(watch, outcomes, check=True)
+    assert info.value.diagnosis["odd_ranks"] == [1] or 1 in info.value.diagnosis["dead_ranks"]

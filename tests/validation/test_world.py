@@ -125,3 +125,47 @@ def test_the_memory_scale_and_conformance_processes_checks_spawn_watched(monkeyp
             monkeypatch.setattr(processes, "spawn_ranks", spawned, raising=False)
             processes.processes("adapter:factory", None)
     assert len(watches) == 1 and watches[0] is not None and watches[0].deadline_s == 5.0
+
+
+def _posted_results(monkeypatch, post, watched=True, wait_s=30.0):
+    """Rank 0's collection of call 0's results on a store where ``post`` put some; run aside so that a collection
+    that never ends fails the test instead of hanging it (after ``wait_s``, rank 1's result is posted to end it)."""
+    import pickle
+    import threading
+
+    import torch.distributed as dist
+
+    from validation import world as world_module
+    from validation.hangs import Watch
+
+    monkeypatch.setattr(world_module, "FIRED_MARGIN_S", 0.0)
+    store = dist.HashStore()
+    for key, value in post.items():
+        store.set(key, value if isinstance(value, str) else pickle.dumps(value))
+    found = []
+    watch = Watch(0.01, "unused") if watched else None
+    collector = threading.Thread(target=lambda: found.append(world_module._results(store, 0, 2, watch)), daemon=True)
+    collector.start()
+    collector.join(wait_s)
+    given = list(found)
+    store.set("rtv/result/0/1", pickle.dumps((None, "posted by the test", {})))
+    collector.join(30.0)
+    return given
+
+
+@pytest.mark.parametrize("fired", ["rank 0 failed", "dump requested"])
+def test_rank_0_stops_waiting_for_a_silent_rank_once_a_watched_call_failed(monkeypatch, fired):
+    post = {"rtv/result/0/0": (None, "PeerError: rank 1 is silent", {"rank-0-failed.json": "{}"})}
+    if fired == "dump requested":
+        post = {"rtv/result/0/0": (7, None, {}), "rtv/watchdog/0": "0"}
+    (results,) = _posted_results(monkeypatch, post) or [None]
+    assert results is not None, "rank 0 kept waiting for rank 1's result"
+    assert results[0] == post["rtv/result/0/0"]
+    assert results[1][0] is None and "no result" in results[1][1] and "hangs or died" in results[1][1]
+
+
+def test_unwatched_or_unfired_rank_0_waits_for_every_result(monkeypatch):
+    assert _posted_results(monkeypatch, {"rtv/result/0/0": (7, None, {})}, watched=False,
+                           wait_s=0.5) == [], "it gave up"
+    both = {"rtv/result/0/0": (7, None, {}), "rtv/result/0/1": (8, None, {})}
+    assert _posted_results(monkeypatch, both) == [[(7, None, {}), (8, None, {})]]
