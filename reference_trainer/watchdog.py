@@ -13,7 +13,10 @@ NOTE [Collective watchdog]
   2. Deadline: with a watchdog installed, every wait of ``Comm`` is bounded
      by its ``deadline_s`` (the smaller of it and the ``Comm``'s own
      timeout), so a lagging, dead or diverging peer ends the wait with
-     ``PeerError`` within the deadline.
+     ``PeerError`` within the deadline. Making ``Comm``'s control group
+     (:func:`control_group`, whose connection waits for every peer up to the
+     group's long timeout) is preceded by a ``monitored_barrier`` on a gloo
+     default group, bounded by the deadline and recorded like a collective.
   3. Dump: a ``PeerError`` out of a collective makes this process write
      ``rank-<r>-failed.json`` into the dump folder (its Python stack, every
      thread, through ``faulthandler``; its trace; the collective in flight;
@@ -44,8 +47,8 @@ on timeout (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
 (torch's flight recorder exists for NCCL only, and records the backend's
 collectives, not the trainer call that issued them nor our control
 messages) and the comparison of traces (the flight recorder's analyser reads
-NCCL dumps only). ``monitored_barrier`` is not used inside a job:
-``Comm``'s control exchange already goes through rank 0 peer by peer with a
+NCCL dumps only). ``monitored_barrier`` is used inside a job only before a
+control group is made (Rule 2): ``Comm``'s control exchange already goes through rank 0 peer by peer with a
 timeout each, which names a silent peer the way ``monitored_barrier`` does;
 a watched spawned job ends with one, bounded by the deadline
 (``validation.spawn``), so a rank that died after its last collective is
@@ -54,6 +57,7 @@ named there too.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -68,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
 
@@ -79,6 +84,7 @@ __all__ = [
     "Disagreement",
     "Watchdog",
     "bounded_wait_s",
+    "control_group",
     "current",
     "first_disagreement",
     "install",
@@ -286,6 +292,28 @@ def recorded(op: str, group: str, tensors: Sequence[torch.Tensor], call: str) ->
         raise
     else:
         _TRACE.end(record)
+
+
+def control_group(timeout: datetime.timedelta, call: str = "run_logical: control group") -> Any:
+    """``dist.new_group(backend="gloo", timeout=timeout)`` for ``Comm``'s control messages (Rule 2).
+
+    With a watchdog installed, every process first meets the others in a
+    ``monitored_barrier`` of the default group (gloo; NCCL has none) bounded
+    by the deadline, recorded as ``call`` and backstopped (Rule 4): a peer
+    that never comes raises ``PeerError`` and dumps (Rule 3) instead of
+    holding the group's making for ``timeout``.
+    """
+    watchdog = _ACTIVE
+    if watchdog is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    with recorded("monitored_barrier", "control", (), call), watchdog.collective_wait():
+        if dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=watchdog.deadline_s), wait_all_ranks=True)
+            except RuntimeError as error:  # torch's DistError included: it names the ranks that did not come
+                raise PeerError(f"a peer did not come to make the control group within {watchdog.deadline_s:g} s: "
+                                f"{error}", command=call) from error
+        return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def nccl_environment(folder: str | Path, deadline_s: float) -> dict[str, str]:

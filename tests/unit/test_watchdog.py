@@ -225,3 +225,27 @@ def test_uninstall_joins_the_listener(tmp_path: Path, no_watchdog: None) -> None
     assert store.looking.wait(5.0), "the listener never looked"
     watchdog.uninstall()
     assert dog._listener is not None and not dog._listener.is_alive(), "the listener outlived uninstall"
+
+
+def test_the_control_group_is_made_after_a_barrier_bounded_by_the_deadline(tmp_path: Path, no_watchdog: None,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that never comes to make the control group (whose connection would wait for the group's long
+    timeout) fails the barrier before it, within the deadline: a ``PeerError`` and a dump naming the call."""
+    import datetime
+
+    made, barriers = [], []
+
+    def monitored_barrier(timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
+        barriers.append(timeout.total_seconds())
+        raise RuntimeError("Ranks 1 failed to pass monitoredBarrier in 2500 ms")
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "monitored_barrier", monitored_barrier)
+    monkeypatch.setattr(dist, "new_group", lambda **options: made.append(options) or "group")
+    assert watchdog.control_group(datetime.timedelta(hours=1)) == "group" and barriers == [], "unwatched: no barrier"
+    watchdog.install(2.5, tmp_path, rank=0)
+    with pytest.raises(PeerError, match="Ranks 1 failed"):
+        watchdog.control_group(datetime.timedelta(hours=1))
+    assert barriers == [2.5] and len(made) == 1, "the group is not made after a failed barrier"
+    body = json.loads((tmp_path / "rank-0-failed.json").read_text())
+    assert body["in_flight"]["op"] == "monitored_barrier" and body["in_flight"]["call"] == "run_logical: control group"

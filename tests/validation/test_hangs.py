@@ -144,3 +144,44 @@ def test_a_spawned_rank_still_running_a_margin_past_the_dump_request_is_killed(t
     with pytest.raises(HangDetected) as info:
         settle(watch, outcomes, check=True)
     assert info.value.diagnosis["odd_ranks"] == [1] or 1 in info.value.diagnosis["dead_ranks"]
+
+
+def _rank_1_late_to_its_first_step(deadline_s: float) -> str:
+    """Rank 1 comes to the trainer's first ``run_logical`` (which makes the control group) past the deadline."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import reference_trainer as rt
+
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    if dist.get_rank() == 1:
+        time.sleep(deadline_s + 2.0)
+
+    def body(view):
+        out = view.forward(rt.ForwardInput(torch.arange(6)), checkpoint="policy")
+        view.backward(-out.target_logprobs.sum())
+
+    try:
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+    except rt.PeerError as error:
+        return f"PeerError: {error}"
+    return "ok"
+
+
+@pytest.mark.slow  # two processes and a 1 s deadline waited out
+@pytest.mark.dist
+def test_a_rank_late_to_make_the_control_group_is_named_within_the_deadline(tmp_path: Path) -> None:
+    from validation.spawn import spawn_ranks
+
+    watch = Watch(1.0, str(tmp_path))
+    outcomes = spawn_ranks(_rank_1_late_to_its_first_step, 2, 1.0, check=False, timeout_s=120.0, watch=watch)
+    assert outcomes[0].value.startswith("PeerError"), outcomes
+    with pytest.raises(HangDetected) as info:
+        settle(watch, outcomes, check=True)
+    found = info.value.diagnosis
+    assert found["odd_ranks"] == [1] and found["call"] == "run_logical: control group", found
+    asked = json.loads((tmp_path / "rank-1-asked.json").read_text())
+    assert "_rank_1_late_to_its_first_step" in asked["stack"], "rank 1's stack at detection shows where it lags"
