@@ -39,7 +39,7 @@ from validation.load import Meter, inconclusive
 from validation.spawn import spawn_ranks
 
 from ..registry import Judged
-from .job import CASES, PROCESSES, injected_rank, job
+from .job import CASES, CASE_PROCESSES, injected_rank, job
 
 __all__ = ["DEADLINE_S", "EXPECTED", "KIND", "MARGIN_S", "judge"]
 
@@ -66,7 +66,7 @@ def _run_case(case: str, scratch: Path) -> dict[str, Any]:
     """One spawn of the job with ``case`` injected; what the watchdog left and what became of the processes."""
     dumps, pids = scratch / case / "dumps", scratch / case / "pids"
     pids.mkdir(parents=True)
-    processes = PROCESSES.get(case, 2)
+    processes = CASE_PROCESSES.get(case, 2)
     meter = Meter()
     outcomes = spawn_ranks(job, processes, case, DEADLINE_S, str(pids), check=False, timeout_s=60.0, dist_timeout_s=30.0,
                            watch=Watch(DEADLINE_S, str(dumps)))
@@ -142,6 +142,6 @@ def judge(preset: str, profile: str) -> Judged:
     for check in checks:
         print(f"{'SKIP' if check.skipped else 'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
     config = {"preset": preset, "profile": profile, "deadline_s": DEADLINE_S, "margin_s": MARGIN_S,
-              "processes": {case: PROCESSES.get(case, 2) for case in CASES}, "backend": "gloo", "cases": list(CASES)}
+              "processes": {case: CASE_PROCESSES.get(case, 2) for case in CASES}, "backend": "gloo", "cases": list(CASES)}
     named = {case: (row["diagnosis"] or {}).get("text", "no dump") for case, row in rows.items() if case != "none"}
     return Judged(KIND, config, checks, {"deadline_s": DEADLINE_S, "margin_s": MARGIN_S, **named, "cases": rows})

@@ -12,7 +12,7 @@ on :data:`INJECTED_RANK` but where :func:`injected_rank` says otherwise:
   SIGKILLs itself;
 - ``skip``: it skips the first step's ``optim_step`` and goes on to the
   second ``run_logical``, a different collective from rank 0's;
-- ``skip-0``: ``skip`` on rank 0 of :data:`PROCESSES` ``[case]`` = 3
+- ``skip-0``: ``skip`` on rank 0 of :data:`CASE_PROCESSES` ``[case]`` = 3
   processes: the odd rank is the hub of the control messages and the lowest
   rank, so only the majority of the other two names it;
 - ``none``: nothing is injected (the control: no dump, no error).
@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 import reference_trainer as rt
 
-__all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "PROCESSES", "injected_rank", "job"]
+__all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "CASE_PROCESSES", "injected_rank", "job"]
 
 CASES = ("lag", "kill", "skip", "skip-0", "none")
 INJECTED_RANK = 1
-PROCESSES = {"skip-0": 3}  # each case's processes; 2 where not named
+CASE_PROCESSES = {"skip-0": 3}  # each case's processes; 2 where not named
 
 
 def injected_rank(case: str) -> int:
