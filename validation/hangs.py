@@ -6,7 +6,9 @@ NOTE [Hang reports] (the processes' side: NOTE [Collective watchdog] in ``refere
      preset's ``hang_timeout_s``). Each ``validation.world.run_ranks`` call
      inside takes a :class:`Watch` of its own (:func:`next_watch`): the
      deadline and a fresh dump folder ``<folder>/hangs/ranks-*``; each of its
-     processes installs the watchdog with them and the job's store.
+     processes installs the watchdog with them and the job's store, in a
+     process group whose timeout is at least the deadline plus
+     ``validation.spawn.FIRED_MARGIN_S`` (``group_timeout_s``).
   2. Settling: after the call, :func:`settle` removes a dump folder that
      holds no dump (no rank's dump, backstop stack or NCCL flight-recorder
      file); otherwise the watchdog fired: :func:`diagnose` writes

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from .errors import CheckFailed
 
-__all__ = ["FIRED_MARGIN_S", "RankOutcome", "SpawnError", "spawn_ranks", "to_plain"]
+__all__ = ["FIRED_MARGIN_S", "RankOutcome", "SpawnError", "group_timeout_s", "spawn_ranks", "to_plain"]
 
 FIRED_MARGIN_S = 30.0  # once a watched job's watchdog fired, how long past its deadline its ranks may still run
 _POLL_S = 0.1  # how often a watched job's store is looked at for the watchdog's dump request
@@ -61,6 +61,13 @@ class SpawnError(CheckFailed):
         for o in outcomes:
             lines.append(f"--- rank {o.rank}: exit code {o.exitcode}" + (f"\n{o.error}" if o.error else ""))
         super().__init__("\n".join(lines), fix="read each rank's story above; the first rank that raised is the cause")
+
+
+def group_timeout_s(dist_timeout_s: float, watch: Any) -> float:
+    """A call's process-group timeout: ``dist_timeout_s``, and in a watched call (``watch``: a
+    ``validation.hangs.Watch``) at least its deadline plus :data:`FIRED_MARGIN_S`, so the backend's own timeout
+    (on NCCL: its abort, which ends the process) comes after the watchdog's dumps, never before them."""
+    return dist_timeout_s if watch is None else max(dist_timeout_s, watch.deadline_s + FIRED_MARGIN_S)
 
 
 def to_plain(value: Any) -> Any:
@@ -204,7 +211,9 @@ def _worker(
             torch.cuda.set_device(options["device_id"])
             if watch is not None:  # torch's flight recorder, read when the group is made
                 os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
+        group_timeout = datetime.timedelta(seconds=group_timeout_s(dist_timeout_s, watch))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout,
+                                **options)
         if watch is not None:
             watchdog.install(watch.deadline_s, watch.folder, rank=rank, store=store)
         message: tuple[Any, str | None] = (to_plain(fn(*args)), None)

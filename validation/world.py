@@ -45,7 +45,7 @@ from typing import Any
 
 from .errors import SetupError
 from .hangs import Watch, next_watch, settle
-from .spawn import FIRED_MARGIN_S, RankOutcome, SpawnError, spawn_ranks, to_plain
+from .spawn import FIRED_MARGIN_S, RankOutcome, SpawnError, group_timeout_s, spawn_ranks, to_plain
 
 __all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "spawn_watched", "world_facts"]
 
@@ -223,7 +223,7 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
         group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store,
                                 rank=world.rank, world_size=world.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **options)
+                                timeout=datetime.timedelta(seconds=group_timeout_s(timeout_s, watch)), **options)
         try:
             if watch is not None:
                 watchdog.install(watch.deadline_s, watch.folder, rank=world.rank, store=joined_world.store,

@@ -76,10 +76,11 @@ def test_a_watched_nccl_call_sets_the_flight_recorder_for_its_group_alone(monkey
     from validation import world as world_module
     from validation.hangs import Watch
 
-    seen = {}
+    seen, timeouts = {}, []
 
     def init_process_group(backend, **options):
         seen.update({name: os.environ.get(name) for name in ("RT_DIST_TIMEOUT_S", "TORCH_FR_DUMP_TEMP_FILE")})
+        timeouts.append(options["timeout"].total_seconds())
         raise RuntimeError("no NCCL here")
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
@@ -93,6 +94,16 @@ def test_a_watched_nccl_call_sets_the_flight_recorder_for_its_group_alone(monkey
     assert os.environ["RT_DIST_TIMEOUT_S"] == "1234" and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     value, error, _ = pickle.loads(store.get("rtv/result/0/0"))
     assert value is None and "no NCCL here" in error
+    assert timeouts == [2.0 + world_module.FIRED_MARGIN_S], "the group outlives the deadline and the margin"
+
+
+def test_a_watched_groups_timeout_comes_after_the_deadline_and_margin():
+    from validation.hangs import Watch
+    from validation.spawn import FIRED_MARGIN_S, group_timeout_s
+
+    assert group_timeout_s(30.0, None) == 30.0
+    assert group_timeout_s(30.0, Watch(120.0, "f")) == 120.0 + FIRED_MARGIN_S
+    assert group_timeout_s(900.0, Watch(120.0, "f")) == 900.0, "a longer timeout asked for is kept"
 
 
 @pytest.mark.parametrize("call", ["memory", "conform"])
