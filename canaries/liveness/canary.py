@@ -17,9 +17,11 @@ what the injection did (:data:`EXPECTED`):
   of ranks 1 and 2 (with two ranks the lowest rank is the reference: an
   injection on rank 1 alone could never name the wrong rank).
 
-In each: rank 0 reported it within ``DEADLINE_S + MARGIN_S`` of entering
-the collective (a clock check: ``inconclusive (loaded)`` on a busy machine,
-NOTE [Machine load]); every process the job started is gone (by pid); every
+In each: rank 0 reported it (its dump) within ``DEADLINE_S + MARGIN_S`` of
+entering the collective (a clock check: ``inconclusive (loaded)`` on a busy
+machine, NOTE [Machine load]); the run itself ends later (the closing
+``monitored_barrier`` and the peers' own waits take up to a deadline each),
+measured as ``run_ended_s`` and not judged; every process the job started is gone (by pid); every
 process that was not killed left its dump. The control case ``none`` (no
 injection) must leave no dump and no error: a watchdog that always fired
 would fail it. The job runs on the CPU (gloo) on every preset.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +74,12 @@ def _run_case(case: str, scratch: Path) -> dict[str, Any]:
     outcomes = spawn_ranks(job, processes, case, DEADLINE_S, str(pids), check=False, timeout_s=60.0, dist_timeout_s=30.0,
                            watch=Watch(DEADLINE_S, str(dumps)))
     load = meter.stop()
+    ended = time.time()  # the dumps' clock
     bodies = {p.name: json.loads(p.read_text()) for p in sorted(dumps.glob("rank-*.json"))}
     started = [int(p.read_text()) for p in sorted(pids.glob("rank-*.pid"))]
     return {"diagnosis": diagnose(dumps, processes), "processes": processes, "dumps": bodies, "exitcodes": [o.exitcode for o in outcomes],
             "errors": [o.value["error"] if o.ok else o.error for o in outcomes],
-            "pids": started, "alive": [pid for pid in started if _alive(pid)], "load": load}
+            "pids": started, "alive": [pid for pid in started if _alive(pid)], "load": load, "ended": ended}
 
 
 def _named(case: str, diagnosis: dict[str, Any] | None) -> tuple[bool, str]:
@@ -102,6 +106,14 @@ def _latency(result: dict[str, Any]) -> float | None:
     if body is None or body["in_flight"] is None:
         return None
     return body["dumped_at"] - body["in_flight"]["started"]
+
+
+def _run_ended(result: dict[str, Any]) -> float | None:
+    """Seconds from rank 0 entering the failed collective to the end of the run (None: rank 0 did not dump)."""
+    body = result["dumps"].get("rank-0-failed.json")
+    if body is None or body["in_flight"] is None:
+        return None
+    return result["ended"] - body["in_flight"]["started"]
 
 
 def _judge_case(checks: Checks, case: str, result: dict[str, Any]) -> None:
@@ -131,7 +143,8 @@ def judge(preset: str, profile: str) -> Judged:
             print(f"liveness canary: case {case}", flush=True)
             result = _run_case(case, Path(scratch))
             rows[case] = {"diagnosis": result["diagnosis"], "exitcodes": result["exitcodes"],
-                          "errors": result["errors"], "latency_s": _latency(result), "load": str(result["load"]),
+                          "errors": result["errors"], "latency_s": _latency(result),
+                          "run_ended_s": _run_ended(result), "load": str(result["load"]),
                           "dumps": sorted(result["dumps"])}
             if case == "none":
                 checks.check("none: a clean run leaves no dump and no error",

@@ -68,6 +68,12 @@ def test_a_skipped_optim_step_on_rank_0_of_three_names_rank_0_by_the_majority(qu
     assert "run_logical(mode='rank')" in diagnosis["by_rank"]["0"] and len(found["exitcodes"]) == 3
 
 
+@pytest.mark.parametrize("case", ["lag", "kill", "skip", "skip-0"])
+def test_the_run_ends_after_rank_0_reported_and_both_are_measured(quick: dict, case: str) -> None:
+    found = quick["measurements"]["cases"][case]
+    assert 0 < found["latency_s"] <= found["run_ended_s"], found
+
+
 def test_a_hang_in_a_watched_run_ranks_call_raises_hang_detected_and_leaves_no_process(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
