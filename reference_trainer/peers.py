@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
-from .watchdog import bounded_wait_s, recorded
+from .watchdog import bounded_wait_s, control_group, recorded
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -235,7 +235,7 @@ class Comm:
             self.device = transport_device(str(dist.get_backend()), device)
             # A gloo group of its own: control messages never interleave with data collectives.
             timeout = datetime.timedelta(seconds=max(timeout_s, idle_timeout_s))
-            self.control = dist.new_group(backend="gloo", timeout=timeout)
+            self.control = control_group(timeout)
 
     # objects ---------------------------------------------------------------------------
 

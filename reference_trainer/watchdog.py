@@ -13,7 +13,10 @@ NOTE [Collective watchdog]
   2. Deadline: with a watchdog installed, every wait of ``Comm`` is bounded
      by its ``deadline_s`` (the smaller of it and the ``Comm``'s own
      timeout), so a lagging, dead or diverging peer ends the wait with
-     ``PeerError`` within the deadline.
+     ``PeerError`` within the deadline. Making ``Comm``'s control group
+     (:func:`control_group`, whose connection waits for every peer up to the
+     group's long timeout) is preceded by a ``monitored_barrier`` on a gloo
+     default group, bounded by the deadline and recorded like a collective.
   3. Dump: a ``PeerError`` out of a collective makes this process write
      ``rank-<r>-failed.json`` into the dump folder (its Python stack, every
      thread, through ``faulthandler``; its trace; the collective in flight;
@@ -44,8 +47,8 @@ on timeout (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
 (torch's flight recorder exists for NCCL only, and records the backend's
 collectives, not the trainer call that issued them nor our control
 messages) and the comparison of traces (the flight recorder's analyser reads
-NCCL dumps only). ``monitored_barrier`` is not used inside a job:
-``Comm``'s control exchange already goes through rank 0 peer by peer with a
+NCCL dumps only). ``monitored_barrier`` is used inside a job only before a
+control group is made (Rule 2): ``Comm``'s control exchange already goes through rank 0 peer by peer with a
 timeout each, which names a silent peer the way ``monitored_barrier`` does;
 a watched spawned job ends with one, bounded by the deadline
 (``validation.spawn``), so a rank that died after its last collective is
@@ -54,6 +57,7 @@ named there too.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import os
@@ -68,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .errors import ConfigError, PeerError, is_number
 
@@ -79,6 +84,7 @@ __all__ = [
     "Disagreement",
     "Watchdog",
     "bounded_wait_s",
+    "control_group",
     "current",
     "first_disagreement",
     "install",
@@ -91,6 +97,7 @@ __all__ = [
 TRACE_LENGTH = 64
 BACKSTOP_MARGIN_S = 30.0  # Rule 4: how long past the deadline a wait may block before the process is ended
 SAME_SHAPE_OPS = ("all_gather", "broadcast", "gather")  # every rank passes the same shape (all_to_all's splits differ)
+LISTENER_JOIN_S = 10.0  # how long uninstall waits for a listener in the middle of a look or a dump
 _POLL_S = 0.1  # how often a listener looks for a dump request (Rule 3)
 # (op, group, call, dtypes, shapes or None): what ranks must agree on at one sequence number (Rule 5)
 Signature = tuple[str, str, str, tuple[str, ...], "tuple[tuple[int, ...], ...] | None"]
@@ -163,6 +170,7 @@ class Watchdog:
     key: str = "rtv/watchdog/dump"
     _stop: threading.Event | None = None
     _backstop: Any = None
+    _listener: threading.Thread | None = None
 
     def bound(self, timeout_s: float) -> float:
         return min(timeout_s, self.deadline_s)
@@ -179,7 +187,9 @@ class Watchdog:
                 "trace": [asdict(r) for r in _TRACE.snapshot()], "stack": stack}
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank-{self.rank}-{reason}.json"
-        path.write_text(json.dumps(body, indent=1))
+        partial = path.with_name(path.name + ".partial")  # not rank-*.json: a reader never sees half a dump
+        partial.write_text(json.dumps(body, indent=1))
+        os.replace(partial, path)
         return path
 
     def fired(self, error: PeerError, record: CollectiveRecord) -> None:
@@ -231,20 +241,24 @@ def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = No
     watchdog._backstop = open(folder / f"rank-{rank}-backstop.txt", "w")  # faulthandler keeps its fd: closed by uninstall
     if store is not None:
         watchdog._stop = threading.Event()
-        threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True).start()
+        watchdog._listener = threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True)
+        watchdog._listener.start()
     _TRACE = _Trace()
     _ACTIVE = watchdog
     return watchdog
 
 
 def uninstall() -> None:
-    """Stop watching: the listener stops, an empty backstop file is removed."""
+    """Stop watching: the listener stops (joined, at most :data:`LISTENER_JOIN_S`), an empty backstop file is
+    removed."""
     global _ACTIVE
     watchdog, _ACTIVE = _ACTIVE, None
     if watchdog is None:
         return
     if watchdog._stop is not None:
         watchdog._stop.set()
+    if watchdog._listener is not None:
+        watchdog._listener.join(LISTENER_JOIN_S)
     watchdog._backstop.close()
     backstop = Path(watchdog._backstop.name)
     if backstop.exists() and backstop.stat().st_size == 0:
@@ -278,6 +292,28 @@ def recorded(op: str, group: str, tensors: Sequence[torch.Tensor], call: str) ->
         raise
     else:
         _TRACE.end(record)
+
+
+def control_group(timeout: datetime.timedelta, call: str = "run_logical: control group") -> Any:
+    """``dist.new_group(backend="gloo", timeout=timeout)`` for ``Comm``'s control messages (Rule 2).
+
+    With a watchdog installed, every process first meets the others in a
+    ``monitored_barrier`` of the default group (gloo; NCCL has none) bounded
+    by the deadline, recorded as ``call`` and backstopped (Rule 4): a peer
+    that never comes raises ``PeerError`` and dumps (Rule 3) instead of
+    holding the group's making for ``timeout``.
+    """
+    watchdog = _ACTIVE
+    if watchdog is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    with recorded("monitored_barrier", "control", (), call), watchdog.collective_wait():
+        if dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=watchdog.deadline_s), wait_all_ranks=True)
+            except RuntimeError as error:  # torch's DistError included: it names the ranks that did not come
+                raise PeerError(f"a peer did not come to make the control group within {watchdog.deadline_s:g} s: "
+                                f"{error}", command=call) from error
+        return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def nccl_environment(folder: str | Path, deadline_s: float) -> dict[str, str]:
@@ -345,10 +381,16 @@ def _reference(records: list[CollectiveRecord]) -> CollectiveRecord:
 
 
 def read_dumps(folder: str | Path) -> dict[int, list[CollectiveRecord]]:
-    """Each rank's trace from its earliest dump in ``folder`` (its snapshot at detection time, Rule 5)."""
+    """Each rank's trace from its earliest dump in ``folder`` (its snapshot at detection time, Rule 5).
+
+    A file that is no readable JSON (a dump cut off by a process that died while writing it) is skipped.
+    """
     earliest: dict[int, dict[str, Any]] = {}
     for path in Path(folder).glob("rank-*.json"):
-        body = json.loads(path.read_text())
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
         if body["rank"] not in earliest or body["dumped_at"] < earliest[body["rank"]]["dumped_at"]:
             earliest[body["rank"]] = body
     return {rank: [CollectiveRecord.from_json(r) for r in body["trace"]] for rank, body in earliest.items()}

@@ -6,9 +6,12 @@ NOTE [Hang reports] (the processes' side: NOTE [Collective watchdog] in ``refere
      preset's ``hang_timeout_s``). Each ``validation.world.run_ranks`` call
      inside takes a :class:`Watch` of its own (:func:`next_watch`): the
      deadline and a fresh dump folder ``<folder>/hangs/ranks-*``; each of its
-     processes installs the watchdog with them and the job's store.
+     processes installs the watchdog with them and the job's store, in a
+     process group whose timeout is at least the deadline plus
+     ``validation.spawn.FIRED_MARGIN_S`` (``group_timeout_s``).
   2. Settling: after the call, :func:`settle` removes a dump folder that
-     holds no dump; otherwise the watchdog fired: :func:`diagnose` writes
+     holds no dump (no rank's dump, backstop stack or NCCL flight-recorder
+     file); otherwise the watchdog fired: :func:`diagnose` writes
      ``diagnosis.json`` beside the dumps (the ranks that dumped, the dead
      ranks, the first collective where the ranks differ and who differs)
      and, for a call that checks its ranks, :class:`HangDetected` is raised.
@@ -90,13 +93,14 @@ def diagnose(folder: str | Path, world_size: int) -> dict[str, Any] | None:
     from reference_trainer.watchdog import first_disagreement, read_dumps
 
     traces = read_dumps(folder)
-    backstops = _backstops(Path(folder))
-    if not traces and not backstops:
+    backstops, recorders = _backstops(Path(folder)), _flight_recorders(Path(folder))
+    if not traces and not backstops and not recorders:
         return None
     found = first_disagreement(traces, world_size) if traces else None
     diagnosis: dict[str, Any] = {
         "folder": str(folder),
         "backstops": backstops,
+        "flight_recorders": recorders,
         "dumped_ranks": sorted(traces),
         "dead_ranks": [r for r in range(world_size) if r not in traces],
         "seq": None if found is None else found.seq,
@@ -106,7 +110,8 @@ def diagnose(folder: str | Path, world_size: int) -> dict[str, Any] | None:
         "by_rank": {} if found is None else {str(r): (None if rec is None else rec.describe())
                                              for r, rec in found.records.items()},
         "text": found.describe() if found is not None else "the ranks' traces agree; a peer failed in a collective"
-        if traces else f"a wait outlived its deadline; the stacks are in {', '.join(backstops)}",
+        if traces else f"a wait outlived its deadline; the stacks are in {', '.join(backstops)}" if backstops
+        else f"an NCCL collective timed out; torch's flight recorder dumped {', '.join(recorders)}",
     }
     (Path(folder) / DIAGNOSIS).write_text(json.dumps(diagnosis, indent=1))
     return diagnosis
@@ -115,7 +120,7 @@ def diagnose(folder: str | Path, world_size: int) -> dict[str, Any] | None:
 def settle(watch: Watch, outcomes: Sequence[RankOutcome], *, check: bool) -> dict[str, Any] | None:
     """Rule 2 after a watched call: remove an empty dump folder, or diagnose and (``check``) raise HangDetected."""
     folder = Path(watch.folder)
-    if not any(folder.glob("rank-*.json")) and not _backstops(folder):
+    if not any(folder.glob("rank-*.json")) and not _backstops(folder) and not _flight_recorders(folder):
         shutil.rmtree(folder, ignore_errors=True)
         if not any(folder.parent.iterdir()):
             folder.parent.rmdir()
@@ -129,3 +134,8 @@ def settle(watch: Watch, outcomes: Sequence[RankOutcome], *, check: bool) -> dic
 def _backstops(folder: Path) -> list[str]:
     """The non-empty backstop stacks in ``folder`` (NOTE [Collective watchdog] Rule 4)."""
     return sorted(p.name for p in folder.glob("rank-*-backstop.txt") if p.stat().st_size)
+
+
+def _flight_recorders(folder: Path) -> list[str]:
+    """torch's NCCL flight-recorder dumps in ``folder`` (``reference_trainer.watchdog.nccl_environment``)."""
+    return sorted(p.name for p in folder.glob("nccl-flight-recorder-rank-*"))

@@ -29,7 +29,10 @@ from typing import Any, cast
 
 from .errors import CheckFailed
 
-__all__ = ["RankOutcome", "SpawnError", "spawn_ranks", "to_plain"]
+__all__ = ["FIRED_MARGIN_S", "RankOutcome", "SpawnError", "group_timeout_s", "spawn_ranks", "to_plain"]
+
+FIRED_MARGIN_S = 30.0  # once a watched job's watchdog fired, how long past its deadline its ranks may still run
+_POLL_S = 0.1  # how often a watched job's store is looked at for the watchdog's dump request
 
 # torch.optim imports torch._dynamo at the first optimizer (about 2 s): do it once, in the fork server.
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "reference_trainer"]
@@ -58,6 +61,13 @@ class SpawnError(CheckFailed):
         for o in outcomes:
             lines.append(f"--- rank {o.rank}: exit code {o.exitcode}" + (f"\n{o.error}" if o.error else ""))
         super().__init__("\n".join(lines), fix="read each rank's story above; the first rank that raised is the cause")
+
+
+def group_timeout_s(dist_timeout_s: float, watch: Any) -> float:
+    """A call's process-group timeout: ``dist_timeout_s``, and in a watched call (``watch``: a
+    ``validation.hangs.Watch``) at least its deadline plus :data:`FIRED_MARGIN_S`, so the backend's own timeout
+    (on NCCL: its abort, which ends the process) comes after the watchdog's dumps, never before them."""
+    return dist_timeout_s if watch is None else max(dist_timeout_s, watch.deadline_s + FIRED_MARGIN_S)
 
 
 def to_plain(value: Any) -> Any:
@@ -98,7 +108,9 @@ def spawn_ranks(
 
     ``check=False`` returns a :class:`RankOutcome` per rank instead of raising
     :class:`SpawnError` when a rank raises or dies (for tests that kill one).
-    Processes still running after ``timeout_s`` are killed.
+    Processes still running after ``timeout_s`` are killed; in a watched
+    job, also those still running :data:`FIRED_MARGIN_S` past the deadline
+    after the watchdog's dump request (a rank stuck for good).
     """
     import torch.distributed as dist
 
@@ -128,12 +140,16 @@ def spawn_ranks(
     values: dict[int, tuple[Any, str | None]] = {}
     deadline = time.monotonic() + timeout_s
     timed_out = False
+    fired = False
     while readers:
+        if watch is not None and not fired and store.check(["rtv/watchdog/dump"]):
+            fired = True  # the ranks dumped: what is still running after the deadline and a margin hangs for good
+            deadline = min(deadline, time.monotonic() + watch.deadline_s + FIRED_MARGIN_S)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             timed_out = True
             break
-        for ready in wait(list(readers), timeout=remaining):
+        for ready in wait(list(readers), timeout=remaining if watch is None else min(remaining, _POLL_S)):
             reader = cast(Connection, ready)  # wait returns some of the connections it was given
             rank = readers.pop(reader)
             try:
@@ -147,10 +163,10 @@ def spawn_ranks(
             timed_out = True
             process.kill()
             process.join()
-    outcomes = [
-        RankOutcome(rank, *values.get(rank, (None, "no result (the process died or hung)")), processes[rank].exitcode)
-        for rank in range(world_size)
-    ]
+    missing = (None, "no result (the process died or hung)" if not fired else
+               f"no result: still running {watch.deadline_s + FIRED_MARGIN_S:g} s after the watchdog's dump request "
+               "(it hangs for good), so it was killed")
+    outcomes = [RankOutcome(rank, *values.get(rank, missing), processes[rank].exitcode) for rank in range(world_size)]
     del store
     if not check:
         return outcomes
@@ -195,7 +211,9 @@ def _worker(
             torch.cuda.set_device(options["device_id"])
             if watch is not None:  # torch's flight recorder, read when the group is made
                 os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **options)
+        group_timeout = datetime.timedelta(seconds=group_timeout_s(dist_timeout_s, watch))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout,
+                                **options)
         if watch is not None:
             watchdog.install(watch.deadline_s, watch.folder, rank=rank, store=store)
         message: tuple[Any, str | None] = (to_plain(fn(*args)), None)

@@ -16,7 +16,10 @@ that runs depends on how ``rtv`` was started:
    and posts its value back, which rank 0 returns as a spawn would have (a
    rank that raised: :class:`validation.spawn.SpawnError` with every rank's
    story). A watched call (NOTE [Hang reports]) posts each process's
-   watchdog dumps with its value, so rank 0's folder holds every node's. Between calls no process group exists, so rank 0's one-process
+   watchdog dumps with its value, so rank 0's folder holds every node's;
+   once its watchdog fired, rank 0 waits for the other results at most the
+   deadline plus ``validation.spawn.FIRED_MARGIN_S`` (a rank with none
+   hangs or died). Between calls no process group exists, so rank 0's one-process
    checks stay one-process. The other ranks only serve calls until rank 0 is
    done; they write nothing, so every record is written once, by rank 0, and
    carries every process's facts (:func:`world_facts`: host, node rank, local
@@ -42,9 +45,9 @@ from typing import Any
 
 from .errors import SetupError
 from .hangs import Watch, next_watch, settle
-from .spawn import RankOutcome, SpawnError, spawn_ranks, to_plain
+from .spawn import FIRED_MARGIN_S, RankOutcome, SpawnError, group_timeout_s, spawn_ranks, to_plain
 
-__all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "world_facts"]
+__all__ = ["GivenWorld", "given_world", "joined", "run_ranks", "spawn_watched", "world_facts"]
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -100,6 +103,8 @@ class _Joined:
 
 _JOINED: _Joined | None = None
 _DONE = "done"
+_Posted = tuple[Any, "str | None", "dict[str, str]"]  # one rank's (value, error, dumps) of a call
+_RESULT_POLL_S = 0.05
 _WAIT = datetime.timedelta(hours=1)  # one wait of a serving rank (each timeout logs a warning); then it waits again
 
 
@@ -153,21 +158,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     spawned ranks only. Inside ``validation.hangs.watching`` the ranks are
     watched (NOTE [Hang reports]): a hang raises ``HangDetected``.
     """
-    watch = next_watch()
     if _JOINED is None:
-        if watch is None:
-            return spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
-        check = spawn_options.pop("check", True)
-        outcomes = spawn_ranks(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, check=False,
-                               watch=watch, **spawn_options)
-        return _checked(outcomes, watch, check, "spawn_ranks: a rank failed")
+        return spawn_watched(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
+    watch = next_watch()
     if world_size != _JOINED.world.world_size:
         raise SetupError(f"a check asked for {world_size} processes; the torchrun world has {_JOINED.world.world_size}",
                          fix=f"run rtv under torchrun with {world_size} processes in all, or alone (it spawns its own)")
     call = _JOINED.calls
     _JOINED.store.set(f"rtv/call/{call}", pickle.dumps((fn, args, backend, dist_timeout_s, watch)))
     _run_call(_JOINED, fn, args, backend, dist_timeout_s, watch)
-    messages = [pickle.loads(_get(_JOINED.store, f"rtv/result/{call}/{rank}")) for rank in range(world_size)]
+    messages = _results(_JOINED.store, call, world_size, watch)
     outcomes = [RankOutcome(rank, value, error, 0) for rank, (value, error, _) in enumerate(messages)]
     if watch is not None:
         for _, _, dumps in messages:  # another node's dumps were written on its own disk
@@ -178,6 +178,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     if not all(o.ok for o in outcomes):
         raise SpawnError(outcomes, "run_ranks: a rank of the torchrun world failed")
     return [o.value for o in outcomes]
+
+
+def spawn_watched(fn: Callable[..., Any], world_size: int, *args: Any, check: bool = True,
+                  **spawn_options: Any) -> list[Any]:
+    """``validation.spawn.spawn_ranks(fn, world_size, *args, check=check, **spawn_options)`` on this machine, even in
+    a joined world (a check whose process counts differ from the world's); inside ``validation.hangs.watching``
+    the ranks are watched (NOTE [Hang reports]) and a hang raises ``HangDetected``."""
+    watch = next_watch()
+    if watch is None:
+        return spawn_ranks(fn, world_size, *args, check=check, **spawn_options)
+    outcomes = spawn_ranks(fn, world_size, *args, check=False, watch=watch, **spawn_options)
+    return _checked(outcomes, watch, check, "spawn_ranks: a rank failed")
 
 
 def _checked(outcomes: list[RankOutcome], watch: Watch, check: bool, reason: str) -> list[Any]:
@@ -200,17 +212,18 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
 
     world, call = joined_world.world, joined_world.calls
     joined_world.calls += 1
+    recorder = {} if backend != "nccl" or watch is None else watchdog.nccl_environment(watch.folder, watch.deadline_s)
+    saved = {name: os.environ.get(name) for name in recorder}
     try:
         options: dict[str, Any] = {}
         if backend == "nccl":
             options["device_id"] = torch.device("cuda", world.local_rank)
             torch.cuda.set_device(options["device_id"])
-            if watch is not None:  # torch's flight recorder, read when the group is made
-                os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
+        os.environ.update(recorder)  # torch's flight recorder, read when the group is made; this call's alone
         group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store,
                                 rank=world.rank, world_size=world.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **options)
+                                timeout=datetime.timedelta(seconds=group_timeout_s(timeout_s, watch)), **options)
         try:
             if watch is not None:
                 watchdog.install(watch.deadline_s, watch.folder, rank=world.rank, store=joined_world.store,
@@ -221,8 +234,48 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every rank's story goes back to rank 0, as from a spawned rank
         message = (None, traceback.format_exc())
+    finally:
+        _restore(saved)
     dumps = {} if watch is None else {p.name: p.read_text() for p in Path(watch.folder).glob(f"rank-{world.rank}-*")}
     joined_world.store.set(f"rtv/result/{call}/{world.rank}", pickle.dumps((*message, dumps)))
+
+
+def _results(store: Any, call: int, world_size: int, watch: Watch | None) -> list[_Posted]:
+    """Every rank's posted (value, error, dumps) for call number ``call``, by rank.
+
+    Unwatched, it waits as long as it takes. Watched, once the watchdog fired
+    (its request is on the store) or a rank posted an error, it waits at most
+    the deadline plus :data:`FIRED_MARGIN_S` more: a rank with nothing
+    posted by then hangs or died, and gets an error saying so.
+    """
+    import time
+
+    keys = {rank: f"rtv/result/{call}/{rank}" for rank in range(world_size)}
+    messages: dict[int, _Posted] = {}
+    grace_s = None if watch is None else watch.deadline_s + FIRED_MARGIN_S
+    cutoff: float | None = None
+    while True:
+        for rank in [r for r, key in keys.items() if r not in messages and store.check([key])]:
+            messages[rank] = pickle.loads(store.get(keys[rank]))
+        if len(messages) == world_size:
+            return [messages[rank] for rank in range(world_size)]
+        if grace_s is not None and cutoff is None and (store.check([f"rtv/watchdog/{call}"])
+                                                       or any(m[1] is not None for m in messages.values())):
+            cutoff = time.monotonic() + grace_s
+        if cutoff is not None and time.monotonic() >= cutoff:
+            missing: _Posted = (
+                None, f"no result {grace_s:g} s after the watchdog fired (the process hangs or died)", {})
+            return [messages.get(rank, missing) for rank in range(world_size)]
+        time.sleep(_RESULT_POLL_S)
+
+
+def _restore(saved: Mapping[str, str | None]) -> None:
+    """``os.environ`` as it was where ``saved`` says (None: the variable was not set)."""
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _get(store: Any, key: str) -> bytes:

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from validation.errors import SetupError
 from validation.evidence import Checks
+from validation.hangs import HangDetected
 from validation.profiles import EXPLORATION
 
 from .intersections import INTERSECTIONS
@@ -127,11 +128,17 @@ class CanaryResult:
         return self.recorded.passed
 
     def record_check(self, name: str, action: Callable[[], object]) -> object:
-        """Run one check; a crash is a failure too (fail closed)."""
+        """Run one check; a crash is a failure too (fail closed).
+
+        A hang (``validation.hangs.HangDetected``) is recorded as the check's failure and then raised again: the
+        run stops and ``rtv`` exits with the hang's code (NOTE [Hang reports] Rule 3).
+        """
         try:
             value = action()
-        except Exception as failure:  # noqa: BLE001
+        except Exception as failure:
             self.recorded.check(name, False, f"{type(failure).__name__}: {failure}")
+            if isinstance(failure, HangDetected):
+                raise
             return None
         self.recorded.check(name, True, "agrees with the FP64 oracle")
         return value

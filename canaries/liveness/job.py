@@ -1,9 +1,10 @@
-"""The liveness canary's job: two steps of two logical ranks on two processes, with one hang injected on rank 1.
+"""The liveness canary's job: two steps of logical ranks on two or three processes, with one hang injected.
 
 :func:`job` runs on each process of a ``validation.spawn.spawn_ranks`` group
 with the collective watchdog installed (``validation.hangs.Watch``). Each
 step is ``run_logical`` (a forward and a backward per logical rank) and then
-``optim_step``. The cases (:data:`CASES`), all on :data:`INJECTED_RANK`:
+``optim_step`` (one logical rank per process). The cases (:data:`CASES`),
+on :data:`INJECTED_RANK` but where :func:`injected_rank` says otherwise:
 
 - ``lag``: before the second step's ``run_logical`` it sleeps the deadline
   plus :data:`LAG_PAST_DEADLINE_S` (:func:`_lag`);
@@ -11,6 +12,9 @@ step is ``run_logical`` (a forward and a backward per logical rank) and then
   SIGKILLs itself;
 - ``skip``: it skips the first step's ``optim_step`` and goes on to the
   second ``run_logical``, a different collective from rank 0's;
+- ``skip-0``: ``skip`` on rank 0 of :data:`CASE_PROCESSES` ``[case]`` = 3
+  processes: the odd rank is the hub of the control messages and the lowest
+  rank, so only the majority of the other two names it;
 - ``none``: nothing is injected (the control: no dump, no error).
 
 Every process writes its pid to ``pid_dir`` first, so the caller can check
@@ -30,10 +34,16 @@ import torch.distributed as dist
 
 import reference_trainer as rt
 
-__all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "job"]
+__all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "CASE_PROCESSES", "injected_rank", "job"]
 
-CASES = ("lag", "kill", "skip", "none")
+CASES = ("lag", "kill", "skip", "skip-0", "none")
 INJECTED_RANK = 1
+CASE_PROCESSES = {"skip-0": 3}  # each case's processes; 2 where not named
+
+
+def injected_rank(case: str) -> int:
+    """The rank ``case`` is injected on (module docstring)."""
+    return 0 if case == "skip-0" else INJECTED_RANK
 LAG_PAST_DEADLINE_S = 1.0
 
 
@@ -61,13 +71,13 @@ def job(case: str, deadline_s: float, pid_dir: str) -> dict[str, Any]:
     torch.manual_seed(0)
     trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
     trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
-    injected = rank == INJECTED_RANK
+    injected = rank == injected_rank(case)
     try:
         for step in range(2):
             if case == "lag" and step == 1 and injected:
                 _lag(deadline_s + LAG_PAST_DEADLINE_S)
-            rt.run_logical(_step_body(case, step, rank), trainer, logical_dp=2, timeout_s=60.0)
-            if not (case == "skip" and step == 0 and injected):
+            rt.run_logical(_step_body(case, step, rank), trainer, logical_dp=dist.get_world_size(), timeout_s=60.0)
+            if not (case.startswith("skip") and step == 0 and injected):
                 trainer.optim_step()
     except rt.PeerError as error:
         return {"rank": rank, "error": f"{type(error).__name__}: {error}"}

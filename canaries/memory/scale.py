@@ -32,7 +32,7 @@ import torch
 
 import reference_trainer as rt
 from validation.memory import reachable_bytes
-from validation.spawn import spawn_ranks
+from validation.world import spawn_watched
 
 from ..mutations.catalogue import active_mutations, applied
 
@@ -144,7 +144,7 @@ def scale_check(profile: str, verdicts: Any) -> dict[str, Any]:
         if world == 1:
             readings[1] = scale_readings(cases)
         else:
-            ranks = spawn_ranks(scale_readings, world, cases, active_mutations(), timeout_s=600.0, dist_timeout_s=120.0)
+            ranks = spawn_watched(scale_readings, world, cases, active_mutations(), timeout_s=600.0, dist_timeout_s=120.0)
             readings[world] = _worst_rank(ranks)
     held_bad, moved_bad, bits_bad, rows = [], [], [], []
     for world, per_case in readings.items():

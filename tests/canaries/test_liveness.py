@@ -36,7 +36,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_the_quick_run_passes_every_check(quick: dict) -> None:
     assert quick["passed"], [c for c in checks_of(quick) if not c.ok]
-    assert {c.name.split(":")[0] for c in checks_of(quick)} == {"lag", "kill", "skip", "none"}
+    assert {c.name.split(":")[0] for c in checks_of(quick)} == {"lag", "kill", "skip", "skip-0", "none"}
 
 
 def test_a_rank_sleeping_past_the_deadline_is_named_as_never_reaching_rank_0s_run_logical(quick: dict) -> None:
@@ -57,6 +57,21 @@ def test_a_skipped_optim_step_is_named_as_rank_1_issuing_run_logical_where_rank_
     diagnosis = quick["measurements"]["cases"]["skip"]["diagnosis"]
     assert diagnosis["odd_ranks"] == [1] and diagnosis["call"].startswith("optim_step")
     assert "run_logical(mode='rank')" in diagnosis["by_rank"]["1"]
+
+
+def test_a_skipped_optim_step_on_rank_0_of_three_names_rank_0_by_the_majority(quick: dict) -> None:
+    """The injected rank is the lowest and the control hub: a diagnosis that always blamed a rank other than 0,
+    or took rank 0 as the reference, fails here."""
+    found = quick["measurements"]["cases"]["skip-0"]
+    diagnosis = found["diagnosis"]
+    assert diagnosis["odd_ranks"] == [0] and diagnosis["call"].startswith("optim_step"), diagnosis
+    assert "run_logical(mode='rank')" in diagnosis["by_rank"]["0"] and len(found["exitcodes"]) == 3
+
+
+@pytest.mark.parametrize("case", ["lag", "kill", "skip", "skip-0"])
+def test_the_run_ends_after_rank_0_reported_and_both_are_measured(quick: dict, case: str) -> None:
+    found = quick["measurements"]["cases"][case]
+    assert 0 < found["latency_s"] <= found["run_ended_s"], found
 
 
 def test_a_hang_in_a_watched_run_ranks_call_raises_hang_detected_and_leaves_no_process(tmp_path: Path) -> None:

@@ -205,3 +205,35 @@ def test_rtv_canary_exits_7_on_a_hang_with_the_diagnosis_and_watches_with_its_fl
     assert hung.deadlines == [9.0]
     err = capsys.readouterr().err
     assert "rank 1 never reached it" in err and "fix: read" in err
+
+
+@pytest.mark.slow  # the real canary and report: ~5 s; its fast sibling is the record_check test below
+def test_a_hang_inside_the_derivative_canarys_own_check_makes_the_run_exit_7(smokes, monkeypatch, tmp_path, capsys):
+    """The real derivative canary: its logical-rank check (a watched multi-process call) hangs, so ``rtv run``
+    exits 7 rather than recording the hang as an ordinary failed check (exit 1)."""
+    from canaries.derivative import canary as derivative
+    from validation.hangs import HangDetected
+
+    def hangs(config, processes):
+        raise HangDetected([], {"text": "rank 1 never reached it", "folder": str(tmp_path / "hangs")})
+
+    monkeypatch.setattr(derivative, "check_logical_ranks", hangs)
+    after = WatchedCanary("after")
+    monkeypatch.setattr(registry, "CANARIES", {"derivative": registry.CANARIES["derivative"], "after": after})
+    assert main(["run", "--out", str(tmp_path)]) == 7
+    assert after.calls, "the canary after the hung one ran"
+    assert "a collective hung in canary derivative (quick) (exit 7)" in capsys.readouterr().out
+
+
+def test_record_check_records_a_hang_as_the_checks_failure_and_raises_it():
+    from canaries.derivative.canary import CanaryResult
+    from validation.hangs import HangDetected
+
+    result = CanaryResult()
+    hang = HangDetected([], {"text": "rank 1 never reached it", "folder": "dumps"})
+    with pytest.raises(HangDetected) as raised:
+        result.record_check("logical", lambda: (_ for _ in ()).throw(hang))
+    assert raised.value is hang
+    assert not result.checks["logical"] and "rank 1 never reached it" in result.failures["logical"]
+    assert result.record_check("other", lambda: 1 / 0) is None, "an ordinary crash is still a recorded failure"
+    assert not result.checks["other"]

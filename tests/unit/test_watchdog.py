@@ -187,3 +187,65 @@ def test_the_nccl_settings_point_the_flight_recorder_at_the_dump_folder(tmp_path
     env = watchdog.nccl_environment(tmp_path, 90.0)
     assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith(str(tmp_path)) and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["RT_DIST_TIMEOUT_S"] == "90"
+
+
+def test_a_dump_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dump is written aside and renamed into place: a writer that fails before the rename leaves no
+    ``rank-*.json`` for a reader to find half-written."""
+    def fails(source: object, target: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(watchdog.os, "replace", fails)
+    with pytest.raises(OSError, match="disk full"):
+        watchdog.Watchdog(5.0, tmp_path, 0).dump("failed")
+    assert not list(tmp_path.glob("rank-*.json")) and read_dumps(tmp_path) == {}
+
+
+def test_read_dumps_skips_a_file_that_is_not_readable_json(tmp_path: Path) -> None:
+    (tmp_path / "rank-1-asked.json").write_text('{"rank": 1, "dumped_at": 5.0, "tra')  # cut off mid-write
+    (tmp_path / "rank-0-failed.json").write_text(json.dumps({"rank": 0, "dumped_at": 6.0, "trace": [rec(0).__dict__]}))
+    assert list(read_dumps(tmp_path)) == [0]
+
+
+class SlowStore:
+    """A store whose every look takes a while: the listener is inside one when uninstall is called."""
+
+    def __init__(self) -> None:
+        self.looking = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.looking.set()
+        threading.Event().wait(0.3)
+        return False
+
+
+def test_uninstall_joins_the_listener(tmp_path: Path, no_watchdog: None) -> None:
+    store = SlowStore()
+    dog = watchdog.install(5.0, tmp_path, rank=1, store=store)
+    assert store.looking.wait(5.0), "the listener never looked"
+    watchdog.uninstall()
+    assert dog._listener is not None and not dog._listener.is_alive(), "the listener outlived uninstall"
+
+
+def test_the_control_group_is_made_after_a_barrier_bounded_by_the_deadline(tmp_path: Path, no_watchdog: None,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that never comes to make the control group (whose connection would wait for the group's long
+    timeout) fails the barrier before it, within the deadline: a ``PeerError`` and a dump naming the call."""
+    import datetime
+
+    made, barriers = [], []
+
+    def monitored_barrier(timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
+        barriers.append(timeout.total_seconds())
+        raise RuntimeError("Ranks 1 failed to pass monitoredBarrier in 2500 ms")
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "monitored_barrier", monitored_barrier)
+    monkeypatch.setattr(dist, "new_group", lambda **options: made.append(options) or "group")
+    assert watchdog.control_group(datetime.timedelta(hours=1)) == "group" and barriers == [], "unwatched: no barrier"
+    watchdog.install(2.5, tmp_path, rank=0)
+    with pytest.raises(PeerError, match="Ranks 1 failed"):
+        watchdog.control_group(datetime.timedelta(hours=1))
+    assert barriers == [2.5] and len(made) == 1, "the group is not made after a failed barrier"
+    body = json.loads((tmp_path / "rank-0-failed.json").read_text())
+    assert body["in_flight"]["op"] == "monitored_barrier" and body["in_flight"]["call"] == "run_logical: control group"

@@ -88,3 +88,100 @@ def test_a_backstop_stack_alone_is_a_hang_too(tmp_path: Path) -> None:
 
 def test_no_dump_no_diagnosis(tmp_path: Path) -> None:
     assert diagnose(tmp_path, 2) is None
+
+
+def test_a_call_whose_only_evidence_is_nccls_flight_recorder_keeps_it_and_exits_7(tmp_path: Path) -> None:
+    """torch's flight recorder dumps on an NCCL timeout under the name ``nccl_environment`` gives it; settling
+    keeps such a folder (it is evidence) and reports the hang."""
+    from reference_trainer.watchdog import nccl_environment
+
+    with watching(3.0, tmp_path):
+        watch = next_watch()
+    recorder = Path(nccl_environment(watch.folder, 3.0)["TORCH_FR_DUMP_TEMP_FILE"] + "1")  # torch appends the rank
+    recorder.write_bytes(b"\x80pickled entries")
+    with pytest.raises(HangDetected) as info:
+        settle(watch, OUTCOMES, check=True)
+    assert recorder.exists() and info.value.diagnosis["flight_recorders"] == [recorder.name]
+    assert recorder.name in str(info.value)
+
+
+def _rank_1_stuck_for_good(deadline_s: float) -> str:
+    """After one step together, rank 1 never reaches the second step (nor the closing barrier); rank 0 waits."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import reference_trainer as rt
+
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+
+    def body(view):
+        out = view.forward(rt.ForwardInput(torch.arange(6)), checkpoint="policy")
+        view.backward(-out.target_logprobs.sum())
+
+    try:
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+        if dist.get_rank() == 1:
+            time.sleep(3600)
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+    except rt.PeerError as error:
+        return f"PeerError: {error}"
+    return "ok"
+
+
+@pytest.mark.slow  # two processes, a 1 s deadline waited out, and a 1 s margin
+@pytest.mark.dist
+def test_a_spawned_rank_still_running_a_margin_past_the_dump_request_is_killed(tmp_path: Path, monkeypatch) -> None:
+    from validation import spawn
+
+    monkeypatch.setattr(spawn, "FIRED_MARGIN_S", 1.0)
+    watch = Watch(1.0, str(tmp_path))
+    outcomes = spawn.spawn_ranks(_rank_1_stuck_for_good, 2, 1.0, check=False, timeout_s=120.0, watch=watch)
+    assert outcomes[0].ok and outcomes[0].value.startswith("PeerError"), outcomes[0]
+    assert outcomes[1].exitcode == -9 and "after the watchdog's dump request" in outcomes[1].error, outcomes[1]
+    with pytest.raises(HangDetected) as info:
+        settle(watch, outcomes, check=True)
+    assert info.value.diagnosis["odd_ranks"] == [1] or 1 in info.value.diagnosis["dead_ranks"]
+
+
+def _rank_1_late_to_its_first_step(deadline_s: float) -> str:
+    """Rank 1 comes to the trainer's first ``run_logical`` (which makes the control group) past the deadline."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import reference_trainer as rt
+
+    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
+    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    if dist.get_rank() == 1:
+        time.sleep(deadline_s + 2.0)
+
+    def body(view):
+        out = view.forward(rt.ForwardInput(torch.arange(6)), checkpoint="policy")
+        view.backward(-out.target_logprobs.sum())
+
+    try:
+        rt.run_logical(body, trainer, logical_dp=2, timeout_s=60.0)
+    except rt.PeerError as error:
+        return f"PeerError: {error}"
+    return "ok"
+
+
+@pytest.mark.slow  # two processes and a 1 s deadline waited out
+@pytest.mark.dist
+def test_a_rank_late_to_make_the_control_group_is_named_within_the_deadline(tmp_path: Path) -> None:
+    from validation.spawn import spawn_ranks
+
+    watch = Watch(1.0, str(tmp_path))
+    outcomes = spawn_ranks(_rank_1_late_to_its_first_step, 2, 1.0, check=False, timeout_s=120.0, watch=watch)
+    assert outcomes[0].value.startswith("PeerError"), outcomes
+    with pytest.raises(HangDetected) as info:
+        settle(watch, outcomes, check=True)
+    found = info.value.diagnosis
+    assert found["odd_ranks"] == [1] and found["call"] == "run_logical: control group", found
+    asked = json.loads((tmp_path / "rank-1-asked.json").read_text())
+    assert "_rank_1_late_to_its_first_step" in asked["stack"], "rank 1's stack at detection shows where it lags"

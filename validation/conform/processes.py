@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from validation.spawn import spawn_ranks, to_plain
+from validation.spawn import to_plain
+from validation.world import spawn_watched
 
 from .checks import FAILED, PASSED, Verdict
 from .jobs import make_batch, started
@@ -79,7 +80,7 @@ def judge_processes(one: dict[str, torch.Tensor], ranks: list[dict[str, Any]], t
 
 def processes(path: str, spec: ConformSpec) -> Verdict:
     """The check, for the adapter whose factory ``path`` names (the ranks import it)."""
-    (alone,) = spawn_ranks(_rank_job, 1, path, spec, timeout_s=150.0)  # a gloo world of 1: the same calls succeed
-    ranks = spawn_ranks(_rank_job, WORLD, path, spec, timeout_s=150.0)
+    (alone,) = spawn_watched(_rank_job, 1, path, spec, timeout_s=150.0)  # a gloo world of 1: the same calls succeed
+    ranks = spawn_watched(_rank_job, WORLD, path, spec, timeout_s=150.0)
     return judge_processes({name: torch.as_tensor(value) for name, value in alone.items()}, ranks,
                            tolerance(spec.torch_dtype))
