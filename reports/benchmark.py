@@ -197,32 +197,42 @@ def _profile_line(group: dict) -> str:
             "'Where the versioned step's time goes').")
 
 
-PAUSE_LABELS = {"save": "trainer.save", "load": "Trainer.load", "offload": "a forward demoted to offload"}
+PAUSE_LABELS = {"save": "trainer.save", "load": "Trainer.load", "offload": "a forward demoted to offload",
+                "publish": "trainer.publish (after its step)"}
 
 
 def _pauses_table(pauses: dict | None) -> pd.DataFrame:
     """NOTE [Pause costs] Rule 2: per pause, its seconds and its ratio to the step, each with its interval."""
     columns = ["pause", "seconds", "seconds CI", "× step", "× step CI", "extra s over the step", "extra s CI",
-               "bytes written", "blocks", "reading"]
+               "bytes written", "bytes sent", "blocks", "reading"]
     rows = [{"pause": PAUSE_LABELS.get(a["arm"], a["arm"]), "seconds": number(a["seconds"], ".4g"),
              "seconds CI": interval(*a["seconds_ci"], ".4g"), "× step": number(a["ratio"], ".3f"),
              "× step CI": interval(*a["ratio_ci"], ".3f"), "extra s over the step": number(a["extra_seconds"], ".4g"),
              "extra s CI": interval(*a["extra_seconds_ci"], ".4g"),
-             "bytes written": pauses["bytes"] if a["arm"] == "save" else MISSING, "blocks": a["blocks"],
+             "bytes written": pauses["bytes"] if a["arm"] == "save" else MISSING,
+             "bytes sent": pauses["published_bytes"] if a["arm"] == "publish" else MISSING, "blocks": a["blocks"],
              "reading": a["reading"]} for a in (pauses or {}).get("arms", [])]
     return pd.DataFrame(rows, columns=columns)
 
 
+def _extra(arm: dict) -> str:
+    """An arm's extra seconds over the step with its interval, e.g. ``+0.05 s [0.04..0.06]``."""
+    return f"+{number(arm['extra_seconds'], '.4g')} s {interval(*arm['extra_seconds_ci'], '.4g', between='..')}"
+
+
 def pause_line(pauses: dict) -> str:
-    """One sentence for the pause costs (NOTE [Pause costs] Rule 2)."""
+    """One sentence for the pause costs (NOTE [Pause costs] Rule 2); a record made before the ``publish`` arm
+    reads without it."""
     by_arm = {a["arm"]: a for a in pauses["arms"]}
     save, load, offload = by_arm["save"], by_arm["load"], by_arm["offload"]
+    publish = by_arm.get("publish")
+    published = (f"; a weight publication {_extra(publish)}, sending {pauses['published_bytes'] / MIB:.2f} MiB"
+                 if publish else "")
     return (f"Pauses on {pauses['workload']} (step {number(pauses['step_seconds'], '.4g')} s): a save "
             f"{number(save['ratio'], '.2f')} {interval(*save['ratio_ci'], '.2f', between='..')} of a step, "
             f"writing {pauses['bytes'] / MIB:.2f} MiB; a load {number(load['ratio'], '.2f')} "
             f"{interval(*load['ratio_ci'], '.2f', between='..')}; a forward demoted to offload "
-            f"+{number(offload['extra_seconds'], '.4g')} s {interval(*offload['extra_seconds_ci'], '.4g', between='..')}"
-            f" a step ({save['blocks']} ABBA blocks; {save['reading']}).")
+            f"{_extra(offload)} a step{published} ({save['blocks']} ABBA blocks; {save['reading']}).")
 
 
 def _headline(record: dict, comparisons: pd.DataFrame) -> tuple[str, str]:

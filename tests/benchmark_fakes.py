@@ -73,11 +73,13 @@ class FakeMachine:
         return run
 
 
-FAKE_PAUSES = {"workload": TINY.label, "bytes": 2**20, "step_seconds": 0.5, "max_blocks": 8, "budget_s": 10.0,
+FAKE_PAUSES = {"workload": TINY.label, "bytes": 2**20, "published_bytes": 2**19, "step_seconds": 0.5,
+               "max_blocks": 8, "budget_s": 10.0,
                "arms": [{"arm": arm, "blocks": 8, "ratio": ratio, "ratio_ci": [ratio - 0.1, ratio + 0.1],
                          "seconds": ratio / 2, "seconds_ci": [ratio / 2 - 0.05, ratio / 2 + 0.05],
                          "extra_seconds": ratio / 2 - 0.5, "extra_seconds_ci": [ratio / 2 - 0.55, ratio / 2 - 0.45],
-                         "reading": "measured"} for arm, ratio in (("save", 0.8), ("load", 0.4), ("offload", 1.2))]}
+                         "reading": "measured"} for arm, ratio in (("save", 0.8), ("load", 0.4), ("offload", 1.2),
+                                                                     ("publish", 1.1))]}
 
 
 def fake_pauses(monkeypatch) -> None:

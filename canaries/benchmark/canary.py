@@ -315,8 +315,9 @@ def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None
     the ``torch.profiler`` Chrome traces of the median profiled block of
     ``plain`` and ``retain@s0`` per group are kept (``profiling.profiled_pass``;
     ``rtv bench`` asks, ``rtv run`` does not: its profile is computed all the
-    same, its traces are not kept). ``pauses``: also measure the pause costs of a save, a load and a forward
-    demoted to offload on the first workload (NOTE [Pause costs] in ``pauses``; ``rtv bench`` asks).
+    same, its traces are not kept). ``pauses``: also measure the pause costs of a save, a load, a forward
+    demoted to offload and a weight publication on the first workload (NOTE [Pause costs] in ``pauses``;
+    ``rtv bench`` asks).
     Raises :class:`SetupError` for an unknown preset or a bad gate.
     """
     if not 0 < gate < 1:

@@ -1,4 +1,4 @@
-"""Pause costs: what a save, a load and a forward demoted to offload cost training, at the benchmark's shape.
+"""Pause costs: what a save, a load, a forward demoted to offload and a weight publication cost training.
 
 NOTE [Pause costs]
   1. Arms: ``step`` (the versioned trainer's ``retain@s0`` step on the
@@ -7,17 +7,27 @@ NOTE [Pause costs]
      does), ``load`` (``Trainer.load`` of that folder over the same base
      model) and ``offload`` (the same step with every forward's saved state
      offloaded to the host: what the planner's demotion of a forward that
-     cannot keep its state on the device costs). They run in alternating
-     blocks against ``step`` (``validation.abba.compare``, NOTE
-     [Alternating blocks]): drift cancels, loaded blocks are dropped.
+     cannot keep its state on the device costs) and ``publish`` (the same
+     step, then ``trainer.publish(engine, checkpoint="policy")`` of the
+     version it made to one ``RolloutEngine`` built over the same base model,
+     in ``"drain"`` mode with nothing generating: it switches at once). A
+     publication must be newer than what the engine serves (NOTE [Weight
+     publication] Rule 3) and ``compare`` runs an arm twice in a row in
+     every other block, so each publication follows its own step: the
+     publication's pause is ``publish``'s extra seconds over ``step``. They
+     run in alternating blocks against ``step`` (``validation.abba.compare``,
+     NOTE [Alternating blocks]): drift cancels, loaded blocks are dropped.
   2. Reading: each arm's cost is its median ratio to the step with that
      ratio's interval (a save of ratio 0.8 [0.7, 0.9] pauses training for
      0.8 of a step), and its median seconds with the order-statistic
      interval of the median over the unloaded blocks (``validation.stats.
      median_ci``, at the comparison's per-look confidence). The demotion cost
      is ``offload``'s extra seconds over ``step`` (per step: one forward's
-     state out and back). ``bytes`` is what one save writes (the files of the
-     save in force). There is no verdict: a pause has no baseline to tie with.
+     state out and back); the publication's is ``publish``'s (its ratio is a
+     step that publishes over a step). ``bytes`` is what one save writes (the
+     files of the save in force); ``published_bytes`` what one publication
+     sends (its ``PublicationReport.nbytes``: the checkpoint's trainable
+     tensors). There is no verdict: a pause has no baseline to tie with.
   3. A run the load cut short reads ``inconclusive (loaded: ...)``, as every
      comparison does, and keeps whatever blocks it has.
 """
@@ -35,11 +45,11 @@ import reference_trainer as rt
 from validation import stats
 from validation.abba import Comparison, LoadMeter, LoadProbe, compare
 
-from .arms import TimedWorkload, base_model, device_clock, versioned_arm
+from .arms import TimedArm, TimedWorkload, base_model, device_clock, versioned_arm
 
-__all__ = ["PAUSE_ARMS", "PAUSE_BLOCKS", "measure_pauses", "saved_bytes"]
+__all__ = ["PAUSE_ARMS", "PAUSE_BLOCKS", "measure_pauses", "publishing", "saved_bytes"]
 
-PAUSE_ARMS = ("save", "load", "offload")
+PAUSE_ARMS = ("save", "load", "offload", "publish")
 PAUSE_BLOCKS = {"quick": (8, 10.0), "default": (16, 30.0), "nightly": (32, 120.0)}  # (max blocks, budget s)
 
 
@@ -47,6 +57,23 @@ def saved_bytes(folder: Path) -> int:
     """The bytes of the save in force under ``folder`` (the one ``LATEST`` names, NOTE [Durable saves] Rule 1)."""
     latest = (folder / "LATEST").read_text().split()[0]
     return sum(p.stat().st_size for p in (folder / latest).iterdir() if p.is_file())
+
+
+def publishing(step: TimedArm, engine: rt.RolloutEngine) -> Callable[[], rt.PublicationReport]:
+    """Rule 1's ``publish``: ``step``, then its trainer's ``"policy"`` at the version that step made, into ``engine``.
+
+    Each call publishes a newer revision, so the engine's compare-and-set
+    never refuses it (a ``VersionConflictError`` would mean something else
+    published to ``engine``); with nothing generating on ``engine`` the
+    drained publication switches at once.
+    """
+    trainer = step.trainer
+
+    def run() -> rt.PublicationReport:
+        step()
+        return trainer.publish(engine, checkpoint="policy", mode="drain")
+
+    return run
 
 
 def _median(values: np.ndarray) -> float:
@@ -78,22 +105,26 @@ def _summary(result: Comparison) -> dict:
 def measure_pauses(workload: TimedWorkload, profile: str, *, seed: int = 0,
                    clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
                    meter: LoadMeter | None = None) -> dict:
-    """Rule 1's arms on ``workload``, compared in blocks; ``{"workload", "step_seconds", "bytes", "arms": [...]}``."""
+    """Rule 1's arms on ``workload``, compared in blocks;
+    ``{"workload", "step_seconds", "bytes", "published_bytes", "arms": [...]}``."""
     max_blocks, budget_s = PAUSE_BLOCKS[profile]
     model = base_model(workload, seed) if workload.lora else None
     step = versioned_arm(workload, "retain", 0, seed=seed, model=model)
     offload = versioned_arm(workload, "offload", 0, seed=seed, model=model)
+    trainer = step.trainer
+    publish = publishing(step, rt.RolloutEngine(trainer.model))
     with tempfile.TemporaryDirectory(prefix="rtv-pauses-") as scratch:
         folder = Path(scratch) / "save"
-        arms = {"step": step, "save": lambda: step.trainer.save(folder),
-                "load": lambda: rt.Trainer.load(folder, step.trainer.model), "offload": offload}
-        step()
-        step.trainer.save(folder)  # load has a save to read from the first block on
+        arms = {"step": step, "save": lambda: trainer.save(folder),
+                "load": lambda: rt.Trainer.load(folder, trainer.model), "offload": offload, "publish": publish}
+        sent = publish().nbytes  # the engine serves a version before the first block; one publication's bytes
+        trainer.save(folder)  # load has a save to read from the first block on
         results = compare(arms, baseline="step", gate=0.05, max_blocks=max_blocks, budget_s=budget_s,
                           clock=device_clock(workload.device, clock),
                           load_probe=load_probe, meter=meter)
         written = saved_bytes(folder)
     by_arm = {r.arm: _summary(r) for r in results}
-    return {"workload": workload.label, "bytes": written, "max_blocks": max_blocks, "budget_s": budget_s,
+    return {"workload": workload.label, "bytes": written, "published_bytes": sent,
+            "max_blocks": max_blocks, "budget_s": budget_s,
             "step_seconds": _median(np.asarray(results[0].baseline_seconds)[_kept(results[0])]),
             "arms": [by_arm[name] for name in PAUSE_ARMS]}
