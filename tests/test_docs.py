@@ -187,6 +187,7 @@ def test_a_planted_tracker_citation_is_reported(tmp_path: Path) -> None:
         f"x = 1  # as {issue}12 asks\n"
         f'"""({defect}4, per {issue.title().strip()}-7)."""\n'
         'color = "#555"  # a colour in quotes is not a tracker\n'
+        f'label = "run_logical (#2)"  # a rank\'s command count; but {issue}(#9) is a citation\n'
     )
     (tmp_path / "notes.md").write_text("Fixed in #" + "34.\nThe `issues` tool; step 12; an issue, 2 defects.\n")
     assert tracker_citations(tmp_path) == [
@@ -194,6 +195,7 @@ def test_a_planted_tracker_citation_is_reported(tmp_path: Path) -> None:
         f"pkg/bad.py:1: '{issue}12'",
         f"pkg/bad.py:2: '{defect}4'",
         f"pkg/bad.py:2: '{issue.title().strip()}-7'",
+        f"pkg/bad.py:4: '{issue}(#9'",
     ]
 
 
