@@ -5,7 +5,8 @@ preset) and one :class:`~validation.oracle.OracleTrainer`; each public method
 is one op (forward, backward, step, zero_grad, save, load, drop) that runs on
 both and raises :class:`CanaryFailure` the moment they disagree, naming what
 was expected, what was found and the ops that led there. ``check`` is the
-invariant run after every op. It is built from ``canaries.derivative.oracle_pair``; the
+invariant run after every op. It is built from ``canaries.derivative.oracle_pair``
+and judges each outcome with ``canaries.derivative.oracle_checks``; the
 drivers are ``canaries.derivative.scenarios`` and ``canaries.derivative.machine``.
 
 What it checks is NOTE [Derivative canary] (``canaries.derivative.canary``), Rules 1-6.
@@ -13,9 +14,8 @@ What it checks is NOTE [Derivative canary] (``canaries.derivative.canary``), Rul
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,16 +23,14 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.testing import inject_fault
-from validation.compare import ComparisonError, relative_l2
 
+from .oracle_checks import OracleChecks, caught
 from .oracle_pair import (
     CORRECTION,
     NAME,
     TOLERANCES,
-    CanaryFailure,
     Measurements,
     build_trainer,
-    judge_gradients,
     sequences,
 )
 from ..presets import Preset
@@ -71,30 +69,7 @@ class _Output:
     level: str  # the correction's level, if the record is corrected
 
 
-def _error_facts(error: BaseException) -> dict[str, Any]:
-    names = ("checkpoint", "staleness", "bound", "forward_revision", "current_revision", "live_graphs",
-             "pending_gradients", "record_retryable")
-    return {n: getattr(error, n) for n in names if hasattr(error, n)}
-
-
-def _describe_error(error: BaseException | None) -> str:
-    return "success" if error is None else f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
-
-
-@contextmanager
-def _caught() -> Iterator[list[BaseException]]:
-    """Collect a trainer or oracle exception instead of raising it (tracebacks dropped: they pin tensors)."""
-    box: list[BaseException] = []
-    try:
-        yield box
-    except CanaryFailure:
-        raise
-    except Exception as error:  # noqa: BLE001 - any exception is an outcome to compare
-        error.__traceback__ = None
-        box.append(error)
-
-
-class DerivativeHarness:
+class DerivativeHarness(OracleChecks):
     """One trainer and its oracle, driven op by op; every op is checked (NOTE [Derivative canary]).
 
     Each public method is one op; it raises :class:`CanaryFailure` (with the
@@ -168,7 +143,7 @@ class DerivativeHarness:
         stage, index = self._fault(fault)
         before = self._grads()
         totals_before = {n: None if g is None else g.detach().clone() for n, g in before.items()}
-        with _caught() as predicted:
+        with caught() as predicted:
             expected = self.oracle.backward(
                 [(o.oracle_record, o.row, o.advantages) for o in outs],
                 retain_graph=retain_graph,
@@ -177,7 +152,7 @@ class DerivativeHarness:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.config.cuda_checks else None
         loss = sum((o.leaf * o.advantages).sum() for o in outs)
-        with _caught() as raised:
+        with caught() as raised:
             with inject_fault(stage, index=index) if stage is not None else nullcontext():
                 report = self.trainer.backward(loss, retain_graph=retain_graph)
         del loss
@@ -201,7 +176,7 @@ class DerivativeHarness:
         self._note(f"non_finite_backward(outputs={[r.number for r in chosen]})")
         before = self._grads()
         snapshot = {n: None if g is None else g.detach().clone() for n, g in before.items()}
-        with _caught() as raised:
+        with caught() as raised:
             self.trainer.backward(sum((self.outputs[r.number].leaf * float("nan")).sum() for r in chosen))
         self._expect(bool(raised) and isinstance(raised[0], rt.GradientCommitError), "backward of a NaN loss",
                      "GradientCommitError", type(raised[0]).__name__ if raised else "no error (committed)")
@@ -224,9 +199,9 @@ class DerivativeHarness:
         start = self.checkpoint.state_dict()
         grads = self._grads()
         snapshot = {n: None if g is None else g.detach().clone() for n, g in grads.items()}
-        with _caught() as predicted:
+        with caught() as predicted:
             expected = self.oracle.optim_step(lr=lr, max_grad_norm=max_grad_norm, grads={NAME: snapshot})[NAME]
-        with _caught() as raised:
+        with caught() as raised:
             report = self.trainer.optim_step(lr=lr, max_grad_norm=max_grad_norm)[NAME]
         self._same_outcome("optim_step", predicted, raised)
         if predicted:
@@ -255,30 +230,6 @@ class DerivativeHarness:
                          "its master weight rounded to the parameter dtype", "something else")
         self.oracle.sync(NAME, after)
 
-    def _check_update(self, before: dict, after: dict, predicted: dict) -> None:
-        """The master-weight change matches the oracle's (Rule 3), per parameter and pooled.
-
-        Per parameter the bound is ``step * ||predicted change|| + 8 eps ||weights||``:
-        a parameter without gradient only decays (a change ~1e-4 of the weights),
-        which its own storage dtype rounds at ``eps``; a wrong update rule moves
-        far more. Pooled over parameters, the relative L2 must be within ``step``.
-        """
-        diff_sq = ref_sq = 0.0
-        for n, value in after.items():
-            start = before[n].double()
-            found, reference = value.double() - start, predicted[n] - start
-            diff = float(torch.linalg.vector_norm(found - reference))
-            scale = float(torch.linalg.vector_norm(reference))
-            slack = 8 * torch.finfo(value.dtype).eps * float(torch.linalg.vector_norm(value.double()))
-            self._expect(diff <= self.tol.step * scale + slack, f"AdamW change of {n!r} from the same starting point",
-                         f"within {self.tol.step:.0e} x {scale:.3e} + {slack:.3e}", f"a difference of {diff:.3e}")
-            diff_sq, ref_sq = diff_sq + diff * diff, ref_sq + scale * scale
-        self._expect(ref_sq > 0, "AdamW change", "a non-zero predicted change", "none")
-        error = math.sqrt(diff_sq / ref_sq)
-        self.measured.worst_step_error = max(self.measured.worst_step_error, error)
-        self._expect(error <= self.tol.step, "AdamW change from the same starting point (relative L2)",
-                     f"<= {self.tol.step}", error)
-
     def zero_grad(self) -> None:
         self._note("zero_grad()")
         self.trainer.zero_grad()
@@ -296,9 +247,9 @@ class DerivativeHarness:
         state, oracle_state = self.saved[saved.number]
         grads = self._grads()
         snapshot = {n: None if g is None else g.detach().clone() for n, g in grads.items()}
-        with _caught() as predicted:
+        with caught() as predicted:
             self.oracle.load(NAME, oracle_state, discard_graphs=discard_graphs)
-        with _caught() as raised:
+        with caught() as raised:
             self.trainer.load_checkpoint(NAME, state, discard_graphs=discard_graphs)
         self._same_outcome("load_checkpoint", predicted, raised)
         if predicted:
@@ -343,12 +294,6 @@ class DerivativeHarness:
         self.measured.ops += 1
         self.log.append(op)
 
-    def _expect(self, ok: bool, what: str, expected: object, found: object) -> None:
-        if not ok:
-            self.failed = True
-            ops = "\n  ".join(self.log[-20:])
-            raise CanaryFailure(f"{what}: expected {expected}, found {found}\n  after ops:\n  {ops}")
-
     def _generation(self) -> int:
         """The trainer's current generation, checked against the oracle's (renumbered one to one)."""
         oracle_generation, trainer_generation = self.oracle.generation(NAME), self.checkpoint.generation
@@ -366,49 +311,6 @@ class DerivativeHarness:
 
     def _grads(self) -> dict[str, torch.Tensor | None]:
         return {n: p.grad for n, p in self.checkpoint.named_parameters()}
-
-    def _relative(self, what: str, found: torch.Tensor, reference: torch.Tensor) -> float:
-        try:
-            return relative_l2(found, reference)
-        except ComparisonError as error:
-            raise CanaryFailure(f"{what}: {error}") from None
-
-    def _compare(self, what: str, found: dict, reference: dict, baseline: dict, dtypes: dict | None = None) -> None:
-        try:
-            comparison = judge_gradients(found, reference, baseline, self.tol, dtypes)
-        except ComparisonError as error:
-            self._expect(False, what, "comparable gradients", error)
-        name, error = comparison.worst
-        self.measured.worst_gradient_error = max(self.measured.worst_gradient_error, error)
-        self.measured.worst_gradient_margin = max(self.measured.worst_gradient_margin, error / comparison.thresholds[name])
-        self.measured.min_reference_norm = min(self.measured.min_reference_norm, comparison.reference_norm)
-        self._expect(comparison.passed, what, "agreement with the FP64 oracle", comparison.describe())
-
-    def _same_outcome(self, op: str, predicted: list[BaseException], raised: list[BaseException]) -> None:
-        expected = predicted[0] if predicted else None
-        found = raised[0] if raised else None
-        if expected is None and found is None:
-            return
-        if expected is None or found is None or type(found) is not type(expected):
-            detail = "" if found is None else f": {found}"
-            self._expect(False, op, _describe_error(expected), _describe_error(found) + detail)
-        self._expect(_error_facts(found) == _error_facts(expected), f"{op} error facts",
-                     _describe_error(expected), _describe_error(found))
-        if isinstance(expected, rt.CheckpointReplacedError):
-            mapped = self.generations.get(expected.forward_generation)
-            self._expect(found.forward_generation == mapped, "replaced forward generation", mapped,
-                         found.forward_generation)
-
-    def _unchanged(self, before: dict, values: dict, what: str) -> None:
-        for n, p in self.checkpoint.named_parameters():
-            self._expect(p.grad is before[n], f"{what}: .grad object of {n!r}", "unchanged", "replaced")
-            if values[n] is not None:
-                self._expect(torch.equal(p.grad, values[n]), f"{what}: .grad value of {n!r}", "unchanged", "changed")
-
-    def _weights_equal(self, expected: dict[str, torch.Tensor], what: str) -> None:
-        for n, p in self.checkpoint.named_parameters():
-            self._expect(torch.equal(p.detach().double().to(expected[n].device), expected[n]), f"{what} {n!r}",
-                         "exactly the oracle's", "different values")
 
     def _check_reports(self, report: rt.BackwardReport, expected: Sequence) -> None:
         by_trainer = {o.trainer_record: o for o in self.outputs.values()}

@@ -11,6 +11,7 @@ from hypothesis import settings
 from canaries.mutations import canary as mutations_module
 from canaries.memory.canary import CHECKPOINT_STATE_CHECK
 from canaries.mutations.canary import MUTATIONS, Mutation, judge, judge_mutation, mutation
+from canaries.mutations.catalogue import PARTS
 from canaries.registry import CANARIES, canary
 from validation.errors import SetupError
 from validation.evidence import verify
@@ -139,6 +140,13 @@ def test_an_inapplicable_mutation_is_listed_not_passed(tmp_path: Path) -> None:
     outcome = judge_mutation(mutation("replay_without_rng"), "gpu", scratch=tmp_path)
     assert (outcome.applicable, outcome.caught) == (False, False)
     assert list(tmp_path.iterdir()) == [], "nothing ran"
+
+
+def test_the_catalogue_lists_every_bug_of_every_part_of_the_trainer_once() -> None:
+    written = [m.name for part in PARTS.values() for m in part]
+    assert len(written) == len(set(written)), "a name written in two parts"
+    assert sorted(MUTATIONS) == sorted(written)
+    assert all(MUTATIONS[m.name] is m for part in PARTS.values() for m in part)
 
 
 def test_every_mutation_is_caught_by_a_registered_canary_and_unknown_names_are_refused() -> None:
