@@ -3,69 +3,51 @@
 NOTE [Memory admission]
   1. The device budget covers everything the trainer allocated since it was
      built (the frozen base model is outside it) plus the transient peak of
-     the work being run:
-       checkpoints = for every checkpoint: its live parameters, FP32 masters
-                     and their gradient buffers, AdamW's ``exp_avg`` and
-                     ``exp_avg_sq`` (as the step will allocate them, counted
-                     before the first step allocates them) and its committed
-                     ``.grad`` (``Checkpoint.held_nbytes``);
-       persistent  = for every pending record: retained saved bytes (retain),
-                     its weight snapshot (once per pending version; for the
-                     current version it is the copy the next step's copy on
-                     write makes), its input snapshot;
-       staging     = for each involved checkpoint: one copy of its trainable
-                     bytes (gradients staged at backward) plus, for each
-                     parameter with a committed ``.grad``, the out-of-place
-                     sum the commit builds (NOTE [Gradient commit] Rule 2);
-       workspace   = the largest transient need of any pending or new record:
-                     its forward/backward transient, plus its saved bytes for an
-                     offloaded or replayed record (restored or rebuilt at
-                     backward, one record at a time).
+     the work being run, so a forward admitted is one that cannot OOM later:
+       checkpoints = per checkpoint: live parameters, FP32 masters and their
+                     gradient buffers, AdamW's moments (counted before the
+                     first step allocates them), committed ``.grad``
+                     (``Checkpoint.held_nbytes``);
+       persistent  = per pending record: retained saved bytes, its weight
+                     snapshot (once per pending version), its input snapshot;
+       staging     = per involved checkpoint: one copy of its trainable bytes
+                     plus the out-of-place sum a commit onto ``.grad`` builds
+                     (NOTE [Gradient commit] Rule 2);
+       workspace   = the largest transient need of any pending or new record,
+                     plus its saved bytes if offloaded or replayed (restored
+                     one record at a time).
      predicted peak = checkpoints + persistent + staging + workspace.
      Not counted: logical-rank gradient buffers, AdamW's host ``step`` scalars.
   2. Offloaded saved bytes count against the separate host budget instead.
-  3. ``auto`` keeps a forward's saved state in place (retain) if that fits;
-     otherwise it prices offload (bytes moved both ways) against replay (one
-     more forward) and takes the cheaper that fits, within ``allow_offload``
-     and ``allow_replay``. A forced placement is honoured or refused.
+  3. ``auto`` retains if that fits; otherwise it takes the cheaper of offload
+     (bytes moved both ways) and replay (one more forward) that fits, within
+     ``allow_offload`` and ``allow_replay``. A forced placement is honoured or
+     refused.
   4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes,
-     suggestion)``, raised before the forward allocates anything. A call whose
-     inputs form several records (NOTE [Forward records] Rule 1) is planned
-     whole, each group counting the ones planned before it, before any runs:
-     one refusal refuses the call, and nothing ran, moved or was drawn.
-  5. Sizes come from a conservative analytic estimate of the model's saved
-     activations (with ``H·B·T²`` attention terms only where the attention
-     backend in use saves them, :func:`attention_saves_scores`: two, or
-     three with dropout active (probabilities, mask, dropped probabilities);
-     each LoRA target's ``x·Aᵀ``; and every element at FP32 or wider while
-     dropout is active: its masks are FP32; under autocast the weight copies
-     it casts, once per forward, ``saved_bytes.py``), scaled once forwards of
-     the same :class:`SavedClass` ran (everything that decides what a forward
-     saves but its exact length: shape class, whether attention saves scores,
-     whether dropout is active, autocast, the LoRA rank and targets) by the
-     largest over them of the most each allows at this length: its measured
-     bytes fill the estimate's constant, per-length and per-square terms,
-     those that grow most towards this length first
-     (``SavedTerms.worst_case``), so a longer forward of the bucket is priced
-     with its larger share of dropout's ``T²`` terms and a shorter one with
-     its larger share of the weight casts. Times come from
-     measurements when there are any (a default transfer bandwidth and
-     forward speed otherwise, or a loaded calibration's constants with its
-     per-record overhead, NOTE [Planner calibration constants]).
+     suggestion)`` before the forward allocates anything. A call of several
+     records (NOTE [Forward records] Rule 1) is planned whole, each group
+     counting those before it: one refusal refuses the call, and nothing ran,
+     moved or was drawn.
+  5. Sizes come from a conservative analytic estimate of the saved
+     activations (``saved_bytes.py``: ``H·B·T²`` terms only where the attention
+     backend saves scores, :func:`attention_saves_scores`; each LoRA target's
+     ``x·Aᵀ``; FP32 masks under dropout; autocast's weight casts), scaled by
+     measured forwards of the same :class:`SavedClass` (all that decides what
+     a forward saves but its length). The scale is the most each measured
+     forward allows at this length (``SavedTerms.worst_case``): its bytes fill
+     the terms that grow most towards this length first, so a forward of
+     another length is never under-priced. Times are measured where possible
+     (defaults or a loaded calibration otherwise, NOTE [Planner calibration
+     constants]).
   6. Reclamation (``auto`` only): when nothing fits, pending retained records
      are demoted, oldest first, as few as make the new forward fit; only then
-     is it refused. A demoted record goes to host copies (as offload would
-     have made them) where its options allow offload and the host still fits
-     it, else to replay where they allow replay (its graph and saved tensors
-     dropped, the forward re-run at backward from the RNG, mode and weight
-     snapshot every record keeps: the same saved state, NOTE [Saved-state
-     lifetime] Rule 5); when that assignment does not make room, every
-     demoted record that may replay is replayed instead (the host left to the
-     new forward). On the device both demotions free the same bytes, so for
-     each count the two assignments are exact: the second fits whenever any
-     does. Where only replaying both of two pending forwards fits, ``auto``
-     thus retains the first, then replays both. Demotions are applied only
-     once the whole call is admitted (Rule 4).
+     is it refused. A demoted record goes to host copies where its options
+     allow offload and the host fits it, else to replay (graph dropped, the
+     forward re-run from its RNG, mode and weight snapshot, NOTE [Saved-state
+     lifetime] Rule 5); when that does not make room, every demotable record
+     replays instead, leaving the host to the new forward. Both demotions free
+     the same device bytes, so the second assignment fits whenever any does.
+     Demotions are applied only once the whole call is admitted (Rule 4).
 """
 
 from __future__ import annotations

@@ -1,45 +1,35 @@
 """Who may write, read and remove what in a folder of saves: its lock file, and each writer's staging and lock.
 
 NOTE [Save locks]
-  1. The folder's lock is the regular file ``.lock`` in it, locked with
-     ``fcntl.flock``: exclusively (opened read-write) by a writer to make
-     its staging folder, to move a save into force and to clean up; shared
-     (opened read-only) by a reader while it reads. It is never opened
-     through a symbolic link; a ``.lock`` that is a symbolic link, a folder
-     or anything but a regular file is a ``ConfigError`` naming it. Locks
-     are advisory: every process and thread that saves or loads through this
-     module, on one machine or on a filesystem whose ``flock`` works (on NFS
-     it is emulated with byte-range locks, which is why every exclusive lock
-     is taken through a regular file opened for writing, never a folder). A
-     filesystem where ``flock`` fails (``ENOLCK``, ``ENOSYS``,
-     ``EOPNOTSUPP``, ``EBADF``) is a ``ConfigError`` naming its missing lock
-     support; there is no unlocked fallback.
+  1. The folder's lock is the regular file ``.lock``, taken with
+     ``fcntl.flock``: exclusively (opened read-write) by a writer to make its
+     staging folder, move a save into force and clean up; shared (read-only)
+     by a reader while it reads. A ``.lock`` that is a symbolic link or not a
+     regular file is a ``ConfigError``, and so is a filesystem whose
+     ``flock`` fails (``ENOLCK``, ``ENOSYS``, ``EOPNOTSUPP``, ``EBADF``):
+     there is no unlocked fallback. Exclusive locks go through a regular file
+     opened for writing because NFS emulates ``flock`` with byte-range locks.
   2. Every lock is unlocked (``LOCK_UN``) before its descriptor is closed: a
-     ``flock`` lock belongs to the open file, which a child forked meanwhile
-     shares, and would otherwise outlive its holder as long as the child.
-  3. A writer stages in ``.tmp-<pid>-<random>``, which it makes under the
-     folder's lock after its own lock file ``.tmp-<pid>-<random>.lock``; it
-     holds that file's lock, exclusively and alone, until its staging folder
-     is renamed into a save or removed, then removes the lock file. So
-     writers stage in parallel, each known to be alive by its lock.
-  4. Clean-up, under the folder's lock, removes a ``.tmp-`` entry (a
-     staging folder, its lock file, a temporary ``LATEST``) when its lock
-     file is missing or free (its writer is dead, or it never had one: a
-     temporary ``LATEST`` lives only inside its writer's hold of the folder's
-     lock) or is not one a writer makes (a symbolic link, a folder, a
-     device). When its lock cannot be tested (too many open files, no
-     permission) the entry is kept: only a dead writer's leftovers go.
-  5. A reader writes nothing in a folder that holds no save: when ``.lock``
-     is missing it makes it only beside ``LATEST`` or a ``save-NNNNNN``
-     folder (the caller's check, else its ``ConfigError``); one that cannot
-     make it (a read-only folder written before locks) reads without it. A
-     reader holds the lock shared while it reads every byte: a long load
-     delays a save's start (and its move into force) until the load ends.
-  6. A lock file removed while a process waited for it (a failed first save
-     removes the folder it made) is not the lock: the waiter takes the one
-     now there. A reader whose folder is gone gets the caller's
-     ``ConfigError``; a writer gets ``FileNotFoundError`` and makes the
-     folder again (``saves.py``).
+     ``flock`` lock belongs to the open file, which a forked child shares,
+     and would otherwise outlive its holder.
+  3. A writer stages in ``.tmp-<pid>-<random>``, made under the folder's lock
+     after its own ``.tmp-<pid>-<random>.lock``, which it holds exclusively
+     until the staging folder is renamed into a save or removed. Writers so
+     stage in parallel, each known to be alive by its lock.
+  4. Clean-up, under the folder's lock, removes a ``.tmp-`` entry whose lock
+     file is missing, free, or not one a writer makes (a link, a folder, a
+     device); one whose lock cannot be tested (no descriptors, no permission)
+     is kept: only a dead writer's leftovers go.
+  5. A reader writes nothing in a folder that holds no save: it makes a
+     missing ``.lock`` only beside ``LATEST`` or a ``save-NNNNNN`` folder, and
+     reads without it where it cannot (a read-only folder written before
+     locks). It holds the lock shared while it reads every byte, so a long
+     load delays a save's move into force.
+  6. A lock file removed while a process waited for it is not the lock: the
+     waiter takes the one now there (a failed first save removes the folder
+     it made). A reader whose folder is gone gets the caller's
+     ``ConfigError``; a writer gets ``FileNotFoundError`` and makes the folder
+     again (``saves.py``).
 """
 
 from __future__ import annotations

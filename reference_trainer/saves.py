@@ -1,62 +1,44 @@
 """A save folder on disk: files written atomically, a manifest of digests, every byte verified when read.
 
 NOTE [Durable saves]
-  1. A save path is a folder of saves: ``LATEST`` names the one in force, the
-     digest of its manifest, and a check of those two fields (``save-000003
-     <sha256> <16 hex digits of the sha256 of the first two>``), so damage to
-     ``LATEST`` itself is named as such; a two-field ``LATEST`` (written
-     before the check was kept) still loads. Each save is a folder
-     ``save-NNNNNN`` holding its files and ``manifest.json`` (every other
-     file's name, size and SHA-256). The lock file ``.lock`` (Rule 6) stays.
-  2. Writing: the save path and every missing folder above it are made, each
-     new folder's entry (one another writer just made too) fsynced into its
-     parent. The files and the manifest
-     go into a fresh staging folder ``.tmp-<pid>-<random>``, each fsynced,
-     the folder fsynced, renamed to ``save-NNNNNN`` (one more than the
-     highest there) and the save path fsynced, so the folder's entry is
-     durable before anything names it; then ``LATEST`` is replaced
-     atomically (a fsynced temporary file and ``os.replace``) and the save
-     path fsynced again. Only then are older saves and leftovers of dead
-     writers removed. A crash at any point leaves ``LATEST`` naming a
-     complete save (the previous one, or the new one once ``LATEST`` moved):
-     never a half-written one.
-  3. Reading: ``LATEST``, then the manifest (its digest must be the one
-     ``LATEST`` names; every entry a plain name of the save folder), then
-     every file's size and digest, before any byte is interpreted. Each file
-     is opened inside the save folder without following a symbolic link and
-     without waiting on a FIFO, and must be a regular file. A missing,
-     truncated or changed file, or one that is not a regular file, is a
-     :class:`CorruptSaveError` naming it; nothing is returned. A folder
-     holding saves but no ``LATEST`` is a ``CorruptSaveError`` naming
-     ``LATEST`` (a first save killed before ``LATEST`` was written reads so
-     too: nothing of it was in force); a folder holding no save, or no
-     folder, is a ``ConfigError``, and the refused load wrote nothing.
-  4. A file may be given as a function that makes its bytes: it is called
-     when its turn to be written comes, and its bytes are let go once
-     written, so a save of many large files holds one at a time in memory.
+  1. A save path is a folder of saves. ``LATEST`` names the one in force, its
+     manifest's digest and a check of those two fields, so damage to
+     ``LATEST`` itself is named as such (a two-field ``LATEST`` from before
+     the check still loads). Each save is a folder ``save-NNNNNN`` of its
+     files and ``manifest.json`` (every other file's name, size and SHA-256);
+     the lock file ``.lock`` (Rule 6) stays.
+  2. Writing: missing folders are made and fsynced into their parents; files
+     and manifest go into a fresh staging folder ``.tmp-<pid>-<random>``, each
+     fsynced, which is renamed to ``save-NNNNNN`` (one above the highest) with
+     the save path fsynced; then ``LATEST`` is replaced atomically (fsynced
+     temporary file, ``os.replace``, path fsynced again); only then are older
+     saves and dead writers' leftovers removed. Every name is durable before
+     anything names it, so a crash at any point leaves ``LATEST`` naming a
+     complete save, never a half-written one.
+  3. Reading checks ``LATEST``, the manifest (the digest ``LATEST`` names;
+     plain names only), then every file's size and digest before any byte is
+     interpreted; files are opened inside the save folder, never through a
+     link or a FIFO, and must be regular. Anything missing, truncated, changed
+     or irregular is a :class:`CorruptSaveError` naming it, and so is a folder
+     of saves without ``LATEST`` (a first save killed before it was written:
+     nothing was in force); a folder holding no save is a ``ConfigError``. A
+     refused load wrote nothing.
+  4. A file may be given as a function that makes its bytes, called in its
+     turn and let go once written, so a save of many large files holds one at
+     a time in memory.
   5. Failing: an error before ``LATEST`` moved removes what this save wrote
-     (its staging or renamed folder, its temporary ``LATEST``, and the
-     folders it made, when no other writer put anything in them) and is
-     raised as it came: the save in force is the previous one. An error
-     from the moment ``LATEST`` moved (its fsync, the removal of older
-     saves) is a ``SaveInForceError``: the new save is in force (an
-     interrupt is raised as it came, the new save in force). A bad path
-     (not a ``str`` or ``os.PathLike``, ``""``, a NUL byte, a name too long,
-     a file, a folder or parent this process cannot write) is a
-     ``ConfigError`` and writes nothing.
-  6. Concurrency (processes or threads, wherever ``fcntl.flock`` works; a
-     ``ConfigError`` where it fails): the folder's lock and each writer's
-     staging lock (NOTE [Save locks] in ``save_locks.py``). Writers stage in
-     parallel and take the folder's lock exclusively to make their staging
-     folder and to move it into force, so two writers into one folder both
-     complete, one after the other: ``LATEST`` names the later, whose folder
-     number is the higher.
-     A writer's clean-up removes only saves older than its own and the
-     leftovers of dead writers, never the save ``LATEST`` names or one
-     another writer is making. A reader holds the lock shared while it
-     reads, so a reader during a save reads the previous save in force,
-     whole; one that starts after ``LATEST`` moved reads the new one; a
-     save waits for the loads under way to end before it starts.
+     (staging, renamed folder, temporary ``LATEST``, folders it made that no
+     other writer used) and is raised as it came: the previous save stays in
+     force. An error once ``LATEST`` moved is a ``SaveInForceError`` (an
+     interrupt is raised as it came): the new save is in force. A bad path is
+     a ``ConfigError`` and writes nothing.
+  6. Concurrency, wherever ``fcntl.flock`` works (a ``ConfigError`` where it
+     fails): the folder's lock and each writer's staging lock (NOTE [Save
+     locks]). Writers stage in parallel and take the folder's lock only to
+     make their staging folder and move it into force, so two writers both
+     complete and ``LATEST`` names the later (the higher number). Clean-up
+     removes only older saves and dead writers' leftovers. A reader holds the
+     lock shared, so it reads one save whole, the previous or the new.
   7. What the files hold, and how the trainer's state maps onto them, is
      ``resume.py``'s business (NOTE [Resume]); this module only moves bytes.
 

@@ -1,49 +1,32 @@
 """The cost-growth sweep: how the versioned step's cost grows with the shape, and a fit of it.
 
 NOTE [Cost growth]
-1. Grid (:func:`plan`): sequence length x batch on the preset's model. On
-   ``cpu`` (``small``, :data:`CPU_GRIDS`): ``nightly`` 64..1024 tokens per
-   sequence x batch 1, 4, 8 for retain/offload/replay at staleness 0 and 2,
-   ``default`` a small grid that fits ``rtv bench``'s budget (Rule 4); on a
-   GPU preset with CUDA, 4 x {1K, 2K, 4K} on its model (LoRA, BF16), like
-   the seed's figures (:data:`GPU_LENGTHS`); a GPU preset without CUDA runs
-   its code path on ``tiny`` CPU shapes, said in the record (``swapped``).
-   At each shape every arm is compared with ``plain`` through
-   ``validation.abba.compare`` (its own blocks and looks, arms built fresh per
-   shape, the device clock), so each point has a ratio with its interval;
-   before any timing, every arm's first loss must equal plain's (like with
-   like: the sweep's one check that reads no clock).
-2. Fit: per arm (``plain`` included), the median step seconds at each shape
-   (over the blocks the load probe kept; a shape with none is left out of
-   the fit and named in ``left_out``; when that leaves fewer shapes than
-   terms, the fit's check is skipped as ``inconclusive (loaded: ...)``,
-   NOTE [Machine load] Rule 4) is fitted as
-   ``fixed + per_token * B*T + per_token2 * B*T**2`` by non-negative least
-   squares (``scipy.optimize.nnls``: a cost is never negative), with the
-   residuals kept. A fixed per-step cost shows as a ratio falling with
-   tokens, a per-token one as a flat ratio, a ``T**2`` one (attention scores
-   saved) as a rising one. A grid of one batch and three lengths (the GPU
-   one) determines the three terms exactly: its residuals are 0 by
-   construction, not a sign of a good fit.
-3. The fit's ratio at other shapes (``measurements.model``: batch 4 over
-   lengths up to 4K, and the GPU presets' ``qwen3_8b`` shapes 4x1K and 4x4K,
-   :data:`MODEL_SHAPES`) is a model, not a measurement, and is labelled so
-   wherever it is shown (on a CPU record it extrapolates ``small``'s CPU
-   costs; it says nothing measured about another model or device).
-4. Budget: a shape's share of the plan's ``budget_s`` is proportional to its
-   block bound (:func:`block_bound`: every arm twice per block at
-   :data:`STEP_BOUND`, a versioned arm at most :data:`ARM_FACTOR` plain
-   steps), and ``compare`` stops a shape when its share is spent. On ``cpu``
-   the planned blocks (warm-up included) fit the budget under that bound
-   (:func:`seconds_bound`; tests/canaries/test_benchmark_sweep.py checks
-   ``default``'s, and that it leaves the benchmark its budget within
-   ``rtv bench``'s 5 minutes), so a shape's budget binds only on a machine
-   slower than the bound. ``rtv bench`` runs the sweep after the benchmark
-   and gives it what its profile's budget (:data:`RUN_BUDGETS_S`) leaves
-   after the benchmark, less :data:`OUTSIDE_S` (the interpreter's start, the
-   records and the report; :func:`budget_left`), never more than the plan's: measured on a
-   machine loaded about 4x (load average 8-10 on its 2 cores), the
-   benchmark alone took 250 s of the 300.
+1. Grid (:func:`plan`): sequence length x batch on the preset's model
+   (:data:`CPU_GRIDS` on ``cpu``, :data:`GPU_LENGTHS` on a GPU preset; one
+   without CUDA runs ``tiny`` CPU shapes and says so, ``swapped``). At each
+   shape every arm is compared with ``plain`` by ``validation.abba.compare``,
+   so each point is a ratio with its interval; first, every arm's first loss
+   must equal plain's: like with like, the sweep's one check that reads no
+   clock.
+2. Fit: per arm, the median step seconds per shape (load-flagged blocks left
+   out; a shape with none is named in ``left_out``, and too few shapes for the
+   terms skips the check as ``inconclusive (loaded: ...)``, NOTE [Machine
+   load] Rule 4) is fitted as ``fixed + per_token * B*T + per_token2 *
+   B*T**2`` by ``scipy.optimize.nnls``, as a cost is never negative. The terms
+   say where a versioned step's cost comes from (a falling, flat or rising
+   ratio); a grid of one batch and three lengths fits exactly, so its zero
+   residuals are no sign of a good fit.
+3. The fit's ratio at other shapes (:data:`MODEL_SHAPES`) is a model, not a
+   measurement, and is labelled so wherever shown: on a CPU record it
+   extrapolates ``small``'s CPU costs and says nothing of another device.
+4. Budget: a shape's share of ``budget_s`` is proportional to its block bound
+   (:func:`block_bound`), and ``compare`` stops a shape whose share is spent.
+   On ``cpu`` the planned blocks fit the budget under that bound
+   (:func:`seconds_bound`, tested), so the budget binds only on a machine
+   slower than the bound. ``rtv bench`` gives the sweep what its profile's
+   budget leaves after the benchmark, less :data:`OUTSIDE_S`
+   (:func:`budget_left`), never more than the plan's: on a machine loaded
+   about 4x the benchmark alone took 250 s of the 300.
 """
 
 from __future__ import annotations

@@ -1,52 +1,44 @@
 """The arms of the learning comparison, and the loop that trains one arm on one seed.
 
 NOTE [Arms]
-  1. ``plain`` is the reference: ``torch.optim.AdamW`` on ``DecoderLM(seed=seed)``,
-     with the options the trainer's own AdamW uses (``rt.AdamWConfig``'s
-     lr, betas, eps, weight decay, and torch's default implementation
-     choice, which on CPU is the single-tensor loop), and FP32 master copies
-     for lower-precision parameters, as the trainer keeps them.
-  2. Versioned arms train one full checkpoint of ``rt.Trainer`` on the same
-     model, through the public API only. ``delay`` k: the batch forwarded
-     before optimizer step t is backpropagated after step t + k (k = 0 is
-     ``strict``, ``max_gradient_staleness`` = k); the batch of step t thus
-     has staleness ``min(t, k)``, which the run records from each
-     ``BackwardReport``. Every batch gets one backward and one step: the
-     last k are drained at the end, so every arm takes ``steps`` steps.
+  1. ``plain`` is the reference: ``torch.optim.AdamW`` on
+     ``DecoderLM(seed=seed)`` with the trainer's own AdamW options
+     (``rt.AdamWConfig``; torch's default implementation, on CPU the
+     single-tensor loop) and FP32 masters for lower-precision parameters, as
+     the trainer keeps them, so a versioned arm differs from it only by what
+     it is meant to test.
+  2. Versioned arms train one full checkpoint of ``rt.Trainer`` through the
+     public API. ``delay`` k: the batch forwarded before step t is
+     backpropagated after step t + k (k = 0 is ``strict``;
+     ``max_gradient_staleness`` = k), so it has staleness ``min(t, k)``,
+     recorded from each ``BackwardReport``. The last k batches are drained, so
+     every arm takes ``steps`` steps, one backward each.
   3. ``corrected``: ``ImportanceCorrection(policy="always", level=level)``
-     (``level`` ``"token"`` unless the arm says otherwise); otherwise no
-     correction (``corrections=()``). ``placement``: the forced
-     ``backward_state`` (retain, offload, replay). The run keeps each
-     corrected record's raw (pre-clip) and clipped ratio statistics.
-  4. Arms differ from their ``baseline`` in one thing. ``exact_with`` names an
-     arm whose curve and final weights must be bitwise equal per seed
+     (``"token"`` unless the arm says otherwise), else ``corrections=()``;
+     ``placement``: the forced ``backward_state``. Each corrected record's raw
+     and clipped ratio statistics are kept.
+  4. An arm differs from its ``baseline`` in one thing; ``exact_with`` names
+     an arm whose curve and final weights must be bitwise equal per seed
      (FP32 on CPU).
-  5. Sensitivity arms (``sabotage``) are deliberately broken updates that the
-     comparison must catch, both in the plain loop, compared with ``plain``:
-       - ``dropped_updates``: every :data:`DROP_EVERY`-th optimizer update is
-         lost (its gradient is discarded; the schedule goes on). A mild
-         fault: the arm still learns, meets the success criterion, and only
-         the paired comparison shows that it learns worse;
-       - ``flipped_layer``: the gradient sign flipped on every parameter of
-         one decoder layer (:data:`FLIPPED_LAYER`): that layer ascends the
-         loss, and the arm misses its criterion.
+  5. Sensitivity arms (``sabotage``), broken updates in the plain loop that
+     the comparison must catch against ``plain``: ``dropped_updates`` loses
+     every :data:`DROP_EVERY`-th update, a mild fault only the paired
+     comparison shows (the arm still meets its criterion); ``flipped_layer``
+     flips the gradient of one decoder layer (:data:`FLIPPED_LAYER`), which
+     ascends the loss and misses the criterion.
   6. Shown arms (``enforced=False``): the other correction levels at
-     staleness 2 (``sequence``, ``geometric``, ``average``, group
-     ``levels``), each against ``strict`` like ``stale2_corrected`` (the
-     token level), so the verdicts show which level learns best on each
-     workload. Their success and equivalence are reported, never checks;
-     their records are checked as every arm's are.
-  7. Rollout arms (``loop="engine"``, group ``rollout``, shown, the RL
-     workload only): the samples come from a ``RolloutEngine`` that serves
-     the weights of ``max(0, t - k)`` at step t (k the arm's ``delay``:
-     behaviour lag k), published from the trainer's full checkpoint; the
-     trainer forwards them at revision t with their per-token behaviour
-     log-probs and revisions and backpropagates at once (trainer staleness
-     0). ``drain``: every token of step t has lag ``min(t, k)``;
+     staleness 2 (group ``levels``), each against ``strict`` like
+     ``stale2_corrected``, to show which level learns best per workload; their
+     verdicts are reported, never checks.
+  7. Rollout arms (``loop="engine"``, group ``rollout``, shown, RL workload
+     only): a ``RolloutEngine`` serves the weights of ``max(0, t - k)`` at step
+     t (behaviour lag k), published from the trainer's checkpoint, which
+     forwards the samples with their behaviour log-probs and backpropagates
+     at once. ``drain``: every token of step t has lag ``min(t, k)``;
      ``inflight``: the next revision lands after each sequence's first token,
-     so the later tokens have lag one less (once t >= k). ``corrected``: the rollout
-     correction, ``behaviour_corrections=(ImportanceCorrection(level),)``.
-     The run records each step's largest behaviour lag as its staleness.
+     so later tokens lag one less. ``corrected``:
+     ``behaviour_corrections=(ImportanceCorrection(level),)``. Each step's
+     largest behaviour lag is recorded as its staleness.
 """
 
 from __future__ import annotations
