@@ -1,38 +1,31 @@
 """Per-token behaviour versions and log-probs at backward: lag, masking of stale tokens, the behaviour ratio.
 
 NOTE [Behaviour tokens]
-  1. A ``ForwardInput`` may carry, per position and aligned with its
-     ``target_logprobs``, the behaviour log-prob of the target token and the
-     revision and generation of the weights that drew it (-1: unknown, e.g.
-     prompt positions; an unknown generation is taken to be the forward's).
-     A behaviour token is a real target (not masked) with a known revision.
-  2. Behaviour lag = the forward's revision - the token's revision (the
-     trainer lag, NOTE [Staleness] Rule 1, is beside it in the report),
-     defined only between weights of one generation: revisions restart or
-     are restored at a new generation (``Trainer.load``, a checkpoint
-     removed and added again), so a token drawn under another generation
-     has no lag; it is stale whatever the bound (Rule 3), counted, and
-     left out of the lag distribution. ``BackwardReport`` gives per record,
-     over its behaviour tokens of the forward's generation, the lag's
-     minimum, median (the lower one), maximum and histogram. A negative lag
-     within a generation (a token drawn by weights newer than the forward's,
-     a bookkeeping error upstream) is reported as it is.
-  3. A behaviour token of another generation, and with
-     ``max_behaviour_staleness = b`` one whose lag exceeds ``b``, is stale
-     and masked: its cotangent becomes 0, so it gets no
-     gradient; it takes part in no ratio, the staleness correction's
-     included (there it is a masked target, NOTE [Importance correction]
-     Rule 2); it is counted
-     (``stale_tokens``). Never silently used.
-  4. The behaviour ratio of a real, unmasked target with a behaviour log-prob
-     is ``exp(forward log-prob - behaviour log-prob)``; its raw statistics
-     (token level, ``RatioStats``) are reported whenever behaviour log-probs
-     are given. With ``behaviour_corrections=(ImportanceCorrection(...),)``
-     the rows holding behaviour log-probs are reweighted at its level, clips
-     and bound (NOTE [Importance correction] Rules 2-4, 9-10; its ``policy``
-     is not used); a real target of such a row without a behaviour log-prob
-     takes part in no ratio and gets no gradient. This runs before any
-     staleness correction of the record, which then multiplies in.
+  1. A ``ForwardInput`` may carry, per position beside ``target_logprobs``,
+     the behaviour log-prob of the target token and the revision and
+     generation of the weights that drew it (-1: unknown, e.g. prompts; an
+     unknown generation is the forward's). A behaviour token is a real
+     (unmasked) target with a known revision.
+  2. Behaviour lag = the forward's revision - the token's (the trainer lag,
+     NOTE [Staleness] Rule 1, beside it), defined only within one generation,
+     since revisions restart at a new one: a token of another generation has
+     no lag, is stale whatever the bound (Rule 3), counted and left out of
+     the lag distribution. ``BackwardReport`` gives per record the lag's
+     minimum, lower median, maximum and histogram; a negative lag (an
+     upstream bookkeeping error) is reported as it is.
+  3. A behaviour token of another generation, or with
+     ``max_behaviour_staleness = b`` one lagging more than ``b``, is stale and
+     masked: cotangent 0, no gradient, in no ratio (the staleness
+     correction's included, NOTE [Importance correction] Rule 2), counted in
+     ``stale_tokens``. Never silently used.
+  4. The behaviour ratio of an unmasked target with a behaviour log-prob is
+     ``exp(forward log-prob - behaviour log-prob)``; its raw statistics
+     (``RatioStats``) are reported whenever behaviour log-probs are given.
+     ``behaviour_corrections=(ImportanceCorrection(...),)`` reweights those
+     rows at its level, clips and bound (NOTE [Importance correction] Rules
+     2-4, 9-10; ``policy`` unused); a target of such a row without a
+     behaviour log-prob is in no ratio and gets no gradient. This runs before
+     any staleness correction, which multiplies in.
   5. A record with behaviour data adds one host read at backward (its lags
      and counts, NOTE [Host syncs]).
 """

@@ -2,76 +2,55 @@
 
 NOTE [Importance correction]
   1. Eligible: only ``target_logprobs`` cotangents of a *stale* record
-     (staleness > 0) whose options carry an ``ImportanceCorrection``. Fresh
+     (staleness > 0) whose options carry an ``ImportanceCorrection``; fresh
      records are never touched.
   2. Each active token (target not masked, non-zero cotangent) is multiplied
      by ``w = clip(exp(min(r, max_log_ratio)), clip_low, clip_high)``, ``r``
-     the log-ratio of its level's unit (Rule 9), computed detached, in log
-     space (``r`` is clipped to ``[log clip_low, min(log clip_high,
-     max_log_ratio)]`` before ``exp``), so no ratio overflows: ``e**20`` at
-     most by default, whatever the log-probs. A token clipped at a bound gets
-     the bound itself (``exp(log b)`` need not be ``b``). Masked targets take
-     part in no ratio and their cotangent is 0, at every level; rows without
-     an active token are never read, nor are the inactive tokens at level
-     ``"token"``.
-  3. Weights are FP32, or FP64 for FP64 inputs and when either bound is not a
-     normal FP32 number (above FP32's max or positive below its smallest
-     normal, e.g. 1e300 or 1e-300). A weighted cotangent that is no longer a
-     finite number of the cotangent's dtype (a finite cotangent times a weight
-     the options allowed, e.g. ``clip_low = 1e300`` on FP32 log-probs) is
-     refused with a ``GradientCommitError`` naming the weight, the dtype and
-     the option that allowed it, before anything is committed.
+     its level's log-ratio (Rule 9), detached and clipped in log space before
+     ``exp`` so no ratio overflows (``e**20`` at most by default); a token
+     clipped at a bound gets the bound itself. Masked targets take part in
+     no ratio and keep cotangent 0 at every level; rows without an active
+     token are never read, nor inactive tokens at level ``"token"``.
+  3. Weights are FP32, or FP64 for FP64 inputs or a bound that is not a
+     normal FP32 number (e.g. 1e300). A weighted cotangent that is no longer
+     finite in its dtype is refused with a ``GradientCommitError`` naming the
+     weight, the dtype and the option, before anything is committed.
   4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be
-     ``-inf`` (weight ``clip_low``) but not NaN or ``+inf``: those raise.
+     ``-inf`` (weight ``clip_low``) but NaN or ``+inf`` raise.
   5. The backward still differentiates the forward's weights; only the
-     cotangents change. The estimator is unbiased only without clipping and
-     only for score-function objectives.
-  6. Current log-probs: ``"always"`` runs one no-grad forward of the record's
-     inputs at the current weights, with the forward's RNG, train/eval mode
-     and autocast restored. ``"when_available"`` corrects only the rows whose
-     tokens a forward at the current revision already scored
-     (:class:`KnownLogprobs`); it never adds a forward.
-  7. ``"when_available"`` scope and bound: log-probs are known per logical
-     rank (the one whose code made the forward, NOTE [Logical ranks] Rule 2;
-     the process's own code is one more scope) and checkpoint, so a logical
-     rank is corrected only by its own forwards and the result does not
-     depend on how many processes host the logical ranks. The scope also
-     holds the forward's autocast state (device type, whether autocast is on
-     and its dtype): a forward under autocast scores tokens with rounded
-     weights and activations, so it pairs only with forwards made in the same
-     state, never an FP32 forward with an autocast one. A row is kept only
-     while it can still be used: a pending older record of its scope asks
-     for ``"when_available"`` and has the same tokens, and the checkpoint is
-     still at the row's revision. Entries that lose either are dropped at the
-     next forward or release of the scope, so the cache never holds more
-     rows than the pending records of its scope have distinct rows; but rows
-     a load restored (NOTE [Resume] Rule 2) are kept while the checkpoint
-     stays at their revision, for the forwards the caller makes again. A
-     record made at a kept older version (NOTE [Weight captures] Rule 4)
-     keeps and prunes nothing.
-  8. Dropout: the ratio compares two forwards of the same tokens, which is
-     meaningful only if both used the same dropout masks. Two different
-     forwards draw the same masks only if neither draws any, so
-     ``"when_available"`` pairs only forwards made without dropout (model in
-     eval mode or ``config.dropout == 0``); a record that drew masks is never
-     corrected by it, and its log-probs are never kept. ``"always"`` restores
-     the forward's RNG instead (Rule 6), so it corrects with dropout too.
-  9. Levels (``ImportanceCorrection.level``), with ``r_t`` the log-ratio of
-     token ``t`` and the sums over a row's unmasked targets (``n`` of them):
-     ``"token"`` (default): each token its own ``r_t``; ``"sequence"``: every
-     token of the row ``sum r_t`` (the clipped product of its ratios);
-     ``"geometric"``: ``sum r_t / n``; ``"average"``: ``log(sum exp(r_t) / n)``,
-     by ``logsumexp``. Without clipping, ``"sequence"`` is unbiased for the
-     sequence objective ``E_{pi_cur}[R(y)]`` and ``"token"`` for the sum of
-     per-token objectives; ``"geometric"`` and ``"average"`` are biased for
-     both (their bias is measured exactly in
+     cotangents change. Unbiased only without clipping and only for
+     score-function objectives.
+  6. Current log-probs: ``"always"`` runs one no-grad forward at the current
+     weights with the forward's RNG, mode and autocast restored;
+     ``"when_available"`` corrects only rows a forward at the current revision
+     already scored (:class:`KnownLogprobs`) and never adds a forward.
+  7. ``"when_available"`` scope: log-probs are known per logical rank (NOTE
+     [Logical ranks] Rule 2; the process's own code is one more scope),
+     checkpoint and autocast state, so a logical rank is corrected only by
+     its own forwards (the result does not depend on the process count) and
+     an autocast forward never pairs with an FP32 one. A row is kept only
+     while a pending older record of its scope asks for it with the same
+     tokens and the checkpoint is at the row's revision, so the cache holds
+     no more rows than its pending records need; rows a load restored (NOTE
+     [Resume] Rule 2) stay while the revision does. A record made at a kept
+     older version (NOTE [Weight captures] Rule 4) keeps and prunes nothing.
+  8. Dropout: a ratio of two forwards means something only if both drew the
+     same masks, which two forwards do only when neither draws any; so
+     ``"when_available"`` pairs only forwards without dropout, never corrects
+     or keeps a record that drew masks. ``"always"`` restores the forward's
+     RNG (Rule 6), so it corrects with dropout too.
+  9. Levels (``ImportanceCorrection.level``), ``r_t`` token ``t``'s log-ratio,
+     sums over a row's ``n`` unmasked targets: ``"token"`` (default) ``r_t``;
+     ``"sequence"`` ``sum r_t``; ``"geometric"`` ``sum r_t / n``;
+     ``"average"`` ``log(sum exp(r_t) / n)`` (``logsumexp``). Unclipped,
+     ``"sequence"`` is unbiased for the sequence objective and ``"token"``
+     for the per-token sum; the other two are biased for both (measured in
      ``tests/property/test_importance_level_oracle.py``).
-  10. Statistics (``CorrectionStats``): the weights applied per active token
-     (mean, max, fraction clipped, effective sample size), and per unit of
-     the level the raw ratios (``exp(min(r, max_log_ratio))``: before the
-     clip, after the overflow bound, so finite) beside the clipped ones, each
-     with min, max, mean and quantiles; with the level, the bound and the
-     record's staleness.
+  10. Statistics (``CorrectionStats``): the applied weights per active token
+     (mean, max, fraction clipped, effective sample size) and, per unit of
+     the level, the raw ratios (after the overflow bound, before the clip)
+     beside the clipped ones (min, max, mean, quantiles), with the level,
+     bound and staleness.
 """
 
 from __future__ import annotations

@@ -2,41 +2,34 @@
 
 NOTE [Saved-state lifetime]
   1. Any saved-tensors hook switches off autograd's own in-place check, so
-     every packed tensor carries a stamp: the tensor's version counter at pack
-     time (and, through its record, the checkpoint version). Unpacking a
-     tensor whose counter moved raises instead of computing a wrong gradient.
+     every packed tensor carries a stamp (its version counter at pack time,
+     and through its record the checkpoint version); unpacking a tensor whose
+     counter moved raises instead of computing a wrong gradient.
   2. Weights (the capture's leaves, the frozen base parameters) are never
      copied: they are kept as detached aliases and stamped like the rest.
-  3. ``retain`` keeps a detached alias of each saved tensor (an alias, not the
-     tensor: packing a node's own output strongly would make a reference cycle
-     that keeps the graph alive). Autograd owns the packed alias; the ledger
-     only points at it weakly (for demotion, Rule 6 of NOTE [Memory
-     admission]), so each is freed as soon as its node has run in the backward,
-     as without hooks, and the backward peaks where plain autograd's does.
-  4. ``offload`` copies (never aliases) each saved storage once, shared
-     storages once, to host memory (pinned on CUDA: the caching host
-     allocator hands out power-of-two blocks, so the host budget counts each
-     copy's block, ``host_arena.host_block_bytes``; on CUDA the copies are
-     asynchronous slices of one pinned buffer per record, ``host_arena.py``,
-     waited for once as the forward ends), and unpacks views of the copy, restored to the device once per storage per backward. Storages are
-     recognised by address and version (a storage written in place between two
-     saves is copied in each state); the originals are held until the forward
-     ends, so an address cannot be reused meanwhile. The copies are freed with
-     the graph.
-  5. ``replay`` saves nothing: the forward runs under a hook that discards
-     every saved tensor and is re-run at backward on its own weight snapshot,
-     with its RNG, train/eval mode and autocast restored, and must reproduce
-     the outputs bitwise (:func:`record_backward`). Both runs are in grad
-     mode: on CUDA, attention kernels choose by grad mode (with grad they also
-     compute the log-sum-exp), so a no-grad forward may differ from its replay
-     in the last bit. The cost, against a no-grad forward: autograd's graph
-     bookkeeping and those extra kernel outputs, freed as the forward returns;
-     no activation is kept. Bitwise equality also needs deterministic kernels
-     (``torch.use_deterministic_algorithms(True)`` and
-     ``CUBLAS_WORKSPACE_CONFIG``, as ``tests/gpu/conftest.py`` sets).
-  6. Saved state that cannot be kept or restored exactly — float8 tensors, or
-     modules marked with :func:`mark_quantized_saved_state` — is noted when
-     packed; the backward refuses such a record before any destructive step.
+  3. ``retain`` keeps a detached alias of each saved tensor (packing a node's
+     own output strongly would make a cycle that keeps the graph alive).
+     Autograd owns the alias and the ledger points at it weakly (for
+     demotion, NOTE [Memory admission] Rule 6), so each is freed once its node
+     ran in the backward and the backward peaks where plain autograd's does.
+  4. ``offload`` copies each saved storage once (shared storages once;
+     recognised by address and version) to host memory and unpacks views of
+     the copy, restored once per storage per backward. On CUDA the copies are
+     asynchronous slices of one pinned buffer per record (``host_arena.py``),
+     waited for as the forward ends, and the host budget counts the caching
+     allocator's power-of-two blocks (``host_arena.host_block_bytes``). The
+     originals are held until the forward ends, so an address cannot be
+     reused meanwhile; the copies are freed with the graph.
+  5. ``replay`` saves nothing: the forward is re-run at backward on its own
+     weight snapshot with its RNG, mode and autocast restored, and must
+     reproduce the outputs bitwise (:func:`record_backward`). Both runs are in
+     grad mode because CUDA attention kernels choose by grad mode, so a
+     no-grad forward may differ in the last bit; the price is autograd's
+     bookkeeping, no activation kept. Bitwise equality also needs
+     deterministic kernels (as ``tests/gpu/conftest.py`` sets).
+  6. Saved state that cannot be kept or restored exactly (float8, modules
+     marked with :func:`mark_quantized_saved_state`) is noted when packed;
+     the backward refuses such a record before any destructive step.
 """
 
 from __future__ import annotations

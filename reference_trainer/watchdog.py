@@ -1,43 +1,33 @@
 """A process's trace of its collectives, and the dump it leaves when one of them hangs or fails.
 
 NOTE [Collective watchdog]
-  1. Trace: every collective this process issues through ``peers.Comm`` (a
-     control exchange, a zero-mode command, a data collective) is recorded
-     with a sequence number counted from :func:`install` (or process start),
-     its op, its group (``control`` or ``data``), its tensors' shapes and
-     dtypes, the trainer call that issued it (``Comm``'s label) and its
-     start time; the last :data:`TRACE_LENGTH` stay. Every process of a job
-     makes the same collectives in the same order (NOTE [Logical ranks]
-     Rule 3), so records with one sequence number are comparable across
-     processes.
+  1. Trace: every collective issued through ``peers.Comm`` (control exchange,
+     zero-mode command, data collective) is recorded with a sequence number
+     from :func:`install`, its op, group, tensor shapes and dtypes, issuing
+     call and start time; the last :data:`TRACE_LENGTH` stay. Every process
+     makes the same collectives in the same order (NOTE [Logical ranks] Rule
+     3), so one sequence number is comparable across processes.
   2. Deadline: with a watchdog installed, every wait of ``Comm`` is bounded
-     by its ``deadline_s`` (the smaller of it and the ``Comm``'s own
-     timeout), so a lagging, dead or diverging peer ends the wait with
-     ``PeerError`` within the deadline. Making ``Comm``'s control group
-     (:func:`control_group`, whose connection waits for every peer up to the
-     group's long timeout) is preceded by a ``monitored_barrier`` on a gloo
-     default group, bounded by the deadline and recorded like a collective.
-  3. Dump: a ``PeerError`` out of a collective makes this process write
-     ``rank-<r>-failed.json`` into the dump folder (its Python stack, every
-     thread, through ``faulthandler``; its trace; the collective in flight;
-     the error) and post a request on the job's store; every other live
-     process's listener thread then writes ``rank-<q>-asked.json`` at once,
-     whatever its main thread is doing (sleeping, computing, blocked in C):
-     the snapshot at detection time.
-  4. Backstop: around each wait of a data collective (one backend wait,
-     which on NCCL may ignore its timeout; control messages are gloo waits
-     that honour theirs, and a zero-mode server may idle longer than any
-     deadline) ``faulthandler.dump_traceback_later`` is armed for the
-     deadline plus :data:`BACKSTOP_MARGIN_S`, with ``exit``: a wait that
-     never returns still leaves its stack (``rank-<r>-backstop.txt``) and
-     ends the process, so no process outlives its job.
-  5. Diagnosis (:func:`first_disagreement`, pure): each rank's earliest
-     snapshot; the first sequence number where the ranks' records differ
-     (op, group, call, dtypes, and shapes where every rank's must match:
-     :data:`SAME_SHAPE_OPS`), or where a rank has none (it never got there);
-     the reference is the record most ranks hold (ties: the lowest rank's);
-     the ranks that differ from it, and the ranks that left no snapshot at
-     all (dead), are named.
+     by ``deadline_s``, so a lagging, dead or diverging peer ends it with
+     ``PeerError`` in time. Making the control group (:func:`control_group`,
+     whose connection would wait the group's long timeout) is preceded by a
+     ``monitored_barrier`` bounded by the deadline and traced.
+  3. Dump: a ``PeerError`` out of a collective writes
+     ``rank-<r>-failed.json`` (every thread's stack via ``faulthandler``, the
+     trace, the collective in flight, the error) and posts a request on the
+     job's store; every other live process's listener thread then writes
+     ``rank-<q>-asked.json`` at once, whatever its main thread is doing: the
+     snapshot at detection time.
+  4. Backstop: around each data collective's wait (NCCL may ignore its
+     timeout) ``faulthandler.dump_traceback_later`` is armed for the deadline
+     plus :data:`BACKSTOP_MARGIN_S` with ``exit``, so a wait that never
+     returns still leaves its stack (``rank-<r>-backstop.txt``) and no
+     process outlives its job.
+  5. Diagnosis (:func:`first_disagreement`, pure): from each rank's earliest
+     snapshot, the first sequence number where the ranks' records differ (op,
+     group, call, dtypes, shapes for :data:`SAME_SHAPE_OPS`) or one has none;
+     the reference is the majority record (ties: the lowest rank's); the
+     ranks that differ, and those that left no snapshot (dead), are named.
 
 What is torch's and what is ours: the deadline is gloo's own wait timeout
 (``Work.wait(timeout)``); stacks come from ``faulthandler`` (Rules 3-4); on

@@ -2,54 +2,42 @@
 
 NOTE [Planner certificate]
   1. A cell is one workload under one pair of limits. Every placement the
-     limits admit is timed as a forced arm, beside an ``auto`` arm, in the
-     same alternating blocks (NOTE [Alternating blocks]); each block gives
-     every arm's seconds, and a block the load probe flags is left out (a
-     loaded machine narrows nothing: its pairs stay inconclusive); the cell
-     runs more blocks in their place within the grid's budget. A cell left
-     with more than ``MAX_LOADED`` of its blocks flagged is *loaded*: its
-     measured load is recorded and none of its timings is judged (Rule 9).
-     Every placement is also run once on an unlimited
-     trainer under the memory census: its measured peak against the peak the
-     plan predicted for it, its measured host bytes against the host limit.
-  2. Pairs are compared only when they are apart: the per-block ratio of
-     two arms has a median interval (``validation.stats.median_ci``) that
-     excludes 1. Ordering accuracy is the share of such pairs of forced arms
-     whose predicted prices (``PlacementDecision.predicted_seconds``, summed
-     over the arm's forwards) order them as measured; a predicted tie between
-     pairs measured apart is a wrong order.
+     limits admit is timed as a forced arm beside ``auto`` in the same
+     alternating blocks (NOTE [Alternating blocks]); load-flagged blocks are
+     left out and replaced within the grid's budget, and a cell with more
+     than ``MAX_LOADED`` flagged is *loaded*: its load is recorded and none
+     of its timings judged (Rule 9). Every placement also runs once on an
+     unlimited trainer under the memory census, for its measured peak and
+     host bytes.
+  2. Pairs are compared only when apart (their per-block ratio's median
+     interval, ``validation.stats.median_ci``, excludes 1). Ordering accuracy
+     is the share of such forced pairs whose predicted prices
+     (``PlacementDecision.predicted_seconds``) order them as measured; a
+     predicted tie is a wrong order.
   3. ``auto``'s regret: the median of its per-block ratio to the fastest
-     forced arm, less 1, with that ratio's interval. A regret whose interval
-     reaches 0 (auto not measurably slower) is gated as 0; the point estimate
-     is still recorded.
-  4. A refusal (``auto`` admitted nothing) is right when no placement's
-     measured peak and host bytes fit the limits, wrong otherwise.
-  5. Memory: measured peak / predicted peak per placement and cell, and what
-     each record holds after its forward / the saved bytes its plan admitted
-     (the estimate the peak's slack would otherwise hide), never above 1 (an
-     under-estimate becomes an OOM on a GPU); the peak's over-estimate
-     (predicted / measured - 1) is reported as its median and worst. An
-     admitted placement whose measured peak or host bytes exceed the limits
-     fails too.
-  6. Completeness: every planned cell has a verdict. A cell whose run raised
-     is recorded as failed with its error and fails the certificate.
-  7. Prices follow the work, with no clock: offload does retain's work and
-     moves the saved bytes both ways, replay does it and runs the forward
-     once more, so in every measured cell each is priced strictly above
-     retain. Unlike Rule 2 this needs no pair measurably apart, so a price
-     that drops a cost (offload at zero seconds) fails it on a loaded machine
-     too.
-  8. A placement the limits kept out whose measured peak and host bytes fit
-     them was kept out by an over-estimate, invisible to Rules 2-5 (it is
-     never timed; its bytes are Rule 1's run): its predicted / measured peak
-     must stay within ``Gates.kept_out_over_estimate`` (2: on the CPU grid
-     today retain is kept out of the tight cells at 1.4-1.8; an estimate that
-     keeps it out at 59x fails). Bytes, no clock.
+     forced arm, less 1; gated as 0 when its interval reaches 0 (not
+     measurably slower), the point estimate still recorded.
+  4. A refusal is right when no placement's measured peak and host bytes fit
+     the limits, wrong otherwise.
+  5. Memory: what each record holds after its forward / the saved bytes its
+     plan admitted is never above 1, since an under-estimate becomes an OOM
+     on a GPU (the peak's slack would hide it); measured / predicted peak is
+     recorded per placement and cell, its over-estimate as median and
+     worst. An admitted placement over the limits (peak or host) fails too.
+  6. Completeness: every planned cell has a verdict; a cell whose run raised
+     is recorded with its error and fails the certificate.
+  7. Prices follow the work, with no clock: offload does retain's work plus
+     the transfers, replay plus a forward, so each is priced strictly above
+     retain in every measured cell. Unlike Rule 2 this needs no pair apart,
+     so a price that drops a cost fails on a loaded machine too.
+  8. A placement kept out whose measured peak and host bytes fit was kept out
+     by an over-estimate, invisible to Rules 2-5: its predicted / measured
+     peak must stay within ``Gates.kept_out_over_estimate`` (2; the CPU grid
+     keeps retain out at 1.4-1.8, a broken estimate at 59x). Bytes, no clock.
   9. Timing never fails a correct trainer: Rules 2 and 3 (and the held-out
-     calibration) judge only cells that were not loaded; a timing check with
-     no such cell left is ``inconclusive (loaded: <measured load>)``, a skip,
-     never a failure. Rules 1 and 4-8 read no clock and hold on a loaded
-     machine as on an idle one.
+     calibration) judge only cells that were not loaded; with none left a
+     timing check is ``inconclusive (loaded: <measured load>)``, a skip.
+     Rules 1 and 4-8 read no clock and hold on any machine.
 
 The statistics take plain per-block seconds, so tests drive them with a fake
 clock through ``validation.abba.run_block``.
