@@ -1,40 +1,33 @@
 """Paired comparisons in alternating blocks: ``compare`` (docs/harness.md#paired-comparisons).
 
 NOTE [Alternating blocks]
-1. Arms measured on one machine drift together (thermal state, other load), so
-   arms are never timed as separate series. Block ``i`` runs every arm once in
-   order and once reversed (A B B A); the next block starts reversed (B A A B).
-   An arm's block time is the mean of its two runs, so a drift linear in time
-   cancels exactly within each block.
+1. Arms on one machine drift together (thermal state, other load), so they
+   are never timed as separate series: block ``i`` runs every arm in order and
+   reversed (A B B A), the next block starts reversed (B A A B), and an arm's
+   block time is the mean of its two runs, which cancels a linear drift.
 2. ``warmup_blocks`` blocks run first and are discarded (caches, allocator,
    the load probe's calibration).
-3. Each measured block gives one ratio per arm: arm time / baseline time.
-   Statistics, looks and verdicts are ``validation.stats`` (NOTE [Verdicts
-   under repeated looks]); the run stops at the first planned look where every
-   verdict is decided (tie, regression or gain), or after ``max_blocks``
-   unloaded blocks, or once ``budget_s`` (on ``clock``) is spent, whichever
-   comes first. Looks count unloaded blocks (Rule 5). A stop forced by the
-   budget (or Rule 5's cap) is examined as the next planned look, so the
-   number of looks never exceeds the plan.
-4. Two witnesses measure each block. The load probe (default
-   :class:`CpuShare`: process CPU seconds / wall seconds) is relative: its
-   median over the warm-ups is the calibration, and a block whose share
-   falls below ``(1 - load_tolerance)`` of it is flagged. The machine meter
-   (``validation.load.Meter``, NOTE [Machine load]) is absolute: a block
-   during which other work kept more than ``LOADED_CORES`` cores busy is
-   flagged. Flagged blocks are loaded: left out of the statistics.
-5. A loaded block does not count towards the planned looks or
-   ``max_blocks``: with a budget the run goes on to replace it, until the
-   budget is spent or :data:`EXTENSION` times ``max_blocks`` blocks were run
-   (without a budget nothing is replaced). When more than ``max_loaded`` of
-   the blocks are loaded, every verdict is ``inconclusive``: a loaded
-   machine must never produce a gain or a regression.
-6. An ``inconclusive`` verdict is *loaded* (``Comparison.load`` says how,
-   ``Comparison.reading`` reads ``inconclusive (loaded: ...)``) when blocks
-   were loaded and either more than ``max_loaded`` of them were or the run
-   ended before ``max_blocks`` unloaded blocks: the machine was too busy to
-   decide. Otherwise it is the data's own answer (a difference near the
-   gate, noise the meter did not see).
+3. Each measured block gives one ratio per arm (arm time / baseline time);
+   statistics, looks and verdicts are ``validation.stats`` (NOTE [Verdicts
+   under repeated looks]). The run stops at the first planned look where
+   every verdict is decided, after ``max_blocks`` unloaded blocks, or once
+   ``budget_s`` (on ``clock``) is spent. A forced stop is examined as the
+   next planned look, so the looks never exceed the plan.
+4. Two witnesses flag a block as loaded (left out of the statistics): the
+   relative load probe (default :class:`CpuShare`, process CPU seconds / wall
+   seconds) when below ``(1 - load_tolerance)`` of its warm-up median, and
+   the absolute machine meter (``validation.load.Meter``, NOTE [Machine
+   load]) when other work kept more than ``LOADED_CORES`` cores busy.
+5. A loaded block counts towards neither the looks nor ``max_blocks``: with a
+   budget the run replaces it, up to :data:`EXTENSION` times ``max_blocks``
+   blocks. More than ``max_loaded`` loaded blocks make every verdict
+   ``inconclusive``: a loaded machine must never produce a gain or a
+   regression.
+6. An ``inconclusive`` verdict is *loaded* (``Comparison.load``; it reads
+   ``inconclusive (loaded: ...)``) when blocks were loaded and either more
+   than ``max_loaded`` were or the run ended short of ``max_blocks``
+   unloaded blocks: the machine was too busy to decide. Otherwise it is the
+   data's own answer.
 """
 
 from __future__ import annotations

@@ -4,39 +4,35 @@ The trainer keeps its own books (``ForwardOutput.usage``, the saved-state
 ledger); these tools count without asking it.
 
 NOTE [Memory census]
-  1. The census counts *storages*, not tensor objects: every tensor the
-     garbage collector can see is mapped to its storage, each storage is
-     counted once, and only storages created since the census began are
-     counted. The baseline is kept as storage weak references, so a storage
-     freed and replaced at the same address counts as new.
-  2. Two pools. On CUDA the device pool is what lives on a CUDA device and the
-     host pool is CPU memory (the pinned offload copies). On CPU the device
-     pool is modelled, as the trainer models it (NOTE [Memory admission]): raw byte
-     (``uint8``) storages are host copies, everything else is the device pool.
-     A storage marked with :meth:`StorageCensus.mark_device` (an activation the
-     model computed) stays in the device pool whatever dtype later views it,
-     so a "copy" that only aliases an activation is counted where it lives.
-  3. Peaks are the largest reading of any :meth:`StorageCensus.measure` call:
-     a sampled peak. Sample inside the work with hooks (a forward hook on a
-     late layer sees a forward's in-flight peak); on CUDA the allocator's
+  1. The census counts *storages* created since it began, each once, found
+     through every tensor the garbage collector sees. The baseline is kept as
+     storage weak references, so a storage freed and replaced at the same
+     address counts as new.
+  2. Two pools. On CUDA: what lives on a CUDA device, and CPU memory (the
+     pinned offload copies). On CPU the device pool is modelled as the trainer
+     models it (NOTE [Memory admission]): raw ``uint8`` storages are host
+     copies, the rest device. A storage marked with
+     :meth:`StorageCensus.mark_device` (an activation) stays in the device pool
+     whatever dtype later views it, so a "copy" that only aliases an
+     activation is counted where it lives.
+  3. Peaks are the largest reading of any :meth:`StorageCensus.measure`: a
+     sampled peak, so sample inside the work with hooks; on CUDA
      ``max_memory_allocated`` is the exact witness.
   4. Two witnesses (after PyTorch's CUDA leak check): a leak is reported only
-     when two readings, each taken after a garbage collection, both show it;
-     the verdict names the baseline and both readings. On CUDA the witnesses
-     are the caching allocator (``memory_allocated``) and the driver
-     (``mem_get_info``, after emptying the cache).
-  5. Held by one owner (:func:`reachable_bytes`): the storages of the
-     tensors an object reaches through plain Python references (attributes,
-     dicts, lists, tuples, sets; never through classes, modules, functions or
-     weak references), each storage counted once and whole, so a view that
-     keeps a larger buffer alive counts the buffer. Used for what the logical
-     ranks' gradient sums hold (``trainer.rank_gradients``).
-  6. Speed: a full garbage collection walks every object Python holds (with
-     torch imported, a few hundred thousand). Inside :func:`frozen_heap` the
-     objects alive at entry are frozen out of the collector's sight, so a
-     census costs only what was made inside the block. Frozen tensors are
-     invisible to :func:`validation.lifetime.live_tensors`; their storages
-     are remembered at entry and count as baseline here.
+     when two readings, each after a garbage collection, both show it, naming
+     the baseline and both readings (on CUDA: the caching allocator and the
+     driver's ``mem_get_info`` after emptying the cache).
+  5. Held by one owner (:func:`reachable_bytes`): the storages an object
+     reaches through plain Python references (never classes, modules,
+     functions or weak references), each counted once and whole, so a view
+     keeping a larger buffer alive counts the buffer. Used for the logical
+     ranks' gradient sums (``trainer.rank_gradients``).
+  6. Speed: a full collection walks every object Python holds (a few hundred
+     thousand with torch). Inside :func:`frozen_heap` the objects alive at
+     entry are frozen out of its sight, so a census costs only what the block
+     made; frozen tensors are invisible to
+     :func:`validation.lifetime.live_tensors` and their storages count as
+     baseline.
 """
 
 from __future__ import annotations

@@ -1,39 +1,32 @@
 """``rtv bench --baseline REV``: the same arm on two source trees, REV and HEAD, in alternating ABBA blocks.
 
 NOTE [Source against its base]
-1. Scope: the figure is about ``reference_trainer/`` only. REV's tree is a
-   ``git worktree`` in a folder of its own (:func:`source_tree`, under
-   ``<out>/sources/<commit>``); each side runs in a worker process
-   (``canaries.benchmark.worker``) whose ``PYTHONPATH`` puts that side's
-   ``reference_trainer`` first and this checkout's harness after it, so the
-   arms, the timing and the statistics are HEAD's on both sides and only the
-   trainer's source differs. Each side's commit and source digest (SHA-256
-   of its ``reference_trainer/*.py``) are in the record.
-2. Per arm, one ``validation.abba.compare`` of ``{REV, HEAD}`` with REV as
-   the baseline: planned looks, verdicts, the gate band, exit codes as
-   ``rtv bench``. A ratio above 1 means HEAD is slower than REV. Arms are
-   compared one at a time, each on freshly built workers' arms (arms in one
-   process share its allocator: ``canary.split_gated``).
+1. Scope: ``reference_trainer/`` only. REV's tree is a ``git worktree`` of its
+   own (:func:`source_tree`, ``<out>/sources/<commit>``); each side runs in a
+   worker process (``canaries.benchmark.worker``) whose ``PYTHONPATH`` puts
+   that side's ``reference_trainer`` before this checkout's harness, so arms,
+   timing and statistics are HEAD's on both sides and only the trainer's
+   source differs. Each side's commit and source digest (SHA-256 of its
+   ``reference_trainer/*.py``) are recorded.
+2. Per arm, one ``validation.abba.compare`` of ``{REV, HEAD}``, REV the
+   baseline, with ``rtv bench``'s looks, verdicts, gate band and exit codes: a
+   ratio above 1 means HEAD is slower. Arms are compared one at a time on
+   fresh workers, since arms in one process share its allocator
+   (``canary.split_gated``).
 3. Times are each worker's own step seconds (the pipe's round trip is not
    timed); ``compare``'s clock is their running sum. The load probe is the
-   workers' CPU seconds over the driver's wall seconds for the block
-   (:class:`WorkerShare`): about 1 when one worker computes at a time; the
-   machine meter counts the workers' CPU as the measurement's own (NOTE
-   [Machine load] Rule 1).
-4. ``plain`` never touches ``reference_trainer``'s step, so REV and HEAD run
-   the same code: it is the A/A control and must not come out a regression
-   or a gain (a decided difference there means the method, not the source,
-   is broken); it is always run, first, and never counted as a finding.
-5. REV whose trainer source is HEAD's (equal digests, Rule 1: REV resolving
-   to HEAD's commit, the default merge base on ``main``, with no uncommitted
-   trainer edits) is an A/A run of every arm: the record's
-   ``config["a_a"]`` says so, the scope and the terminal say so, and the
-   report labels it. REV at HEAD's commit with edited trainer files is no
-   A/A run (HEAD's side imports the work tree): the scope and terminal say
-   :data:`EDITED`. REV is labelled by
-   itself when it has at most 12 characters, else by its commit's first 12
-   (a plot's labels stay short); the full REV is in ``sources``. REV's
-   worktree is removed (and git's entry for it pruned) when the run ends.
+   workers' CPU seconds over the driver's wall seconds (:class:`WorkerShare`,
+   about 1 with one worker computing at a time); the machine meter counts
+   the workers' CPU as the measurement's own (NOTE [Machine load] Rule 1).
+4. ``plain`` never runs ``reference_trainer``'s step, so it is the A/A
+   control: always run first, never a finding, and a decided difference
+   there means the method, not the source, is broken.
+5. REV whose trainer source digest equals HEAD's is an A/A run of every arm
+   (``config["a_a"]``), said in the scope, the terminal and the report; REV
+   at HEAD's commit with edited trainer files is not (HEAD imports the work
+   tree) and is labelled :data:`EDITED`. REV is shown by itself up to 12
+   characters, else by its commit's first 12 (the full REV is in
+   ``sources``). Its worktree is removed and pruned when the run ends.
 """
 
 from __future__ import annotations
