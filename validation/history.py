@@ -1,36 +1,28 @@
 """Benchmark history: every benchmark record's step times in an SQLite store, and change points per series.
 
 NOTE [Benchmark history]
-1. One row per (record, arm): the commit and source digest the record was
-   measured on, the arm, the workload label, the machine identity
-   (:func:`machine_identity`: CPU model, core count, torch build, device) and
-   the arm's median step seconds with its order-statistic interval
-   (``validation.stats.median_ci`` over the measured blocks). The store is
-   the standard library's ``sqlite3``: the queries are a filter and an
-   ordering, which do not earn DuckDB as a dependency.
-2. A series is one (machine, workload, arm); series of different machine
-   identities are never compared or merged (a runner change would otherwise
-   read as a regression). Within a series, a commit's value is the median of
-   its rows, commits in the order they were first recorded.
-3. Change points: ``ruptures``' PELT (maintained, numpy/scipy only; MongoDB's
-   ``signal-processing-algorithms`` was the other candidate, last released
-   2024 with a heavier dependency set) on the series relative to its median,
-   with the penalty ``PENALTY * sigma**2 * log(n)``, ``sigma`` from the median
-   absolute first difference (robust to the steps it looks for). Each change
-   names the first commit after it.
-4. Verdict per change: the segments after and before are compared with a
-   two-sided Mann-Whitney test; ``regression`` (slower) or ``improvement``
-   (faster) when ``p < ALPHA`` and the relative change is at least
-   ``MIN_CHANGE``, ``suspicious`` otherwise. A series' verdict is its worst
-   change (regression > suspicious > improvement), ``no change`` without one,
-   ``insufficient data`` below ``MIN_COMMITS`` commits. Simulated here
-   (tests/validation/test_history.py, 12 commits, 1% noise per commit): a 5%
-   step is named at its commit as a regression in about 95% of series; a flat
-   series shows a change in about 7%, always ``suspicious``, never a
-   regression (the class exists for exactly that).
-5. Schema versions: ``meta.schema`` says which; a store of an older version
-   gets the newer columns added (``ALTER TABLE ... ADD COLUMN``, NULL for old
-   rows) when it is opened, so old stores always load.
+1. One row per (record, arm): commit and source digest, arm, workload label,
+   machine identity (:func:`machine_identity`: CPU model, core count, torch
+   build, device) and the arm's median step seconds with its order-statistic
+   interval (``validation.stats.median_ci``). The store is ``sqlite3``: a
+   filter and an ordering do not earn DuckDB as a dependency.
+2. A series is one (machine, workload, arm); series of different machines are
+   never compared or merged, or a runner change would read as a regression.
+   A commit's value is the median of its rows, commits in first-recorded
+   order.
+3. Change points: ``ruptures``' PELT (maintained, numpy/scipy only) on the
+   series relative to its median, penalty ``PENALTY * sigma**2 * log(n)``,
+   ``sigma`` the median absolute first difference (robust to the steps it
+   looks for). Each change names the first commit after it.
+4. Verdict per change: the segments after and before, two-sided Mann-Whitney;
+   ``regression`` (slower) or ``improvement`` (faster) when ``p < ALPHA`` and
+   the change is at least ``MIN_CHANGE``, else ``suspicious``, a class that
+   keeps noise from reading as a regression (simulated, 12 commits at 1%
+   noise: a 5% step is a regression in ~95% of series, a flat series is at
+   most ``suspicious``). A series' verdict is its worst change, ``no change``
+   without one, ``insufficient data`` below ``MIN_COMMITS`` commits.
+5. Schema versions: ``meta.schema``; an older store gets the newer columns
+   added (NULL for old rows) when opened, so old stores always load.
 """
 
 from __future__ import annotations

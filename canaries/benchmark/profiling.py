@@ -4,33 +4,25 @@ NOTE [Profiled blocks]
 1. After the timed comparison, :func:`profiled_pass` runs ``blocks`` more
    blocks of the two :data:`TRACED` arms, each step under its own
    ``torch.profiler`` session (operators and, ``with_stack``, Python
-   functions), inside a ``record_function`` range named after the arm. Block
-   ``k`` runs one step of each arm, ``plain`` first when ``k`` is even and
-   ``retain@s0`` first when it is odd, so consecutive blocks make A B B A (NOTE
-   [Alternating blocks] in ``validation/abba.py``); one block before them is a
-   discarded warm-up (the profiler's own first-start costs). These blocks are
-   not the timed ones: the comparison's timings never carry the profiler's
-   overhead, and these carry it on both arms alike. Tracing every Python call
-   slows Python-heavy code most, so a profiled millisecond of the trainer's
-   hooks or bookkeeping is an upper bound on its unprofiled cost; the
-   intervals and readings are what the table asserts.
-2. A block's duration for an arm is its step range's length in its own trace.
-   ``blocks`` is odd, so the median duration is one block's: that block's
-   trace is the one kept (``<stem>-<arm>.trace.json.gz``, gzipped Chrome trace
-   JSON for Perfetto or ``chrome://tracing``), and the record says which
-   block it was, its duration and every block's.
-3. :func:`components` reads a trace's complete events inside the step range:
-   each event's self time (its duration less its direct children's, one
-   thread's events nesting by time) goes to the component of the innermost
-   enclosing event that a rule of :data:`RULES` names (a Python frame's source
-   file, an operator's or annotation's name prefix), else to ``other``. So the
-   components of one step add up to its range exactly.
+   functions) in a ``record_function`` range named after the arm, alternating
+   A B B A (NOTE [Alternating blocks]) after one discarded warm-up. They are
+   not the timed blocks, so the comparison's timings never carry the
+   profiler's overhead, and these carry it on both arms alike. Tracing slows
+   Python-heavy code most, so a profiled millisecond of the trainer's hooks is
+   an upper bound on its unprofiled cost.
+2. A block's duration is its step range's length in its own trace; ``blocks``
+   is odd, so the median block's trace is the one kept
+   (``<stem>-<arm>.trace.json.gz``, Chrome trace JSON for Perfetto), with
+   which block it was, its duration and every block's.
+3. :func:`components`: each complete event's self time (less its direct
+   children's) inside the step range goes to the component of the innermost
+   enclosing event a rule of :data:`RULES` names (a Python frame's file, an
+   operator's or annotation's prefix), else to ``other``, so one step's
+   components add up to its range exactly.
 4. :func:`differences`: per component, ``retain@s0`` minus ``plain`` in each
-   block (the blocks pair the two arms), their mean and its Student t
-   interval (``scipy.stats``). The reading is ``cost`` when the interval lies
-   above 0, ``saving`` when it lies below (the versioned step is faster
-   there: shown as a saving, never as a negative cost), ``within noise``
-   when it covers 0.
+   block (blocks pair the arms), their mean and Student t interval
+   (``scipy.stats``): ``cost`` when the interval lies above 0, ``saving``
+   below (never shown as a negative cost), ``within noise`` when it covers 0.
 
 Hand-written: no library splits a trace's time by the code that spends it
 (torch.profiler's ``key_averages`` groups by operator name only); the nesting

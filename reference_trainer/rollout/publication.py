@@ -2,35 +2,29 @@
 
 NOTE [Weight publication]
   1. A publication is a checkpoint's trainable tensors at one version, copied
-     when it is made (a LoRA adapter's factors with its ``LoRAConfig``, or
-     every parameter of a full checkpoint), with the checkpoint's
-     ``CheckpointVersion``. ``nbytes`` is the sum of the copies' bytes: what
-     crosses to the engine.
-  2. All or nothing: the engine first checks every tensor (the name set its
-     model expects, shapes, finite values) and stages each into a new tensor
-     of its own dtype and device, calling the ``"weight_publication"`` fault
-     seam with the tensor's index (publication order). A failure at any
-     tensor raises :class:`PublicationError` naming it; the served weights
-     are the same tensor objects as before, never written, so the engine
-     serves the previous version bitwise. Only a complete staging is
-     switched in, by one assignment.
-  3. Compare-and-set: ``expected`` (a ``CheckpointVersion``) must be the live
-     version, else :class:`VersionConflictError`; ``None`` skips that check.
-     Whatever ``expected``, a publication must be newer than what the engine
-     serves or holds pending: the same checkpoint name and a larger
-     ``(generation, revision)``; an older or equal one is a
-     ``VersionConflictError``. A refused publication changes nothing.
-  4. Modes, for generations in flight (``engine.start``): ``"inflight"``
-     switches now; each running generation draws its next token at the new
-     version, its KV cache first rebuilt at the new weights, so every token's
-     behaviour log-prob is exactly its version's log-prob of its prefix.
-     ``"drain"`` lets the running generations finish at the old version and
-     switches when the last one finishes or is cancelled (or at once when
-     none runs);
-     starting a generation while a drained publication waits is an
-     ``EngineBusyError``. Each token records the revision that drew it.
-  5. Cost: the report gives the tensors and bytes sent and the seconds the
-     apply took (a measurement, never a check).
+     when made (a LoRA adapter's factors with its ``LoRAConfig``, or a full
+     checkpoint's parameters), with its ``CheckpointVersion``; ``nbytes`` is
+     what crosses to the engine.
+  2. All or nothing: the engine checks every tensor (names, shapes, finite
+     values) and stages each into a new tensor, calling the
+     ``"weight_publication"`` fault seam with its index. A failure raises
+     :class:`PublicationError` naming the tensor, and the served tensors were
+     never written, so the previous version is served bitwise; only a
+     complete staging is switched in, by one assignment.
+  3. Compare-and-set: ``expected`` must be the live version, else
+     :class:`VersionConflictError` (``None`` skips that check); whatever
+     ``expected``, a publication must be newer (same checkpoint name, larger
+     ``(generation, revision)``) than what the engine serves or holds
+     pending. A refused publication changes nothing.
+  4. Modes for generations in flight: ``"inflight"`` switches now, each
+     running generation's KV cache rebuilt at the new weights before its next
+     token, so every token's behaviour log-prob is exactly its version's.
+     ``"drain"`` switches when the last running generation finishes or is
+     cancelled (at once when none runs); starting one while a drained
+     publication waits is an ``EngineBusyError``. Each token records the
+     revision that drew it.
+  5. Cost: the tensors, bytes and seconds of the apply are reported, a
+     measurement, never a check.
 """
 
 from __future__ import annotations
