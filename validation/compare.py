@@ -1,36 +1,31 @@
 """Gradient comparators: per-parameter and global relative L2, fail-closed.
 
 NOTE [Comparing gradients]
-  1. Relative L2: ``||found - reference|| / ||reference||`` computed in FP64.
-     The global error pools every parameter: ``sqrt(sum ||f - r||^2) /
-     sqrt(sum ||r||^2)``.
-  2. A zero reference proves nothing (both sides all zeros would "agree"), so
-     it is an error: :class:`ComparisonError`. The one exception is a caller
-     that says a zero is legitimate (``allow_zero=True``) *and* a found value
-     that is exactly zero as well; such a pair counts as error 0. (A
-     parameter can have an exactly zero gradient: with one token, attention
-     does not depend on the queries and keys.) The pooled reference of
-     :func:`compare_gradients` must be non-zero even then.
+  1. Relative L2: ``||found - reference|| / ||reference||`` in FP64; the
+     global error pools every parameter: ``sqrt(sum ||f - r||^2) / sqrt(sum
+     ||r||^2)``.
+  2. A zero reference proves nothing (all zeros on both sides would "agree"),
+     so it is a :class:`ComparisonError`, unless the caller says a zero is
+     legitimate (``allow_zero=True``: with one token, attention does not
+     depend on queries and keys) *and* the found value is exactly zero too,
+     which counts as error 0. The pooled reference must be non-zero even then.
   3. Structure is never a matter of tolerance: missing or extra keys, a
-     gradient on one side and ``None`` on the other, a shape mismatch, a
-     non-floating dtype, or a found dtype other than the one expected are
-     hard failures (:class:`ComparisonError`), never a large number.
+     gradient against ``None``, a shape mismatch, a non-floating dtype or an
+     unexpected found dtype is a :class:`ComparisonError`, never a large
+     number.
   4. ``passed`` needs every per-parameter error within its threshold and the
      global error within the global threshold.
-  5. Negligible references: a gradient that is zero in exact arithmetic
-     (the queries' gradient when every active token attends to itself
-     alone) is rounding noise in FP64 too, and its relative error means
-     nothing. With ``floor=f`` each parameter's error is measured against
+  5. Negligible references: a gradient that is zero in exact arithmetic is
+     rounding noise in FP64 too, so its relative error means nothing. With
+     ``floor=f`` each parameter's error is measured against
      ``max(||reference||, f x pooled reference norm)``; no parameter escapes
-     judgement, and the pooled error is unaffected.
-  6. Rounding error depends on the computation's conditioning: a gradient
-     that cancels (near-certain predictions) shows a large relative error in
-     plain FP32 arithmetic too. Given a ``baseline`` (the same gradients
-     computed plainly in the found values' dtype), each threshold is
-     ``max(tolerance, baseline_factor x the baseline's own error)`` (same
-     denominators), capped at ``max_tolerance``: the found values may be a
-     few times noisier than plain arithmetic in their dtype, and never worse
-     than the cap.
+     judgement and the pooled error is unaffected.
+  6. Rounding error depends on conditioning: a cancelling gradient shows a
+     large relative error in plain FP32 too. Given a ``baseline`` (the same
+     gradients computed plainly in the found dtype), each threshold is
+     ``max(tolerance, baseline_factor x the baseline's own error)``, capped at
+     ``max_tolerance``: a few times plain arithmetic's noise, never worse than
+     the cap.
 """
 
 from __future__ import annotations

@@ -1,33 +1,25 @@
 """Pause costs: what a save, a load, a forward demoted to offload and a weight publication cost training.
 
 NOTE [Pause costs]
-  1. Arms: ``step`` (the versioned trainer's ``retain@s0`` step on the
-     benchmark's first workload), ``save`` (``trainer.save`` of that trainer
-     into a scratch folder; each save removes the one before, as every save
-     does), ``load`` (``Trainer.load`` of that folder over the same base
-     model) and ``offload`` (the same step with every forward's saved state
-     offloaded to the host: what the planner's demotion of a forward that
-     cannot keep its state on the device costs) and ``publish`` (the same
-     step, then ``trainer.publish(engine, checkpoint="policy")`` of the
-     version it made to one ``RolloutEngine`` built over the same base model,
-     in ``"drain"`` mode with nothing generating: it switches at once). A
-     publication must be newer than what the engine serves (NOTE [Weight
-     publication] Rule 3) and ``compare`` runs an arm twice in a row in
-     every other block, so each publication follows its own step: the
-     publication's pause is ``publish``'s extra seconds over ``step``. They
-     run in alternating blocks against ``step`` (``validation.abba.compare``,
-     NOTE [Alternating blocks]): drift cancels, loaded blocks are dropped.
+  1. Arms, each in alternating blocks against ``step`` (the versioned
+     ``retain@s0`` step on the benchmark's first workload;
+     ``validation.abba.compare``, NOTE [Alternating blocks]) so drift cancels
+     and loaded blocks drop: ``save`` (``trainer.save`` into a scratch
+     folder, each save removing the one before), ``load`` (``Trainer.load`` of
+     it over the same base model), ``offload`` (the step with every forward's
+     state offloaded: what the planner's demotion costs) and ``publish`` (the
+     step, then ``trainer.publish`` of its version to a ``RolloutEngine`` in
+     ``"drain"`` mode with nothing generating). A publication must be newer
+     than what the engine serves (NOTE [Weight publication] Rule 3), so each
+     follows its own step and its pause is ``publish``'s extra over ``step``.
   2. Reading: each arm's cost is its median ratio to the step with that
-     ratio's interval (a save of ratio 0.8 [0.7, 0.9] pauses training for
-     0.8 of a step), and its median seconds with the order-statistic
-     interval of the median over the unloaded blocks (``validation.stats.
-     median_ci``, at the comparison's per-look confidence). The demotion cost
-     is ``offload``'s extra seconds over ``step`` (per step: one forward's
-     state out and back); the publication's is ``publish``'s (its ratio is a
-     step that publishes over a step). ``bytes`` is what one save writes (the
-     files of the save in force); ``published_bytes`` what one publication
-     sends (its ``PublicationReport.nbytes``: the checkpoint's trainable
-     tensors). There is no verdict: a pause has no baseline to tie with.
+     ratio's interval (a save at 0.8 [0.7, 0.9] pauses training for 0.8 of a
+     step), and its median seconds with their order-statistic interval
+     (``validation.stats.median_ci``). The demotion's cost is ``offload``'s
+     extra seconds over ``step``, the publication's ``publish``'s. ``bytes``
+     is what one save writes, ``published_bytes`` what one publication sends
+     (``PublicationReport.nbytes``). No verdict: a pause has no baseline to
+     tie with.
   3. A run the load cut short reads ``inconclusive (loaded: ...)``, as every
      comparison does, and keeps whatever blocks it has.
 """

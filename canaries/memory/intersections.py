@@ -2,35 +2,28 @@
 
 NOTE [Admission intersections]
   1. Held <= admitted: after every admitted forward, what the pending records
-     hold (their ``usage``, measured by the saved-state ledgers: device bytes
-     with each version's weight snapshot once, host bytes) is within the
-     device and host limits the forward was admitted under
-     (:func:`held_within_limits`). ``canaries.memory.canary``'s admission run checks
-     it after each of its forwards.
-  2. Each scenario below calibrates a limit one byte under what a forward
-     really holds (measured on an unlimited twin trainer), then makes that
-     forward under the limit: a correct trainer refuses it
-     (``MemoryAdmissionError``) or admits it within the limit; admitting it
-     over the limit is the failure.
-     - ``train after eval``: dropout on; a first forward in eval mode
-       (``model.eval()``) teaches admission its saved-bytes scale, then a
-       forced offload in train mode (dropout masks saved too) under a host
-       limit.
-     - ``LoRA rank 256``: a first forced offload on LoRA rank 256 (its
-       ``x·Aᵀ`` intermediates are a large share of what is saved) under a
-       host limit.
-     - ``long after short``: a BF16 model with dropout on, a forward of 33
-       tokens, then a forced offload of 64 (one shape class; the
-       measured/analytic ratio grows with the length, by about 12% across
-       this class, more than the estimate's 5% margin) under a host limit:
-       the 33-token forward must price the 64-token one at the most it
-       allows there (dropout's ``T²`` terms filled first), not at its ratio.
+     hold (their ``usage`` from the saved-state ledgers: device bytes with
+     each version's weight snapshot once, host bytes) is within the limits
+     the forward was admitted under (:func:`held_within_limits`), checked
+     after each forward of ``canaries.memory.canary``'s admission run.
+  2. Each scenario sets a limit one byte under what a forward really holds
+     (measured on an unlimited twin), then makes that forward: a correct
+     trainer refuses it (``MemoryAdmissionError``) or admits it within the
+     limit; admitting it over the limit fails.
+     - ``train after eval``: dropout on; an eval-mode forward teaches
+       admission its scale, then a forced offload in train mode (masks saved
+       too) under a host limit.
+     - ``LoRA rank 256``: a first forced offload on LoRA rank 256 (``x·Aᵀ`` a
+       large share of the saved bytes) under a host limit.
+     - ``long after short``: BF16, dropout on, a 33-token forward then a
+       forced offload of 64 in the same shape class under a host limit; the
+       measured/analytic ratio grows ~12% across the class, beyond the
+       estimate's 5% margin, so the 33-token forward must price the 64-token
+       one at the most it allows there, not at its ratio.
   3. The checkpoints' state is in the budget (:func:`check_checkpoint_budget`):
-     beside a stepped full checkpoint (parameters and AdamW's moments,
-     measured from its public ``state_dict``), a forced retain under a
-     device limit one byte under what the checkpoint and that forward hold
-     together is refused, or admitted with the records within what the
-     checkpoint leaves of the limit.
+     beside a stepped full checkpoint (parameters and AdamW moments, from its
+     public ``state_dict``), a forced retain under a limit one byte under what
+     both hold is refused, or admitted within what the checkpoint leaves.
 """
 
 from __future__ import annotations
