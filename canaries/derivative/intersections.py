@@ -9,34 +9,32 @@ the building blocks take a trainer factory so tests can feed them a broken
 trainer (negative controls).
 
 NOTE [Intersection checks]
-  1. Logical ranks with the default options: the same schedule of logical
-     ranks that share token content (logical rank r forwards at step k what
-     rank r + 1 forwarded at step k - 1), backwards one step stale, corrections
-     on (``when_available``, so without dropout: it pairs only maskless
-     forwards), gives the same parameter bits, the same
-     staleness and the same corrected flags per logical rank at W = 1 (one
-     process) and W = 2 (two spawned gloo processes). With ``corrections=()``
-     the same comparison is the control: it must hold on any correct trainer.
-  2. Refused calls change nothing: each call of :data:`REFUSED_CALLS` is
-     made on a trainer holding everything at once (a live ``.grad`` one
-     revision old, logical-rank buffers, a pending retained record, a memory
-     limit) and must raise a ``TrainerError``; then parameters, ``.grad``
-     (objects and values), the logical-rank buffers, the pending records and
-     their placements, the caller's RNG, revisions, generations and the
-     optimizer state are exactly as before (:class:`TrainerState`).
-  3. FP64 models: an FP64 checkpoint keeps FP64 arithmetic end to end; its
-     stale scenario is judged by the FP64 oracle at FP64 tolerances
-     (``oracle_pair.TOLERANCES[torch.float64]``), and ``optim_step(lr=0)``
-     leaves its parameters bitwise unchanged and reports the FP64 norm of
+  1. Logical ranks with the default options: a schedule of logical ranks
+     sharing token content (rank r forwards at step k what rank r + 1 did at
+     k - 1), backwards one step stale, corrections on (``when_available``,
+     so without dropout: it pairs only maskless forwards), gives the same
+     parameter bits, staleness and corrected flags per logical rank at W = 1
+     and W = 2 (two gloo processes). With ``corrections=()`` the same
+     comparison is the control that holds on any correct trainer.
+  2. Refused calls change nothing: each call of :data:`REFUSED_CALLS`, made
+     on a trainer holding everything at once (a live ``.grad`` one revision
+     old, logical-rank buffers, a pending retained record, a memory limit),
+     raises a ``TrainerError`` and leaves parameters, ``.grad`` (objects and
+     values), buffers, pending records and placements, the caller's RNG,
+     revisions, generations and optimizer state exactly as they were
+     (:class:`TrainerState`).
+  3. FP64 models keep FP64 arithmetic end to end: the stale scenario is
+     judged by the FP64 oracle at FP64 tolerances, and ``optim_step(lr=0)``
+     leaves the parameters bitwise unchanged and reports the FP64 norm of
      ``.grad`` (relative 1e-12).
   4. Committed gradients meeting a later call (a flush onto a live
      ``.grad``, a ``.grad`` dropped before the step, a load while another
      checkpoint is busy): NOTE [Gradient intersections] in
      ``canaries.derivative.gradients``, run last.
-  5. ``when_available`` with dropout (train mode, ``p > 0``) and unchanged
-     weights (``lr=0``): a stale record whose tokens a later forward scored
-     with other masks is not corrected, or only with every weight exactly 1
-     (NOTE [Importance correction] Rule 8).
+  5. ``when_available`` with dropout and unchanged weights (``lr=0``): a stale
+     record whose tokens a later forward scored with other masks is not
+     corrected, or only with every weight exactly 1 (NOTE [Importance
+     correction] Rule 8).
 """
 
 from __future__ import annotations
