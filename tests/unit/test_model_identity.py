@@ -34,3 +34,11 @@ def test_the_model_digest_is_the_raw_bytes_digest_earlier_saves_hold(dtype, tied
         next(model.parameters()).view(-1)[0] += 1
     changed = model_identity(model)["digest"]
     assert changed != original and changed == _numpy_digest(model)
+
+
+def test_models_whose_weights_agree_but_configs_differ_have_different_identities():
+    """The config is part of the identity: a save of a model with dropout does not load into one without."""
+    plain = rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0)
+    dropped = rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0)
+    assert _numpy_digest(plain) == _numpy_digest(dropped), "premise: the same weights"
+    assert model_identity(plain) != model_identity(dropped)
