@@ -41,6 +41,7 @@ from .errors import ConfigError, GradientCommitError, int_at_least, is_number
 from .grad_norms import KnownNorm, total_norm
 from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
+from .weight_state import check_weight_state
 
 __all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments", "needs_master"]
 
@@ -349,39 +350,11 @@ class Checkpoint:
 
         Everything ``load`` touches is checked here, so a refused state changes nothing.
         """
-        if not isinstance(state, Mapping):
-            raise ConfigError("state_dict", type(state).__name__, "a mapping from Checkpoint.state_dict()")
-        missing = {"parameters", "optimizer", "revision"} - set(state)
-        if missing:
-            raise ConfigError("state_dict", sorted(state), f"keys parameters, optimizer, revision (missing {sorted(missing)})")
-        params = state["parameters"]
-        if not isinstance(params, Mapping) or set(params) != set(self._params):
-            found = sorted(set(params) ^ set(self._params)) if isinstance(params, Mapping) else type(params).__name__
-            raise ConfigError(
-                "state_dict['parameters']",
-                found,
-                "exactly this checkpoint's parameter names (listed: the difference)",
-            )
-        self._check_tensors("parameters", params)
-        masters = state.get("master_parameters", {})
-        if not isinstance(masters, Mapping) or not set(masters) <= set(self._params):
-            found = sorted(set(masters) - set(self._params)) if isinstance(masters, Mapping) else type(masters).__name__
-            raise ConfigError("state_dict['master_parameters']", found, "a subset of this checkpoint's parameter names")
-        self._check_tensors("master_parameters", masters)
+        check_weight_state(state, self._params)
         self._check_optimizer_state(state["optimizer"])
         revision = state["revision"]
         if not int_at_least(revision, 0):
             raise ConfigError("state_dict['revision']", revision, "an int >= 0")
-
-    def _check_tensors(self, key: str, tensors: Mapping[str, Any]) -> None:
-        for name, value in tensors.items():
-            shape = tuple(self._params[name].shape)
-            where = f"state_dict[{key!r}][{name!r}]"
-            if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-                found = f"{type(value).__name__} of dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ConfigError(where, found, "a floating-point tensor")
-            if tuple(value.shape) != shape:
-                raise ConfigError(where, tuple(value.shape), f"shape {shape}")
 
     def _check_optimizer_state(self, optimizer: Any) -> None:
         """An AdamW state this checkpoint's optimizer can step: one group over these parameters (``adamw.py``)."""

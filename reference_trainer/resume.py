@@ -74,9 +74,7 @@ NOTE [Resume]
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import hashlib
 import io
 import json
 import os
@@ -92,6 +90,7 @@ from .checkpoints import Checkpoint, CheckpointVersion
 from .errors import ConfigError, CorruptSaveError
 from .lora import LoRAConfig
 from .model import DecoderLM
+from .model_identity import model_identity
 from .options import ForwardOptions
 from .peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
@@ -194,7 +193,7 @@ def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None, agree
         })
     meta = {
         **FORMAT,
-        "model": _model_identity(trainer.model),
+        "model": model_identity(trainer.model),
         "options": encode_options(trainer.options),
         "next_generation": trainer.next_generation,
         "checkpoints": specs,
@@ -316,7 +315,7 @@ def read_save(path: str | os.PathLike[str], model: DecoderLM) -> SavedTrainer:
         if required not in files:
             raise CorruptSaveError(path, required, "missing", "a file every save writes", f"a manifest of {sorted(files)}")
     meta = decode_meta(path, files[TRAINER], set(files), FORMAT)
-    identity = _model_identity(model)
+    identity = model_identity(model)
     if meta.model != identity:
         differs = "config" if meta.model["config"] != identity["config"] else "weights"
         raise ConfigError("model", f"a base model whose {differs} differ from the saved one's",
@@ -363,23 +362,6 @@ def _saved_checkpoint(path: str | os.PathLike[str], index: int, spec: Checkpoint
     check_revisions(path, index, spec, revision)
     return SavedCheckpoint(name=spec.name, lora=spec.lora, optimizer=spec.optimizer, generation=spec.generation,
                            state=state, origins=spec.origins, kept=spec.kept)
-
-
-def _model_identity(model: DecoderLM) -> dict[str, str]:
-    """The base model's config and a SHA-256 of its weights (names, dtypes, shapes, bytes)."""
-    digest = hashlib.sha256()
-    for name, param in model.state_dict().items():
-        tensor = param.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(_raw_bytes(tensor))
-    return {"config": repr(model.config), "digest": digest.hexdigest()}
-
-
-def _raw_bytes(tensor: torch.Tensor) -> ctypes.Array[ctypes.c_char]:
-    """A contiguous CPU tensor's bytes, in place, as a buffer ``hashlib`` reads (torch alone: no numpy, no copy).
-
-    Valid while ``tensor`` lives; torch offers no buffer of its own (``bytes(storage)`` iterates byte by byte)."""
-    return (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
 
 
 def _tensors(value: Any) -> memoryview:

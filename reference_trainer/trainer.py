@@ -1,12 +1,13 @@
 """The trainer: checkpoints, versioned forwards, transactional backwards, optimizer steps.
 
-Read top to bottom: checkpoints (NOTE [Weight captures] in ``checkpoints.py``),
-``forward`` (NOTE [Forward records] in ``records.py``, NOTE [Memory admission]
-in ``planner.py``, NOTE [Saved-state lifetime] in ``residency.py``),
-``backward`` (NOTE [Staleness] in ``staleness.py``, NOTE [Importance
-correction] in ``corrections.py``, NOTE [Gradient commit] in ``commit.py``),
-``optim_step``. Each step is a short function over helpers that live with
-their concept; none of them calls back into this module.
+Read top to bottom: checkpoints (named in ``catalogue.py``, NOTE [Weight
+captures] in ``checkpoints.py``), ``forward`` (NOTE [Forward records] in
+``records.py``, NOTE [Memory admission] in ``planner.py``, NOTE [Saved-state
+lifetime] in ``residency.py``), ``backward`` (NOTE [Staleness] in
+``staleness.py``, each record staged by ``staging.py``, NOTE [Gradient
+commit] in ``commit.py``), ``optim_step``. Each step is a short function
+over helpers that live with their concept; none of them calls back into
+this module.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from typing import Any
 
 import torch
 
-from . import misses, seams
+from . import misses
 from .admission import Admission, Admitted, default_device_limit
-from .behaviour import behaviour_cotangent
 from .calibration import PlannerCalibration, resolve_calibration
+from .catalogue import CheckpointCatalogue
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
-from .corrections import KnownLogprobs, correct_record
+from .corrections import KnownLogprobs
 from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
-from .cotangents import cotangents_by_record, output_cotangents, record_cotangent
+from .cotangents import cotangents_by_record, output_cotangents
 from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs
 from .records import ForwardRecord, RecordTable
 from .running import base_logprobs, model_logits
@@ -36,10 +37,11 @@ from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .outcomes import BackwardReport, RecordReport, StepReport
 from .resume import load_trainer, write_save
 from .rollout import PublicationReport, RolloutEngine, publication_of
-from .residency import check_recordable, check_restorable, has_quantized_module, record_backward, record_forward, weight_storages
+from .residency import check_recordable, check_restorable, has_quantized_module, record_forward, weight_storages
 from .rng import capture_forward_state, draws_undone_on_failure
 from .sinks import GradientSink, LiveGradSink, RankGradients
-from .staleness import check_age, staleness
+from .staging import stage_record
+from .staleness import check_age
 from .timing import start_stopwatch
 
 __all__ = ["Trainer", "StepReport", "CheckpointStep", "BackwardReport", "RecordReport"]
@@ -79,9 +81,7 @@ class Trainer:
         self.memory_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else default_device_limit(self.device)
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
-        self._checkpoints: dict[str, Checkpoint] = {}
-        self.next_generation = 0
-        """The generation the next added or loaded checkpoint takes (kept by saves, NOTE [Resume])."""
+        self._catalogue = CheckpointCatalogue(self.model)
         self.known_logprobs = KnownLogprobs(model.config.dropout)
         """Current log-probs for ``"when_available"`` corrections (NOTE [Importance correction] Rule 7; saves keep them)."""
         self.records = RecordTable(on_release=lambda record: self.known_logprobs.released(record, self.records))
@@ -103,33 +103,23 @@ class Trainer:
         seed: int | None = None,
     ) -> Checkpoint:
         """Create a trainable checkpoint: a LoRA adapter (``lora=``) or a full copy (``full=True``)."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError("name", name, "a non-empty str")
-        if name in self._checkpoints:
-            raise ConfigError("name", name, f"a name not already used (existing: {sorted(self._checkpoints)})")
-        if not isinstance(full, bool):
-            raise ConfigError("full", full, "a bool")
-        if (lora is None) == (not full):
-            raise ConfigError("lora/full", (lora, full), "exactly one of lora=LoRAConfig(...) or full=True")
-        if lora is not None and not isinstance(lora, LoRAConfig):
-            raise ConfigError("lora", lora, "a LoRAConfig")
-        optimizer = optimizer if optimizer is not None else AdamWConfig()
-        if not isinstance(optimizer, AdamWConfig):
-            raise ConfigError("optimizer", optimizer, "an AdamWConfig")
-        checkpoint = Checkpoint(
-            name, self.model, lora=lora, full=full, optimizer=optimizer, generation=self._new_generation(), seed=seed
-        )
-        self._checkpoints[name] = checkpoint
-        return checkpoint
+        return self._catalogue.add(name, lora=lora, full=full, optimizer=optimizer, seed=seed)
 
     def checkpoint(self, name: str) -> Checkpoint:
-        if not isinstance(name, str) or name not in self._checkpoints:
-            raise ConfigError("checkpoint", name, f"a checkpoint name, one of {sorted(self._checkpoints)}")
-        return self._checkpoints[name]
+        return self._catalogue.get(name)
 
     @property
     def checkpoints(self) -> Mapping[str, Checkpoint]:
-        return dict(self._checkpoints)
+        return self._catalogue.by_name()
+
+    @property
+    def next_generation(self) -> int:
+        """The generation the next added or loaded checkpoint takes (kept by saves, NOTE [Resume])."""
+        return self._catalogue.next_generation
+
+    @next_generation.setter
+    def next_generation(self, generation: int) -> None:
+        self._catalogue.next_generation = generation
 
     def live_records(self, checkpoint: str | None = None) -> int:
         """Records (graphs) still pending backward, for one checkpoint or all."""
@@ -154,12 +144,8 @@ class Trainer:
             raise CheckpointBusyError(name, live, pending)
         if buffered:
             self.rank_gradients.clear([name], call="load_checkpoint")
-        checkpoint.load(state_dict, self._new_generation())
+        checkpoint.load(state_dict, self._catalogue.new_generation())
         self.known_logprobs.forget(name)
-
-    def _new_generation(self) -> int:
-        self.next_generation += 1
-        return self.next_generation - 1
 
     # --- saves (NOTE [Resume] in resume.py, NOTE [Durable saves] in saves.py) -------
 
@@ -175,23 +161,6 @@ class Trainer:
         limits and calibration are the machine's, given again. Every file is verified first; a refused load changes nothing."""
         return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes, planner_calibration)
 
-    def _select_checkpoint(self, checkpoint: str | None) -> Checkpoint:
-        if checkpoint is not None:
-            return self.checkpoint(checkpoint)
-        if len(self._checkpoints) != 1:
-            raise ConfigError("checkpoint", None, f"a checkpoint name (the trainer has {sorted(self._checkpoints) or 'none'}); "
-                              "add one with add_checkpoint or pass checkpoint=...")
-        return next(iter(self._checkpoints.values()))
-
-    def _selected(self, checkpoints: Iterable[str] | str | None) -> list[Checkpoint]:
-        """The checkpoints a ``checkpoints=`` argument names, each once, in order (a str is one name)."""
-        if checkpoints is None:
-            return list(self._checkpoints.values())
-        names = [checkpoints] if isinstance(checkpoints, str) else checkpoints
-        if not isinstance(names, Iterable):
-            raise ConfigError("checkpoints", checkpoints, "None, a checkpoint name or an iterable of names")
-        return list({id(c): c for c in map(self.checkpoint, names)}.values())
-
     def policy(self, checkpoint: Any = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], CheckpointVersion | None]:
         """A no-grad ``logits_fn(input_ids (B, T)) -> logits (B, T, V)`` at the current weights, and their version.
 
@@ -200,7 +169,7 @@ class Trainer:
         on the live weights of ``checkpoint`` (``BASE``: the frozen base) as they
         are when it is called; the version returned is the one at this call.
         """
-        selected = None if checkpoint is BASE else self._select_checkpoint(checkpoint)
+        selected = None if checkpoint is BASE else self._catalogue.select(checkpoint)
 
         def logits_fn(input_ids: torch.Tensor) -> torch.Tensor:
             training = self.model.training
@@ -220,7 +189,7 @@ class Trainer:
         ``expected``, ``mode`` ``"drain"`` or ``"inflight"`` (NOTE [Weight publication] in ``rollout/publication.py``)."""
         if not isinstance(engine, RolloutEngine):
             raise ConfigError("engine", type(engine).__name__, "a reference_trainer.RolloutEngine")
-        return engine.apply(publication_of(self._select_checkpoint(checkpoint)), mode=mode, expected=expected)
+        return engine.apply(publication_of(self._catalogue.select(checkpoint)), mode=mode, expected=expected)
 
     # --- forward ------------------------------------------------------------------
 
@@ -243,7 +212,7 @@ class Trainer:
             return rebuild(base_logprobs(self.model, flat, self.device))
         check_recordable()
         at = checkpoint if isinstance(checkpoint, CheckpointVersion) else None
-        selected = self._select_checkpoint(checkpoint if at is None else at.name)
+        selected = self._catalogue.select(checkpoint if at is None else at.name)
         version = selected.capture_at(at).version if at is not None else selected.version  # an unheld one refused
         groups: dict[ResolvedOptions, list[int]] = {}
         for index, item in enumerate(flat):
@@ -253,7 +222,7 @@ class Trainer:
             selected, version,
             [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
             self.records,
-            self._checkpoints.values(),
+            self._catalogue.values(),
             quantized=quantized,
             training=self.model.training,
         )
@@ -335,7 +304,9 @@ class Trainer:
         cotangents = output_cotangents(loss, leaves, retain_graph)
         self._admit_backward(records)
         by_record = cotangents_by_record(leaves, cotangents)
-        return records, [self._backward_record(r, by_record[r.id], transaction, retain_graph) for r in records]
+        return records, [
+            stage_record(self.model, self.known_logprobs, r, by_record[r.id], transaction, retain_graph) for r in records
+        ]
 
     def _admit_backward(self, records: list[ForwardRecord]) -> None:
         """Ages first, then restorability: a refused record is released, nothing has run (NOTE [Staleness])."""
@@ -346,29 +317,6 @@ class Trainer:
                 except TrainerError:
                     self.records.release(record)
                     raise
-
-    def _backward_record(
-        self,
-        record: ForwardRecord,
-        leaves: list[tuple[torch.Tensor, torch.Tensor | None]],
-        transaction: GradientTransaction,
-        retain_graph: bool,
-    ) -> RecordReport:
-        """Correct the record's cotangent, run its model backward and stage the gradients."""
-        cotangent, behaviour, stale = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
-        cotangent, stats = correct_record(self.model, record, cotangent, self.known_logprobs, stale)
-        transaction.start(record)
-        seams.maybe_fail("model_backward")
-        grads = record_backward(self.model, record, cotangent, retain_graph)
-        transaction.stage(record.capture, grads, record.options.max_gradient_staleness)
-        return RecordReport(
-            record_id=record.id,
-            version=record.version,
-            staleness=staleness(record.checkpoint, record.version),
-            placement=record.placement,
-            correction=stats,
-            behaviour=behaviour,
-        )
 
     # --- optimizer ----------------------------------------------------------------
 
@@ -387,13 +335,13 @@ class Trainer:
         checkpoint steps. A refused step changes nothing.
         """
         check_step_arguments(lr, max_grad_norm)
-        selected = self._selected(checkpoints)
+        selected = self._catalogue.selected(checkpoints)
         self.rank_gradients.flush(selected)
         return StepReport(checkpoints={c.name: c.step(lr, max_grad_norm) for c in selected})
 
     def zero_grad(self, *, checkpoints: Iterable[str] | None = None) -> None:
         """Drop committed gradients (``.grad = None``), logical-rank buffers and their recorded origins."""
-        selected = self._selected(checkpoints)
+        selected = self._catalogue.selected(checkpoints)
         self.rank_gradients.clear([c.name for c in selected])
         for checkpoint in selected:
             checkpoint.clear_gradients()

@@ -1,8 +1,8 @@
 """The FP64 oracle trainer: an independent model of a Trainer's contract for whole op sequences.
 
 ``OracleTrainer`` (NOTE [Oracle trainer] below) keeps every weight version,
-predicts each op's error or gradients, steps its own FP64 AdamW, and never
-looks inside the trainer. The single-forward reference it builds on is
+predicts each op's error or gradients, steps its own FP64 AdamW
+(``validation.oracle_step``), and never looks inside the trainer. The single-forward reference it builds on is
 ``validation.reference`` (re-exported here for existing callers).
 """
 
@@ -37,6 +37,7 @@ from .oracle_state import (
     OracleStep,
     check_oracle_age,
 )
+from .oracle_step import oracle_optim_step
 from .reference import WeightsAt, plain_gradients, relative_error, snapshot_weights, token_batch
 
 __all__ = [
@@ -372,44 +373,7 @@ class OracleTrainer:
         from the same starting point); default: the oracle's own. Raises the
         ``StaleGradientError`` the trainer must raise, changing nothing.
         """
-        for ckpt in self._checkpoints.values():
-            for generation, revision, bound in sorted(ckpt.origins, key=lambda o: o[1]):
-                check_oracle_age(ckpt, generation, revision, bound)
-        return {name: self._step_one(ckpt, lr, max_grad_norm, None if grads is None else grads[name])
-                for name, ckpt in self._checkpoints.items()}
-
-    def _step_one(self, ckpt: OracleCheckpoint, lr: float | None, max_grad_norm: float | None, given: Mapping[str, torch.Tensor | None] | None) -> OracleStep:
-        masters = {n: m.detach().clone() for n, m in ckpt.masters.items()}
-        if not ckpt.grads:
-            return OracleStep(False, "no gradients", None, False, masters)
-        start = ckpt.grads
-        if given is not None:
-            start = {n: g.detach().to(self.device, torch.float64) for n, g in given.items() if g is not None}
-        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in start.values()))
-        own_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ckpt.grads.values()))
-        if not math.isfinite(norm):
-            ckpt.grads, ckpt.baseline_grads, ckpt.origins = {}, {}, set()
-            return OracleStep(False, "non-finite gradient norm", norm, False, masters)
-        scale = own_scale = 1.0
-        if max_grad_norm is not None:
-            scale = min(1.0, max_grad_norm / (norm + 1e-6))
-            own_scale = min(1.0, max_grad_norm / (own_norm + 1e-6))
-        for n, master in ckpt.masters.items():
-            master.grad = start[n] * scale if n in start else None
-        group = ckpt.optimizer.param_groups[0]
-        saved_lr = group["lr"]
-        group["lr"] = saved_lr if lr is None else lr
-        ckpt.optimizer.step()
-        group["lr"] = saved_lr
-        ckpt.grads = {n: g * own_scale for n, g in ckpt.grads.items()}
-        ckpt.baseline_grads = {n: g * own_scale for n, g in ckpt.baseline_grads.items()}
-        ckpt.revision += 1
-        for n, master in ckpt.masters.items():
-            master.grad = None
-            ckpt.weights[n] = master.detach().to(ckpt.dtype).to(torch.float64)  # the live copy is rounded
-        ckpt.snapshot()
-        after = {n: m.detach().clone() for n, m in ckpt.masters.items()}
-        return OracleStep(True, None, norm, bool(norm > max_grad_norm) if max_grad_norm is not None else False, after)
+        return oracle_optim_step(self._checkpoints, self.device, lr, max_grad_norm, grads)
 
     def zero_grad(self) -> None:
         for ckpt in self._checkpoints.values():

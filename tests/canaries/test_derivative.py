@@ -25,7 +25,7 @@ from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation
 from canaries.derivative.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
 from canaries.presets import preset, process_count
 from canaries.registry import canary
-from reference_trainer import trainer as trainer_module
+from reference_trainer import staging as staging_module
 from validation.errors import SetupError
 from validation.evidence import verify
 from validation.oracle import OracleTrainer
@@ -88,12 +88,12 @@ def test_coverage_fails_when_no_stale_backward_can_succeed(monkeypatch: pytest.M
 
 
 def _gradients_off_by_a_tenth_of_a_percent():
-    original = trainer_module.record_backward
+    original = staging_module.record_backward
 
     def record_backward(model, record, cotangent, retain_graph):
         return {n: g * 1.001 for n, g in original(model, record, cotangent, retain_graph).items()}
 
-    return mock.patch.object(trainer_module, "record_backward", record_backward)
+    return mock.patch.object(staging_module, "record_backward", record_backward)
 
 
 def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:
