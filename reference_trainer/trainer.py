@@ -1,6 +1,6 @@
 """The trainer: checkpoints, versioned forwards, transactional backwards, optimizer steps.
 
-Read top to bottom: checkpoints (named in ``catalogue.py``, NOTE [Weight
+Read top to bottom: checkpoints (named in ``checkpoint_catalogue.py``, NOTE [Weight
 captures] in ``checkpoints.py``), ``forward`` (NOTE [Forward records] in
 ``records.py``, NOTE [Memory admission] in ``planner.py``, NOTE [Saved-state
 lifetime] in ``residency.py``), ``backward`` (NOTE [Staleness] in
@@ -22,7 +22,7 @@ import torch
 from . import misses
 from .admission import Admission, Admitted, default_device_limit
 from .calibration import PlannerCalibration, resolve_calibration
-from .catalogue import CheckpointCatalogue
+from .checkpoint_catalogue import CheckpointCatalogue
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import KnownLogprobs
