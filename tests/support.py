@@ -7,20 +7,17 @@ import torch
 
 import reference_trainer as rt
 from validation.evidence import content_digest, make_record
+from validation.trainers import trainer_with_policy
 
 NO_CORRECTION = rt.ForwardOptions(corrections=())
 
 
 def make_trainer(kind: str, *, dropout: float = 0.1, lr: float = 5e-2, seed: int = 0, **trainer_kw) -> rt.Trainer:
-    """A tiny trainer with one checkpoint ``"policy"`` of ``kind`` ``"lora"`` or ``"full"``."""
-    config = rt.ModelConfig.tiny(dropout=dropout)
-    trainer = rt.Trainer(rt.DecoderLM(config, seed=seed), **trainer_kw)
-    optimizer = rt.AdamWConfig(lr=lr)
-    if kind == "lora":
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=seed + 1)
-    else:
-        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
-    return trainer
+    """``validation.trainers.trainer_with_policy`` with the unit tests' defaults: the tiny model with dropout,
+    AdamW at ``lr``, a LoRA of rank 4 (``kind="lora"``) or a full checkpoint (``"full"``)."""
+    lora = rt.LoRAConfig(rank=4) if kind == "lora" else None
+    return trainer_with_policy(rt.ModelConfig.tiny(dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=lr),
+                               seed=seed, **trainer_kw)
 
 
 def sequence(seed: int, length: int = 9, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,12 @@ is imported) and reports, per rule:
   bool)`` and ``isinstance(x, (int, float))`` of the same ``x``) rather than
   calling it.
 
+Apart from those rules, ``one-builder``: a trainer with one ``policy``
+checkpoint is built by ``validation.trainers.trainer_with_policy`` alone; a
+function in ``canaries/``, ``validation/`` or ``tests/`` that calls ``Trainer(``
+and ``add_checkpoint("policy", ...)`` is a copy (:data:`BUILDER_EXEMPT` lists
+the few that must build by hand), with its own negative control.
+
 A permanent negative control feeds it a small fake package tree that breaks
 every rule and expects each violation to be reported; the import rules and
 ``homonym`` are also run over the real tree with one planted import or
@@ -614,3 +620,98 @@ def test_a_definition_planted_in_the_real_tree_is_reported(planted: tuple[str, s
     real = _definitions(modules)
     assert _homonyms(_exports(modules), real) == []
     assert [(v.rule, v.module) for v in _homonyms(_exports(modules), [*real, planted])] == [("homonym", planted[0])]
+
+
+# --- one builder: "a trainer with one policy checkpoint" is built by validation.trainers only ----------------
+
+BUILDER = "validation/trainers.py"
+BUILDER_SCANNED = ("canaries", "validation", "tests")  # examples/ teach the public API: they spell it out
+BUILDER_EXEMPT = {  # "path::function" -> why it builds by hand
+    "tests/unit/test_checkpoints.py::test_add_checkpoint_needs_exactly_one_of_lora_and_full":
+        "tests add_checkpoint's own refusals",
+    "tests/unit/test_admission.py::_trainer_in_census": "its census starts between the trainer and its checkpoint",
+    "tests/unit/test_resume.py::_build": "builds a policy, a critic or both",
+    "tests/validation/test_trainers.py::_by_hand": "the builder's oracle: the same trainer, built by hand",
+}
+
+
+def _policy_names(tree: ast.Module) -> set[str]:
+    """Names that mean ``"policy"`` in a module: its constants of that value and ``POLICY`` imported from the builder."""
+    names = {"POLICY"} if any(isinstance(n, ast.ImportFrom) and n.module == "validation.trainers" and
+                              any(a.name == "POLICY" and a.asname is None for a in n.names) for n in tree.body) else set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == "policy":
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _own_calls(scope: ast.AST) -> list[ast.Call]:
+    """The calls in ``scope``'s own body (not in the functions or classes it defines)."""
+    calls, stack = [], list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        calls += [node] if isinstance(node, ast.Call) else []
+        stack.extend(ast.iter_child_nodes(node))
+    return calls
+
+
+def _builder_copies(root: Path, scanned: tuple[str, ...] = BUILDER_SCANNED) -> list[str]:
+    """``path::function`` (``<module>`` for a module's body) of each scope outside :data:`BUILDER` that calls
+    ``Trainer(`` and ``add_checkpoint`` of ``"policy"`` (a literal or a name for it, :func:`_policy_names`)."""
+    found = []
+    for path in sorted(p for folder in scanned for p in (root / folder).rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        text = path.read_text()
+        if "Trainer(" not in text or "add_checkpoint(" not in text:
+            continue  # cannot hold a copy: not worth parsing
+        tree = _tree(path)
+        policy = _policy_names(tree)
+        scopes = [("<module>", tree)] + [(n.name, n) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for name, scope in scopes:
+            called = {(_called_name(c), _first_argument(c, policy)) for c in _own_calls(scope)}
+            if relative != BUILDER and any(c == "Trainer" for c, _ in called) and ("add_checkpoint", "policy") in called:
+                found.append(f"{relative}::{name}")
+    return found
+
+
+def _called_name(call: ast.Call) -> str | None:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+
+
+def _first_argument(call: ast.Call, policy: set[str]) -> str | None:
+    """``"policy"`` when the call's first argument is that literal or a name for it; otherwise None."""
+    first = call.args[0] if call.args else None
+    literal = isinstance(first, ast.Constant) and first.value == "policy"
+    return "policy" if literal or (isinstance(first, ast.Name) and first.id in policy) else None
+
+
+def test_every_trainer_with_one_policy_checkpoint_comes_from_the_one_builder() -> None:
+    """Canaries, validation and tests build it with ``validation.trainers.trainer_with_policy``; a copy of
+    ``Trainer(...)`` then ``add_checkpoint("policy", ...)`` in one function elsewhere is refused
+    (:data:`BUILDER_EXEMPT`: the few that must build by hand, each with why; a stale exemption fails too)."""
+    assert sorted(_builder_copies(ROOT)) == sorted(BUILDER_EXEMPT)
+
+
+def test_the_builder_rule_reports_each_kind_of_copy_and_nothing_else(tmp_path: Path) -> None:
+    """Negative control: a fake tree with every kind of copy, and look-alikes that are not copies."""
+    copy = "    trainer = rt.Trainer(model)\n    trainer.add_checkpoint({name}, full=True)\n"
+    _write(tmp_path, "canaries/literal.py", "def build(model):\n" + copy.format(name='"policy"'))
+    _write(tmp_path, "validation/constant.py", "NAME = 'policy'\nclass C:\n    def build(self, model):\n    "
+           + copy.format(name="NAME").replace("\n    ", "\n        "))
+    _write(tmp_path, "tests/imported.py", "from validation.trainers import POLICY\ndef build(model):\n"
+           + copy.format(name="POLICY"))
+    _write(tmp_path, "tests/top.py", copy.format(name='"policy"').replace("    ", ""))
+    _write(tmp_path, "tests/bare.py", "from reference_trainer import Trainer\ndef build(model):\n"
+           "    t = Trainer(model)\n    t.add_checkpoint('policy', full=True)\n")
+    _write(tmp_path, "tests/other_name.py", "def build(model):\n" + copy.format(name='"critic"'))
+    _write(tmp_path, "tests/second.py", "def add(trainer):\n    trainer.add_checkpoint('policy', full=True)\n"
+           "def load(path, model):\n    return rt.Trainer.load(path, model)\n")
+    _write(tmp_path, "tests/split.py", "def build(model):\n    trainer = rt.Trainer(model)\n"
+           "    def add():\n        trainer.add_checkpoint('policy', full=True)\n")
+    _write(tmp_path, BUILDER, "def trainer_with_policy(model):\n" + copy.format(name='"policy"'))
+    _write(tmp_path, "examples/example.py", "def build(model):\n" + copy.format(name='"policy"'))
+    assert _builder_copies(tmp_path) == ["canaries/literal.py::build", "tests/bare.py::build",
+                                         "tests/imported.py::build", "tests/top.py::<module>",
+                                         "validation/constant.py::build"]

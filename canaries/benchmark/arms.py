@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 from ..presets import PLACEMENT_REQUESTS
 
@@ -175,9 +176,9 @@ def versioned_arm(
     """The versioned trainer's step with ``placement`` at staleness 0 or 2 (module docstring)."""
     if placement not in PLACEMENT_REQUESTS or staleness not in (0, 2):
         raise ValueError(f"expected a placement in {PLACEMENT_REQUESTS} and staleness 0 or 2, found {placement!r}, {staleness}")
-    trainer = rt.Trainer(model if model is not None else base_model(workload, seed))
-    kind = {"lora": rt.LoRAConfig()} if workload.lora else {"full": True}
-    trainer.add_checkpoint("policy", optimizer=rt.AdamWConfig(lr=LR), seed=seed, **kind)
+    trainer = trainer_with_policy(model if model is not None else base_model(workload, seed),
+                                  lora=rt.LoRAConfig() if workload.lora else None, optimizer=rt.AdamWConfig(lr=LR),
+                                  adapter_seed=seed)
     ids, targets, advantages = workload.batch(trainer.model.config.vocab_size, seed)
     inputs = [rt.ForwardInput(ids[row], targets[row]) for row in range(workload.sequences)]
     options = rt.ForwardOptions(backward_state=placement, corrections=())

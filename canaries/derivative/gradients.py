@@ -30,6 +30,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.ranks import run_logical
+from validation.trainers import trainer_with_policy
 
 from .oracle_pair import CanaryFailure, sequences
 from ..presets import Preset
@@ -41,9 +42,7 @@ _VOCAB = rt.ModelConfig.tiny().vocab_size
 
 def _trainer() -> rt.Trainer:
     """A tiny FP32 full checkpoint without dropout: the twins' forwards are the same function."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
-    return trainer
+    return trainer_with_policy(rt.ModelConfig.tiny(dropout=0.0), optimizer=rt.AdamWConfig(lr=1e-2))
 
 
 def _loss(trainer: Any, seed: int, length: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
 from validation.world import run_ranks
+from validation.trainers import POLICY, trainer_with_policy
 
 from ..mutations.catalogue import active_mutations, call_mutated
 
@@ -104,10 +105,7 @@ def tiny_model(config: Preset, dtype: torch.dtype = torch.float32) -> rt.ModelCo
 def _logical_trainer(config: Preset) -> rt.Trainer:
     # Without dropout: ``when_available`` never pairs forwards that drew masks (NOTE [Importance correction]
     # Rule 8), so with dropout the default options would correct nothing and the cache's scope could not show.
-    model = rt.DecoderLM(tiny_model(config).replace(dropout=0.0), seed=0)
-    trainer = rt.Trainer(model)
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
-    return trainer
+    return trainer_with_policy(tiny_model(config).replace(dropout=0.0), optimizer=rt.AdamWConfig(lr=1e-2))
 
 
 def logical_run(config: Preset, logical_dp: int) -> dict[str, dict[str, Any]]:
@@ -217,9 +215,7 @@ def busy_trainer(config: Preset, make: TrainerFactory, *, memory_limit_bytes: in
 
 
 def plain_trainer(config: Preset, **limits: Any) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config), seed=0), **limits)
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
-    return trainer
+    return trainer_with_policy(tiny_model(config), optimizer=rt.AdamWConfig(lr=1e-2), **limits)
 
 
 def _two_group_forward(busy: Busy) -> Any:
@@ -300,8 +296,8 @@ def fp64_preset(config: Preset) -> Preset:
 def check_fp64_lr0_step(config: Preset) -> float:
     """Rule 3: ``optim_step(lr=0)`` on an FP64 full checkpoint leaves every parameter bitwise unchanged and
     reports the FP64 norm of ``.grad``; the norm's relative error."""
-    trainer = rt.Trainer(rt.DecoderLM(tiny_model(config, torch.float64), seed=0))
-    checkpoint = trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy(tiny_model(config, torch.float64))
+    checkpoint = trainer.checkpoint(POLICY)
     out = trainer.forward([_item(750, 7, config), _item(751, 4, config)])
     trainer.backward(-sum(o.target_logprobs.sum() for o in out))
     before = {n: p.detach().clone() for n, p in checkpoint.named_parameters()}
@@ -324,8 +320,7 @@ def check_fp64_lr0_step(config: Preset) -> float:
 def check_when_available_dropout(config: Preset) -> int:
     """Rule 5: with dropout on and unchanged weights (``lr=0``), a stale record of the default options is not
     corrected, or only with every weight 1; the number of records the stale backward consumed."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))  # train mode: masks drawn
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=0.0), seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1), optimizer=rt.AdamWConfig(lr=0.0))  # masks drawn
     stale = trainer.forward(_item(760, 7, config))
     trainer.backward(-trainer.forward(_item(761, 5, config)).target_logprobs.sum())
     trainer.optim_step()  # revision 1, the weights unchanged

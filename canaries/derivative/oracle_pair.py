@@ -21,6 +21,7 @@ import reference_trainer as rt
 from validation.compare import compare_gradients
 from validation.errors import CheckFailed
 from validation.oracle import OracleTrainer
+from validation.trainers import POLICY, trainer_with_policy
 
 from ..presets import Preset
 
@@ -40,7 +41,7 @@ __all__ = [
     "judge_gradients",
 ]
 
-NAME = "policy"
+NAME = POLICY
 FAULTS = ("user_autograd", "model_backward", "validate", "publish@0", "publish@1", "publish@last")
 CORRECTION = rt.ImportanceCorrection(clip_low=0.2, clip_high=3.0, policy="always")
 LR = 1e-2  # large steps: a gradient taken at the wrong weights is far outside tolerance
@@ -122,11 +123,11 @@ def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, Oracl
     preset's model, or its declared first ``oracle_layers`` layers)."""
     lora = config.lora if kind == "lora" else None
     device = torch.device(config.device)
-    with device:  # built where it runs: an 8B model is initialised once, on the GPU
-        model = rt.DecoderLM(config.oracle_model, seed=0)
-    trainer = rt.Trainer(model, memory_limit_bytes=config.memory_limit_bytes)
     optimizer = rt.AdamWConfig(lr=LR)
-    checkpoint = trainer.add_checkpoint(NAME, lora=lora, full=lora is None, optimizer=optimizer, seed=1)
+    # built where it runs: an 8B model is initialised once, on the GPU
+    trainer = trainer_with_policy(config.oracle_model, lora=lora, optimizer=optimizer, device=device,
+                                  memory_limit_bytes=config.memory_limit_bytes)
+    model, checkpoint = trainer.model, trainer.checkpoint(NAME)
     if lora is not None:
         state = checkpoint.state_dict()
         g = torch.Generator().manual_seed(2)

@@ -52,13 +52,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import reference_trainer as rt
+from validation.trainers import POLICY, trainer_with_policy
 from canaries.learning.workloads import Batch, Workload
 
 __all__ = ["Arm", "ArmRun", "ARMS", "DROP_EVERY", "FLIPPED_LAYER", "arm", "initial_metric", "run_arm"]
 
 FLIPPED_LAYER = "model.layers.0."
 DROP_EVERY = 3
-CHECKPOINT = "policy"
+CHECKPOINT = POLICY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,9 +243,8 @@ def _options(spec: Arm) -> rt.ForwardOptions:
 
 def _versioned_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> None:
     schedule = workload.schedule
-    trainer = rt.Trainer(rt.DecoderLM(workload.model, seed=seed).to(workload.device))
     adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
-    trainer.add_checkpoint(CHECKPOINT, full=True, optimizer=adamw)
+    trainer = trainer_with_policy(rt.DecoderLM(workload.model, seed=seed).to(workload.device), optimizer=adamw)
     options = _options(spec)
     pending: deque[tuple[Batch, list[rt.ForwardOutput]]] = deque()
     _evaluate_at(workload, 0, trainer.policy()[0], result)
@@ -278,9 +278,9 @@ def _versioned_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) ->
 
 def _engine_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> None:
     schedule = workload.schedule
-    trainer = rt.Trainer(rt.DecoderLM(workload.model, seed=seed).to(workload.device))
     adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
-    checkpoint = trainer.add_checkpoint(CHECKPOINT, full=True, optimizer=adamw)
+    trainer = trainer_with_policy(rt.DecoderLM(workload.model, seed=seed).to(workload.device), optimizer=adamw)
+    checkpoint = trainer.checkpoint(CHECKPOINT)
     corrections = (rt.ImportanceCorrection(level=spec.level),) if spec.corrected else ()
     options = rt.ForwardOptions(max_gradient_staleness=0, corrections=(), behaviour_corrections=corrections)
     engine = rt.RolloutEngine(trainer.model)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 __all__ = ["CASES", "INJECTED_RANK", "LAG_PAST_DEADLINE_S", "CASE_PROCESSES", "injected_rank", "job"]
 
@@ -69,8 +70,7 @@ def job(case: str, deadline_s: float, pid_dir: str) -> dict[str, Any]:
     rank = dist.get_rank()
     Path(pid_dir, f"rank-{rank}.pid").write_text(str(os.getpid()))
     torch.manual_seed(0)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
     injected = rank == injected_rank(case)
     try:
         for step in range(2):

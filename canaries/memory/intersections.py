@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 from ..presets import Preset
 
@@ -60,12 +61,7 @@ def _inputs(spec: Preset, seed: int, length: int | None = None) -> list[rt.Forwa
 
 
 def _trainer(model: rt.DecoderLM, lora_rank: int | None, **limits: int | None) -> rt.Trainer:
-    trainer = rt.Trainer(model, **limits)
-    if lora_rank is None:
-        trainer.add_checkpoint("policy", full=True, seed=1)
-    else:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=lora_rank), seed=1)
-    return trainer
+    return trainer_with_policy(model, lora=None if lora_rank is None else rt.LoRAConfig(rank=lora_rank), **limits)
 
 
 def _train_after_eval(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:

@@ -31,6 +31,7 @@ from validation.memory import (
     cuda_reading,
     two_witnesses,
 )
+from validation.trainers import trainer_with_policy
 
 from ..presets import PLACEMENTS, Preset
 
@@ -70,12 +71,7 @@ class CensusWorkload:
         self.vocab = spec.model.vocab_size
 
     def trainer(self, **limits: int | None) -> rt.Trainer:
-        trainer = rt.Trainer(self.model, **limits)
-        if self.spec.lora is not None:
-            trainer.add_checkpoint("policy", lora=self.spec.lora, seed=1)
-        else:
-            trainer.add_checkpoint("policy", full=True)
-        return trainer
+        return trainer_with_policy(self.model, lora=self.spec.lora, **limits)
 
     def inputs(self, seed: int) -> list[rt.ForwardInput]:
         g = torch.Generator().manual_seed(seed)

@@ -33,6 +33,7 @@ import torch
 import reference_trainer as rt
 from validation.memory import reachable_bytes
 from validation.world import spawn_watched
+from validation.trainers import trainer_with_policy
 
 from ..mutations.catalogue import active_mutations, applied
 
@@ -53,12 +54,7 @@ RECEIVED_FACTOR = 2.2
 
 
 def _trainer(kind: str) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))
-    if kind == "lora":
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
-    else:
-        trainer.add_checkpoint("policy", full=True, seed=1)
-    return trainer
+    return trainer_with_policy(rt.ModelConfig.tiny(dropout=0.0), lora=rt.LoRAConfig(rank=4) if kind == "lora" else None)
 
 
 def _loss(trainer: rt.Trainer, logical_rank: int, forward: Any) -> torch.Tensor:

@@ -38,13 +38,13 @@ def _staleness_off_by_one() -> Iterator[None]:
     """Every module's ``check_age`` admits staleness ``bound + 1``."""
     original = staleness_module.check_age
 
-    def check_age(checkpoint: Any, version: Any, bound: int) -> None:
+    def lenient_check_age(checkpoint: Any, version: Any, bound: int) -> None:
         original(checkpoint, version, bound + 1)
 
     with contextlib.ExitStack() as stack:
         for name, module in list(sys.modules.items()):
             if name.startswith("reference_trainer") and getattr(module, "check_age", None) is original:
-                stack.enter_context(mock.patch.object(module, "check_age", check_age))
+                stack.enter_context(mock.patch.object(module, "check_age", lenient_check_age))
         yield
 
 

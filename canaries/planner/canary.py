@@ -48,6 +48,7 @@ import reference_trainer as rt
 from validation import abba
 from validation.evidence import Checks
 from validation.memory import StorageCensus, frozen_heap
+from validation.trainers import trainer_with_policy
 
 from .. import presets
 from ..presets import PLACEMENTS
@@ -157,12 +158,8 @@ def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
 
 def _trainer(model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, host_limit: int | None = None) -> rt.Trainer:
     """A trainer of ``cell``'s checkpoint kind under ``device_limit`` (the plan's scale, holdings included) and ``host_limit``."""
-    trainer = rt.Trainer(model, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
-    if cell.lora:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=cell.rank), seed=1)
-    else:
-        trainer.add_checkpoint("policy", full=True, seed=1)
-    return trainer
+    lora = rt.LoRAConfig(rank=cell.rank) if cell.lora else None
+    return trainer_with_policy(model, lora=lora, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
 
 
 def _steps(trainer: rt.Trainer, batches: list[list[rt.ForwardInput]], placement: str,

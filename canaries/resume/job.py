@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 __all__ = ["LOGICAL_DP", "OPS", "STEP_OPS", "finished_state", "job", "resume_index", "total_ops"]
 
@@ -110,8 +111,7 @@ def _model() -> rt.DecoderLM:
 
 
 def _fresh() -> rt.Trainer:
-    trainer = rt.Trainer(_model())
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=3e-2), seed=1)
+    trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=3e-2))
     trainer.add_checkpoint("critic", full=True, optimizer=rt.AdamWConfig(lr=1e-2))
     return trainer
 

@@ -13,6 +13,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.sampling import Sample
 from reference_trainer.testing import inject_fault
+from validation.trainers import trainer_with_policy
 
 PROMPT_LENGTHS = (3, 6, 4, 5, 2, 6, 3, 5)
 LR = 0.05  # large enough that one step moves every log-prob well past the FP32 tolerance
@@ -35,8 +36,8 @@ class Setting:
 
 def policy_trainer(device: torch.device, *, seed: int = 0) -> rt.Trainer:
     """A LoRA policy on the tiny model whose factors are random (the adapter changes the base's log-probs)."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=seed).to(device))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=LR), seed=seed + 1)
+    model = rt.DecoderLM(rt.ModelConfig.tiny(), seed=seed).to(device)  # drawn on the host: the same factors on any device
+    trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=LR), seed=seed)
     generator = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for _, param in trainer.checkpoint("policy").named_parameters():

@@ -28,6 +28,7 @@ from canaries.benchmark.pauses import PAUSE_ARMS, measure_pauses, saved_bytes
 from reports.benchmark import _pauses_table, pause_line
 from validation import stats
 from validation.abba import Comparison, run_block
+from validation.trainers import trainer_with_policy
 
 
 def comparison(arm: list[float], step: list[float], loaded: tuple[int, ...], name: str = "save") -> Comparison:
@@ -64,8 +65,7 @@ def test_a_run_whose_blocks_were_all_loaded_has_no_number_and_says_why() -> None
 
 
 def test_the_bytes_of_a_save_are_its_manifests_files_and_the_manifest(tmp_path: Path) -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2))
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2))
     for _ in range(2):  # the second save replaces the first: only the one in force counts
         trainer.save(tmp_path / "save")
     (folder,) = (tmp_path / "save").glob("save-*")

@@ -31,6 +31,7 @@ from validation.evidence import verify
 from validation.oracle import OracleTrainer
 from validation.profiles import EXPLORATION
 from validation.reference import plain_gradients, relative_error, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 # The checks a passing quick run records beside the exploration's: the fixed scenarios and every
 # intersection check (NOTE [Intersection checks]).
@@ -246,8 +247,7 @@ def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> No
     """Was a bug found by this canary (BF16 clipped only the master copies); the oracle models torch's rule."""
     ratios = {}
     for dtype in (torch.float32, torch.bfloat16):
-        trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
-        trainer.add_checkpoint("policy", full=True)
+        trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=dtype))
         out = trainer.forward(rt.ForwardInput(torch.arange(1, 9)), options=rt.ForwardOptions(corrections=()))
         trainer.backward(-out.target_logprobs.sum())
         before = {n: p.grad.float().norm() for n, p in trainer.checkpoint("policy").named_parameters()}

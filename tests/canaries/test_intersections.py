@@ -22,6 +22,7 @@ from canaries.derivative.gradients import GRADIENT_INTERSECTIONS
 from canaries.memory.intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from canaries.derivative.oracle_pair import CanaryFailure
 from canaries.presets import preset
+from validation.trainers import trainer_with_policy
 
 CPU = preset("cpu").on_this_machine()
 
@@ -128,8 +129,7 @@ def test_fp64_check_fails_when_fp64_parameters_round_to_fp32() -> None:
 
 
 def test_held_within_limits_flags_a_record_over_the_host_limit() -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy()
     out = trainer.forward(rt.ForwardInput(torch.arange(1, 9)), options=rt.ForwardOptions(backward_state="offload"))
     held = out.usage.host_bytes
     assert held > 0

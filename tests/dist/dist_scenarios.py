@@ -26,10 +26,10 @@ import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical, spread
 from reference_trainer.testing import inject_fault
 from validation.spawn import to_plain
+from validation.trainers import POLICY, trainer_with_policy
 
 STEPS = 5  # staleness-2 schedule: the backward at step 4 sees a forward two revisions old
 TIMEOUT_S = 20.0
-POLICY = "policy"
 HANG_S, HANG_TIMEOUT_S = 2.0, 0.5  # a stalled peer, and the timeout that must name it first
 
 
@@ -38,14 +38,12 @@ HANG_S, HANG_TIMEOUT_S = 2.0, 0.5  # a stalled peer, and the timeout that must n
 
 def make_trainer(kind: str = "full", *, dropout: float = 0.0) -> rt.Trainer:
     """Tiny model, default options (a ``when_available`` correction); ``kind`` "full" or "lora" (B moved off zero)."""
-    torch.manual_seed(0)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout)))
-    optimizer = rt.AdamWConfig(lr=1e-2)
-    if kind == "full":
-        trainer.add_checkpoint(POLICY, full=True, optimizer=optimizer)
+    torch.manual_seed(0)  # the dropout masks: every process draws the same
+    lora = rt.LoRAConfig(rank=4) if kind == "lora" else None
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=1e-2))
+    if lora is None:
         return trainer
-    checkpoint = trainer.add_checkpoint(POLICY, lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=0)
-    state = checkpoint.state_dict()
+    state = trainer.checkpoint(POLICY).state_dict()
     generator = torch.Generator().manual_seed(1)
     for name, value in state["parameters"].items():
         if "lora_B" in name:  # a zero B would make every A gradient zero

@@ -14,6 +14,7 @@ import torch
 
 import reference_trainer as rt
 from validation.spawn import to_plain
+from validation.trainers import trainer_with_policy
 
 LOGICAL_DP = 4
 
@@ -24,8 +25,7 @@ def base_model() -> rt.DecoderLM:
 
 def fresh_trainer() -> rt.Trainer:
     torch.manual_seed(11)
-    trainer = rt.Trainer(base_model(), options=rt.ForwardOptions(corrections=()))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=2e-2), seed=3)
+    trainer = trainer_with_policy(base_model(), adapter_seed=3, lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=2e-2), options=rt.ForwardOptions(corrections=()))
     return trainer
 
 

@@ -7,6 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -14,8 +15,7 @@ pytestmark = pytest.mark.gpu
 def _grads(placement: str, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], rt.ForwardOutput]:
     with torch.device("cuda"):
         model = rt.DecoderLM(rt.ModelConfig.small(dtype=dtype, dropout=0.1), seed=0)
-    trainer = rt.Trainer(model)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=8), seed=1)
+    trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=8))
     tokens = torch.randint(0, 4096, (3, 65), generator=torch.Generator().manual_seed(0))
     inputs = [rt.ForwardInput(row[:-1].cuda(), row[1:].cuda()) for row in tokens]
     torch.manual_seed(0)
@@ -48,9 +48,7 @@ def test_replay_reproduces_its_forward_with_the_default_attention_backend(dtype:
 
 
 def test_offload_moves_saved_bytes_to_pinned_host_memory() -> None:
-    with torch.device("cuda"):
-        trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.small(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=8))
+    trainer = trainer_with_policy(rt.ModelConfig.small(), lora=rt.LoRAConfig(rank=8), device="cuda")
     ids = torch.randint(0, 4096, (64,), device="cuda")
     out = trainer.forward(rt.ForwardInput(ids), options=rt.ForwardOptions(backward_state="offload"))
     ledger = trainer.records.get(out.record_id).ledger

@@ -23,6 +23,7 @@ from reference_trainer.ranks import run_logical
 from reference_trainer.host_arena import host_block_bytes
 from reference_trainer.testing import observe_host_reads
 from reference_trainer.timing import Stopwatch
+from validation.trainers import trainer_with_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +33,7 @@ LAST = torch.cuda.device_count() - 1 if torch.cuda.is_available() else 0
 def _trainer(device: str = "cuda", dtype: torch.dtype = torch.float32) -> rt.Trainer:
     with torch.device(device):
         model = rt.DecoderLM(rt.ModelConfig.small(dtype=dtype, dropout=0.0), seed=0)
-    trainer = rt.Trainer(model, options=rt.ForwardOptions(corrections=()))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=8), seed=1)
+    trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=8), options=rt.ForwardOptions(corrections=()))
     return trainer
 
 

@@ -7,6 +7,7 @@ import torch
 
 import reference_trainer as rt
 from tests.support import assert_nested_equal
+from validation.trainers import trainer_with_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +20,7 @@ def _model() -> rt.DecoderLM:
 def _job(path, save_at: int | None) -> dict:
     torch.manual_seed(0)
     torch.cuda.manual_seed(0)
-    trainer = rt.Trainer(_model())
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=4))
     for step in range(3):
         if step == save_at:
             trainer.save(path)
@@ -44,8 +44,7 @@ def _devices(state) -> dict[str, str]:
 
 
 def test_a_cuda_load_keeps_adamws_step_on_the_host_and_never_holds_the_state_twice(tmp_path) -> None:
-    trainer = rt.Trainer(_model())
-    trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy(_model())
     tokens = torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(0)).cuda()
     out = trainer.forward(rt.ForwardInput(tokens[:-1], tokens[1:]), options=rt.ForwardOptions(corrections=()))
     trainer.backward(-out.target_logprobs.sum())

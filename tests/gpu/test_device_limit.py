@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
 
 pytestmark = pytest.mark.gpu
@@ -29,9 +30,8 @@ def test_auto_offloads_replays_or_refuses_instead_of_running_out_of_memory() -> 
     margin = int(DEVICE_MARGIN_FRACTION * torch.cuda.mem_get_info()[1])
     blocker = torch.empty(max(free - HEADROOM - margin, 0), dtype=torch.uint8, device="cuda")  # plannable: HEADROOM
     try:
-        trainer = rt.Trainer(model)
+        trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=8))
         assert trainer.memory_limit_bytes < HEADROOM + (64 << 20)
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=8))
         tokens = torch.randint(0, 4096, (8, 512), device="cuda")
         placements, refused = [], None
         outs = []

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import reference_trainer as rt
 from tests.support import NO_CORRECTION, advantages, sequence
+from validation.trainers import trainer_with_policy
 
 DELETE = object()  # the corruption removes the key
 
@@ -43,8 +44,7 @@ CORRUPTIONS: list[tuple[str, str, Any]] = [
 
 
 def _trainer(optimizer: rt.AdamWConfig | None = None) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=optimizer or rt.AdamWConfig(lr=1e-2), seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=optimizer or rt.AdamWConfig(lr=1e-2))
     return trainer
 
 

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 from tests.support import train_step
 from validation.oracle import plain_gradients, relative_error, snapshot_weights
 
@@ -15,14 +16,11 @@ PLACEMENTS = ("retain", "offload", "replay")
 
 
 def _trainer(config: rt.ModelConfig, kind: str, seed: int) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(config, seed=seed))
-    optimizer = rt.AdamWConfig(lr=5e-2)
-    if kind == "lora":
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=optimizer, seed=seed)
+    lora = rt.LoRAConfig(rank=2) if kind == "lora" else None
+    trainer = trainer_with_policy(config, lora=lora, optimizer=rt.AdamWConfig(lr=5e-2), seed=seed, adapter_seed=seed)
+    if lora is not None:
         torch.manual_seed(seed)  # the step's dropout masks: every placement starts from the same weights
         train_step(trainer, seed=seed + 1000)  # move B off zero
-    else:
-        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
     return trainer
 
 

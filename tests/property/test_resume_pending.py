@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import reference_trainer as rt
 from tests.support import advantages, assert_nested_equal, sequence
+from validation.trainers import trainer_with_policy
 
 BOUND = 2
 LENGTH = 5
@@ -35,8 +36,7 @@ def _model(dtype: torch.dtype) -> rt.DecoderLM:
 
 
 def _trainer(dtype: torch.dtype, policy: str) -> rt.Trainer:
-    trainer = rt.Trainer(_model(dtype), options=POLICIES[policy])
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    trainer = trainer_with_policy(_model(dtype), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=POLICIES[policy])
     return trainer
 
 

@@ -42,6 +42,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 from validation.oracle import WeightsAt, plain_gradients, relative_error, snapshot_weights
 
 F64 = torch.float64
@@ -91,11 +92,7 @@ def _estimate(kind: str, length: int, lr: float | None, corrections, reward_seed
     one AdamW step at ``lr`` on another loss (staleness 1).
     """
     config = rt.ModelConfig.tiny(vocab_size=3, dtype=F64, dropout=0.0)
-    trainer = rt.Trainer(rt.DecoderLM(config, seed=0))
-    if kind == "full":
-        trainer.add_checkpoint("policy", full=True)
-    else:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), seed=1)
+    trainer = trainer_with_policy(config, lora=None if kind == "full" else rt.LoRAConfig(rank=2))
     seqs = _outcomes(length)
     rewards = torch.randn(len(seqs), generator=torch.Generator().manual_seed(reward_seed), dtype=F64)
     options = rt.ForwardOptions(corrections=corrections, backward_state="retain")

@@ -18,6 +18,7 @@ from reference_trainer.testing import substitute_device_capacity, substitute_sto
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
 from validation.memory import StorageCensus
+from validation.trainers import trainer_with_policy
 
 DEVICE_LIMIT = 700_000
 HOST_LIMIT = 600_000
@@ -363,8 +364,7 @@ def test_a_scale_learned_in_eval_mode_never_admits_a_train_forward_over_the_host
 def test_a_first_bf16_train_forward_with_dropout_is_priced_with_its_fp32_masks(placement: str) -> None:
     """No measured scale yet: the analytic estimate alone must cover the FP32 keep-masks of a BF16 model."""
     model = rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1, dtype=torch.bfloat16), seed=0)
-    trainer = rt.Trainer(model)
-    trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy(model)
     tokens = torch.randint(0, model.config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     outs = trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)
@@ -374,8 +374,7 @@ def test_a_first_bf16_train_forward_with_dropout_is_priced_with_its_fp32_masks(p
 @pytest.mark.parametrize("seq_len", [16, 128])
 def test_a_first_train_forward_with_dropout_is_priced_with_its_three_attention_squares(seq_len: int) -> None:
     """Math attention with dropout saves probabilities, mask and dropped probabilities: 3·H·B·T², dominant when long."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
-    trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1))
     tokens = torch.randint(0, trainer.model.config.vocab_size, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
     options = rt.ForwardOptions(backward_state="offload", corrections=())
     _assert_saved_within_admitted([trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)])
@@ -383,8 +382,7 @@ def test_a_first_train_forward_with_dropout_is_priced_with_its_three_attention_s
 
 def test_a_scale_learned_on_a_shorter_forward_with_dropout_covers_a_longer_one_of_its_class() -> None:
     """17 and 32 tokens share a shape class: the scale learned at 17 must price 32, whose T² share is larger."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
-    trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1))
     options = rt.ForwardOptions(backward_state="offload", corrections=())
     outs = []
     for seed, length in enumerate((17, 32)):
@@ -428,8 +426,7 @@ def _nbytes(tensors) -> int:
 
 def _prediction_with(dtype: torch.dtype, other: str) -> int:
     """The predicted peak of one LoRA forward beside a full checkpoint ``other`` ("none", "fresh", "stepped", "grads")."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=dtype), lora=rt.LoRAConfig(rank=4))
     if other != "none":
         trainer.add_checkpoint("other", full=True)
     if other in ("stepped", "grads"):
@@ -550,8 +547,7 @@ def test_each_group_of_a_call_is_planned_beside_the_groups_before_it() -> None:
 def test_a_smaller_scale_measured_later_does_not_lower_its_class_estimate() -> None:
     """Lengths 64 and 33 share a shape class; in BF16 with dropout the short one's ratio to the analytic
     estimate is lower by more than the estimate's 5% margin (its FP32-priced per-token terms weigh more)."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1, dtype=torch.bfloat16), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1, dtype=torch.bfloat16), lora=rt.LoRAConfig(rank=4))
     outs = [_forward_length(trainer, 0, 64), _forward_length(trainer, 1, 33)]
     lora, config = rt.LoRAConfig(rank=4), trainer.model.config
     large, small = (

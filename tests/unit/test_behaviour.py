@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 TOKENS = torch.tensor([3, 8, 1, 9, 4, 4, 7, 2])
 PROMPT = 3  # targets of the first PROMPT - 1 positions are masked, as a Sample's are
 
 
 def _trainer() -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=0.05), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=0.05))
     return trainer
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 
 CONSTANTS = {"seconds_per_byte": 1e-6, "seconds_per_token": 1e-3, "seconds_per_record": 0.5}
 
 
 def _first_decision(**options) -> rt.PlacementDecision:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), **options)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=4), **options)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     outputs = trainer.forward([rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens])
     trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
@@ -55,8 +55,7 @@ def test_a_bad_calibration_is_refused_before_the_model_is_touched(tmp_path: Path
 
 def test_a_loaded_trainer_takes_its_calibration_again_as_the_machines(tmp_path: Path) -> None:
     calibration = rt.PlannerCalibration(**CONSTANTS)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), planner_calibration=calibration)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=4), planner_calibration=calibration)
     trainer.save(tmp_path / "save")
 
     def first_decision(**options) -> rt.PlacementDecision:

@@ -22,6 +22,7 @@ from tests.support import (
     train_step,
 )
 from validation.oracle import plain_gradients, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 
 def _forward(trainer: rt.Trainer, seed: int, checkpoint: str | None = None) -> rt.ForwardOutput:
@@ -101,8 +102,7 @@ def test_load_restores_parameters_and_optimizer_state_exactly(kind: str) -> None
 
 
 def test_bf16_load_restores_master_copies() -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=torch.bfloat16), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-3))
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=torch.bfloat16), optimizer=rt.AdamWConfig(lr=1e-3))
     train_step(trainer, seed=1)
     saved = trainer.checkpoint("policy").state_dict()
     train_step(trainer, seed=2)
@@ -330,8 +330,7 @@ def test_malformed_state_dict_is_a_config_error_and_changes_nothing(case: str) -
     ids=["unknown master name", "master of wrong shape", "masters not a mapping", "parameters not a mapping"],
 )
 def test_malformed_bf16_state_dict_is_a_config_error_and_changes_nothing(mutate) -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=torch.bfloat16), seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=torch.bfloat16))
     saved = trainer.checkpoint("policy").state_dict()
     train_step(trainer, seed=1)
     before, masters = _unchanged(trainer), trainer.checkpoint("policy").state_dict()["master_parameters"]

@@ -15,6 +15,7 @@ from reference_trainer.testing import inject_fault
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence, train_step
 from validation.lifetime import TensorCensus, live_tensors_like
 from validation.oracle import plain_gradients, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 
 def _forward(trainer: rt.Trainer, seed: int) -> rt.ForwardOutput:
@@ -208,8 +209,7 @@ def test_loss_that_reaches_no_output_is_a_config_error() -> None:
 
 
 def _trainer_and_output() -> tuple[rt.Trainer, rt.ForwardOutput]:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy()
     tokens = torch.randint(0, trainer.model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
     return trainer, trainer.forward(rt.ForwardInput(tokens[:-1], tokens[1:]))
 

@@ -25,6 +25,7 @@ from reference_trainer.ranks import run_logical
 from reference_trainer.testing import observe_host_reads
 from tests.support import sequence, train_step
 from validation.oracle import WeightsAt, plain_gradients, relative_error, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 F64 = torch.float64
 LOW, HIGH = 0.85, 1.25
@@ -32,13 +33,10 @@ TOLERANCE = 1e-12
 
 
 def _trainer(kind: str, *, dropout: float = 0.0) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=F64, dropout=dropout), seed=0))
-    optimizer = rt.AdamWConfig(lr=5e-2)
-    if kind == "lora":
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=1)
+    lora = rt.LoRAConfig(rank=4) if kind == "lora" else None
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=F64, dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=5e-2))
+    if lora is not None:
         train_step(trainer, seed=100)  # lora_B starts at 0, where lora_A has no gradient
-    else:
-        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
     return trainer
 
 
@@ -375,8 +373,7 @@ def test_a_huge_step_gives_finite_gradients_at_every_level_and_the_masked_target
     for level in ("token", "sequence", "geometric", "average"):
         grads = []
         for masked_advantage in (0.0, 1e30):  # what the loss puts on the masked target must not matter
-            trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))
-            trainer.add_checkpoint("policy", full=True)
+            trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.0))
             push(trainer, 1.0, 3.0)
             correction = rt.ImportanceCorrection(clip_high=1e30, policy="always", level=level)
             old = trainer.forward(item, options=rt.ForwardOptions(corrections=correction))
@@ -414,8 +411,7 @@ def test_masked_target_positions_are_not_corrected_tokens() -> None:
 
 def _default_trainer(*, dropout: float = 0.0, lr: float = 1e-2) -> rt.Trainer:
     """Default trainer options: one ``ImportanceCorrection()`` with the ``when_available`` policy."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=dropout), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=lr))
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=dropout), optimizer=rt.AdamWConfig(lr=lr))
     return trainer
 
 
@@ -523,8 +519,7 @@ def _unusable_rows_schedule(trainer: rt.Trainer) -> list[int]:
 def test_rows_no_pending_record_can_use_are_not_kept() -> None:
     """Against a twin without corrections run through the same schedule: no extra tensor is alive,
     neither the revision-1 rows of X, nor a copy of Y's rows, nor X's rows once their last user is gone."""
-    plain = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
-    plain.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-2))
+    plain = trainer_with_policy(optimizer=rt.AdamWConfig(lr=1e-2), options=rt.ForwardOptions(corrections=()))
     assert _unusable_rows_schedule(_default_trainer()) == _unusable_rows_schedule(plain)
 
 
@@ -597,8 +592,7 @@ def test_when_available_pairs_a_forward_only_with_a_later_one_of_its_autocast_st
 ) -> None:
     """An FP32 forward and an autocast one of the same tokens score them with different roundings: their ratio is
     not the weights' change, so only forwards of one autocast state (on or off, and its dtype) pair."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    trainer = trainer_with_policy(optimizer=rt.AdamWConfig(lr=5e-2))
     seq = sequence(1)
 
     def forward() -> rt.ForwardOutput:
@@ -621,8 +615,7 @@ def test_when_available_pairs_a_forward_only_with_a_later_one_of_its_autocast_st
 def test_an_importance_weight_that_overflows_the_fp32_cotangent_is_named_with_the_option_that_allowed_it() -> None:
     """``clip_low = clip_high = 1e300`` is allowed (FP64 weights, Rule 3), but 1e300 times an FP32 cotangent is not
     an FP32 number: the backward names the weight, the dtype and the option, not the loss, and commits nothing."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    trainer = trainer_with_policy(optimizer=rt.AdamWConfig(lr=5e-2))
     correction = rt.ImportanceCorrection(clip_low=1e300, clip_high=1e300, policy="always")
     old = trainer.forward(rt.ForwardInput(*sequence(1)), options=rt.ForwardOptions(corrections=(correction,)))
     train_step(trainer, seed=200)
@@ -636,8 +629,7 @@ def test_an_importance_weight_that_overflows_the_fp32_cotangent_is_named_with_th
 def test_a_non_finite_loss_under_a_correction_is_refused_as_the_loss_not_as_a_weight_overflow(scale: float) -> None:
     """A cotangent that is already non-finite before any weight is applied is the loss's fault (Rule 3 names only a
     weight that made a finite cotangent non-finite): the commit refuses the non-finite gradient, and commits nothing."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=5e-2))
+    trainer = trainer_with_policy(optimizer=rt.AdamWConfig(lr=5e-2))
     correction = rt.ImportanceCorrection(policy="always")
     old = trainer.forward(rt.ForwardInput(*sequence(1)), options=rt.ForwardOptions(corrections=(correction,)))
     train_step(trainer, seed=200)

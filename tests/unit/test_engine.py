@@ -8,6 +8,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.model import token_logprobs
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
+from validation.trainers import trainer_with_policy
 
 PROMPT_LENGTHS = (3, 6, 4, 5, 2, 6, 3, 5)
 NEW_TOKENS = 5
@@ -16,8 +17,7 @@ NEW_TOKENS = 5
 def _trainer(dtype: torch.dtype = torch.float32) -> rt.Trainer:
     """A LoRA policy whose factors are random, so the adapter changes the base's log-probs."""
     model = rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0)
-    trainer = rt.Trainer(model)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=4))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for _, param in trainer.checkpoint("policy").named_parameters():

@@ -12,11 +12,11 @@ import torch
 import reference_trainer as rt
 from reference_trainer.grad_norms import KnownNorm, total_norm
 from tests.support import NO_CORRECTION, advantages, sequence
+from validation.trainers import trainer_with_policy
 
 
 def _trainer(dtype: torch.dtype = torch.float32) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=1e-3))
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=dtype), optimizer=rt.AdamWConfig(lr=1e-3))
     return trainer
 
 

@@ -12,6 +12,7 @@ import torch
 import reference_trainer as rt
 from torch.overrides import TorchFunctionMode
 from reference_trainer.testing import observe_host_reads
+from validation.trainers import trainer_with_policy
 
 
 def _inputs(lengths: list[int], vocab: int) -> list[rt.ForwardInput]:
@@ -21,8 +22,7 @@ def _inputs(lengths: list[int], vocab: int) -> list[rt.ForwardInput]:
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_padded_forward_reads_nothing_and_a_backward_reads_once(kind: str) -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
-    trainer.add_checkpoint("policy", **({"full": True} if kind == "full" else {"lora": rt.LoRAConfig(rank=2)}))
+    trainer = trainer_with_policy(lora=None if kind == "full" else rt.LoRAConfig(rank=2), options=rt.ForwardOptions(corrections=()))
     inputs = _inputs([5, 9, 7], trainer.model.config.vocab_size)  # unequal lengths: a padded batch with a mask
     with observe_host_reads() as reads:
         outputs = trainer.forward(inputs)
@@ -35,8 +35,7 @@ def test_a_padded_forward_reads_nothing_and_a_backward_reads_once(kind: str) -> 
 
 def test_a_backward_into_two_checkpoints_reads_the_host_once() -> None:
     """One loss over a LoRA and a full checkpoint's outputs: both checkpoints' norms come from one read, not one each."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2))
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), options=rt.ForwardOptions(corrections=()))
     trainer.add_checkpoint("ref", full=True)
     vocab = trainer.model.config.vocab_size
     policy = trainer.forward(_inputs([5, 7], vocab), checkpoint="policy")
@@ -58,8 +57,7 @@ def test_the_public_model_still_checks_padding_of_masks_it_did_not_build() -> No
 
 
 def test_out_of_range_tokens_are_refused_naming_the_extremes() -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy()
     vocab = trainer.model.config.vocab_size
     good = _inputs([4], vocab)[0]
     with pytest.raises(rt.ConfigError) as info:
@@ -72,8 +70,7 @@ def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once(poli
     """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row; and none
     when no pending older record asks for that policy (``always`` recomputes, no correction needs nothing)."""
     corrections = () if policy is None else (rt.ImportanceCorrection(policy=policy),)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=corrections))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), options=rt.ForwardOptions(corrections=corrections))
     vocab = trainer.model.config.vocab_size
     old = trainer.forward(_inputs([6], vocab))  # pending across the step below
     fresh = trainer.forward(_inputs([5], vocab))
@@ -101,8 +98,7 @@ class _HostConversions(TorchFunctionMode):
 
 def test_an_accumulating_backward_reads_the_host_once() -> None:
     """The sums a second backward publishes are proven finite by its one read (no read per parameter)."""
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), options=rt.ForwardOptions(corrections=()))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy(options=rt.ForwardOptions(corrections=()))
     vocab = trainer.model.config.vocab_size
     trainer.backward(trainer.forward(_inputs([6], vocab))[0].target_logprobs.sum())
     loss = trainer.forward(_inputs([5], vocab))[0].target_logprobs.sum()

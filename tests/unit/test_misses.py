@@ -12,6 +12,7 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer import admission, misses, planner
+from validation.trainers import trainer_with_policy
 
 _OPTIONS = rt.ForwardOptions(backward_state="retain", corrections=())
 _REAL = planner.analytic_saved_bytes
@@ -30,8 +31,7 @@ def _stand_in() -> Iterator[None]:
 
 
 def _trainer(**limits) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), **limits)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=4), **limits)
     return trainer
 
 
@@ -118,8 +118,7 @@ def _state(trainer: rt.Trainer) -> tuple:
 
 def test_an_allocation_failure_in_a_forward_is_one_miss_replayed_to_its_estimate_and_changes_nothing() -> None:
     seen: list[rt.PlannerMiss] = []
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.1), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1), lora=rt.LoRAConfig(rank=4))
     pending = trainer.forward(_inputs(1), options=_OPTIONS)  # a record the failed call must leave as it was
     before = _state(trainer)
     _OutOfMemory(trainer, fail_on=1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
 from reference_trainer.testing import inject_fault
 
@@ -13,13 +14,7 @@ PROMPTS = [torch.tensor([5, 9, 2]), torch.tensor([7, 1, 3, 3, 8])]
 
 
 def _trainer(*, full: bool = False) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    optimizer = rt.AdamWConfig(lr=0.05)
-    if full:
-        trainer.add_checkpoint("policy", full=True, optimizer=optimizer)
-    else:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), optimizer=optimizer, seed=1)
-    return trainer
+    return trainer_with_policy(lora=None if full else rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=0.05))
 
 
 def _step(trainer: rt.Trainer) -> None:

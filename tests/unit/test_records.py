@@ -14,6 +14,7 @@ from tests.support import (
     train_step,
 )
 from validation.oracle import plain_gradients, relative_error, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 
 def _move_lora_b_off_zero(trainer: rt.Trainer) -> None:
@@ -82,8 +83,7 @@ def test_ledger_refuses_weights_written_behind_the_trainers_back() -> None:
 @pytest.mark.parametrize("placement", ["retain", "offload", "replay"])
 def test_an_fp64_model_returns_fp64_logprobs_and_gradients(placement: str) -> None:
     config = rt.ModelConfig.tiny(dtype=torch.float64, dropout=0.0)
-    trainer = rt.Trainer(rt.DecoderLM(config, seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy(config)
     ids, tgt = sequence(3)
     out = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(backward_state=placement, corrections=()))
     base = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE)

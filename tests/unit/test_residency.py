@@ -15,6 +15,7 @@ from reference_trainer.ledger import FLOAT8_DTYPES, SavedStateLedger
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 from validation.allocations import AllocationPeak
 from validation.lifetime import TensorCensus
+from validation.trainers import trainer_with_policy
 
 
 def _options(placement: str) -> rt.ForwardOptions:
@@ -241,8 +242,7 @@ def test_a_retained_backward_frees_saved_activations_as_it_goes_like_plain_autog
     model = rt.DecoderLM(config, seed=0)
     with AllocationPeak() as plain:
         rt.token_logprobs(model(tokens[:, :-1]), tokens[:, 1:]).sum().backward()
-    trainer = rt.Trainer(rt.DecoderLM(config, seed=0))
-    trainer.add_checkpoint("policy", full=True)
+    trainer = trainer_with_policy(config)
     inputs = [rt.ForwardInput(tokens[row, :-1], tokens[row, 1:]) for row in range(4)]
     with AllocationPeak() as versioned:
         outputs = trainer.forward(inputs, options=rt.ForwardOptions(backward_state="retain", corrections=()))
@@ -257,9 +257,8 @@ def test_a_deep_copy_of_a_marked_model_is_still_refused_for_offload() -> None:
 
     original = rt.DecoderLM(rt.ModelConfig.tiny(), seed=0)
     rt.mark_quantized_saved_state(original.model.layers[0].mlp)
-    trainer = rt.Trainer(copy.deepcopy(original))
+    trainer = trainer_with_policy(copy.deepcopy(original))
     del original
-    trainer.add_checkpoint("policy", full=True)
     out = trainer.forward(rt.ForwardInput(*sequence(0)), options=rt.ForwardOptions(backward_state="offload"))
     with pytest.raises(rt.UnsupportedSavedStateError, match="mark_quantized_saved_state"):
         trainer.backward(out.target_logprobs.sum())

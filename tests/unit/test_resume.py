@@ -15,6 +15,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.saves import read_folder, write_folder
 from tests.support import advantages, assert_model_unchanged, assert_nested_equal, grad_snapshot, model_snapshot, sequence
+from validation.trainers import trainer_with_policy
 
 STEPS = 3
 
@@ -300,8 +301,7 @@ def _stale_pair(folder):
     """A job saved under ``folder`` with forward A pending at revision 0 and forward C of A's tokens pending at
     revision 1; returns the trainer, A and C."""
     torch.manual_seed(0)
-    trainer = rt.Trainer(_model(dropout=0.0), options=rt.ForwardOptions(max_gradient_staleness=2))  # when_available
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    trainer = trainer_with_policy(_model(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=rt.ForwardOptions(max_gradient_staleness=2))  # when_available
     a = trainer.forward(rt.ForwardInput(*sequence(1)))
     b = trainer.forward(rt.ForwardInput(*sequence(2)))
     trainer.backward(-b.target_logprobs.sum())
@@ -336,8 +336,7 @@ def test_saved_log_probs_keep_their_autocast_state_and_correct_only_forwards_mad
     under it as in the job that never stopped; A made again without autocast finds no row of its state."""
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     torch.manual_seed(0)
-    trainer = rt.Trainer(_model(dropout=0.0), options=rt.ForwardOptions(max_gradient_staleness=2))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), seed=1)
+    trainer = trainer_with_policy(_model(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=rt.ForwardOptions(max_gradient_staleness=2))
     with bf16():
         a = trainer.forward(rt.ForwardInput(*sequence(1)))
     b = trainer.forward(rt.ForwardInput(*sequence(2)))

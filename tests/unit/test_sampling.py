@@ -12,6 +12,7 @@ from reference_trainer.errors import ConfigError
 from reference_trainer.losses import group_advantages, reinforce_loss
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
 from reference_trainer.sampling import PatternTask, Sample, sample
+from validation.trainers import trainer_with_policy
 
 
 def _constant_policy(logits: torch.Tensor):
@@ -267,8 +268,7 @@ def test_a_generator_off_the_models_device_is_refused_with_the_device_to_use() -
 
 
 def test_policy_logits_match_the_trainers_own_log_probs_and_carry_the_version() -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=4), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=4))
     logits_fn, version = trainer.policy()
     assert version == trainer.checkpoint("policy").version
     task = PatternTask(vocab_size=64, prompt_len=4, completion_len=3, seed=0)
@@ -282,8 +282,7 @@ def test_policy_logits_match_the_trainers_own_log_probs_and_carry_the_version() 
 
 def test_reinforce_on_the_pattern_task_raises_the_reward() -> None:
     torch.manual_seed(0)
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(vocab_size=8), seed=0))
-    trainer.add_checkpoint("policy", full=True, optimizer=rt.AdamWConfig(lr=3e-2))
+    trainer = trainer_with_policy(rt.ModelConfig.tiny(vocab_size=8), optimizer=rt.AdamWConfig(lr=3e-2))
     task = PatternTask(vocab_size=8, prompt_len=2, completion_len=2, seed=0, pattern="repeat")
     generator = torch.Generator().manual_seed(0)
     rewards = []

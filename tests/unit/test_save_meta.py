@@ -21,6 +21,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.saves import read_folder, write_folder
 from tests.support import advantages, assert_model_unchanged, model_snapshot, sequence
+from validation.trainers import trainer_with_policy
 
 
 def _model(dtype: torch.dtype = torch.float32, **changes: Any) -> rt.DecoderLM:
@@ -29,8 +30,7 @@ def _model(dtype: torch.dtype = torch.float32, **changes: Any) -> rt.DecoderLM:
 
 def _saved(folder: Path) -> rt.Trainer:
     """A trainer at revision 2 with a committed gradient from revision 1 and a checkpoint loaded over (generation 2)."""
-    trainer = rt.Trainer(_model(), options=rt.ForwardOptions(max_gradient_staleness=2, corrections=()))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), seed=1)
+    trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=2), options=rt.ForwardOptions(max_gradient_staleness=2, corrections=()))
     trainer.add_checkpoint("critic", full=True)
     trainer.load_checkpoint("critic", trainer.checkpoint("critic").state_dict())
     for step in range(2):
@@ -184,7 +184,6 @@ def test_a_refused_cuda_rng_state_leaves_the_cpu_generator_as_it_was(monkeypatch
 def test_trainer_options_with_behaviour_fields_are_saved_and_loaded_as_they_were(tmp_path: Path) -> None:
     options = rt.ForwardOptions(max_behaviour_staleness=1,
                                 behaviour_corrections=(rt.ImportanceCorrection(level="sequence", clip_high=3.0),))
-    trainer = rt.Trainer(_model(), options=options)
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), seed=1)
+    trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=2), options=options)
     trainer.save(tmp_path / "save")
     assert rt.Trainer.load(tmp_path / "save", _model()).options == options

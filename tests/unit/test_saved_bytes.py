@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference_trainer as rt
+from validation.trainers import trainer_with_policy
 from reference_trainer.model import token_logprobs
 from reference_trainer.running import model_logits
 from reference_trainer.saved_bytes import autocast_weight_bytes
@@ -36,12 +37,8 @@ REFUSAL_GRID = [pytest.param(*c, id=i, marks=() if c[0] == torch.float32 and c[1
 
 
 def _trainer(dtype: torch.dtype, dropout: float, rank: int | None, **limits: int) -> rt.Trainer:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(dtype=dtype, dropout=dropout), seed=0), **limits)
-    if rank is None:
-        trainer.add_checkpoint("policy", full=True, seed=1)
-    else:
-        trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=rank), seed=1)
-    return trainer
+    lora = None if rank is None else rt.LoRAConfig(rank=rank)
+    return trainer_with_policy(rt.ModelConfig.tiny(dtype=dtype, dropout=dropout), lora=lora, **limits)
 
 
 def _tokens(length: int, seed: int) -> torch.Tensor:

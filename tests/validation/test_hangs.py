@@ -16,6 +16,7 @@ import pytest
 from reference_trainer.watchdog import CollectiveRecord
 from validation.hangs import HANG_EXIT_CODE, HangDetected, Watch, diagnose, next_watch, settle, watching
 from validation.spawn import RankOutcome
+from validation.trainers import trainer_with_policy
 
 
 def dump(folder: Path, rank: int, reason: str, at: float, calls: list[str], in_flight: bool = False) -> None:
@@ -114,8 +115,7 @@ def _rank_1_stuck_for_good(deadline_s: float) -> str:
 
     import reference_trainer as rt
 
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
 
     def body(view):
         out = view.forward(rt.ForwardInput(torch.arange(6)), checkpoint="policy")
@@ -155,8 +155,7 @@ def _rank_1_late_to_its_first_step(deadline_s: float) -> str:
 
     import reference_trainer as rt
 
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), seed=1)
+    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2))
     if dist.get_rank() == 1:
         time.sleep(deadline_s + 2.0)
 

@@ -12,13 +12,13 @@ import reference_trainer as rt
 from reference_trainer import planner
 from validation.evidence import EvidenceError, verify
 from validation.misses import MISS_KIND, MissLog
+from validation.trainers import trainer_with_policy
 
 _REAL = planner.analytic_saved_bytes
 
 
 def test_a_forced_miss_is_one_verified_record_that_replays_to_its_estimate(tmp_path: Path) -> None:
-    trainer = rt.Trainer(rt.DecoderLM(rt.ModelConfig.tiny(), seed=0))
-    trainer.add_checkpoint("policy", full=True, seed=1)
+    trainer = trainer_with_policy()
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     inputs = [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
     log = MissLog(tmp_path)

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 import reference_trainer as rt
+from validation.trainers import POLICY, trainer_with_policy
 
 from ..protocol import ConformSpec
 from .models import decoder
 
 __all__ = ["ReferenceAdapter"]
 
-_CHECKPOINT = "policy"
+_CHECKPOINT = POLICY
 
 
 def _module_view(trainer: rt.Trainer) -> torch.nn.Module:
@@ -50,9 +51,8 @@ class ReferenceAdapter:
     def start(self, spec: ConformSpec) -> None:
         self._spec = spec
         options = rt.ForwardOptions(max_gradient_staleness=spec.max_staleness)
-        self._trainer = rt.Trainer(decoder(spec), options=options)
-        self._trainer.add_checkpoint(_CHECKPOINT, full=True, optimizer=rt.AdamWConfig(
-            lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay))
+        optimizer = rt.AdamWConfig(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+        self._trainer = trainer_with_policy(decoder(spec), optimizer=optimizer, options=options)
         self._view = _module_view(self._trainer)
 
     def module(self) -> torch.nn.Module:
