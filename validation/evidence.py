@@ -35,7 +35,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -47,6 +47,7 @@ from .world import world_facts
 
 __all__ = [
     "DEFAULT_OUT",
+    "verdict_line",
     "EVIDENCE_MARKER",
     "mark_evidence_folder",
     "injected",
@@ -99,15 +100,24 @@ class Check:
         return not self.ok and not self.skipped
 
 
+def verdict_line(check: Check) -> str:
+    """The one line a verdict is shown as: ``PASS|FAIL|SKIP  name: detail`` (``: detail`` only when there is one)."""
+    state = "SKIP" if check.skipped else "PASS" if check.ok else "FAIL"
+    return f"{state}  {check.name}" + (f": {check.detail}" if check.detail else "")
+
+
 @dataclass
 class Checks:
     """The collector every writer records its checks with (the one way; see the module docstring).
 
     A name is checked or skipped once: recording it again is a programming
     error (``ValueError``), since two verdicts under one name would hide one.
+    ``echo``, when given, is shown each verdict as it is recorded, in the one
+    format every canary prints (:func:`verdict_line`); ``None``: silent.
     """
 
     _checks: dict[str, Check] = field(default_factory=dict)
+    echo: Callable[[str], None] | None = field(default=None, compare=False, kw_only=True)
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         """Record ``name`` as passed or failed with ``detail`` (why); returns ``ok`` for chaining."""
@@ -122,6 +132,8 @@ class Checks:
         if check.name in self._checks:
             raise ValueError(f"check {check.name!r} recorded twice; give each check its own name")
         self._checks[check.name] = check
+        if self.echo is not None:
+            self.echo(verdict_line(check))
 
     def __iter__(self) -> Iterator[Check]:
         return iter(self._checks.values())

@@ -176,8 +176,8 @@ def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
     fake_pauses(monkeypatch)
-    monkeypatch.setattr(benchmark, "judge", functools.partial(
-        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(benchmark, "measure", functools.partial(
+        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     assert main(["bench", "--profile", "default", "--out", str(tmp_path)]) == 0
     records = _records(tmp_path)
     assert set(records) == {"benchmark", "benchmark-sweep"}

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ import torch
 from canaries import cli, smoke, suite
 from canaries.cli import main
 from canaries.registry import CANARIES, PRESET_NAMES, Canary, Judged
+from canaries.request import CanaryRun
 from validation.errors import CheckFailed
 from validation.evidence import Checks, make_record, verify, write_once
 
@@ -46,12 +47,13 @@ class FakeCanaries:
             monkeypatch.setitem(CANARIES, name, Canary(name=name, module=module.__name__, summary=f"fake {name}"))
 
     def _judge(self, name: str):
-        def judge(preset: str, profile: str) -> Judged:
-            self.calls.append((name, preset, profile))
+        def judge(run: CanaryRun) -> Judged:
+            self.calls.append((name, run.preset.name, run.profile))
             self.threads.append(torch.get_num_threads())
             if name in self.raising:
                 raise RuntimeError(f"{name} blew up")
-            return Judged(f"{name}-fake", {"preset": preset}, Checks.of({f"{name} ok": name not in self.failing}), {})
+            return Judged(f"{name}-fake", {"preset": run.preset.name},
+                          Checks.of({f"{name} ok": name not in self.failing}), {})
 
         return judge
 
@@ -65,11 +67,10 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeCanaries:
 def quick_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     """A smoke stand-in (the real one runs in test_run_writes_every_record_and_a_report_and_passes)."""
 
-    def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
-        record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": True}, measurements={})
-        return SimpleNamespace(checks=[], record=lambda: record)
+    def quick(run: CanaryRun, *, seed: int = 0, inject_failure: bool = False) -> Judged:
+        return Judged("smoke", {"seed": seed}, Checks.of({"smoke ok": True}), {})
 
-    monkeypatch.setattr(smoke, "run_smoke", quick)
+    monkeypatch.setattr(smoke, "judge", quick)
 
 
 def only_run_dir(out: Path) -> Path:
@@ -201,7 +202,7 @@ def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.
 def test_a_harness_error_becomes_its_reason_its_fix_and_its_exit_code(
     tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def refuse(preset: str, profile: str) -> Judged:
+    def refuse(run: CanaryRun) -> Judged:
         raise CheckFailed("the evidence did not verify", fix="re-run the canary")
 
     monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "judge", refuse)
