@@ -47,7 +47,6 @@ from .world import world_facts
 
 __all__ = [
     "DEFAULT_OUT",
-    "verdict_line",
     "EVIDENCE_MARKER",
     "mark_evidence_folder",
     "injected",
@@ -99,11 +98,11 @@ class Check:
     def failed(self) -> bool:
         return not self.ok and not self.skipped
 
-
-def verdict_line(check: Check) -> str:
-    """The one line a verdict is shown as: ``PASS|FAIL|SKIP  name: detail`` (``: detail`` only when there is one)."""
-    state = "SKIP" if check.skipped else "PASS" if check.ok else "FAIL"
-    return f"{state}  {check.name}" + (f": {check.detail}" if check.detail else "")
+    @property
+    def line(self) -> str:
+        """The one way a verdict is shown: ``PASS|FAIL|SKIP  name: detail`` (``: detail`` only with a detail)."""
+        state = "SKIP" if self.skipped else "PASS" if self.ok else "FAIL"
+        return f"{state}  {self.name}: {self.detail}" if self.detail else f"{state}  {self.name}"
 
 
 @dataclass
@@ -112,8 +111,7 @@ class Checks:
 
     A name is checked or skipped once: recording it again is a programming
     error (``ValueError``), since two verdicts under one name would hide one.
-    ``echo``, when given, is shown each verdict as it is recorded, in the one
-    format every canary prints (:func:`verdict_line`); ``None``: silent.
+    ``echo`` is shown each verdict as it is recorded (:attr:`Check.line`; ``None``: silent).
     """
 
     _checks: dict[str, Check] = field(default_factory=dict)
@@ -133,7 +131,7 @@ class Checks:
             raise ValueError(f"check {check.name!r} recorded twice; give each check its own name")
         self._checks[check.name] = check
         if self.echo is not None:
-            self.echo(verdict_line(check))
+            self.echo(check.line)
 
     def __iter__(self) -> Iterator[Check]:
         return iter(self._checks.values())

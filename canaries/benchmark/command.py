@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from validation.errors import SetupError
-from validation.evidence import DEFAULT_OUT, checks_of, verdict_line
+from validation.evidence import DEFAULT_OUT, checks_of
 
 from ..arguments import fraction, positive
 from ..registry import PRESET_NAMES, PROFILES, canary
@@ -70,7 +70,7 @@ def _print_record(record: dict) -> None:
         for comparison in point["comparisons"]:
             print(comparison_line(comparison, point["label"], gate))
     for check in checks_of(record):  # a skip, e.g. inconclusive (loaded: ...), is not a failure
-        print(verdict_line(check))
+        print(check.line)
 
 
 def _bench(args: argparse.Namespace) -> int:
