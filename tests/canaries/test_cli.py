@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -303,3 +303,22 @@ def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
     assert reason.startswith("rtv run: no space left on the device while writing evidence") and "rtv-out/" in fix
     assert fakes.calls == [], "the run stops: nothing later could be written"
     assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"
+
+
+@pytest.mark.parametrize("command", [["canary", "memory", "--profile", "quick"], ["run"]])
+def test_under_torchrun_the_request_carries_the_worlds_process_count(
+    command: list[str], tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [Joined worlds]: the world's size reaches every canary in the one request, not in ambient state."""
+    seen: list[CanaryRun] = []
+
+    def judge(run: CanaryRun) -> Judged:
+        seen.append(run)
+        return Judged("memory-fake", {}, Checks.of({"ok": True}), {})
+
+    monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "judge", judge)
+    monkeypatch.setattr(cli, "given_world", lambda: SimpleNamespace(world_size=3))
+    monkeypatch.setattr(cli, "joined", lambda world, command: command())
+    assert main([*command, "--out", str(tmp_path)]) == 0
+    (run,) = seen
+    assert (run.preset.processes, run.preset.logical_dp) == (3, 3)
