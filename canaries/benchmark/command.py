@@ -41,18 +41,18 @@ def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> li
 
     if args.sweep:
         with threads(args.threads):
-            return [sweep.judge(args.preset, args.profile, gate=args.gate)]
+            return [sweep.measure(args.preset, args.profile, gate=args.gate)]
     if args.baseline is not None:
         from . import baseline
 
-        return [baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
+        return [baseline.measure(args.baseline or None, args.preset, args.profile, args.out,
                                arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)]
     judged = [benchmark.measure(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
                               progress=True, traces=run_dir / "traces", pauses=True)]
     if args.profile in SWEPT_PROFILES:
         with threads(args.threads):
             budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)
-            judged.append(sweep.judge(args.preset, args.profile, gate=args.gate, budget_s=budget))
+            judged.append(sweep.measure(args.preset, args.profile, gate=args.gate, budget_s=budget))
     return judged
 
 
