@@ -305,7 +305,8 @@ def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
     assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"
 
 
-@pytest.mark.parametrize("command", [["canary", "memory", "--profile", "quick"], ["run"]])
+@pytest.mark.parametrize("command", [["canary", "memory", "--profile", "quick"],
+                                     pytest.param(["run"], marks=pytest.mark.slow)])  # the run: ~15 s (a report)
 def test_under_torchrun_the_request_carries_the_worlds_process_count(
     command: list[str], tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
