@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,6 +48,8 @@ from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT, EVIDENCE_MARKER
 from validation.world import given_world, joined
 
+from .arguments import positive, seconds
+from .benchmark.command import add_bench_commands
 from .conform.command import add_conform_command
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
 from . import suite
@@ -57,7 +58,6 @@ __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
 INJECT_ENV = "RTV_SMOKE_INJECT_FAILURE"
 MUTATION_ENV = "RTV_INJECT_MUTATION"
-HISTORY_FILE = "history.sqlite"  # in rtv bench's --out folder
 
 
 def _passed(path: Path) -> bool:
@@ -78,104 +78,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _canary_command(args: argparse.Namespace) -> int:
+    """``rtv canary NAME``: one request (on the torchrun world's processes inside one), one record."""
     from validation.hangs import watching
 
-    from .presets import preset
+    from .request import canary_run
 
-    deadline = args.hang_timeout if args.hang_timeout is not None else preset(args.preset).hang_timeout_s
+    asked = canary_run(args.preset, args.profile, processes=getattr(args, "nproc", None))
+    deadline = args.hang_timeout if args.hang_timeout is not None else asked.preset.hang_timeout_s
     with suite.threads(args.threads), watching(deadline, args.out):
-        path = canary(args.name).run(args.preset, args.profile, args.out)
+        path = canary(args.name).run(asked, args.out)
     passed = _passed(path)
     print(f"rtv canary {args.name}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
     return 0 if passed else 1
-
-
-SWEPT_PROFILES = ("default", "nightly")  # rtv bench's profiles that run the cost-growth sweep after the benchmark
-
-
-def _bench_judged(args: argparse.Namespace, run_dir: Path, started: float) -> list:
-    """What ``rtv bench`` runs: the sweep alone (``--sweep``), the baseline, or the benchmark and, on the
-    ``SWEPT_PROFILES``, the sweep's grid of that profile in what the run's budget leaves (``started``: the
-    run's ``time.monotonic()``; NOTE [Cost growth] in ``canaries/benchmark/sweep.py``)."""
-    from .benchmark import canary as benchmark
-    from .benchmark import sweep
-
-    if args.sweep:
-        with suite.threads(args.threads):
-            return [sweep.judge(args.preset, args.profile, gate=args.gate)]
-    if args.baseline is not None:
-        from .benchmark import baseline
-
-        return [baseline.judge(args.baseline or None, args.preset, args.profile, args.out,
-                               arms=tuple(args.arm or ("retain@s0",)), gate=args.gate, threads=args.threads)]
-    judged = [benchmark.judge(args.preset, args.profile, gate=args.gate, target=args.target, threads=args.threads,
-                              progress=True, traces=run_dir / "traces", pauses=True)]
-    if args.profile in SWEPT_PROFILES:
-        with suite.threads(args.threads):
-            budget = sweep.budget_left(args.preset, args.profile, time.monotonic() - started)
-            judged.append(sweep.judge(args.preset, args.profile, gate=args.gate, budget_s=budget))
-    return judged
-
-
-def _print_record(record: dict) -> None:
-    """A record's comparison lines (per group, per sweep shape, or the baseline's) and its checks."""
-    from reports.benchmark import comparison_line
-
-    measurements, gate = record["measurements"], record["config"]["gate"]
-    for comparison in measurements["comparisons"] if record["kind"] == "benchmark-baseline" else []:
-        print(comparison_line(comparison, record["config"]["workload"], gate))
-    for group in measurements.get("groups", []):
-        for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
-            print(comparison_line(comparison, group["label"], gate))
-    for point in measurements.get("points", []):
-        for comparison in point["comparisons"]:
-            print(comparison_line(comparison, point["label"], gate))
-    for check, passed in record["checks"].items():
-        print(f"{'PASS' if passed else 'FAIL'}  {check}")
-    for check, why in record.get("skips", {}).items():
-        print(f"SKIP  {check}: {why}")  # e.g. inconclusive (loaded: ...): not a failure
-
-
-def _bench(args: argparse.Namespace) -> int:
-    """``rtv bench``: run the benchmark into a new folder, render its report, exit 0/1 on its enforced checks."""
-    from reports import render_report
-    from validation import history
-    from validation.evidence import evidence_path, verify
-
-    started = time.monotonic()
-    run_dir = evidence_path(args.out, "bench").with_suffix("")  # one folder per run: the report shows this run only
-    records = []
-    for judged in _bench_judged(args, run_dir, started):
-        path = canary("benchmark").record(args.preset, judged, run_dir)
-        records.append((path, verify(path)))
-        history.append(args.out / HISTORY_FILE, records[-1][1], str(path))
-    scope = records[0][1]["config"].get("scope")
-    title = f"rtv bench {run_dir.name}" + (f" ({scope})" if scope else "")
-    report = render_report(run_dir, run_dir / "report" / "index.md", title=title)
-    for _, record in records:
-        _print_record(record)
-    passed = all(record["passed"] for _, record in records)
-    print(f"appended to the history {args.out / HISTORY_FILE} (rtv history --store FILE)")
-    print(f"rtv bench: {'PASSED' if passed else 'FAILED'}; evidence: " + ", ".join(str(p) for p, _ in records)
-          + f"\nreport: {report.html}")
-    return 0 if passed else 1
-
-
-def _history(args: argparse.Namespace) -> int:
-    """``rtv history``: the trend page of the store; exit 1 when some series' verdict is a regression."""
-    from reports.history import change_line, render_history
-    from validation import history
-
-    if not args.store.is_file():
-        raise SetupError(f"no benchmark history at {args.store}", fix="run rtv bench first, or pass --store FILE")
-    out = args.out_file or args.store.parent / "history" / "index.md"
-    found = history.series(history.load(args.store, arm=args.arm, workload=args.workload))
-    paths = render_history(found, f"Benchmark history: {args.store}", out)
-    for series in paths.series:
-        print(f"{series.verdict:18} {series.arm} · {series.workload} · machine {series.machine_id} "
-              f"({len(series.commits)} commits)" + "".join(f"\n    {change_line(c)}" for c in series.changes))
-    print(f"wrote {paths.markdown}\nwrote {paths.html}")
-    return 1 if any(s.verdict == "regression" for s in paths.series) else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -215,27 +129,6 @@ def _mutation_score(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, found {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, found {value}")
-    return value
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtv",
@@ -267,12 +160,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--gate", action="store_true",
                      help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts")
-    run.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
+    run.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default: 1)")
     run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                      help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
-    run.add_argument("--nproc", type=_positive, default=None,
+    run.add_argument("--nproc", type=positive, default=None,
                      help="processes for the logical-rank parts (default: the preset's; a GPU preset: at most its GPUs)")
-    run.add_argument("--hang-timeout", type=_seconds, default=None, metavar="S",
+    run.add_argument("--hang-timeout", type=seconds, default=None, metavar="S",
                      help="collective watchdog deadline in seconds (default: the preset's); a collective that waits "
                      "longer dumps every process's stack and trace into the run folder and the run exits 7")
     run.set_defaults(handler=_run)
@@ -288,50 +181,10 @@ def _build_parser() -> argparse.ArgumentParser:
     canary_parser.add_argument("--profile", choices=PROFILES, default="default",
                                help="depth: quick (seconds), default, nightly (minutes)")
     canary_parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
-    canary_parser.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
-    canary_parser.add_argument("--hang-timeout", type=_seconds, default=None, metavar="S",
+    canary_parser.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default: 1)")
+    canary_parser.add_argument("--hang-timeout", type=seconds, default=None, metavar="S",
                                help="collective watchdog deadline in seconds (default: the preset's); a hang exits 7")
     canary_parser.set_defaults(handler=_canary_command)
-
-    bench = sub.add_parser(
-        "bench", help="the benchmark: versioned-trainer arms vs a plain PyTorch step (ABBA), with its report",
-        description="Compare the versioned trainer's placements (retain, offload, replay, auto; staleness 0 and 2) "
-        "with a plain PyTorch step in alternating blocks, and render a report. Exits 1 when an enforced gate fails "
-        "(retain@s0 vs plain, replay@s0 vs its floor: a regression beyond --gate; --target if given).",
-    )
-    bench.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
-                       help="cpu, or a GPU preset (on a machine without CUDA it runs CPU shapes and says so)")
-    bench.add_argument("--profile", choices=PROFILES, default="default",
-                       help="quick (<= 60 s), default (<= 5 min here; with a small cost-growth sweep), "
-                       "nightly (every arm and workload, and the full sweep)")
-    bench.add_argument("--gate", type=_fraction, default=0.05, help="half-width of the tie band (default: 0.05)")
-    bench.add_argument("--target", type=float, default=None,
-                       help="also enforce retain@s0 / plain median <= TARGET (default: 1.03 reported, not enforced)")
-    bench.add_argument("--out", type=Path, default=DEFAULT_OUT / "bench", help="evidence folder (default: ./rtv-out/bench)")
-    bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads (default: 1)")
-    bench.add_argument("--baseline", nargs="?", const="", default=None, metavar="REV",
-                       help="compare this checkout's reference_trainer with REV's (a commit, branch or tag; "
-                       "default: the merge base with main), each in a worker process, in ABBA blocks; "
-                       "plain runs too, as the A/A control")
-    bench.add_argument("--sweep", action="store_true",
-                       help="only the cost-growth sweep (default and nightly run it after the benchmark): sequence "
-                       "length x batch (the full grid with --profile nightly; 4x{1K,2K,4K} on a GPU preset), each "
-                       "shape in ABBA blocks against plain, and a fixed + per-token (+ per-token²) fit per arm")
-    bench.add_argument("--arm", action="append", default=None, metavar="A",
-                       help="with --baseline: an arm to compare, e.g. offload@s2 (repeatable; default: retain@s0)")
-    bench.set_defaults(handler=_bench)
-
-    trend = sub.add_parser("history", help="benchmark history: trend plots, change points and verdicts per series",
-                           description="Render every benchmark record appended so far (one series per machine, "
-                           "workload and arm; machines never mixed), find change points (ruptures PELT) and name the "
-                           "first commit after each, with a verdict per series. Exits 1 when a series regressed.")
-    trend.add_argument("--store", type=Path, default=DEFAULT_OUT / "bench" / HISTORY_FILE,
-                       help=f"the history store (default: ./rtv-out/bench/{HISTORY_FILE}, where rtv bench appends)")
-    trend.add_argument("--arm", default=None, help="only this arm, e.g. retain@s0")
-    trend.add_argument("--workload", default=None, help="only this workload label, e.g. 'small 4x64 full'")
-    trend.add_argument("--out", dest="out_file", type=Path, default=None,
-                       help="Markdown file to write (default: <store folder>/history/index.md)")
-    trend.set_defaults(handler=_history)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
     report.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT,
@@ -349,15 +202,16 @@ def _build_parser() -> argparse.ArgumentParser:
                               "the score and the survivors as evidence and render the report. Run from the checkout.")
     mutation.add_argument("--paths", nargs="+", default=["reference_trainer", "validation"], help="packages to mutate")
     mutation.add_argument("--tests", nargs="+", default=["tests/unit"], help="the tests that judge (default: tests/unit)")
-    mutation.add_argument("--sample", type=_positive, default=200, help="mutants to run (default: 200)")
+    mutation.add_argument("--sample", type=positive, default=200, help="mutants to run (default: 200)")
     mutation.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
     mutation.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole run (default: 3600)")
-    mutation.add_argument("--jobs", type=_positive, default=2, help="mutants run at once (default: 2)")
+    mutation.add_argument("--jobs", type=positive, default=2, help="mutants run at once (default: 2)")
     mutation.add_argument("--python", default=sys.executable, help="interpreter with mutmut (default: this one)")
     mutation.add_argument("--out", type=Path, default=DEFAULT_OUT / "mutation",
                           help="evidence folder (default: ./rtv-out/mutation)")
     mutation.set_defaults(handler=_mutation_score)
 
+    add_bench_commands(sub)
     add_conform_command(sub)
     add_gpu_commands(sub)
     return parser
@@ -365,17 +219,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _in_world(args: argparse.Namespace, processes: int) -> int:
     """Rank 0 of a torchrun world (NOTE [Joined worlds] in ``validation.world``): the command's logical-rank
-    parts run on every process of the world, so the run's process count is the world's size."""
-    from .presets import process_count
-
+    parts run on every process of the world, so the run's process count is the world's size (``args.nproc``,
+    which ``rtv run`` and ``rtv canary`` resolve their request with)."""
     if getattr(args, "nproc", None) not in (None, processes):
         raise SetupError(f"rtv {args.command} --nproc {args.nproc} under torchrun: expected the world's "
                          f"{processes} processes, found --nproc {args.nproc}",
                          fix=f"drop --nproc (it is the world's size under torchrun), or start {args.nproc} processes")
-    if hasattr(args, "nproc"):
-        args.nproc = processes
-    with process_count(processes):
-        return args.handler(args)
+    args.nproc = processes
+    return args.handler(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

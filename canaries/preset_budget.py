@@ -22,10 +22,9 @@ from reference_trainer import DecoderLM, LoRAAdapter, ModelConfig
 from reference_trainer.planner import analytic_saved_bytes, attention_saves_scores
 from validation.errors import SetupError
 
-from .presets import Preset, preset
+from .presets import Preset
 
-__all__ = ["PENDING_FORWARDS", "MemoryEstimate", "check_fits", "device_bytes", "estimate", "parameter_count",
-           "preset_here"]
+__all__ = ["PENDING_FORWARDS", "MemoryEstimate", "check_fits", "device_bytes", "estimate", "parameter_count"]
 
 PENDING_FORWARDS = 4  # forwards a canary keeps pending at once, each with its saved activations
 GB = 1e9
@@ -106,15 +105,3 @@ def check_fits(
             fix="run it on a larger device, or lower the preset's sequences, seq_len or oracle_layers",
         )
     return found
-
-
-def preset_here(name: str, *, oracle: bool) -> Preset:
-    """Preset ``name`` as it runs on this machine (its CPU stand-in without CUDA), checked to fit on a GPU.
-
-    The start every model-building canary shares: on CUDA the estimate is
-    printed and ``SetupError`` raised before any model is built when it does not fit.
-    """
-    spec = preset(name).on_this_machine()
-    if spec.device == "cuda":
-        check_fits(spec, oracle=oracle)
-    return spec

@@ -8,9 +8,10 @@ preset's code path but swaps the device for the CPU and the model for a small
 shape when no GPU is present, so the GPU path runs end to end here (its
 logical-rank parts still spawned, on at most two gloo processes); the checks
 that need CUDA then report themselves as skipped. ``processes`` is what
-``rtv run --nproc`` asks for when given: an argument of :func:`preset`, or for
-the canaries of one run the scope :func:`process_count` opens (the run
-function in ``canaries.suite`` does; nothing goes through ``os.environ``); a GPU preset's FP64
+``rtv run --nproc`` asks for when given: an argument of :func:`preset`,
+resolved once per run into the request every canary reads
+(``canaries.request.CanaryRun``; nothing goes through ``os.environ`` or
+ambient state); a GPU preset's FP64
 oracle canaries may run a declared subset of its layers (``oracle_layers``,
 recorded in the evidence), and ``canaries.preset_budget`` checks its memory
 estimate against the device before anything is built.
@@ -19,9 +20,6 @@ estimate against the device before anything is built.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +28,7 @@ from reference_trainer import LoRAConfig, ModelConfig
 from reference_trainer.planner import Placement
 from validation.errors import SetupError
 
-__all__ = ["PLACEMENTS", "PLACEMENT_REQUESTS", "Preset", "PRESETS", "preset", "process_count"]
+__all__ = ["PLACEMENTS", "PLACEMENT_REQUESTS", "Preset", "PRESETS", "preset"]
 
 # Every canary names placements through these, derived from the trainer's own enum, so none keeps a copy.
 PLACEMENTS: tuple[str, ...] = tuple(p.value for p in Placement)  # where a record keeps its saved state
@@ -125,26 +123,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-_PROCESS_COUNT: ContextVar[int | None] = ContextVar("process_count", default=None)
-
-
-@contextmanager
-def process_count(processes: int | None) -> Iterator[None]:
-    """Within the block, :func:`preset` gives ``processes`` to presets not given a count (``None``: unchanged).
-
-    The scope of one ``rtv run --nproc N`` (``canaries.suite.run``): the canaries
-    it runs, and those the mutation suite runs inside it, resolve their preset by
-    name, so the count reaches them without each one passing it on.
-    """
-    token = _PROCESS_COUNT.set(processes if processes is not None else _PROCESS_COUNT.get())
-    try:
-        yield
-    finally:
-        _PROCESS_COUNT.reset(token)
-
-
 def preset(name: str, processes: int | None = None) -> Preset:
-    """The preset ``name``, on ``processes`` processes when given (else :func:`process_count`'s, else its own).
+    """The preset ``name``, on ``processes`` processes when given (else its own).
 
     ``logical_dp`` rises to the next multiple of the process count when it is
     not one. Raises ``SetupError`` for an unknown name or a count that is not
@@ -154,11 +134,10 @@ def preset(name: str, processes: int | None = None) -> Preset:
         found = PRESETS[name]
     except KeyError:
         raise SetupError(f"unknown preset {name!r}", fix=f"use one of {', '.join(PRESETS)}") from None
-    count = processes if processes is not None else _PROCESS_COUNT.get()
-    if count is None:
+    if processes is None:
         return found
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise SetupError(f"preset {name!r} on {count!r} processes: expected a positive int",
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise SetupError(f"preset {name!r} on {processes!r} processes: expected a positive int",
                          fix="pass --nproc N, N >= 1")
-    logical_dp = -(-found.logical_dp // count) * count
-    return dataclasses.replace(found, processes=count, logical_dp=logical_dp)
+    logical_dp = -(-found.logical_dp // processes) * processes
+    return dataclasses.replace(found, processes=processes, logical_dp=logical_dp)

@@ -1,31 +1,35 @@
 """The canary spine: one interface, one registry, one way a canary's evidence is written.
 
-A canary is a module ``canaries.<name>`` that supplies only what is its own::
+A canary is a module ``canaries.<name>.canary`` that supplies only what is its own::
 
-    def judge(preset: str, profile: str) -> Judged
+    def judge(run: CanaryRun) -> Judged
 
-``preset`` is one of :data:`PRESET_NAMES` (a GPU preset on a machine without CUDA
-either runs its CPU stand-in and says so in the evidence, or raises
-``validation.errors.SetupError`` when it cannot); ``profile`` is one of
-:data:`PROFILES` (``quick`` for ``rtv run`` and the test suite, ``default``
-for ``rtv canary NAME``, ``nightly`` for deep runs). A canary that takes
-``gate=True`` or ``checks=`` accepts them as keywords (:class:`Canary`).
-:func:`judge` returns a :class:`Judged`: the record's kind and config, its
-checks (the ``validation.evidence.Checks`` collector, details and skips
-included) and its measurements. A failed check is a failed check in there,
-never an exception. The canary prints its own PASS/FAIL lines as it goes.
+``run`` (``canaries.request.CanaryRun``) is the whole request, resolved once
+by the caller: the ``Preset`` as it runs on this machine (a GPU preset on a
+machine without CUDA is its CPU stand-in, and the canary says so in the
+evidence or raises ``validation.errors.SetupError`` when it cannot), the
+profile (:data:`PROFILES`: ``quick`` for ``rtv run`` and the test suite,
+``default`` for ``rtv canary NAME``, ``nightly`` for deep runs), ``gate``,
+``checks`` (a canary that runs only whole calls ``run.runs_every_check``)
+and ``echo``, where its lines go. A canary never resolves a preset itself
+(tests/test_architecture.py's ``resolve`` rule). :func:`judge` returns a
+:class:`Judged`: the record's kind and config, its checks (the
+``validation.evidence.Checks`` collector, made with ``echo=run.echo`` so each
+verdict is shown as it is made, details and skips included) and its
+measurements. A failed check is a failed check in there, never an exception.
 
-:meth:`Canary.run` does the part every canary shares, once: it checks the
-preset and profile names, calls ``judge``, writes one schema-2 write-once
-record (``validation.evidence.make_record``) at
-``validation.evidence.evidence_path(out_dir, "<name>-<preset>")``, prints
-the verdict and the path, and returns the path. :meth:`Canary.record` is
-that tail alone, for callers that judge with options of their own
-(``rtv bench``'s clock and threads, the mutation suite on some mutations,
+:meth:`Canary.run` does the part every canary shares, once: it calls
+``judge``, writes one schema-2 write-once record
+(``validation.evidence.make_record``) at
+``validation.evidence.evidence_path(out_dir, "<name>-<preset>")``, shows
+the verdict and the path through ``run.echo``, and returns the path.
+:meth:`Canary.record` is that tail alone, for callers that judge with
+options of their own (``rtv bench``'s clock and threads, the smoke's seed,
 the learning canary's tiny test plans).
 
-Adding a canary is one module with ``judge`` plus one line in
-:data:`CANARIES`. Modules are imported only when a canary runs, so
+Adding a canary is its folder ``canaries/<name>/`` with ``canary.py``
+defining ``judge(run)``, plus one line in :data:`CANARIES` (docs/harness.md,
+"Adding a canary"). Modules are imported only when a canary runs, so
 ``rtv --help`` stays instant. ``rtv canary``, ``rtv run`` and the mutation
 suite all go through here.
 """
@@ -33,7 +37,7 @@ suite all go through here.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +45,13 @@ from typing import Any
 from validation.errors import SetupError
 from validation.evidence import Checks, evidence_path, make_record, write_once
 
+from .request import PROFILES, CanaryRun, echo_line
+
 __all__ = ["Canary", "CANARIES", "Judged", "PRESET_NAMES", "PROFILES", "canary"]
 
 # The names of ``canaries.presets.PRESETS``, written here so ``rtv --help`` needs no torch
 # (tests/canaries/test_cli.py checks they agree).
 PRESET_NAMES = ("cpu", "gpu", "gpu-8b")
-PROFILES = ("quick", "default", "nightly")
 
 
 @dataclass(frozen=True)
@@ -66,65 +71,46 @@ class Canary:
     ``enforced``: whether ``rtv run`` fails (exit 1) when this canary's
     evidence says failed. Correctness canaries are enforced; comparisons
     whose verdicts are shown rather than gated (throughput) are not, unless
-    the user asks with ``--gate``. ``takes_gate``: the module's ``judge``
-    also accepts ``gate=True`` (enforce its comparisons, not only show them).
-    ``takes_checks``: the module's ``judge`` also accepts ``checks=`` (the
-    names of the only checks to run; the mutation suite's focused runs,
-    NOTE [Mutation verdicts] Rule 4).
+    the user asks with ``--gate``.
     """
 
     name: str
     module: str
     summary: str
     enforced: bool = True
-    takes_gate: bool = False
-    takes_checks: bool = False
 
-    def run(
-        self, preset: str, profile: str, out_dir: Path, *, gate: bool = False, checks: Sequence[str] | None = None
-    ) -> Path:
-        """Judge the canary (only ``checks``, when given) and write its record; returns the path (module docstring)."""
-        self._check_preset(preset)
-        if profile not in PROFILES:
-            raise SetupError(f"unknown profile {profile!r}", fix=f"use one of {', '.join(PROFILES)}")
-        if gate and not self.takes_gate:
-            raise SetupError(f"canary {self.name!r} has no gate option", fix="run it without gate")
-        if checks is not None and not self.takes_checks:
-            raise SetupError(f"canary {self.name!r} runs all its checks", fix="run it without checks=")
-        options: dict[str, object] = {"gate": True} if gate else {}
-        if checks is not None:
-            options["checks"] = tuple(checks)
-        return self.record(preset, self._judge()(preset, profile, **options), out_dir)
+    def run(self, run: CanaryRun, out_dir: Path) -> Path:
+        """Judge ``run`` and write its record; returns the path (module docstring)."""
+        return self.record(run.preset.name, self._judge()(run), out_dir, echo=run.echo)
 
-    def record(self, preset: str, judged: Judged, out_dir: Path) -> Path:
-        """Write ``judged`` as one schema-2 record of this canary on ``preset``; print the verdict; return the path."""
-        self._check_preset(preset)
+    def record(self, preset_name: str, judged: Judged, out_dir: Path, *,
+               echo: Callable[[str], None] = echo_line) -> Path:
+        """Write ``judged`` as one schema-2 record of this canary on preset ``preset_name``; show the verdict
+        and the path through ``echo``; return the path."""
+        if preset_name not in PRESET_NAMES:
+            raise SetupError(f"unknown preset {preset_name!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
         if not isinstance(judged, Judged):
             raise SetupError(f"canary {self.name!r}: expected judge to return a Judged, found {type(judged).__name__}",
                              fix=f"return canaries.registry.Judged(kind, config, checks, measurements) from {self.module}.judge")
         record = make_record(judged.kind, config=judged.config, checks=judged.checks,
                              measurements=judged.measurements)
-        path = write_once(evidence_path(Path(out_dir), f"{self.name}-{preset}"), record)
+        path = write_once(evidence_path(Path(out_dir), f"{self.name}-{preset_name}"), record)
         ran = [c for c in judged.checks if not c.skipped]
         failed = [c for c in ran if not c.ok]
         verdict = "PASSED" if record["passed"] else f"FAILED ({len(failed)} of {len(ran)} checks)"
-        print(f"{self.name} canary: {verdict}; {len(judged.checks) - len(ran)} skipped", flush=True)
-        print(f"wrote {path}", flush=True)
+        echo(f"{self.name} canary: {verdict}; {len(judged.checks) - len(ran)} skipped")
+        echo(f"wrote {path}")
         return path
 
-    def _check_preset(self, preset: str) -> None:
-        if preset not in PRESET_NAMES:
-            raise SetupError(f"unknown preset {preset!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
-
-    def _judge(self) -> Any:
+    def _judge(self) -> Callable[[CanaryRun], Judged]:
         """The module's ``judge``; :class:`SetupError` for a module without one (an old-style ``run`` included)."""
         module = importlib.import_module(self.module)
         judge = getattr(module, "judge", None)
         if not callable(judge):
             found = "an old-style run(preset, profile, out_dir)" if hasattr(module, "run") else "no judge"
-            raise SetupError(f"canary {self.name!r}: expected {self.module}.judge(preset, profile) -> Judged, "
+            raise SetupError(f"canary {self.name!r}: expected {self.module}.judge(run: CanaryRun) -> Judged, "
                              f"found {found}",
-                             fix="give the module judge(preset, profile) returning canaries.registry.Judged; "
+                             fix="give the module judge(run) returning canaries.registry.Judged; "
                                  "the registry writes the record")
         return judge
 
@@ -133,10 +119,9 @@ CANARIES: dict[str, Canary] = {
     c.name: c
     for c in (
         Canary(name="derivative", module="canaries.derivative.canary",
-               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)", takes_checks=True),
+               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)"),
         Canary(name="memory", module="canaries.memory.canary",
-               summary="no saved state, graph or staging outlives its backward; admission stays under the limit",
-               takes_checks=True),
+               summary="no saved state, graph or staging outlives its backward; admission stays under the limit"),
         Canary(name="resume", module="canaries.resume.canary",
                summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
         Canary(name="liveness", module="canaries.liveness.canary",
@@ -148,8 +133,7 @@ CANARIES: dict[str, Canary] = {
         Canary(name="mutations", module="canaries.mutations.canary",
                summary="every deliberately injected bug is caught by the canaries"),
         Canary(name="learning", module="canaries.learning.canary",
-               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
-               takes_gate=True),
+               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)"),
         Canary(name="conform", module="canaries.conform.canary",
                summary="the conformance suite: this trainer's adapter passes every check, naive-async (the negative "
                        "control) fails stale"),

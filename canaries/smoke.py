@@ -2,9 +2,12 @@
 
 Builds ``DecoderLM(ModelConfig.tiny())`` from a seed, attaches a LoRA adapter,
 runs forward, loss (mean negative token log-prob), backward and one AdamW step
-on synthetic tokens, and checks each step. ``SmokeResult.record()`` is an
-evidence record (``validation.evidence.make_record``, kind ``"smoke"``) with
-each check's verdict and detail, recorded through ``validation.evidence.Checks``.
+on synthetic tokens, and checks each step. :func:`judge` takes the run's
+request (``canaries.request.CanaryRun``: the smoke reads only its ``echo``;
+it runs the tiny model on the CPU whatever the preset) and returns a
+``canaries.registry.Judged`` of kind ``"smoke"``, every check recorded
+through ``validation.evidence.Checks``; ``rtv run`` writes it through
+``canaries.registry.Canary.record``, like every canary's.
 
 Negative control: ``inject_failure=True`` (``rtv run --inject-failure`` or
 ``RTV_SMOKE_INJECT_FAILURE=1``) leaves ``lm_head`` trainable, so the check that
@@ -14,63 +17,37 @@ the frozen base gets no gradient must fail.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict
 
 import torch
 
 from reference_trainer.lora import LoRAAdapter, LoRAConfig, freeze
 from reference_trainer.model import DecoderLM, ModelConfig, token_logprobs
-from validation.evidence import SCHEMA_VERSION, Check, Checks, make_record
+from validation.evidence import Checks
 
-__all__ = ["SmokeResult", "run_smoke", "SCHEMA_VERSION", "KIND"]
+from .registry import Judged
+from .request import CanaryRun
+
+__all__ = ["judge", "KIND"]
 
 KIND = "smoke"
 
 
-@dataclass(frozen=True)
-class SmokeResult:
-    checks: tuple[Check, ...]
-    config: dict[str, object]
-
-    @property
-    def passed(self) -> bool:
-        return all(check.ok for check in self.checks)
-
-    def _collected(self) -> Checks:
-        collected = Checks()
-        for c in self.checks:
-            collected.check(c.name, c.ok, c.detail)
-        return collected
-
-    def record(self) -> dict[str, Any]:
-        """The evidence record: checks, verdict, details, config, environment and source fingerprints."""
-        return make_record(
-            KIND,
-            config=self.config,
-            checks=self._collected(),
-            measurements={},
-        )
-
-
-def run_smoke(
+def judge(
+    run: CanaryRun,
     *,
     seed: int = 0,
     batch: int = 4,
     seq_len: int = 16,
     lr: float = 1e-3,
     inject_failure: bool = False,
-    on_check: Callable[[Check], None] = lambda check: None,
-) -> SmokeResult:
-    """Run the smoke; ``on_check`` sees each check as it is made."""
+) -> Judged:
+    """Run the smoke (``seed``: the weights' and tokens'; module docstring); each check is shown as it is made."""
+    run.runs_every_check("smoke")
     model_config = ModelConfig.tiny()
     lora_config = LoRAConfig(rank=4, alpha=8.0)
-    checks: list[Check] = []
-
-    def check(name: str, passed: bool, detail: str) -> None:
-        checks.append(Check(name, bool(passed), str(detail)))
-        on_check(checks[-1])
+    checks = Checks(echo=run.echo)
+    check = checks.check
 
     model = freeze(DecoderLM(model_config, seed=seed))
     if inject_failure:
@@ -87,7 +64,7 @@ def run_smoke(
             return -token_logprobs(model(inputs), targets).mean()
 
     loss = loss_fn()
-    check("loss is finite", torch.isfinite(loss), f"loss={loss.item():.6f}")
+    check("loss is finite", bool(torch.isfinite(loss)), f"loss={loss.item():.6f}")
     uniform = math.log(model_config.vocab_size)
     check(
         "initial loss is near log(vocab)",
@@ -127,4 +104,4 @@ def run_smoke(
         "model": {**asdict(model_config), "dtype": str(model_config.dtype)},
         "lora": asdict(lora_config),
     }
-    return SmokeResult(tuple(checks), config)
+    return Judged(KIND, config, checks, {})

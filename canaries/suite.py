@@ -9,11 +9,13 @@ through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
    or one whose bug cannot show on the preset, and a preset whose memory
    estimate (``canaries.preset_budget``, with the FP64 oracle beside it)
    exceeds the device;
-2. inside ``--threads`` torch CPU threads, the ``--nproc`` process count
-   (``canaries.presets.process_count``: an argument all the way, never an
-   environment variable) and the injected mutation, if any: the smoke
-   (``--seed``, ``--inject-failure``), then :func:`run_canaries` on the
-   preset's profile (:data:`RUN_PROFILES`), then the report; an injected
+2. one request for the whole run (``canaries.request.CanaryRun``: the
+   preset resolved once with the ``--nproc`` process count, never an
+   environment variable or ambient state, the preset's profile
+   :data:`RUN_PROFILES`, ``--gate``), then inside ``--threads`` torch CPU
+   threads and the injected mutation, if any: the smoke (:data:`SMOKE`, with
+   ``--seed`` and ``--inject-failure``), then :func:`run_canaries` with the
+   request, then the report; an injected
    mutation or failure is in every record's ``config["injected"]``
    (``validation.evidence.injected``) and on the report's board;
 3. a summary; exit 7 (``validation.hangs.HANG_EXIT_CODE``) if a canary's
@@ -31,15 +33,15 @@ step could write its evidence either.
 Whether an outcome fails the run is :attr:`CanaryOutcome.fails_run`: a canary
 registered ``enforced`` fails it when its evidence does not say passed;
 a shown-not-enforced canary (the benchmark) fails it only under ``gate``
-(``rtv run --gate``), which also asks the canaries that take it (the learning
-canary's equivalence verdicts) to enforce their comparisons.
+(``rtv run --gate``), which the request also carries to every canary (the
+learning canary's equivalence verdicts read it).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +50,18 @@ from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
 from validation.hangs import HANG_EXIT_CODE, HangDetected, watching
-from validation.evidence import DEFAULT_OUT, Check, evidence_path, injected, verify, write_once
+from validation.evidence import DEFAULT_OUT, evidence_path, injected, verify
 from validation.world import world_facts
 
 from . import registry
+from .request import CanaryRun, canary_run
 
-__all__ = ["CanaryOutcome", "RUN_PROFILES", "RunRequest", "cuda_devices", "run", "run_canaries", "threads"]
+__all__ = ["CanaryOutcome", "RUN_PROFILES", "RunRequest", "SMOKE", "cuda_devices", "run", "run_canaries", "threads"]
 
 RUN_PROFILES = {"cpu": "quick", "gpu": "default", "gpu-8b": "default"}  # the depth ``rtv run`` runs each preset at
+# The run's first step, not a registered canary (rtv run alone runs it, with --seed and --inject-failure); its record
+# is written like every canary's.
+SMOKE = registry.Canary(name="smoke", module="canaries.smoke", summary="one LoRA training step on the tiny model")
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ def threads(count: int) -> Iterator[None]:
 
 
 @contextmanager
-def _mutation(name: str | None, config: object) -> Iterator[None]:
+def _mutation(name: str | None, preset: object) -> Iterator[None]:
     """The run's negative control: the named bug of ``canaries.mutations.catalogue`` stays in while the steps run."""
     if name is None:
         yield
@@ -146,8 +152,8 @@ def _mutation(name: str | None, config: object) -> Iterator[None]:
     from .mutations.catalogue import mutation
 
     bug = mutation(name)  # SetupError naming the known ones
-    if not bug.applies_to(config):
-        raise SetupError(f"mutation {name!r} cannot show on preset {config.name!r} ({bug.description})",  # type: ignore[attr-defined]
+    if not bug.applies_to(preset):
+        raise SetupError(f"mutation {name!r} cannot show on preset {preset.name!r} ({bug.description})",  # type: ignore[attr-defined]
                          fix="pick a mutation that applies to the preset, or another preset")
     print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
     with bug.apply(), injected(f"mutation {bug.name}"):
@@ -170,32 +176,24 @@ def run(request: RunRequest) -> int:
 
     import_extra("harness")  # every canary needs some of it: refused at once, not as a failure of each
     from .preset_budget import check_fits
-    from .presets import preset, process_count
 
     _require_gpus(request.preset, None if world_facts() is not None else request.nproc)  # a world: a GPU each
-    config = preset(request.preset, request.nproc).on_this_machine()
-    check_fits(config, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
-    deadline = request.hang_timeout_s if request.hang_timeout_s is not None else config.hang_timeout_s
-    with threads(request.threads), process_count(request.nproc), _mutation(request.inject_mutation, config), \
-            _failure(request.inject_failure):
-        return _steps(request, deadline)
+    asked = canary_run(request.preset, RUN_PROFILES[request.preset], processes=request.nproc, gate=request.gate,
+                       echo=tqdm.write)
+    check_fits(asked.preset, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
+    deadline = request.hang_timeout_s if request.hang_timeout_s is not None else asked.preset.hang_timeout_s
+    with threads(request.threads), _mutation(request.inject_mutation, asked.preset), _failure(request.inject_failure):
+        return _steps(request, asked, deadline)
 
 
-def _smoke(out: Path, *, seed: int, inject_failure: bool) -> Path:
-    from .smoke import KIND, run_smoke  # imports torch: keep `rtv --help` instant
+def _smoke(request: RunRequest, asked: CanaryRun, out: Path) -> Path:
+    from .smoke import judge  # imports torch: keep `rtv --help` instant
 
-    def show(check: Check) -> None:
-        tqdm.write(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
-
-    result = run_smoke(seed=seed, inject_failure=inject_failure, on_check=show)
-    path = write_once(evidence_path(out, KIND), result.record())
-    failed = sum(not check.ok for check in result.checks)
-    print(f"smoke: {'PASSED' if not failed else f'FAILED ({failed} of {len(result.checks)} checks)'}")
-    print(f"wrote {path}", flush=True)
-    return path
+    judged = judge(asked, seed=request.seed, inject_failure=request.inject_failure)
+    return SMOKE.record(asked.preset.name, judged, out, echo=asked.echo)
 
 
-def _steps(request: RunRequest, hang_timeout_s: float) -> int:
+def _steps(request: RunRequest, asked: CanaryRun, hang_timeout_s: float) -> int:
     run_dir = evidence_path(request.out, f"run-{request.preset}").with_suffix("")  # named like the records it holds
     run_dir.mkdir(parents=True, exist_ok=False)
     print(f"rtv run --preset {request.preset}: evidence goes to {run_dir} (hang deadline {hang_timeout_s:g} s)",
@@ -203,16 +201,15 @@ def _steps(request: RunRequest, hang_timeout_s: float) -> int:
     started = time.perf_counter()
     outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
     try:
-        smoke = _smoke(run_dir, seed=request.seed, inject_failure=request.inject_failure)
+        smoke = _smoke(request, asked, run_dir)
         outcomes.append(("PASS" if verify(smoke)["passed"] else "FAIL", "smoke", str(smoke)))
     except OutOfSpace:
         raise  # nothing later could be written either: exit 2 with the fix
     except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
         traceback.print_exc()
         outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
-    profile = RUN_PROFILES[request.preset]
     with watching(hang_timeout_s, run_dir):
-        ran = run_canaries(request.preset, profile, run_dir, gate=request.gate, echo=tqdm.write)
+        ran = run_canaries(asked, run_dir)
     for outcome in ran:
         outcomes.append(("FAIL" if outcome.fails_run else outcome.state, outcome.label, outcome.where))
     print("\n== report ==", flush=True)
@@ -239,18 +236,16 @@ def _steps(request: RunRequest, hang_timeout_s: float) -> int:
     return 0 if not failed else 1
 
 
-def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False,
-                 echo: Callable[[str], None] = print) -> list[CanaryOutcome]:
-    """Run every registered canary on ``preset`` x ``profile`` into ``run_dir`` (module docstring)."""
+def run_canaries(asked: CanaryRun, run_dir: Path) -> list[CanaryOutcome]:
+    """Run every registered canary on the one request ``asked`` into ``run_dir`` (module docstring)."""
     outcomes = []
     for canary in registry.CANARIES.values():
-        label = f"canary {canary.name} ({profile})"
-        enforced = canary.enforced or gate
-        echo(f"\n== {label} ==")
+        label = f"canary {canary.name} ({asked.profile})"
+        enforced = canary.enforced or asked.gate
+        asked.echo(f"\n== {label} ==")
         hung = False
         try:
-            options = {"gate": True} if gate and canary.takes_gate else {}
-            path = canary.run(preset, profile, run_dir, **options)
+            path = canary.run(asked, run_dir)
             passed, where = bool(verify(path)["passed"]), str(path)
         except OutOfSpace:
             raise
@@ -258,6 +253,6 @@ def run_canaries(preset: str, profile: str, run_dir: Path, *, gate: bool = False
             traceback.print_exc()
             passed, where, hung = False, f"raised {type(error).__name__}: {error}", isinstance(error, HangDetected)
         outcome = CanaryOutcome(canary.name, label, passed, enforced, where, hung)
-        echo(f"{outcome.state}  {label}: {where}")
+        asked.echo(f"{outcome.state}  {label}: {where}")
         outcomes.append(outcome)
     return outcomes

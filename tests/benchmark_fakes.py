@@ -99,5 +99,5 @@ def tiny_plan(preset: str, profile: str, profiled_blocks: int = 0) -> benchmark.
 
 def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:
     machine = FakeMachine(costs, real_steps)
-    judged = benchmark.judge("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=machine.build, **kwargs)
+    judged = benchmark.measure("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=machine.build, **kwargs)
     return verify(canary("benchmark").record("cpu", judged, tmp_path))

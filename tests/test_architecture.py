@@ -50,7 +50,12 @@ is imported) and reports, per rule:
   trainer module exports (its ``__all__``): one name, one meaning;
 - ``is-number``: a condition spells out :data:`IS_NUMBER` (``isinstance(x,
   bool)`` and ``isinstance(x, (int, float))`` of the same ``x``) rather than
-  calling it.
+  calling it;
+- ``resolve``: a canary's own module (inside ``canaries/<name>/``) imports a
+  way to resolve a preset (:data:`RESOLVERS`: ``canaries.presets``'
+  ``preset`` or ``PRESETS``, the module itself, ``canaries.request.canary_run``):
+  the spine (the modules at the top of ``canaries/``) resolves the preset once
+  and every canary reads ``run.preset`` (``canaries.request.CanaryRun``).
 
 Apart from those rules, ``one-builder``: a trainer with one ``policy``
 checkpoint is built by ``validation.trainers.trainer_with_policy`` alone; a
@@ -59,9 +64,9 @@ and ``add_checkpoint("policy", ...)`` is a copy (:data:`BUILDER_EXEMPT` lists
 the few that must build by hand), with its own negative control.
 
 A permanent negative control feeds it a small fake package tree that breaks
-every rule and expects each violation to be reported; the import rules and
-``homonym`` are also run over the real tree with one planted import or
-definition, which each must report.
+every rule and expects each violation to be reported; the import rules,
+``resolve`` and ``homonym`` are also run over the real tree with one planted
+import or definition, which each must report.
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ DEFINED_TWICE = {  # name -> why each module keeps its own
     "LR": "two learning rates with opposite reasons: large for the derivative oracle, small for benchmark stability",
     "VERDICTS": "two verdict vocabularies: paired equivalence (validation.equivalence) and timing (validation.stats)",
 }
+RESOLVERS = {  # module -> the names a canary's own module never imports from it (None: the module itself)
+    "canaries.presets": (None, "preset", "PRESETS"),
+    "canaries.request": ("canary_run",),
+}
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
 @functools.cache
@@ -114,7 +123,7 @@ def _tree(path: Path) -> ast.Module:
 @dataclass(frozen=True)
 class Violation:
     rule: str  # layering | climb | ranks-boundary | rollout | private | cycle | size | callback | note | canary-folder
-    # | defined-twice | homonym | is-number
+    # | defined-twice | homonym | is-number | resolve
     module: str
     detail: str
 
@@ -301,6 +310,14 @@ def _canary_folders(root: Path, modules: dict[str, Path]) -> list[Violation]:
     return found
 
 
+def _resolutions(edges: tuple[tuple[str, str, str | None], ...]) -> list[Violation]:
+    """The ``resolve`` rule over ``(module, imported module, imported name or None)`` edges."""
+    return [Violation("resolve", name, f"imports {owner}{'.' + imported if imported else ''}: a canary reads "
+                                       "run.preset (canaries.request.CanaryRun); the spine resolves it once")
+            for name, owner, imported in edges
+            if name.startswith("canaries.") and name.count(".") >= 2 and imported in RESOLVERS.get(owner, ())]
+
+
 def _defined_twice(modules: dict[str, Path]) -> list[Violation]:
     """The ``defined-twice`` rule over the harness's modules (classes and UPPER_CASE constants at module level)."""
     where: dict[str, list[str]] = {}
@@ -367,7 +384,7 @@ def _number_checks(modules: dict[str, Path]) -> list[Violation]:
 
 
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Violation]:
-    """Every violation of the thirteen rules in ``packages`` under ``root`` (see the module docstring)."""
+    """Every violation of the fourteen rules in ``packages`` under ``root`` (see the module docstring)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     found: list[Violation] = []
@@ -392,7 +409,7 @@ def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[
         for member in component:
             found.append(Violation("cycle", member, " <-> ".join(component)))
     found += _import_rules(tuple((name, owner) for name, owner, _ in edges))
-    found += _homonyms(_exports(modules), _definitions(modules)) + _number_checks(modules)
+    found += _homonyms(_exports(modules), _definitions(modules)) + _number_checks(modules) + _resolutions(edges)
     return found + _notes(root, modules) + _canary_folders(root, modules) + _defined_twice(modules)
 
 
@@ -515,6 +532,13 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "ci/cli.py", "")
     _write(tmp_path, "canaries/registry.py", "Canary(name='derivative', module='canaries.derivative.canary')\n"
                                              "Canary(name='memory', module='canaries.memory_canary')\n")  # canary-folder
+    _write(tmp_path, "canaries/presets.py", "def preset(name):\n    return name\n")
+    _write(tmp_path, "canaries/request.py", "from .presets import preset\n\ndef canary_run(name):\n"
+                                            "    return preset(name)\n")  # allowed: the spine resolves
+    _write(tmp_path, "canaries/rollout/canary.py", "from ..presets import preset\n")  # resolve: by name
+    _write(tmp_path, "canaries/planner/canary.py", "from .. import presets\n")  # resolve: the module
+    _write(tmp_path, "canaries/liveness/canary.py", "from canaries.request import canary_run\n")  # resolve
+    _write(tmp_path, "canaries/memory/canary.py", "from ..presets import Preset\nfrom ..request import CanaryRun\n")
 
     found = {(v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation", "canaries", "ci"))}
 
@@ -536,6 +560,9 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
         ("defined-twice", "canaries.learning.arms"),
         ("defined-twice", "canaries.derivative.canary"),
         ("defined-twice", "validation.f"),
+        ("resolve", "canaries.rollout.canary"),
+        ("resolve", "canaries.planner.canary"),
+        ("resolve", "canaries.liveness.canary"),
     }
 
 
@@ -715,3 +742,15 @@ def test_the_builder_rule_reports_each_kind_of_copy_and_nothing_else(tmp_path: P
     assert _builder_copies(tmp_path) == ["canaries/literal.py::build", "tests/bare.py::build",
                                          "tests/imported.py::build", "tests/top.py::<module>",
                                          "validation/constant.py::build"]
+
+
+@pytest.mark.parametrize("planted", [("canaries.rollout.canary", "canaries.presets", "preset"),
+                                     ("canaries.planner.canary", "canaries.presets", None),
+                                     ("canaries.derivative.canary", "canaries.presets", "PRESETS"),
+                                     ("canaries.memory.canary", "canaries.request", "canary_run")],
+                         ids=lambda edge: " -> ".join(map(str, edge)))
+def test_a_preset_resolved_in_a_canary_of_the_real_tree_is_reported(planted: tuple[str, str, str | None]) -> None:
+    real = _edges(ROOT, PACKAGES)
+    assert planted[0] in {name for name, _, _ in real}, "plant in a module the tree has"
+    assert _resolutions(real) == []
+    assert [(v.rule, v.module) for v in _resolutions((*real, planted))] == [("resolve", planted[0])]

@@ -35,7 +35,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -98,6 +98,12 @@ class Check:
     def failed(self) -> bool:
         return not self.ok and not self.skipped
 
+    @property
+    def line(self) -> str:
+        """The one way a verdict is shown: ``PASS|FAIL|SKIP  name: detail`` (``: detail`` only with a detail)."""
+        state = "SKIP" if self.skipped else "PASS" if self.ok else "FAIL"
+        return f"{state}  {self.name}: {self.detail}" if self.detail else f"{state}  {self.name}"
+
 
 @dataclass
 class Checks:
@@ -105,9 +111,11 @@ class Checks:
 
     A name is checked or skipped once: recording it again is a programming
     error (``ValueError``), since two verdicts under one name would hide one.
+    ``echo`` is shown each verdict as it is recorded (:attr:`Check.line`; ``None``: silent).
     """
 
     _checks: dict[str, Check] = field(default_factory=dict)
+    echo: Callable[[str], None] | None = field(default=None, compare=False, kw_only=True)
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         """Record ``name`` as passed or failed with ``detail`` (why); returns ``ok`` for chaining."""
@@ -122,6 +130,8 @@ class Checks:
         if check.name in self._checks:
             raise ValueError(f"check {check.name!r} recorded twice; give each check its own name")
         self._checks[check.name] = check
+        if self.echo is not None:
+            self.echo(check.line)
 
     def __iter__(self) -> Iterator[Check]:
         return iter(self._checks.values())

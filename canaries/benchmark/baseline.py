@@ -52,7 +52,7 @@ from .arms import TimedWorkload
 from .canary import WARMUP_BLOCKS, plan
 
 __all__ = ["KIND", "CONTROL", "merge_base", "source_tree", "source_identity", "Worker", "WorkerShare",
-           "compare_sources", "judge"]
+           "compare_sources", "measure"]
 
 KIND = "benchmark-baseline"
 CONTROL = "plain"
@@ -205,7 +205,7 @@ def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]],
     return checks
 
 
-def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
+def measure(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
           gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
           worker: Callable[[Path], Worker] = Worker, meter: LoadMeter | None = None) -> Judged:
     """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
@@ -244,7 +244,7 @@ def judge(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[
 def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[str, ...], gate: float, threads: int,
             seed: int, worker: Callable[[Path], Worker], meter: LoadMeter | None, config: dict, label: str,
             identities: dict) -> Judged:
-    """:func:`judge`'s comparison of REV's ``tree`` with HEAD's ``root`` and its record's parts."""
+    """:func:`measure`'s comparison of REV's ``tree`` with HEAD's ``root`` and its record's parts."""
     import time
 
     scope = config["scope"]

@@ -1,6 +1,6 @@
 """The benchmark: versioned-trainer arms against a plain PyTorch step, in alternating blocks, with gates.
 
-``judge(preset, profile)`` (the canary interface, ``canaries.registry``)
+:func:`measure` (``judge(run)``, the canary interface of ``canaries.registry``, calls it)
 builds the arms of :func:`plan` (``canaries.benchmark.arms``) for each workload,
 compares each with ``plain`` through ``validation.abba.compare`` (planned
 looks, stopping when every verdict is decided or the budget is spent),
@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -46,97 +46,19 @@ from validation.errors import SetupError
 from validation.evidence import Checks
 
 from . import profiling
-from ..presets import PLACEMENT_REQUESTS
 from ..registry import Judged
-from .arms import TimedArm, TimedWorkload, arm_name, base_model, device_clock, plain_arm, versioned_arm
+from ..request import CanaryRun
+from .arms import TimedArm, TimedWorkload, base_model, device_clock, plain_arm, versioned_arm
+from .plan import Group, Plan, plan, split_gated
 from .pauses import measure_pauses
 
-__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "first_losses", "agree", "judge", "TARGET_RATIO",
+__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "first_losses", "agree", "judge", "measure", "TARGET_RATIO",
            "KIND"]
 
 KIND = "benchmark"
 TARGET_RATIO = 1.03
 WARMUP_BLOCKS = 2
-GATED = ("retain@s0", "replay@s0")
 NOISE_NOTE = "measured on a shared machine: other processes compete for the cores, so timings are noisy"
-
-
-@dataclass(frozen=True)
-class Group:
-    """One workload and the arms compared on it (``plain`` first); ``gated``: whether its gates are enforced.
-
-    ``part``: which arms of the workload a split group holds (``"gated"`` or
-    ``"other arms"``, see :func:`split_gated`); empty for a group of them all.
-    """
-
-    workload: TimedWorkload
-    arms: tuple[str, ...]
-    gated: bool
-    part: str = ""
-
-    @property
-    def label(self) -> str:
-        return f"{self.workload.label} · {self.part}" if self.part else self.workload.label
-
-
-def split_gated(workload: TimedWorkload, arms: tuple[str, ...]) -> tuple[Group, ...]:
-    """The gated comparisons in blocks of their own, first; the other arms after, reported only.
-
-    Arms in one process share its allocator and caches: measured here on
-    ``small`` 4x64, running the six other arms in the same blocks moved
-    ``retain@s0 / plain`` from about 1.03 to about 1.06, an artifact no single
-    training job has. So a gate is decided on arms built fresh, with only the
-    arms it needs (``plain``, ``retain@s0``, ``replay@s0``), before any other
-    arm has run.
-    """
-    gated = ("plain", *(a for a in arms if a in GATED))
-    others = ("plain", *(a for a in arms if a != "plain" and a not in GATED))
-    groups = [Group(workload, gated, True, "gated")]
-    if len(others) > 1:
-        groups.append(Group(workload, others, False, "other arms"))
-    return tuple(groups)
-
-
-@dataclass(frozen=True)
-class Plan:
-    groups: tuple[Group, ...]
-    max_blocks: int
-    budget_s: float
-    swapped: bool  # a GPU preset on a machine without CUDA: CPU shapes instead
-    profiled_blocks: int = profiling.PROFILED_BLOCKS  # NOTE [Profiled blocks]; 0: no profile, no traces
-
-
-def _arms(placements: tuple[str, ...], stalenesses: tuple[int, ...]) -> tuple[str, ...]:
-    return ("plain", *(arm_name(p, s) for s in stalenesses for p in placements))
-
-
-def plan(preset: str, profile: str) -> Plan:
-    """What ``preset`` x ``profile`` runs (sized so ``rtv bench`` stays within docs/harness.md#time-budgets here)."""
-    quick, nightly = profile == "quick", profile == "nightly"
-    every = _arms(PLACEMENT_REQUESTS, (0, 2))
-    if preset == "cpu":
-        small = TimedWorkload(model="small", sequences=4, seq_len=64)
-        if quick:
-            return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 35.0, False)
-        if not nightly:
-            return Plan(split_gated(small, every), 64, 200.0, False)
-        others = tuple(Group(TimedWorkload(model=m, sequences=4, seq_len=64, lora=lora), every, False)
-                       for m, lora in (("small", True), ("tiny", False), ("tiny", True)))
-        return Plan(split_gated(small, every) + others, 64, 1200.0, False)
-    if preset not in ("gpu", "gpu-8b"):
-        raise SetupError(f"unknown preset {preset!r}", fix="use one of cpu, gpu, gpu-8b")
-    if not torch.cuda.is_available():  # the GPU code path on CPU shapes, said in the evidence
-        tiny = TimedWorkload(model="tiny", sequences=4, seq_len=64, lora=True)
-        arms = _arms(("retain", "replay"), (0,)) if quick else every
-        # Not gated: the fixed per-step cost dominates a tiny step; the gates are for the real shapes.
-        return Plan((Group(tiny, arms, False),), 16 if quick else 32, 40.0 if quick else 120.0, True)
-    cuda = dict(lora=True, dtype="bfloat16", device="cuda")
-    arms = _arms(("retain", "replay"), (0,)) if quick else (every if nightly else _arms(PLACEMENT_REQUESTS, (0,)))
-    if preset == "gpu":
-        return Plan(split_gated(TimedWorkload(model="small", sequences=4, seq_len=1024, **cuda), arms), 64, 300.0, False)
-    groups = split_gated(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=1024, **cuda), arms) + (
-        Group(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=4096, **cuda), arms, False),)
-    return Plan(groups, 32 if quick else 64, 300.0 if quick else 900.0, False)
 
 
 def build_arms(group: Group, seed: int) -> dict[str, TimedArm]:
@@ -299,16 +221,22 @@ def _verdict_detail(comparison: dict) -> str:
             f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks")
 
 
-def judge(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: :func:`measure` of ``run``'s preset and profile with the default band
+    (``run.gate`` is ``rtv run --gate``, which enforces this canary's verdicts in ``canaries.suite``)."""
+    run.runs_every_check("benchmark")
+    return measure(run.preset.name, run.profile)
+
+
+def measure(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
           threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
           load_probe: LoadProbe | None = None, meter: LoadMeter | None = None, progress: bool = False,
           build: Builder = build_arms, traces: Path | None = None, pauses: bool = False) -> Judged:
     """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
     The keywords are for ``rtv bench`` and the tests, which judge with them and
-    write through ``canaries.registry.Canary.record``; the registry's own
-    ``run`` passes none (the benchmark is not registered ``takes_gate``: its
-    ``gate`` is the width of the equivalence band, not the run's ``--gate``).
+    write through ``canaries.registry.Canary.record``; :func:`judge` passes
+    none (``gate`` is the width of the equivalence band, not ``rtv run --gate``).
     ``target``: enforce ``retain@s0 / plain <= target`` (otherwise 1.03 is
     reported only). ``clock``, ``load_probe`` and ``meter`` go to ``compare``; ``build``
     makes a group's arms (tests fake all three). ``traces``: a folder where

@@ -51,7 +51,7 @@ from .canary import WARMUP_BLOCKS, Builder, Group, agree, build_arms, first_loss
 
 __all__ = ["KIND", "CPU_GRIDS", "GPU_LENGTHS", "MODEL_SHAPES", "STEP_BOUND", "ARM_FACTOR", "TERMS", "SweepPlan",
            "RUN_BUDGETS_S", "OUTSIDE_S", "MIN_BUDGET_S", "plan", "block_bound", "seconds_bound", "budget_left", "fit",
-           "predicted_ratio", "judge"]
+           "predicted_ratio", "measure"]
 
 KIND = "benchmark-sweep"
 TERMS = ("fixed", "per_token", "per_token2")
@@ -204,14 +204,14 @@ def _checks(points: list[dict], fits: dict[str, dict]) -> Checks:
     return checks
 
 
-def judge(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
+def measure(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
           clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
           meter: LoadMeter | None = None, build: Builder = build_arms) -> Judged:
     """Run :func:`plan`'s grid (Rule 1) and fit each arm (Rule 2); the caller records it (kind ``benchmark-sweep``).
 
     ``budget_s``: seconds for the whole sweep instead of the plan's (``rtv
     bench`` passes :func:`budget_left`). ``clock``, ``load_probe``,
-    ``meter`` and ``build`` are as ``canary.judge``'s (tests fake them). Raises
+    ``meter`` and ``build`` are as ``canary.measure``'s (tests fake them). Raises
     :class:`SetupError` for an unknown preset or profile.
     """
     sweep = plan(preset, profile)

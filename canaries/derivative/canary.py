@@ -79,9 +79,10 @@ from .machine import explore
 from .scenarios import LEVELS, SCENARIOS, check_logical_ranks, run_scenario
 from .oracle_harness import DerivativeHarness
 from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
-from ..preset_budget import preset_here
+from ..preset_budget import check_fits
 from ..presets import Preset
 from ..registry import Judged
+from ..request import CanaryRun
 
 __all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
            "check_names", "CanaryResult", "claimed_cells", "examine", "judge"]
@@ -165,9 +166,10 @@ def examine(
     bound_cap: int = 2,
     progress: bool = False,
     checks: Collection[str] | None = None,
+    echo: Callable[[str], None] | None = None,
 ) -> CanaryResult:
     """The scenarios, the logical-rank check, the exploration and the coverage checks (Rules 8-9); only
-    ``checks`` when given (Rule 11).
+    ``checks`` when given (Rule 11); ``echo`` is shown each verdict as it is made (``None``: silent).
 
     ``bound_cap`` caps every forward's staleness bound (0: no stale backward
     succeeds, so the coverage check must fail: its negative control).
@@ -176,7 +178,7 @@ def examine(
     if unknown:
         raise SetupError(f"derivative canary: no checks named {unknown}", fix=f"use some of {check_names(config)}")
     wanted = (lambda name: True) if checks is None else checks.__contains__
-    result = CanaryResult()
+    result = CanaryResult(recorded=Checks(echo=echo))
     if not config.cuda_checks:
         why = "preset swapped to CPU (no CUDA device)" if config.swapped else "CPU preset"
         result.recorded.skip("cuda_rng_unchanged_by_backward", why)
@@ -239,15 +241,14 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
                           f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
 
 
-def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> Judged:
-    """The registry's entry point: the canary on the preset (its CPU stand-in without CUDA), only ``checks``
-    when given (Rule 11); prints a PASS/FAIL line per check."""
-    config = preset_here(preset, oracle=True)
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: the canary on ``run.preset``, only ``run.checks`` when given (Rule 11); on
+    CUDA the preset's memory estimate with the FP64 oracle is checked first (``canaries.preset_budget``)."""
+    if run.preset.device == "cuda":
+        check_fits(run.preset, oracle=True, echo=run.echo)
     started = time.perf_counter()
-    result = examine(config, profile=profile, progress=True, checks=checks)
-    for name, ok in result.checks.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
-    return _judged(result, config, profile, time.perf_counter() - started, checks)
+    result = examine(run.preset, profile=run.profile, progress=True, checks=run.checks, echo=run.echo)
+    return _judged(result, run.preset, run.profile, time.perf_counter() - started, run.checks)
 
 
 def _judged(result: CanaryResult, config: Preset, profile: str, seconds: float, checks: Sequence[str] | None) -> Judged:

@@ -50,7 +50,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -64,7 +64,9 @@ from canaries.learning.workloads import NextByteWorkload, PatternRLWorkload, Sch
 from validation.errors import SetupError
 from validation.evidence import Checks
 
+from ..presets import Preset
 from ..registry import Judged
+from ..request import CanaryRun, echo_line
 
 __all__ = ["KIND", "QUICK_ARMS", "SEEDS", "LearningPlan", "cpu_workloads", "judge", "judge_plan", "plan", "profile_arms",
            "tiny_plan"]
@@ -154,24 +156,25 @@ _GPU_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, n
                   head_dim=32, intermediate_size=384, dtype=torch.bfloat16)
 
 
-def plan(preset: str, profile: str, *, gate: bool = False) -> LearningPlan:
-    """The plan ``rtv canary learning --preset PRESET --profile PROFILE`` runs (module docstring)."""
-    if preset == "gpu-8b":
+def plan(preset: Preset, profile: str, *, gate: bool = False) -> LearningPlan:
+    """The plan ``rtv canary learning --preset PRESET --profile PROFILE`` runs on ``preset`` as it runs on this
+    machine (module docstring)."""
+    if preset.name == "gpu-8b":
         raise SetupError(
             "the learning canary has no gpu-8b preset: thirteen arms x several seeds of training do not fit an 8B model's budget",
             fix="use --preset gpu (a wider BF16 model on one GPU) or --preset cpu",
         )
-    if preset == "gpu" and torch.cuda.is_available():
+    if preset.name == "gpu" and preset.device == "cuda":
         return LearningPlan(
-            preset=preset, profile=profile, seeds=tuple(range(SEEDS["gpu"][profile])), arms=profile_arms(profile),
+            preset=preset.name, profile=profile, seeds=tuple(range(SEEDS["gpu"][profile])), arms=profile_arms(profile),
             workloads=cpu_workloads(model_changes=_GPU_MODEL, device="cuda"), exact_enforced=False, gate=gate,
             notes=("GPU preset: BF16 model on CUDA; bitwise pairs are reported, not enforced (owed for FP32 on CPU)",),
         )
     notes = ()
-    if preset == "gpu":
+    if preset.name == "gpu":
         notes = ("GPU preset on a machine without CUDA: ran the CPU shapes, FP32 on CPU, with the CPU seeds",)
     return LearningPlan(
-        preset=preset, profile=profile, seeds=tuple(range(SEEDS["cpu"][profile])), arms=profile_arms(profile),
+        preset=preset.name, profile=profile, seeds=tuple(range(SEEDS["cpu"][profile])), arms=profile_arms(profile),
         workloads=cpu_workloads(), gate=gate, notes=notes, workers=min(2, os.cpu_count() or 1),
     )
 
@@ -194,9 +197,11 @@ def tiny_plan(*, seeds: Sequence[int] = (0, 1), arms: Sequence[str] | None = Non
                         arms=tuple(a for a in ARMS if a.name in names), notes=("tiny test configuration",))
 
 
-def judge(preset: str, profile: str, *, gate: bool = False) -> Judged:
-    """The registry's entry point: :func:`judge_plan` of :func:`plan`."""
-    return judge_plan(plan(preset, profile, gate=gate))
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: :func:`judge_plan` of :func:`plan` (``run.gate`` enforces its equivalence
+    verdicts)."""
+    run.runs_every_check("learning")
+    return judge_plan(plan(run.preset, run.profile, gate=run.gate), echo=run.echo)
 
 
 def _precondition(workload: Workload, seeds: Sequence[int]) -> dict:
@@ -249,7 +254,8 @@ def _arms_on(workload: Workload, plan_: LearningPlan) -> tuple[Arm, ...]:
     return tuple(a for a in plan_.arms if a.only_on in (None, workload.name))
 
 
-def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks) -> dict:
+def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks,
+                    echo: Callable[[str], None]) -> dict:
     """The workload's evidence (its checks go to ``checks``); its arms train only if its precondition holds."""
     precondition = _precondition(workload, plan_.seeds)
     checks.check(f"{workload.name}: precondition (untrained model misses {workload.criterion()})",
@@ -258,37 +264,34 @@ def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | No
              "higher_is_better": workload.higher_is_better, "success": workload.success,
              "criterion": workload.criterion()}
     if not precondition["passed"]:
-        print(f"learning: {workload.name}: {precondition['reason']}")
+        echo(f"learning: {workload.name}: {precondition['reason']}")
         return entry
     entry.update(summarize_workload(workload, _arms_on(workload, plan_), _train_all(workload, plan_, pool),
                                     exact_enforced=plan_.exact_enforced, gate=plan_.gate, checks=checks))
     return entry
 
 
-def judge_plan(plan_: LearningPlan) -> Judged:
-    """Train and judge every workload of ``plan_``; prints its verdicts and failed checks."""
+def judge_plan(plan_: LearningPlan, *, echo: Callable[[str], None] = echo_line) -> Judged:
+    """Train and judge every workload of ``plan_``; shows its checks and verdicts through ``echo``."""
     start = time.perf_counter()
-    checks = Checks()
+    checks = Checks(echo=echo)
     with _pool(plan_.workers) as pool:
-        workloads = {w.name: _judge_workload(w, plan_, pool, checks) for w in plan_.workloads}
+        workloads = {w.name: _judge_workload(w, plan_, pool, checks, echo) for w in plan_.workloads}
     sensitivity = [s for w in workloads.values() for s in w.get("sensitivity", [])]
     if sensitivity:
         shown = [s["arm"] for s in sensitivity if s["meets_and_worse"]]
         checks.check("sensitivity: a broken arm meets its criterion and is still judged worse", bool(shown),
                      f"shown by {shown}" if shown else "no broken arm both meets its criterion and is judged worse")
     judged = Judged(KIND, plan_.describe(), checks, {"workloads": workloads, "wall_s": time.perf_counter() - start})
-    _print_summary(judged)
+    _show_summary(judged, echo)
     return judged
 
 
-def _print_summary(judged: Judged) -> None:
+def _show_summary(judged: Judged, echo: Callable[[str], None]) -> None:
     for name, workload in judged.measurements["workloads"].items():
         for verdict in workload.get("verdicts", []):
             if verdict["metric"] == "final":
-                print(f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
+                echo(f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
                       f"(final, mean difference {verdict['mean_difference']:+.4f}, 90% CI "
                       f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f})")
-    for check in judged.checks:
-        if check.failed:
-            print(f"learning: FAILED {check.name}: {check.detail}")
-    print(f"learning: {'passed' if judged.checks.passed else 'FAILED'} in {judged.measurements['wall_s']:.1f} s")
+    echo(f"learning: {'passed' if judged.checks.passed else 'FAILED'} in {judged.measurements['wall_s']:.1f} s")

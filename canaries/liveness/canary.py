@@ -42,6 +42,7 @@ from validation.load import Meter, inconclusive
 from validation.spawn import spawn_ranks
 
 from ..registry import Judged
+from ..request import CanaryRun
 from .job import CASES, CASE_PROCESSES, injected_rank, job
 
 __all__ = ["DEADLINE_S", "EXPECTED", "KIND", "MARGIN_S", "judge"]
@@ -135,12 +136,13 @@ def _judge_case(checks: Checks, case: str, result: dict[str, Any]) -> None:
                  + (" (rank 1's stack at detection must show _lag)" if case == "lag" else ""))
 
 
-def judge(preset: str, profile: str) -> Judged:
+def judge(run: CanaryRun) -> Judged:
     """The registry's entry point (module docstring); the same cases on every preset and profile."""
-    checks, rows = Checks(), {}
+    run.runs_every_check("liveness")
+    checks, rows = Checks(echo=run.echo), {}
     with tempfile.TemporaryDirectory(prefix="rtv-liveness-") as scratch:
         for case in CASES:
-            print(f"liveness canary: case {case}", flush=True)
+            run.echo(f"liveness canary: case {case}")
             result = _run_case(case, Path(scratch))
             rows[case] = {"diagnosis": result["diagnosis"], "exitcodes": result["exitcodes"],
                           "errors": result["errors"], "latency_s": _latency(result),
@@ -152,9 +154,7 @@ def judge(preset: str, profile: str) -> Judged:
                              f"dumps {sorted(result['dumps'])}, errors {result['errors']}")
                 continue
             _judge_case(checks, case, result)
-    for check in checks:
-        print(f"{'SKIP' if check.skipped else 'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
-    config = {"preset": preset, "profile": profile, "deadline_s": DEADLINE_S, "margin_s": MARGIN_S,
+    config = {"preset": run.preset.name, "profile": run.profile, "deadline_s": DEADLINE_S, "margin_s": MARGIN_S,
               "processes": {case: CASE_PROCESSES.get(case, 2) for case in CASES}, "backend": "gloo", "cases": list(CASES)}
     named = {case: (row["diagnosis"] or {}).get("text", "no dump") for case, row in rows.items() if case != "none"}
     return Judged(KIND, config, checks, {"deadline_s": DEADLINE_S, "margin_s": MARGIN_S, **named, "cases": rows})

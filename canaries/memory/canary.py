@@ -54,7 +54,7 @@ intersection checks alone (``run(checks=...)``, NOTE [Mutation verdicts] Rule 4)
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -62,15 +62,16 @@ import torch
 import reference_trainer as rt
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
-from .. import presets
-from ..preset_budget import preset_here
+from validation.evidence import Checks
+
+from ..preset_budget import check_fits
 from ..registry import Judged
-from ..presets import PLACEMENTS
+from ..presets import PLACEMENTS, Preset
+from ..request import CanaryRun
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from .scale import SCALE_CHECKS, scale_check
 from .lifecycle import (
     POINTS,
-    Verdicts,
     CensusWorkload,
     bytes_left,
     committed_grads,
@@ -104,7 +105,7 @@ def _calibrate(work: CensusWorkload, trainer: rt.Trainer, cuda: bool) -> tuple[i
 
 
 def _admission(
-    work: CensusWorkload, calibration: rt.Trainer, verdicts: Verdicts, cuda: bool
+    work: CensusWorkload, calibration: rt.Trainer, verdicts: Checks, cuda: bool
 ) -> dict[str, Any]:
     """Several pending forwards under a small limit: predictions and the measured peak stay within it."""
     limit, host_limit = _calibrate(work, calibration, cuda)
@@ -200,23 +201,23 @@ CHECKPOINT_STATE_CHECK = "admission: a forward beside a stepped checkpoint's sta
 INTERSECTION_CHECKS = (*(f"admission: {name}: held <= admitted" for name in SCENARIOS), CHECKPOINT_STATE_CHECK)
 
 
-def _intersections(spec: presets.Preset, verdicts: Verdicts, wanted: Collection[str] | None) -> dict[str, dict]:
+def _intersections(preset: Preset, verdicts: Checks, wanted: Collection[str] | None) -> dict[str, dict]:
     """NOTE [Admission intersections] Rules 2-3: each scenario (each of ``wanted``, when given) refused, or
     admitted within its limit."""
     values = {}
     for name, check in zip(SCENARIOS, INTERSECTION_CHECKS):
         if wanted is None or check in wanted:
-            passed, detail, values[name] = check_scenario(spec, name)
+            passed, detail, values[name] = check_scenario(preset, name)
             verdicts.check(check, passed, detail)
     if wanted is None or CHECKPOINT_STATE_CHECK in wanted:
-        passed, detail, values["checkpoint state"] = check_checkpoint_budget(spec)
+        passed, detail, values["checkpoint state"] = check_checkpoint_budget(preset)
         verdicts.check(CHECKPOINT_STATE_CHECK, passed, detail)
     return values
 
 
-def _lifecycle_and_admission(spec: presets.Preset, verdicts: Verdicts, cuda: bool) -> dict[str, Any]:
+def _lifecycle_and_admission(preset: Preset, verdicts: Checks, cuda: bool) -> dict[str, Any]:
     """The lifecycle points for every placement, offload's checks and the admission run (the module docstring)."""
-    work = CensusWorkload(spec)
+    work = CensusWorkload(preset)
     lifecycle_trainer = work.trainer()
     calibration_trainer = work.trainer()
     # Warm up allocator, kernels and caches before any baseline is taken.
@@ -242,30 +243,32 @@ CUDA_CHECKS = (
 )
 
 
-def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> Judged:
-    """The registry's entry point: the canary on the preset (its CPU stand-in without CUDA).
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: the canary on ``run.preset`` (on CUDA its memory estimate checked first).
 
-    ``checks`` (the mutation suite's focused runs, NOTE [Mutation verdicts]
+    ``run.checks`` (the mutation suite's focused runs, NOTE [Mutation verdicts]
     Rule 4): when every one is an intersection check (:data:`INTERSECTION_CHECKS`)
     or a logical-rank scale check (``scale.SCALE_CHECKS``) only those run;
     otherwise the whole canary runs. A failed check is not an
     exception: read ``passed`` in the record.
     """
-    spec = preset_here(preset, oracle=False)
-    cuda = spec.cuda_checks
-    verdicts = Verdicts()
+    preset, profile, checks = run.preset, run.profile, run.checks
+    if preset.device == "cuda":
+        check_fits(preset, oracle=False, echo=run.echo)
+    cuda = preset.cuda_checks
+    verdicts = Checks(echo=run.echo)
     focused = set(INTERSECTION_CHECKS) | set(SCALE_CHECKS)
     whole = checks is None or not set(checks) <= focused
-    print(f"memory canary: preset {spec.name} on {spec.device}", flush=True)
+    run.echo(f"memory canary: preset {preset.name} on {preset.device}")
     measurements: dict[str, Any] = {}
     # The caller's RNG streams are left as they were.
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         torch.manual_seed(0)
         if whole:
-            measurements.update(_lifecycle_and_admission(spec, verdicts, cuda))
+            measurements.update(_lifecycle_and_admission(preset, verdicts, cuda))
         if whole or set(checks) & set(INTERSECTION_CHECKS):
             with frozen_heap():
-                measurements["admission_intersections"] = _intersections(spec, verdicts, None if whole else checks)
+                measurements["admission_intersections"] = _intersections(preset, verdicts, None if whole else checks)
         if (whole and profile != "quick") or (not whole and set(checks) & set(SCALE_CHECKS)):
             measurements["logical_rank_scale"] = scale_check(profile, verdicts)
         elif whole:  # spawned ranks cost seconds: the quick profile (rtv run on cpu) leaves them to the deeper ones
@@ -274,14 +277,14 @@ def judge(preset: str, profile: str, *, checks: Sequence[str] | None = None) -> 
                                     "(L up to 64, W up to 4, full and LoRA)")
     if whole and not cuda:
         reason = (
-            f"no CUDA device: preset {spec.name!r} swapped for the CPU" if spec.swapped
-            else f"preset {spec.name!r} runs on {spec.device}"
+            f"no CUDA device: preset {preset.name!r} swapped for the CPU" if preset.swapped
+            else f"preset {preset.name!r} runs on {preset.device}"
         )
         for name in CUDA_CHECKS:
             verdicts.skip(name, reason)
     return Judged(
         KIND,
-        {**spec.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
+        {**preset.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
          "checks": None if whole else list(checks)},
         verdicts,
         measurements,

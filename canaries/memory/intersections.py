@@ -54,9 +54,9 @@ def held_within_limits(trainer: rt.Trainer, device_limit: int | None, host_limit
     return ok, f"{len(records)} pending records hold {device} B on the device (limit {device_limit}), {host} B on the host (limit {host_limit})"
 
 
-def _inputs(spec: Preset, seed: int, length: int | None = None) -> list[rt.ForwardInput]:
+def _inputs(preset: Preset, seed: int, length: int | None = None) -> list[rt.ForwardInput]:
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, spec.model.vocab_size, (spec.sequences, (length or spec.seq_len) + 1), generator=g)
+    tokens = torch.randint(0, preset.model.vocab_size, (preset.sequences, (length or preset.seq_len) + 1), generator=g)
     return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
 
 
@@ -64,24 +64,24 @@ def _trainer(model: rt.DecoderLM, lora_rank: int | None, **limits: int | None) -
     return trainer_with_policy(model, lora=None if lora_rank is None else rt.LoRAConfig(rank=lora_rank), **limits)
 
 
-def _train_after_eval(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
+def _train_after_eval(trainer: rt.Trainer, preset: Preset) -> list[rt.ForwardOutput]:
     trainer.model.eval()
     try:
-        learned = trainer.forward(_inputs(spec, 900), options=_RETAIN)  # teaches admission its scale (eval)
+        learned = trainer.forward(_inputs(preset, 900), options=_RETAIN)  # teaches admission its scale (eval)
         trainer.backward(-sum(o.target_logprobs.sum() for o in learned))
     finally:
         trainer.model.train()
-    return trainer.forward(_inputs(spec, 901), options=_OFFLOAD)
+    return trainer.forward(_inputs(preset, 901), options=_OFFLOAD)
 
 
-def _long_after_short(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
-    learned = trainer.forward(_inputs(spec, 904, 33), options=_RETAIN)  # one shape class: (length - 1).bit_length() == 6
+def _long_after_short(trainer: rt.Trainer, preset: Preset) -> list[rt.ForwardOutput]:
+    learned = trainer.forward(_inputs(preset, 904, 33), options=_RETAIN)  # one shape class: (length - 1).bit_length() == 6
     trainer.backward(-sum(o.target_logprobs.sum() for o in learned))
-    return trainer.forward(_inputs(spec, 905, 64), options=_OFFLOAD)
+    return trainer.forward(_inputs(preset, 905, 64), options=_OFFLOAD)
 
 
-def _first_offload(trainer: rt.Trainer, spec: Preset) -> list[rt.ForwardOutput]:
-    return trainer.forward(_inputs(spec, 902), options=_OFFLOAD)
+def _first_offload(trainer: rt.Trainer, preset: Preset) -> list[rt.ForwardOutput]:
+    return trainer.forward(_inputs(preset, 902), options=_OFFLOAD)
 
 
 # name -> (ModelConfig changes, LoRA rank or None for full, the forwards; the last one is judged)
@@ -108,24 +108,24 @@ def checkpoint_state_bytes(trainer: rt.Trainer) -> int:
     return total
 
 
-def check_checkpoint_budget(spec: Preset) -> tuple[bool, str, dict]:
+def check_checkpoint_budget(preset: Preset) -> tuple[bool, str, dict]:
     """Rule 3: a forced retain beside a stepped checkpoint (AdamW moments) under a device limit one byte under
     what the checkpoint and the forward hold together: refused, or admitted within it."""
-    with torch.device(spec.device):
-        model = rt.DecoderLM(spec.model.replace(dropout=0.0), seed=0)
+    with torch.device(preset.device):
+        model = rt.DecoderLM(preset.model.replace(dropout=0.0), seed=0)
     twin = _trainer(model, None)
-    twin.backward(-sum(o.target_logprobs.sum() for o in twin.forward(_inputs(spec, 906))))
+    twin.backward(-sum(o.target_logprobs.sum() for o in twin.forward(_inputs(preset, 906))))
     twin.optim_step()
     twin.zero_grad()
     state = twin.checkpoint("policy").state_dict()
-    outputs = twin.forward(_inputs(spec, 907), options=_RETAIN)
+    outputs = twin.forward(_inputs(preset, 907), options=_RETAIN)
     limit = outputs[0].usage.device_bytes + checkpoint_state_bytes(twin) - 1
     del outputs, twin
     trainer = _trainer(model, None, memory_limit_bytes=limit)
     trainer.load_checkpoint("policy", state)  # the moments, without a forward under the limit first
     values: dict = {"limit_bytes": limit, "checkpoint_state_bytes": checkpoint_state_bytes(trainer)}
     try:
-        outputs = trainer.forward(_inputs(spec, 907), options=_RETAIN)
+        outputs = trainer.forward(_inputs(preset, 907), options=_RETAIN)
     except rt.MemoryAdmissionError as error:
         values["refused"] = str(error)
         return True, f"refused under device limit {limit} B: {error}", values
@@ -135,20 +135,20 @@ def check_checkpoint_budget(spec: Preset) -> tuple[bool, str, dict]:
                 f"of checkpoint state; the records may hold the rest: {detail}"), values
 
 
-def check_scenario(spec: Preset, name: str) -> tuple[bool, str, dict]:
+def check_scenario(preset: Preset, name: str) -> tuple[bool, str, dict]:
     """Rule 2 for one scenario: ``(passed, detail, values)``; runs in eval/train as the scenario says and
     leaves the model in train mode."""
     changes, rank, forwards = SCENARIOS[name]
-    with torch.device(spec.device):  # built in place, as ``canaries.memory.lifecycle.CensusWorkload`` does
-        model = rt.DecoderLM(spec.model.replace(**changes), seed=0)
-    twin = forwards(_trainer(model, rank), spec)
+    with torch.device(preset.device):  # built in place, as ``canaries.memory.lifecycle.CensusWorkload`` does
+        model = rt.DecoderLM(preset.model.replace(**changes), seed=0)
+    twin = forwards(_trainer(model, rank), preset)
     held = twin[0].usage.host_bytes  # what the judged forward really holds (one record for the whole call)
     limit = held - 1
     del twin
     trainer = _trainer(model, rank, host_memory_limit_bytes=limit)
     values: dict = {"host_limit_bytes": limit, "held_unlimited_bytes": held}
     try:
-        outputs = forwards(trainer, spec)
+        outputs = forwards(trainer, preset)
     except rt.MemoryAdmissionError as error:
         values["refused"] = str(error)
         return True, f"refused under host limit {limit} B (it holds {held} B): {error}", values

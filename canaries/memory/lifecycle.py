@@ -5,7 +5,7 @@ witnesses (the weakref tensor census, ``validation.lifetime``; the storage
 census split into a device and a host pool, ``validation.memory``) at each of
 :data:`POINTS` (see ``canaries.memory.canary`` for what each point asserts);
 :func:`offload_checks` then compares offload with retain and replay on the
-same workload. :class:`Verdicts` collects the checks as they are made;
+same workload. :class:`validation.evidence.Checks` collects the checks as they are made;
 :class:`CensusWorkload` is the model, inputs and trainers every census measures
 against.
 """
@@ -35,7 +35,7 @@ from validation.trainers import trainer_with_policy
 
 from ..presets import PLACEMENTS, Preset
 
-__all__ = ["POINTS", "Verdicts", "CensusWorkload", "LifecyclePoint", "committed_grads",
+__all__ = ["POINTS", "CensusWorkload", "LifecyclePoint", "committed_grads",
            "negative_logprob_sum", "bytes_left", "lifecycle", "offload_checks"]
 
 POINTS = ("after_forward", "after_backward", "after_drop", "after_failed_commit", "before_next_logical_batch")
@@ -48,34 +48,22 @@ _HOST_SHARE = 0.95
 _CUDA_TOLERANCE = 2 * 1024 * 1024
 
 
-class Verdicts(Checks):
-    """The evidence collector, printing each check as it is made (pass/fail with its values, or skipped and why)."""
-
-    def check(self, name: str, ok: bool, detail: str = "") -> bool:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-        return super().check(name, ok, detail)
-
-    def skip(self, name: str, why: str) -> None:
-        print(f"SKIP  {name}: {why}", flush=True)
-        super().skip(name, why)
-
-
 class CensusWorkload:
     """One model, inputs drawn from a seed, and trainers over the model (the baseline of every census)."""
 
-    def __init__(self, spec: Preset) -> None:
-        self.spec = spec
-        self.device = torch.device(spec.device)
+    def __init__(self, preset: Preset) -> None:
+        self.preset = preset
+        self.device = torch.device(preset.device)
         with self.device:  # built in place: a GPU preset's weights never pass through host memory
-            self.model = rt.DecoderLM(spec.model, seed=0)
-        self.vocab = spec.model.vocab_size
+            self.model = rt.DecoderLM(preset.model, seed=0)
+        self.vocab = preset.model.vocab_size
 
     def trainer(self, **limits: int | None) -> rt.Trainer:
-        return trainer_with_policy(self.model, lora=self.spec.lora, **limits)
+        return trainer_with_policy(self.model, lora=self.preset.lora, **limits)
 
     def inputs(self, seed: int) -> list[rt.ForwardInput]:
         g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, self.vocab, (self.spec.sequences, self.spec.seq_len + 1), generator=g)
+        tokens = torch.randint(0, self.vocab, (self.preset.sequences, self.preset.seq_len + 1), generator=g)
         return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
 
 
@@ -124,7 +112,7 @@ def _left_at(
     return left, tensors.alive(ignore=keep)
 
 
-def _nothing_outlives(verdicts: Verdicts, name: str, left: WitnessVerdict, leftover: list[Any]) -> None:
+def _nothing_outlives(verdicts: Checks, name: str, left: WitnessVerdict, leftover: list[Any]) -> None:
     verdicts.check(
         name,
         not leftover and not left.leaked,
@@ -133,7 +121,7 @@ def _nothing_outlives(verdicts: Verdicts, name: str, left: WitnessVerdict, lefto
 
 
 def _after_forward_and_backward(
-    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool, out: LifecyclePoint
+    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, cuda: bool, out: LifecyclePoint
 ) -> None:
     """The pending graph is visible; activations are kept (retain) or gone (offload, replay); then nothing is left."""
     before_cuda = cuda_reading(work.device) if cuda else None
@@ -194,7 +182,7 @@ def _after_forward_and_backward(
         )
 
 
-def _after_drop(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
+def _after_drop(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, out: LifecyclePoint) -> None:
     """Outputs dropped without a backward take their record with them (NOTE [Forward records] Rule 4)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
@@ -210,7 +198,7 @@ def _after_drop(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Ver
     )
 
 
-def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint) -> None:
+def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, out: LifecyclePoint) -> None:
     """A backward that fails at publication frees graph, saved state and staging (docs/semantics.md#transactions)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
@@ -239,7 +227,7 @@ def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verd
 
 
 def _before_next_logical_batch(
-    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, out: LifecyclePoint
+    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, out: LifecyclePoint
 ) -> None:
     """At the first pull of each logical batch the previous one is gone (NOTE [Logical-batch lifetime])."""
     per_batch, batches = 2, 3
@@ -268,7 +256,7 @@ def _before_next_logical_batch(
     )
 
 
-def lifecycle(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Verdicts, cuda: bool) -> LifecyclePoint:
+def lifecycle(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, cuda: bool) -> LifecyclePoint:
     """The lifecycle points (:data:`POINTS`) for one placement."""
     out = LifecyclePoint()
     _after_forward_and_backward(work, trainer, p, verdicts, cuda, out)
@@ -282,7 +270,7 @@ def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     return -sum(t.sum() for t in tensors)
 
 
-def offload_checks(per: dict[str, LifecyclePoint], verdicts: Verdicts, cuda: bool) -> dict[str, int]:
+def offload_checks(per: dict[str, LifecyclePoint], verdicts: Checks, cuda: bool) -> dict[str, int]:
     """Offload against the other two placements on the same workload (NOTE [Saved-state lifetime])."""
     after = {p: per[p].bytes_at["after_forward"] for p in PLACEMENTS}
     kept = after["retain"]["device"] - after["replay"]["device"]  # what retain keeps on the device

@@ -19,7 +19,8 @@ NOTE [Mutation verdicts]
   3. A mutation whose bug cannot show on the preset (replay without RNG
      restore needs dropout) is listed as inapplicable, never silently passed.
   4. A mutation names the check meant to catch it (``Mutation.check``).
-     Where its canary runs single checks (``Canary.takes_checks``), the
+     Where its canary runs single checks (it does not refuse a focused
+     ``CanaryRun.checks`` with ``canaries.request.CannotFocus``), the
      unmutated baseline runs the selected mutations' checks and each mutated
      run only its own: a mutation then costs about one check, not a whole
      canary run (the whole canary runs unmutated in ``rtv run`` and ``rtv
@@ -38,7 +39,7 @@ NOTE [Mutation verdicts]
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import tempfile
 import time
 from collections.abc import Sequence
@@ -49,10 +50,10 @@ from tqdm import tqdm
 
 from validation.evidence import Check, Checks, checks_of, verify
 
-from .. import presets
 from validation.load import is_inconclusive
 from .catalogue import MUTATIONS, Mutation, mutation
 from ..registry import Judged, canary
+from ..request import CanaryRun, CannotFocus, silent
 
 __all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "judge"]
 
@@ -85,46 +86,48 @@ def _inconclusive(checks: list[Check], named: str | None) -> str:
     return next((c.detail for c in checks if c.skipped and is_inconclusive(c.detail) and named in (None, c.name)), "")
 
 
-def _focus(name: str, selected: Sequence[Mutation]) -> tuple[str, ...] | None:
-    """The checks canary ``name`` runs for ``selected`` (Rule 4): theirs, or ``None`` (all) when it runs whole."""
+def _focused_record(name: str, selected: Sequence[Mutation], run: CanaryRun, scratch: Path) -> dict:
+    """Canary ``name``'s record, silent, on the mutated profile: only the checks of ``selected`` (Rule 4), or
+    the whole canary when one of them names none or the canary refuses a subset (:class:`CannotFocus`)."""
     mine = [m for m in selected if m.caught_by == name]
-    if not canary(name).takes_checks or any(m.check is None for m in mine):
-        return None
-    return tuple(dict.fromkeys(m.check for m in mine))
+    focus = None if any(m.check is None for m in mine) else tuple(dict.fromkeys(m.check for m in mine))
+    asked = dataclasses.replace(run, profile=MUTATED_PROFILE, checks=focus, echo=silent)
+    try:
+        return verify(canary(name).run(asked, scratch))
+    except CannotFocus:  # raised before the canary ran anything
+        return verify(canary(name).run(dataclasses.replace(asked, checks=None), scratch))
 
 
-def judge_mutation(mutation_: Mutation, preset: str, *, scratch: Path) -> MutationOutcome:
+def judge_mutation(mutation_: Mutation, run: CanaryRun, *, scratch: Path) -> MutationOutcome:
     """Run the canary that must catch ``mutation_`` with the bug injected (NOTE Rule 1)."""
-    if not mutation_.applies_to(presets.preset(preset).on_this_machine()):
+    if not mutation_.applies_to(run.preset):
         return MutationOutcome(mutation_.name, mutation_.caught_by, False, False, (), "", 0.0)
     started = time.perf_counter()
-    with mutation_.apply(), contextlib.redirect_stdout(None):
-        record = verify(canary(mutation_.caught_by).run(preset, MUTATED_PROFILE, scratch,
-                                                        checks=_focus(mutation_.caught_by, [mutation_])))
+    with mutation_.apply():
+        record = _focused_record(mutation_.caught_by, [mutation_], run, scratch)
     failed, first = _failures(record)
     inconclusive = "" if failed else _inconclusive(checks_of(record), mutation_.check)
     return MutationOutcome(mutation_.name, mutation_.caught_by, True, bool(failed), failed, first,
                            time.perf_counter() - started, inconclusive[:2000])
 
 
-def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> Judged:
+def judge(run: CanaryRun, *, names: Sequence[str] | None = None) -> Judged:
     """The registry's entry point: the unmutated canaries (must pass), then every selected mutation (each must
-    be caught; all of :data:`MUTATIONS` by default). The canaries run through the registry into a scratch
-    folder that is removed after: only the suite's own record is evidence of this run."""
-    config = presets.preset(preset).on_this_machine()
+    be caught; all of :data:`MUTATIONS` by default). The canaries run through the registry, each with
+    ``run``'s preset, silent, into a scratch folder that is removed after: only the suite's own record is
+    evidence of this run."""
+    run.runs_every_check("mutations")
     selected = [mutation(n) for n in (names if names is not None else MUTATIONS)]
-    checks = Checks()
+    checks = Checks(echo=run.echo)
     unmutated: dict[str, str] = {}
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="rtv-mutations-") as scratch:
         for name in dict.fromkeys(m.caught_by for m in selected):
-            with contextlib.redirect_stdout(None):
-                record = verify(canary(name).run(preset, MUTATED_PROFILE, Path(scratch), checks=_focus(name, selected)))
+            record = _focused_record(name, selected, run, Path(scratch))
             unmutated[name] = _failures(record)[1]
             checks.check(f"unmutated:{name} passes", record["passed"], unmutated[name] or "every check passed")
-            print(f"unmutated {name} canary: {'PASS' if record['passed'] else 'FAIL'}", flush=True)
         for m in tqdm(selected, desc="mutations", unit="mutation", leave=False):
-            outcome = judge_mutation(m, preset, scratch=Path(scratch))
+            outcome = judge_mutation(m, run, scratch=Path(scratch))
             outcomes.append(outcome)
             if outcome.inconclusive:
                 checks.skip(f"caught:{m.name}", f"not caught: {outcome.inconclusive}")
@@ -133,13 +136,10 @@ def judge(preset: str, profile: str, *, names: Sequence[str] | None = None) -> J
                              f"failed {', '.join(outcome.failed_checks)}: {outcome.first_failure}" if outcome.caught
                              else f"every check of the {m.caught_by} canary passed with the bug injected")
             else:
-                checks.skip(f"caught:{m.name}", f"does not apply to preset {config.name!r}")
-            verdict = ("inapplicable" if not outcome.applicable else "caught" if outcome.caught else
-                       "not caught: inconclusive (loaded)" if outcome.inconclusive else "NOT CAUGHT")
-            tqdm.write(f"mutation {m.name:24} [{m.caught_by}] {verdict} {', '.join(outcome.failed_checks)}")
+                checks.skip(f"caught:{m.name}", f"does not apply to preset {run.preset.name!r}")
     return Judged(
         "mutation-suite",
-        {"preset": config.describe(), "profile": profile, "mutated_profile": MUTATED_PROFILE,
+        {"preset": run.preset.describe(), "profile": run.profile, "mutated_profile": MUTATED_PROFILE,
                 "mutations": [m.name for m in selected],
                 "checks": {m.name: m.check for m in selected}},
         checks,

@@ -50,9 +50,9 @@ from validation.evidence import Checks
 from validation.memory import StorageCensus, frozen_heap
 from validation.trainers import trainer_with_policy
 
-from .. import presets
-from ..presets import PLACEMENTS
+from ..presets import PLACEMENTS, Preset
 from ..registry import Judged
+from ..request import CanaryRun
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify, loaded_detail
 
@@ -142,10 +142,11 @@ GPU_PLANS: dict[str, dict[str, GridPlan]] = {
 CPU_BUDGET_S = {"quick": 10.0, "default": 300.0, "nightly": 600.0}  # docs/harness.md#time-budgets
 
 
-def plan(preset: str, profile: str) -> GridPlan:
-    """What ``preset`` x ``profile`` runs: a GPU preset's declared subset on CUDA (nightly: its default), else the CPU grid."""
-    if presets.preset(preset).on_this_machine().device == "cuda":
-        plans = GPU_PLANS[preset]
+def plan(preset: Preset, profile: str) -> GridPlan:
+    """What ``preset`` (as it runs on this machine) x ``profile`` runs: a GPU preset's declared subset on CUDA
+    (nightly: its default), else the CPU grid."""
+    if preset.device == "cuda":
+        plans = GPU_PLANS[preset.name]
         return plans.get(profile, plans["default"])
     return GridPlan(tuple(CELL_GRIDS[profile]), BLOCKS[profile], rt.ModelConfig.tiny(), "cpu", CPU_BUDGET_S[profile])
 
@@ -319,11 +320,11 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
     return result
 
 
-def judge(preset: str, profile: str) -> Judged:
-    """The registry's entry point: every cell of ``profile``'s grid, then the certificate."""
-    spec = presets.preset(preset).on_this_machine()
-    started = time.perf_counter()
-    plan_ = plan(preset, profile)
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: every cell of ``run.profile``'s grid, then the certificate."""
+    run.runs_every_check("planner")
+    started, profile = time.perf_counter(), run.profile
+    plan_ = plan(run.preset, profile)
     cells = plan_.cells
     models: dict[float, rt.DecoderLM] = {}
     results: dict[str, CellResult] = {}
@@ -341,13 +342,12 @@ def judge(preset: str, profile: str) -> Judged:
     figures, verdicts = certify([c.label for c in cells], results, gates)
     calibrated = calibration.held_out(list(results.values()), gates.confidence)
     verdicts.append(calibration.held_out_check(calibrated, loaded_detail(list(results.values()))))
-    checks = Checks()
+    checks = Checks(echo=run.echo)
     for name, ok, detail in verdicts:
         if ok is None:
             checks.skip(name, detail)
         else:
             checks.check(name, ok, detail)
-        print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name}: {detail[:200]}", flush=True)
     measurements = {
         "calibration": calibrated,
         "certificate": figures,
@@ -355,7 +355,7 @@ def judge(preset: str, profile: str) -> Judged:
         "gates": asdict(gates),
         "seconds": time.perf_counter() - started,
     }
-    config = {"preset": spec.describe(), "profile": profile, "blocks": plan_.blocks, "budget_s": plan_.budget_s,
+    config = {"preset": run.preset.describe(), "profile": profile, "blocks": plan_.blocks, "budget_s": plan_.budget_s,
               "grid": [asdict(c) for c in cells], "device": plan_.device,
               "model": {f: str(v) for f, v in asdict(plan_.model).items()}}
     return Judged(KIND, config, checks, measurements)

@@ -37,6 +37,7 @@ from validation.evidence import Checks
 from validation.spawn import RankOutcome, spawn_ranks
 
 from ..registry import Judged
+from ..request import CanaryRun
 from .job import SAVE_OP, STEP_OPS, job, total_ops
 
 __all__ = ["KIND", "KILLS", "KillPoint", "judge", "kill_points"]
@@ -123,24 +124,24 @@ def _killed_and_resumed(base: Path, steps: int, kill: KillPoint, forget_rng: boo
             "state": _run(run_dir, steps, kill.resumed, forget_rng=forget_rng)}
 
 
-def judge(preset: str, profile: str) -> Judged:
+def judge(run: CanaryRun) -> Judged:
     """The registry's entry point (module docstring); the job runs on the CPU whatever the preset."""
-    started = time.perf_counter()
-    steps, checks, rows = STEPS[profile], Checks(), []
+    run.runs_every_check("resume")
+    started, profile = time.perf_counter(), run.profile
+    steps, checks, rows = STEPS[profile], Checks(echo=run.echo), []
     points = kill_points(profile)
-    print(f"resume canary: {len(points)} kill points over {total_ops(steps)} trainer calls", flush=True)
+    run.echo(f"resume canary: {len(points)} kill points over {total_ops(steps)} trainer calls")
     with tempfile.TemporaryDirectory(prefix="rtv-resume-") as scratch:
         base = Path(scratch)
         expected = _run(Path(tempfile.mkdtemp(dir=base)), steps, 1)
         for point in points:
             outcome = _killed_and_resumed(base, steps, point)
             differ = _differences(outcome["state"], expected)
-            equal = outcome["killed"] and not differ
             rows.append({**asdict(point), "where": point.describe(), "killed": outcome["killed"],
                          "resumed_from_save": outcome["resumed_from_save"], "bitwise_equal": not differ,
                          "first_difference": differ[0] if differ else None})
-            print(f"{'PASS' if equal else 'FAIL'}  {point.describe()}: "
-                  f"{'bitwise equal' if not differ else 'differs at ' + differ[0]}", flush=True)
+            run.echo(f"  kill point {point.describe()}: {'killed' if outcome['killed'] else 'NOT killed'}, "
+                     f"{'bitwise equal' if not differ else 'differs at ' + differ[0]}")
         failed = [r["where"] for r in rows if not (r["killed"] and r["bitwise_equal"])]
         checks.check("every killed job resumed bitwise equal", not failed,
                      f"{len(rows) - len(failed)} of {len(rows)} kill points" + (f"; first failure {failed[0]}" if failed else ""))
@@ -153,9 +154,8 @@ def judge(preset: str, profile: str) -> Judged:
         control_differs = bool(forgot["resumed_from_save"] and _differences(forgot["state"], expected))
         checks.check("negative control: a save without the RNG state fails the comparison", control_differs,
                      f"{control.describe()}: the resumed state {'differs' if control_differs else 'is equal (blind)'}")
-        print(f"{'PASS' if control_differs else 'FAIL'}  negative control (RNG left out of the save)", flush=True)
     measurements = {"kill_points": rows, "kills": len(rows), "kills_inside_a_save": mid_save, "resumed_from_a_save": from_save,
                     "negative_control_differs": control_differs, "seconds": time.perf_counter() - started}
-    config = {"preset": preset, "profile": profile, "device": "cpu", "steps": steps, "trainer_calls": total_ops(steps),
+    config = {"preset": run.preset.name, "profile": profile, "device": "cpu", "steps": steps, "trainer_calls": total_ops(steps),
               "processes": list(PROCESSES[profile]), "calls_per_step": STEP_OPS}
     return Judged(KIND, config, checks, measurements)

@@ -39,6 +39,7 @@ from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
 from validation.evidence import Checks
 
 from ..registry import Judged
+from ..request import CanaryRun
 from . import scenarios
 from .scenarios import Setting
 
@@ -52,10 +53,6 @@ RATIO_BAND = (0.9, 1.1)
 def settings() -> list[Setting]:
     return [Setting(dtype, kv_cache, batch, padding) for dtype in ("fp32", "bf16") for kv_cache in (True, False)
             for batch in (1, 4, 8) for padding in ("none", "left+right")]
-
-
-def _device(preset: str) -> torch.device:
-    return torch.device("cuda" if preset != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def _mismatch(checks: Checks, tokens: int, device: torch.device) -> tuple[list[dict], dict[str, list[float]]]:
@@ -153,17 +150,16 @@ def _lags(checks: Checks, tokens: int, device: torch.device) -> dict[str, object
             "publication_skipped": skipped.lag_histogram}
 
 
-def judge(preset: str, profile: str) -> Judged:
-    """The registry's entry point: mismatch, ratios, publication and lag, each printing its checks."""
-    started = time.perf_counter()
-    device, tokens = _device(preset), TOKENS[profile]
-    checks = Checks()
+def judge(run: CanaryRun) -> Judged:
+    """The registry's entry point: mismatch, ratios, publication and lag, each showing its checks."""
+    run.runs_every_check("rollout")
+    started, preset, profile = time.perf_counter(), run.preset.name, run.profile
+    device, tokens = torch.device(run.preset.device), TOKENS[profile]  # on this machine
+    checks = Checks(echo=run.echo)
     rows, bf16 = _mismatch(checks, tokens, device)
     ratios = _ratios(checks, tokens, device)
     publication = _publication(checks, tokens, device)
     lags = _lags(checks, tokens, device)
-    for check in checks:
-        print(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}", flush=True)
     config = {"preset": preset, "profile": profile, "device": device.type, "tokens": tokens,
               "fp32_tolerance": FP32_LOGPROB_TOLERANCE, "ratio_band": list(RATIO_BAND), "model": "tiny",
               "stand_in": preset != "cpu" and device.type == "cpu"}

@@ -101,8 +101,8 @@ def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floo
 def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture, argv: list[str], costs: dict, code: int) -> None:
     machine = FakeMachine(costs, real_steps=3)
-    monkeypatch.setattr(benchmark, "judge", functools.partial(
-        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(benchmark, "measure", functools.partial(
+        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     with pytest.raises(SystemExit) if code == 2 else _no_raise() as exit_info:
         assert main(["bench", "--profile", "quick", "--out", str(tmp_path), *argv]) == code
     if code == 2:
@@ -122,8 +122,8 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
 def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
-    monkeypatch.setattr(benchmark, "judge", functools.partial(
-        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(benchmark, "measure", functools.partial(
+        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     for _ in range(2):
         assert main(["bench", "--profile", "quick", "--out", str(tmp_path)]) == 0
     table = history.load(tmp_path / "history.sqlite")
@@ -155,7 +155,7 @@ def test_arms_on_different_weights_fail_the_like_with_like_check(tmp_path: Path,
         arms["retain@s0"] = other
         return arms
 
-    judged = benchmark.judge("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=build)
+    judged = benchmark.measure("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=build)
     path = canary("benchmark").record("cpu", judged, tmp_path)
     checks = verify(path)["checks"]
     assert checks == {**checks, "tiny 1x4 full: every arm's first loss equals plain's": False}

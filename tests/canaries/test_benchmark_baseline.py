@@ -123,7 +123,7 @@ def test_judge_records_both_sources_and_a_verdict_per_arm_with_plain_as_the_cont
     clone = _clone(tmp_path)
     (clone / "reference_trainer" / "__init__.py").write_text("# edited\n", encoding="utf-8")
     subprocess.run([*GIT, "commit", "-qam", "edit"], cwd=clone, check=True)
-    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, slower))
     comparisons = {c["arm"]: c for c in judged.measurements["comparisons"]}
     assert list(comparisons) == ["plain", "retain@s0"] and comparisons["plain"]["verdict"] == "tie"
@@ -142,7 +142,7 @@ def test_a_rev_that_is_heads_commit_is_an_a_a_run_said_on_the_terminal_in_the_re
 
     clone = _clone(tmp_path)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
-    judged = baseline.judge(head, "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure(head, "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     assert "an A/A run" in capsys.readouterr().out
     assert judged.config["a_a"] is True and "A/A" in judged.config["scope"]
@@ -159,7 +159,7 @@ def test_heads_commit_with_uncommitted_trainer_edits_is_no_a_a_run(
     clone = _clone(tmp_path)
     edited = clone / "reference_trainer" / "__init__.py"
     edited.write_text(edited.read_text() + "\nEDITED = 1\n")  # HEAD's side imports this work tree
-    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     sources = judged.measurements["sources"]
     assert sources["head"]["commit"].endswith("+dirty") and sources["baseline"]["digest"] != sources["head"]["digest"]
@@ -173,7 +173,7 @@ def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path:
     marker = clone / "reference_trainer" / "__init__.py"
     marker.write_text(marker.read_text() + "\nMARKER = 1\n")
     subprocess.run([*GIT, "commit", "-qam", "marker"], cwd=clone, check=True)  # HEAD~1's trainer differs
-    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=clone, capture_output=True, text=True,
                             check=True).stdout
@@ -185,7 +185,7 @@ def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path:
 @pytest.mark.parametrize("faster", [0.9, 1.1])
 def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
     clone = _clone(tmp_path)
-    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure("HEAD", "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, faster, control_too=True))
     control = next(c for c in judged.checks if "A/A control" in c.name)
     assert not control.ok and not judged.checks.passed
@@ -194,7 +194,7 @@ def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path,
 def test_on_a_loaded_machine_a_decided_looking_difference_is_inconclusive_loaded_not_a_failure(tmp_path: Path) -> None:
     """The control and the arm 10% apart, every block loaded: nothing is decided and nothing fails; the reading says why."""
     clone = _clone(tmp_path)
-    judged = baseline.judge("HEAD", "cpu", "quick", tmp_path / "out", root=clone, meter=FakeMeter(idle=1.6),
+    judged = baseline.measure("HEAD", "cpu", "quick", tmp_path / "out", root=clone, meter=FakeMeter(idle=1.6),
                             worker=lambda tree: FakeWorker(tree, clone, 1.1, control_too=True))
     assert judged.checks.passed and all(c["verdict"] == "inconclusive" for c in judged.measurements["comparisons"])
     assert all("inconclusive (loaded: 128 of 128 blocks loaded, median 1.60 of 2 cores" in c.detail
@@ -250,7 +250,7 @@ def test_a_rev_whose_commit_differs_only_outside_the_trainer_is_an_a_a_run(
     readme = clone / "README.md"
     readme.write_text(readme.read_text() + "\nAn edit outside the trainer.\n")
     subprocess.run([*GIT, "commit", "-qam", "readme"], cwd=clone, check=True)
-    judged = baseline.judge("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
+    judged = baseline.measure("HEAD~1", "cpu", "quick", tmp_path / "out", root=clone,
                             meter=FakeMeter(), worker=lambda tree: FakeWorker(tree, clone, 1.0))
     sources = judged.measurements["sources"]
     assert sources["baseline"]["commit"] != sources["head"]["commit"], sources

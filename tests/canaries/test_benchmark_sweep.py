@@ -52,7 +52,7 @@ class CostClock:
 
 def test_the_fit_recovers_known_fixed_per_token_and_quadratic_costs() -> None:
     clock = CostClock()
-    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
+    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
     fits = judged.measurements["fits"]
     assert set(fits) == {"plain", "retain@s0", "replay@s0"} and judged.checks.passed
     for arm, known in COSTS.items():
@@ -94,7 +94,7 @@ class LoadedBlocks(FakeMeter):
 def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
     """The loaded blocks (3x slower) are most of each shape's blocks: kept in the medians, they would triple the fit."""
     clock = CostClock()
-    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock),
+    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock),
                          build=clock.build)
     fits = judged.measurements["fits"]
     for point in judged.measurements["points"]:
@@ -106,7 +106,7 @@ def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
 
 def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_passes() -> None:
     clock = CostClock()
-    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
                          build=clock.build)
     checks = {c.name: c for c in judged.checks}
     fit = checks["every arm's costs were fitted"]
@@ -118,7 +118,7 @@ def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_
 def test_rtv_bench_on_a_loaded_machine_exits_0_and_prints_the_skip_with_the_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     clock = CostClock()
-    monkeypatch.setattr(sweep, "judge", functools.partial(sweep.judge, clock=clock, load_probe=FakeProbe(),
+    monkeypatch.setattr(sweep, "measure", functools.partial(sweep.measure, clock=clock, load_probe=FakeProbe(),
                                                           meter=FakeMeter(idle=1.6), build=clock.build))
     assert main(["bench", "--sweep", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -134,7 +134,7 @@ def test_a_sweep_whose_arms_disagree_on_the_first_loss_fails_whatever_the_load()
         arms["retain@s0"] = lambda: 2.0
         return arms
 
-    judged = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
+    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
                          build=unlike)
     assert not judged.checks.passed
 
@@ -154,7 +154,7 @@ def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
 
 def _fake_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = CostClock()
-    monkeypatch.setattr(sweep, "judge", functools.partial(sweep.judge, clock=clock, load_probe=FakeProbe(),
+    monkeypatch.setattr(sweep, "measure", functools.partial(sweep.measure, clock=clock, load_probe=FakeProbe(),
                                                           build=clock.build))
 
 
@@ -176,8 +176,8 @@ def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
     fake_pauses(monkeypatch)
-    monkeypatch.setattr(benchmark, "judge", functools.partial(
-        benchmark.judge, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(benchmark, "measure", functools.partial(
+        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
     assert main(["bench", "--profile", "default", "--out", str(tmp_path)]) == 0
     records = _records(tmp_path)
     assert set(records) == {"benchmark", "benchmark-sweep"}
@@ -240,7 +240,7 @@ def test_each_shape_gets_the_share_of_the_budget_its_block_bound_asks(monkeypatc
     real_compare = sweep.compare
     monkeypatch.setattr(sweep, "compare", recording)
     clock = CostClock()
-    sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
+    sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), build=clock.build)
     default = sweep.plan("cpu", "default")
     bounds = [sweep.block_bound(w, default.arms) for w in default.workloads]
     assert sum(given) == pytest.approx(default.budget_s)

@@ -20,6 +20,7 @@ import torch
 from canaries import cli, smoke, suite
 from canaries.cli import main
 from canaries.registry import CANARIES, PRESET_NAMES, Canary, Judged
+from canaries.request import CanaryRun
 from validation.errors import CheckFailed
 from validation.evidence import Checks, make_record, verify, write_once
 
@@ -46,12 +47,13 @@ class FakeCanaries:
             monkeypatch.setitem(CANARIES, name, Canary(name=name, module=module.__name__, summary=f"fake {name}"))
 
     def _judge(self, name: str):
-        def judge(preset: str, profile: str) -> Judged:
-            self.calls.append((name, preset, profile))
+        def judge(run: CanaryRun) -> Judged:
+            self.calls.append((name, run.preset.name, run.profile))
             self.threads.append(torch.get_num_threads())
             if name in self.raising:
                 raise RuntimeError(f"{name} blew up")
-            return Judged(f"{name}-fake", {"preset": preset}, Checks.of({f"{name} ok": name not in self.failing}), {})
+            return Judged(f"{name}-fake", {"preset": run.preset.name},
+                          Checks.of({f"{name} ok": name not in self.failing}), {})
 
         return judge
 
@@ -65,11 +67,10 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeCanaries:
 def quick_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     """A smoke stand-in (the real one runs in test_run_writes_every_record_and_a_report_and_passes)."""
 
-    def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
-        record = make_record("smoke", config={"seed": seed}, checks={"smoke ok": True}, measurements={})
-        return SimpleNamespace(checks=[], record=lambda: record)
+    def quick(run: CanaryRun, *, seed: int = 0, inject_failure: bool = False) -> Judged:
+        return Judged("smoke", {"seed": seed}, Checks.of({"smoke ok": True}), {})
 
-    monkeypatch.setattr(smoke, "run_smoke", quick)
+    monkeypatch.setattr(smoke, "judge", quick)
 
 
 def only_run_dir(out: Path) -> Path:
@@ -201,7 +202,7 @@ def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.
 def test_a_harness_error_becomes_its_reason_its_fix_and_its_exit_code(
     tmp_path: Path, fakes: FakeCanaries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def refuse(preset: str, profile: str) -> Judged:
+    def refuse(run: CanaryRun) -> Judged:
         raise CheckFailed("the evidence did not verify", fix="re-run the canary")
 
     monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "judge", refuse)
@@ -302,3 +303,23 @@ def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
     assert reason.startswith("rtv run: no space left on the device while writing evidence") and "rtv-out/" in fix
     assert fakes.calls == [], "the run stops: nothing later could be written"
     assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"
+
+
+@pytest.mark.parametrize("command", [["canary", "memory", "--profile", "quick"],
+                                     pytest.param(["run"], marks=pytest.mark.slow)])  # the run: ~15 s (a report)
+def test_under_torchrun_the_request_carries_the_worlds_process_count(
+    command: list[str], tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [Joined worlds]: the world's size reaches every canary in the one request, not in ambient state."""
+    seen: list[CanaryRun] = []
+
+    def judge(run: CanaryRun) -> Judged:
+        seen.append(run)
+        return Judged("memory-fake", {}, Checks.of({"ok": True}), {})
+
+    monkeypatch.setattr(sys.modules[CANARIES["memory"].module], "judge", judge)
+    monkeypatch.setattr(cli, "given_world", lambda: SimpleNamespace(world_size=3))
+    monkeypatch.setattr(cli, "joined", lambda world, command: command())
+    assert main([*command, "--out", str(tmp_path)]) == 0
+    (run,) = seen
+    assert (run.preset.processes, run.preset.logical_dp) == (3, 3)

@@ -11,6 +11,7 @@ import pytest
 
 from canaries.conform import canary
 from canaries.registry import CANARIES
+from canaries.request import canary_run
 from validation.evidence import checks_of, verify
 
 
@@ -20,7 +21,7 @@ def cheap(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_record_passes_when_the_negative_control_fails_stale(cheap: None, tmp_path) -> None:
-    record = verify(CANARIES["conform"].record("cpu", canary.judge("cpu", "quick"), tmp_path))
+    record = verify(CANARIES["conform"].record("cpu", canary.judge(canary_run("cpu", "quick")), tmp_path))
     assert record["kind"] == "conform" and record["passed"]
     assert record["checks"]["naive-async stale fails (negative control)"] is True
     assert record["checks"]["snapshot-async stale"] is True
@@ -41,7 +42,7 @@ def test_processes_is_left_out_on_quick_and_inside_a_torchrun_world(monkeypatch:
 def test_the_record_fails_when_the_negative_control_does_not_fire(cheap: None, monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path) -> None:
     monkeypatch.setattr(canary, "NEGATIVE_CONTROLS", {"naive-async": "splits"})  # a check it passes
-    record = verify(CANARIES["conform"].record("cpu", canary.judge("cpu", "quick"), tmp_path))
+    record = verify(CANARIES["conform"].record("cpu", canary.judge(canary_run("cpu", "quick")), tmp_path))
     assert not record["passed"]
     failed = {c.name: c.detail for c in checks_of(record) if c.failed}
     assert set(failed) == {"naive-async splits fails (negative control)", "naive-async stale"}
@@ -50,7 +51,7 @@ def test_the_record_fails_when_the_negative_control_does_not_fire(cheap: None, m
 
 @pytest.mark.slow
 def test_the_reference_passes_and_naive_async_fails_stale_on_the_quick_profile(tmp_path) -> None:
-    record = verify(CANARIES["conform"].record("cpu", canary.judge("cpu", "quick"), tmp_path))
+    record = verify(CANARIES["conform"].record("cpu", canary.judge(canary_run("cpu", "quick")), tmp_path))
     assert record["passed"], record["details"]
     assert {name for name, ok in record["checks"].items() if ok} == {
         "reference sync", "reference stale", "reference splits", "reference resume", "naive-async sync",

@@ -23,7 +23,8 @@ from canaries.derivative.machine import explore
 from canaries.derivative import scenarios as derivative_scenarios
 from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation, run_scenario
 from canaries.derivative.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
-from canaries.presets import preset, process_count
+from canaries.presets import preset
+from canaries.request import canary_run
 from canaries.registry import canary
 from reference_trainer import staging as staging_module
 from validation.errors import SetupError
@@ -40,7 +41,7 @@ FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), 
 
 
 def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = canary("derivative").run("cpu", "quick", tmp_path)
+    path = canary("derivative").run(canary_run("cpu", "quick"), tmp_path)
 
     record = verify(path)
     assert record["kind"] == "derivative-canary" and record["passed"] is True
@@ -141,10 +142,10 @@ def test_logical_ranks_normalise_by_the_global_token_count() -> None:
 
 def test_unknown_profile_and_preset_are_refused_with_a_fix(tmp_path: Path) -> None:
     with pytest.raises(SetupError, match="unknown profile 'weekly'") as info:
-        canary("derivative").run("cpu", "weekly", tmp_path)
+        canary("derivative").run(canary_run("cpu", "weekly"), tmp_path)
     assert "quick" in info.value.fix
     with pytest.raises(SetupError, match="unknown preset 'tpu'"):
-        canary("derivative").run("tpu", "quick", tmp_path)
+        canary("derivative").run(canary_run("tpu", "quick"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,7 +155,7 @@ def _run_swapped_gpu_preset(tmp_path: Path, checks: list[str] | None = None) -> 
         pytest.skip("a CUDA device is present: the gpu preset is not swapped")
     spawned = mock.patch.object(derivative_scenarios, "run_ranks", wraps=derivative_scenarios.run_ranks)
     with spawned as spawn:
-        record = verify(canary("derivative").run("gpu", "quick", tmp_path, checks=checks))
+        record = verify(canary("derivative").run(canary_run("gpu", "quick", checks=checks), tmp_path))
     assert [c.args[1] for c in spawn.call_args_list] == [2], "the logical-rank check runs on the preset's 2 processes"
     assert spawn.call_args.kwargs["backend"] == "gloo"  # a CPU model: gloo even where CUDA exists
     assert record["config"]["preset"]["swapped_for_cpu"] is True
@@ -257,16 +258,13 @@ def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> No
 
 
 def test_nproc_sets_the_processes_and_logical_dp_follows() -> None:
-    """``rtv run --nproc``: an argument of ``preset``, or the scope of one run (``process_count``), never the environment."""
+    """``rtv run --nproc``: an argument of ``preset``, resolved once into the run's request, never the environment."""
     assert preset("gpu").processes == 2
     eight = preset("gpu", processes=8)
     assert (eight.processes, eight.logical_dp) == (8, 8)
     assert (preset("cpu", processes=2).logical_dp) == 2
-    with process_count(3):
-        with process_count(None):  # a nested scope without a count keeps the run's
-            assert (preset("gpu").processes, preset("gpu").logical_dp) == (3, 3)
-        assert preset("gpu", processes=1).processes == 1, "an explicit count wins over the scope"
-    assert preset("gpu").processes == 2, "the scope ends with its block"
+    assert (preset("gpu", 3).processes, preset("gpu", 3).logical_dp) == (3, 3)
+    assert preset("gpu").processes == 2, "a count given once changes nothing after"
     for bad in (0, True, "2"):
         with pytest.raises(SetupError, match="expected a positive int"):
             preset("gpu", processes=bad)

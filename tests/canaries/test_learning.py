@@ -13,10 +13,14 @@ import torch
 from canaries.learning.canary import QUICK_ARMS, SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.arms import ARMS, arm, run_arm
 from canaries.learning.summary import area_under_curve, expected_staleness, ratio_distribution
+from canaries.presets import preset
+from canaries.request import canary_run
 from canaries.learning.workloads import Schedule
 from canaries.registry import CANARIES
 from validation.errors import SetupError
 from validation.evidence import verify
+
+CPU = preset("cpu").on_this_machine()
 
 
 @pytest.fixture
@@ -124,7 +128,7 @@ def test_gate_enforces_equivalence(tmp_path: Path) -> None:
 
 
 def test_the_rl_workload_learns_through_the_trainer_exactly_as_the_plain_loop() -> None:
-    rl = plan("cpu", "quick").workloads[1].replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2),
+    rl = plan(CPU, "quick").workloads[1].replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2),
                                                    eval_prompts=8)
     plain, strict = run_arm(arm("plain"), rl, 0), run_arm(arm("strict"), rl, 0)
     corrected = run_arm(arm("stale1_corrected"), rl, 0)
@@ -134,22 +138,23 @@ def test_the_rl_workload_learns_through_the_trainer_exactly_as_the_plain_loop() 
 
 
 def test_profiles_and_presets() -> None:
-    assert [len(plan("cpu", p).seeds) for p in ("quick", "default", "nightly")] == [3, 5, 10]
+    assert [len(plan(CPU, p).seeds) for p in ("quick", "default", "nightly")] == [3, 5, 10]
     assert SEEDS["cpu"]["default"] >= 5 and SEEDS["gpu"]["nightly"] > SEEDS["cpu"]["nightly"]
-    assert [a.name for a in plan("cpu", "quick").arms] == list(QUICK_ARMS)
-    assert [a.name for a in plan("cpu", "default").arms] == [a.name for a in ARMS] == [a.name for a in plan("gpu", "nightly").arms]
+    gpu = preset("gpu").on_this_machine()
+    assert [a.name for a in plan(CPU, "quick").arms] == list(QUICK_ARMS)
+    assert [a.name for a in plan(CPU, "default").arms] == [a.name for a in ARMS] == [a.name for a in plan(gpu, "nightly").arms]
     if not torch.cuda.is_available():
-        swapped = plan("gpu", "default")
+        swapped = plan(gpu, "default")
         assert swapped.workloads[0].model.dtype == torch.float32 and "without CUDA" in swapped.notes[0]
     with pytest.raises(SetupError) as error:
-        CANARIES["learning"].run("gpu-8b", "quick", Path("unused"))
+        CANARIES["learning"].run(canary_run("gpu-8b", "quick"), Path("unused"))
     assert error.value.exit_code == 2 and "--preset gpu" in error.value.fix
 
 
 def test_quick_fits_its_budget_by_design_and_keeps_every_exact_pair_and_broken_arm() -> None:
     """quick's 60 s (docs/harness.md#time-budgets) on 2 idle cores, planned at half: its runs times about 1.25 s
     of CPU each (the costlier RL runs), over 2 workers, stay within 30 s. Planned, not timed: no clock here."""
-    quick = plan("cpu", "quick")
+    quick = plan(CPU, "quick")
     described = quick.describe()
     assert described["runs"] == len(quick.seeds) * len(quick.arms) * len(quick.workloads)
     assert described["runs"] * 1.25 / quick.workers <= 30.0, described["runs"]
@@ -174,7 +179,7 @@ def test_schedule_and_area_under_curve() -> None:
 @pytest.mark.slow
 def test_quick_profile_through_the_registry(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    result = verify(CANARIES["learning"].run("cpu", "quick", tmp_path))
+    result = verify(CANARIES["learning"].run(canary_run("cpu", "quick"), tmp_path))
     assert result["passed"], [c for c, ok in result["checks"].items() if not ok]
     assert set(result["measurements"]["workloads"]) == {"next_byte", "pattern_rl"}
     for workload in result["measurements"]["workloads"].values():

@@ -10,8 +10,6 @@ making when it happened.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 
 from canaries.liveness.job import job
 from canaries.registry import canary
+from canaries.request import canary_run, silent
 from validation.evidence import checks_of, verify
 from validation.hangs import HangDetected, watching
 from validation.world import run_ranks
@@ -29,8 +28,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("liveness")
-    with contextlib.redirect_stdout(io.StringIO()):
-        path = canary("liveness").run("cpu", "quick", out)
+    path = canary("liveness").run(canary_run("cpu", "quick", echo=silent), out)
     return verify(path)
 
 

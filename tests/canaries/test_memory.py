@@ -11,8 +11,6 @@ The censuses themselves are tested in ``tests/validation/test_memory.py``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 from unittest import mock
 
@@ -25,6 +23,7 @@ from canaries.memory.lifecycle import POINTS
 from canaries.presets import PLACEMENTS
 from canaries.mutations.catalogue import mutation
 from canaries.registry import canary
+from canaries.request import canary_run
 from validation.errors import SetupError
 from reference_trainer.records import RecordTable
 from validation.evidence import verify
@@ -38,10 +37,9 @@ OFFLOAD_CHECKS = {
 
 
 def _run(tmp: Path, preset: str = "cpu") -> tuple[dict, str, Path]:
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        path = canary("memory").run(preset, "quick", tmp)
-    return verify(path), stdout.getvalue(), path
+    lines: list[str] = []
+    path = canary("memory").run(canary_run(preset, "quick", echo=lines.append), tmp)
+    return verify(path), "\n".join(lines), path
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +136,6 @@ def test_a_trainer_that_keeps_released_records_fails_every_release_point(tmp_pat
 
 def test_unknown_preset_is_refused_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(SetupError, match="unknown preset 'tpu'") as info:
-        canary("memory").run("tpu", "quick", tmp_path)
+        canary("memory").run(canary_run("tpu", "quick"), tmp_path)
     assert "cpu" in info.value.fix
     assert list(tmp_path.iterdir()) == []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from canaries.mutations import canary as mutations_module
 from canaries.memory.canary import CHECKPOINT_STATE_CHECK
 from canaries.mutations.canary import MUTATIONS, Mutation, judge, judge_mutation, mutation
 from canaries.mutations.catalogue import PARTS
-from canaries.registry import CANARIES, canary
+from canaries.registry import CANARIES, Canary, Judged, canary
+from canaries.request import CanaryRun, CannotFocus, canary_run
 from validation.errors import SetupError
-from validation.evidence import verify
+from validation.evidence import Checks, verify
 from validation.profiles import EXPLORATION
 
 
@@ -72,7 +74,7 @@ def test_the_suite_catches_each_mutation_on_the_cpu_preset_by_the_check_meant_fo
     # Verdicts, not exploration depth, are under test: one explored example if a run explores at all.
     monkeypatch.setitem(EXPLORATION, "quick", settings(EXPLORATION["quick"], max_examples=1))
     m = MUTATIONS[name]
-    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=[name]), tmp_path))
+    record = verify(canary("mutations").record("cpu", judge(canary_run("cpu", "quick"), names=[name]), tmp_path))
 
     assert record["kind"] == "mutation-suite" and record["passed"] is True, record["measurements"]
     assert record["checks"] == {f"unmutated:{m.caught_by} passes": True, f"caught:{name}": True}
@@ -90,7 +92,7 @@ def test_the_registry_entry_point_runs_every_mutation_of_the_catalogue(
 ) -> None:
     one = {"busy_counts_every_checkpoint": MUTATIONS["busy_counts_every_checkpoint"]}  # a cheap stand-in catalogue
     monkeypatch.setattr(mutations_module, "MUTATIONS", one)
-    record = verify(canary("mutations").run("cpu", "quick", tmp_path))
+    record = verify(canary("mutations").run(canary_run("cpu", "quick"), tmp_path))
     assert record["passed"] is True and record["measurements"]["caught"] == list(one)
     assert record["config"]["checks"] == {name: m.check for name, m in one.items()}
 
@@ -112,14 +114,14 @@ def test_every_mutation_names_a_check_of_its_canary() -> None:
 
 def test_focused_runs_refuse_unknown_checks_and_canaries_without_them(tmp_path: Path) -> None:
     with pytest.raises(SetupError, match="no checks named"):
-        canary("derivative").run("cpu", "quick", tmp_path, checks=["scenario:typo"])
+        canary("derivative").run(canary_run("cpu", "quick", checks=["scenario:typo"]), tmp_path)
     with pytest.raises(SetupError, match="runs all its checks"):
-        canary("learning").run("cpu", "quick", tmp_path, checks=["anything"])
+        canary("learning").run(canary_run("cpu", "quick", checks=["anything"]), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_focused_memory_run_makes_only_the_intersection_checks_asked(tmp_path: Path) -> None:
-    record = verify(canary("memory").run("cpu", "quick", tmp_path, checks=[CHECKPOINT_STATE_CHECK]))
+    record = verify(canary("memory").run(canary_run("cpu", "quick", checks=[CHECKPOINT_STATE_CHECK]), tmp_path))
     assert record["checks"] == {CHECKPOINT_STATE_CHECK: True}
     assert record["config"]["checks"] == [CHECKPOINT_STATE_CHECK]
 
@@ -128,7 +130,7 @@ def test_a_mutation_that_is_not_caught_fails_the_suite(tmp_path: Path, monkeypat
     harmless = Mutation("harmless", "changes nothing (negative control of the suite)", "memory", nullcontext,
                         CHECKPOINT_STATE_CHECK)
     monkeypatch.setitem(MUTATIONS, "harmless", harmless)
-    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=["harmless"]), tmp_path))
+    record = verify(canary("mutations").record("cpu", judge(canary_run("cpu", "quick"), names=["harmless"]), tmp_path))
 
     assert record["passed"] is False
     assert record["checks"] == {"unmutated:memory passes": True, "caught:harmless": False}
@@ -137,7 +139,7 @@ def test_a_mutation_that_is_not_caught_fails_the_suite(tmp_path: Path, monkeypat
 
 def test_an_inapplicable_mutation_is_listed_not_passed(tmp_path: Path) -> None:
     # The gpu preset has no dropout: replay without RNG restore cannot show there.
-    outcome = judge_mutation(mutation("replay_without_rng"), "gpu", scratch=tmp_path)
+    outcome = judge_mutation(mutation("replay_without_rng"), canary_run("gpu", "quick"), scratch=tmp_path)
     assert (outcome.applicable, outcome.caught) == (False, False)
     assert list(tmp_path.iterdir()) == [], "nothing ran"
 
@@ -164,8 +166,8 @@ def test_a_mutation_a_loaded_machine_left_undecided_is_neither_caught_nor_failed
     monkeypatch.setitem(MUTATIONS, "timed", timed)
     undecided = mutations_module.MutationOutcome("timed", "memory", True, False, (), "", 0.0,
                                                  "inconclusive (loaded: 3 cells)")
-    monkeypatch.setattr(mutations_module, "judge_mutation", lambda m, preset, scratch: undecided)
-    record = verify(canary("mutations").record("cpu", judge("cpu", "quick", names=["timed"]), tmp_path))
+    monkeypatch.setattr(mutations_module, "judge_mutation", lambda m, run, scratch: undecided)
+    record = verify(canary("mutations").record("cpu", judge(canary_run("cpu", "quick"), names=["timed"]), tmp_path))
     assert record["checks"] == {"unmutated:memory passes": True}  # what it saw; the mutation is not counted caught
     assert record["skips"] == {"caught:timed": "not caught: inconclusive (loaded: 3 cells)"}
     assert record["measurements"]["inconclusive"] == ["timed"] and record["measurements"]["caught"] == []
@@ -189,3 +191,43 @@ def test_every_planner_mutation_is_meant_for_a_check_that_reads_no_clock() -> No
 
     planner = [m for m in MUTATIONS.values() if m.caught_by == "planner"]
     assert planner and all(m.check is not None and m.check not in TIMING_CHECKS for m in planner)
+
+
+def test_a_canary_that_runs_only_whole_is_run_whole_for_its_mutations_and_silently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 4 without a flag in the registry: a canary refuses a subset before it runs anything (CannotFocus),
+    and the suite runs it whole, on the suite's preset and the mutated profile, with its lines dropped."""
+    asked: list[CanaryRun] = []
+
+    def judge_whole(run: CanaryRun) -> Judged:
+        asked.append(run)
+        run.runs_every_check("toy")
+        checks = Checks(echo=run.echo)
+        checks.check("toy check", not injected, "the toy's one check")
+        return Judged("toy", {}, checks, {})
+
+    injected: list[bool] = []
+    module = type(sys)("toy_whole_canary")
+    module.judge = judge_whole  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(CANARIES, "toy", Canary(name="toy", module=module.__name__, summary="runs whole"))
+    monkeypatch.setitem(MUTATIONS, "toy_bug", Mutation("toy_bug", "fails the toy", "toy",
+                                                       lambda: _appended(injected), "toy check"))
+    suite_run = canary_run("cpu", "default", processes=2)
+    record = verify(canary("mutations").record("cpu", judge(suite_run, names=["toy_bug"]), tmp_path))
+    assert record["checks"] == {"unmutated:toy passes": True, "caught:toy_bug": True}, record["details"]
+    assert [r.checks for r in asked] == [("toy check",), None, ("toy check",), None], "refused, then run whole"
+    assert {(r.preset, r.profile) for r in asked} == {(suite_run.preset, "quick")}
+    assert "PASS  toy check" not in capsys.readouterr().out, "the mutated and unmutated runs are silent"
+    with pytest.raises(CannotFocus):
+        judge(canary_run("cpu", "quick", checks=["caught:toy_bug"]), names=["toy_bug"])
+
+
+@contextmanager
+def _appended(flags: list[bool]):
+    flags.append(True)
+    try:
+        yield
+    finally:
+        flags.pop()

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from canaries.presets import PRESETS
 from canaries.registry import canary as canary_entry
+from canaries.request import canary_run
 
 from canaries.planner import calibration
 from canaries.planner.certificate import TIMING_CHECKS, ArmMemory, CellResult, cell_verdict, certify
@@ -104,7 +106,7 @@ def test_a_failed_or_missing_cell_fails_the_certificate() -> None:
 def test_the_quick_canary_passes_and_every_placement_is_admitted_somewhere(tmp_path: Path) -> None:
     from canaries.planner import canary
 
-    judged = canary.judge("cpu", "quick")
+    judged = canary.judge(canary_run("cpu", "quick"))
     assert all(c.ok or c.skipped for c in judged.checks), [c for c in judged.checks if not c.ok]
     cells = judged.measurements["certificate"]["cells"]
     path = canary_entry("planner").record("cpu", judged, tmp_path)  # its fitted constants load into a trainer
@@ -185,10 +187,10 @@ def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_o
     from canaries.planner import canary
     from reference_trainer.planner import analytic_saved_bytes
 
-    assert canary.plan(preset, "default").device == "cpu"  # no CUDA here: the CPU grid, as the evidence says
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a lent GPU: the preset's declared subset
+    assert canary.plan(PRESETS[preset].on_this_machine(), "default").device == "cpu"  # no CUDA here: the CPU grid
+    on_gpu = PRESETS[preset]  # as it runs on a lent GPU: the preset's declared subset
     for profile in ("quick", "default", "nightly"):
-        plan = canary.plan(preset, profile)
+        plan = canary.plan(on_gpu, profile)
         assert plan is canary.GPU_PLANS[preset].get(profile, canary.GPU_PLANS[preset]["default"])
         assert plan.device == "cuda" and plan.model.dtype == torch.bfloat16 and 0 < plan.budget_s <= 900
         levels = {(c.pending, c.device, c.host) for c in plan.cells}
@@ -199,7 +201,7 @@ def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_o
         for cell in plan.cells:  # what offloading the cell's pending forwards pins stays within a lent machine's RAM
             saved = analytic_saved_bytes(plan.model, cell.batch, cell.seq_len, scores_saved=False, dropout_active=cell.dropout > 0)
             assert cell.pending * saved < 64 << 30, (cell.label, saved)
-    assert set(canary.plan(preset, "quick").cells) < set(canary.plan(preset, "default").cells)
+    assert set(canary.plan(on_gpu, "quick").cells) < set(canary.plan(on_gpu, "default").cells)
 
 
 def test_offload_priced_at_zero_fails_without_any_pair_measurably_apart() -> None:

@@ -10,6 +10,7 @@ import torch
 from canaries.rollout import scenarios
 from canaries.rollout.canary import _ratio_moves, judge
 from canaries.rollout.scenarios import Setting
+from canaries.request import canary_run
 from reference_trainer.importance import RatioStats
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
 from reports.rollout import section
@@ -38,7 +39,7 @@ def test_an_fp32_cell_is_within_the_tolerance_and_a_bf16_cell_is_not() -> None:
 
 @pytest.mark.slow
 def test_the_quick_canary_passes_catches_its_negative_controls_and_renders(tmp_path: Path) -> None:
-    judged = judge("cpu", "quick")
+    judged = judge(canary_run("cpu", "quick"))
     checks = {c.name: c for c in judged.checks}
     assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
     assert {"negative_control_filled_logprobs_caught", "negative_control_skipped_publication_caught",

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from canaries import presets, registry, smoke, suite
 from canaries.cli import main
-from validation.evidence import evidence_path, make_record, verify, write_once
+from canaries.registry import Judged
+from canaries.request import CanaryRun
+from validation.evidence import Checks, evidence_path, make_record, verify, write_once
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -36,12 +37,11 @@ class FakeCanary:
 
     def __init__(self, name: str, *, passed: bool = True, enforced: bool = True, raises: bool = False) -> None:
         self.name, self.passed, self.enforced, self.raises = name, passed, enforced, raises
-        self.takes_gate = False
         self.calls: list[tuple] = []
 
-    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
-        processes = presets.preset(preset).processes  # how a real canary reads --nproc
-        self.calls.append((preset, profile, Path(out_dir), processes, torch.get_num_threads()))
+    def run(self, run: CanaryRun, out_dir: Path) -> Path:
+        processes = run.preset.processes  # how a real canary reads --nproc: the request carries it
+        self.calls.append((run.preset.name, run.profile, Path(out_dir), processes, torch.get_num_threads()))
         if self.raises:
             raise RuntimeError("the canary broke")
         record = make_record(f"canary-{self.name}", config={}, checks={"ok": self.passed}, measurements={})
@@ -59,13 +59,12 @@ def smokes(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """A smoke stand-in that records its arguments and fails one check under ``inject_failure``, as the real one does."""
     calls: list[dict] = []
 
-    def quick(*, seed: int = 0, inject_failure: bool = False, on_check=None) -> SimpleNamespace:
+    def quick(run: CanaryRun, *, seed: int = 0, inject_failure: bool = False) -> Judged:
         calls.append({"seed": seed, "inject_failure": inject_failure})
-        record = make_record("smoke", config={"seed": seed, "inject_failure": inject_failure},
-                             checks={"smoke ok": not inject_failure}, measurements={})
-        return SimpleNamespace(checks=[], record=lambda: record)
+        return Judged("smoke", {"seed": seed, "inject_failure": inject_failure},
+                      Checks.of({"smoke ok": not inject_failure}), {})
 
-    monkeypatch.setattr(smoke, "run_smoke", quick)
+    monkeypatch.setattr(smoke, "judge", quick)
     return calls
 
 
@@ -163,14 +162,14 @@ class WatchedCanary(FakeCanary):
         super().__init__(name)
         self.hangs, self.deadlines, self.summary = hangs, [], "a stand-in that may hang"
 
-    def run(self, preset: str, profile: str, out_dir: Path) -> Path:
+    def run(self, run: CanaryRun, out_dir: Path) -> Path:
         from validation.hangs import HangDetected, next_watch
 
         watch = next_watch()
         self.deadlines.append(watch.deadline_s)
         if self.hangs:
             raise HangDetected([], {"text": "rank 1 never reached it", "folder": watch.folder})
-        return super().run(preset, profile, out_dir)
+        return super().run(run, out_dir)
 
 
 @pytest.mark.parametrize(("argv", "deadline"), [([], presets.PRESETS["gpu"].hang_timeout_s),

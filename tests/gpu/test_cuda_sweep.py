@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_gpu_preset_sweeps_4x_1k_2k_4k_on_cuda_and_fits_every_arm() -> None:
-    judged = sweep.judge("gpu", "quick")
+    judged = sweep.measure("gpu", "quick")
     points = judged.measurements["points"]
     assert [(p["batch"], p["seq_len"]) for p in points] == [(4, 1024), (4, 2048), (4, 4096)]
     assert {p["workload"]["device"] for p in points} == {"cuda"} and not judged.config["swapped_for_cpu"]

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support import checkless_passed_record
 from validation import evidence
-from validation.evidence import SCHEMA_VERSION, EvidenceError, make_record, verify, write_once
+from validation.evidence import SCHEMA_VERSION, Checks, EvidenceError, make_record, verify, write_once
 
 
 def _record(**measurements) -> dict:
@@ -234,3 +234,20 @@ def test_a_schema_1_reason_is_read_from_failures_before_details() -> None:
     record = {"schema_version": 1, "checks": {"a": False, "b": True},
               "measurements": {"failures": {"a": "why a failed"}, "details": {"a": "shadowed", "b": "b held"}}}
     assert evidence.checks_of(record) == [evidence.Check("a", False, "why a failed"), evidence.Check("b", True, "b held")]
+
+
+def test_checks_show_each_verdict_as_it_is_recorded_in_the_one_format() -> None:
+    lines: list[str] = []
+    checks = Checks(echo=lines.append)
+    checks.check("holds", True, "1 == 1")
+    assert lines == ["PASS  holds: 1 == 1"], "shown when recorded, not at the end"
+    checks.check("breaks", False, "expected 1, found 2")
+    checks.skip("cuda only", "no CUDA device")
+    checks.check("bare", True)
+    assert lines == ["PASS  holds: 1 == 1", "FAIL  breaks: expected 1, found 2", "SKIP  cuda only: no CUDA device",
+                     "PASS  bare"]
+    with pytest.raises(ValueError):
+        checks.check("holds", True)
+    assert len(lines) == 4, "a refused duplicate is not shown"
+    assert [c.line for c in checks] == lines
+    assert Checks.of({"holds": True}) == Checks.of({"holds": True}) and Checks().echo is None

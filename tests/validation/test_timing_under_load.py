@@ -52,10 +52,10 @@ def test_beside_a_fake_load_no_timing_check_fails_and_each_says_it_was_loaded(mo
                         budget_s=1e3)
     assert a_vs_b.reading.startswith("inconclusive (loaded: 32 of 32 blocks loaded, median 1.90 of 2 cores")
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
-    judged = benchmark.judge("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), meter=busy(),
+    judged = benchmark.measure("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), meter=busy(),
                              build=machine.build, target=1.03)
     clock = CostClock()
-    swept = sweep.judge("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=busy(), build=clock.build)
+    swept = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=busy(), build=clock.build)
     for each in (judged, swept):
         assert failed_checks(each) == [] and each.checks.passed
         assert any(c.skipped and c.detail.startswith("inconclusive (loaded: ") for c in each.checks)
@@ -73,8 +73,8 @@ def test_beside_two_cpu_hogs_no_timing_check_fails(monkeypatch: pytest.MonkeyPat
                             warmup_blocks=3)
         (slower,) = compare({"a": work(1.0), "b": work(1.10)}, baseline="a", max_blocks=64, budget_s=15.0,
                             warmup_blocks=3)
-        judged = benchmark.judge("cpu", "quick")
-        swept = sweep.judge("cpu", "quick", budget_s=15.0)
+        judged = benchmark.measure("cpu", "quick")
+        swept = sweep.measure("cpu", "quick", budget_s=15.0)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
