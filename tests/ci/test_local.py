@@ -67,6 +67,7 @@ def gate(sky_sandbox, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
     return load_task(repo_root / "ci" / "gate.sky.yaml")
 
 
+@pytest.mark.slow  # runs the gate task's commands in subprocesses (about 3 s); the failing and timeout paths stay in the default run
 def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Path, monkeypatch):
     venv, calls = stubs
     out = tmp_path / "out"
@@ -133,6 +134,7 @@ def test_each_local_node_gets_skypilots_node_variables_and_a_free_master_port(tw
     assert nodes[0]["RTV_MASTER_PORT"] == nodes[1]["RTV_MASTER_PORT"] != two_nodes.envs["RTV_MASTER_PORT"]
 
 
+@pytest.mark.slow  # two node processes (about 3 s); the failing and timeout paths stay in the default run
 def test_local_runs_both_nodes_commands_and_judges_node_zeros_evidence(two_nodes, stubs, tmp_path, monkeypatch):
     venv, calls = stubs
     out = tmp_path / "out"
