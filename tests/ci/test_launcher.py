@@ -110,7 +110,7 @@ def test_interrupted_at_every_phase_tears_down_and_says_why(sky_fake, gate, tmp_
     assert "cancel" not in calls, "down alone ends the job"
 
 
-@pytest.mark.parametrize("fault", ["error", "timeout"])
+@pytest.mark.parametrize("fault", ["error", pytest.param("timeout", marks=pytest.mark.slow)])  # a hung down waits
 def test_a_failed_teardown_leaves_absence_unproven_exit_6(sky_fake, gate, tmp_path, fault):
     fake = sky_fake.FakeSky()
     fake.inject("down", fault, always=True)

@@ -95,6 +95,7 @@ def test_local_fails_when_the_run_fails_or_leaves_no_evidence(gate, stubs, tmp_p
     assert run_local(gate, out=tmp_path / "b", cuda=False, venv=venv, echo=lambda line: None) == 3
 
 
+@pytest.mark.slow  # waits for a real timeout (about 1.2 s); the failing run's exit is checked in the default run
 def test_local_maps_the_runs_own_timeout_to_exit_5(gate, stubs, tmp_path, monkeypatch):
     from ci.local import run_local
 
