@@ -18,6 +18,7 @@ Conventions (``docs/README.md``):
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -68,15 +69,15 @@ def anchors(markdown: str) -> set[str]:
 
 
 def source_files(root: Path) -> list[Path]:
-    """The tree's text files, without generated folders, virtual environments and recorded fixtures."""
+    """The tree's text files, without generated folders, virtual environments and recorded fixtures.
+
+    Skipped folders are pruned, not walked: a virtual environment alone holds tens of thousands of files.
+    """
     files = []
-    for path in sorted(root.rglob("*")):
-        parts = path.relative_to(root).parts
-        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in parts[:-1]):
-            continue
-        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in TEXT_NAMES):
-            files.append(path)
-    return files
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+        files += [Path(folder, name) for name in names if Path(name).suffix in TEXT_SUFFIXES or name in TEXT_NAMES]
+    return sorted(files)
 
 
 def _resolve(root: Path, page: Path, anchor: str | None, where: str) -> list[str]:

@@ -119,6 +119,7 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
     assert "a save 0.80 [0.70..0.90] of a step" in html.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow  # a second rtv bench and a history page (about 1.5 s); the history is tested alone in tests/validation/test_history.py
 def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
@@ -176,6 +177,7 @@ def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
     assert device_clock("cpu", clock, synchronize=lambda device: events.append("sync")) is clock
 
 
+@pytest.mark.slow  # profiles blocks with torch.profiler (about 3 s); the profile table is drawn from a fake in tests/reports
 def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_it_and_its_table(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from reports import render_report

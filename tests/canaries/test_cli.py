@@ -99,6 +99,7 @@ def test_run_writes_every_record_and_a_report_and_passes(
     assert f"report: {report.with_suffix('.html')}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
 
 
+@pytest.mark.slow  # the memory canary whole on a second preset (about 1 s)
 def test_canary_memory_on_a_gpu_preset_runs_here(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``rtv canary memory --preset gpu``: the real canary, end to end on whatever this machine has (the test
     suite's ``quick`` profile, which leaves the logical-rank scale check to the default one)."""
@@ -210,6 +211,7 @@ def test_a_harness_error_becomes_its_reason_its_fix_and_its_exit_code(
     assert capsys.readouterr().err.splitlines() == ["rtv canary: the evidence did not verify", "fix: re-run the canary"]
 
 
+@pytest.mark.slow  # starts the installed console script in a fresh interpreter (about 1 s)
 def test_installed_rtv_script_reports_rtv_out_by_default(tmp_path: Path) -> None:
     """The one subprocess check: the console script, with its default folders."""
     script = Path(sys.executable).with_name("rtv")

@@ -40,6 +40,7 @@ FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), 
          *INTERSECTIONS]
 
 
+@pytest.mark.slow  # the whole quick profile (about 5 s); each scenario passes in the default run, and rtv run runs the profile
 def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = canary("derivative").run(canary_run("cpu", "quick"), tmp_path)
 

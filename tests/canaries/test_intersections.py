@@ -35,6 +35,7 @@ def test_each_refused_call_raises_and_changes_nothing(name: str) -> None:
     assert issubclass(getattr(rt, check_refused_call(CPU, name)), rt.TrainerError)
 
 
+@pytest.mark.slow  # spawns two ranks; W=2 is judged in the default run by the two-process suite (tests/dist)
 def test_logical_ranks_agree_at_w1_and_w2_with_default_options() -> None:
     """Broken by the mutation shared_correction_cache (one when_available cache for every logical rank)."""
     assert di.check_logical_default_options(CPU) >= 2  # stale records compared

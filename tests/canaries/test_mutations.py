@@ -56,9 +56,11 @@ FIRST_FAILURE = {
 }
 
 # The planner canary runs whole (its grid) on each mutation, several seconds each, and the logical-rank scale
-# mutations spawn ranks: nightly, with the slow marker (the mutations canary of `rtv run` still catches each).
+# mutations spawn ranks or cost a second or more of CPU: nightly, with the slow marker (the mutations canary of
+# `rtv run` still catches each; offload_alias is also caught in tests/canaries/test_memory.py).
 _SLOW = {name for name, m in MUTATIONS.items() if m.caught_by == "planner"} | {
-    "fold_in_arrival_order", "no_cross_process_reduction"}
+    "fold_in_arrival_order", "no_cross_process_reduction", "shared_correction_cache", "offload_alias",
+    "sequence_weight_per_token"}
 
 
 def test_every_mutation_has_its_first_failure_pinned() -> None:

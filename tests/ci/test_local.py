@@ -67,6 +67,7 @@ def gate(sky_sandbox, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
     return load_task(repo_root / "ci" / "gate.sky.yaml")
 
 
+@pytest.mark.slow  # runs the gate task's commands in subprocesses (about 3 s); the failing and timeout paths stay in the default run
 def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Path, monkeypatch):
     venv, calls = stubs
     out = tmp_path / "out"
@@ -94,6 +95,7 @@ def test_local_fails_when_the_run_fails_or_leaves_no_evidence(gate, stubs, tmp_p
     assert run_local(gate, out=tmp_path / "b", cuda=False, venv=venv, echo=lambda line: None) == 3
 
 
+@pytest.mark.slow  # waits for a real timeout (about 1.2 s); the failing run's exit is checked in the default run
 def test_local_maps_the_runs_own_timeout_to_exit_5(gate, stubs, tmp_path, monkeypatch):
     from ci.local import run_local
 
@@ -133,6 +135,7 @@ def test_each_local_node_gets_skypilots_node_variables_and_a_free_master_port(tw
     assert nodes[0]["RTV_MASTER_PORT"] == nodes[1]["RTV_MASTER_PORT"] != two_nodes.envs["RTV_MASTER_PORT"]
 
 
+@pytest.mark.slow  # two node processes (about 3 s); the failing and timeout paths stay in the default run
 def test_local_runs_both_nodes_commands_and_judges_node_zeros_evidence(two_nodes, stubs, tmp_path, monkeypatch):
     venv, calls = stubs
     out = tmp_path / "out"

@@ -46,6 +46,7 @@ def _digests(root: Path) -> dict[str, object]:
     return digests
 
 
+@pytest.mark.slow  # spawns one and two processes in turn; saves with pending work across W=2 are in the two-process suite
 def test_saved_on_one_process_restored_on_two_and_back_is_byte_identical_and_bitwise_equal(tmp_path, one_thread):
     straight = {2: tmp_path / "straight-2", 4: tmp_path / "straight-4"}
     expected = job.segment(None, None, 0, 6, {k: str(v) for k, v in straight.items()})

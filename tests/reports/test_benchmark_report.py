@@ -90,6 +90,7 @@ def test_the_profile_table_shows_a_cost_noise_and_a_saving_never_a_negative_cost
     assert not any(row[0].startswith(("−", "-")) for row in rows.values())
 
 
+@pytest.mark.slow  # a second page of two records (about 1.5 s); one record's page and plots are checked in the default run
 def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path, tmp_path: Path) -> None:
     """Each record's plots are named after its digest: a second run's section cannot overwrite the first's."""
     runs = tmp_path / "runs"

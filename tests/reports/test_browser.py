@@ -70,6 +70,7 @@ def _page(folder: Path, *, broken_image: bool, drop_table: bool) -> Path:
     return page
 
 
+@pytest.mark.slow  # a second browser start; the report's own page is checked in the browser in the default run
 def test_a_complete_page_passes_and_leaves_a_screenshot(browser, tmp_path):
     page = _page(tmp_path, broken_image=False, drop_table=False)
     seen = browser.check(page, required_ids=["board"], tables=["t1", "t2"], screenshot=tmp_path / "shot.png")

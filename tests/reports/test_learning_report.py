@@ -18,6 +18,13 @@ def record(tiny_learning_record: dict) -> dict:
     return copy.deepcopy(tiny_learning_record)  # a test may change its copy, never the others'
 
 
+@pytest.fixture(scope="module")
+def built(tiny_learning_record: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, object, Path]:
+    """The section of a copy of the tiny record, built once for the tests that only read it (it draws every figure)."""
+    record, folder = copy.deepcopy(tiny_learning_record), tmp_path_factory.mktemp("learning-section")
+    return record, section(record, folder), folder
+
+
 def _panels(name: str, workload: dict):
     figure = curves_figure(name, workload)
     return figure, [a for a in figure.axes if a.get_legend() is not None]
@@ -67,8 +74,8 @@ def test_differences_show_every_seed_the_interval_and_the_margin(record: dict) -
             assert {"seed", "mean, 90% CI", "equivalence margin (±)"} <= legend
 
 
-def test_section_writes_the_figures_and_lists_them_with_the_verdict_tables(record: dict, tmp_path: Path) -> None:
-    result = section(record, tmp_path)
+def test_section_writes_the_figures_and_lists_them_with_the_verdict_tables(built: tuple) -> None:
+    record, result, tmp_path = built
     workloads = record["measurements"]["workloads"]
     assert result.kind == "learning" and result.passed == record["passed"]
     assert len(result.figures) == 2 * len(workloads)
@@ -82,8 +89,8 @@ def test_section_writes_the_figures_and_lists_them_with_the_verdict_tables(recor
     assert "stale2_corrected vs strict" in result.key_figure
 
 
-def test_the_arms_table_shows_each_corrected_arms_raw_and_clipped_ratios(record: dict, tmp_path: Path) -> None:
-    result = section(record, tmp_path)
+def test_the_arms_table_shows_each_corrected_arms_raw_and_clipped_ratios(built: tuple) -> None:
+    record, result, _ = built
     for name, workload in record["measurements"]["workloads"].items():
         table = result.tables[f"{name}: arms"].set_index("arm")
         for arm, evidence in workload["arms"].items():

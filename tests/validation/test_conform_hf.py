@@ -7,16 +7,25 @@ the model imports transformers (seconds).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 
-pytest.importorskip("transformers", reason="needs the conform-hf extra (pip install -e '.[conform-hf]'): "
-                                           "transformers not installed")
-pytest.importorskip("peft", reason="needs the conform-hf extra (pip install -e '.[conform-hf]'): peft not installed")
-
 from validation.conform import FAILED, NOT_APPLICABLE, PASSED, ConformSpec, conform
-from validation.conform.adapters import hf_lora
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_lora() -> ModuleType:
+    """The adapter's module, imported only when a test runs: collecting transformers and PEFT costs each xdist
+    worker about 3 s, and every test here is slow."""
+    for name in ("transformers", "peft"):
+        pytest.importorskip(name, reason=f"needs the conform-hf extra (pip install -e '.[conform-hf]'): "
+                                         f"{name} not installed")
+    from validation.conform.adapters import hf_lora
+
+    return hf_lora
 
 
 def test_hf_lora_passes_every_check_it_claims() -> None:
@@ -25,7 +34,8 @@ def test_hf_lora_passes_every_check_it_claims() -> None:
         "sync": PASSED, "stale": PASSED, "splits": PASSED, "resume": NOT_APPLICABLE, "processes": NOT_APPLICABLE}
 
 
-def test_without_allow_mutation_on_saved_tensors_its_stale_backward_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_allow_mutation_on_saved_tensors_its_stale_backward_fails(
+        monkeypatch: pytest.MonkeyPatch, hf_lora: ModuleType) -> None:
     """The negative control: AdamW's in-place step then trips autograd's version check."""
     monkeypatch.setattr(hf_lora.HFLoRAAdapter, "_hold_context", lambda self: None)
     monkeypatch.setattr(hf_lora.HFLoRAAdapter, "backward", lambda self, loss: loss.backward())
