@@ -463,8 +463,7 @@ def stale_pending_save(rank: int, mode: str) -> dict[str, Any]:
     }
     facts["remade"] = []  # (made, made again) log-probs of each forward pending here
     try:  # an error here must not leave the peer waiting at the barrier
-        torch.manual_seed(0)  # the base make_trainer built
-        loaded = rt.Trainer.load(folder[0], rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0)))
+        loaded = rt.Trainer.load(folder[0], rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0), seed=0))  # make_trainer's base
         for outputs in held:
             again = loaded.forward(micro_batch(0, 1)[0], checkpoint=outputs[0].version)
             facts["remade"] += [(o.target_logprobs.detach(), a.target_logprobs.detach()) for o, a in zip(outputs, again)]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from canaries.cli import _print_record, main
+from canaries.benchmark.command import _print_record
+from canaries.cli import main
 from reports.learning import _headline, verdict_table
 from validation.evidence import make_record, write_once
 
