@@ -64,13 +64,19 @@ def tiny_learning_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
                         lambda folder: verify(canary("learning").record("cpu", judge_plan(tiny_plan()), folder)))
 
 
-# Test folders whose modules share a costly import or a run-wide fixture: one worker runs each folder whole.
-FOLDER_SCOPES = ("tests/ci/", "tests/dist/", "tests/reports/")
+# Tests that share a costly import, a run-wide fixture or a forkserver (``validation.spawn``: torch imported afresh,
+# about 4 s of CPU) go to one worker whole: path prefix -> the unit of work it belongs to.
+GROUPED_SCOPES = {
+    "tests/ci/": "tests/ci/",
+    "tests/reports/": "tests/reports/",
+    "tests/dist/": "spawned ranks",
+    "tests/validation/test_world.py": "spawned ranks",
+}
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The unit of work ``-n auto`` hands one worker: a folder of :data:`FOLDER_SCOPES`, else the test's module."""
-    return next((f for f in FOLDER_SCOPES if nodeid.startswith(f)), nodeid.split("::", 1)[0])
+    """The unit of work ``-n auto`` hands one worker: a group of :data:`GROUPED_SCOPES`, else the test's module."""
+    return next((g for prefix, g in GROUPED_SCOPES.items() if nodeid.startswith(prefix)), nodeid.split("::", 1)[0])
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -78,10 +84,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     """``-n auto`` hands each test module to one worker (xdist's ``loadscope``), not its tests one by one (``load``).
 
     Module fixtures and caches (a rendered report, a browser, a W=1 run to compare with, the import graph) are
-    then made once, not once per worker: about a seventh of the CPU of the tests that have them. The folders of
-    :data:`FOLDER_SCOPES` go to one worker whole: ``tests/ci`` imports SkyPilot (about 2.5 s of CPU a worker),
-    ``tests/dist`` and ``tests/reports`` share run-wide fixtures (``tests.once``) that a second worker would
-    otherwise wait for. An explicit ``--dist`` other than ``load`` is kept.
+    then made once, not once per worker: about a seventh of the CPU of the tests that have them. The groups of
+    :data:`GROUPED_SCOPES` go to one worker whole: ``tests/ci`` imports SkyPilot (about 2.5 s of CPU a worker),
+    ``tests/reports`` shares run-wide fixtures (``tests.once``) a second worker would otherwise wait for, and the
+    tests that spawn ranks share one forkserver. An explicit ``--dist`` other than ``load`` is kept.
     """
     if config.getoption("dist") != "load":
         return None

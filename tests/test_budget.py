@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FOLDER_SCOPES, xdist_scope
+from tests.conftest import GROUPED_SCOPES, xdist_scope
 
 ROOT = Path(__file__).resolve().parents[1]
 # Libraries that cost each collecting worker seconds and only a few tests use: imported inside those tests.
@@ -53,7 +53,9 @@ def test_negative_control_a_module_level_import_is_found_and_one_inside_a_functi
 
 @pytest.mark.parametrize(("nodeid", "scope"), [
     ("tests/ci/test_launcher.py::test_x[a-b]", "tests/ci/"),
-    ("tests/dist/test_logical_invariance.py::test_y", "tests/dist/"),
+    ("tests/dist/test_logical_invariance.py::test_y", "spawned ranks"),
+    ("tests/validation/test_world.py::test_r", "spawned ranks"),
+    ("tests/validation/test_worlds.py::test_q", "tests/validation/test_worlds.py"),
     ("tests/reports/test_board.py::TestBoard::test_z", "tests/reports/"),
     ("tests/unit/test_saves.py::test_w[1]", "tests/unit/test_saves.py"),
     ("tests/unit/test_saves.py::TestGroup::test_v", "tests/unit/test_saves.py"),
@@ -64,9 +66,10 @@ def test_a_grouped_folder_is_one_unit_of_work_and_any_other_test_its_module(node
     assert xdist_scope(nodeid) == scope
 
 
-def test_every_grouped_folder_holds_test_modules() -> None:
-    for folder in FOLDER_SCOPES:
-        assert list((ROOT / folder).glob("test_*.py")), f"{folder} holds no test module: update FOLDER_SCOPES"
+def test_every_grouped_path_holds_test_modules() -> None:
+    for prefix in GROUPED_SCOPES:
+        found = list((ROOT / prefix).glob("test_*.py")) if prefix.endswith("/") else [ROOT / prefix]
+        assert found and all(p.is_file() for p in found), f"{prefix} holds no test module: update GROUPED_SCOPES"
 
 
 def test_ci_runs_the_slow_tier() -> None:

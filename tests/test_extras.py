@@ -11,6 +11,7 @@ distribution comes from the installed metadata, not from a list kept here.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
@@ -26,6 +27,12 @@ def _declared(extra: str | None) -> set[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     specs = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
     return {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower().replace("_", "-") for spec in specs}
+
+
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()``, read once (it scans every installed distribution)."""
+    return packages_distributions()
 
 
 def imported_modules(folder: Path) -> dict[str, set[str]]:
@@ -46,7 +53,7 @@ def imported_modules(folder: Path) -> dict[str, set[str]]:
 
 def missing_from_extras(folders: list[Path], declared: set[str]) -> dict[str, str]:
     """Third-party imports whose distribution is not ``declared``: import name -> why, naming a file."""
-    distributions = packages_distributions()
+    distributions = _distributions()
     missing = {}
     for folder in folders:
         for name, files in imported_modules(folder).items():
@@ -87,7 +94,7 @@ def test_test_and_harness_carry_every_import_of_the_tests() -> None:
 
 def distributions_imported(folders: list[Path]) -> set[str]:
     """Distributions providing the third-party imports under ``folders``."""
-    distributions = packages_distributions()
+    distributions = _distributions()
     return {
         d.lower().replace("_", "-")
         for folder in folders

@@ -154,6 +154,7 @@ def test_a_rev_that_is_heads_commit_is_an_a_a_run_said_on_the_terminal_in_the_re
     assert built.key_figure.startswith("A/A run") and built.lines[0].startswith("A/A run")
 
 
+@pytest.mark.slow  # a git worktree and its worker (about 0.7 s); the A/A run at HEAD's commit is judged in the default run
 def test_heads_commit_with_uncommitted_trainer_edits_is_no_a_a_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     clone = _clone(tmp_path)
@@ -168,6 +169,7 @@ def test_heads_commit_with_uncommitted_trainer_edits_is_no_a_a_run(
     assert "REV is HEAD's commit; HEAD has uncommitted edits" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a git worktree and its worker (about 0.7 s)
 def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path: Path) -> None:
     clone = _clone(tmp_path)
     marker = clone / "reference_trainer" / "__init__.py"
@@ -182,6 +184,7 @@ def test_revs_worktree_is_removed_and_git_forgets_it_when_the_run_ends(tmp_path:
     assert judged.config["a_a"] is False and "A/A" not in judged.config["scope"]
 
 
+@pytest.mark.slow  # a git worktree and its worker per case (about 0.7 s each)
 @pytest.mark.parametrize("faster", [0.9, 1.1])
 def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path, faster: float) -> None:
     clone = _clone(tmp_path)
@@ -191,6 +194,7 @@ def test_a_decided_difference_in_the_plain_control_fails_the_run(tmp_path: Path,
     assert not control.ok and not judged.checks.passed
 
 
+@pytest.mark.slow  # a git worktree and its worker (about 0.7 s)
 def test_on_a_loaded_machine_a_decided_looking_difference_is_inconclusive_loaded_not_a_failure(tmp_path: Path) -> None:
     """The control and the arm 10% apart, every block loaded: nothing is decided and nothing fails; the reading says why."""
     clone = _clone(tmp_path)
@@ -242,6 +246,7 @@ def test_bench_baseline_finds_a_deliberate_ten_percent_slowdown(tmp_path: Path) 
     assert record["config"]["scope"] == "HEAD~1 → HEAD"
 
 
+@pytest.mark.slow  # a git worktree and its worker (about 0.9 s)
 def test_a_rev_whose_commit_differs_only_outside_the_trainer_is_an_a_a_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A/A is decided by the trainer's source digest, not the commit: a commit that touches only the README leaves both

@@ -169,6 +169,7 @@ def test_rtv_bench_sweep_runs_only_the_sweep(tmp_path: Path, monkeypatch: pytest
     assert set(_records(tmp_path)) == {"benchmark-sweep"}
 
 
+@pytest.mark.slow  # a benchmark and a sweep (about 1 s); the sweep alone runs by default
 def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit_with_residuals_and_the_plot(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """``--profile quick`` runs no sweep: test_benchmark.py's exit-code test finds exactly one record there."""

@@ -99,6 +99,7 @@ def _gradients_off_by_a_tenth_of_a_percent():
     return mock.patch.object(staging_module, "record_backward", record_backward)
 
 
+@pytest.mark.slow  # hypothesis shrinks a failing interleaving (about 2 s); the mutation tests show the scenarios catch broken trainers
 def test_a_broken_trainer_fails_with_a_shrunk_named_op_sequence() -> None:
     config = preset("cpu").on_this_machine()
     with _gradients_off_by_a_tenth_of_a_percent():
@@ -168,6 +169,7 @@ def _run_swapped_gpu_preset(tmp_path: Path, checks: list[str] | None = None) -> 
     return record
 
 
+@pytest.mark.slow  # spawns the logical-rank checks of a second preset (about 5 s of ranks)
 def test_gpu_preset_runs_swapped_on_cpu_its_logical_ranks_and_a_bf16_scenario(tmp_path: Path) -> None:
     """The fast sibling of the slow end-to-end run below: the swapped path, its spawn and BF16 tolerances."""
     checks = [derivative.LOGICAL_CHECK, "scenario:stale_exact"]

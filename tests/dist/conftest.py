@@ -28,6 +28,15 @@ def _run_suite() -> dict[str, Any]:
     return rank0.value
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that reads the two-process suite is ``slow``: the suite's two ranks cost about 12 s of CPU, a fifth
+    of ``make test``'s budget. CI runs them (its slow tier), with every other test that spawns ranks."""
+    for item in items:
+        if "two_process" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def two_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Rank 0's report of the two-process suite: ``{"ranks": [r0, r1], "peers": {...}}``."""

@@ -54,6 +54,7 @@ def test_one_process_holds_a_binary_counters_partial_sums(one_thread: None) -> N
     assert held["full-L16"] > held["full-L1"], "the census cannot see the partial sums mid-round (vacuous)"
 
 
+@pytest.mark.slow  # spawns two ranks: the forkserver's start alone (torch imported afresh) is about 4 s of CPU
 def test_two_processes_hold_and_receive_within_the_bounds(one_thread: None) -> None:
     _check(2, (2, 8))
 

@@ -28,6 +28,7 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # renders a whole page with every plot (about 1.3 s); the section's CSV and profile table are checked in the default run
 def test_the_page_shows_every_arm_every_comparison_and_every_plot(evidence: Path, tmp_path: Path) -> None:
     report = render_report(evidence.parent, tmp_path / "report" / "index.md")  # nothing but the saved record
     page, markdown = report.html.read_text(), report.markdown.read_text()

@@ -41,6 +41,7 @@ def _classes(html: str) -> set[str]:
     return set(re.findall(r'class="([^"]*)"', html))
 
 
+@pytest.mark.slow  # renders a whole run's page (about 3 s); a row's class from its result is checked cell by cell in test_failed_rows.py
 def test_a_passing_run_whose_cells_say_failed_or_regression_has_no_red_cell(tmp_path: Path,
                                                                              fixture_page: tuple[str, str]) -> None:
     write_once(tmp_path / "run" / "mutations.json", _mutations(caught=True))

@@ -11,6 +11,9 @@ table (a hand-made page, and the real report with both broken): the checker
 must report exactly those. The benchmark's trace links are followed from the
 served page (real ``torch.profiler`` traces of both traced arms, and a
 negative control that is JSON but not a trace).
+
+Slow: a browser and a rendered report cost about 6 s of ``make test``'s 60; CI's
+slow tier runs them, with ``RTV_REQUIRE_BROWSER=1``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from reports import render_report
 from tests.reports.browser import BrowserSession, find_browser
 from validation.errors import SetupError
 from validation.evidence import make_record, write_once
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,6 @@ def _page(folder: Path, *, broken_image: bool, drop_table: bool) -> Path:
     return page
 
 
-@pytest.mark.slow  # a second browser start; the report's own page is checked in the browser in the default run
 def test_a_complete_page_passes_and_leaves_a_screenshot(browser, tmp_path):
     page = _page(tmp_path, broken_image=False, drop_table=False)
     seen = browser.check(page, required_ids=["board"], tables=["t1", "t2"], screenshot=tmp_path / "shot.png")

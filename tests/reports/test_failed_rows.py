@@ -85,6 +85,7 @@ def test_the_baseline_rows_that_failed_its_checks_are_red(tmp_path: Path, contro
     assert [next(css for _, css in row if css) for row in rows] == expected
 
 
+@pytest.mark.slow  # draws a learning section (about 2 s); the benchmark's red and amber rows are checked in the default run
 def test_a_failed_gated_learning_verdict_is_red_and_an_ungated_worse_amber(tmp_path: Path) -> None:
     from reports.learning import section
 

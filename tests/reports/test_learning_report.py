@@ -30,6 +30,7 @@ def _panels(name: str, workload: dict):
     return figure, [a for a in figure.axes if a.get_legend() is not None]
 
 
+@pytest.mark.slow  # draws every curve panel again (about 2.4 s); the section's figures are checked in the default run
 def test_curves_have_one_line_and_one_band_per_arm_with_the_data(record: dict) -> None:
     for name, workload in record["measurements"]["workloads"].items():
         arms = workload["arms"]
@@ -56,6 +57,7 @@ def test_curves_have_one_line_and_one_band_per_arm_with_the_data(record: dict) -
         assert shown == set(arms)  # every arm is drawn somewhere
 
 
+@pytest.mark.slow  # draws every difference panel again (about 2 s); the section's figures are checked in the default run
 def test_differences_show_every_seed_the_interval_and_the_margin(record: dict) -> None:
     for name, workload in record["measurements"]["workloads"].items():
         figure = differences_figure(name, workload)

@@ -37,6 +37,7 @@ def test_a_regression_run_writes_a_pr_comment_with_the_regressions_only(tmp_path
     assert "replay@s0 vs plain" not in comment
 
 
+@pytest.mark.slow  # a third summary run (about 0.8 s)
 def test_a_stale_comment_is_removed_when_the_run_has_no_regression(tmp_path: Path) -> None:
     stale = tmp_path / "report" / "pr-comment.md"
     stale.parent.mkdir(parents=True)

@@ -69,6 +69,7 @@ def _simulated(seed: int, step_at: int | None) -> np.ndarray:
                      * np.median(rng.lognormal(0, NOISE / 4, 8)) for n in range(1, 13)])
 
 
+@pytest.mark.slow  # a Monte Carlo property over many series (about 0.7 s)
 def test_over_many_series_a_flat_one_is_never_a_regression_and_a_step_nearly_always_is() -> None:
     """The rates NOTE [Benchmark history] Rule 4 states, on 200 simulated series of each kind."""
     flat = [history.detect(_simulated(seed, None)) for seed in range(1000, 1200)]

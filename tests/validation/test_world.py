@@ -17,6 +17,7 @@ from validation.world import GivenWorld, given_world, run_ranks, world_facts
 WORLD = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 
 
+@pytest.mark.slow  # spawns two ranks (a forkserver start, about 4 s of CPU)
 def test_no_launcher_variables_is_no_world_and_checks_are_spawned():
     assert given_world({"PATH": "/bin"}) is None
     assert world_facts() is None
@@ -58,6 +59,7 @@ def _listeners_of_master_port() -> list[str]:
     return found
 
 
+@pytest.mark.slow  # spawns two ranks (a forkserver start, about 4 s of CPU)
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
 def test_the_spawned_ranks_rendezvous_listens_on_loopback_only():
     """A TCPStore binds every interface by itself; the harness's store must not be reachable from the network."""
