@@ -48,11 +48,11 @@ from validation.errors import HarnessError, SetupError
 from validation.evidence import DEFAULT_OUT, EVIDENCE_MARKER
 from validation.world import given_world, joined
 
+from . import suite
 from .arguments import positive, seconds
 from .benchmark.command import add_bench_commands
 from .conform.command import add_conform_command
 from .registry import CANARIES, PRESET_NAMES, PROFILES, canary
-from . import suite
 
 __all__ = ["main", "INJECT_ENV", "MUTATION_ENV"]
 
@@ -68,9 +68,17 @@ def _passed(path: Path) -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     """``rtv run``: the one run path of every preset (``canaries.suite.run``)."""
-    request = suite.RunRequest(preset=args.preset, out=args.out, nproc=args.nproc, inject_mutation=args.inject_mutation,
-                         inject_failure=args.inject_failure, threads=args.threads, seed=args.seed, gate=args.gate,
-                         hang_timeout_s=args.hang_timeout)
+    request = suite.RunRequest(
+        preset=args.preset,
+        out=args.out,
+        nproc=args.nproc,
+        inject_mutation=args.inject_mutation,
+        inject_failure=args.inject_failure,
+        threads=args.threads,
+        seed=args.seed,
+        gate=args.gate,
+        hang_timeout_s=args.hang_timeout,
+    )
     return suite.run(request)
 
 
@@ -102,18 +110,28 @@ def _report(args: argparse.Namespace) -> int:
     print(f"rtv report: {report.records} records, {'PASSED' if report.passed else 'FAILED'}")
     if report.skipped:
         first = ", ".join(map(str, report.skipped[:5])) + (" ..." if len(report.skipped) > 5 else "")
-        print(f"skipped {len(report.skipped)} *.json that are not records (no {EVIDENCE_MARKER} beside them and none "
-              f"verifies as evidence): {first}")
+        print(
+            f"skipped {len(report.skipped)} *.json that are not records (no {EVIDENCE_MARKER} beside them and none "
+            f"verifies as evidence): {first}"
+        )
     if not report.records:
-        print(f"no records in {source} nor in a folder rtv wrote records into below it (one holding "
-              f"{EVIDENCE_MARKER}); a folder of records made otherwise is read when named: --in FOLDER")
+        print(
+            f"no records in {source} nor in a folder rtv wrote records into below it (one holding "
+            f"{EVIDENCE_MARKER}); a folder of records made otherwise is read when named: --in FOLDER"
+        )
     print(f"wrote {report.markdown}\nwrote {report.html}" + "".join(f"\nwrote {p}" for p in report.plots))
     if args.summary:
         from reports.summary import write_summary
 
         summary = write_summary(source, report.markdown.parent, report.html)
-        print(f"wrote {summary.summary}" + (f"\nwrote {summary.comment} ({summary.regressions} regressions)"
-                                            if summary.comment else " (no regression: no PR comment)"))
+        print(
+            f"wrote {summary.summary}"
+            + (
+                f"\nwrote {summary.comment} ({summary.regressions} regressions)"
+                if summary.comment
+                else " (no regression: no PR comment)"
+            )
+        )
     return 0 if report.passed else 1
 
 
@@ -121,8 +139,15 @@ def _mutation_score(args: argparse.Namespace) -> int:
     from reports import render_report
     from validation.mutation_score import MutationConfig, run_mutation_score
 
-    config = MutationConfig(paths=tuple(args.paths), tests=tuple(args.tests), sample=args.sample, seed=args.seed,
-                            budget_s=args.budget, max_children=args.jobs, python=args.python)
+    config = MutationConfig(
+        paths=tuple(args.paths),
+        tests=tuple(args.tests),
+        sample=args.sample,
+        seed=args.seed,
+        budget_s=args.budget,
+        max_children=args.jobs,
+        python=args.python,
+    )
     path = run_mutation_score(Path.cwd(), args.out, config)
     report = render_report(args.out)
     print(f"rtv mutation-score: evidence {path}\nreport: {report.html}")
@@ -154,61 +179,110 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"negative control: make a smoke check fail on purpose (also {INJECT_ENV}=1)",
     )
     run.add_argument(
-        "--inject-mutation", metavar="NAME", default=os.environ.get(MUTATION_ENV) or None,
+        "--inject-mutation",
+        metavar="NAME",
+        default=os.environ.get(MUTATION_ENV) or None,
         help=f"negative control: leave the named bug of canaries.mutations.catalogue in for the whole run (also {MUTATION_ENV}=NAME); "
         "the canary that must catch it fails and the run exits 1",
     )
-    run.add_argument("--gate", action="store_true",
-                     help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts")
+    run.add_argument(
+        "--gate",
+        action="store_true",
+        help="enforce the shown verdicts too: the benchmark's gates and the learning equivalence verdicts",
+    )
     run.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default: 1)")
-    run.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
-                     help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)")
-    run.add_argument("--nproc", type=positive, default=None,
-                     help="processes for the logical-rank parts (default: the preset's; a GPU preset: at most its GPUs)")
-    run.add_argument("--hang-timeout", type=seconds, default=None, metavar="S",
-                     help="collective watchdog deadline in seconds (default: the preset's); a collective that waits "
-                     "longer dumps every process's stack and trace into the run folder and the run exits 7")
+    run.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default="cpu",
+        help="cpu (default), or a GPU preset: every canary on this machine's GPUs (exit 2 without CUDA)",
+    )
+    run.add_argument(
+        "--nproc",
+        type=positive,
+        default=None,
+        help="processes for the logical-rank parts (default: the preset's; a GPU preset: at most its GPUs)",
+    )
+    run.add_argument(
+        "--hang-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="collective watchdog deadline in seconds (default: the preset's); a collective that waits "
+        "longer dumps every process's stack and trace into the run folder and the run exits 7",
+    )
     run.set_defaults(handler=_run)
 
     listing = "\n".join(f"  {c.name:12} {c.summary}" for c in CANARIES.values())
     canary_parser = sub.add_parser(
-        "canary", help=f"run one canary ({' | '.join(CANARIES)})", epilog=f"registered canaries:\n{listing}",
+        "canary",
+        help=f"run one canary ({' | '.join(CANARIES)})",
+        epilog=f"registered canaries:\n{listing}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     canary_parser.add_argument("name", choices=list(CANARIES), metavar="NAME", help="a registered canary (below)")
-    canary_parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
-                               help="cpu, or a GPU preset (without CUDA it runs on CPU with a small shape)")
-    canary_parser.add_argument("--profile", choices=PROFILES, default="default",
-                               help="depth: quick (seconds), default, nightly (minutes)")
+    canary_parser.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default="cpu",
+        help="cpu, or a GPU preset (without CUDA it runs on CPU with a small shape)",
+    )
+    canary_parser.add_argument(
+        "--profile", choices=PROFILES, default="default", help="depth: quick (seconds), default, nightly (minutes)"
+    )
     canary_parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="evidence folder (default: ./rtv-out)")
     canary_parser.add_argument("--threads", type=positive, default=1, help="torch CPU threads (default: 1)")
-    canary_parser.add_argument("--hang-timeout", type=seconds, default=None, metavar="S",
-                               help="collective watchdog deadline in seconds (default: the preset's); a hang exits 7")
+    canary_parser.add_argument(
+        "--hang-timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="collective watchdog deadline in seconds (default: the preset's); a hang exits 7",
+    )
     canary_parser.set_defaults(handler=_canary_command)
 
     report = sub.add_parser("report", help="render evidence into a Markdown/HTML report")
-    report.add_argument("--in", dest="in_dir", type=Path, default=DEFAULT_OUT,
-                        help="folder of evidence JSON, searched recursively (default: ./rtv-out)")
-    report.add_argument("--out", dest="out_file", type=Path, default=None,
-                        help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)")
-    report.add_argument("--summary", action="store_true",
-                        help="also write summary.md (benchmark verdicts, ratios, intervals, links: for "
-                        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression, pr-comment.md")
+    report.add_argument(
+        "--in",
+        dest="in_dir",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="folder of evidence JSON, searched recursively (default: ./rtv-out)",
+    )
+    report.add_argument(
+        "--out",
+        dest="out_file",
+        type=Path,
+        default=None,
+        help="Markdown file to write; HTML and plots go beside it (default: <in>/report/index.md)",
+    )
+    report.add_argument(
+        "--summary",
+        action="store_true",
+        help="also write summary.md (benchmark verdicts, ratios, intervals, links: for "
+        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression, pr-comment.md",
+    )
     report.set_defaults(handler=_report)
 
-    mutation = sub.add_parser("mutation-score", help="measure the suite: a sampled mutmut run (the mutation extra)",
-                              description="Run mutmut over --paths on a seeded sample of its mutants, each judged by "
-                              "the --tests that reach it (NOTE [Mutation score] in validation.mutation_score); write "
-                              "the score and the survivors as evidence and render the report. Run from the checkout.")
+    mutation = sub.add_parser(
+        "mutation-score",
+        help="measure the suite: a sampled mutmut run (the mutation extra)",
+        description="Run mutmut over --paths on a seeded sample of its mutants, each judged by "
+        "the --tests that reach it (NOTE [Mutation score] in validation.mutation_score); write "
+        "the score and the survivors as evidence and render the report. Run from the checkout.",
+    )
     mutation.add_argument("--paths", nargs="+", default=["reference_trainer", "validation"], help="packages to mutate")
-    mutation.add_argument("--tests", nargs="+", default=["tests/unit"], help="the tests that judge (default: tests/unit)")
+    mutation.add_argument(
+        "--tests", nargs="+", default=["tests/unit"], help="the tests that judge (default: tests/unit)"
+    )
     mutation.add_argument("--sample", type=positive, default=200, help="mutants to run (default: 200)")
     mutation.add_argument("--seed", type=int, default=0, help="seed of the sample (default: 0)")
     mutation.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole run (default: 3600)")
     mutation.add_argument("--jobs", type=positive, default=2, help="mutants run at once (default: 2)")
     mutation.add_argument("--python", default=sys.executable, help="interpreter with mutmut (default: this one)")
-    mutation.add_argument("--out", type=Path, default=DEFAULT_OUT / "mutation",
-                          help="evidence folder (default: ./rtv-out/mutation)")
+    mutation.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT / "mutation", help="evidence folder (default: ./rtv-out/mutation)"
+    )
     mutation.set_defaults(handler=_mutation_score)
 
     add_bench_commands(sub)
@@ -222,9 +296,11 @@ def _in_world(args: argparse.Namespace, processes: int) -> int:
     parts run on every process of the world, so the run's process count is the world's size (``args.nproc``,
     which ``rtv run`` and ``rtv canary`` resolve their request with)."""
     if getattr(args, "nproc", None) not in (None, processes):
-        raise SetupError(f"rtv {args.command} --nproc {args.nproc} under torchrun: expected the world's "
-                         f"{processes} processes, found --nproc {args.nproc}",
-                         fix=f"drop --nproc (it is the world's size under torchrun), or start {args.nproc} processes")
+        raise SetupError(
+            f"rtv {args.command} --nproc {args.nproc} under torchrun: expected the world's "
+            f"{processes} processes, found --nproc {args.nproc}",
+            fix=f"drop --nproc (it is the world's size under torchrun), or start {args.nproc} processes",
+        )
     args.nproc = processes
     return args.handler(args)
 

@@ -27,11 +27,15 @@ def missing_requirement():
     """``(reason, fix)`` for the first missing requirement, or None when Python and torch are there."""
     found = ".".join(str(part) for part in sys.version_info[:3])
     if tuple(sys.version_info[:2]) < MINIMUM_PYTHON:
-        return ("rtv needs Python {}.{} or newer, found {} ({})".format(*MINIMUM_PYTHON, found, sys.executable),
-                "make a venv with a newer Python (python3.11 -m venv .venv) and run make run again")
+        return (
+            "rtv needs Python {}.{} or newer, found {} ({})".format(*MINIMUM_PYTHON, found, sys.executable),
+            "make a venv with a newer Python (python3.11 -m venv .venv) and run make run again",
+        )
     if importlib.util.find_spec("torch") is None:
-        return ("torch is not installed in this Python ({})".format(sys.executable),
-                "run make install (or pip install torch, then pip install -e '.[harness]')")
+        return (
+            "torch is not installed in this Python ({})".format(sys.executable),
+            "run make install (or pip install torch, then pip install -e '.[harness]')",
+        )
     return None
 
 

@@ -32,9 +32,12 @@ def missing_extra(error):
     package = (getattr(error, "name", None) or "").partition(".")[0]
     for extra, packages in EXTRA_PACKAGES.items():
         if package in packages:
-            return ("this command needs the {} extra, not installed in this Python ({}): {}".format(
-                        extra, sys.executable, error),
-                    "pip install -e '.[{}]' (make install installs harness, test and ci into .venv)".format(extra))
+            return (
+                "this command needs the {} extra, not installed in this Python ({}): {}".format(
+                    extra, sys.executable, error
+                ),
+                "pip install -e '.[{}]' (make install installs harness, test and ci into .venv)".format(extra),
+            )
     return None
 
 

@@ -137,7 +137,8 @@ def preset(name: str, processes: int | None = None) -> Preset:
     if processes is None:
         return found
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise SetupError(f"preset {name!r} on {processes!r} processes: expected a positive int",
-                         fix="pass --nproc N, N >= 1")
+        raise SetupError(
+            f"preset {name!r} on {processes!r} processes: expected a positive int", fix="pass --nproc N, N >= 1"
+        )
     logical_dp = -(-found.logical_dp // processes) * processes
     return dataclasses.replace(found, processes=processes, logical_dp=logical_dp)

@@ -83,17 +83,19 @@ class Canary:
         """Judge ``run`` and write its record; returns the path (module docstring)."""
         return self.record(run.preset.name, self._judge()(run), out_dir, echo=run.echo)
 
-    def record(self, preset_name: str, judged: Judged, out_dir: Path, *,
-               echo: Callable[[str], None] = echo_line) -> Path:
+    def record(
+        self, preset_name: str, judged: Judged, out_dir: Path, *, echo: Callable[[str], None] = echo_line
+    ) -> Path:
         """Write ``judged`` as one schema-2 record of this canary on preset ``preset_name``; show the verdict
         and the path through ``echo``; return the path."""
         if preset_name not in PRESET_NAMES:
             raise SetupError(f"unknown preset {preset_name!r}", fix=f"use one of {', '.join(PRESET_NAMES)}")
         if not isinstance(judged, Judged):
-            raise SetupError(f"canary {self.name!r}: expected judge to return a Judged, found {type(judged).__name__}",
-                             fix=f"return canaries.registry.Judged(kind, config, checks, measurements) from {self.module}.judge")
-        record = make_record(judged.kind, config=judged.config, checks=judged.checks,
-                             measurements=judged.measurements)
+            raise SetupError(
+                f"canary {self.name!r}: expected judge to return a Judged, found {type(judged).__name__}",
+                fix=f"return canaries.registry.Judged(kind, config, checks, measurements) from {self.module}.judge",
+            )
+        record = make_record(judged.kind, config=judged.config, checks=judged.checks, measurements=judged.measurements)
         path = write_once(evidence_path(Path(out_dir), f"{self.name}-{preset_name}"), record)
         ran = [c for c in judged.checks if not c.skipped]
         failed = [c for c in ran if not c.ok]
@@ -108,38 +110,68 @@ class Canary:
         judge = getattr(module, "judge", None)
         if not callable(judge):
             found = "an old-style run(preset, profile, out_dir)" if hasattr(module, "run") else "no judge"
-            raise SetupError(f"canary {self.name!r}: expected {self.module}.judge(run: CanaryRun) -> Judged, "
-                             f"found {found}",
-                             fix="give the module judge(run) returning canaries.registry.Judged; "
-                                 "the registry writes the record")
+            raise SetupError(
+                f"canary {self.name!r}: expected {self.module}.judge(run: CanaryRun) -> Judged, found {found}",
+                fix="give the module judge(run) returning canaries.registry.Judged; the registry writes the record",
+            )
         return judge
 
 
 CANARIES: dict[str, Canary] = {
     c.name: c
     for c in (
-        Canary(name="derivative", module="canaries.derivative.canary",
-               summary="exact stale gradients against an FP64 oracle (stateful op interleavings)"),
-        Canary(name="memory", module="canaries.memory.canary",
-               summary="no saved state, graph or staging outlives its backward; admission stays under the limit"),
-        Canary(name="resume", module="canaries.resume.canary",
-               summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk"),
-        Canary(name="liveness", module="canaries.liveness.canary",
-               summary="injected hangs (a lagging, a killed, a diverging rank) are reported in time, naming the rank and the collective"),
-        Canary(name="planner", module="canaries.planner.canary",
-               summary="auto's placements and the planner's byte estimates against every measured placement (certificate)"),
-        Canary(name="rollout", module="canaries.rollout.canary",
-               summary="the rollout engine agrees with the trainer, publications are all or nothing, per-token versions are exact"),
-        Canary(name="mutations", module="canaries.mutations.canary",
-               summary="every deliberately injected bug is caught by the canaries"),
-        Canary(name="learning", module="canaries.learning.canary",
-               summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)"),
-        Canary(name="conform", module="canaries.conform.canary",
-               summary="the conformance suite: this trainer's adapter passes every check, naive-async (the negative "
-                       "control) fails stale"),
-        Canary(name="benchmark", module="canaries.benchmark.canary",
-               summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
-               enforced=False),
+        Canary(
+            name="derivative",
+            module="canaries.derivative.canary",
+            summary="exact stale gradients against an FP64 oracle (stateful op interleavings)",
+        ),
+        Canary(
+            name="memory",
+            module="canaries.memory.canary",
+            summary="no saved state, graph or staging outlives its backward; admission stays under the limit",
+        ),
+        Canary(
+            name="resume",
+            module="canaries.resume.canary",
+            summary="a job killed by SIGKILL between any two trainer calls or inside a save resumes bitwise from disk",
+        ),
+        Canary(
+            name="liveness",
+            module="canaries.liveness.canary",
+            summary="injected hangs (a lagging, a killed, a diverging rank) are reported in time, naming the rank and the collective",
+        ),
+        Canary(
+            name="planner",
+            module="canaries.planner.canary",
+            summary="auto's placements and the planner's byte estimates against every measured placement (certificate)",
+        ),
+        Canary(
+            name="rollout",
+            module="canaries.rollout.canary",
+            summary="the rollout engine agrees with the trainer, publications are all or nothing, per-token versions are exact",
+        ),
+        Canary(
+            name="mutations",
+            module="canaries.mutations.canary",
+            summary="every deliberately injected bug is caught by the canaries",
+        ),
+        Canary(
+            name="learning",
+            module="canaries.learning.canary",
+            summary="stale, corrected and relocated backwards learn as well as strict training (paired TOST across seeds)",
+        ),
+        Canary(
+            name="conform",
+            module="canaries.conform.canary",
+            summary="the conformance suite: this trainer's adapter passes every check, naive-async (the negative "
+            "control) fails stale",
+        ),
+        Canary(
+            name="benchmark",
+            module="canaries.benchmark.canary",
+            summary="throughput of the versioned step against plain PyTorch (ABBA blocks; shown, enforced with --gate)",
+            enforced=False,
+        ),
     )
 }
 

@@ -69,26 +69,44 @@ class CanaryRun:
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str):
-            raise SetupError(f"CanaryRun: expected a resolved canaries.presets.Preset, found the name {self.preset!r}",
-                             fix="build the request with canaries.request.canary_run(name, profile)")
+            raise SetupError(
+                f"CanaryRun: expected a resolved canaries.presets.Preset, found the name {self.preset!r}",
+                fix="build the request with canaries.request.canary_run(name, profile)",
+            )
         if self.profile not in PROFILES:
             raise SetupError(f"unknown profile {self.profile!r}", fix=f"use one of {', '.join(PROFILES)}")
         if self.checks is not None and (isinstance(self.checks, str) or not isinstance(self.checks, tuple)):
-            raise SetupError(f"CanaryRun.checks: expected a tuple of check names or None, found {self.checks!r}",
-                             fix="pass checks=tuple(names)")
+            raise SetupError(
+                f"CanaryRun.checks: expected a tuple of check names or None, found {self.checks!r}",
+                fix="pass checks=tuple(names)",
+            )
 
     def runs_every_check(self, canary: str) -> None:
         """:class:`CannotFocus` when ``checks`` asks for a subset: the start of a canary that runs whole."""
         if self.checks is not None:
-            raise CannotFocus(f"canary {canary!r} runs all its checks, asked for only {list(self.checks)}",
-                              fix="run it without checks=")
+            raise CannotFocus(
+                f"canary {canary!r} runs all its checks, asked for only {list(self.checks)}",
+                fix="run it without checks=",
+            )
 
 
-def canary_run(preset_name: str, profile: str, *, processes: int | None = None, gate: bool = False,
-               checks: Sequence[str] | None = None, echo: Callable[[str], None] = echo_line) -> CanaryRun:
+def canary_run(
+    preset_name: str,
+    profile: str,
+    *,
+    processes: int | None = None,
+    gate: bool = False,
+    checks: Sequence[str] | None = None,
+    echo: Callable[[str], None] = echo_line,
+) -> CanaryRun:
     """The request for preset ``preset_name`` on ``processes`` processes (``None``: the preset's own), resolved
     once as it runs on this machine; ``SetupError`` for an unknown preset or profile or a bad count."""
     from .presets import preset
 
-    return CanaryRun(preset=preset(preset_name, processes).on_this_machine(), profile=profile, gate=gate,
-                     checks=None if checks is None else tuple(checks), echo=echo)
+    return CanaryRun(
+        preset=preset(preset_name, processes).on_this_machine(),
+        profile=profile,
+        gate=gate,
+        checks=None if checks is None else tuple(checks),
+        echo=echo,
+    )

@@ -49,8 +49,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.errors import OutOfSpace, SetupError
-from validation.hangs import HANG_EXIT_CODE, HangDetected, watching
 from validation.evidence import DEFAULT_OUT, evidence_path, injected, verify
+from validation.hangs import HANG_EXIT_CODE, HangDetected, watching
 from validation.world import world_facts
 
 from . import registry
@@ -116,13 +116,18 @@ def _require_gpus(preset: str, nproc: int | None) -> None:
 
     count = cuda_devices()
     if count == 0:
-        raise SetupError(f"rtv run --preset {preset}: no CUDA device on this machine (torch {torch.__version__}, "
-                         f"cuda build: {torch.version.cuda})",
-                         fix="run it on a GPU machine (rtv gpu launch ci/gate.sky.yaml), "
-                             "or here with --preset cpu (rtv gpu local ci/gate.sky.yaml does that)")
+        raise SetupError(
+            f"rtv run --preset {preset}: no CUDA device on this machine (torch {torch.__version__}, "
+            f"cuda build: {torch.version.cuda})",
+            fix="run it on a GPU machine (rtv gpu launch ci/gate.sky.yaml), "
+            "or here with --preset cpu (rtv gpu local ci/gate.sky.yaml does that)",
+        )
     if nproc is not None and nproc > count:
-        raise SetupError(f"rtv run --preset {preset} --nproc {nproc}: expected at most {count} processes, "
-                         f"one per visible GPU, found --nproc {nproc}", fix=f"pass --nproc {count} or fewer")
+        raise SetupError(
+            f"rtv run --preset {preset} --nproc {nproc}: expected at most {count} processes, "
+            f"one per visible GPU, found --nproc {nproc}",
+            fix=f"pass --nproc {count} or fewer",
+        )
 
 
 @contextmanager
@@ -153,8 +158,10 @@ def _mutation(name: str | None, preset: object) -> Iterator[None]:
 
     bug = mutation(name)  # SetupError naming the known ones
     if not bug.applies_to(preset):
-        raise SetupError(f"mutation {name!r} cannot show on preset {preset.name!r} ({bug.description})",  # type: ignore[attr-defined]
-                         fix="pick a mutation that applies to the preset, or another preset")
+        raise SetupError(
+            f"mutation {name!r} cannot show on preset {preset.name!r} ({bug.description})",  # type: ignore[attr-defined]
+            fix="pick a mutation that applies to the preset, or another preset",
+        )
     print(f"rtv run: mutation {bug.name!r} left in on purpose ({bug.description}); canary {bug.caught_by} must fail")
     with bug.apply(), injected(f"mutation {bug.name}"):
         yield
@@ -178,8 +185,9 @@ def run(request: RunRequest) -> int:
     from .preset_budget import check_fits
 
     _require_gpus(request.preset, None if world_facts() is not None else request.nproc)  # a world: a GPU each
-    asked = canary_run(request.preset, RUN_PROFILES[request.preset], processes=request.nproc, gate=request.gate,
-                       echo=tqdm.write)
+    asked = canary_run(
+        request.preset, RUN_PROFILES[request.preset], processes=request.nproc, gate=request.gate, echo=tqdm.write
+    )
     check_fits(asked.preset, oracle=True)  # the run's largest step: the derivative canary's FP64 oracle
     deadline = request.hang_timeout_s if request.hang_timeout_s is not None else asked.preset.hang_timeout_s
     with threads(request.threads), _mutation(request.inject_mutation, asked.preset), _failure(request.inject_failure):
@@ -196,8 +204,10 @@ def _smoke(request: RunRequest, asked: CanaryRun, out: Path) -> Path:
 def _steps(request: RunRequest, asked: CanaryRun, hang_timeout_s: float) -> int:
     run_dir = evidence_path(request.out, f"run-{request.preset}").with_suffix("")  # named like the records it holds
     run_dir.mkdir(parents=True, exist_ok=False)
-    print(f"rtv run --preset {request.preset}: evidence goes to {run_dir} (hang deadline {hang_timeout_s:g} s)",
-          flush=True)
+    print(
+        f"rtv run --preset {request.preset}: evidence goes to {run_dir} (hang deadline {hang_timeout_s:g} s)",
+        flush=True,
+    )
     started = time.perf_counter()
     outcomes: list[tuple[str, str, str]] = []  # (PASS|FAIL|SHOWN, label, where or why)
     try:
@@ -231,7 +241,9 @@ def _steps(request: RunRequest, asked: CanaryRun, hang_timeout_s: float) -> int:
         print(f"report: {report.html}\n  (Markdown: {report.markdown}; {len(report.plots)} plots)")
     hung = [o.label for o in ran if o.hung]
     if hung:
-        print(f"rtv run: a collective hung in {', '.join(hung)} (exit {HANG_EXIT_CODE}); the dumps are in {run_dir / 'hangs'}")
+        print(
+            f"rtv run: a collective hung in {', '.join(hung)} (exit {HANG_EXIT_CODE}); the dumps are in {run_dir / 'hangs'}"
+        )
         return HANG_EXIT_CODE
     return 0 if not failed else 1
 

@@ -35,8 +35,9 @@ def _sky() -> Any:
     try:
         import sky
     except ImportError as error:
-        raise SetupError(f"SkyPilot is not installed ({error})",
-                         fix="install the ci extra: pip install -e '.[ci]' (make test does)") from None
+        raise SetupError(
+            f"SkyPilot is not installed ({error})", fix="install the ci extra: pip install -e '.[ci]' (make test does)"
+        ) from None
     return sky
 
 
@@ -54,8 +55,10 @@ def _envs(items: list[str]) -> dict[str, str]:
     """``--env KEY=VALUE`` arguments as a mapping; a SetupError (exit 2) names the first malformed one."""
     bad = [item for item in items if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", item, re.S)]
     if bad:
-        raise SetupError(f"--env expects KEY=VALUE (KEY a shell variable name), found {bad[0]!r}",
-                         fix="pass e.g. --env RTV_TIME_LIMIT=10m")
+        raise SetupError(
+            f"--env expects KEY=VALUE (KEY a shell variable name), found {bad[0]!r}",
+            fix="pass e.g. --env RTV_TIME_LIMIT=10m",
+        )
     return dict(item.split("=", 1) for item in items)
 
 
@@ -72,12 +75,16 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.older_than is not None:
         _duration(args.older_than)
     outcomes = Launcher(_sky(), timeouts=Timeouts(absence=args.wait)).sweep(
-        out_dir=args.out, prefix=args.prefix, older_than=args.older_than)
+        out_dir=args.out, prefix=args.prefix, older_than=args.older_than
+    )
     codes = [o.exit_code for o in outcomes]
     code = 6 if 6 in codes else max(codes, default=0)
     if args.fail_if_found and outcomes:
-        print(f"rtv gpu sweep: FAILED: {len(outcomes)} cluster(s) outlived their runs (receipts in {args.out}); "
-              "each is a launcher or workflow that did not tear down: read its receipt", flush=True)
+        print(
+            f"rtv gpu sweep: FAILED: {len(outcomes)} cluster(s) outlived their runs (receipts in {args.out}); "
+            "each is a launcher or workflow that did not tear down: read its receipt",
+            flush=True,
+        )
         return code or 1
     return code
 
@@ -97,26 +104,32 @@ def _status(args: argparse.Namespace) -> int:
     records = Launcher(_sky()).census()
     for r in records:
         print(f"{r.name:40} {r.status.value:10} {r.user_name or r.user_hash or '?':12} {r.resources_str or ''}")
-    print(f"rtv gpu status: {len(records)} cluster(s) of this project up" if records
-          else "rtv gpu status: no cluster of this project exists")
+    print(
+        f"rtv gpu status: {len(records)} cluster(s) of this project up"
+        if records
+        else "rtv gpu status: no cluster of this project exists"
+    )
     return 0
 
 
 def _receipts(args: argparse.Namespace) -> int:
-    from reports.records import load_records
-
     from reports.kinds import RECEIPT_KIND
+    from reports.records import load_records
 
     if not args.in_dir.is_dir():
         raise SetupError(f"{args.in_dir} is not a folder", fix="pass --in DIR (default ./rtv-out)")
     # A tampered receipt no longer verifies, so its kind is unknown: its file name still says what it was.
-    receipts = [r for r in load_records(args.in_dir) if r.kind == RECEIPT_KIND or r.path.name.startswith(f"{RECEIPT_KIND}-")]
+    receipts = [
+        r for r in load_records(args.in_dir) if r.kind == RECEIPT_KIND or r.path.name.startswith(f"{RECEIPT_KIND}-")
+    ]
     for r in receipts:
         m = r.record.get("measurements", {})
         cost = m.get("cost", {}).get("estimate", "?")
-        print(f"{r.record.get('created', '?')[:19]}  {m.get('cluster', '?'):32} {m.get('outcome', r.status):18} "
-              f"absence {m.get('absence', '?'):9} {m.get('gpu_minutes', 0):8.1f} GPU-min  "
-              f"{cost if isinstance(cost, str) else f'${cost:.2f}'}  {r.path}  [{r.integrity}]")
+        print(
+            f"{r.record.get('created', '?')[:19]}  {m.get('cluster', '?'):32} {m.get('outcome', r.status):18} "
+            f"absence {m.get('absence', '?'):9} {m.get('gpu_minutes', 0):8.1f} GPU-min  "
+            f"{cost if isinstance(cost, str) else f'${cost:.2f}'}  {r.path}  [{r.integrity}]"
+        )
     print(f"rtv gpu receipts: {len(receipts)} receipt(s) under {args.in_dir}")
     return 1 if any(r.status == "invalid" for r in receipts) else 0
 
@@ -144,9 +157,12 @@ def _guarded(handler):
 
 def add_gpu_commands(subparsers: Any) -> None:
     """Add ``rtv gpu ...`` to ``rtv``'s subparsers."""
-    gpu = subparsers.add_parser("gpu", help="GPU CI on SkyPilot: launch, status, down, sweep, receipts, local",
-                                description="GPU CI on SkyPilot: launch a task file and gate on its job status, "
-                                "tear clusters down and prove it, list receipts, run a task's commands here.")
+    gpu = subparsers.add_parser(
+        "gpu",
+        help="GPU CI on SkyPilot: launch, status, down, sweep, receipts, local",
+        description="GPU CI on SkyPilot: launch a task file and gate on its job status, "
+        "tear clusters down and prove it, list receipts, run a task's commands here.",
+    )
     sub = gpu.add_subparsers(dest="gpu_command", metavar="GPU_COMMAND", required=True)
 
     launch = sub.add_parser("launch", help="launch a task, gate on its job status, tear down, write a receipt")
@@ -154,8 +170,13 @@ def add_gpu_commands(subparsers: Any) -> None:
     launch.add_argument("--cluster", help="cluster name (default: rtv-<task>-<run id>-<attempt>)")
     launch.add_argument("--run-id", help="run id for the name (default: $GITHUB_RUN_ID, else a UTC stamp)")
     launch.add_argument("--attempt", help="attempt for the name (default: $GITHUB_RUN_ATTEMPT, else 1)")
-    launch.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="set or override one of the task's envs (repeatable)")
+    launch.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set or override one of the task's envs (repeatable)",
+    )
     launch.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="evidence, logs, receipt")
     launch.set_defaults(handler=_guarded(_launch))
 
@@ -165,18 +186,26 @@ def add_gpu_commands(subparsers: Any) -> None:
     down = sub.add_parser("down", help="tear a cluster down and prove it is gone (exit 6 if unproven)")
     down.add_argument("name", help="the cluster name (printed by rtv gpu launch)")
     down.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="where the receipt goes")
-    down.add_argument("--wait", type=float, default=600.0,
-                      help="seconds to keep polling for the cluster's absence (default: 600)")
+    down.add_argument(
+        "--wait", type=float, default=600.0, help="seconds to keep polling for the cluster's absence (default: 600)"
+    )
     down.set_defaults(handler=_guarded(_down))
 
     sweep = sub.add_parser("sweep", help="down every CI cluster of any user (lost runners, earlier attempts)")
-    sweep.add_argument("--older-than", default=None, metavar="DURATION",
-                       help="only clusters launched at least this long ago (90s, 40m, 2h; default: all)")
+    sweep.add_argument(
+        "--older-than",
+        default=None,
+        metavar="DURATION",
+        help="only clusters launched at least this long ago (90s, 40m, 2h; default: all)",
+    )
     sweep.add_argument("--prefix", default="rtv-", help="only clusters whose name starts with this (default: rtv-)")
     sweep.add_argument("--out", type=Path, default=DEFAULT_OUT / "gpu", help="where the receipts go (one each)")
     sweep.add_argument("--wait", type=float, default=600.0, help="seconds to poll each cluster's absence")
-    sweep.add_argument("--fail-if-found", action="store_true",
-                       help="exit 1 when anything was found (the scheduled sweeper: a leftover cluster is a bug)")
+    sweep.add_argument(
+        "--fail-if-found",
+        action="store_true",
+        help="exit 1 when anything was found (the scheduled sweeper: a leftover cluster is a bug)",
+    )
     sweep.set_defaults(handler=_guarded(_sweep))
 
     receipts = sub.add_parser("receipts", help="list termination receipts")
@@ -187,7 +216,10 @@ def add_gpu_commands(subparsers: Any) -> None:
     local.add_argument("task", type=Path, help="a task file, e.g. ci/gate.sky.yaml")
     local.add_argument("--out", type=Path, default=None, help="evidence folder (default: rtv-out/local/<task>-<time>)")
     local.add_argument("--skip-setup", action="store_true", help="run only the task's run commands")
-    local.add_argument("--venv", type=Path, default=None,
-                       help="the environment the commands use as RTV_VENV (default: the one rtv runs from)")
+    local.add_argument(
+        "--venv",
+        type=Path,
+        default=None,
+        help="the environment the commands use as RTV_VENV (default: the one rtv runs from)",
+    )
     local.set_defaults(handler=_guarded(_local))
-

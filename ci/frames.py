@@ -69,9 +69,14 @@ def manifest(folder: Path, env: dict[str, str] | None = None, status: int | None
         except (OSError, ValueError, AttributeError):
             digest = None
         records.append({"path": str(path.relative_to(folder)), "digest": digest})
-    return {"run_id": env.get("RTV_RUN_ID"), "commit": env.get("RTV_COMMIT"),
-            "source_digest": env.get("RTV_SOURCE_DIGEST"), "expect": env.get("RTV_EXPECT", "").split(),
-            "records": records, "status": status}
+    return {
+        "run_id": env.get("RTV_RUN_ID"),
+        "commit": env.get("RTV_COMMIT"),
+        "source_digest": env.get("RTV_SOURCE_DIGEST"),
+        "expect": env.get("RTV_EXPECT", "").split(),
+        "records": records,
+        "status": status,
+    }
 
 
 def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> bytes:
@@ -90,8 +95,9 @@ def _payload(folder: Path, env: dict[str, str] | None, status: int | None) -> by
     return buffer.getvalue()
 
 
-def emit(folder: Path, *, stream: TextIO | None = None, env: dict[str, str] | None = None,
-         status: int | None = None) -> str:
+def emit(
+    folder: Path, *, stream: TextIO | None = None, env: dict[str, str] | None = None, status: int | None = None
+) -> str:
     """Print ``folder``'s records and manifest as one frame on ``stream``; returns the payload's sha256.
 
     A missing folder is framed too (a manifest with no records): the launcher
@@ -102,7 +108,7 @@ def emit(folder: Path, *, stream: TextIO | None = None, env: dict[str, str] | No
     digest = hashlib.sha256(payload).hexdigest()
     text = base64.b64encode(payload).decode()
     lines = [f"RTV-EVIDENCE-BEGIN v1 {digest} {len(payload)}"]
-    lines += [f"RTV-EVIDENCE {text[i:i + _WIDTH]}" for i in range(0, len(text), _WIDTH)]
+    lines += [f"RTV-EVIDENCE {text[i : i + _WIDTH]}" for i in range(0, len(text), _WIDTH)]
     lines.append(f"RTV-EVIDENCE-END {digest}")
     stream.write("\n".join(lines) + "\n")
     stream.flush()
@@ -141,8 +147,10 @@ def _plain_members(tar: tarfile.TarFile, digest: str) -> list[tarfile.TarInfo]:
     for member in members:
         path = Path(member.name)
         if not (member.isfile() or member.isdir()) or path.is_absolute() or ".." in path.parts:
-            raise FrameError(f"frame {digest[:12]}: member {member.name!r} is not a plain file or folder inside "
-                             "the frame (a link, a device, an absolute path or one leaving it): refused")
+            raise FrameError(
+                f"frame {digest[:12]}: member {member.name!r} is not a plain file or folder inside "
+                "the frame (a link, a device, an absolute path or one leaving it): refused"
+            )
     return members
 
 
@@ -160,16 +168,21 @@ def collect(log: str, into: Path) -> dict[str, Any]:
             continue
         found = hashlib.sha256(payload).hexdigest()
         if end != digest or found != digest or len(payload) != length:
-            reasons.append(f"frame {digest[:12]}: expected {length} bytes with that sha256 and its end line, "
-                           f"found {len(payload)} bytes, sha256 {found[:12]}, end {'missing' if end is None else end[:12]}")
+            reasons.append(
+                f"frame {digest[:12]}: expected {length} bytes with that sha256 and its end line, "
+                f"found {len(payload)} bytes, sha256 {found[:12]}, end {'missing' if end is None else end[:12]}"
+            )
             continue
         into = Path(into)
         into.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(payload), mode="r:gz") as tar:
             tar.extractall(into, members=_plain_members(tar, digest), **_data_filter())
         return json.loads((into / FRAME_MANIFEST).read_text())
-    raise FrameError("; ".join(reasons) if reasons else
-                     "the job's log has no RTV-EVIDENCE frame (its run did not reach `python -m ci.frames emit`)")
+    raise FrameError(
+        "; ".join(reasons)
+        if reasons
+        else "the job's log has no RTV-EVIDENCE frame (its run did not reach `python -m ci.frames emit`)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,13 +57,18 @@ def decide_event(event_name: str, payload: dict[str, Any], repository: str) -> D
         pull = payload.get("pull_request") or {}
         head = ((pull.get("head") or {}).get("repo") or {}).get("full_name")
         if head != repository:
-            return Decision(False, f"skipped: pull request #{pull.get('number')} comes from {head or 'a deleted fork'}, "
-                                   f"not {repository}; GPU CI never runs a fork's code (a maintainer can push the "
-                                   f"branch here and add the {PR_LABEL} label)")
+            return Decision(
+                False,
+                f"skipped: pull request #{pull.get('number')} comes from {head or 'a deleted fork'}, "
+                f"not {repository}; GPU CI never runs a fork's code (a maintainer can push the "
+                f"branch here and add the {PR_LABEL} label)",
+            )
         labels = {label.get("name") for label in pull.get("labels") or []}
         if PR_LABEL not in labels:
-            return Decision(False, f"skipped: pull request #{pull.get('number')} has no {PR_LABEL} label; "
-                                   f"add it to run the GPU gate")
+            return Decision(
+                False,
+                f"skipped: pull request #{pull.get('number')} has no {PR_LABEL} label; add it to run the GPU gate",
+            )
     return Decision(True, f"launching: {event_name or 'an event'} on {repository}")
 
 
@@ -71,9 +76,13 @@ def check_endpoint(endpoint_set: bool) -> Decision:
     """Rule 3: a launch needs the API server's endpoint."""
     if endpoint_set:
         return Decision(True, "the SkyPilot API server endpoint is set")
-    return Decision(False, "failed: the SKYPILOT_API_SERVER_ENDPOINT secret is empty or unset, so SkyPilot has no "
-                           "API server to launch through; set it in the repository's trainer-rank-gpu-validation "
-                           "environment (README, GPU CI)", failed=True)
+    return Decision(
+        False,
+        "failed: the SKYPILOT_API_SERVER_ENDPOINT secret is empty or unset, so SkyPilot has no "
+        "API server to launch through; set it in the repository's trainer-rank-gpu-validation "
+        "environment (README, GPU CI)",
+        failed=True,
+    )
 
 
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
@@ -93,8 +102,10 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         print(f"usage: python3 ci/guard.py event|endpoint (found {argv})", file=sys.stderr)
         return 2
     print(f"gpu guard: {decision.reason}")
-    for name, text in (("GITHUB_OUTPUT", f"launch={'true' if decision.launch else 'false'}\n"),
-                       ("GITHUB_STEP_SUMMARY", f"**GPU CI** {decision.reason}\n")):
+    for name, text in (
+        ("GITHUB_OUTPUT", f"launch={'true' if decision.launch else 'false'}\n"),
+        ("GITHUB_STEP_SUMMARY", f"**GPU CI** {decision.reason}\n"),
+    ):
         if environ.get(name):
             with open(environ[name], "a", encoding="utf-8") as out:
                 out.write(text)

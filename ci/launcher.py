@@ -58,8 +58,17 @@ from .receipts import commit, cost_cross_check, hourly_price, write_receipt
 from .tasks import TaskSpec, parse_duration
 from .teardown import RunState, Teardown, Timeouts
 
-__all__ = ["Phase", "Timeouts", "Outcome", "Launcher", "cluster_name", "default_run_id", "exit_code",
-           "launched_gpus", "LABEL"]
+__all__ = [
+    "Phase",
+    "Timeouts",
+    "Outcome",
+    "Launcher",
+    "cluster_name",
+    "default_run_id",
+    "exit_code",
+    "launched_gpus",
+    "LABEL",
+]
 
 LABEL = "rtv-ci-cluster"  # resources label carrying the cluster name, for a census by label
 
@@ -96,8 +105,9 @@ def cluster_name(task_name: str, run_id: str, attempt: str | int) -> str:
     return name
 
 
-def exit_code(*, absence_confirmed: bool, interruption: str | None, job_status: str | None,
-              evidence_passed: bool) -> int:
+def exit_code(
+    *, absence_confirmed: bool, interruption: str | None, job_status: str | None, evidence_passed: bool
+) -> int:
     """See NOTE [Exit codes]; ``interruption`` is ``signal``, ``timeout``, ``error`` or None."""
     if not absence_confirmed:
         return 6
@@ -122,8 +132,11 @@ def _interruption(error: BaseException, phase: Phase) -> dict[str, str]:
 
 def _signalled(run: RunState) -> None:
     if run.signals and run.interruption is None:
-        run.interruption = {"kind": "signal", "phase": Phase.TEARDOWN.value,
-                            "detail": f"{len(run.signals)} signal(s) during teardown"}
+        run.interruption = {
+            "kind": "signal",
+            "phase": Phase.TEARDOWN.value,
+            "detail": f"{len(run.signals)} signal(s) during teardown",
+        }
 
 
 class Launcher(Teardown):
@@ -135,8 +148,7 @@ class Launcher(Teardown):
         """Launch ``spec`` on ``cluster``; evidence, logs and the receipt go under ``out_dir``."""
         out_dir = Path(out_dir)
         run = RunState(cluster=cluster, phase=Phase.LAUNCH, run_id=f"{cluster}-{secrets.token_hex(4)}")
-        self.echo(f"rtv gpu launch: cluster {cluster}, run {run.run_id} "
-                  f"(tear down by hand: rtv gpu down {cluster})")
+        self.echo(f"rtv gpu launch: cluster {cluster}, run {run.run_id} (tear down by hand: rtv gpu down {cluster})")
         with signals_deferred(run.signals):  # outermost, so no signal falls between the body and teardown
             try:
                 try:
@@ -159,18 +171,29 @@ class Launcher(Teardown):
     def _refuse_without_credentials(self, run: RunState, outcome: Outcome) -> None:
         """SkyPilot refused for want of cloud credentials: a setup error (exit 2), unless absence is unproven (6 wins)."""
         errors = self.sdk.exceptions
-        if outcome.exit_code == 6 or not isinstance(run.error, (errors.NoCloudAccessError, errors.CloudUserIdentityError)):
+        if outcome.exit_code == 6 or not isinstance(
+            run.error, (errors.NoCloudAccessError, errors.CloudUserIdentityError)
+        ):
             return
-        raise SetupError(f"SkyPilot cannot use a cloud: {run.error} (nothing was launched; receipt {outcome.receipt})",
-                         fix="set up credentials for a cloud with H200s and check them with `sky check`, "
-                             "then run rtv gpu launch again")
+        raise SetupError(
+            f"SkyPilot cannot use a cloud: {run.error} (nothing was launched; receipt {outcome.receipt})",
+            fix="set up credentials for a cloud with H200s and check them with `sky check`, "
+            "then run rtv gpu launch again",
+        )
 
     def _expectation(self, spec: TaskSpec, run: RunState) -> Expectation:
         """What this run's evidence must say; the task gets the run id, commit and source digest it is tied to."""
-        want = Expectation(run_id=str(run.run_id), commit=commit(), source_digest=source_fingerprint()["sha256"],
-                           submitted_at=self.wall(), expect=tuple(spec.expect), accelerators=tuple(spec.accelerators))
-        spec.task.update_envs({"RTV_RUN_ID": want.run_id, "RTV_COMMIT": want.commit,
-                               "RTV_SOURCE_DIGEST": want.source_digest})
+        want = Expectation(
+            run_id=str(run.run_id),
+            commit=commit(),
+            source_digest=source_fingerprint()["sha256"],
+            submitted_at=self.wall(),
+            expect=tuple(spec.expect),
+            accelerators=tuple(spec.accelerators),
+        )
+        spec.task.update_envs(
+            {"RTV_RUN_ID": want.run_id, "RTV_COMMIT": want.commit, "RTV_SOURCE_DIGEST": want.source_digest}
+        )
         return want
 
     def _timed(self, run: RunState, phase: Phase) -> float:
@@ -180,17 +203,20 @@ class Launcher(Teardown):
     def _launch_and_wait(self, spec: TaskSpec, run: RunState) -> None:
         task = spec.task
         alternatives = task.resources  # one entry, or a set (any_of) / list (ordered) of failover alternatives
-        task.set_resources(type(alternatives)(res.copy(labels={**(res.labels or {}), LABEL: run.cluster})
-                                              for res in alternatives))
+        task.set_resources(
+            type(alternatives)(res.copy(labels={**(res.labels or {}), LABEL: run.cluster}) for res in alternatives)
+        )
         start = self._timed(run, Phase.LAUNCH)
         run.possibly_launched = True  # until the server hands back a request id, a launch may exist without it
-        run.request = bounded(self.sdk.launch, task, cluster_name=run.cluster, retry_until_up=False,
-                              timeout=self.t.request, name="launch")
+        run.request = bounded(
+            self.sdk.launch, task, cluster_name=run.cluster, retry_until_up=False, timeout=self.t.request, name="launch"
+        )
         run.possibly_launched = False
         run.timings["launch"] = self.clock() - start
         start = self._timed(run, Phase.PROVISION)
-        job_id, handle = bounded(self.sdk.stream_and_get, run.request, timeout=self.t.provision,
-                                 name="stream_and_get(launch)")
+        job_id, handle = bounded(
+            self.sdk.stream_and_get, run.request, timeout=self.t.provision, name="stream_and_get(launch)"
+        )
         run.provisioned, run.job_id, run.handle = True, job_id, handle
         run.timings["provision"] = self.clock() - start
         if job_id is None:
@@ -206,14 +232,16 @@ class Launcher(Teardown):
         failures = 0
         while True:
             try:
-                statuses = self.request("job_status", self.sdk.job_status, run.cluster, [run.job_id],
-                                        timeout=self.t.poll)
+                statuses = self.request(
+                    "job_status", self.sdk.job_status, run.cluster, [run.job_id], timeout=self.t.poll
+                )
                 failures = 0
                 run.job_status = statuses.get(run.job_id, statuses.get(str(run.job_id)))
                 if run.job_status is None or run.job_status.is_terminal():
                     run.job_terminal = True
-                    self.echo(f"rtv gpu launch: job {run.job_id} is "
-                              f"{getattr(run.job_status, 'value', 'gone from the queue')}")
+                    self.echo(
+                        f"rtv gpu launch: job {run.job_id} is {getattr(run.job_status, 'value', 'gone from the queue')}"
+                    )
                     return
             except Exception:  # a few failed polls are tolerated, not more
                 failures += 1
@@ -226,8 +254,12 @@ class Launcher(Teardown):
     def _fetch(self, run: RunState, out_dir: Path, want: Expectation) -> None:
         start = self._timed(run, Phase.FETCH)
         log, folder, made, why_not = fetch_outputs(
-            self.sdk, run.cluster, int(run.job_id), out_dir / run.cluster,
-            lambda call, *args, **kwargs: bounded(call, *args, timeout=self.t.logs, name="tail_logs", **kwargs))
+            self.sdk,
+            run.cluster,
+            int(run.job_id),
+            out_dir / run.cluster,
+            lambda call, *args, **kwargs: bounded(call, *args, timeout=self.t.logs, name="tail_logs", **kwargs),
+        )
         run.logs = str(log)
         run.evidence = judge_outputs(folder, made, want, why_not=why_not)
         run.timings["fetch"] = self.clock() - start
@@ -242,25 +274,50 @@ class Launcher(Teardown):
         checks.check("absence_confirmed", run.absence_confirmed, f"last seen: {run.last_seen}")
         checks.check("not_interrupted", run.interruption is None, f"interruption: {run.interruption}")
         if command == "launch":
-            code = exit_code(absence_confirmed=run.absence_confirmed, interruption=kind, job_status=status,
-                             evidence_passed=evidence_passed)
+            code = exit_code(
+                absence_confirmed=run.absence_confirmed,
+                interruption=kind,
+                job_status=status,
+                evidence_passed=evidence_passed,
+            )
             mismatch = code == 3 and status == "SUCCEEDED" and kind is None
             word = "evidence mismatch" if mismatch else _WORDS[code]
             evidence = run.evidence
             checks.check("job_succeeded", status == "SUCCEEDED", f"job status {status}")
-            checks.check("evidence_verified", evidence is not None and evidence.fetched and not evidence.problems
-                         and evidence.records > 0 and evidence.verified == evidence.records,
-                         "no evidence fetched" if evidence is None else evidence.summary())
-            checks.check("evidence_passed", evidence_passed, "every fetched record is this run's and passed"
-                         if evidence_passed else "a record failed, is missing, stale or foreign, or none came back")
+            checks.check(
+                "evidence_verified",
+                evidence is not None
+                and evidence.fetched
+                and not evidence.problems
+                and evidence.records > 0
+                and evidence.verified == evidence.records,
+                "no evidence fetched" if evidence is None else evidence.summary(),
+            )
+            checks.check(
+                "evidence_passed",
+                evidence_passed,
+                "every fetched record is this run's and passed"
+                if evidence_passed
+                else "a record failed, is missing, stale or foreign, or none came back",
+            )
         else:  # down, sweep: only absence and interruption count
             code = 6 if not run.absence_confirmed else (4 if kind else 0)
             word = "absent" if code == 0 else _WORDS[code]
         requested = spec.requested() if spec is not None else {"task": None, "cluster": run.cluster}
         path = write_receipt(
-            out_dir, command=command, cluster=run.cluster, requested=requested, observed=run.observed(),
-            checks=checks, outcome=word, exit_code=code, timings=run.timings, gpus=launched_gpus(run.handle),
-            billed_s=run.billed_s(self.wall()), handle=run.handle, reported=self._cost_report(run, command),
+            out_dir,
+            command=command,
+            cluster=run.cluster,
+            requested=requested,
+            observed=run.observed(),
+            checks=checks,
+            outcome=word,
+            exit_code=code,
+            timings=run.timings,
+            gpus=launched_gpus(run.handle),
+            billed_s=run.billed_s(self.wall()),
+            handle=run.handle,
+            reported=self._cost_report(run, command),
         )
         self.echo(f"rtv gpu {command}: {word} (exit {code}); receipt: {path}")
         return Outcome(code, word, path)
@@ -281,9 +338,11 @@ class Launcher(Teardown):
         price = hourly_price(run.handle)[0]
         check = cost_cross_check(rows, run.cluster, until=run.absent_at or self.wall(), price=price)
         if check["checked"] and not check["agrees"]:
-            self.echo(f"rtv gpu {command}: SkyPilot's cost report disagrees with the receipt of {run.cluster}: "
-                      f"interval closed at {check['closed_at']} (absence proven at {run.absent_at}), "
-                      f"hourly {check.get('hourly')} against the catalog's {price}")
+            self.echo(
+                f"rtv gpu {command}: SkyPilot's cost report disagrees with the receipt of {run.cluster}: "
+                f"interval closed at {check['closed_at']} (absence proven at {run.absent_at}), "
+                f"hourly {check.get('hourly')} against the catalog's {price}"
+            )
         return check
 
     # --- census, down, sweep --------------------------------------------------------
@@ -304,10 +363,13 @@ class Launcher(Teardown):
         """``down`` every cluster of any user named ``prefix...`` and launched at least ``older_than`` ago."""
         age = 0.0 if older_than is None else parse_duration(older_than)
         now = self.wall()
-        names = [r.name for r in self.records(None)
-                 if r.name.startswith(prefix) and now - float(r.launched_at or now) >= age]
-        self.echo(f"rtv gpu sweep: {len(names)} cluster(s) named {prefix}* older than {older_than or '0s'}: "
-                  f"{', '.join(names) or 'none'}")
+        names = [
+            r.name for r in self.records(None) if r.name.startswith(prefix) and now - float(r.launched_at or now) >= age
+        ]
+        self.echo(
+            f"rtv gpu sweep: {len(names)} cluster(s) named {prefix}* older than {older_than or '0s'}: "
+            f"{', '.join(names) or 'none'}"
+        )
         return [self.down(name, out_dir=out_dir, command="sweep") for name in names]
 
 
@@ -320,6 +382,7 @@ def launched_gpus(handle: Any) -> int:
 
 def default_run_id() -> tuple[str, str]:
     """(run id, attempt): GitHub's when set, else a local stamp and 1."""
-    return (os.environ.get("GITHUB_RUN_ID") or time.strftime("l%Y%m%d%H%M%S", time.gmtime()),
-            os.environ.get("GITHUB_RUN_ATTEMPT") or "1")
-
+    return (
+        os.environ.get("GITHUB_RUN_ID") or time.strftime("l%Y%m%d%H%M%S", time.gmtime()),
+        os.environ.get("GITHUB_RUN_ATTEMPT") or "1",
+    )

@@ -76,8 +76,11 @@ def node_envs(env: dict[str, str], num_nodes: int, *, cuda: bool) -> list[dict[s
     """One environment per node (rule 5 of the module docstring); ``[env]`` with node variables for one node."""
     visible = _visible_gpus() if cuda else 0
     per_node = max(1, visible // num_nodes)
-    shared = {"SKYPILOT_NUM_NODES": str(num_nodes), "SKYPILOT_NODE_IPS": "\n".join(["127.0.0.1"] * num_nodes),
-              "SKYPILOT_NUM_GPUS_PER_NODE": str(per_node)}
+    shared = {
+        "SKYPILOT_NUM_NODES": str(num_nodes),
+        "SKYPILOT_NODE_IPS": "\n".join(["127.0.0.1"] * num_nodes),
+        "SKYPILOT_NUM_GPUS_PER_NODE": str(per_node),
+    }
     if "RTV_MASTER_PORT" in env:
         shared["RTV_MASTER_PORT"] = str(_free_port())
     nodes = []
@@ -108,8 +111,9 @@ def _run_nodes(script: str, workdir: Path, nodes: list[dict[str, str]]) -> int:
     :data:`NODE_GRACE_S`): its peers would otherwise wait for it until the
     run's own limit.
     """
-    running = [subprocess.Popen(["bash", "-c", script], cwd=workdir, env=node, start_new_session=True)
-               for node in nodes]
+    running = [
+        subprocess.Popen(["bash", "-c", script], cwd=workdir, env=node, start_new_session=True) for node in nodes
+    ]
     try:
         while any(process.poll() is None for process in running):
             if any(process.poll() not in (None, 0) for process in running):
@@ -138,8 +142,15 @@ def _workdir(spec: TaskSpec) -> Path:
     return Path(workdir) if isinstance(workdir, str) and workdir else Path.cwd()
 
 
-def run_local(spec: TaskSpec, *, out: Path | None = None, cuda: bool, skip_setup: bool = False,
-              venv: Path | None = None, echo: Callable[[str], None] = print) -> int:
+def run_local(
+    spec: TaskSpec,
+    *,
+    out: Path | None = None,
+    cuda: bool,
+    skip_setup: bool = False,
+    venv: Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> int:
     """Run ``spec``'s setup (unless ``skip_setup``) and run here; returns the exit code (module docstring)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(out) if out is not None else Path("rtv-out") / "local" / f"{spec.name}-{stamp}"

@@ -66,8 +66,13 @@ class EvidenceVerdict:
 
     @property
     def passed(self) -> bool:
-        return self.fetched and self.records > 0 and self.verified == self.records and not self.failed \
+        return (
+            self.fetched
+            and self.records > 0
+            and self.verified == self.records
+            and not self.failed
             and not self.problems
+        )
 
     def summary(self) -> str:
         if not self.fetched:
@@ -78,17 +83,26 @@ class EvidenceVerdict:
             return "no evidence record came back"
         if self.failed:
             return f"{len(self.failed)} of {self.records} records say failed: {', '.join(self.failed)}"
-        return f"{self.records} records verify, are this run's and say passed" + \
-            (f" ({len(self.shown)} shown failed, not enforced)" if self.shown else "")
+        return f"{self.records} records verify, are this run's and say passed" + (
+            f" ({len(self.shown)} shown failed, not enforced)" if self.shown else ""
+        )
 
     def to_json(self) -> dict:
-        return {"fetched": self.fetched, "records": self.records, "verified": self.verified,
-                "failed": list(self.failed), "shown": list(self.shown), "problems": list(self.problems),
-                "passed": self.passed, "summary": self.summary()}
+        return {
+            "fetched": self.fetched,
+            "records": self.records,
+            "verified": self.verified,
+            "failed": list(self.failed),
+            "shown": list(self.shown),
+            "problems": list(self.problems),
+            "passed": self.passed,
+            "summary": self.summary(),
+        }
 
 
-def fetch_outputs(sdk: Any, cluster: str, job_id: int, cluster_dir: Path,
-                  bounded: Callable[..., Any]) -> tuple[Path, Path | None, dict | None, str | None]:
+def fetch_outputs(
+    sdk: Any, cluster: str, job_id: int, cluster_dir: Path, bounded: Callable[..., Any]
+) -> tuple[Path, Path | None, dict | None, str | None]:
     """The job's log (``cluster_dir/job-<id>.log``) and its evidence frame unpacked under ``cluster_dir/evidence``.
 
     Returns (log path, records folder or None, manifest or None, why there is no frame or None).
@@ -118,13 +132,17 @@ def _record_problems(r: LoadedRecord, want: Expectation) -> list[str]:
     cuda = env.get("cuda") or ""
     problems = [
         f"{r.name}: run id {env.get('run_id')!r}, expected {want.run_id!r} (foreign or stale)"
-        if env.get("run_id") != want.run_id else "",
+        if env.get("run_id") != want.run_id
+        else "",
         f"{r.name}: created {r.record['created']}, before this launch was submitted (stale)"
-        if created < want.submitted_at else "",
+        if created < want.submitted_at
+        else "",
         f"{r.name}: source digest {str(source.get('sha256'))[:12]}, expected {want.source_digest[:12]}"
-        if source.get("sha256") != want.source_digest else "",
+        if source.get("sha256") != want.source_digest
+        else "",
         f"{r.name}: commit {source.get('git_commit')}, expected {want.commit}"
-        if source.get("git_commit") not in (want.commit, "unknown") else "",
+        if source.get("git_commit") not in (want.commit, "unknown")
+        else "",
         f"{r.name}: ran on {cuda or 'no CUDA device'}, expected {', '.join(want.accelerators) or 'a CPU task'}"
         if (not all(kind.lower() in cuda.lower() for kind in want.accelerators) or (cuda and not want.accelerators))
         else "",
@@ -132,8 +150,9 @@ def _record_problems(r: LoadedRecord, want: Expectation) -> list[str]:
     return [p for p in problems if p]
 
 
-def judge_outputs(folder: Path | None, made: dict | None = None, want: Expectation | None = None,
-                  *, why_not: str | None = None) -> EvidenceVerdict:
+def judge_outputs(
+    folder: Path | None, made: dict | None = None, want: Expectation | None = None, *, why_not: str | None = None
+) -> EvidenceVerdict:
     """Cross-check the records under ``folder`` against ``made`` (the job's manifest) and ``want``.
 
     ``folder=None`` means nothing was fetched (``why_not`` says why). Without
@@ -150,12 +169,12 @@ def judge_outputs(folder: Path | None, made: dict | None = None, want: Expectati
     shown_by_run = want is not None and (made or {}).get("status") == 0  # rtv run passed: a failed record is shown
     for r in (r for r in valid if r.status == "failed"):
         (shown if shown_by_run else failed).append(f"{r.name} ({r.status})")
-    return EvidenceVerdict(fetched=True, records=len(records), verified=len(valid), failed=failed, shown=shown,
-                           problems=problems)
+    return EvidenceVerdict(
+        fetched=True, records=len(records), verified=len(valid), failed=failed, shown=shown, problems=problems
+    )
 
 
-def _run_problems(records: list[LoadedRecord], valid: list[LoadedRecord], made: dict,
-                  want: Expectation) -> list[str]:
+def _run_problems(records: list[LoadedRecord], valid: list[LoadedRecord], made: dict, want: Expectation) -> list[str]:
     """Problems tying the records to this run: manifest, expected set, each record's own fields."""
     problems = []
     if made.get("run_id") != want.run_id:

@@ -89,21 +89,26 @@ def cost_cross_check(rows: list[dict[str, Any]], cluster: str, *, until: float, 
     if not mine:
         return {"checked": False, "reason": f"sky.cost_report lists no cluster named {cluster!r}"}
     row = max(mine, key=lambda r: r.get("launched_at") or 0)
-    intervals = [(float(start), None if end is None else float(end))
-                 for start, end in row.get("usage_intervals") or [] if start is not None]
+    intervals = [
+        (float(start), None if end is None else float(end))
+        for start, end in row.get("usage_intervals") or []
+        if start is not None
+    ]
     closed_at = intervals[-1][1] if intervals else None
     check: dict[str, Any] = {
         "checked": True,
         "reported_s": round(sum((until if end is None else end) - start for start, end in intervals), 3),
-        "started_at": intervals[0][0] if intervals else None, "closed_at": closed_at,
+        "started_at": intervals[0][0] if intervals else None,
+        "closed_at": closed_at,
         "total_cost": row.get("total_cost"),
         "closed_by_absence": closed_at is not None and closed_at <= until + SLACK_S,
     }
     duration, total = float(row.get("duration") or 0), float(row.get("total_cost") or 0.0)
     if price is not None and duration > 0 and total > 0:
         check["hourly"] = round(total * 3600 / duration, 6)
-    check["agrees"] = check["closed_by_absence"] and ("hourly" not in check
-                                                      or abs(check["hourly"] - price) <= 0.01 * price)
+    check["agrees"] = check["closed_by_absence"] and (
+        "hourly" not in check or abs(check["hourly"] - price) <= 0.01 * price
+    )
     return check
 
 
@@ -149,6 +154,10 @@ def write_receipt(
         "alternative": chosen_alternative(handle),  # which failover alternative ran (None: one entry, or none ran)
     }
     measurements["cost"] = _cost(price, reason, billed_s) | {"sky_cost_report": reported}
-    record = make_record(RECEIPT_KIND, config={"command": command, "cluster": cluster, "task": requested.get("task")},
-                         checks=checks, measurements=measurements)
+    record = make_record(
+        RECEIPT_KIND,
+        config={"command": command, "cluster": cluster, "task": requested.get("task")},
+        checks=checks,
+        measurements=measurements,
+    )
     return write_once(evidence_path(out_dir, RECEIPT_KIND), record)

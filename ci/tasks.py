@@ -102,10 +102,19 @@ class TaskSpec:
 
     def requested(self) -> dict[str, Any]:
         """What the receipt records as requested."""
-        return {"task": str(self.path), "name": self.name, "accelerators": dict(self.accelerators),
-                "alternatives": self.alternatives(),
-                "num_nodes": self.num_nodes, "infra": self.infra, "time_limit_s": self.time_limit_s,
-                "setup_limit_s": self.setup_limit_s, "expect": list(self.expect), "job_deadline_s": self.job_deadline_s, "evidence_dir": self.evidence_dir}
+        return {
+            "task": str(self.path),
+            "name": self.name,
+            "accelerators": dict(self.accelerators),
+            "alternatives": self.alternatives(),
+            "num_nodes": self.num_nodes,
+            "infra": self.infra,
+            "time_limit_s": self.time_limit_s,
+            "setup_limit_s": self.setup_limit_s,
+            "expect": list(self.expect),
+            "job_deadline_s": self.job_deadline_s,
+            "evidence_dir": self.evidence_dir,
+        }
 
 
 def parse_duration(text: str) -> float:
@@ -141,20 +150,29 @@ def _alternatives(path: Path, entries: list[Any]) -> list[tuple[Any, dict[str, i
     """Each resources entry with its accelerators, checked against rules 1-2."""
     labels = [_label(res) for res in entries]
     if len(entries) > 1 and (None in labels or len(set(labels)) != len(labels)):
-        raise _fail(path, f"expected each of the {len(entries)} resource alternatives to carry a unique "
-                          f"`labels: {{{ALTERNATIVE_LABEL}: NAME}}`, found {labels}",
-                    f"label each alternative, e.g. `labels: {{{ALTERNATIVE_LABEL}: runpod-h200x2}}`")
+        raise _fail(
+            path,
+            f"expected each of the {len(entries)} resource alternatives to carry a unique "
+            f"`labels: {{{ALTERNATIVE_LABEL}: NAME}}`, found {labels}",
+            f"label each alternative, e.g. `labels: {{{ALTERNATIVE_LABEL}: runpod-h200x2}}`",
+        )
     checked = []
     for res, label in zip(entries, labels):
         where = "resources" if label is None else f"resources alternative {label!r}"
         accelerators = {str(k): int(v) for k, v in (res.accelerators or {}).items()}
         if not accelerators and res.cpus is None:
-            raise _fail(path, f"expected `{where}` to have `accelerators` (e.g. H200:2) or `cpus`, found neither",
-                        "say what the job needs: `accelerators: H200:2`")
+            raise _fail(
+                path,
+                f"expected `{where}` to have `accelerators` (e.g. H200:2) or `cpus`, found neither",
+                "say what the job needs: `accelerators: H200:2`",
+            )
         autostop = res.autostop_config
         if autostop is None or not autostop.enabled or not autostop.down:
-            raise _fail(path, f"expected `autostop` with `down: true` (the backstop) on `{where}`, found {autostop}",
-                        "add `autostop: {idle_minutes: 10, down: true}` under resources")
+            raise _fail(
+                path,
+                f"expected `autostop` with `down: true` (the backstop) on `{where}`, found {autostop}",
+                "add `autostop: {idle_minutes: 10, down: true}` under resources",
+            )
         _check_autodown(path, res, where)
         checked.append((res, accelerators))
     return checked
@@ -170,9 +188,12 @@ def _check_autodown(path: Path, res: Any, where: str) -> None:
     try:
         res.cloud.check_features_are_supported(res, {CloudImplementationFeatures.AUTODOWN})
     except exceptions.NotSupportedError as error:
-        raise _fail(path, f"`{where}` is on {res.cloud}, which SkyPilot cannot autodown: {error}",
-                    "remove that alternative or pick a provider with autodown: the cluster's own backstop "
-                    "must hold wherever it lands") from None
+        raise _fail(
+            path,
+            f"`{where}` is on {res.cloud}, which SkyPilot cannot autodown: {error}",
+            "remove that alternative or pick a provider with autodown: the cluster's own backstop "
+            "must hold wherever it lands",
+        ) from None
     except ImportError:
         pass  # the provider's SDK is not installed here: its support cannot be checked (module docstring)
 
@@ -182,16 +203,22 @@ def _check_hang_timeout(path: Path, envs: dict[str, str], run: str, time_limit_s
     if not re.search(r'(rtv"? |canaries\.entry )run\b', run):
         return
     if HANG_FLAG not in run:
-        raise _fail(path, f"expected `rtv run` in `run` to pass `{HANG_FLAG}`, found no such flag",
-                    f"add {HANG_FLAG} to the rtv run command and RTV_HANG_TIMEOUT (seconds) to envs")
+        raise _fail(
+            path,
+            f"expected `rtv run` in `run` to pass `{HANG_FLAG}`, found no such flag",
+            f"add {HANG_FLAG} to the rtv run command and RTV_HANG_TIMEOUT (seconds) to envs",
+        )
     try:
         seconds = float(envs.get("RTV_HANG_TIMEOUT", ""))
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < time_limit_s:
-        raise _fail(path, f"expected envs RTV_HANG_TIMEOUT in seconds, > 0 and below RTV_TIME_LIMIT "
-                          f"({time_limit_s:g} s), found {envs.get('RTV_HANG_TIMEOUT')!r}",
-                    "declare RTV_HANG_TIMEOUT: \"300\" (the watchdog must end a hung job before the task's limit)")
+        raise _fail(
+            path,
+            f"expected envs RTV_HANG_TIMEOUT in seconds, > 0 and below RTV_TIME_LIMIT "
+            f"({time_limit_s:g} s), found {envs.get('RTV_HANG_TIMEOUT')!r}",
+            'declare RTV_HANG_TIMEOUT: "300" (the watchdog must end a hung job before the task\'s limit)',
+        )
 
 
 def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] | None = None) -> TaskSpec:
@@ -206,8 +233,11 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
     """
     path = Path(path)
     if not path.is_file():
-        raise _fail(path, "expected a SkyPilot task YAML file, found nothing there",
-                    "pass one of ci/*.sky.yaml (e.g. ci/gate.sky.yaml)")
+        raise _fail(
+            path,
+            "expected a SkyPilot task YAML file, found nothing there",
+            "pass one of ci/*.sky.yaml (e.g. ci/gate.sky.yaml)",
+        )
     import sky
 
     try:
@@ -216,37 +246,62 @@ def load_task(path: Path | str, *, validate: bool = False, envs: dict[str, str] 
         if validate:
             task.validate()
     except Exception as error:  # SkyPilot raises several types for a bad file
-        raise _fail(path, f"SkyPilot refused it: {type(error).__name__}: {error}",
-                    "fix the field it names (see docs.skypilot.co, Task YAML)") from error
+        raise _fail(
+            path,
+            f"SkyPilot refused it: {type(error).__name__}: {error}",
+            "fix the field it names (see docs.skypilot.co, Task YAML)",
+        ) from error
     alternatives = _alternatives(path, list(task.resources))
     res, accelerators = min(alternatives, key=lambda pair: (sum(pair[1].values()), _label(pair[0]) or ""))
     envs = dict(task.envs)
     missing = [name for name in ("RTV_OUT", "RTV_EXPECT", "RTV_TIME_LIMIT", "RTV_SETUP_LIMIT") if not envs.get(name)]
     if missing:
-        raise _fail(path, f"expected envs RTV_OUT, RTV_EXPECT, RTV_TIME_LIMIT and RTV_SETUP_LIMIT, missing {missing}",
-                    "declare where evidence goes (RTV_OUT: rtv-out/ci), the records the run makes "
-                    "(RTV_EXPECT: smoke memory ...) and both limits (RTV_TIME_LIMIT: 40m, RTV_SETUP_LIMIT: 20m)")
+        raise _fail(
+            path,
+            f"expected envs RTV_OUT, RTV_EXPECT, RTV_TIME_LIMIT and RTV_SETUP_LIMIT, missing {missing}",
+            "declare where evidence goes (RTV_OUT: rtv-out/ci), the records the run makes "
+            "(RTV_EXPECT: smoke memory ...) and both limits (RTV_TIME_LIMIT: 40m, RTV_SETUP_LIMIT: 20m)",
+        )
     limits = {name: _limit(path, envs, name) for name in ("RTV_TIME_LIMIT", "RTV_SETUP_LIMIT")}
     run, setup = task.run or "", task.setup or ""
     run = run if isinstance(run, str) else ""
     if "timeout" not in run or "$RTV_TIME_LIMIT" not in run:
-        raise _fail(path, "expected `run` to wrap its work in `timeout ... \"$RTV_TIME_LIMIT\"`, found no such call",
-                    'wrap the work: timeout --signal=TERM --kill-after=60s "$RTV_TIME_LIMIT" bash -c \'...\'')
+        raise _fail(
+            path,
+            'expected `run` to wrap its work in `timeout ... "$RTV_TIME_LIMIT"`, found no such call',
+            "wrap the work: timeout --signal=TERM --kill-after=60s \"$RTV_TIME_LIMIT\" bash -c '...'",
+        )
     lines = [line.strip() for line in run.splitlines() if line.strip() and not line.strip().startswith(("#", "set "))]
     if not lines or lines[0] != CLEAN or EMIT not in lines[-1]:
-        raise _fail(path, f"expected `run` to start with `{CLEAN}` and end with `python {EMIT}`, "
-                          f"found first {lines[:1]} and last {lines[-1:]}",
-                    f"begin run with {CLEAN}; end it with `\"$RTV_VENV/bin/python\" {EMIT}; exit $status` "
-                    "(keep the work's status: `timeout ... || status=$?`)")
+        raise _fail(
+            path,
+            f"expected `run` to start with `{CLEAN}` and end with `python {EMIT}`, "
+            f"found first {lines[:1]} and last {lines[-1:]}",
+            f'begin run with {CLEAN}; end it with `"$RTV_VENV/bin/python" {EMIT}; exit $status` '
+            "(keep the work's status: `timeout ... || status=$?`)",
+        )
     if "timeout" not in setup or "$RTV_SETUP_LIMIT" not in setup:
-        raise _fail(path, "expected `setup` to install the project under `timeout ... \"$RTV_SETUP_LIMIT\"`, "
-                          f"found {'no setup' if not setup.strip() else 'no such call'}",
-                    'wrap it: timeout --kill-after=30s "$RTV_SETUP_LIMIT" bash -euxc \'make install ...\'')
+        raise _fail(
+            path,
+            'expected `setup` to install the project under `timeout ... "$RTV_SETUP_LIMIT"`, '
+            f"found {'no setup' if not setup.strip() else 'no such call'}",
+            "wrap it: timeout --kill-after=30s \"$RTV_SETUP_LIMIT\" bash -euxc 'make install ...'",
+        )
     _check_hang_timeout(path, envs, run, limits["RTV_TIME_LIMIT"])
     infra = str(res.cloud).lower() if res.cloud is not None else None
     return TaskSpec(
-        path=path, task=task, name=task.name or path.stem, accelerators=accelerators,
-        num_nodes=int(task.num_nodes or 1), infra=infra, evidence_dir=envs["RTV_OUT"],
-        expect=tuple(envs["RTV_EXPECT"].split()), time_limit_s=limits["RTV_TIME_LIMIT"],
-        setup_limit_s=limits["RTV_SETUP_LIMIT"], job_deadline_s=sum(limits.values()) + 120, envs=envs, setup=setup, run=run,
+        path=path,
+        task=task,
+        name=task.name or path.stem,
+        accelerators=accelerators,
+        num_nodes=int(task.num_nodes or 1),
+        infra=infra,
+        evidence_dir=envs["RTV_OUT"],
+        expect=tuple(envs["RTV_EXPECT"].split()),
+        time_limit_s=limits["RTV_TIME_LIMIT"],
+        setup_limit_s=limits["RTV_SETUP_LIMIT"],
+        job_deadline_s=sum(limits.values()) + 120,
+        envs=envs,
+        setup=setup,
+        run=run,
     )

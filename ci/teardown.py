@@ -95,8 +95,9 @@ class RunState:
             "run_id": self.run_id,
             "job_id": self.job_id,
             "job_status": getattr(self.job_status, "value", self.job_status),
-            "launched": None if launched is None else {
-                "resources": str(launched), "nodes": int(getattr(self.handle, "launched_nodes", 1) or 1)},
+            "launched": None
+            if launched is None
+            else {"resources": str(launched), "nodes": int(getattr(self.handle, "launched_nodes", 1) or 1)},
             "launched_at": self.launched_at,
             "first_seen": self.first_seen,
             "absent_at": self.absent_at,
@@ -114,9 +115,16 @@ class RunState:
 class Teardown:
     """SDK calls shared by launch, down, sweep and status (see the module docstring)."""
 
-    def __init__(self, sdk: Any, *, timeouts: Timeouts = Timeouts(), clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, wall: Callable[[], float] = time.time,
-                 echo: Callable[[str], None] = _ECHO) -> None:
+    def __init__(
+        self,
+        sdk: Any,
+        *,
+        timeouts: Timeouts = Timeouts(),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        wall: Callable[[], float] = time.time,
+        echo: Callable[[str], None] = _ECHO,
+    ) -> None:
         self.sdk = sdk
         self.t = timeouts
         self.clock = clock
@@ -124,8 +132,15 @@ class Teardown:
         self.wall = wall
         self.echo = echo
 
-    def request(self, name: str, call: Callable[..., Any], *args: Any, timeout: float,
-                cancel_on_timeout: bool = True, **kwargs: Any) -> Any:
+    def request(
+        self,
+        name: str,
+        call: Callable[..., Any],
+        *args: Any,
+        timeout: float,
+        cancel_on_timeout: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         """Submit one request and wait for its result, each under its own timeout.
 
         A request whose result times out is cancelled on the API server, unless
@@ -167,8 +182,17 @@ class Teardown:
         """One ``status`` of the server's table (no cloud refresh: it must not wait for a ``down`` in progress)."""
         start = self.clock()
         try:
-            self._seen(run, self.request("status", self.sdk.status, [run.cluster], refresh=self.sdk.StatusRefreshMode.NONE,
-                                         all_users=True, timeout=self.t.poll))
+            self._seen(
+                run,
+                self.request(
+                    "status",
+                    self.sdk.status,
+                    [run.cluster],
+                    refresh=self.sdk.StatusRefreshMode.NONE,
+                    all_users=True,
+                    timeout=self.t.poll,
+                ),
+            )
             self._note(run, "census", True, f"seen: {run.last_seen}", start)
         except Exception as error:  # noqa: BLE001 - the teardown goes on without it
             self._note(run, "census", False, f"{type(error).__name__}: {error}", start)
@@ -221,10 +245,14 @@ class Teardown:
 
     def _pending_launch(self, run: RunState) -> bool:
         """Whether the API server still holds a launch request for the cluster; one found is cancelled by its id."""
-        requests = bounded(self.sdk.api_status, None, False, cluster_name=run.cluster,
-                           timeout=self.t.poll, name="api_status")
-        pending = [r.request_id for r in requests
-                   if r.cluster_name == run.cluster and r.status in _PENDING and "launch" in r.name]
+        requests = bounded(
+            self.sdk.api_status, None, False, cluster_name=run.cluster, timeout=self.t.poll, name="api_status"
+        )
+        pending = [
+            r.request_id
+            for r in requests
+            if r.cluster_name == run.cluster and r.status in _PENDING and "launch" in r.name
+        ]
         if pending:
             start = self.clock()
             try:

@@ -45,8 +45,9 @@ class TinyTrainerAdapter:
         torch.manual_seed(spec.seed)
         dtype = getattr(torch, spec.dtype)
         self._model = TinyTokenModel(spec.vocab_size, spec.hidden_size, spec.seq_len).to(dtype)
-        self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                            weight_decay=spec.weight_decay)
+        self._optimizer = torch.optim.AdamW(
+            self._model.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
 
     def module(self) -> nn.Module:
         return self._model
@@ -71,8 +72,10 @@ class TinyTrainerAdapter:
         # The gradients accumulated since the last step are part of the state: a save between backward and
         # optim_step that dropped them would resume to other weights (the resume check catches that).
         grads = {name: p.grad for name, p in self._model.named_parameters()}
-        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
-                   os.path.join(path, "state.pt"))
+        torch.save(
+            {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
+            os.path.join(path, "state.pt"),
+        )
 
     def load(self, path: str) -> None:
         state = torch.load(os.path.join(path, "state.pt"))

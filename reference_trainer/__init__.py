@@ -11,16 +11,16 @@ never a higher (tests/test_architecture.py, ``TRAINER_LAYERS``).
 """
 
 from .behaviour import BehaviourStats
+from .calibration import PlannerCalibration
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointVersion
-from .importance import CorrectionStats, RatioStats
 from .errors import (
     CheckpointBusyError,
     CheckpointReplacedError,
     ConfigError,
     CorruptSaveError,
+    EngineBusyError,
     GradientCommitError,
     MemoryAdmissionError,
-    EngineBusyError,
     PeerError,
     PublicationError,
     SaveInForceError,
@@ -29,12 +29,13 @@ from .errors import (
     UnsupportedSavedStateError,
     VersionConflictError,
 )
+from .importance import CorrectionStats, RatioStats
 from .inputs import ForwardInput, ForwardOutput
-from .planner import PlacementDecision
-from .calibration import PlannerCalibration
-from .misses import PlannerMiss, observe_planner_misses, replay_estimate
 from .lora import LoRAAdapter, LoRAConfig
+from .misses import PlannerMiss, observe_planner_misses, replay_estimate
 from .model import DecoderLM, ModelConfig, token_logprobs
+from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
+from .planner import PlacementDecision
 from .ranks import (
     LogicalBatch,
     LogicalLayout,
@@ -48,7 +49,6 @@ from .ranks import (
     run_logical,
 )
 from .residency import mark_quantized_saved_state
-from .options import UNSET, ForwardOptions, ImportanceCorrection, ResolvedOptions, resolve_options
 from .rollout import Generation, PublicationReport, RolloutEngine, WeightPublication
 from .trainer import BackwardReport, CheckpointStep, RecordReport, StepReport, Trainer
 

@@ -27,8 +27,6 @@ SLOTS = ("step", "exp_avg", "exp_avg_sq")
 """The per-parameter state AdamW keeps once a parameter has stepped (``amsgrad=False``)."""
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig:
     """AdamW settings; defaults are ``torch.optim.AdamW``'s.
@@ -83,7 +81,9 @@ def _check_group(groups: Any, live: Mapping[str, Any], count: int, where: str) -
         raise ConfigError(where, groups, "a list of one parameter group")
     group, where = groups[0], f"{where}[0]"
     if set(group) != set(live):
-        raise ConfigError(where, sorted(group), f"exactly the keys {sorted(live)}", "save it with Checkpoint.state_dict()")
+        raise ConfigError(
+            where, sorted(group), f"exactly the keys {sorted(live)}", "save it with Checkpoint.state_dict()"
+        )
     ids = group["params"]
     if not isinstance(ids, (list, tuple)) or len(ids) != count or len(set(ids)) != count:
         raise ConfigError(f"{where}['params']", ids, f"{count} distinct parameter ids")
@@ -95,7 +95,9 @@ def _check_group(groups: Any, live: Mapping[str, Any], count: int, where: str) -
         raise ConfigError(f"{where}[{name!r}]", error.value, error.allowed) from None
     for key, value in live.items():
         if key not in settings and key != "params" and group[key] != value:
-            raise ConfigError(f"{where}[{key!r}]", group[key], f"{value!r}, the flag this checkpoint's AdamW steps with")
+            raise ConfigError(
+                f"{where}[{key!r}]", group[key], f"{value!r}, the flag this checkpoint's AdamW steps with"
+            )
     return list(ids)
 
 
@@ -122,5 +124,7 @@ def _is_float_tensor(value: object) -> bool:
 
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor of dtype {value.dtype}, shape {tuple(value.shape)}" + (f", value {value.item()}" if value.numel() == 1 else "")
+        return f"tensor of dtype {value.dtype}, shape {tuple(value.shape)}" + (
+            f", value {value.item()}" if value.numel() == 1 else ""
+        )
     return repr(value)

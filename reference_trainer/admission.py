@@ -32,11 +32,9 @@ import torch
 from . import misses, seams
 from .calibration import PlannerCalibration
 from .checkpoints import Checkpoint, CheckpointVersion
-from .records import ForwardRecord
 from .errors import MemoryAdmissionError
 from .model import ModelConfig
 from .options import ResolvedOptions
-from .timing import Stopwatch
 from .planner import (
     ForwardCost,
     PendingUsage,
@@ -53,9 +51,16 @@ from .planner import (
     saved_terms,
     shape_class,
 )
+from .records import ForwardRecord
+from .timing import Stopwatch
 
 __all__ = [
-    "Admission", "Admitted", "DEVICE_MARGIN_FRACTION", "DeviceCapacity", "default_device_limit", "device_capacity",
+    "Admission",
+    "Admitted",
+    "DEVICE_MARGIN_FRACTION",
+    "DeviceCapacity",
+    "default_device_limit",
+    "device_capacity",
     "merged_saved_scale",
 ]
 
@@ -127,8 +132,13 @@ class _Held:
     @property
     def demotable(self) -> bool:
         record = self.record
-        return (self.demote is None and record is not None and record.ledger is not None
-                and record.ledger.placement is Placement.RETAIN and bool(self.targets))
+        return (
+            self.demote is None
+            and record is not None
+            and record.ledger is not None
+            and record.ledger.placement is Placement.RETAIN
+            and bool(self.targets)
+        )
 
     @property
     def targets(self) -> list[Placement]:
@@ -143,7 +153,11 @@ class Admission:
     """Plans forwards against ``device_limit`` / ``host_limit`` (``None``: unbounded)."""
 
     def __init__(
-        self, config: ModelConfig, device_limit: int | None, host_limit: int | None, device_type: str = "cpu",
+        self,
+        config: ModelConfig,
+        device_limit: int | None,
+        host_limit: int | None,
+        device_type: str = "cpu",
         calibration: PlannerCalibration | None = None,
     ) -> None:
         self.config = config
@@ -214,8 +228,9 @@ class Admission:
         shares_snapshot = _kept(checkpoint, version) or any(h.version == version for h in held)
         involved = {h.checkpoint.name: h.checkpoint for h in held} | {checkpoint.name: checkpoint}
         # Weight snapshots are shared by every record of a version: counted once per pending version.
-        snapshots = sum({h.version: h.checkpoint.trainable_nbytes() for h in held if not _kept(h.checkpoint, h.version)}
-                        .values())
+        snapshots = sum(
+            {h.version: h.checkpoint.trainable_nbytes() for h in held if not _kept(h.checkpoint, h.version)}.values()
+        )
         saved_class = self._saved_class(checkpoint, len(lengths), max(lengths), training)
         estimator = self._estimator(
             saved_class,
@@ -253,8 +268,12 @@ class Admission:
                 continue
             demote = [(h, targets[id(h)]) for h in demotable if id(h) in targets]
             if demote:
-                where = ", ".join(f"{sum(t is p for _, t in demote)} to {p.value}" for p in dict.fromkeys(t for _, t in demote))
-                decision = replace(decision, reason=f"{decision.reason}; demoted {len(demote)} pending retained record(s) ({where})")
+                where = ", ".join(
+                    f"{sum(t is p for _, t in demote)} to {p.value}" for p in dict.fromkeys(t for _, t in demote)
+                )
+                decision = replace(
+                    decision, reason=f"{decision.reason}; demoted {len(demote)} pending retained record(s) ({where})"
+                )
             return Admitted(decision, cost, saved_class, estimator), demote
         misses.report("refused", self.config, estimator, cost.saved_bytes, raised=str(refusal))
         assert refusal is not None, "_demotions yields at least the assignment that demotes nothing"
@@ -286,8 +305,9 @@ class Admission:
             lora=checkpoint.lora_config,
         )
 
-    def _estimator(self, saved_class: SavedClass, batch: int, seq_len: int, *, snapshot_bytes: int,
-                   staging_bytes: int) -> dict[str, Any]:
+    def _estimator(
+        self, saved_class: SavedClass, batch: int, seq_len: int, *, snapshot_bytes: int, staging_bytes: int
+    ) -> dict[str, Any]:
         """The keyword arguments of ``estimate_forward_cost`` for this forward (a miss records them, NOTE [Planner misses])."""
         self._learn_speed()
         return dict(
@@ -308,9 +328,16 @@ class Admission:
     def _saved_scale(self, saved_class: SavedClass, batch: int, seq_len: int) -> float | None:
         """Rule 5: the largest ratio to the analytic count, at ``seq_len``, of the most each forward of the class
         that ran allows a ``seq_len`` forward to save (``SavedTerms.worst_case``); ``None``: none ran."""
-        kind: dict[str, Any] = dict(scores_saved=saved_class.scores_saved, lora=saved_class.lora,
-                    dropout_active=saved_class.dropout_active, autocast=saved_class.autocast)
-        terms, analytic = saved_terms(self.config, batch, **kind), analytic_saved_bytes(self.config, batch, seq_len, **kind)
+        kind: dict[str, Any] = dict(
+            scores_saved=saved_class.scores_saved,
+            lora=saved_class.lora,
+            dropout_active=saved_class.dropout_active,
+            autocast=saved_class.autocast,
+        )
+        terms, analytic = (
+            saved_terms(self.config, batch, **kind),
+            analytic_saved_bytes(self.config, batch, seq_len, **kind),
+        )
         scale = None
         for length, measured in self._seen.get(saved_class, {}).items():
             scale = merged_saved_scale(scale, terms.worst_case(length, measured, seq_len) / analytic)
@@ -326,10 +353,13 @@ class Admission:
             seen = self._seen.setdefault(key, {})
             seen[seq_len] = max(seen.get(seq_len, 0), saved)
             if saved > admitted.cost.saved_bytes:
-                misses.report("saved_bytes_exceeded", self.config, admitted.estimator, admitted.cost.saved_bytes,
-                              measured=saved)
+                misses.report(
+                    "saved_bytes_exceeded", self.config, admitted.estimator, admitted.cost.saved_bytes, measured=saved
+                )
         held_on_host = ledger.host_bytes if ledger is not None else saved  # pinned blocks, the arena: what is held
-        return RecordUsage.of(admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes())
+        return RecordUsage.of(
+            admitted.cost, record.decision.placement, saved, held_on_host, record.checkpoint.trainable_nbytes()
+        )
 
 
 def _demotions(demotable: list[_Held], held: list[_Held], host_limit: int | None) -> Iterator[dict[int, Placement]]:

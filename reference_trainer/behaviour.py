@@ -94,19 +94,33 @@ def behaviour_cotangent(
         ratio = RatioStats.of(torch.exp(record.logprobs()[used].double() - behaviour[used].double()))
         cotangent, correction = _corrected(record, cotangent, behaviour, used)
     counts = torch.stack((known.sum(), stale.sum()))
-    *known_lags, tokens, stale_tokens = read_on_host(torch.cat((lags[known & ~other_generation], counts)), "behaviour lags")
+    *known_lags, tokens, stale_tokens = read_on_host(
+        torch.cat((lags[known & ~other_generation], counts)), "behaviour lags"
+    )
     histogram: dict[int, int] = {}
     for lag in sorted(known_lags):
         histogram[lag] = histogram.get(lag, 0) + 1
     ordered = sorted(known_lags) or [0]
-    return cotangent, BehaviourStats(
-        tokens=tokens, lag_min=ordered[0], lag_median=ordered[(len(ordered) - 1) // 2], lag_max=ordered[-1],
-        lag_histogram=histogram, max_behaviour_staleness=bound, stale_tokens=stale_tokens,
-        ratio=ratio, correction=correction), stale
+    return (
+        cotangent,
+        BehaviourStats(
+            tokens=tokens,
+            lag_min=ordered[0],
+            lag_median=ordered[(len(ordered) - 1) // 2],
+            lag_max=ordered[-1],
+            lag_histogram=histogram,
+            max_behaviour_staleness=bound,
+            stale_tokens=stale_tokens,
+            ratio=ratio,
+            correction=correction,
+        ),
+        stale,
+    )
 
 
-def _corrected(record: ForwardRecord, cotangent: torch.Tensor, behaviour: torch.Tensor,
-               used: torch.Tensor) -> tuple[torch.Tensor, CorrectionStats | None]:
+def _corrected(
+    record: ForwardRecord, cotangent: torch.Tensor, behaviour: torch.Tensor, used: torch.Tensor
+) -> tuple[torch.Tensor, CorrectionStats | None]:
     """Rule 4's reweighting of the rows holding ``behaviour`` log-probs, when a behaviour correction is asked for."""
     correction = record.options.behaviour_correction
     rows = used.any(-1)
@@ -114,6 +128,11 @@ def _corrected(record: ForwardRecord, cotangent: torch.Tensor, behaviour: torch.
         return cotangent, None
     corrected = cotangent.clone()
     corrected[rows], stats = correct_cotangent(
-        cotangent[rows], record.logprobs()[rows], behaviour[rows], correction,
-        staleness(record.checkpoint, record.version), used[rows])
+        cotangent[rows],
+        record.logprobs()[rows],
+        behaviour[rows],
+        correction,
+        staleness(record.checkpoint, record.version),
+        used[rows],
+    )
     return corrected, stats

@@ -85,8 +85,12 @@ class CheckpointCatalogue:
         if checkpoint is not None:
             return self.get(checkpoint)
         if len(self._checkpoints) != 1:
-            raise ConfigError("checkpoint", None, f"a checkpoint name (the trainer has {sorted(self._checkpoints) or 'none'}); "
-                              "add one with add_checkpoint or pass checkpoint=...")
+            raise ConfigError(
+                "checkpoint",
+                None,
+                f"a checkpoint name (the trainer has {sorted(self._checkpoints) or 'none'}); "
+                "add one with add_checkpoint or pass checkpoint=...",
+            )
         return next(iter(self._checkpoints.values()))
 
     def selected(self, checkpoints: Iterable[str] | str | None) -> list[Checkpoint]:

@@ -43,7 +43,16 @@ from .lora import LoRAAdapter, LoRAConfig
 from .model import DecoderLM
 from .weight_state import check_weight_state
 
-__all__ = ["CheckpointVersion", "AdamWConfig", "Checkpoint", "CheckpointStep", "WeightCapture", "BASE", "check_step_arguments", "needs_master"]
+__all__ = [
+    "CheckpointVersion",
+    "AdamWConfig",
+    "Checkpoint",
+    "CheckpointStep",
+    "WeightCapture",
+    "BASE",
+    "check_step_arguments",
+    "needs_master",
+]
 
 
 class _Base:
@@ -134,9 +143,7 @@ class Checkpoint:
             params = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
         self._params: dict[str, nn.Parameter] = params
         self._masters = {
-            n: p.detach().float().clone().requires_grad_(True)
-            for n, p in params.items()
-            if needs_master(p.dtype)
+            n: p.detach().float().clone().requires_grad_(True) for n, p in params.items() if needs_master(p.dtype)
         }
         self._master_grads: dict[str, torch.Tensor] = {}  # FP32 gradient buffers, allocated at the first step
         stepped = [self._masters.get(n, p) for n, p in params.items()]
@@ -212,8 +219,12 @@ class Checkpoint:
         kept = self.kept.get(version.revision) if version.generation == self.generation else None
         if kept is None:
             held = [self.version, *(c.version for c, _ in self.kept.values())]
-            raise ConfigError("checkpoint", version, f"a version of {self.name!r} this trainer holds, one of {held}",
-                              hint="only a loaded trainer keeps older versions: those its save's pending forwards used")
+            raise ConfigError(
+                "checkpoint",
+                version,
+                f"a version of {self.name!r} this trainer holds, one of {held}",
+                hint="only a loaded trainer keeps older versions: those its save's pending forwards used",
+            )
         return kept[0]
 
     def keep(self, revision: int, tensors: Mapping[str, torch.Tensor], bound: int) -> None:
@@ -279,7 +290,9 @@ class Checkpoint:
     def step(self, lr: float | None, max_grad_norm: float | None) -> CheckpointStep:
         """One AdamW step on the committed gradients, if any and if their norm is finite (clipped first)."""
         if not self.has_gradients():
-            return CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision)
+            return CheckpointStep(
+                stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=self.revision
+            )
         params = self._stepped_tensors()  # FP32: the live parameters; else FP32 masters
         known, grads = self._known_norm, [p.grad for p in params if p.grad is not None]
         if known is not None and known.matches(grads):  # NOTE [Gradient norm] Rule 3: no pass, no host read

@@ -39,8 +39,8 @@ from . import seams
 from .checkpoints import Checkpoint, CheckpointVersion, WeightCapture
 from .errors import GradientCommitError
 from .grad_norms import KnownNorm, total_norm
-from .records import ForwardRecord
 from .host_reads import read_on_host
+from .records import ForwardRecord
 from .sinks import GradientSink
 from .staleness import check_each
 
@@ -112,12 +112,16 @@ def first_non_finite(staged: Mapping[tuple[str, str], _Staged], norms: _Norms) -
         return None
     for key, s in staged.items():
         if not bool(torch.isfinite(s.staged_value()).all()):
-            return key, ("expected a finite gradient, found non-finite values; check the loss and its "
-                         "cotangents (nothing was committed)")
+            return key, (
+                "expected a finite gradient, found non-finite values; check the loss and its "
+                "cotangents (nothing was committed)"
+            )
     for key, s in staged.items():
         if s.old is not None and not bool(torch.isfinite(s.new_value()).all()):
-            return key, ("the accumulated gradient overflows to non-finite values; expected a finite sum. "
-                         "Step or zero_grad before accumulating more (nothing was committed)")
+            return key, (
+                "the accumulated gradient overflows to non-finite values; expected a finite sum. "
+                "Step or zero_grad before accumulating more (nothing was committed)"
+            )
     return None
 
 

@@ -62,13 +62,13 @@ from collections.abc import Iterable
 import torch
 
 from .checkpoints import CheckpointVersion
-from .inputs import PaddedBatch
-from .records import ForwardRecord
-from .running import run_model
 from .host_reads import read_on_host
-from .model import DecoderLM
 from .importance import CorrectionStats, correct_cotangent
+from .inputs import PaddedBatch
+from .model import DecoderLM
+from .records import ForwardRecord
 from .rng import restored_forward_state
+from .running import run_model
 from .staleness import staleness
 
 __all__ = ["KnownLogprobs", "correct_record"]
@@ -88,7 +88,9 @@ def _token_keys(batches: list[PaddedBatch]) -> list[list[TokenKey]]:
     for batch in batches:
         size, width = batch.input_ids.numel(), batch.input_ids.shape[1]
         ids, targets = flat[start : start + size], flat[start + size : start + 2 * size]
-        rows = [(r * width, r * width + n) for r, n in enumerate(batch.lengths)]  # (start, end) of each row's real tokens
+        rows = [
+            (r * width, r * width + n) for r, n in enumerate(batch.lengths)
+        ]  # (start, end) of each row's real tokens
         keys.append([(tuple(ids[a:b]), tuple(targets[a:b])) for a, b in rows])
         start += 2 * size
     return keys
@@ -96,7 +98,11 @@ def _token_keys(batches: list[PaddedBatch]) -> list[list[TokenKey]]:
 
 def _scope(record: ForwardRecord) -> Scope:
     state = record.rng_state
-    return record.owner, record.checkpoint.name, (state.device.type, state.autocast_dtype if state.autocast_enabled else None)
+    return (
+        record.owner,
+        record.checkpoint.name,
+        (state.device.type, state.autocast_dtype if state.autocast_enabled else None),
+    )
 
 
 def _wants_current(record: ForwardRecord) -> bool:
@@ -133,7 +139,8 @@ class KnownLogprobs:
     def _users(self, scope: Scope, version: CheckpointVersion, pending: Iterable[ForwardRecord]) -> list[ForwardRecord]:
         """Pending records of ``scope`` that could use log-probs made at ``version``: older, ``when_available``, maskless."""
         return [
-            r for r in pending
+            r
+            for r in pending
             if _scope(r) == scope and r.version != version and _wants_current(r) and self._maskless(r)
         ]
 
@@ -194,9 +201,13 @@ class KnownLogprobs:
         rows: dict[Scope, Rows] = {}
         for scope, known in self._known.items():
             for record in (r for r in users if _scope(r) == scope):
-                rows.setdefault(scope, {}).update({
-                    key: known[key] for key in self._keys.get(record, ())
-                    if key in known and known[key][0] == record.checkpoint.version})
+                rows.setdefault(scope, {}).update(
+                    {
+                        key: known[key]
+                        for key in self._keys.get(record, ())
+                        if key in known and known[key][0] == record.checkpoint.version
+                    }
+                )
         return rows
 
     def resume(self, rows: dict[Scope, Rows]) -> None:
@@ -230,7 +241,10 @@ def _current_logprobs(model: DecoderLM, record: ForwardRecord) -> torch.Tensor:
 
 
 def correct_record(
-    model: DecoderLM, record: ForwardRecord, cotangent: torch.Tensor, known: KnownLogprobs,
+    model: DecoderLM,
+    record: ForwardRecord,
+    cotangent: torch.Tensor,
+    known: KnownLogprobs,
     excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CorrectionStats | None]:
     """``record``'s cotangent, reweighted if it is stale and asks for a correction (Rules 1 and 6).
@@ -251,5 +265,6 @@ def correct_record(
     active = record.batch.targets >= 0 if excluded is None else (record.batch.targets >= 0) & ~excluded
     corrected = cotangent.clone()
     corrected[rows], stats = correct_cotangent(
-        cotangent[rows], current[rows], record.logprobs()[rows], correction, age, active[rows])
+        cotangent[rows], current[rows], record.logprobs()[rows], correction, age, active[rows]
+    )
     return corrected, stats

@@ -132,8 +132,7 @@ class MemoryAdmissionError(TrainerError):
         self.limit_bytes = limit_bytes
         self.suggestion = suggestion
         super().__init__(
-            f"predicted peak {predicted_peak_bytes} bytes exceeds the memory limit of "
-            f"{limit_bytes} bytes; {suggestion}"
+            f"predicted peak {predicted_peak_bytes} bytes exceeds the memory limit of {limit_bytes} bytes; {suggestion}"
         )
 
 

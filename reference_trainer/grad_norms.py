@@ -60,8 +60,7 @@ class KnownNorm:
     def matches(self, grads: Sequence[torch.Tensor]) -> bool:
         """True iff ``grads`` are the measured tensors, in order, none modified since (Rule 3)."""
         return self._same_count(grads) and all(
-            ref() is grad and grad._version == version
-            for ref, grad, version in zip(self._refs, grads, self._versions)
+            ref() is grad and grad._version == version for ref, grad, version in zip(self._refs, grads, self._versions)
         )
 
     def _same_count(self, grads: Sequence[torch.Tensor]) -> bool:

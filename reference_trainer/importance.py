@@ -86,7 +86,9 @@ def _weight_dtype(reference: torch.Tensor, correction: ImportanceCorrection) -> 
 def _check_logprobs(current: torch.Tensor, forward: torch.Tensor) -> None:
     """Rule 4, over the tokens that take part."""
     if not bool(torch.isfinite(forward).all()):
-        raise GradientCommitError("importance correction: expected finite forward log-probs on active tokens, found non-finite")
+        raise GradientCommitError(
+            "importance correction: expected finite forward log-probs on active tokens, found non-finite"
+        )
     if bool((torch.isnan(current) | (current == math.inf)).any()):
         raise GradientCommitError(
             "importance correction: expected current log-probs that are finite or -inf on active "
@@ -157,9 +159,14 @@ def _check_overflow(
     if not bool(overflowed.any()):
         return
     weight = float(weights[overflowed].max())
-    option = next((f"{name}={value:g}" for name, value in (("clip_low", correction.clip_low),
-                                                           ("clip_high", correction.clip_high)) if weight == value),
-                  f"max_log_ratio={correction.max_log_ratio:g}")
+    option = next(
+        (
+            f"{name}={value:g}"
+            for name, value in (("clip_low", correction.clip_low), ("clip_high", correction.clip_high))
+            if weight == value
+        ),
+        f"max_log_ratio={correction.max_log_ratio:g}",
+    )
     largest = torch.finfo(corrected.dtype).max
     raise GradientCommitError(
         f"importance correction: the importance weight {weight:.3g} overflowed {corrected.dtype} (largest finite "
@@ -206,8 +213,12 @@ def correct_cotangent(
 
 
 def _stats(
-    weights: torch.Tensor, clipped: torch.Tensor, correction: ImportanceCorrection, staleness: int,
-    raw: torch.Tensor, unit_weights: torch.Tensor,
+    weights: torch.Tensor,
+    clipped: torch.Tensor,
+    correction: ImportanceCorrection,
+    staleness: int,
+    raw: torch.Tensor,
+    unit_weights: torch.Tensor,
 ) -> CorrectionStats:
     count = int(weights.numel())
     peak = float(weights.max()) if count else 0.0

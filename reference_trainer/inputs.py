@@ -61,8 +61,11 @@ class ForwardInput:
             )
         if self.options is not None and not isinstance(self.options, ForwardOptions):
             raise ConfigError("options", self.options, "None or a ForwardOptions")
-        for name, floating in (("behaviour_logprobs", True), ("behaviour_revisions", False),
-                               ("behaviour_generations", False)):
+        for name, floating in (
+            ("behaviour_logprobs", True),
+            ("behaviour_revisions", False),
+            ("behaviour_generations", False),
+        ):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, torch.Tensor)
@@ -139,8 +142,9 @@ class PaddedBatch:
         return cls(ids, mask, targets, lengths, logprobs, revisions, generations)
 
 
-def _padded(inputs: Sequence[ForwardInput], name: str, width: int, fill: float, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor | None:
+def _padded(
+    inputs: Sequence[ForwardInput], name: str, width: int, fill: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     """The inputs' ``name`` tensors as one right-padded ``(B, width)`` copy (``fill`` elsewhere); ``None`` if none has one."""
     if all(getattr(item, name) is None for item in inputs):
         return None

@@ -98,7 +98,11 @@ class SavedStateLedger:
             if self.arena is None or not self.arena.holds(self._copies[key]):  # the arena's block is counted once
                 self.host_bytes += host_block_bytes(storage.nbytes(), self.pin_memory)
         packed.alias, packed.storage_key = None, key
-        packed.offset, packed.size, packed.stride = int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride())
+        packed.offset, packed.size, packed.stride = (
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
         packed.dtype, packed.device, packed.stamp = tensor.dtype, tensor.device, self._copies[key]._version
 
     def demote(self) -> None:

@@ -109,9 +109,7 @@ class LoRAAdapter:
                 a = self._params[f"{path}.lora_A.weight"]
                 b = self._params[f"{path}.lora_B.weight"]
                 key = f"{path}.weight"
-                state[key] = (state[key].float() + self.config.scaling * (b.float() @ a.float())).to(
-                    state[key].dtype
-                )
+                state[key] = (state[key].float() + self.config.scaling * (b.float() @ a.float())).to(state[key].dtype)
         return state
 
 

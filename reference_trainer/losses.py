@@ -171,9 +171,7 @@ def group_advantages(
         raise ConfigError("group_size", group_size, "None when groups is given (pass one of them)")
     r = torch.as_tensor(rewards).detach()
     if r.dim() != 1 or r.numel() == 0:
-        raise ConfigError(
-            "rewards", tuple(r.shape), "a non-empty 1-D tensor", "flatten (groups, size) rewards"
-        )
+        raise ConfigError("rewards", tuple(r.shape), "a non-empty 1-D tensor", "flatten (groups, size) rewards")
     if not bool(torch.isfinite(r).all()):
         raise ConfigError("rewards", r.tolist(), "finite rewards")
     _check_bound("eps", eps, 0.0, float("inf"))
@@ -196,9 +194,7 @@ def group_advantages(
     out_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
     r = r.to(torch.float64)
     num_groups = int(index.max()) + 1
-    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(
-        0, index, torch.ones_like(r)
-    )
+    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, index, torch.ones_like(r))
     mean = torch.zeros_like(counts).index_add_(0, index, r) / counts
     centred = r - mean[index]
     if not scale:
@@ -273,14 +269,10 @@ def _mask(mask: TokenValues | None, logprobs: TokenValues, real: torch.Tensor) -
     return _like("mask", mask, logprobs, real) & real
 
 
-def _advantages(
-    advantages: TokenValues | float, logprobs: TokenValues, lp: torch.Tensor
-) -> torch.Tensor:
+def _advantages(advantages: TokenValues | float, logprobs: TokenValues, lp: torch.Tensor) -> torch.Tensor:
     """Per-token ``(B, T)`` advantages, detached, in the compute dtype."""
     if _is_list(logprobs):
-        per_token = _is_list(advantages) and all(
-            isinstance(a, torch.Tensor) and a.dim() == 1 for a in advantages
-        )
+        per_token = _is_list(advantages) and all(isinstance(a, torch.Tensor) and a.dim() == 1 for a in advantages)
     else:
         per_token = isinstance(advantages, torch.Tensor) and advantages.shape == logprobs.shape
     if per_token:

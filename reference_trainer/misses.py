@@ -63,9 +63,12 @@ def plain_inputs(config: ModelConfig, estimator: Mapping[str, Any]) -> dict[str,
     model = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     model["dtype"] = str(config.dtype).removeprefix("torch.")
     lora, autocast = estimator.get("lora"), estimator.get("autocast")
-    return {**estimator, "config": model, "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
-            "lora": None if lora is None else {
-        "rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}}
+    return {
+        **estimator,
+        "config": model,
+        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+        "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)},
+    }
 
 
 def replay_estimate(inputs: Mapping[str, Any]) -> int:
@@ -76,7 +79,9 @@ def replay_estimate(inputs: Mapping[str, Any]) -> int:
     rest = {k: v for k, v in inputs.items() if k not in ("config", "lora", "autocast")}
     autocast = inputs.get("autocast")
     rest["autocast"] = None if autocast is None else getattr(torch, autocast)
-    lora_config = None if lora is None else LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+    lora_config = (
+        None if lora is None else LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
+    )
     return estimate_forward_cost(config, lora=lora_config, **rest).saved_bytes
 
 
@@ -88,7 +93,9 @@ def observe_planner_misses(observer: Callable[[PlannerMiss], None]) -> Iterator[
 
 
 @contextmanager
-def allocation_failures_reported(config: ModelConfig, estimator: Mapping[str, Any] | None, estimate: int) -> Iterator[None]:
+def allocation_failures_reported(
+    config: ModelConfig, estimator: Mapping[str, Any] | None, estimate: int
+) -> Iterator[None]:
     """A ``torch.OutOfMemoryError`` raised in the block is reported as an ``"allocation_failed"`` miss of the forward
     estimated from ``estimator`` (``None``: unplanned, nothing to report), then raised on (Rule 1)."""
     try:
@@ -99,8 +106,15 @@ def allocation_failures_reported(config: ModelConfig, estimator: Mapping[str, An
         raise
 
 
-def report(kind: str, config: ModelConfig, estimator: Mapping[str, Any], estimate: int, *,
-           measured: int | None = None, raised: str | None = None) -> None:
+def report(
+    kind: str,
+    config: ModelConfig,
+    estimator: Mapping[str, Any],
+    estimate: int,
+    *,
+    measured: int | None = None,
+    raised: str | None = None,
+) -> None:
     """Tell every observer in force of a miss; builds nothing when none is (Rule 1)."""
     observers = list(seams.planner_miss_observers)
     if not observers:

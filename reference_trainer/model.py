@@ -251,9 +251,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, config.dtype
-        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -306,9 +304,7 @@ class DecoderLM(nn.Module):
                 else:
                     param.normal_(0.0, self.config.initializer_range, generator=generator)
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ConfigError("input_ids", tuple(input_ids.shape), "a (batch, seq) tensor")
         if attention_mask is not None and not padding_trusted():

@@ -68,8 +68,6 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-
-
 @dataclass(frozen=True, kw_only=True)
 class ImportanceCorrection:
     """Reweight stale token cotangents by ``clip(p_current / p_forward, clip_low, clip_high)``.

@@ -255,8 +255,13 @@ def plan_placement(request: PlanRequest) -> PlacementDecision:
 
 def _decision(request: PlanRequest, placement: Placement, peak: int, reason: str) -> PlacementDecision:
     prices = {p.value: request.cost.extra_seconds(p) for p in Placement}
-    return PlacementDecision(placement=placement, predicted_bytes=peak, saved_bytes=request.cost.saved_bytes, reason=reason,
-                             predicted_seconds=prices)
+    return PlacementDecision(
+        placement=placement,
+        predicted_bytes=peak,
+        saved_bytes=request.cost.saved_bytes,
+        reason=reason,
+        predicted_seconds=prices,
+    )
 
 
 def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdmissionError:
@@ -267,7 +272,9 @@ def _refusal(request: PlanRequest, peak: int, host: int, what: str) -> MemoryAdm
             f"or raise memory_limit_bytes to at least {peak}"
         )
         return MemoryAdmissionError(peak, request.device_limit, suggestion)
-    suggestion = f"{what}: offloaded bytes {host} exceed host_memory_limit_bytes; backpropagate pending outputs or allow replay"
+    suggestion = (
+        f"{what}: offloaded bytes {host} exceed host_memory_limit_bytes; backpropagate pending outputs or allow replay"
+    )
     return MemoryAdmissionError(host, request.host_limit if request.host_limit is not None else limit, suggestion)
 
 
@@ -278,7 +285,9 @@ def fused_attention_enabled(device_type: str) -> bool:
     """Whether scaled-dot-product attention may use a fused kernel (flash, memory-efficient, cuDNN) here."""
     backends = torch.backends.cuda
     if device_type == "cuda":
-        return bool(backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled())
+        return bool(
+            backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled() or backends.cudnn_sdp_enabled()
+        )
     return bool(backends.flash_sdp_enabled())  # the CPU's fused kernel follows the flash switch
 
 
@@ -334,14 +343,17 @@ def estimate_forward_cost(
     """
     tokens = batch * seq_len
     elem = element_size(config)
-    saved = analytic_saved_bytes(config, batch, seq_len, scores_saved=scores_saved, lora=lora,
-                                 dropout_active=dropout_active, autocast=autocast)
+    saved = analytic_saved_bytes(
+        config, batch, seq_len, scores_saved=scores_saved, lora=lora, dropout_active=dropout_active, autocast=autocast
+    )
     if saved_scale is not None:
         saved = int(saved * saved_scale * 1.05) + 4096
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     square = config.num_attention_heads * batch * seq_len * seq_len if scores_saved else 0
     transient = tokens * v * 4 * 4 + tokens * (3 * i + 4 * c) * elem * 2 + square * elem * 4
-    seconds_per_token = measured_seconds_per_token if measured_seconds_per_token is not None else DEFAULT_SECONDS_PER_TOKEN
+    seconds_per_token = (
+        measured_seconds_per_token if measured_seconds_per_token is not None else DEFAULT_SECONDS_PER_TOKEN
+    )
     return ForwardCost(
         saved_bytes=saved,
         transient_bytes=int(transient),

@@ -83,8 +83,12 @@ class ForwardRecord:
     released: bool = False
     ledger: SavedStateLedger | None = None  # retain/offload; None: replay
     usage: RecordUsage | None = None  # what the record holds (admission)
-    owner: int | None = None  # the logical rank whose code made it, which alone may backpropagate it (NOTE [Logical ranks] Rule 2)
-    estimator: dict[str, Any] | None = None  # what its plan's estimate was computed from (a replay's miss, NOTE [Planner misses])
+    owner: int | None = (
+        None  # the logical rank whose code made it, which alone may backpropagate it (NOTE [Logical ranks] Rule 2)
+    )
+    estimator: dict[str, Any] | None = (
+        None  # what its plan's estimate was computed from (a replay's miss, NOTE [Planner misses])
+    )
 
     @property
     def version(self) -> CheckpointVersion:
@@ -201,7 +205,12 @@ class RecordTable:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ConfigError("loss", type(loss).__name__, "a tensor that depends on trainer outputs")
         if loss.numel() != 1:
-            raise ConfigError("loss", f"a tensor of shape {tuple(loss.shape)}", "a one-element tensor", "reduce it first, e.g. loss.sum()")
+            raise ConfigError(
+                "loss",
+                f"a tensor of shape {tuple(loss.shape)}",
+                "a one-element tensor",
+                "reduce it first, e.g. loss.sum()",
+            )
         leaves = [leaf for leaf in _graph_leaves(loss) if hasattr(leaf, _TAG)]
         records: dict[int, ForwardRecord] = {}
         for leaf in leaves:

@@ -41,15 +41,15 @@ from torch import nn
 
 from .checkpoints import Checkpoint, WeightCapture
 from .errors import ConfigError, GradientCommitError, UnsupportedSavedStateError
-from .running import run_model
 from .host_arena import HostArena
 from .inputs import PaddedBatch
 from .ledger import SavedStateLedger
 from .misses import allocation_failures_reported
-from .records import ForwardRecord
 from .model import DecoderLM
 from .planner import Placement
+from .records import ForwardRecord
 from .rng import restored_forward_state
+from .running import run_model
 
 __all__ = [
     "check_recordable",

@@ -94,8 +94,16 @@ from .model_identity import model_identity
 from .options import ForwardOptions
 from .peers import PeerFailure
 from .rng import RngState, rng_state, set_rng_state
-from .save_pending import Kept, LogprobRow, agreed_kept, agreed_logprobs, check_logprobs, group_exchange, resume_logprobs
 from .save_meta import TRAINER, CheckpointMeta, check_revisions, decode_meta, encode_options
+from .save_pending import (
+    Kept,
+    LogprobRow,
+    agreed_kept,
+    agreed_logprobs,
+    check_logprobs,
+    group_exchange,
+    resume_logprobs,
+)
 from .saves import FileData, read_folder, write_folder
 from .sinks import RankGradients
 
@@ -122,7 +130,9 @@ def write_save(trainer: Any, path: str | os.PathLike[str]) -> None:
     error = None
     if pending:
         error = ConfigError(
-            "trainer.save", f"{pending} pending logical-rank gradient buffer(s)", "no pending logical-rank gradients",
+            "trainer.save",
+            f"{pending} pending logical-rank gradient buffer(s)",
+            "no pending logical-rank gradients",
             hint="call optim_step() or zero_grad() on every process, then save",
         )
     if host is not None:
@@ -172,8 +182,12 @@ def _checkpoint_bytes(checkpoint: Checkpoint, kept: Kept, logprobs: list[Logprob
     return _tensors(state)
 
 
-def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None, agreed: dict[str, Kept],
-            logprobs: dict[str, list[LogprobRow]]) -> dict[str, FileData]:
+def _encode(
+    trainer: Any,
+    streams: tuple[int, dict[int, RngState]] | None,
+    agreed: dict[str, Kept],
+    logprobs: dict[str, list[LogprobRow]],
+) -> dict[str, FileData]:
     """The save's files, with what every process's pending forwards need (``save_pending``); each checkpoint's made
     only when written (NOTE [Durable saves] Rule 4)."""
     files: dict[str, FileData] = {}
@@ -182,15 +196,17 @@ def _encode(trainer: Any, streams: tuple[int, dict[int, RngState]] | None, agree
         file = f"checkpoint-{index}.pt"
         kept = agreed[checkpoint.name]
         files[file] = functools.partial(_checkpoint_bytes, checkpoint, kept, logprobs[checkpoint.name])
-        specs.append({
-            "name": checkpoint.name,
-            "file": file,
-            "lora": None if checkpoint.lora_config is None else asdict(checkpoint.lora_config),
-            "optimizer": asdict(checkpoint.optimizer_config),
-            "generation": checkpoint.generation,
-            "origins": sorted([v.generation, v.revision, bound] for v, bound in checkpoint.origins),
-            "kept": sorted([revision, bound] for revision, (_, bound) in kept.items()),
-        })
+        specs.append(
+            {
+                "name": checkpoint.name,
+                "file": file,
+                "lora": None if checkpoint.lora_config is None else asdict(checkpoint.lora_config),
+                "optimizer": asdict(checkpoint.optimizer_config),
+                "generation": checkpoint.generation,
+                "origins": sorted([v.generation, v.revision, bound] for v, bound in checkpoint.origins),
+                "kept": sorted([revision, bound] for revision, (_, bound) in kept.items()),
+            }
+        )
     meta = {
         **FORMAT,
         "model": model_identity(trainer.model),
@@ -232,8 +248,11 @@ class SavedCheckpoint:
                 live = checkpoint.parameter(name)
                 if not isinstance(tensor, torch.Tensor) or (tensor.shape, tensor.dtype) != (live.shape, live.dtype):
                     wrong = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else tensor
-                    raise ConfigError(f"saved {where} of {self.name!r} parameter {name!r}", wrong,
-                                      f"shape {tuple(live.shape)}, dtype {live.dtype}")
+                    raise ConfigError(
+                        f"saved {where} of {self.name!r} parameter {name!r}",
+                        wrong,
+                        f"shape {tuple(live.shape)}, dtype {live.dtype}",
+                    )
         if any(set(t) != {n for n, _ in checkpoint.named_parameters()} for t in kept.values()):
             raise ConfigError(f"saved kept versions of {self.name!r}", sorted(kept), "every parameter's weights")
         check_logprobs(self.name, self.state.get("logprobs", []))
@@ -279,13 +298,24 @@ def _generation(trainer: Any, name: str) -> int | None:
     return None if checkpoint is None else checkpoint.generation
 
 
-def load_trainer(cls: Callable[..., _Trainer], path: str | os.PathLike[str], model: DecoderLM, memory_limit_bytes: int | None,
-                 host_memory_limit_bytes: int | None, planner_calibration: Any = None) -> _Trainer:
+def load_trainer(
+    cls: Callable[..., _Trainer],
+    path: str | os.PathLike[str],
+    model: DecoderLM,
+    memory_limit_bytes: int | None,
+    host_memory_limit_bytes: int | None,
+    planner_calibration: Any = None,
+) -> _Trainer:
     """``Trainer.load``: read and check everything (Rule 6), then build ``cls`` (the ``Trainer``) and restore it."""
     saved = read_save(path, model)
     with _unfrozen_if_refused(model):
-        trainer: Any = cls(model, options=saved.options, memory_limit_bytes=memory_limit_bytes,
-                      host_memory_limit_bytes=host_memory_limit_bytes, planner_calibration=planner_calibration)
+        trainer: Any = cls(
+            model,
+            options=saved.options,
+            memory_limit_bytes=memory_limit_bytes,
+            host_memory_limit_bytes=host_memory_limit_bytes,
+            planner_calibration=planner_calibration,
+        )
         for spec in saved.checkpoints:
             trainer.add_checkpoint(spec.name, lora=spec.lora, full=spec.lora is None, optimizer=spec.optimizer, seed=0)
         trainer.next_generation = saved.next_generation
@@ -313,20 +343,27 @@ def read_save(path: str | os.PathLike[str], model: DecoderLM) -> SavedTrainer:
     files = read_folder(path)
     for required in (TRAINER, _RNG):
         if required not in files:
-            raise CorruptSaveError(path, required, "missing", "a file every save writes", f"a manifest of {sorted(files)}")
+            raise CorruptSaveError(
+                path, required, "missing", "a file every save writes", f"a manifest of {sorted(files)}"
+            )
     meta = decode_meta(path, files[TRAINER], set(files), FORMAT)
     identity = model_identity(model)
     if meta.model != identity:
         differs = "config" if meta.model["config"] != identity["config"] else "weights"
-        raise ConfigError("model", f"a base model whose {differs} differ from the saved one's",
-                          f"the base model the save was made with ({meta.model['config']})")
+        raise ConfigError(
+            "model",
+            f"a base model whose {differs} differ from the saved one's",
+            f"the base model the save was made with ({meta.model['config']})",
+        )
     # Decoded on the host: a checkpoint copies its state onto the device one tensor at a time (a whole decoded
     # save on the device would double its memory, and the default limit, taken at construction, would count
     # it), and AdamW's step counters stay on the host, where torch keeps them in a run that never stopped.
     rng = _load_tensors(files[_RNG])
     _check_rng(path, rng, meta.logical_dp)
-    checkpoints = [_saved_checkpoint(path, index, spec, _load_tensors(files[spec.file]))
-                   for index, spec in enumerate(meta.checkpoints)]
+    checkpoints = [
+        _saved_checkpoint(path, index, spec, _load_tensors(files[spec.file]))
+        for index, spec in enumerate(meta.checkpoints)
+    ]
     streams = None if meta.logical_dp is None else (meta.logical_dp, rng["streams"])
     return SavedTrainer(meta.options, meta.next_generation, checkpoints, rng["process"], streams, meta.lineage)
 
@@ -334,6 +371,7 @@ def read_save(path: str | os.PathLike[str], model: DecoderLM) -> SavedTrainer:
 def _check_rng(path: str | os.PathLike[str], rng: Any, logical_dp: int | None) -> None:
     """``CorruptSaveError`` on ``rng.pt`` unless it holds what a save writes: the process RNG state and, with
     ``logical_dp``, a stream of every logical rank, else none (Rule 6: checked before anything changes)."""
+
     def fail(expected: str, found: object) -> CorruptSaveError:
         return CorruptSaveError(path, _RNG, "invalid", expected, repr(found)[:200])
 
@@ -342,26 +380,46 @@ def _check_rng(path: str | os.PathLike[str], rng: Any, logical_dp: int | None) -
     streams = rng["streams"]
     ranks = set(range(logical_dp or 0))
     if not isinstance(streams, dict) or set(streams) != ranks:
-        raise fail(f"'streams' a dict of logical ranks {sorted(ranks)} (logical_dp {logical_dp})",
-                   sorted(streams) if isinstance(streams, dict) else type(streams).__name__)
+        raise fail(
+            f"'streams' a dict of logical ranks {sorted(ranks)} (logical_dp {logical_dp})",
+            sorted(streams) if isinstance(streams, dict) else type(streams).__name__,
+        )
     cpu = torch.get_rng_state()
     for where, state in [("process", rng["process"]), *((f"streams[{r}]", s) for r, s in streams.items())]:
-        ok = isinstance(state, (tuple, list)) and len(state) == 2 and all(
-            t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1) for t in state)
+        ok = (
+            isinstance(state, (tuple, list))
+            and len(state) == 2
+            and all(
+                t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1) for t in state
+            )
+        )
         if not ok or state[0] is None or state[0].shape != cpu.shape:
-            raise fail(f"'{where}' an RNG state: a CPU generator state (uint8, {tuple(cpu.shape)}) and a CUDA one "
-                       "(uint8) or None", state)
+            raise fail(
+                f"'{where}' an RNG state: a CPU generator state (uint8, {tuple(cpu.shape)}) and a CUDA one "
+                "(uint8) or None",
+                state,
+            )
 
 
 def _saved_checkpoint(path: str | os.PathLike[str], index: int, spec: CheckpointMeta, state: Any) -> SavedCheckpoint:
     """A checkpoint's entry and its file's state, their revisions checked against each other."""
     revision = state.get("revision") if isinstance(state, dict) else None
     if not isinstance(revision, int) or isinstance(revision, bool) or not isinstance(state.get("grads"), dict):
-        raise ConfigError(f"saved state of {spec.name!r}", type(state).__name__,
-                          "Checkpoint.state_dict() with an int 'revision' and 'grads'")
+        raise ConfigError(
+            f"saved state of {spec.name!r}",
+            type(state).__name__,
+            "Checkpoint.state_dict() with an int 'revision' and 'grads'",
+        )
     check_revisions(path, index, spec, revision)
-    return SavedCheckpoint(name=spec.name, lora=spec.lora, optimizer=spec.optimizer, generation=spec.generation,
-                           state=state, origins=spec.origins, kept=spec.kept)
+    return SavedCheckpoint(
+        name=spec.name,
+        lora=spec.lora,
+        optimizer=spec.optimizer,
+        generation=spec.generation,
+        state=state,
+        origins=spec.origins,
+        kept=spec.kept,
+    )
 
 
 def _tensors(value: Any) -> memoryview:

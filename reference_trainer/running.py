@@ -42,7 +42,9 @@ def model_logits(
         return model(*args, **kwargs)
 
 
-def run_model(model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCapture | None, batch: PaddedBatch) -> torch.Tensor:
+def run_model(
+    model: DecoderLM, checkpoint: Checkpoint | None, capture: WeightCapture | None, batch: PaddedBatch
+) -> torch.Tensor:
     """Padded ``(B, T)`` FP32 target log-probs of ``batch`` under ``capture``'s weights (base if None)."""
     tensors = None if capture is None else capture.tensors
     with trusted_padding():  # PaddedBatch.build made the mask right-padded: no host read per call

@@ -42,8 +42,6 @@ PATTERNS = ("count_up", "repeat")
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over seed space
 
 
-
-
 def _check_int(field: str, value: object, minimum: int) -> None:
     if not int_at_least(value, minimum):
         raise ConfigError(field, value, f"an int >= {minimum}")
@@ -101,9 +99,7 @@ class PatternTask:
         self._check_tokens("completions", completions, self.completion_len)
         target = self.targets(prompts)
         if target.shape != completions.shape:
-            raise ConfigError(
-                "completions", tuple(completions.shape), f"shape {tuple(target.shape)}"
-            )
+            raise ConfigError("completions", tuple(completions.shape), f"shape {tuple(target.shape)}")
         return (completions == target).float().mean(-1)
 
     def reward_samples(self, samples: Sequence[Sample]) -> torch.Tensor:
@@ -283,7 +279,9 @@ def _check_generator(generator: torch.Generator | None, device: torch.device) ->
     if generator is None or generator.device.type == device.type:
         return
     raise ConfigError(
-        "generator", f"a generator on {generator.device}", f"a generator on the logits' device ({device})",
+        "generator",
+        f"a generator on {generator.device}",
+        f"a generator on the logits' device ({device})",
         f"build it with torch.Generator(device={str(device)!r}) and keep the prompts on the model's device",
     )
 
@@ -299,8 +297,13 @@ def prompt_batch(prompts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor
     expected = "integer token ids of shape (B, P) or (P,), P >= 1"
     if not isinstance(prompts, torch.Tensor):
         raise ConfigError("prompts", prompts, expected)
-    if (prompts.dim() not in (1, 2) or prompts.dtype.is_floating_point or prompts.dtype == torch.bool
-            or prompts.shape[-1] < 1 or prompts.numel() == 0):
+    if (
+        prompts.dim() not in (1, 2)
+        or prompts.dtype.is_floating_point
+        or prompts.dtype == torch.bool
+        or prompts.shape[-1] < 1
+        or prompts.numel() == 0
+    ):
         raise ConfigError("prompts", (tuple(prompts.shape), prompts.dtype), expected)
     return (prompts if prompts.dim() == 2 else prompts[None]).long()
 

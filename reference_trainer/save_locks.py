@@ -103,8 +103,12 @@ def _open_lock(root: Path, mode: int, check: Callable[[], None]) -> int | None:
 
 
 def _not_a_lock(root: Path, found: str) -> ConfigError:
-    return ConfigError("path", str(root), f"a folder of saves whose {LOCK} is a regular file (its lock)",
-                       hint=f"{LOCK} is {found}: remove it (no save or load is running there), and retry")
+    return ConfigError(
+        "path",
+        str(root),
+        f"a folder of saves whose {LOCK} is a regular file (its lock)",
+        hint=f"{LOCK} is {found}: remove it (no save or load is running there), and retry",
+    )
 
 
 def _flock(handle: int, mode: int, root: Path) -> None:
@@ -114,10 +118,14 @@ def _flock(handle: int, mode: int, root: Path) -> None:
     except OSError as exc:
         if exc.errno not in _NO_LOCKS:
             raise
-        raise ConfigError("path", str(root), "a folder on a filesystem whose file locks (fcntl.flock) work",
-                          hint=f"locking {LOCK} failed ({exc.strerror}): this filesystem does not support "
-                          "file locks; save to a local disk, or mount it with lock support (NFS: without "
-                          "'nolock')") from None
+        raise ConfigError(
+            "path",
+            str(root),
+            "a folder on a filesystem whose file locks (fcntl.flock) work",
+            hint=f"locking {LOCK} failed ({exc.strerror}): this filesystem does not support "
+            "file locks; save to a local disk, or mount it with lock support (NFS: without "
+            "'nolock')",
+        ) from None
 
 
 def _same_file(handle: int, path: Path) -> bool:

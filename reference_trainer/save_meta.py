@@ -94,8 +94,12 @@ def decode_meta(path: object, data: bytes, files: set[str], format_: dict[str, A
     if {k: meta.get(k) for k in format_} != format_:
         raise ConfigError("path", str(path), f"a save of {format_}", hint="it was written by another version")
     model = check.key(meta, "model", "")
-    check.that(isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("config", "digest")),
-               "model", "an object of strings 'config' and 'digest'", model)
+    check.that(
+        isinstance(model, dict) and all(isinstance(model.get(k), str) for k in ("config", "digest")),
+        "model",
+        "an object of strings 'config' and 'digest'",
+        model,
+    )
     next_generation = check.int(check.key(meta, "next_generation", ""), "next_generation", 0)
     entries = check.key(meta, "checkpoints", "")
     check.that(isinstance(entries, list), "checkpoints", "a list", entries)
@@ -110,8 +114,14 @@ def decode_meta(path: object, data: bytes, files: set[str], format_: dict[str, A
     check.that(all(isinstance(i, str) for i in lineage), "lineage/identity", "trainer identities (strings)", lineage)
     options = check.key(meta, "options", "")
     check.that(options is None or isinstance(options, dict), "options", "null or an object", options)
-    return TrainerMeta(model, check.built("options", lambda: _decode_options(options), options), next_generation,
-                       checkpoints, logical_dp, frozenset(lineage))
+    return TrainerMeta(
+        model,
+        check.built("options", lambda: _decode_options(options), options),
+        next_generation,
+        checkpoints,
+        logical_dp,
+        frozenset(lineage),
+    )
 
 
 def _checkpoint(check: _Check, entry: object, where: str, next_generation: int, files: set[str]) -> CheckpointMeta:
@@ -128,7 +138,8 @@ def _checkpoint(check: _Check, entry: object, where: str, next_generation: int, 
         check.that(forward_generation == generation, f"{where}origins", f"forwards of generation {generation}", origins)
     kept = _triples(check, entry.get("kept", []), f"{where}kept", 2)
     return CheckpointMeta(
-        name=name, file=file,
+        name=name,
+        file=file,
         lora=None if lora is None else check.built(f"{where}lora", lambda: LoRAConfig(**lora), lora),
         optimizer=check.built(f"{where}optimizer", lambda: AdamWConfig(**optimizer), optimizer),
         generation=generation,
@@ -140,7 +151,8 @@ def _checkpoint(check: _Check, entry: object, where: str, next_generation: int, 
 def _triples(check: _Check, value: object, field: str, width: int) -> list[tuple[int, ...]]:
     """A list of ``width``-long lists of ints >= 0."""
     if not isinstance(value, list) or not all(
-            isinstance(item, list) and len(item) == width and all(int_at_least(x, 0) for x in item) for item in value):
+        isinstance(item, list) and len(item) == width and all(int_at_least(x, 0) for x in item) for item in value
+    ):
         raise check.fail(field, f"a list of {width} ints >= 0 each", value)
     return [tuple(item) for item in value]
 
@@ -149,17 +161,27 @@ def check_revisions(path: object, index: int, spec: CheckpointMeta, revision: in
     """The entry's origins and kept versions against its file's ``revision``: none later; kept ones still in bound."""
     check = _Check(path)
     for version, _ in spec.origins:
-        check.that(version.revision <= revision, f"checkpoints[{index}].origins",
-                   f"revisions <= the checkpoint's revision {revision}", version.revision)
+        check.that(
+            version.revision <= revision,
+            f"checkpoints[{index}].origins",
+            f"revisions <= the checkpoint's revision {revision}",
+            version.revision,
+        )
     for kept, bound in spec.kept.items():
-        check.that(kept < revision and revision - kept <= bound, f"checkpoints[{index}].kept",
-                   f"revisions below the checkpoint's revision {revision}, within their bound", [kept, bound])
+        check.that(
+            kept < revision and revision - kept <= bound,
+            f"checkpoints[{index}].kept",
+            f"revisions below the checkpoint's revision {revision}, within their bound",
+            [kept, bound],
+        )
 
 
 def encode_options(options: ForwardOptions | None) -> dict[str, Any] | None:
     if options is None:
         return None
-    encoded = {f.name: getattr(options, f.name) for f in fields(ForwardOptions) if getattr(options, f.name) is not UNSET}
+    encoded = {
+        f.name: getattr(options, f.name) for f in fields(ForwardOptions) if getattr(options, f.name) is not UNSET
+    }
     for name in ("corrections", "behaviour_corrections"):
         if name in encoded:
             encoded[name] = [asdict(c) for c in encoded[name]]

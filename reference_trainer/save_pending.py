@@ -18,7 +18,15 @@ import torch.distributed as dist
 from .checkpoints import Checkpoint
 from .errors import ConfigError, int_at_least
 
-__all__ = ["Kept", "LogprobRow", "agreed_kept", "agreed_logprobs", "check_logprobs", "group_exchange", "resume_logprobs"]
+__all__ = [
+    "Kept",
+    "LogprobRow",
+    "agreed_kept",
+    "agreed_logprobs",
+    "check_logprobs",
+    "group_exchange",
+    "resume_logprobs",
+]
 
 
 def group_exchange(obj: Any, label: str) -> list[Any]:
@@ -59,8 +67,11 @@ def _kept_versions(trainer: Any, checkpoint: Checkpoint) -> Kept:
     kept = {r: (capture.tensors, bound) for r, (capture, bound) in checkpoint.kept.items()}
     for record in trainer.records:
         version, bound = record.version, record.options.max_gradient_staleness
-        if (record.checkpoint is checkpoint and version.generation == checkpoint.generation
-                and 0 < checkpoint.revision - version.revision <= bound):
+        if (
+            record.checkpoint is checkpoint
+            and version.generation == checkpoint.generation
+            and 0 < checkpoint.revision - version.revision <= bound
+        ):
             tensors, held = kept.get(version.revision, (record.capture.tensors, bound))
             kept[version.revision] = (tensors, max(held, bound))
     return kept
@@ -76,16 +87,22 @@ def agreed_kept(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> dict
     ``exchange(obj, label)``: every process's ``obj`` by rank, collective.
     """
     local = {c.name: _kept_versions(trainer, c) for c in trainer.checkpoints.values()}
-    needs = exchange({name: {r: b for r, (_, b) in kept.items()} for name, kept in local.items()}, "save: kept versions")
+    needs = exchange(
+        {name: {r: b for r, (_, b) in kept.items()} for name, kept in local.items()}, "save: kept versions"
+    )
     senders = {}  # (name, revision) rank 0 lacks -> the lowest process that holds it
     for rank, part in reversed(list(enumerate(needs))):
-        senders.update({(name, r): rank for name, revisions in part.items() for r in revisions
-                        if r not in needs[0].get(name, {})})
+        senders.update(
+            {(name, r): rank for name, revisions in part.items() for r in revisions if r not in needs[0].get(name, {})}
+        )
     sent: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     if senders:  # the same on every process: every one exchanges, or none
         me = dist.get_rank() if dist.is_initialized() else 0
-        mine = {key: {n: t.detach().cpu() for n, t in local[key[0]][key[1]][0].items()}
-                for key, rank in senders.items() if rank == me}
+        mine = {
+            key: {n: t.detach().cpu() for n, t in local[key[0]][key[1]][0].items()}
+            for key, rank in senders.items()
+            if rank == me
+        }
         for part in exchange(mine, "save: kept weights"):
             sent.update(part)
     agreed: dict[str, Kept] = {}
@@ -95,8 +112,10 @@ def agreed_kept(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> dict
         for part in needs:
             for revision, bound in part.get(name, {}).items():
                 bounds[revision] = max(bound, bounds.get(revision, bound))
-        agreed[name] = {r: (kept[r][0] if r in kept else _received(checkpoint, sent[name, r]), bound)
-                        for r, bound in sorted(bounds.items())}
+        agreed[name] = {
+            r: (kept[r][0] if r in kept else _received(checkpoint, sent[name, r]), bound)
+            for r, bound in sorted(bounds.items())
+        }
     return agreed
 
 
@@ -113,17 +132,26 @@ def agreed_logprobs(trainer: Any, exchange: Callable[[Any, str], list[Any]]) -> 
     process RNG is (NOTE [Resume] Rule 5). ``exchange`` as in :func:`agreed_kept`.
     """
     local = trainer.known_logprobs.saved(trainer.records)
-    mine = {(owner, name, tuple(_autocast_row(autocast)), key): row
-            for (owner, name, autocast), known in local.items() for key, (_, row) in known.items()}
+    mine = {
+        (owner, name, tuple(_autocast_row(autocast)), key): row
+        for (owner, name, autocast), known in local.items()
+        for key, (_, row) in known.items()
+    }
     merged: dict[tuple[int | None, str, tuple[Any, ...], tuple[Any, ...]], torch.Tensor] = {}
     for rank, part in enumerate(exchange({k: v.detach().cpu() for k, v in mine.items()}, "save: known log-probs")):
         merged.update({k: v for k, v in part.items() if k[0] is not None or rank == 0})
     agreed: dict[str, list[LogprobRow]] = {name: [] for name in trainer.checkpoints}
     order = sorted(merged, key=lambda k: (-1 if k[0] is None else k[0], k[1], (k[2][0], k[2][1] or ""), k[3]))
     for owner, name, autocast, key in order:
-        agreed[name].append({"owner": owner, "autocast": list(autocast), "inputs": torch.tensor(key[0], dtype=torch.int64),
-                             "targets": torch.tensor(key[1], dtype=torch.int64),
-                             "logprobs": merged[owner, name, autocast, key]})
+        agreed[name].append(
+            {
+                "owner": owner,
+                "autocast": list(autocast),
+                "inputs": torch.tensor(key[0], dtype=torch.int64),
+                "targets": torch.tensor(key[1], dtype=torch.int64),
+                "logprobs": merged[owner, name, autocast, key],
+            }
+        )
     return agreed
 
 
@@ -142,13 +170,19 @@ def check_logprobs(name: str, rows: object) -> None:
         ok = ok and all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in tensors)
         ok = ok and tensors[0].dtype == tensors[1].dtype == torch.int64 and tensors[2].is_floating_point()
         ok = ok and len({t.numel() for t in tensors}) == 1 and tensors[0].numel() > 0
-        key = (row["owner"], tuple(row["autocast"]), tuple(tensors[0].tolist()), tuple(tensors[1].tolist())) if ok \
+        key = (
+            (row["owner"], tuple(row["autocast"]), tuple(tensors[0].tolist()), tuple(tensors[1].tolist()))
+            if ok
             else None
+        )
         if not ok or key in seen:
-            raise ConfigError(f"{where}, row {index}", repr(row)[:200],
-                              f"a distinct row with keys {sorted(_ROW_KEYS)}: an owner (None or an int >= 0), an "
-                              "autocast state [device type, a torch dtype's name or None], 1-D "
-                              "int64 inputs and targets and floating logprobs of one non-zero length")
+            raise ConfigError(
+                f"{where}, row {index}",
+                repr(row)[:200],
+                f"a distinct row with keys {sorted(_ROW_KEYS)}: an owner (None or an int >= 0), an "
+                "autocast state [device type, a torch dtype's name or None], 1-D "
+                "int64 inputs and targets and floating logprobs of one non-zero length",
+            )
         seen.add(key)
 
 

@@ -29,8 +29,13 @@ class SavedTerms:
         most its analytic count: the seen bytes fill the terms that grow most towards ``seq_len`` first (what no
         term holds grows like the fastest)."""
         terms = sorted(
-            [(self.per_square * seen_len**2, (seq_len / seen_len) ** 2), (self.per_length * seen_len, seq_len / seen_len),
-             (self.constant, 1.0)], key=lambda term: term[1], reverse=True,
+            [
+                (self.per_square * seen_len**2, (seq_len / seen_len) ** 2),
+                (self.per_length * seen_len, seq_len / seen_len),
+                (self.constant, 1.0),
+            ],
+            key=lambda term: term[1],
+            reverse=True,
         )
         left, total = float(seen_bytes), 0.0
         for count, growth in terms:
@@ -60,7 +65,8 @@ def saved_terms(
     layers = config.num_hidden_layers
     return SavedTerms(
         constant=autocast_weight_bytes(config, lora, autocast),
-        per_length=batch * (layers * per_layer_token * elem + 4 * c * elem + 3 * v * 4 + 16),  # + final norm, logits, ids
+        per_length=batch
+        * (layers * per_layer_token * elem + 4 * c * elem + 3 * v * 4 + 16),  # + final norm, logits, ids
         per_square=layers * squares * elem,
     )
 
@@ -72,8 +78,15 @@ def autocast_weight_bytes(config: ModelConfig, lora: LoRAConfig | None, autocast
         return 0
     c, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    shapes = {"q_proj": (c, q), "k_proj": (c, kv), "v_proj": (c, kv), "o_proj": (q, c),
-              "gate_proj": (c, i), "up_proj": (c, i), "down_proj": (i, c)}
+    shapes = {
+        "q_proj": (c, q),
+        "k_proj": (c, kv),
+        "v_proj": (c, kv),
+        "o_proj": (q, c),
+        "gate_proj": (c, i),
+        "up_proj": (c, i),
+        "down_proj": (i, c),
+    }
     per_layer = sum(n * m for n, m in shapes.values())
     if lora is not None:
         per_layer += sum(lora.rank * sum(shapes[t]) for t in lora.targets)
@@ -99,8 +112,9 @@ def analytic_saved_bytes(
     what its FP32 twin does. Under ``autocast`` (its dtype, ``None``: off) the
     weight copies it casts are saved once per forward
     (:func:`autocast_weight_bytes`); activations stay priced at the model's dtype."""
-    terms = saved_terms(config, batch, scores_saved=scores_saved, lora=lora, dropout_active=dropout_active,
-                        autocast=autocast)
+    terms = saved_terms(
+        config, batch, scores_saved=scores_saved, lora=lora, dropout_active=dropout_active, autocast=autocast
+    )
     return terms.at(seq_len)
 
 

@@ -133,8 +133,12 @@ def _begin(root: Path) -> tuple[list[Path], Path, int]:
     except BaseException as exc:
         _undo(root, created, [])
         if isinstance(exc, OSError) and exc.errno in _UNWRITABLE:
-            raise ConfigError("path", str(root), "a folder this process can write saves in (or a path whose "
-                              "missing folders it can make)", hint=str(exc)) from None
+            raise ConfigError(
+                "path",
+                str(root),
+                "a folder this process can write saves in (or a path whose missing folders it can make)",
+                hint=str(exc),
+            ) from None
         raise
 
 
@@ -157,6 +161,7 @@ def _make_folders(root: Path, created: list[Path]) -> None:
                 created.append(folder)
         _fsync_dir(folder.parent)
     created.sort(key=lambda folder: len(folder.parts))
+
 
 def _stage(staging: Path, files: Mapping[str, FileData]) -> bytes:
     """Write ``files`` and their manifest into the new folder ``staging``, each fsynced; returns the manifest."""
@@ -187,7 +192,7 @@ def _commit(root: Path, created: list[Path], staging: Path, manifest_bytes: byte
             os.replace(pointer, root / LATEST)
             _fsync_dir(root)
             step = "the removal of older saves and leftovers"
-            _clean(root, int(name[len("save-"):]))
+            _clean(root, int(name[len("save-") :]))
         except BaseException as exc:
             if not (replacing and not os.path.lexists(pointer)):  # LATEST has not moved: the previous save in force
                 _undo(root, created, written)
@@ -257,10 +262,14 @@ def _read_pointer(root: Path) -> tuple[str, str]:
     except UnicodeDecodeError:
         fields = []
     legacy = len(fields) == 2 and re.fullmatch(r"[0-9a-f]{64}", fields[1]) is not None
-    if not (len(fields) == 3 or legacy) or not _SAVE.fullmatch(fields[0]) or (
-            not legacy and _pointer(fields[0], fields[1]) != " ".join(fields)):
-        raise CorruptSaveError(root, LATEST, "changed", "'save-NNNNNN <sha256> <check>' whose check matches",
-                               repr(raw[:100]))
+    if (
+        not (len(fields) == 3 or legacy)
+        or not _SAVE.fullmatch(fields[0])
+        or (not legacy and _pointer(fields[0], fields[1]) != " ".join(fields))
+    ):
+        raise CorruptSaveError(
+            root, LATEST, "changed", "'save-NNNNNN <sha256> <check>' whose check matches", repr(raw[:100])
+        )
     return fields[0], fields[1]
 
 
@@ -292,8 +301,9 @@ def _read_save(root: Path) -> dict[str, bytes]:
     try:
         manifest_bytes = _read(handle, MANIFEST, root, f"{save}/{MANIFEST}")
         if _digest(manifest_bytes) != manifest_digest:
-            raise CorruptSaveError(root, f"{save}/{MANIFEST}", "changed", f"sha256 {manifest_digest}",
-                                   f"sha256 {_digest(manifest_bytes)}")
+            raise CorruptSaveError(
+                root, f"{save}/{MANIFEST}", "changed", f"sha256 {manifest_digest}", f"sha256 {_digest(manifest_bytes)}"
+            )
         files = {}
         for file, entry in _entries(manifest_bytes, root, save).items():
             where = f"{save}/{file}"
@@ -332,17 +342,25 @@ def _entries(manifest_bytes: bytes, root: Path, save: str) -> dict[str, dict[str
         raise CorruptSaveError(root, where, "changed", "a JSON object with 'files'", repr(manifest_bytes[:100]))
     for name, entry in entries.items():
         if not _plain(name):
-            raise CorruptSaveError(root, where, "changed", "entries that are plain names inside the save folder",
-                                   f"the entry {name!r}")
-        if not (isinstance(entry, dict) and int_at_least(entry.get("bytes"), 0) and isinstance(entry.get("sha256"), str)):
+            raise CorruptSaveError(
+                root, where, "changed", "entries that are plain names inside the save folder", f"the entry {name!r}"
+            )
+        if not (
+            isinstance(entry, dict) and int_at_least(entry.get("bytes"), 0) and isinstance(entry.get("sha256"), str)
+        ):
             raise CorruptSaveError(root, where, "changed", f"a size and a sha256 for the entry {name!r}", repr(entry))
     return entries
 
 
 def _plain(name: object) -> bool:
     """Whether ``name`` names a file directly inside a folder (no separator, not ``.`` or ``..``)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-            and (os.altsep is None or os.altsep not in name))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\0" not in name
+        and (os.altsep is None or os.altsep not in name)
+    )
 
 
 def _read(folder: int, file: str, root: Path, where: str) -> bytes:

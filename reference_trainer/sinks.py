@@ -24,7 +24,15 @@ from .grad_norms import KnownNorm
 from .rng import RngState
 from .staleness import check_each, check_origins
 
-__all__ = ["BufferGradSink", "GradientFold", "GradientSink", "LiveGradSink", "RankGradients", "RankHost", "SummedGradients"]
+__all__ = [
+    "BufferGradSink",
+    "GradientFold",
+    "GradientSink",
+    "LiveGradSink",
+    "RankGradients",
+    "RankHost",
+    "SummedGradients",
+]
 
 Origin = tuple[CheckpointVersion, int]  # (forward version, staleness bound) of a committed gradient
 

@@ -40,7 +40,9 @@ def stage_record(
     retain_graph: bool,
 ) -> RecordReport:
     """Correct the record's cotangent, run its model backward and stage the gradients."""
-    cotangent, behaviour, stale = behaviour_cotangent(record, record_cotangent(record, leaves))  # NOTE [Behaviour tokens]
+    cotangent, behaviour, stale = behaviour_cotangent(
+        record, record_cotangent(record, leaves)
+    )  # NOTE [Behaviour tokens]
     cotangent, stats = correct_record(model, record, cotangent, known_logprobs, stale)
     transaction.start(record)
     seams.maybe_fail("model_backward")

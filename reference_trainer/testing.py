@@ -57,7 +57,9 @@ def inject_fault(stage: str, *, index: int | None = None) -> Iterator[None]:
 
 
 @contextmanager
-def substitute_device_capacity(capacity: int | Callable[[torch.device], int | None], *, in_use: int = 0) -> Iterator[None]:
+def substitute_device_capacity(
+    capacity: int | Callable[[torch.device], int | None], *, in_use: int = 0
+) -> Iterator[None]:
     """Inside the block, a trainer built with ``memory_limit_bytes=None`` sees a device of ``capacity`` total bytes.
 
     ``capacity``: bytes (any device, CPU included), or a function of the

@@ -26,19 +26,19 @@ from .checkpoint_catalogue import CheckpointCatalogue
 from .checkpoints import BASE, AdamWConfig, Checkpoint, CheckpointStep, CheckpointVersion, check_step_arguments
 from .commit import Coordinator, GradientTransaction
 from .corrections import KnownLogprobs
-from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
 from .cotangents import cotangents_by_record, output_cotangents
+from .errors import CheckpointBusyError, ConfigError, GradientCommitError, TrainerError, int_at_least
 from .inputs import ForwardInput, ForwardOutput, PaddedBatch, check_token_range, flatten_inputs
-from .records import ForwardRecord, RecordTable
-from .running import base_logprobs, model_logits
 from .lora import LoRAConfig, freeze
 from .model import DecoderLM
 from .options import ForwardOptions, ResolvedOptions, resolve_options
 from .outcomes import BackwardReport, RecordReport, StepReport
-from .resume import load_trainer, write_save
-from .rollout import PublicationReport, RolloutEngine, publication_of
+from .records import ForwardRecord, RecordTable
 from .residency import check_recordable, check_restorable, has_quantized_module, record_forward, weight_storages
+from .resume import load_trainer, write_save
 from .rng import capture_forward_state, draws_undone_on_failure
+from .rollout import PublicationReport, RolloutEngine, publication_of
+from .running import base_logprobs, model_logits
 from .sinks import GradientSink, LiveGradSink, RankGradients
 from .staging import stage_record
 from .staleness import check_age
@@ -71,14 +71,19 @@ class Trainer:
             raise ConfigError("model", type(model).__name__, "a reference_trainer.DecoderLM")
         if options is not None and not isinstance(options, ForwardOptions):
             raise ConfigError("options", options, "None or a ForwardOptions")
-        for name, value in (("memory_limit_bytes", memory_limit_bytes), ("host_memory_limit_bytes", host_memory_limit_bytes)):
+        for name, value in (
+            ("memory_limit_bytes", memory_limit_bytes),
+            ("host_memory_limit_bytes", host_memory_limit_bytes),
+        ):
             if value is not None and not int_at_least(value, 0):
                 raise ConfigError(name, value, "None or an int >= 0")
         calibration = resolve_calibration(planner_calibration)  # before anything changes: a bad file refuses
         self.model = freeze(model)
         self.options = options
         self.device = model.lm_head.weight.device
-        self.memory_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else default_device_limit(self.device)
+        self.memory_limit_bytes = (
+            memory_limit_bytes if memory_limit_bytes is not None else default_device_limit(self.device)
+        )
         self.host_memory_limit_bytes = host_memory_limit_bytes
         self._base_storages = weight_storages(model.parameters())  # the frozen base never moves
         self._catalogue = CheckpointCatalogue(self.model)
@@ -89,7 +94,9 @@ class Trainer:
         self.rank_gradients = RankGradients()
         """Gradients logical ranks committed that ``optim_step`` has not summed yet (NOTE [Logical ranks])."""
         self._live_grads = LiveGradSink()
-        self._admission = Admission(model.config, self.memory_limit_bytes, host_memory_limit_bytes, self.device.type, calibration)
+        self._admission = Admission(
+            model.config, self.memory_limit_bytes, host_memory_limit_bytes, self.device.type, calibration
+        )
 
     # --- checkpoints --------------------------------------------------------------
 
@@ -154,9 +161,15 @@ class Trainer:
         write_save(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], model: DecoderLM, *, memory_limit_bytes: int | None = None,
-             host_memory_limit_bytes: int | None = None,
-             planner_calibration: PlannerCalibration | str | os.PathLike[str] | None = None) -> Trainer:
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        model: DecoderLM,
+        *,
+        memory_limit_bytes: int | None = None,
+        host_memory_limit_bytes: int | None = None,
+        planner_calibration: PlannerCalibration | str | os.PathLike[str] | None = None,
+    ) -> Trainer:
         """A trainer over ``model`` (the saved base) as saved under ``path``; the process RNG becomes the saved one. The
         limits and calibration are the machine's, given again. Every file is verified first; a refused load changes nothing."""
         return load_trainer(cls, path, model, memory_limit_bytes, host_memory_limit_bytes, planner_calibration)
@@ -183,8 +196,14 @@ class Trainer:
 
         return logits_fn, None if selected is None else selected.version
 
-    def publish(self, engine: RolloutEngine, *, checkpoint: str | None = None, mode: str = "drain",
-                expected: CheckpointVersion | None = None) -> PublicationReport:
+    def publish(
+        self,
+        engine: RolloutEngine,
+        *,
+        checkpoint: str | None = None,
+        mode: str = "drain",
+        expected: CheckpointVersion | None = None,
+    ) -> PublicationReport:
         """Send ``checkpoint``'s live weights at its version to a ``RolloutEngine``: all or nothing, compare-and-set on
         ``expected``, ``mode`` ``"drain"`` or ``"inflight"`` (NOTE [Weight publication] in ``rollout/publication.py``)."""
         if not isinstance(engine, RolloutEngine):
@@ -219,7 +238,8 @@ class Trainer:
             groups.setdefault(resolve_options(item.options, options, self.options), []).append(index)
         quantized = has_quantized_module(self.model)
         admitted = self._admission.plan_call(  # the whole call, before any group runs (NOTE [Memory admission] Rule 4)
-            selected, version,
+            selected,
+            version,
             [([int(flat[i].input_tokens.numel()) for i in indices], resolved) for resolved, indices in groups.items()],
             self.records,
             self._catalogue.values(),
@@ -231,29 +251,54 @@ class Trainer:
             with draws_undone_on_failure(self.device):  # one call is all or nothing, its dropout draws too
                 for (resolved, indices), plan in zip(groups.items(), admitted):
                     items = [flat[i] for i in indices]
-                    for index, output in zip(indices, self._submit(selected, version, items, resolved, plan, quantized)):
+                    for index, output in zip(
+                        indices, self._submit(selected, version, items, resolved, plan, quantized)
+                    ):
                         outputs[index] = output
         except BaseException:
             self.records.release_outputs(outputs)
             raise
         return rebuild(outputs)
 
-    def _submit(self, checkpoint: Checkpoint, version: CheckpointVersion, items: list[ForwardInput],
-                options: ResolvedOptions, plan: Admitted, quantized: bool) -> list[ForwardOutput]:
+    def _submit(
+        self,
+        checkpoint: Checkpoint,
+        version: CheckpointVersion,
+        items: list[ForwardInput],
+        options: ResolvedOptions,
+        plan: Admitted,
+        quantized: bool,
+    ) -> list[ForwardOutput]:
         """One admitted record at ``version``: the forward, then its tagged outputs."""
         batch = PaddedBatch.build(items, self.device)  # copies: the caller may overwrite its tensors
         state = capture_forward_state(self.model, self.device)
         capture = checkpoint.capture_at(version)
         stopwatch = start_stopwatch(self.device)
-        with misses.allocation_failures_reported(self.model.config, plan.estimator, plan.cost.saved_bytes):  # NOTE [Planner misses]
+        with misses.allocation_failures_reported(
+            self.model.config, plan.estimator, plan.cost.saved_bytes
+        ):  # NOTE [Planner misses]
             root, ledger = record_forward(
-                self.model, checkpoint, capture, batch, plan.decision.placement,
-                frozen_storages=self._base_storages, quantized=quantized, host_reserve_bytes=plan.cost.saved_bytes,
+                self.model,
+                checkpoint,
+                capture,
+                batch,
+                plan.decision.placement,
+                frozen_storages=self._base_storages,
+                quantized=quantized,
+                host_reserve_bytes=plan.cost.saved_bytes,
             )
         record = ForwardRecord(
-            checkpoint=checkpoint, capture=capture, options=options, batch=batch, rng_state=state,
-            decision=plan.decision, root=root if ledger is not None else None, forward_logprobs=root.detach(), ledger=ledger,
-            owner=self.rank_gradients.running(), estimator=plan.estimator,
+            checkpoint=checkpoint,
+            capture=capture,
+            options=options,
+            batch=batch,
+            rng_state=state,
+            decision=plan.decision,
+            root=root if ledger is not None else None,
+            forward_logprobs=root.detach(),
+            ledger=ledger,
+            owner=self.rank_gradients.running(),
+            estimator=plan.estimator,
         )
         record.usage = self._admission.observe(record, plan, stopwatch.stop())
         self.known_logprobs.remember(record, self.records)
@@ -305,7 +350,8 @@ class Trainer:
         self._admit_backward(records)
         by_record = cotangents_by_record(leaves, cotangents)
         return records, [
-            stage_record(self.model, self.known_logprobs, r, by_record[r.id], transaction, retain_graph) for r in records
+            stage_record(self.model, self.known_logprobs, r, by_record[r.id], transaction, retain_graph)
+            for r in records
         ]
 
     def _admit_backward(self, records: list[ForwardRecord]) -> None:

@@ -116,8 +116,16 @@ class CollectiveRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CollectiveRecord:
-        return cls(data["seq"], data["op"], data["group"], tuple(tuple(s) for s in data["shapes"]),
-                   tuple(data["dtypes"]), data["call"], data["started"], data["ended"])
+        return cls(
+            data["seq"],
+            data["op"],
+            data["group"],
+            tuple(tuple(s) for s in data["shapes"]),
+            tuple(data["dtypes"]),
+            data["call"],
+            data["started"],
+            data["ended"],
+        )
 
 
 class _Trace:
@@ -129,8 +137,15 @@ class _Trace:
         self.lock = threading.Lock()  # the listener thread reads while the main thread writes
 
     def begin(self, op: str, group: str, tensors: Sequence[torch.Tensor], call: str) -> CollectiveRecord:
-        record = CollectiveRecord(self.next_seq, op, group, tuple(tuple(t.shape) for t in tensors),
-                                  tuple(str(t.dtype).removeprefix("torch.") for t in tensors), call, time.time())
+        record = CollectiveRecord(
+            self.next_seq,
+            op,
+            group,
+            tuple(tuple(t.shape) for t in tensors),
+            tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+            call,
+            time.time(),
+        )
         with self.lock:
             self.records.append(record)
             self.next_seq += 1
@@ -171,10 +186,18 @@ class Watchdog:
             faulthandler.dump_traceback(stream, all_threads=True)
             stream.seek(0)
             stack = stream.read()
-        body = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "deadline_s": self.deadline_s,
-                "dumped_at": time.time(), "error": None if error is None else f"{type(error).__name__}: {error}",
-                "peer": getattr(error, "peer", None), "in_flight": None if in_flight is None else asdict(in_flight),
-                "trace": [asdict(r) for r in _TRACE.snapshot()], "stack": stack}
+        body = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "reason": reason,
+            "deadline_s": self.deadline_s,
+            "dumped_at": time.time(),
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "peer": getattr(error, "peer", None),
+            "in_flight": None if in_flight is None else asdict(in_flight),
+            "trace": [asdict(r) for r in _TRACE.snapshot()],
+            "stack": stack,
+        }
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank-{self.rank}-{reason}.json"
         partial = path.with_name(path.name + ".partial")  # not rank-*.json: a reader never sees half a dump
@@ -218,8 +241,9 @@ class Watchdog:
 _ACTIVE: Watchdog | None = None
 
 
-def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = None,
-            key: str = "rtv/watchdog/dump") -> Watchdog:
+def install(
+    deadline_s: float, folder: str | Path, *, rank: int, store: Any = None, key: str = "rtv/watchdog/dump"
+) -> Watchdog:
     """Watch this process's collectives from now on (the trace restarts at 0); replaces a watchdog installed before."""
     global _ACTIVE, _TRACE
     if not is_number(deadline_s) or not deadline_s > 0:
@@ -228,7 +252,9 @@ def install(deadline_s: float, folder: str | Path, *, rank: int, store: Any = No
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     watchdog = Watchdog(float(deadline_s), folder, rank, store, key)
-    watchdog._backstop = open(folder / f"rank-{rank}-backstop.txt", "w")  # faulthandler keeps its fd: closed by uninstall
+    watchdog._backstop = open(
+        folder / f"rank-{rank}-backstop.txt", "w"
+    )  # faulthandler keeps its fd: closed by uninstall
     if store is not None:
         watchdog._stop = threading.Event()
         watchdog._listener = threading.Thread(target=watchdog._listen, name="rtv-watchdog", daemon=True)
@@ -301,8 +327,10 @@ def control_group(timeout: datetime.timedelta, call: str = "run_logical: control
             try:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=watchdog.deadline_s), wait_all_ranks=True)
             except RuntimeError as error:  # torch's DistError included: it names the ranks that did not come
-                raise PeerError(f"a peer did not come to make the control group within {watchdog.deadline_s:g} s: "
-                                f"{error}", command=call) from error
+                raise PeerError(
+                    f"a peer did not come to make the control group within {watchdog.deadline_s:g} s: {error}",
+                    command=call,
+                ) from error
         return dist.new_group(backend="gloo", timeout=timeout)
 
 

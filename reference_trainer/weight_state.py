@@ -31,7 +31,9 @@ def check_weight_state(state: Any, params: Mapping[str, nn.Parameter]) -> None:
         raise ConfigError("state_dict", type(state).__name__, "a mapping from Checkpoint.state_dict()")
     missing = {"parameters", "optimizer", "revision"} - set(state)
     if missing:
-        raise ConfigError("state_dict", sorted(state), f"keys parameters, optimizer, revision (missing {sorted(missing)})")
+        raise ConfigError(
+            "state_dict", sorted(state), f"keys parameters, optimizer, revision (missing {sorted(missing)})"
+        )
     parameters = state["parameters"]
     if not isinstance(parameters, Mapping) or set(parameters) != set(params):
         found = sorted(set(parameters) ^ set(params)) if isinstance(parameters, Mapping) else type(parameters).__name__
@@ -53,7 +55,9 @@ def _check_tensors(key: str, tensors: Mapping[str, Any], params: Mapping[str, nn
         shape = tuple(params[name].shape)
         where = f"state_dict[{key!r}][{name!r}]"
         if not isinstance(value, Tensor) or not value.dtype.is_floating_point:
-            found = f"{type(value).__name__} of dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+            found = (
+                f"{type(value).__name__} of dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+            )
             raise ConfigError(where, found, "a floating-point tensor")
         if tuple(value.shape) != shape:
             raise ConfigError(where, tuple(value.shape), f"shape {shape}")

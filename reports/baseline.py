@@ -27,8 +27,10 @@ from .generic import base_section
 __all__ = ["section", "short_revisions", "A_A_LINE"]
 
 
-A_A_LINE = ("A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
-            "decided difference here is the method's noise, not a change between revisions")
+A_A_LINE = (
+    "A/A run: REV's trainer source is HEAD's (equal digests), so both sides run the same trainer; a "
+    "decided difference here is the method's noise, not a change between revisions"
+)
 
 
 def short_revisions(text: str) -> str:
@@ -38,11 +40,22 @@ def short_revisions(text: str) -> str:
 
 def _comparisons(record: dict) -> pd.DataFrame:
     workload = f"{record['config']['workload']} ({short_revisions(record['config']['scope'])})"
-    return pd.DataFrame([{"workload": workload, "arm": c["arm"], "baseline": short_revisions(c["baseline"]),
-                          "blocks": c["blocks"],
-                          "ratio": c["ratio"], "ci_low": c["ci95"][0], "ci_high": c["ci95"][1],
-                          "loaded": len(c.get("loaded", ())), "verdict": c["verdict"]}
-                         for c in record["measurements"]["comparisons"]])
+    return pd.DataFrame(
+        [
+            {
+                "workload": workload,
+                "arm": c["arm"],
+                "baseline": short_revisions(c["baseline"]),
+                "blocks": c["blocks"],
+                "ratio": c["ratio"],
+                "ci_low": c["ci95"][0],
+                "ci_high": c["ci95"][1],
+                "loaded": len(c.get("loaded", ())),
+                "verdict": c["verdict"],
+            }
+            for c in record["measurements"]["comparisons"]
+        ]
+    )
 
 
 def _failed_rows(table: pd.DataFrame, control: str) -> list[int]:
@@ -58,14 +71,25 @@ def section(record: dict, folder: Path) -> Section:
     scope = short_revisions(config["scope"])
     plot = plot_ratios(table, config["gate"], folder / f"baseline-{record['digest'][:12]}-ratios.png")
     lines = [A_A_LINE] if config.get("a_a") else []
-    lines += [comparison_line(dict(c, baseline=short_revisions(c["baseline"])), config["workload"], config["gate"])
-              for c in record["measurements"]["comparisons"]]
+    lines += [
+        comparison_line(dict(c, baseline=short_revisions(c["baseline"])), config["workload"], config["gate"])
+        for c in record["measurements"]["comparisons"]
+    ]
     lines.append(f"ratio = HEAD's step seconds / {scope.split(' ')[0]}'s, for {config['source_scope']}")
-    built = base_section(record, lines=lines, tables={"HEAD against its base": table},
-                         failed_rows={"HEAD against its base": _failed_rows(table, config["control"])},
-                         figures=[Figure(path=plot, caption=f"{scope}: each arm's median ratio of step "
-                                         "times with its interval, against the tie band (plain: the A/A control).",
-                                         headline=True)])
+    built = base_section(
+        record,
+        lines=lines,
+        tables={"HEAD against its base": table},
+        failed_rows={"HEAD against its base": _failed_rows(table, config["control"])},
+        figures=[
+            Figure(
+                path=plot,
+                caption=f"{scope}: each arm's median ratio of step "
+                "times with its interval, against the tie band (plain: the A/A control).",
+                headline=True,
+            )
+        ],
+    )
     if not config.get("a_a"):
         return built
     return replace(built, key_figure=f"A/A run (the same trainer source): {built.key_figure}")

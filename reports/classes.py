@@ -49,5 +49,6 @@ def classed_rows(frame: pd.DataFrame, failed: Collection[int] = ()) -> Iterable[
     where = _result_column(list(frame.columns))
     for position, row in enumerate(frame.itertuples(index=False)):
         failed_css = "failed" if position in failed else None
-        yield [(value, (failed_css or result_class(value)) if index == where else "")
-               for index, value in enumerate(row)]
+        yield [
+            (value, (failed_css or result_class(value)) if index == where else "") for index, value in enumerate(row)
+        ]

@@ -195,8 +195,10 @@ class ReportContext:
         caught = "a failure below is the injected fault being caught, not a defect of the trainer"
         if any(not forced_failure(fault) for fault in self.injected):
             return f"This run is a negative control: {caught}, and a pass was made by a deliberately broken trainer."
-        return (f"This run is a negative control: {caught}; the trainer was not changed: the fault forced the "
-                "record marked with it on the board to fail, and every other record was made as in any run.")
+        return (
+            f"This run is a negative control: {caught}; the trainer was not changed: the fault forced the "
+            "record marked with it on the board to fail, and every other record was made as in any run."
+        )
 
     @property
     def headline(self) -> list[Figure]:

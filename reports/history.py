@@ -36,8 +36,10 @@ class HistoryPaths:
 
 def change_line(change) -> str:  # a validation.history.Change
     """e.g. ``c08: +5.1% step time (Mann-Whitney p=0.0012) → regression``."""
-    return (f"{change.commit[:12]}: {number(change.change * 100, '+.1f')}% step time "
-            f"(Mann-Whitney p={number(change.p_value, '.2g')}) → {change.verdict}")
+    return (
+        f"{change.commit[:12]}: {number(change.change * 100, '+.1f')}% step time "
+        f"(Mann-Whitney p={number(change.p_value, '.2g')}) → {change.verdict}"
+    )
 
 
 def _plot(series, path: Path) -> Path:  # a validation.history.Series
@@ -45,7 +47,9 @@ def _plot(series, path: Path) -> Path:  # a validation.history.Series
     axes = figure.add_subplot()
     x = range(len(series.commits))
     ms = [s * 1e3 for s in series.seconds]
-    low = [max(0.0, m - lo * 1e3) if lo == lo else 0.0 for m, lo in zip(ms, series.ci_low)]  # NaN: no interval (old rows)
+    low = [
+        max(0.0, m - lo * 1e3) if lo == lo else 0.0 for m, lo in zip(ms, series.ci_low)
+    ]  # NaN: no interval (old rows)
     high = [max(0.0, hi * 1e3 - m) if hi == hi else 0.0 for m, hi in zip(ms, series.ci_high)]
     axes.errorbar(x, ms, yerr=[low, high], marker="o", capsize=3)
     for change in series.changes:
@@ -59,22 +63,36 @@ def _plot(series, path: Path) -> Path:  # a validation.history.Series
 def render_history(found: list, title: str, out_file: Path) -> HistoryPaths:
     """Render ``found`` (``validation.history.Series``) under ``title`` into ``out_file`` (.md) and its .html."""
     folder = out_file.parent
-    plots = [_plot(s, folder / "plots" / f"history-{slug(s.machine_id + '-' + s.workload + '-' + s.arm)}.png")
-             for s in found]
-    rows = [(s, p.relative_to(folder).as_posix(), "; ".join(map(change_line, s.changes)) or "-")
-            for s, p in zip(found, plots)]
-    lines = [f"# {title}", "", "| machine | workload | arm | commits | verdict | changes (first commit after) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {s.machine_id} | {s.workload} | {s.arm} | {len(s.commits)} | {s.verdict} | {changes} |" for s, _, changes in rows]
+    plots = [
+        _plot(s, folder / "plots" / f"history-{slug(s.machine_id + '-' + s.workload + '-' + s.arm)}.png") for s in found
+    ]
+    rows = [
+        (s, p.relative_to(folder).as_posix(), "; ".join(map(change_line, s.changes)) or "-")
+        for s, p in zip(found, plots)
+    ]
+    lines = [
+        f"# {title}",
+        "",
+        "| machine | workload | arm | commits | verdict | changes (first commit after) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s.machine_id} | {s.workload} | {s.arm} | {len(s.commits)} | {s.verdict} | {changes} |"
+        for s, _, changes in rows
+    ]
     lines += ["", *(f"![{s.arm} {s.workload} {s.machine_id}]({link})" for s, link, _ in rows), ""]
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text("\n".join(lines))
-    body = "".join(f"<tr><td>{s.machine_id}</td><td>{html.escape(s.workload)}</td><td>{html.escape(s.arm)}</td>"
-                   f"<td>{len(s.commits)}</td><td class='{result_class(s.verdict)}'>{s.verdict}</td><td>{html.escape(changes)}</td></tr>"
-                   for s, _, changes in rows)
+    body = "".join(
+        f"<tr><td>{s.machine_id}</td><td>{html.escape(s.workload)}</td><td>{html.escape(s.arm)}</td>"
+        f"<td>{len(s.commits)}</td><td class='{result_class(s.verdict)}'>{s.verdict}</td><td>{html.escape(changes)}</td></tr>"
+        for s, _, changes in rows
+    )
     images = "".join(f"<figure><img src='{link}' alt='{html.escape(s.arm)}'></figure>" for s, link, _ in rows)
     page = out_file.with_suffix(".html")
-    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-                    f"<h1>{html.escape(title)}</h1><table id='history'><tr><th>machine</th><th>workload</th><th>arm</th>"
-                    f"<th>commits</th><th>verdict</th><th>changes</th></tr>{body}</table>{images}</body></html>\n")
+    page.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        f"<h1>{html.escape(title)}</h1><table id='history'><tr><th>machine</th><th>workload</th><th>arm</th>"
+        f"<th>commits</th><th>verdict</th><th>changes</th></tr>{body}</table>{images}</body></html>\n"
+    )
     return HistoryPaths(markdown=out_file, html=page, plots=plots, series=found)

@@ -24,11 +24,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure as MplFigure
 
-from validation.evidence import checks_of
-
 from reports.context import Figure, Section
 from reports.numbers import interval, number
 from reports.plots import LEGEND_POINTS, save_png
+from validation.evidence import checks_of
 
 __all__ = ["GROUPS", "curves_figure", "differences_figure", "verdict_table", "arms_table", "section"]
 
@@ -80,16 +79,43 @@ def differences_figure(name: str, workload: dict) -> MplFigure:
         for y, pair in enumerate(pairs):
             row = rows.loc[pair]
             label = y == 0
-            axes.fill_betweenx([y - 0.38, y + 0.38], -row["margin"], row["margin"], color="tab:green", alpha=0.15,
-                               linewidth=0, label="equivalence margin (±)" if label else None)
+            axes.fill_betweenx(
+                [y - 0.38, y + 0.38],
+                -row["margin"],
+                row["margin"],
+                color="tab:green",
+                alpha=0.15,
+                linewidth=0,
+                label="equivalence margin (±)" if label else None,
+            )
             differences = np.asarray(row["differences"])
-            axes.plot(differences, np.full(differences.shape, y + 0.15), "o", color="tab:blue", markersize=3,
-                      label="seed" if label else None)
-            axes.errorbar([row["mean_difference"]], [y - 0.1],
-                          xerr=[[row["mean_difference"] - row["ci_low"]], [row["ci_high"] - row["mean_difference"]]],
-                          fmt="D", color="black", markersize=4, capsize=3, label="mean, 90% CI" if label else None)
-            axes.annotate(row["verdict"], (1.0, y), xycoords=("axes fraction", "data"), xytext=(4, 0),
-                          textcoords="offset points", va="center", fontsize=7)
+            axes.plot(
+                differences,
+                np.full(differences.shape, y + 0.15),
+                "o",
+                color="tab:blue",
+                markersize=3,
+                label="seed" if label else None,
+            )
+            axes.errorbar(
+                [row["mean_difference"]],
+                [y - 0.1],
+                xerr=[[row["mean_difference"] - row["ci_low"]], [row["ci_high"] - row["mean_difference"]]],
+                fmt="D",
+                color="black",
+                markersize=4,
+                capsize=3,
+                label="mean, 90% CI" if label else None,
+            )
+            axes.annotate(
+                row["verdict"],
+                (1.0, y),
+                xycoords=("axes fraction", "data"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=7,
+            )
         axes.axvline(0.0, color="grey", linewidth=1)
         axes.set_yticks(range(len(pairs)))
         axes.set_yticklabels([f"{arm} − {baseline}" for arm, baseline in pairs], fontsize=7)
@@ -104,11 +130,16 @@ def verdict_table(workload: dict) -> pd.DataFrame:
     """One row per (arm, baseline, metric): the verdict and the numbers behind it."""
     rows = [
         {
-            "arm": v["arm"], "baseline": v["baseline"], "metric": v["metric"], "verdict": v["verdict"],
-            "mean difference": number(v["mean_difference"], "+.4g"), "90% CI": interval(v["ci_low"], v["ci_high"], "+.4g"),
+            "arm": v["arm"],
+            "baseline": v["baseline"],
+            "metric": v["metric"],
+            "verdict": v["verdict"],
+            "mean difference": number(v["mean_difference"], "+.4g"),
+            "90% CI": interval(v["ci_low"], v["ci_high"], "+.4g"),
             "margin": f"{number(v['margin'])} (floor {number(v['margin_floor'])}, "
-                      f"baseline SD {number(v['baseline_sd'])})",
-            "p (TOST)": number(v["p_tost"], ".3g"), "seeds": v["n"],
+            f"baseline SD {number(v['baseline_sd'])})",
+            "p (TOST)": number(v["p_tost"], ".3g"),
+            "seeds": v["n"],
         }
         for v in workload["verdicts"]
     ]
@@ -119,8 +150,10 @@ def _ratios(distribution: dict | None) -> str:
     """A ratio distribution of the evidence (``canaries.learning.summary.ratio_distribution``) in one cell."""
     if not distribution:
         return "-"
-    return " / ".join(number(distribution[k] if k != "0.5" else distribution["quantiles"]["0.5"], ".3g")
-                      for k in ("min", "0.5", "max"))
+    return " / ".join(
+        number(distribution[k] if k != "0.5" else distribution["quantiles"]["0.5"], ".3g")
+        for k in ("min", "0.5", "max")
+    )
 
 
 def arms_table(workload: dict) -> pd.DataFrame:
@@ -128,14 +161,18 @@ def arms_table(workload: dict) -> pd.DataFrame:
     rows = []
     for name, arm in workload["arms"].items():
         finals = np.asarray(arm["final"])
-        rows.append({
-            "arm": name, "what": arm["summary"], "meets criterion": f"{sum(arm['meets'])}/{len(arm['meets'])} seeds",
-            "final (mean ± SD)": f"{number(finals.mean())} ± {number(finals.std(ddof=1) if finals.size > 1 else 0.0, '.2g')}",
-            "records by staleness": ", ".join(f"{k}: {n}" for k, n in arm["staleness_counts"].items()),
-            "fraction corrected": number(float(np.mean(arm["fraction_corrected"])), ".3g"),
-            "raw ratio (min / median / max)": _ratios(arm.get("raw_ratio")),
-            "clipped ratio (min / median / max)": _ratios(arm.get("clipped_ratio")),
-        })
+        rows.append(
+            {
+                "arm": name,
+                "what": arm["summary"],
+                "meets criterion": f"{sum(arm['meets'])}/{len(arm['meets'])} seeds",
+                "final (mean ± SD)": f"{number(finals.mean())} ± {number(finals.std(ddof=1) if finals.size > 1 else 0.0, '.2g')}",
+                "records by staleness": ", ".join(f"{k}: {n}" for k, n in arm["staleness_counts"].items()),
+                "fraction corrected": number(float(np.mean(arm["fraction_corrected"])), ".3g"),
+                "raw ratio (min / median / max)": _ratios(arm.get("raw_ratio")),
+                "clipped ratio (min / median / max)": _ratios(arm.get("clipped_ratio")),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -150,9 +187,13 @@ def _headline(workloads: dict) -> tuple[str, list[str], list[str]]:
         for v in workload["verdicts"]:
             if v["arm"] == "stale2_corrected" and v["baseline"] == "strict" and v["metric"] == "final":
                 verdicts.append(v["verdict"])
-                key.append(f"{name} {v['verdict']} ({number(v['mean_difference'], '+.3g')} {workload['unit']}, "
-                           f"90% CI {interval(v['ci_low'], v['ci_high'], '+.3g')} vs margin ±{number(v['margin'], '.3g')})")
-        exact = ", ".join(f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"])
+                key.append(
+                    f"{name} {v['verdict']} ({number(v['mean_difference'], '+.3g')} {workload['unit']}, "
+                    f"90% CI {interval(v['ci_low'], v['ci_high'], '+.3g')} vs margin ±{number(v['margin'], '.3g')})"
+                )
+        exact = ", ".join(
+            f"{p['arm']} = {p['with']}: {'bitwise equal' if p['equal'] else 'DIFFERENT'}" for p in workload["exact"]
+        )
         caught = ", ".join(f"{s['arm']}: {'caught' if s['caught'] else 'NOT CAUGHT'}" for s in workload["sensitivity"])
         lines.append(f"{name} ({workload['criterion']}): {exact}; sensitivity {caught}")
     return ("stale2_corrected vs strict: " + "; ".join(key) if key else "no comparison ran"), lines, verdicts
@@ -183,8 +224,9 @@ def section(record: dict, folder: Path) -> Section:
         if workload["precondition"]["reason"]:
             continue
         curves = save_png(curves_figure(name, workload), Path(folder) / f"{stem}-{name}-curves.png")
-        figures.append(Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)",
-                              headline=True))
+        figures.append(
+            Figure(path=curves, caption=f"{name}: {workload['metric']} per arm (mean and seed range)", headline=True)
+        )
         differences = save_png(differences_figure(name, workload), Path(folder) / f"{stem}-{name}-differences.png")
         figures.append(Figure(path=differences, caption=f"{name}: paired differences per seed against the margin"))
         tables[f"{name}: verdicts (paired TOST, α = 0.05)"] = verdict_table(workload)

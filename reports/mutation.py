@@ -33,14 +33,23 @@ def section(record: dict[str, Any], folder: Path) -> Section:
         [{"package": name, "score": _score(p), **p.get("counts", {})} for name, p in packages.items()]
     ).fillna(0)
     survivors = pd.DataFrame(
-        [{"file": f"{s['file']}:{s['line']}" if s.get("line") else s["file"], "status": s["status"],
-          "mutated": " / ".join(s.get("removed", [])).strip(), "into": " / ".join(s.get("added", [])).strip(),
-          "mutant": s["name"]} for s in m.get("survivors", [])],
+        [
+            {
+                "file": f"{s['file']}:{s['line']}" if s.get("line") else s["file"],
+                "status": s["status"],
+                "mutated": " / ".join(s.get("removed", [])).strip(),
+                "into": " / ".join(s.get("added", [])).strip(),
+                "mutant": s["name"],
+            }
+            for s in m.get("survivors", [])
+        ],
         columns=["file", "status", "mutated", "into", "mutant"],
     )
-    line = (f"{m.get('sampled')} of {m.get('generated')} mutants sampled (seed {record['config'].get('seed')}), "
-            f"judged by {', '.join(record['config'].get('tests', []))} with {m.get('tool')} in {m.get('seconds')} s; "
-            f"{len(survivors)} survived")
+    line = (
+        f"{m.get('sampled')} of {m.get('generated')} mutants sampled (seed {record['config'].get('seed')}), "
+        f"judged by {', '.join(record['config'].get('tests', []))} with {m.get('tool')} in {m.get('seconds')} s; "
+        f"{len(survivors)} survived"
+    )
     built = base_section(record, lines=[line], tables={"score by package": scores, "survivors": survivors})
     figure = "; ".join(f"{name} {_score(p)}" for name, p in packages.items()) or "no mutant checked"
     return replace(built, key_figure=f"mutation score {figure}")

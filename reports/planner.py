@@ -26,10 +26,21 @@ def cells_table(certificate: dict) -> pd.DataFrame:
     rows = []
     for cell in certificate["cells"]:
         low, high = cell["regret_interval"] or (np.nan, np.nan)
-        rows.append({"cell": cell["label"], "status": cell["status"], "best": cell["best"], "regret": cell["regret"],
-                     "regret_low": low, "regret_high": high, "gated_regret": cell["gated_regret"],
-                     "pairs_apart": cell["pairs_apart"], "pairs_ordered": cell["pairs_ordered"],
-                     "refusal_right": cell["refusal_right"], "error": cell["error"]})
+        rows.append(
+            {
+                "cell": cell["label"],
+                "status": cell["status"],
+                "best": cell["best"],
+                "regret": cell["regret"],
+                "regret_low": low,
+                "regret_high": high,
+                "gated_regret": cell["gated_regret"],
+                "pairs_apart": cell["pairs_apart"],
+                "pairs_ordered": cell["pairs_ordered"],
+                "refusal_right": cell["refusal_right"],
+                "error": cell["error"],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -38,8 +49,15 @@ def bytes_table(record: dict) -> pd.DataFrame:
     rows = []
     for label, cell in record["measurements"]["cells"].items():
         for placement, memory in (cell["memory"] or {}).items():
-            rows.append({"cell": label, "placement": placement, "measured_peak": memory["measured_peak"],
-                         "predicted_peak": memory["predicted_peak"], "saved_ratio": memory["saved_ratio"]})
+            rows.append(
+                {
+                    "cell": label,
+                    "placement": placement,
+                    "measured_peak": memory["measured_peak"],
+                    "predicted_peak": memory["predicted_peak"],
+                    "saved_ratio": memory["saved_ratio"],
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -49,8 +67,12 @@ def _regret_figure(cells: pd.DataFrame) -> MplFigure:
     axes = figure.add_subplot()
     y = np.arange(len(measured))
     point = measured["regret"].to_numpy(dtype=float) * 100
-    errors = np.vstack([point - measured["regret_low"].to_numpy(dtype=float) * 100,
-                        measured["regret_high"].to_numpy(dtype=float) * 100 - point])
+    errors = np.vstack(
+        [
+            point - measured["regret_low"].to_numpy(dtype=float) * 100,
+            measured["regret_high"].to_numpy(dtype=float) * 100 - point,
+        ]
+    )
     axes.errorbar(point, y, xerr=np.nan_to_num(np.abs(errors)), fmt="o", capsize=3)
     axes.axvline(0, color="grey", linewidth=0.8)
     axes.set_yticks(y, measured["cell"], fontsize=7)
@@ -76,29 +98,52 @@ def section(record: dict, folder: Path) -> Section:
     certificate = record["measurements"]["certificate"]
     cells, memory = cells_table(certificate), bytes_table(record)
     stem = Path(folder) / f"planner-{record['digest'][:10]}"
-    figures = [Figure(path=save_png(_regret_figure(cells), stem.with_name(stem.name + "-regret.png")),
-                      caption="auto's regret per measured cell, with its interval", headline=True),
-               Figure(path=save_png(_bytes_figure(memory), stem.with_name(stem.name + "-bytes.png")),
-                      caption="predicted against measured peak per cell and placement (above the line: an under-estimate)")]
+    figures = [
+        Figure(
+            path=save_png(_regret_figure(cells), stem.with_name(stem.name + "-regret.png")),
+            caption="auto's regret per measured cell, with its interval",
+            headline=True,
+        ),
+        Figure(
+            path=save_png(_bytes_figure(memory), stem.with_name(stem.name + "-bytes.png")),
+            caption="predicted against measured peak per cell and placement (above the line: an under-estimate)",
+        ),
+    ]
     percent = lambda share: number(share, ".1%")  # noqa: E731
-    key = (f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
-           f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
-           f"ratio {number(certificate['worst_peak_ratio'], '.2f')}")
-    lines = [(f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
-              f"{certificate['cells_refused']} refused ({len(certificate['wrong_refusals'])} wrongly), "
-              f"{len(certificate['cells_failed'])} failed; over-estimate of the peak: median "
-              f"{number(certificate['median_over_estimate'], '.2f')}, worst "
-              f"{number(certificate['worst_over_estimate'], '.2f')}")]
+    key = (
+        f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
+        f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
+        f"ratio {number(certificate['worst_peak_ratio'], '.2f')}"
+    )
+    lines = [
+        (
+            f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
+            f"{certificate['cells_refused']} refused ({len(certificate['wrong_refusals'])} wrongly), "
+            f"{len(certificate['cells_failed'])} failed; over-estimate of the peak: median "
+            f"{number(certificate['median_over_estimate'], '.2f')}, worst "
+            f"{number(certificate['worst_over_estimate'], '.2f')}"
+        )
+    ]
     lines += [f"failed: {c.name}" + (f" ({c.detail})" if c.detail else "") for c in checks_of(record) if c.failed]
-    return Section(kind=record["kind"], title="Planner canary: auto's choices and estimates against measured placements",
-                   passed=record["passed"], verdict="passed" if record["passed"] else "failed", key_figure=key,
-                   lines=lines, tables={"cells": cells, "bytes per placement": memory}, figures=figures,
-                   failed_rows={"cells": _failed_cells(record, cells)})
+    return Section(
+        kind=record["kind"],
+        title="Planner canary: auto's choices and estimates against measured placements",
+        passed=record["passed"],
+        verdict="passed" if record["passed"] else "failed",
+        key_figure=key,
+        lines=lines,
+        tables={"cells": cells, "bytes per placement": memory},
+        figures=figures,
+        failed_rows={"cells": _failed_cells(record, cells)},
+    )
 
 
 def _failed_cells(record: dict, cells: pd.DataFrame) -> list[int]:
     """The rows of :func:`cells_table` that failed the record: a failed cell, and a wrong refusal when the
     certificate's refusal check failed (a refusal judged right is green, as a measured cell is)."""
     refusals_failed = any(c.failed and c.name.startswith("certificate: no wrong refusal") for c in checks_of(record))
-    return [i for i, row in enumerate(cells.itertuples()) if row.status == "failed"
-            or (refusals_failed and row.status == "refused" and row.refusal_right is False)]
+    return [
+        i
+        for i, row in enumerate(cells.itertuples())
+        if row.status == "failed" or (refusals_failed and row.status == "refused" and row.refusal_right is False)
+    ]

@@ -30,8 +30,10 @@ def _cross_check(m: dict[str, Any]) -> str:
     if not reported.get("checked"):
         return f"SkyPilot's cost report: not checked ({reported.get('reason', 'an older receipt')})"
     verdict = "agrees" if reported.get("agrees") else "DISAGREES"
-    return (f"SkyPilot's cost report {verdict}: it counts {reported.get('reported_s')} s, the receipt bills "
-            f"{m.get('billed_s')} s (from {m.get('billed_from', 'launcher')})")
+    return (
+        f"SkyPilot's cost report {verdict}: it counts {reported.get('reported_s')} s, the receipt bills "
+        f"{m.get('billed_s')} s (from {m.get('billed_from', 'launcher')})"
+    )
 
 
 def _requested_observed(m: dict[str, Any]) -> pd.DataFrame:
@@ -44,16 +46,28 @@ def _requested_observed(m: dict[str, Any]) -> pd.DataFrame:
         ("accelerators", requested.get("accelerators"), f"{launched.get('nodes', 0)} node(s)"),
         ("job", f"finish within {requested.get('job_deadline_s', '-')} s", observed.get("job_status") or "no status"),
         ("evidence", requested.get("evidence_dir"), evidence.get("summary", "not fetched")),
-        ("interruption", "none", f"{interruption.get('kind')} during {interruption.get('phase')}: "
-                                 f"{interruption.get('detail')}" if interruption else "none"),
+        (
+            "interruption",
+            "none",
+            f"{interruption.get('kind')} during {interruption.get('phase')}: {interruption.get('detail')}"
+            if interruption
+            else "none",
+        ),
     ]
     return pd.DataFrame(rows, columns=["what", "requested", "observed"])
 
 
 def _teardown(steps: list[dict[str, Any]]) -> pd.DataFrame:
     """The teardown steps (``ci.teardown``), each step's ``ok`` as its ``result`` (a failed step is red on the page)."""
-    rows = [{"step": s.get("step"), "result": "pass" if s.get("ok") else "FAIL", "detail": s.get("detail"),
-             "seconds": s.get("seconds")} for s in steps]
+    rows = [
+        {
+            "step": s.get("step"),
+            "result": "pass" if s.get("ok") else "FAIL",
+            "detail": s.get("detail"),
+            "seconds": s.get("seconds"),
+        }
+        for s in steps
+    ]
     return pd.DataFrame(rows, columns=["step", "result", "detail", "seconds"])
 
 
@@ -62,8 +76,10 @@ def section(record: dict[str, Any], folder: Path) -> Section:
     m = record["measurements"]
     absence = m.get("absence", "unproven")
     observed = m.get("observed") or {}
-    line = (f"{m.get('outcome')} (exit {m.get('exit_code')}): cluster {m.get('cluster')} at commit "
-            f"{str(m.get('commit'))[:12]}, absence {absence}")
+    line = (
+        f"{m.get('outcome')} (exit {m.get('exit_code')}): cluster {m.get('cluster')} at commit "
+        f"{str(m.get('commit'))[:12]}, absence {absence}"
+    )
     if absence != "confirmed":
         line += f"; last seen: {observed.get('last_seen')}. Run `rtv gpu down {m.get('cluster')}` now"
     tables = {"Requested and observed": _requested_observed(m)}

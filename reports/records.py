@@ -56,9 +56,16 @@ def _load(path: Path, root: Path) -> LoadedRecord:
     try:
         record = verify(path)
     except EvidenceError as error:
-        return LoadedRecord(path=path, name=name, record={}, status="invalid", integrity=f"does not verify: {error.cause}")
-    return LoadedRecord(path=path, name=name, record=record, status="passed" if record["passed"] else "failed",
-                        integrity="verified (schema and digest)")
+        return LoadedRecord(
+            path=path, name=name, record={}, status="invalid", integrity=f"does not verify: {error.cause}"
+        )
+    return LoadedRecord(
+        path=path,
+        name=name,
+        record=record,
+        status="passed" if record["passed"] else "failed",
+        integrity="verified (schema and digest)",
+    )
 
 
 def _source_tree(folder: Path) -> bool:

@@ -90,13 +90,21 @@ def _view(loaded: LoadedRecord, folder: Path) -> RecordView:
     relative = lambda path: Path(os.path.relpath(path, folder)).as_posix()  # noqa: E731
     section = None if loaded.status == "invalid" else _section(loaded, folder / "plots")
     figures = [] if section is None else [replace(f, path=Path(relative(f.path))) for f in section.figures]
-    return RecordView(name=loaded.name, anchor="section-" + slug(loaded.name),
-                      link=relative(loaded.path), status=loaded.status, integrity=loaded.integrity,
-                      created=loaded.record.get("created", "unknown"), environment=loaded.record.get("environment", {}),
-                      source=loaded.record.get("source", {}), section=section, figures=figures,
-                      failed_checks=_failed_checks(loaded),
-                      injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])],
-                      forced=loaded.record.get("config", {}).get("inject_failure") is True)
+    return RecordView(
+        name=loaded.name,
+        anchor="section-" + slug(loaded.name),
+        link=relative(loaded.path),
+        status=loaded.status,
+        integrity=loaded.integrity,
+        created=loaded.record.get("created", "unknown"),
+        environment=loaded.record.get("environment", {}),
+        source=loaded.record.get("source", {}),
+        section=section,
+        figures=figures,
+        failed_checks=_failed_checks(loaded),
+        injected=[str(fault) for fault in loaded.record.get("config", {}).get("injected", [])],
+        forced=loaded.record.get("config", {}).get("inject_failure") is True,
+    )
 
 
 def build_context(in_dir: Path, folder: Path, *, title: str) -> ReportContext:
@@ -126,5 +134,11 @@ def render_report(in_dir: Path, out_file: Path | None = None, *, title: str | No
     embedded = {str(f.path): _data_uri(folder / f.path) for view in context.records for f in view.figures}
     html.write_text(_TEMPLATES.get_template("report.html.j2").render(page=context, embedded=embedded))
     plots = [folder / f.path for view in context.records for f in view.figures]
-    return ReportPaths(markdown=out_file, html=html, plots=plots, records=len(context.records), passed=context.passed,
-                       skipped=[Path(os.path.normpath(folder / path)) for path in context.skipped])
+    return ReportPaths(
+        markdown=out_file,
+        html=html,
+        plots=plots,
+        records=len(context.records),
+        passed=context.passed,
+        skipped=[Path(os.path.normpath(folder / path)) for path in context.skipped],
+    )

@@ -39,9 +39,12 @@ def plot_gaps(gaps: dict[str, list[float]], path: Path, *, tolerance: float) -> 
     axes = figure.add_subplot()
     for row, label in enumerate(labels):
         values = [max(g, _FLOOR) for g in gaps[label]]
-        axes.scatter(values, [row] * len(values), s=8, alpha=0.5, color="tab:blue", label="tokens" if row == 0 else None)
-        axes.scatter([float(np.median(values))], [row], marker="|", s=200, color="black",
-                     label="median" if row == 0 else None)
+        axes.scatter(
+            values, [row] * len(values), s=8, alpha=0.5, color="tab:blue", label="tokens" if row == 0 else None
+        )
+        axes.scatter(
+            [float(np.median(values))], [row], marker="|", s=200, color="black", label="median" if row == 0 else None
+        )
     axes.set_yticks(range(len(labels)), labels)
     axes.axvline(tolerance, color="tab:red", linestyle="--", label=f"FP32 tolerance {tolerance:g}")
     axes.set_xscale("log")
@@ -58,16 +61,30 @@ def section(record: dict, folder: Path) -> Section:
     fp32 = table[table["dtype"] == "fp32"]
     figures = []
     if m["bf16_gaps"]:
-        path = plot_gaps(m["bf16_gaps"], folder / f"rollout-bf16-{record['digest'][:12]}.png",
-                         tolerance=config["fp32_tolerance"])
-        figures.append(Figure(path=path, caption="BF16 engine against the FP32 trainer: per-token log-prob gaps "
-                                                 "per setting (shown, not gated)"))
+        path = plot_gaps(
+            m["bf16_gaps"], folder / f"rollout-bf16-{record['digest'][:12]}.png", tolerance=config["fp32_tolerance"]
+        )
+        figures.append(
+            Figure(
+                path=path,
+                caption="BF16 engine against the FP32 trainer: per-token log-prob gaps per setting (shown, not gated)",
+            )
+        )
     faults, flight = m["publication"]["faults"], m["publication"]["inflight"]
-    lines = [(f"publication: {faults['unchanged']} of {faults['tensors']} faulted publications left the engine "
-              f"bitwise unchanged; {faults['nbytes']} bytes per publication in {number(faults['seconds'], '.2g')} s"),
-             (f"inflight versions {flight['versions']}: re-decoding at the recorded version within "
-              f"{number(flight['worst_own_version_gap'], '.2g')}"),
-             f"behaviour lag: one step off-policy {m['lags']['one_step']}, staleness 0 {m['lags']['staleness_0']}"]
+    lines = [
+        (
+            f"publication: {faults['unchanged']} of {faults['tensors']} faulted publications left the engine "
+            f"bitwise unchanged; {faults['nbytes']} bytes per publication in {number(faults['seconds'], '.2g')} s"
+        ),
+        (
+            f"inflight versions {flight['versions']}: re-decoding at the recorded version within "
+            f"{number(flight['worst_own_version_gap'], '.2g')}"
+        ),
+        f"behaviour lag: one step off-policy {m['lags']['one_step']}, staleness 0 {m['lags']['staleness_0']}",
+    ]
     built = base_section(record, lines=lines, tables={"engine against trainer per setting": table}, figures=figures)
-    return replace(built, key_figure=f"worst FP32 gap {number(float(fp32['worst'].max()), '.2g')} vs tolerance "
-                                     f"{number(config['fp32_tolerance'], '.2g')}")
+    return replace(
+        built,
+        key_figure=f"worst FP32 gap {number(float(fp32['worst'].max()), '.2g')} vs tolerance "
+        f"{number(config['fp32_tolerance'], '.2g')}",
+    )

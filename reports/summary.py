@@ -49,10 +49,15 @@ def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict, bool]]:
     measurements = loaded.record["measurements"]
     if loaded.kind == "benchmark-baseline":
         scope = short_revisions(loaded.record["config"]["scope"])
-        return [(f"{loaded.record['config']['workload']} ({scope})", c, c["arm"] != loaded.record["config"]["control"])
-                for c in measurements["comparisons"]]
-    return [(g["label"], c, g["gated"] and enforced(c)) for g in measurements["groups"]
-            for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])]
+        return [
+            (f"{loaded.record['config']['workload']} ({scope})", c, c["arm"] != loaded.record["config"]["control"])
+            for c in measurements["comparisons"]
+        ]
+    return [
+        (g["label"], c, g["gated"] and enforced(c))
+        for g in measurements["groups"]
+        for c in g["comparisons"] + ([g["replay_floor"]] if g["replay_floor"] else [])
+    ]
 
 
 def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
@@ -65,9 +70,19 @@ def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
         link = Path(os.path.relpath(loaded.path, folder)).as_posix()
         for workload, c, counted in _comparisons(loaded):
             low, high = c["ci95"]
-            rows.append({"workload": workload, "arm": c["arm"], "baseline": short_revisions(c["baseline"]), "ratio": c["ratio"],
-                         "interval": interval(low, high), "verdict": c["verdict"], "counted": counted,
-                         "blocks": c["blocks"], "record": link})
+            rows.append(
+                {
+                    "workload": workload,
+                    "arm": c["arm"],
+                    "baseline": short_revisions(c["baseline"]),
+                    "ratio": c["ratio"],
+                    "interval": interval(low, high),
+                    "verdict": c["verdict"],
+                    "counted": counted,
+                    "blocks": c["blocks"],
+                    "record": link,
+                }
+            )
     return rows
 
 
@@ -77,8 +92,11 @@ def _verdict(row: dict) -> str:
 
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| workload | arm vs baseline | ratio (95% CI) | verdict | blocks | record |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {number(r['ratio'], '.3f')} {r['interval']} | "
-              f"**{_verdict(r)}** | {r['blocks']} | [record]({r['record']}) |" for r in rows]
+    lines += [
+        f"| {r['workload']} | {r['arm']} vs {r['baseline']} | {number(r['ratio'], '.3f')} {r['interval']} | "
+        f"**{_verdict(r)}** | {r['blocks']} | [record]({r['record']}) |"
+        for r in rows
+    ]
     return lines
 
 
@@ -95,8 +113,19 @@ def write_summary(in_dir: Path, folder: Path, report: Path | None = None) -> Sum
     comment = None
     if regressions:
         comment = folder / COMMENT_FILE
-        comment.write_text("\n".join([f"**rtv bench found {len(regressions)} regression(s)**", "", *_table(regressions),
-                                      "", ratio, *link, ""]))
+        comment.write_text(
+            "\n".join(
+                [
+                    f"**rtv bench found {len(regressions)} regression(s)**",
+                    "",
+                    *_table(regressions),
+                    "",
+                    ratio,
+                    *link,
+                    "",
+                ]
+            )
+        )
     else:
         (folder / COMMENT_FILE).unlink(missing_ok=True)  # a stale comment from an earlier run must not be posted
     return SummaryPaths(summary=summary, comment=comment, regressions=len(regressions))

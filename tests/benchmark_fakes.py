@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from canaries.benchmark import canary as benchmark
-from canaries.registry import canary
 from canaries.benchmark.arms import TimedArm, TimedWorkload
+from canaries.registry import canary
 from validation.evidence import verify
 from validation.load import Load
 
@@ -70,16 +70,32 @@ class FakeMachine:
             runs += 1
             self.now += self.costs.get(name, 1.0)
             return step() if self.real_steps is None or runs <= self.real_steps else 0.0
+
         return run
 
 
-FAKE_PAUSES = {"workload": TINY.label, "bytes": 2**20, "published_bytes": 2**19, "step_seconds": 0.5,
-               "max_blocks": 8, "budget_s": 10.0,
-               "arms": [{"arm": arm, "blocks": 8, "ratio": ratio, "ratio_ci": [ratio - 0.1, ratio + 0.1],
-                         "seconds": ratio / 2, "seconds_ci": [ratio / 2 - 0.05, ratio / 2 + 0.05],
-                         "extra_seconds": ratio / 2 - 0.5, "extra_seconds_ci": [ratio / 2 - 0.55, ratio / 2 - 0.45],
-                         "reading": "measured"} for arm, ratio in (("save", 0.8), ("load", 0.4), ("offload", 1.2),
-                                                                     ("publish", 1.1))]}
+FAKE_PAUSES = {
+    "workload": TINY.label,
+    "bytes": 2**20,
+    "published_bytes": 2**19,
+    "step_seconds": 0.5,
+    "max_blocks": 8,
+    "budget_s": 10.0,
+    "arms": [
+        {
+            "arm": arm,
+            "blocks": 8,
+            "ratio": ratio,
+            "ratio_ci": [ratio - 0.1, ratio + 0.1],
+            "seconds": ratio / 2,
+            "seconds_ci": [ratio / 2 - 0.05, ratio / 2 + 0.05],
+            "extra_seconds": ratio / 2 - 0.5,
+            "extra_seconds_ci": [ratio / 2 - 0.55, ratio / 2 - 0.45],
+            "reading": "measured",
+        }
+        for arm, ratio in (("save", 0.8), ("load", 0.4), ("offload", 1.2), ("publish", 1.1))
+    ],
+}
 
 
 def fake_pauses(monkeypatch) -> None:
@@ -99,5 +115,7 @@ def tiny_plan(preset: str, profile: str, profiled_blocks: int = 0) -> benchmark.
 
 def run_fake(tmp_path: Path, costs: dict[str, float], real_steps: int | None = None, **kwargs) -> dict:
     machine = FakeMachine(costs, real_steps)
-    judged = benchmark.measure("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=machine.build, **kwargs)
+    judged = benchmark.measure(
+        "cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), build=machine.build, **kwargs
+    )
     return verify(canary("benchmark").record("cpu", judged, tmp_path))

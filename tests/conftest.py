@@ -60,8 +60,11 @@ def tiny_learning_record(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from tests.once import once_per_run
     from validation.evidence import verify
 
-    return once_per_run(tmp_path_factory, "tiny-learning-record",
-                        lambda folder: verify(canary("learning").record("cpu", judge_plan(tiny_plan()), folder)))
+    return once_per_run(
+        tmp_path_factory,
+        "tiny-learning-record",
+        lambda folder: verify(canary("learning").record("cpu", judge_plan(tiny_plan()), folder)),
+    )
 
 
 # Tests that share a costly import, a run-wide fixture or a forkserver (``validation.spawn``: torch imported afresh,
@@ -113,7 +116,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
     config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
-    config.addinivalue_line("markers", "bench: times real work; deselected by default, run alone: pytest -m bench -p no:xdist")
+    config.addinivalue_line(
+        "markers", "bench: times real work; deselected by default, run alone: pytest -m bench -p no:xdist"
+    )
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster; runs only in .ci/local_slurm_stage")
 
 

@@ -16,8 +16,9 @@ def make_trainer(kind: str, *, dropout: float = 0.1, lr: float = 5e-2, seed: int
     """``validation.trainers.trainer_with_policy`` with the unit tests' defaults: the tiny model with dropout,
     AdamW at ``lr``, a LoRA of rank 4 (``kind="lora"``) or a full checkpoint (``"full"``)."""
     lora = rt.LoRAConfig(rank=4) if kind == "lora" else None
-    return trainer_with_policy(rt.ModelConfig.tiny(dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=lr),
-                               seed=seed, **trainer_kw)
+    return trainer_with_policy(
+        rt.ModelConfig.tiny(dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=lr), seed=seed, **trainer_kw
+    )
 
 
 def sequence(seed: int, length: int = 9, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +48,7 @@ def grads_of(trainer: rt.Trainer, name: str = "policy") -> dict[str, torch.Tenso
 def grad_snapshot(trainer: rt.Trainer, name: str = "policy") -> dict[str, tuple[object, torch.Tensor | None]]:
     """(object identity, value copy) of every ``.grad``, to prove nothing changed."""
     return {
-        n: (p.grad, None if p.grad is None else p.grad.clone())
-        for n, p in trainer.checkpoint(name).named_parameters()
+        n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in trainer.checkpoint(name).named_parameters()
     }
 
 
@@ -90,8 +90,12 @@ def checkless_passed_record() -> dict:
 
 def model_snapshot(model: rt.DecoderLM) -> tuple:
     """Everything of ``model`` a call must leave as it was: ``requires_grad``, weights, buffers, mode, and the RNG."""
-    return ([(n, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()],
-            [(n, b.clone()) for n, b in model.named_buffers()], model.training, torch.get_rng_state())
+    return (
+        [(n, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()],
+        [(n, b.clone()) for n, b in model.named_buffers()],
+        model.training,
+        torch.get_rng_state(),
+    )
 
 
 def assert_model_unchanged(model: rt.DecoderLM, before: tuple) -> None:

@@ -95,8 +95,9 @@ RANKS_INTERNALS_ALLOWED = {  # module prefix -> why it may import a module insid
     "canaries.mutations": "the mutation suite plants its faults inside the logical ranks (LogicalSums, TreeFold)",
 }
 ROLLOUT = f"{TRAINER}.rollout"
-ROLLOUT_IMPORTS = tuple(f"{TRAINER}.{m}" for m in ("model", "lora", "sampling", "checkpoints", "errors", "seams",
-                                                    "host_reads"))
+ROLLOUT_IMPORTS = tuple(
+    f"{TRAINER}.{m}" for m in ("model", "lora", "sampling", "checkpoints", "errors", "seams", "host_reads")
+)
 PRIVATE_ALLOWED = ("reference_trainer.testing",)
 IS_NUMBER = f"{TRAINER}.errors.is_number"  # the one test for "an int or a float, not a bool"
 MAX_LINES = 450
@@ -115,6 +116,8 @@ RESOLVERS = {  # module -> the names a canary's own module never imports from it
 }
 _NOTE = re.compile(r"NOTE \[([^\]]+)\]")
 _NOTE_WRITTEN = re.compile(r"^\s*#?\s*NOTE \[([^\]]+)\]\s*(?:$|:|\()")
+
+
 @functools.cache
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
@@ -167,8 +170,11 @@ def _owner(target: str, modules: dict[str, Path]) -> str | None:
 def _edges(root: Path, packages: tuple[str, ...]) -> tuple[tuple[str, str, str | None], ...]:
     """Every import as (module, the scanned module it names or else the dotted name written, the name or None)."""
     modules = _modules(root, packages)
-    return tuple((name, _owner(target, modules) or target, imported)
-                 for name, path in modules.items() for target, imported in _imports(name, path, modules))
+    return tuple(
+        (name, _owner(target, modules) or target, imported)
+        for name, path in modules.items()
+        for target, imported in _imports(name, path, modules)
+    )
 
 
 def _inside(module: str, package: str) -> bool:
@@ -188,23 +194,49 @@ def _import_rules(edges: tuple[tuple[str, str], ...]) -> list[Violation]:
     for name, target in edges:
         package = name.split(".")[0]
         if target.split(".")[0] in NEVER_IMPORTS.get(package, ()):
-            found.append(Violation("layering", name, f"imports {target}: {package} never imports "
-                                                     f"{', '.join(NEVER_IMPORTS[package])}"))
+            found.append(
+                Violation(
+                    "layering", name, f"imports {target}: {package} never imports {', '.join(NEVER_IMPORTS[package])}"
+                )
+            )
         here, there = _layer(name), _layer(target)
         if here is not None and there is not None and there > here:
-            found.append(Violation("climb", name, f"imports {target}: the {TRAINER_LAYERS[here]} never imports "
-                                                   f"the {TRAINER_LAYERS[there]} above it (TRAINER_LAYERS)"))
+            found.append(
+                Violation(
+                    "climb",
+                    name,
+                    f"imports {target}: the {TRAINER_LAYERS[here]} never imports "
+                    f"the {TRAINER_LAYERS[there]} above it (TRAINER_LAYERS)",
+                )
+            )
         internal = _inside(target, RANKS) and target != RANKS and not _inside(name, RANKS)
         if internal and not any(_inside(name, allowed) for allowed in RANKS_INTERNALS_ALLOWED):
-            found.append(Violation("ranks-boundary", name, f"imports {target}: import it from {RANKS}, "
-                                                           "the subpackage's public boundary"))
-        if _inside(name, ROLLOUT) and _inside(target, TRAINER) and not _inside(target, ROLLOUT) \
-                and target not in ROLLOUT_IMPORTS:
-            found.append(Violation("rollout", name, f"imports {target}: the rollout engine imports only "
-                                                    f"{', '.join(ROLLOUT_IMPORTS)} of the trainer"))
+            found.append(
+                Violation(
+                    "ranks-boundary",
+                    name,
+                    f"imports {target}: import it from {RANKS}, the subpackage's public boundary",
+                )
+            )
+        if (
+            _inside(name, ROLLOUT)
+            and _inside(target, TRAINER)
+            and not _inside(target, ROLLOUT)
+            and target not in ROLLOUT_IMPORTS
+        ):
+            found.append(
+                Violation(
+                    "rollout",
+                    name,
+                    f"imports {target}: the rollout engine imports only {', '.join(ROLLOUT_IMPORTS)} of the trainer",
+                )
+            )
         if target == f"{TRAINER}.trainer" and package == TRAINER and name not in TRAINER_CALLERS:
-            found.append(Violation("callback", name, "imports reference_trainer.trainer: the trainer's parts "
-                                                     "never call back into it"))
+            found.append(
+                Violation(
+                    "callback", name, "imports reference_trainer.trainer: the trainer's parts never call back into it"
+                )
+            )
     return found
 
 
@@ -220,8 +252,11 @@ def _private_attributes(path: Path, aliases: dict[str, str]) -> list[tuple[str, 
 
 def _module_aliases(path: Path, name: str, modules: dict[str, Path]) -> dict[str, str]:
     aliases = {}
-    submodules = {target.rpartition(".")[2]: target for target, imported in _imports(name, path, modules)
-                  if imported is None and target in modules}  # once: each ImportFrom below binds the same names
+    submodules = {
+        target.rpartition(".")[2]: target
+        for target, imported in _imports(name, path, modules)
+        if imported is None and target in modules
+    }  # once: each ImportFrom below binds the same names
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -288,34 +323,54 @@ def _notes(root: Path, modules: dict[str, Path]) -> list[Violation]:
                 written.setdefault(match.group(1), set()).add(name)
             for mention in _NOTE.findall(line):
                 mentioned.setdefault(mention, name)
-    found = [Violation("note", module, f"NOTE [{note}] is written in {sorted(where)}")
-             for note, where in written.items() if len(where) > 1 for module in sorted(where)]
-    found += [Violation("note", where, f"refers to NOTE [{note}], which no file writes")
-              for note, where in mentioned.items() if note not in written]
+    found = [
+        Violation("note", module, f"NOTE [{note}] is written in {sorted(where)}")
+        for note, where in written.items()
+        if len(where) > 1
+        for module in sorted(where)
+    ]
+    found += [
+        Violation("note", where, f"refers to NOTE [{note}], which no file writes")
+        for note, where in mentioned.items()
+        if note not in written
+    ]
     return found
 
 
 def _canary_folders(root: Path, modules: dict[str, Path]) -> list[Violation]:
     """The ``canary-folder`` rule: prefix families at the top of ``canaries/``, registered canaries outside their folder."""
-    found = [Violation("canary-folder", name, "a canary's own module: move it into its folder canaries/<name>/")
-             for name in modules if name.count(".") == 1 and name.startswith("canaries.")
-             and name.split(".")[1].startswith(CANARY_PREFIXES)]
+    found = [
+        Violation("canary-folder", name, "a canary's own module: move it into its folder canaries/<name>/")
+        for name in modules
+        if name.count(".") == 1 and name.startswith("canaries.") and name.split(".")[1].startswith(CANARY_PREFIXES)
+    ]
     registry = modules.get("canaries.registry")
     for node in ast.walk(_tree(registry)) if registry else ():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Canary":
             given = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
             if not given.get("module", "").startswith(f"canaries.{given.get('name')}."):
-                found.append(Violation("canary-folder", given.get("module", "?"),
-                                       f"registered canary {given.get('name')!r} lives outside canaries/{given.get('name')}/"))
+                found.append(
+                    Violation(
+                        "canary-folder",
+                        given.get("module", "?"),
+                        f"registered canary {given.get('name')!r} lives outside canaries/{given.get('name')}/",
+                    )
+                )
     return found
 
 
 def _resolutions(edges: tuple[tuple[str, str, str | None], ...]) -> list[Violation]:
     """The ``resolve`` rule over ``(module, imported module, imported name or None)`` edges."""
-    return [Violation("resolve", name, f"imports {owner}{'.' + imported if imported else ''}: a canary reads "
-                                       "run.preset (canaries.request.CanaryRun); the spine resolves it once")
-            for name, owner, imported in edges
-            if name.startswith("canaries.") and name.count(".") >= 2 and imported in RESOLVERS.get(owner, ())]
+    return [
+        Violation(
+            "resolve",
+            name,
+            f"imports {owner}{'.' + imported if imported else ''}: a canary reads "
+            "run.preset (canaries.request.CanaryRun); the spine resolves it once",
+        )
+        for name, owner, imported in edges
+        if name.startswith("canaries.") and name.count(".") >= 2 and imported in RESOLVERS.get(owner, ())
+    ]
 
 
 def _defined_twice(modules: dict[str, Path]) -> list[Violation]:
@@ -326,13 +381,21 @@ def _defined_twice(modules: dict[str, Path]) -> list[Violation]:
             continue
         for node in _tree(path).body:
             targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
-            names = [node.name] if isinstance(node, ast.ClassDef) else [t.id for t in targets if isinstance(t, ast.Name)]
+            names = (
+                [node.name] if isinstance(node, ast.ClassDef) else [t.id for t in targets if isinstance(t, ast.Name)]
+            )
             for defined in names:
                 public_class = isinstance(node, ast.ClassDef) and not defined.startswith("_")
-                if (public_class or (defined.isupper() and not defined.startswith("_"))) and defined not in DEFINED_TWICE:
+                if (
+                    public_class or (defined.isupper() and not defined.startswith("_"))
+                ) and defined not in DEFINED_TWICE:
                     where.setdefault(defined, []).append(name)
-    return [Violation("defined-twice", module, f"{defined} is also defined in {sorted(set(found) - {module})}")
-            for defined, found in where.items() if len(set(found)) > 1 for module in sorted(set(found))]
+    return [
+        Violation("defined-twice", module, f"{defined} is also defined in {sorted(set(found) - {module})}")
+        for defined, found in where.items()
+        if len(set(found)) > 1
+        for module in sorted(set(found))
+    ]
 
 
 def _exports(modules: dict[str, Path]) -> dict[str, str]:
@@ -360,9 +423,16 @@ def _definitions(modules: dict[str, Path]) -> list[tuple[str, str]]:
 
 def _homonyms(exports: dict[str, str], definitions: list[tuple[str, str]]) -> list[Violation]:
     """The ``homonym`` rule: a harness definition of a name a trainer module exports."""
-    return [Violation("homonym", module, f"defines {defined}, which {exports[defined]} exports: one name, one "
-                                         "meaning; give the harness's its own name")
-            for module, defined in definitions if defined in exports]
+    return [
+        Violation(
+            "homonym",
+            module,
+            f"defines {defined}, which {exports[defined]} exports: one name, one "
+            "meaning; give the harness's its own name",
+        )
+        for module, defined in definitions
+        if defined in exports
+    ]
 
 
 def _number_checks(modules: dict[str, Path]) -> list[Violation]:
@@ -376,7 +446,11 @@ def _number_checks(modules: dict[str, Path]) -> list[Violation]:
                 continue
             kinds: dict[str, set[str]] = {}
             for call in ast.walk(node):
-                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "isinstance" and len(call.args) == 2:
+                if (
+                    isinstance(call, ast.Call)
+                    and getattr(call.func, "id", None) == "isinstance"
+                    and len(call.args) == 2
+                ):
                     kinds.setdefault(ast.unparse(call.args[0]), set()).add(ast.unparse(call.args[1]))
             if any({"bool", "(int, float)"} <= found_kinds for found_kinds in kinds.values()):
                 found.append(Violation("is-number", name, f"line {node.lineno} spells out {IS_NUMBER}: call it"))
@@ -530,11 +604,18 @@ def test_negative_control_a_fake_tree_breaking_every_rule_is_reported(tmp_path: 
     _write(tmp_path, "ci/run.py", "def f():\n    from canaries.suite import run\n")  # layering: ci -> canaries
     _write(tmp_path, "canaries/suite.py", "from ci import cli\n")  # allowed: canaries drives ci
     _write(tmp_path, "ci/cli.py", "")
-    _write(tmp_path, "canaries/registry.py", "Canary(name='derivative', module='canaries.derivative.canary')\n"
-                                             "Canary(name='memory', module='canaries.memory_canary')\n")  # canary-folder
+    _write(
+        tmp_path,
+        "canaries/registry.py",
+        "Canary(name='derivative', module='canaries.derivative.canary')\n"
+        "Canary(name='memory', module='canaries.memory_canary')\n",
+    )  # canary-folder
     _write(tmp_path, "canaries/presets.py", "def preset(name):\n    return name\n")
-    _write(tmp_path, "canaries/request.py", "from .presets import preset\n\ndef canary_run(name):\n"
-                                            "    return preset(name)\n")  # allowed: the spine resolves
+    _write(
+        tmp_path,
+        "canaries/request.py",
+        "from .presets import preset\n\ndef canary_run(name):\n    return preset(name)\n",
+    )  # allowed: the spine resolves
     _write(tmp_path, "canaries/rollout/canary.py", "from ..presets import preset\n")  # resolve: by name
     _write(tmp_path, "canaries/planner/canary.py", "from .. import presets\n")  # resolve: the module
     _write(tmp_path, "canaries/liveness/canary.py", "from canaries.request import canary_run\n")  # resolve
@@ -589,16 +670,28 @@ def test_negative_control_a_fake_tree_breaking_the_layer_rules_is_reported(tmp_p
     _write(tmp_path, "canaries/cli.py", "")
     _write(tmp_path, "canaries/mutations/catalogue.py", "from reference_trainer.ranks.tree import fold\n")  # allowed
     _write(tmp_path, "canaries/benchmark/baseline.py", "BASE, HEAD = 'base', 'head'\n")  # homonym
-    _write(tmp_path, "reference_trainer/errors.py", "def is_number(x):\n"
-                                                    "    return isinstance(x, (int, float)) and not isinstance(x, bool)\n")
-    _write(tmp_path, "reference_trainer/model.py", "def f(x):\n"  # is-number: a copy
-                                                   "    if isinstance(x, bool) or not isinstance(x, (int, float)):\n"
-                                                   "        raise ValueError(x)\n")
-    _write(tmp_path, "reports/generic.py", "def f(x, y):\n"  # allowed: two subjects, one test each
-                                           "    return isinstance(x, bool) and isinstance(y, (int, float))\n")
+    _write(
+        tmp_path,
+        "reference_trainer/errors.py",
+        "def is_number(x):\n    return isinstance(x, (int, float)) and not isinstance(x, bool)\n",
+    )
+    _write(
+        tmp_path,
+        "reference_trainer/model.py",
+        "def f(x):\n"  # is-number: a copy
+        "    if isinstance(x, bool) or not isinstance(x, (int, float)):\n"
+        "        raise ValueError(x)\n",
+    )
+    _write(
+        tmp_path,
+        "reports/generic.py",
+        "def f(x, y):\n"  # allowed: two subjects, one test each
+        "    return isinstance(x, bool) and isinstance(y, (int, float))\n",
+    )
 
-    found = {(v.rule, v.module)
-             for v in violations(tmp_path, ("reference_trainer", "validation", "reports", "canaries"))}
+    found = {
+        (v.rule, v.module) for v in violations(tmp_path, ("reference_trainer", "validation", "reports", "canaries"))
+    }
 
     assert found == {
         ("climb", "reference_trainer.resume"),
@@ -616,18 +709,25 @@ def test_negative_control_a_fake_tree_breaking_the_layer_rules_is_reported(tmp_p
 
 PLANTED_IMPORTS = {  # (module, the module it is made to import) -> the violations that must appear
     ("reference_trainer.resume", "reference_trainer.ranks"): {("climb", "reference_trainer.resume")},
-    ("reference_trainer.commit", "reference_trainer.ranks.state"): {("climb", "reference_trainer.commit"),
-                                                                    ("ranks-boundary", "reference_trainer.commit")},
+    ("reference_trainer.commit", "reference_trainer.ranks.state"): {
+        ("climb", "reference_trainer.commit"),
+        ("ranks-boundary", "reference_trainer.commit"),
+    },
     ("reference_trainer.sinks", "reference_trainer"): {("climb", "reference_trainer.sinks")},
     ("reference_trainer.ranks.state", "reference_trainer"): {("climb", "reference_trainer.ranks.state")},
     ("reference_trainer.ranks.tree", "reference_trainer.trainer"): {("callback", "reference_trainer.ranks.tree")},
     ("reports.summary", "reference_trainer.checkpoints"): {("layering", "reports.summary")},
-    ("reference_trainer.rollout.engine", "reference_trainer.records"): {("rollout", "reference_trainer.rollout.engine")},
-    ("reference_trainer.rollout.cache", "reference_trainer.trainer"): {("rollout", "reference_trainer.rollout.cache"),
-                                                                      ("callback", "reference_trainer.rollout.cache")},
+    ("reference_trainer.rollout.engine", "reference_trainer.records"): {
+        ("rollout", "reference_trainer.rollout.engine")
+    },
+    ("reference_trainer.rollout.cache", "reference_trainer.trainer"): {
+        ("rollout", "reference_trainer.rollout.cache"),
+        ("callback", "reference_trainer.rollout.cache"),
+    },
     ("validation.oracle", "canaries.registry"): {("layering", "validation.oracle")},
     ("canaries.derivative.scenarios", "reference_trainer.ranks.logical"): {
-        ("ranks-boundary", "canaries.derivative.scenarios")},
+        ("ranks-boundary", "canaries.derivative.scenarios")
+    },
 }
 
 
@@ -639,9 +739,16 @@ def test_an_import_planted_in_the_real_tree_is_reported(planted: tuple[str, str]
     assert {(v.rule, v.module) for v in _import_rules((*real, planted))} == PLANTED_IMPORTS[planted]
 
 
-@pytest.mark.parametrize("planted", [("canaries.benchmark.baseline", "BASE"), ("validation.reference", "pad_sequences"),
-                                     ("validation.oracle_state", "check_age"), ("ci.frames", "MANIFEST")],
-                         ids=" defines ".join)
+@pytest.mark.parametrize(
+    "planted",
+    [
+        ("canaries.benchmark.baseline", "BASE"),
+        ("validation.reference", "pad_sequences"),
+        ("validation.oracle_state", "check_age"),
+        ("ci.frames", "MANIFEST"),
+    ],
+    ids=" defines ".join,
+)
 def test_a_definition_planted_in_the_real_tree_is_reported(planted: tuple[str, str]) -> None:
     modules = _modules(ROOT, PACKAGES)
     real = _definitions(modules)
@@ -654,8 +761,7 @@ def test_a_definition_planted_in_the_real_tree_is_reported(planted: tuple[str, s
 BUILDER = "validation/trainers.py"
 BUILDER_SCANNED = ("canaries", "validation", "tests")  # examples/ teach the public API: they spell it out
 BUILDER_EXEMPT = {  # "path::function" -> why it builds by hand
-    "tests/unit/test_checkpoints.py::test_add_checkpoint_needs_exactly_one_of_lora_and_full":
-        "tests add_checkpoint's own refusals",
+    "tests/unit/test_checkpoints.py::test_add_checkpoint_needs_exactly_one_of_lora_and_full": "tests add_checkpoint's own refusals",
     "tests/unit/test_admission.py::_trainer_in_census": "its census starts between the trainer and its checkpoint",
     "tests/unit/test_resume.py::_build": "builds a policy, a critic or both",
     "tests/validation/test_trainers.py::_by_hand": "the builder's oracle: the same trainer, built by hand",
@@ -664,8 +770,16 @@ BUILDER_EXEMPT = {  # "path::function" -> why it builds by hand
 
 def _policy_names(tree: ast.Module) -> set[str]:
     """Names that mean ``"policy"`` in a module: its constants of that value and ``POLICY`` imported from the builder."""
-    names = {"POLICY"} if any(isinstance(n, ast.ImportFrom) and n.module == "validation.trainers" and
-                              any(a.name == "POLICY" and a.asname is None for a in n.names) for n in tree.body) else set()
+    names = (
+        {"POLICY"}
+        if any(
+            isinstance(n, ast.ImportFrom)
+            and n.module == "validation.trainers"
+            and any(a.name == "POLICY" and a.asname is None for a in n.names)
+            for n in tree.body
+        )
+        else set()
+    )
     for node in tree.body:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == "policy":
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
@@ -695,10 +809,16 @@ def _builder_copies(root: Path, scanned: tuple[str, ...] = BUILDER_SCANNED) -> l
             continue  # cannot hold a copy: not worth parsing
         tree = _tree(path)
         policy = _policy_names(tree)
-        scopes = [("<module>", tree)] + [(n.name, n) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        scopes = [("<module>", tree)] + [
+            (n.name, n) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         for name, scope in scopes:
             called = {(_called_name(c), _first_argument(c, policy)) for c in _own_calls(scope)}
-            if relative != BUILDER and any(c == "Trainer" for c, _ in called) and ("add_checkpoint", "policy") in called:
+            if (
+                relative != BUILDER
+                and any(c == "Trainer" for c, _ in called)
+                and ("add_checkpoint", "policy") in called
+            ):
                 found.append(f"{relative}::{name}")
     return found
 
@@ -725,30 +845,58 @@ def test_the_builder_rule_reports_each_kind_of_copy_and_nothing_else(tmp_path: P
     """Negative control: a fake tree with every kind of copy, and look-alikes that are not copies."""
     copy = "    trainer = rt.Trainer(model)\n    trainer.add_checkpoint({name}, full=True)\n"
     _write(tmp_path, "canaries/literal.py", "def build(model):\n" + copy.format(name='"policy"'))
-    _write(tmp_path, "validation/constant.py", "NAME = 'policy'\nclass C:\n    def build(self, model):\n    "
-           + copy.format(name="NAME").replace("\n    ", "\n        "))
-    _write(tmp_path, "tests/imported.py", "from validation.trainers import POLICY\ndef build(model):\n"
-           + copy.format(name="POLICY"))
+    _write(
+        tmp_path,
+        "validation/constant.py",
+        "NAME = 'policy'\nclass C:\n    def build(self, model):\n    "
+        + copy.format(name="NAME").replace("\n    ", "\n        "),
+    )
+    _write(
+        tmp_path,
+        "tests/imported.py",
+        "from validation.trainers import POLICY\ndef build(model):\n" + copy.format(name="POLICY"),
+    )
     _write(tmp_path, "tests/top.py", copy.format(name='"policy"').replace("    ", ""))
-    _write(tmp_path, "tests/bare.py", "from reference_trainer import Trainer\ndef build(model):\n"
-           "    t = Trainer(model)\n    t.add_checkpoint('policy', full=True)\n")
+    _write(
+        tmp_path,
+        "tests/bare.py",
+        "from reference_trainer import Trainer\ndef build(model):\n"
+        "    t = Trainer(model)\n    t.add_checkpoint('policy', full=True)\n",
+    )
     _write(tmp_path, "tests/other_name.py", "def build(model):\n" + copy.format(name='"critic"'))
-    _write(tmp_path, "tests/second.py", "def add(trainer):\n    trainer.add_checkpoint('policy', full=True)\n"
-           "def load(path, model):\n    return rt.Trainer.load(path, model)\n")
-    _write(tmp_path, "tests/split.py", "def build(model):\n    trainer = rt.Trainer(model)\n"
-           "    def add():\n        trainer.add_checkpoint('policy', full=True)\n")
+    _write(
+        tmp_path,
+        "tests/second.py",
+        "def add(trainer):\n    trainer.add_checkpoint('policy', full=True)\n"
+        "def load(path, model):\n    return rt.Trainer.load(path, model)\n",
+    )
+    _write(
+        tmp_path,
+        "tests/split.py",
+        "def build(model):\n    trainer = rt.Trainer(model)\n"
+        "    def add():\n        trainer.add_checkpoint('policy', full=True)\n",
+    )
     _write(tmp_path, BUILDER, "def trainer_with_policy(model):\n" + copy.format(name='"policy"'))
     _write(tmp_path, "examples/example.py", "def build(model):\n" + copy.format(name='"policy"'))
-    assert _builder_copies(tmp_path) == ["canaries/literal.py::build", "tests/bare.py::build",
-                                         "tests/imported.py::build", "tests/top.py::<module>",
-                                         "validation/constant.py::build"]
+    assert _builder_copies(tmp_path) == [
+        "canaries/literal.py::build",
+        "tests/bare.py::build",
+        "tests/imported.py::build",
+        "tests/top.py::<module>",
+        "validation/constant.py::build",
+    ]
 
 
-@pytest.mark.parametrize("planted", [("canaries.rollout.canary", "canaries.presets", "preset"),
-                                     ("canaries.planner.canary", "canaries.presets", None),
-                                     ("canaries.derivative.canary", "canaries.presets", "PRESETS"),
-                                     ("canaries.memory.canary", "canaries.request", "canary_run")],
-                         ids=lambda edge: " -> ".join(map(str, edge)))
+@pytest.mark.parametrize(
+    "planted",
+    [
+        ("canaries.rollout.canary", "canaries.presets", "preset"),
+        ("canaries.planner.canary", "canaries.presets", None),
+        ("canaries.derivative.canary", "canaries.presets", "PRESETS"),
+        ("canaries.memory.canary", "canaries.request", "canary_run"),
+    ],
+    ids=lambda edge: " -> ".join(map(str, edge)),
+)
 def test_a_preset_resolved_in_a_canary_of_the_real_tree_is_reported(planted: tuple[str, str, str | None]) -> None:
     real = _edges(ROOT, PACKAGES)
     assert planted[0] in {name for name, _, _ in real}, "plant in a module the tree has"

@@ -35,9 +35,11 @@ def module_level_imports(source: str) -> set[str]:
 
 def heavy_collection_imports(root: Path) -> list[str]:
     """``path: package`` for each test module that imports a :data:`COLLECTION_FORBIDDEN` package at its top."""
-    return [f"{path.relative_to(root)}: {package}"
-            for path in sorted((root / "tests").rglob("test_*.py"))
-            for package in sorted(module_level_imports(path.read_text()) & set(COLLECTION_FORBIDDEN))]
+    return [
+        f"{path.relative_to(root)}: {package}"
+        for path in sorted((root / "tests").rglob("test_*.py"))
+        for package in sorted(module_level_imports(path.read_text()) & set(COLLECTION_FORBIDDEN))
+    ]
 
 
 def test_no_test_module_imports_a_heavy_optional_library_at_collection() -> None:
@@ -51,17 +53,20 @@ def test_negative_control_a_module_level_import_is_found_and_one_inside_a_functi
     assert heavy_collection_imports(tmp_path) == ["tests/ci/test_a.py: sky"]
 
 
-@pytest.mark.parametrize(("nodeid", "scope"), [
-    ("tests/ci/test_launcher.py::test_x[a-b]", "tests/ci/"),
-    ("tests/dist/test_logical_invariance.py::test_y", "spawned ranks"),
-    ("tests/validation/test_world.py::test_r", "spawned ranks"),
-    ("tests/validation/test_worlds.py::test_q", "tests/validation/test_worlds.py"),
-    ("tests/reports/test_board.py::TestBoard::test_z", "tests/reports/"),
-    ("tests/unit/test_saves.py::test_w[1]", "tests/unit/test_saves.py"),
-    ("tests/unit/test_saves.py::TestGroup::test_v", "tests/unit/test_saves.py"),
-    ("tests/test_docs.py::test_u", "tests/test_docs.py"),
-    ("tests/cinema/test_t.py::test_s", "tests/cinema/test_t.py"),
-])
+@pytest.mark.parametrize(
+    ("nodeid", "scope"),
+    [
+        ("tests/ci/test_launcher.py::test_x[a-b]", "tests/ci/"),
+        ("tests/dist/test_logical_invariance.py::test_y", "spawned ranks"),
+        ("tests/validation/test_world.py::test_r", "spawned ranks"),
+        ("tests/validation/test_worlds.py::test_q", "tests/validation/test_worlds.py"),
+        ("tests/reports/test_board.py::TestBoard::test_z", "tests/reports/"),
+        ("tests/unit/test_saves.py::test_w[1]", "tests/unit/test_saves.py"),
+        ("tests/unit/test_saves.py::TestGroup::test_v", "tests/unit/test_saves.py"),
+        ("tests/test_docs.py::test_u", "tests/test_docs.py"),
+        ("tests/cinema/test_t.py::test_s", "tests/cinema/test_t.py"),
+    ],
+)
 def test_a_grouped_folder_is_one_unit_of_work_and_any_other_test_its_module(nodeid: str, scope: str) -> None:
     assert xdist_scope(nodeid) == scope
 

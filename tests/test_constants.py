@@ -24,12 +24,18 @@ KNOWN = {
 def _literal(value: ast.expr) -> object:
     """The constant's value if it names something (str, tuple of str, Path literal), else None."""
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Path":
-        return ("Path", *(ast.literal_eval(a) for a in value.args)) if all(isinstance(a, ast.Constant) for a in value.args) else None
+        return (
+            ("Path", *(ast.literal_eval(a) for a in value.args))
+            if all(isinstance(a, ast.Constant) for a in value.args)
+            else None
+        )
     try:
         literal = ast.literal_eval(value)
     except ValueError:
         return None
-    named = isinstance(literal, str) or (isinstance(literal, tuple) and literal and all(isinstance(x, str) for x in literal))
+    named = isinstance(literal, str) or (
+        isinstance(literal, tuple) and literal and all(isinstance(x, str) for x in literal)
+    )
     return literal if named else None
 
 
@@ -52,9 +58,12 @@ def test_no_constant_is_declared_in_two_harness_modules() -> None:
 
 
 def test_negative_control_a_copied_constant_is_reported(tmp_path: Path) -> None:
-    for relative, text in {"ci/a.py": 'from pathlib import Path\nOUT = Path("rtv-out")\nKIND = "gpu-receipt"\nN = 3\n',
-                           "reports/b.py": 'from pathlib import Path\nDEFAULT = Path("rtv-out")\nN = 3\n',
-                           "reports/c.py": 'KIND = "gpu-receipt"\n', "validation/d.py": 'kind = "gpu-receipt"\n'}.items():
+    for relative, text in {
+        "ci/a.py": 'from pathlib import Path\nOUT = Path("rtv-out")\nKIND = "gpu-receipt"\nN = 3\n',
+        "reports/b.py": 'from pathlib import Path\nDEFAULT = Path("rtv-out")\nN = 3\n',
+        "reports/c.py": 'KIND = "gpu-receipt"\n',
+        "validation/d.py": 'kind = "gpu-receipt"\n',
+    }.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
     assert repeated_constants(tmp_path, ("ci", "reports", "validation")) == {

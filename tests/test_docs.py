@@ -27,8 +27,20 @@ import reference_trainer as rt
 ROOT = Path(__file__).parents[1]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".txt", ".sh"}
 TEXT_NAMES = {"Makefile", "run", "local_slurm_stage"}  # extension-less scripts (.ci/run, ...)
-SKIPPED_DIRS = {".git", ".venv", "rtv-out", "build", "mutants", "node_modules", "__pycache__", ".pytest_cache",
-                ".hypothesis", ".mypy_cache", ".ruff_cache", "fixtures"}
+SKIPPED_DIRS = {
+    ".git",
+    ".venv",
+    "rtv-out",
+    "build",
+    "mutants",
+    "node_modules",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    ".mypy_cache",
+    ".ruff_cache",
+    "fixtures",
+}
 
 _DOC_REF = re.compile(r"(?<![\w./-])docs/([\w./-]*[\w-])(?:#([\w-]+))?")
 _MD_LINK = re.compile(r"\]\((?!https?:|mailto:)([^)\s#]*)(?:#([^)\s]+))?\)")
@@ -37,8 +49,9 @@ _OUTSIDE = re.compile("\u00a7|contract[.]md|contract[ ]section|shared[/]spec|[.]
 # A tracker's item by number. Written with character classes so that this file does not match itself.
 # A bare "#N" after "(" is the trainer's own count of a rank's commands ("run_logical (#2)", ranks/state.py), not a
 # tracker's item; the same words after an issue's or defect's name are still one.
-_TRACKER = re.compile(r"\b(?:[i]ssue|[d]efect|[P]R|[t]icket|[p]ull request)s?[- ]?\(?#?[0-9]+\b|(?<![\w&#\"'/(])#[0-9]+\b",
-                      re.IGNORECASE)
+_TRACKER = re.compile(
+    r"\b(?:[i]ssue|[d]efect|[P]R|[t]icket|[p]ull request)s?[- ]?\(?#?[0-9]+\b|(?<![\w&#\"'/(])#[0-9]+\b", re.IGNORECASE
+)
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _API_HEADING = re.compile(r"^### `([^`]+)`\s*$", re.MULTILINE)
 
@@ -124,8 +137,10 @@ def api_problems(api_markdown: str, names: list[str]) -> list[str]:
     """Public names without their `` ### `Name` `` heading in the API page, and headings of no public name."""
     documented = set(_API_HEADING.findall(api_markdown))
     missing = [f"{name} has no ### `{name}` heading in docs/api.md" for name in names if name not in documented]
-    stale = [f"docs/api.md documents {name}, which reference_trainer.__all__ lacks"
-             for name in sorted(documented - set(names))]
+    stale = [
+        f"docs/api.md documents {name}, which reference_trainer.__all__ lacks"
+        for name in sorted(documented - set(names))
+    ]
     return missing + stale
 
 
@@ -162,12 +177,14 @@ def test_slugs_follow_github() -> None:
 
 def test_broken_and_outside_citations_are_reported(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "semantics.md").write_text("# Semantics\n\n## Staleness\n\nSee [x](#staleness), [y](api.md).\n")
+    (tmp_path / "docs" / "semantics.md").write_text(
+        "# Semantics\n\n## Staleness\n\nSee [x](#staleness), [y](api.md).\n"
+    )
     (tmp_path / "pkg").mkdir()
     sign, docs = "\u00a7", "docs" + "/"  # split so that the real tree's check does not see them
     (tmp_path / "pkg" / "good.py").write_text('"""Rules: docs/semantics.md#staleness."""\n')
     (tmp_path / "pkg" / "bad.py").write_text(
-        '"""See ' + docs + 'semantics.md#stalenes, ' + docs + 'missing.md and the contract ' + sign + '4."""\n'
+        '"""See ' + docs + "semantics.md#stalenes, " + docs + "missing.md and the contract " + sign + '4."""\n'
         "# as in ../" + "shared/" + "spec/contract" + ".md\n"
     )
     problems = citation_problems(tmp_path)
@@ -203,5 +220,7 @@ def test_a_planted_tracker_citation_is_reported(tmp_path: Path) -> None:
 def test_a_missing_or_stale_api_name_is_reported() -> None:
     page = "# API\n\n### `Trainer`\n\n### `Gone`\n\n`ForwardInput` in prose is not a heading.\n"
     problems = api_problems(page, ["Trainer", "ForwardInput"])
-    assert problems == ["ForwardInput has no ### `ForwardInput` heading in docs/api.md",
-                        "docs/api.md documents Gone, which reference_trainer.__all__ lacks"]
+    assert problems == [
+        "ForwardInput has no ### `ForwardInput` heading in docs/api.md",
+        "docs/api.md documents Gone, which reference_trainer.__all__ lacks",
+    ]

@@ -14,9 +14,10 @@ import ast
 import functools
 import re
 import sys
-import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_PACKAGES = ("validation", "canaries", "reports")
@@ -87,8 +88,11 @@ def test_test_and_harness_carry_every_import_of_the_tests() -> None:
     """``pip install -e '.[test,harness]'`` then ``pytest``: no test fails to import what it needs (tests/README.md)."""
     declared = _declared(None) | _declared("harness") | _declared("test")
     local = {path.stem for folder in ("tests", "examples") for path in (ROOT / folder).rglob("*.py")}  # put on sys.path
-    missing = {name: why for name, why in missing_from_extras([ROOT / "tests"], declared).items()
-               if name not in SKIPPED_WITHOUT and name not in local}
+    missing = {
+        name: why
+        for name, why in missing_from_extras([ROOT / "tests"], declared).items()
+        if name not in SKIPPED_WITHOUT and name not in local
+    }
     assert not missing, f"add these to the `test` extra in pyproject.toml: {missing}"
 
 

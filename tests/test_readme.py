@@ -9,18 +9,18 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import tomllib
 
 README = Path(__file__).parents[1] / "README.md"
 
 
 def _api_example() -> str:
     text = README.read_text()
-    section = text[text.index("## The API in 20 lines"):]
+    section = text[text.index("## The API in 20 lines") :]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
@@ -53,7 +53,7 @@ THROUGHPUT = {
 def _answers() -> dict[str, str]:
     """The throughput section: each bold question -> the text up to the next one."""
     text = README.read_text()
-    section = text[text.index("## Throughput: the questions it answers"):]
+    section = text[text.index("## Throughput: the questions it answers") :]
     section = section[: section.index("\n## ", 1)]
     parts = re.split(r"^\*\*(.+?)\*\*$", section, flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
@@ -76,7 +76,7 @@ def test_each_throughput_question_has_its_command_and_the_picture_of_its_plot() 
 def _layout_rows() -> dict[str, str]:
     """The Layout table: first-column path -> its description."""
     text = README.read_text()
-    section = text[text.index("## Layout"):]
+    section = text[text.index("## Layout") :]
     section = section[: section.index("\n## ", 1)]
     return dict(re.findall(r"^\| `([^`]+)` \| (.+) \|$", section, re.MULTILINE))
 
@@ -115,11 +115,15 @@ def layout_gaps(rows: dict[str, str], folders: list[str]) -> list[str]:
         if folder in rows:
             continue
         if not rest:
-            gaps.append(f"README.md's Layout table has no row for the package {folder}: add the row "
-                        f"| `{folder}` | <what it holds> |")
+            gaps.append(
+                f"README.md's Layout table has no row for the package {folder}: add the row "
+                f"| `{folder}` | <what it holds> |"
+            )
         elif f"`{rest}`" not in rows.get(f"{top}/", ""):
-            gaps.append(f"README.md's Layout table does not name the subpackage {folder}: add `{rest}` and what it "
-                        f"holds to the `{top}/` row")
+            gaps.append(
+                f"README.md's Layout table does not name the subpackage {folder}: add `{rest}` and what it "
+                f"holds to the `{top}/` row"
+            )
     return gaps
 
 
@@ -138,14 +142,20 @@ def test_negative_control_a_package_left_out_of_the_layout_table_is_named_with_i
     assert folders == ["lib/", "pkg/", "pkg/named/", "pkg/named/deep/", "pkg/unnamed/"]
     rows = {"pkg/": "the package; `named/` and `named/deep/`", "pkg/unnamed/": "a row of its own"}
     assert layout_gaps(rows, folders) == [
-        "README.md's Layout table has no row for the package lib/: add the row | `lib/` | <what it holds> |"]
+        "README.md's Layout table has no row for the package lib/: add the row | `lib/` | <what it holds> |"
+    ]
     del rows["pkg/unnamed/"]
     rows["pkg/"] = "the package; `named/`"
     assert layout_gaps(rows, folders)[1:] == [
-        ("README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it "
-         "holds to the `pkg/` row"),
-        ("README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to "
-         "the `pkg/` row")]
+        (
+            "README.md's Layout table does not name the subpackage pkg/named/deep/: add `named/deep/` and what it "
+            "holds to the `pkg/` row"
+        ),
+        (
+            "README.md's Layout table does not name the subpackage pkg/unnamed/: add `unnamed/` and what it holds to "
+            "the `pkg/` row"
+        ),
+    ]
 
 
 def test_the_docs_row_and_index_name_every_page() -> None:
@@ -165,7 +175,9 @@ def test_the_tests_readme_names_every_test_folder_and_marker() -> None:
     folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
     assert listed == folders, f"tests/README.md's table and the test folders differ: {sorted(listed ^ folders)}"
     markers = set(re.findall(r'addinivalue_line\("markers", "([a-z]+):', (tests / "conftest.py").read_text()))
-    assert markers and all(f"- `{marker}`:" in text for marker in markers), f"tests/README.md must describe {sorted(markers)}"
+    assert markers and all(f"- `{marker}`:" in text for marker in markers), (
+        f"tests/README.md must describe {sorted(markers)}"
+    )
 
 
 def test_every_run_prints_its_20_slowest_tests_as_the_tests_readme_says() -> None:
@@ -173,18 +185,23 @@ def test_every_run_prints_its_20_slowest_tests_as_the_tests_readme_says() -> Non
     options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--durations=20" in shlex.split(options["addopts"])
     text = (root / "tests" / "README.md").read_text()
-    section = text[text.index("## The time budget"):]
+    section = text[text.index("## The time budget") :]
     assert "--durations=20" in section and "≤ 60 s" in section and "user + sys" in section
 
 
 def test_the_gpu_ci_section_sets_up_environment_secrets_label_and_sweeper_in_that_order():
     text = README.read_text()
-    section = text[text.index("### GPU CI for a team"):text.index("## Layout")]
+    section = text[text.index("### GPU CI for a team") : text.index("## Layout")]
     steps = ["**The environment.**", "**The secrets**", "**The label.**", "**The sweeper.**"]
     positions = [section.index(step) for step in steps]
     assert positions == sorted(positions)
-    for name in ("trainer-rank-gpu-validation", "SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN",
-                 "`gpu-ci`", "rtv gpu sweep --older-than 3h"):
+    for name in (
+        "trainer-rank-gpu-validation",
+        "SKYPILOT_API_SERVER_ENDPOINT",
+        "SKYPILOT_SERVICE_ACCOUNT_TOKEN",
+        "`gpu-ci`",
+        "rtv gpu sweep --older-than 3h",
+    ):
         assert name in section, name
 
 
@@ -214,8 +231,14 @@ def _check_rtv(args: list[str]) -> None:
     """Help actually runs, through the console script; anything else must parse (subcommand, flags, choices)."""
     if "--help" in args:
         script = Path(sys.executable).parent / "rtv"
-        done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(README.parent)), check=False)
+        done = subprocess.run(
+            [str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(README.parent)),
+            check=False,
+        )
         assert done.returncode == 0 and done.stdout.startswith("usage: rtv"), done.stderr
         return
     from canaries.cli import _build_parser
@@ -233,9 +256,14 @@ def _check_torchrun(args: list[str]) -> None:
 
     parsed = get_args_parser().parse_args(args)
     script = README.parent / parsed.training_script
-    declared = {node.args[0].value for node in ast.walk(ast.parse(script.read_text()))
-                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
-                and node.args and isinstance(node.args[0], ast.Constant)}
+    declared = {
+        node.args[0].value
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == "add_argument"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
     passed = {arg.split("=")[0] for arg in parsed.training_script_args if arg.startswith("--")}
     assert passed <= declared, f"{script.name} does not take {sorted(passed - declared)}"
 
@@ -245,7 +273,7 @@ def test_the_readme_says_how_to_reach_the_venvs_commands_before_naming_one() -> 
     text = README.read_text()
     first = re.search(rf"(?:`|^)(?:{'|'.join(VENV_COMMANDS)}) ", text, re.MULTILINE)
     assert first is not None
-    assert ACTIVATE in text[:first.start()], f"the README names {first.group(0)!r} before saying `{ACTIVATE}`"
+    assert ACTIVATE in text[: first.start()], f"the README names {first.group(0)!r} before saying `{ACTIVATE}`"
 
 
 @pytest.mark.parametrize("command", _fenced_commands())
@@ -254,7 +282,9 @@ def test_each_fenced_shell_command_runs_as_written_after_make_install(command: s
     commands = _fenced_commands()
     if words[0] == "make":
         targets = re.findall(r"^([a-z][a-z-]*):", (README.parent / "Makefile").read_text(), re.MULTILINE)
-        assert set(words[1:]) <= set(targets), f"{command!r}: make has no target {sorted(set(words[1:]) - set(targets))}"
+        assert set(words[1:]) <= set(targets), (
+            f"{command!r}: make has no target {sorted(set(words[1:]) - set(targets))}"
+        )
         return
     if command == ACTIVATE:
         assert re.search(r"^VENV := \.venv$", (README.parent / "Makefile").read_text(), re.MULTILINE)
@@ -262,7 +292,7 @@ def test_each_fenced_shell_command_runs_as_written_after_make_install(command: s
         return
     binary = words[0].removeprefix(".venv/bin/")
     if binary == words[0]:
-        assert ACTIVATE in commands[:commands.index(command)], f"{command!r} before `{ACTIVATE}`: command not found"
+        assert ACTIVATE in commands[: commands.index(command)], f"{command!r} before `{ACTIVATE}`: command not found"
     scripts = {ep.name: ep.dist.name.lower() for ep in entry_points(group="console_scripts")}
     assert scripts.get(binary) in _installed_by_make(), f"{binary!r} is no console script make install installs"
     assert (Path(sys.executable).parent / binary).is_file(), f"{binary!r} is not in this venv's bin"
@@ -274,7 +304,7 @@ def test_each_fenced_shell_command_runs_as_written_after_make_install(command: s
 def _table_names(section: str) -> list[str]:
     """The first column of the README's table under ``section`` (header row left out)."""
     text = README.read_text()
-    part = text[text.index(section):]
+    part = text[text.index(section) :]
     part = part[: part.index("\n#", 1)]
     return re.findall(r"^\| ([a-z]+) \|", part, re.MULTILINE)[1:]
 
@@ -285,7 +315,7 @@ def test_the_readme_names_every_registered_canary_in_its_verdict_table_run_list_
 
     assert sorted(_table_names("### How to read a verdict")) == sorted([SMOKE, *CANARIES]), "How to read a verdict"
     text = README.read_text()
-    harness = text[text.index("## The harness"):]
+    harness = text[text.index("## The harness") :]
     listed = re.search(r"`rtv run`: [^(]*\(([^)]*)\)", harness).group(1)
     assert listed.split(", ") == list(CANARIES), f"the `rtv run` bullet lists {listed}, the registry {list(CANARIES)}"
     canaries_row = _layout_rows()["canaries/"]

@@ -42,8 +42,17 @@ import numpy as np
 from . import stats
 from .load import Load, Meter, inconclusive
 
-__all__ = ["Comparison", "LoadProbe", "LoadMeter", "CpuShare", "compare", "run_block", "loaded_reason", "MAX_LOADED",
-           "EXTENSION"]
+__all__ = [
+    "Comparison",
+    "LoadProbe",
+    "LoadMeter",
+    "CpuShare",
+    "compare",
+    "run_block",
+    "loaded_reason",
+    "MAX_LOADED",
+    "EXTENSION",
+]
 
 MAX_LOADED = 0.25  # Rule 5: above this share of loaded blocks every verdict is inconclusive
 EXTENSION = 4  # Rule 5: at most this many times max_blocks blocks, loaded ones replaced
@@ -151,8 +160,17 @@ def loaded_reason(flagged: list[bool] | np.ndarray, readings: list[Load]) -> str
 
 
 def _summaries(
-    seconds: dict[str, list[float]], flagged: list[bool], readings: list[Load], *, baseline: str, gate: float,
-    confidence: float, max_loaded: float, max_blocks: int, alpha: float, looks: tuple[int, ...],
+    seconds: dict[str, list[float]],
+    flagged: list[bool],
+    readings: list[Load],
+    *,
+    baseline: str,
+    gate: float,
+    confidence: float,
+    max_loaded: float,
+    max_blocks: int,
+    alpha: float,
+    looks: tuple[int, ...],
     with_drift: bool = True,
 ) -> list[Comparison]:
     """One :class:`Comparison` per non-baseline arm; ``with_drift=False`` (a look that may not stop) skips the drift test."""
@@ -168,15 +186,26 @@ def _summaries(
         used = ratios[keep]
         low, high = stats.median_ci(used, confidence) if used.size else (np.nan, np.nan)
         decided = "inconclusive" if too_loaded else str(stats.verdict(low, high, gate))
-        results.append(Comparison(
-            arm=arm, baseline=baseline, gate=gate, blocks=int(used.size),
-            ratio=float(np.median(used)) if used.size else float("nan"),
-            ci95=(float(low), float(high)), confidence=confidence,
-            drift=stats.drift(used, alpha) if with_drift else stats.Drift(0.0, 1.0, False), loaded=tuple(int(i) for i in np.flatnonzero(~keep)),
-            verdict=decided, looks=looks, ratios=tuple(ratios.tolist()),
-            arm_seconds=tuple(values), baseline_seconds=tuple(seconds[baseline]), others=tuple(r.others for r in readings),
-            load=loaded_reason(flagged, readings) if decided == "inconclusive" and cut_short else "",
-        ))
+        results.append(
+            Comparison(
+                arm=arm,
+                baseline=baseline,
+                gate=gate,
+                blocks=int(used.size),
+                ratio=float(np.median(used)) if used.size else float("nan"),
+                ci95=(float(low), float(high)),
+                confidence=confidence,
+                drift=stats.drift(used, alpha) if with_drift else stats.Drift(0.0, 1.0, False),
+                loaded=tuple(int(i) for i in np.flatnonzero(~keep)),
+                verdict=decided,
+                looks=looks,
+                ratios=tuple(ratios.tolist()),
+                arm_seconds=tuple(values),
+                baseline_seconds=tuple(seconds[baseline]),
+                others=tuple(r.others for r in readings),
+                load=loaded_reason(flagged, readings) if decided == "inconclusive" and cut_short else "",
+            )
+        )
     return results
 
 
@@ -220,8 +249,9 @@ def compare(
     plan = stats.planned_looks(max_blocks)
     confidence = stats.look_confidence(alpha, len(plan))
     cap = max_blocks if budget_s is None else EXTENSION * max_blocks  # Rule 5
-    summarise: dict[str, Any] = dict(baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded,
-                     max_blocks=max_blocks, alpha=alpha)
+    summarise: dict[str, Any] = dict(
+        baseline=baseline, gate=gate, confidence=confidence, max_loaded=max_loaded, max_blocks=max_blocks, alpha=alpha
+    )
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     shares, started = [], clock()
     for index in range(warmup_blocks):

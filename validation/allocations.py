@@ -34,8 +34,9 @@ class AllocationPeak(TorchDispatchMode):
         self.live = 0
         self.peak = 0
 
-    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for key in [key for key, (ref, _) in self.storages.items() if ref.expired()]:
             self.live -= self.storages.pop(key)[1]

@@ -49,7 +49,9 @@ class ComparisonError(CheckFailed):
     mismatching side; a tolerance cannot excuse it.
     """
 
-    def __init__(self, cause: str, *, fix: str = "fix the producer of the mismatching side; a tolerance cannot excuse it") -> None:
+    def __init__(
+        self, cause: str, *, fix: str = "fix the producer of the mismatching side; a tolerance cannot excuse it"
+    ) -> None:
         super().__init__(cause, fix=fix)
 
 

@@ -46,9 +46,7 @@ def enumerate_sequences(vocab: int, length: int) -> torch.Tensor:
 
 def sequence_token_logprobs(logits_fn: LogitsFn, seq: torch.Tensor) -> torch.Tensor:
     """``(L,)``: ``log pi(seq[t] | seq[:t])`` for each position ``t`` of a 1-D ``seq``."""
-    return torch.stack(
-        [torch.log_softmax(logits_fn(seq[:t]), dim=-1)[seq[t]] for t in range(seq.shape[0])]
-    )
+    return torch.stack([torch.log_softmax(logits_fn(seq[:t]), dim=-1)[seq[t]] for t in range(seq.shape[0])])
 
 
 def sequence_logprob(logits_fn: LogitsFn, seq: torch.Tensor) -> torch.Tensor:
@@ -79,8 +77,7 @@ def exact_expectation(
         values = torch.stack([torch.as_tensor(values(seq)) for seq in sequences])
     if tuple(values.shape) != (sequences.shape[0],):
         raise ValueError(
-            f"expected values of shape {(sequences.shape[0],)} (one per sequence), "
-            f"found {tuple(values.shape)}"
+            f"expected values of shape {(sequences.shape[0],)} (one per sequence), found {tuple(values.shape)}"
         )
     return (sequence_logprobs(logits_fn, sequences).exp() * values).sum()
 
@@ -116,9 +113,12 @@ def level_weights(ratios: torch.Tensor, level: str, mask: torch.Tensor | None = 
     mask = torch.ones_like(ratios, dtype=torch.bool) if mask is None else mask
     kept = torch.where(mask, ratios, 1.0)
     count = mask.sum(-1).to(ratios.dtype)
-    unit = {"token": ratios, "sequence": kept.prod(-1, keepdim=True),
-            "geometric": kept.prod(-1, keepdim=True) ** (1.0 / count[:, None]),
-            "average": torch.where(mask, ratios, 0.0).sum(-1, keepdim=True) / count[:, None]}[level]
+    unit = {
+        "token": ratios,
+        "sequence": kept.prod(-1, keepdim=True),
+        "geometric": kept.prod(-1, keepdim=True) ** (1.0 / count[:, None]),
+        "average": torch.where(mask, ratios, 0.0).sum(-1, keepdim=True) / count[:, None],
+    }[level]
     return torch.where(mask, unit.expand_as(ratios), 0.0)
 
 

@@ -81,7 +81,9 @@ class PairedEquivalence:
 def _values(name: str, values: Sequence[float] | np.ndarray) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     if array.ndim != 1 or not np.isfinite(array).all():
-        raise EquivalenceInputError(f"{name}: expected a 1-D sequence of finite numbers (one per seed), found {values!r}")
+        raise EquivalenceInputError(
+            f"{name}: expected a 1-D sequence of finite numbers (one per seed), found {values!r}"
+        )
     return array
 
 
@@ -116,7 +118,9 @@ def paired_equivalence(
         raise EquivalenceInputError(f"alpha: expected a number in (0, 0.5), found {alpha!r}")
     a, b = _values("arm", arm), _values("baseline", baseline)
     if a.shape != b.shape:
-        raise EquivalenceInputError(f"expected paired values (one per seed for both), found {a.size} arm and {b.size} baseline")
+        raise EquivalenceInputError(
+            f"expected paired values (one per seed for both), found {a.size} arm and {b.size} baseline"
+        )
     margin, baseline_sd = equivalence_margin(b, floor)
     diff = a - b
     n = int(diff.size)

@@ -73,11 +73,33 @@ SCHEMA_CHANGELOG = {  # version -> what changed (module docstring); the last one
 }
 DEFAULT_OUT = Path("rtv-out")  # where every command writes (and the report reads) unless --out/--in says
 EVIDENCE_MARKER = ".rtv-evidence"  # in every folder write_once writes into: the folders the report collects from
-_REQUIRED_V1 = {"schema_version", "kind", "created", "config", "environment", "source", "checks", "passed",
-                "measurements", "digest"}
+_REQUIRED_V1 = {
+    "schema_version",
+    "kind",
+    "created",
+    "config",
+    "environment",
+    "source",
+    "checks",
+    "passed",
+    "measurements",
+    "digest",
+}
 _REQUIRED = {1: _REQUIRED_V1, 2: _REQUIRED_V1 | {"details", "skips"}}
-_TYPES = {"schema_version": int, "kind": str, "created": str, "config": dict, "environment": dict, "source": dict,
-          "checks": dict, "passed": bool, "measurements": dict, "digest": str, "details": dict, "skips": dict}
+_TYPES = {
+    "schema_version": int,
+    "kind": str,
+    "created": str,
+    "config": dict,
+    "environment": dict,
+    "source": dict,
+    "checks": dict,
+    "passed": bool,
+    "measurements": dict,
+    "digest": str,
+    "details": dict,
+    "skips": dict,
+}
 _PACKAGES = ("reference_trainer", "validation", "canaries")
 
 
@@ -294,9 +316,11 @@ def write_once(path: Path, record: Mapping[str, Any]) -> Path:
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
-        raise OutOfSpace(f"no space left on the device while writing evidence {path} ({error})",
-                         fix=f"free space under {path.parent} (old runs under rtv-out/ can go), or pass --out "
-                             "DIR on a disk with room") from error
+        raise OutOfSpace(
+            f"no space left on the device while writing evidence {path} ({error})",
+            fix=f"free space under {path.parent} (old runs under rtv-out/ can go), or pass --out "
+            "DIR on a disk with room",
+        ) from error
     mark_evidence_folder(path.parent)  # once the record is there: a failed write leaves nothing behind
     _fsync_dir(path.parent)
     return path
@@ -355,8 +379,10 @@ def _fsync_dir(folder: Path) -> None:
 def _check(record: Any, where: object) -> dict[str, Any]:
     """Schema (fields and types), version, digest and verdict; raises :class:`EvidenceError`."""
     if not isinstance(record, dict):
-        raise EvidenceError(f"{where}: expected a JSON object with fields {sorted(_REQUIRED[SCHEMA_VERSION])}, "
-                            f"found {type(record).__name__}")
+        raise EvidenceError(
+            f"{where}: expected a JSON object with fields {sorted(_REQUIRED[SCHEMA_VERSION])}, "
+            f"found {type(record).__name__}"
+        )
     version = record.get("schema_version")
     if type(version) is int and version not in _REQUIRED:
         raise EvidenceError(f"{where}: expected schema_version one of {sorted(SCHEMA_CHANGELOG)}, found {version!r}")
@@ -388,8 +414,10 @@ def _check(record: Any, where: object) -> dict[str, Any]:
 def _check_reasons(record: dict[str, Any], where: object) -> None:
     """Schema 2: ``details`` names exactly the checks, ``skips`` none of them, every reason is text."""
     if set(record["details"]) != set(record["checks"]):
-        raise EvidenceError(f"{where}: expected a detail for exactly the checks {sorted(record['checks'])}, "
-                            f"found details for {sorted(record['details'])}")
+        raise EvidenceError(
+            f"{where}: expected a detail for exactly the checks {sorted(record['checks'])}, "
+            f"found details for {sorted(record['details'])}"
+        )
     both = set(record["skips"]) & set(record["checks"])
     if both:
         raise EvidenceError(f"{where}: a check is either run or skipped; found {sorted(both)} in checks and skips")

@@ -59,8 +59,9 @@ class HangDetected(SpawnError):
     def __init__(self, outcomes: list[RankOutcome], diagnosis: dict[str, Any]) -> None:
         super().__init__(outcomes, f"watchdog: {diagnosis['text']}; dumps and diagnosis in {diagnosis['folder']}")
         self.diagnosis = diagnosis
-        self.fix = (f"read {Path(diagnosis['folder']) / DIAGNOSIS} and each rank's stack there; the named rank "
-                    "is where to look")
+        self.fix = (
+            f"read {Path(diagnosis['folder']) / DIAGNOSIS} and each rank's stack there; the named rank is where to look"
+        )
 
 
 _SCOPE: ContextVar[tuple[float, Path] | None] = ContextVar("hang_scope", default=None)
@@ -107,10 +108,15 @@ def diagnose(folder: str | Path, world_size: int) -> dict[str, Any] | None:
         "collective": None if found is None else found.reference.describe(),
         "call": None if found is None else found.reference.call,
         "odd_ranks": [] if found is None else list(found.odd_ranks),
-        "by_rank": {} if found is None else {str(r): (None if rec is None else rec.describe())
-                                             for r, rec in found.records.items()},
-        "text": found.describe() if found is not None else "the ranks' traces agree; a peer failed in a collective"
-        if traces else f"a wait outlived its deadline; the stacks are in {', '.join(backstops)}" if backstops
+        "by_rank": {}
+        if found is None
+        else {str(r): (None if rec is None else rec.describe()) for r, rec in found.records.items()},
+        "text": found.describe()
+        if found is not None
+        else "the ranks' traces agree; a peer failed in a collective"
+        if traces
+        else f"a wait outlived its deadline; the stacks are in {', '.join(backstops)}"
+        if backstops
         else f"an NCCL collective timed out; torch's flight recorder dumped {', '.join(recorders)}",
     }
     (Path(folder) / DIAGNOSIS).write_text(json.dumps(diagnosis, indent=1))

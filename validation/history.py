@@ -44,14 +44,36 @@ from scipy import stats as scipy_stats
 
 from . import stats
 
-__all__ = ["SCHEMA", "COLUMNS", "Change", "Series", "machine_identity", "open_store", "append", "record_rows",
-           "load", "series", "detect", "MIN_COMMITS"]
+__all__ = [
+    "SCHEMA",
+    "COLUMNS",
+    "Change",
+    "Series",
+    "machine_identity",
+    "open_store",
+    "append",
+    "record_rows",
+    "load",
+    "series",
+    "detect",
+    "MIN_COMMITS",
+]
 
 SCHEMA = 2
 # Column name -> SQL type, in the order of the current schema; version 1 lacked the last two (Rule 5).
-COLUMNS = {"recorded": "TEXT", "record": "TEXT", "commit_id": "TEXT", "digest": "TEXT", "arm": "TEXT",
-           "workload": "TEXT", "machine_id": "TEXT", "machine": "TEXT", "seconds": "REAL",
-           "ci_low": "REAL", "ci_high": "REAL"}
+COLUMNS = {
+    "recorded": "TEXT",
+    "record": "TEXT",
+    "commit_id": "TEXT",
+    "digest": "TEXT",
+    "arm": "TEXT",
+    "workload": "TEXT",
+    "machine_id": "TEXT",
+    "machine": "TEXT",
+    "seconds": "REAL",
+    "ci_low": "REAL",
+    "ci_high": "REAL",
+}
 V1_COLUMNS = tuple(COLUMNS)[:-2]
 MIN_COMMITS = 6
 PENALTY = 5.0  # Rule 3; the rates it gives are in Rule 4
@@ -66,14 +88,20 @@ def machine_identity(environment: dict[str, Any] | None = None) -> dict[str, Any
 
     model = platform.processor()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     env = environment or {}
-    return {"cpu": model, "cores": env.get("cpu_count", os.cpu_count()),
-            "torch": env.get("torch", torch.__version__) + f" cuda={torch.version.cuda}",
-            "device": env.get("cuda") or "cpu"}
+    return {
+        "cpu": model,
+        "cores": env.get("cpu_count", os.cpu_count()),
+        "torch": env.get("torch", torch.__version__) + f" cuda={torch.version.cuda}",
+        "device": env.get("cuda") or "cpu",
+    }
 
 
 def _machine_id(machine: dict[str, Any]) -> str:
@@ -103,22 +131,41 @@ def _interval(seconds: list[float], confidence: float) -> tuple[float, float]:
 def record_rows(record: dict[str, Any], path: str = "") -> list[dict[str, Any]]:
     """Rule 1's rows of a ``benchmark`` or ``benchmark-baseline`` record (HEAD's side of the latter)."""
     machine = machine_identity(record["environment"])
-    common = {"recorded": record["created"], "record": path, "commit_id": record["source"]["git_commit"],
-              "digest": record["source"]["sha256"], "machine_id": _machine_id(machine),
-              "machine": json.dumps(machine, sort_keys=True)}
+    common = {
+        "recorded": record["created"],
+        "record": path,
+        "commit_id": record["source"]["git_commit"],
+        "digest": record["source"]["sha256"],
+        "machine_id": _machine_id(machine),
+        "machine": json.dumps(machine, sort_keys=True),
+    }
     rows = []
     if record["kind"] == "benchmark-baseline":
-        common.update(commit_id=record["measurements"]["sources"]["head"]["commit"],
-                      digest=record["measurements"]["sources"]["head"]["digest"])
+        common.update(
+            commit_id=record["measurements"]["sources"]["head"]["commit"],
+            digest=record["measurements"]["sources"]["head"]["digest"],
+        )
         for c in record["measurements"]["comparisons"]:
-            rows.append({"arm": c["arm"], "workload": record["config"]["workload"], "seconds": float(np.median(c["arm_seconds"])),
-                         **dict(zip(("ci_low", "ci_high"), _interval(c["arm_seconds"], c["confidence"])))})
+            rows.append(
+                {
+                    "arm": c["arm"],
+                    "workload": record["config"]["workload"],
+                    "seconds": float(np.median(c["arm_seconds"])),
+                    **dict(zip(("ci_low", "ci_high"), _interval(c["arm_seconds"], c["confidence"]))),
+                }
+            )
     for group in record["measurements"].get("groups", []):
         comparisons = group["comparisons"]
         blocks = {"plain": comparisons[0]["baseline_seconds"], **{c["arm"]: c["arm_seconds"] for c in comparisons}}
         for arm, seconds in blocks.items():
-            rows.append({"arm": arm, "workload": group["label"], "seconds": float(np.median(seconds)),
-                         **dict(zip(("ci_low", "ci_high"), _interval(seconds, comparisons[0]["confidence"])))})
+            rows.append(
+                {
+                    "arm": arm,
+                    "workload": group["label"],
+                    "seconds": float(np.median(seconds)),
+                    **dict(zip(("ci_low", "ci_high"), _interval(seconds, comparisons[0]["confidence"]))),
+                }
+            )
     return [{**common, **row} for row in rows]
 
 
@@ -126,8 +173,10 @@ def append(path: Path, record: dict[str, Any], record_path: str = "") -> int:
     """Append ``record``'s rows to the store at ``path``; returns how many."""
     rows = record_rows(record, record_path)
     with open_store(path) as db:
-        db.executemany(f"INSERT INTO results ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
-                       [tuple(row[c] for c in COLUMNS) for row in rows])
+        db.executemany(
+            f"INSERT INTO results ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+            [tuple(row[c] for c in COLUMNS) for row in rows],
+        )
     return len(rows)
 
 
@@ -182,7 +231,11 @@ def detect(values: np.ndarray) -> list[tuple[int, float, float, str]]:
     values = np.asarray(values, dtype=float)
     relative = values / np.median(values)
     sigma = np.median(np.abs(np.diff(relative))) / (math.sqrt(2) * 0.6745) or 1e-12
-    breaks = ruptures.Pelt(model="l2", min_size=2, jump=1).fit(relative).predict(pen=PENALTY * sigma**2 * math.log(values.size))
+    breaks = (
+        ruptures.Pelt(model="l2", min_size=2, jump=1)
+        .fit(relative)
+        .predict(pen=PENALTY * sigma**2 * math.log(values.size))
+    )
     bounds = [0, *breaks]
     return [(bounds[i], *_classify(values, bounds[i], bounds[i + 1], bounds[i - 1])) for i in range(1, len(bounds) - 1)]
 
@@ -200,6 +253,17 @@ def series(table: pd.DataFrame) -> list[Series]:
             commits = list(per_commit.index)
             changes = tuple(Change(commits[i], i, change, p, v) for i, change, p, v in detect(values))
             verdict = next((s for s in SEVERITY if any(c.verdict == s for c in changes)), "no change")
-        found.append(Series(machine, workload, arm, tuple(per_commit.index), tuple(values),
-                            tuple(per_commit["ci_low"]), tuple(per_commit["ci_high"]), changes, verdict))
+        found.append(
+            Series(
+                machine,
+                workload,
+                arm,
+                tuple(per_commit.index),
+                tuple(values),
+                tuple(per_commit["ci_low"]),
+                tuple(per_commit["ci_high"]),
+                changes,
+                verdict,
+            )
+        )
     return found

@@ -97,7 +97,9 @@ class Meter:
     the measurement's own; ``sampler``: the counters (tests fake it).
     """
 
-    def __init__(self, pids: Callable[[], Iterable[int]] = tuple, sampler: Callable[..., CpuReading] = read_cpu) -> None:
+    def __init__(
+        self, pids: Callable[[], Iterable[int]] = tuple, sampler: Callable[..., CpuReading] = read_cpu
+    ) -> None:
         self.pids, self.sampler = pids, sampler
         self.began = self.sampler(self.pids())
 

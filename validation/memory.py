@@ -287,7 +287,9 @@ class ActivationWitness:
                     continue
                 storage = tensor.untyped_storage()
                 if storage.nbytes():
-                    self.seen.append(SeenActivation(name, StorageWeakRef(storage), tuple(tensor.shape), storage.nbytes()))
+                    self.seen.append(
+                        SeenActivation(name, StorageWeakRef(storage), tuple(tensor.shape), storage.nbytes())
+                    )
 
         return hook
 

@@ -32,7 +32,10 @@ class MissLog:
     def __call__(self, miss: PlannerMiss) -> None:
         checks = Checks()
         replayed = replay_estimate(miss.inputs)
-        checks.check("the estimator's inputs replay to the estimate", replayed == miss.estimate,
-                     f"replayed {replayed} B, estimated {miss.estimate} B")
+        checks.check(
+            "the estimator's inputs replay to the estimate",
+            replayed == miss.estimate,
+            f"replayed {replayed} B, estimated {miss.estimate} B",
+        )
         record = make_record(MISS_KIND, config={"kind": miss.kind}, checks=checks, measurements=miss.as_dict())
         self.paths.append(write_once(evidence_path(self.folder, MISS_KIND), record))

@@ -47,12 +47,29 @@ from tqdm import tqdm
 from .errors import SetupError
 from .evidence import Checks, evidence_path, make_record, write_once
 
-__all__ = ["KIND", "TOOL", "MutationConfig", "parse_results", "sample_names", "summarize", "locate", "run_mutation_score"]
+__all__ = [
+    "KIND",
+    "TOOL",
+    "MutationConfig",
+    "parse_results",
+    "sample_names",
+    "summarize",
+    "locate",
+    "run_mutation_score",
+]
 
 KIND = "mutation-score"
 TOOL = "mutmut==3.8.1"  # the `mutation` extra's pin; the generation step below uses this version's internals
 KILLED = frozenset({"killed", "timeout"})
-_SUPPORT = ("reference_trainer", "validation", "canaries", "reports", "ci", "tests", "pyproject.toml")  # what tests import
+_SUPPORT = (
+    "reference_trainer",
+    "validation",
+    "canaries",
+    "reports",
+    "ci",
+    "tests",
+    "pyproject.toml",
+)  # what tests import
 _IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "rtv-out", "mutants", ".hypothesis")
 _GENERATE = (  # mutmut 3.8 has no "generate only" command: its run's first step, alone
     "import os; os.environ['MUTANT_UNDER_TEST'] = 'mutant_generation'; "
@@ -97,8 +114,12 @@ def summarize(statuses: dict[str, str]) -> dict[str, dict[str, Any]]:
     for package, counts in sorted(by_package.items()):
         checked = sum(n for status, n in counts.items() if status != "not checked")
         killed = sum(counts[status] for status in KILLED)
-        out[package] = {"counts": dict(sorted(counts.items())), "checked": checked, "killed": killed,
-                        "score": killed / checked if checked else None}
+        out[package] = {
+            "counts": dict(sorted(counts.items())),
+            "checked": checked,
+            "killed": killed,
+            "score": killed / checked if checked else None,
+        }
     return out
 
 
@@ -111,21 +132,27 @@ def locate(name: str, shown: str, root: Path) -> dict[str, Any]:
     """A survivor's file, line and mutated lines, from its name and its ``mutmut show`` diff (hunks count from the def)."""
     module, _, function = name.partition("__mutmut_")[0].rpartition(".")
     # A method is mangled as xǁClassǁmethod, a function as x_function.
-    cls, method = (function.split("ǁ")[1:3] if "ǁ" in function else (None, function.removeprefix("x_")))
+    cls, method = function.split("ǁ")[1:3] if "ǁ" in function else (None, function.removeprefix("x_"))
     path = _source_file(root, module)
     lines = path.read_text().splitlines() if path.is_file() else []
     start = 0
     if cls is not None:
         start = next((i for i, line in enumerate(lines) if re.match(rf"\s*class {re.escape(cls)}\b", line)), 0)
-    definition = next((i for i in range(start, len(lines))
-                       if re.match(rf"\s*(async\s+)?def {re.escape(method)}\b", lines[i])), None)
+    definition = next(
+        (i for i in range(start, len(lines)) if re.match(rf"\s*(async\s+)?def {re.escape(method)}\b", lines[i])), None
+    )
     body = shown.split("\n@@", 1)[-1].splitlines()[1:]  # the hunk after its header
-    offset = next((i for i, line in enumerate(line for line in body if not line.startswith("+")) if line.startswith("-")),
-                  None)
+    offset = next(
+        (i for i, line in enumerate(line for line in body if not line.startswith("+")) if line.startswith("-")), None
+    )
     number = None if definition is None or offset is None else definition + offset + 1
-    return {"name": name, "file": str(path.relative_to(root)) if path.is_file() else module, "line": number,
-            "removed": [text[1:] for text in body if text.startswith("-")],
-            "added": [text[1:] for text in body if text.startswith("+")]}
+    return {
+        "name": name,
+        "file": str(path.relative_to(root)) if path.is_file() else module,
+        "line": number,
+        "removed": [text[1:] for text in body if text.startswith("-")],
+        "added": [text[1:] for text in body if text.startswith("+")],
+    }
 
 
 def _scratch(root: Path, scratch: Path, config: MutationConfig) -> None:
@@ -142,11 +169,13 @@ def _scratch(root: Path, scratch: Path, config: MutationConfig) -> None:
             shutil.copy2(source, scratch / name)
     others = [name for name in copied if name not in config.paths and (root / name).is_dir()]
     with open(scratch / "pyproject.toml", "a") as handle:
-        handle.write("\n[tool.mutmut]\n"
-                     f"source_paths = {list(config.paths)!r}\n"
-                     f"also_copy = {others!r}\n"
-                     f"pytest_add_cli_args_test_selection = {list(config.tests)!r}\n"
-                     "pytest_add_cli_args = ['-p', 'no:xdist', '-p', 'no:cacheprovider']\n")
+        handle.write(
+            "\n[tool.mutmut]\n"
+            f"source_paths = {list(config.paths)!r}\n"
+            f"also_copy = {others!r}\n"
+            f"pytest_add_cli_args_test_selection = {list(config.tests)!r}\n"
+            "pytest_add_cli_args = ['-p', 'no:xdist', '-p', 'no:cacheprovider']\n"
+        )
 
 
 def _env() -> dict[str, str]:
@@ -158,23 +187,32 @@ def _env() -> dict[str, str]:
 def _mutmut(config: MutationConfig, scratch: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """One mutmut command (or ``-c CODE`` in its interpreter) in the scratch copy, its output captured."""
     command = [config.python, *args] if args[0] == "-c" else [config.python, "-m", "mutmut", *args]
-    return subprocess.run(command, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return subprocess.run(
+        command, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def _generated(scratch: Path) -> list[str]:
     """Every mutant name mutmut generated (the keys of its ``mutants/**/*.meta`` files)."""
-    return [key for meta in sorted((scratch / "mutants").rglob("*.meta"))
-            for key in json.loads(meta.read_text())["exit_code_by_key"]]
+    return [
+        key
+        for meta in sorted((scratch / "mutants").rglob("*.meta"))
+        for key in json.loads(meta.read_text())["exit_code_by_key"]
+    ]
 
 
 def _run_sample(config: MutationConfig, scratch: Path, names: list[str], log: Path) -> tuple[bool, float]:
     """Rule 3: ``mutmut run NAMES`` under the budget, with a progress bar read from mutmut's own result files."""
     start = time.monotonic()
     with open(log, "a") as out:
-        process = subprocess.Popen([config.python, "-m", "mutmut", "run", "--max-children", str(config.max_children),
-                                    *names], cwd=scratch, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [config.python, "-m", "mutmut", "run", "--max-children", str(config.max_children), *names],
+            cwd=scratch,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wanted = set(names)
         with tqdm(total=len(names), desc="mutants", unit="mutant") as bar:
             while process.poll() is None and time.monotonic() - start < config.budget_s:
@@ -222,25 +260,40 @@ def _measure(root: Path, out_dir: Path, scratch: Path, config: MutationConfig) -
     _scratch(root, scratch, config)
     generated = _mutmut(config, scratch, "-c", _GENERATE.format(children=config.max_children), timeout=600)
     if generated.returncode != 0:
-        raise SetupError(f"mutmut could not generate mutants with {config.python}: {generated.stderr.strip()[-500:]}",
-                         fix="install the mutation extra (pip install -e '.[mutation]', not beside the ci extra) "
-                             "or pass --python for an interpreter that has it")
+        raise SetupError(
+            f"mutmut could not generate mutants with {config.python}: {generated.stderr.strip()[-500:]}",
+            fix="install the mutation extra (pip install -e '.[mutation]', not beside the ci extra) "
+            "or pass --python for an interpreter that has it",
+        )
     names = sample_names(_generated(scratch), config.sample, config.seed)
     if not names:
         raise SetupError(f"mutmut generated no mutant for {list(config.paths)}", fix="pass packages that hold code")
     clean, seconds = _run_sample(config, scratch, names, log)
     results = parse_results(_mutmut(config, scratch, "results", "--all=true", timeout=600).stdout)
     statuses = {name: results.get(name, "not checked") for name in names}
-    survivors = [{**locate(name, _mutmut(config, scratch, "show", name, timeout=120).stdout, root), "status": status}
-                 for name, status in statuses.items() if status not in KILLED]
+    survivors = [
+        {**locate(name, _mutmut(config, scratch, "show", name, timeout=120).stdout, root), "status": status}
+        for name, status in statuses.items()
+        if status not in KILLED
+    ]
     unchecked = [name for name, status in statuses.items() if status == "not checked"]
     checks = Checks()
     checks.check("mutmut ran to the end", clean, f"log: {log}")
-    checks.check("every sampled mutant was checked", not unchecked,
-                 f"not checked: {unchecked}" if unchecked else f"{len(names)} of {len(names)} checked")
-    measurements = {"tool": TOOL, "generated": len(_generated(scratch)), "sampled": len(names),
-                    "by_package": summarize(statuses), "survivors": survivors, "seconds": round(seconds, 1),
-                    "log": str(log)}
-    record = make_record(KIND, config={**asdict(config), "python": config.python}, checks=checks,
-                         measurements=measurements)
+    checks.check(
+        "every sampled mutant was checked",
+        not unchecked,
+        f"not checked: {unchecked}" if unchecked else f"{len(names)} of {len(names)} checked",
+    )
+    measurements = {
+        "tool": TOOL,
+        "generated": len(_generated(scratch)),
+        "sampled": len(names),
+        "by_package": summarize(statuses),
+        "survivors": survivors,
+        "seconds": round(seconds, 1),
+        "log": str(log),
+    }
+    record = make_record(
+        KIND, config={**asdict(config), "python": config.python}, checks=checks, measurements=measurements
+    )
     return write_once(evidence_path(out_dir, KIND), record)

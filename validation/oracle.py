@@ -133,7 +133,9 @@ class OracleTrainer:
         self._records: dict[int, OracleRecord] = {}
         self._next_record = 0
 
-    def _model(self, config: ModelConfig, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool) -> DecoderLM:
+    def _model(
+        self, config: ModelConfig, base_state: Mapping[str, torch.Tensor], dtype: torch.dtype, training: bool
+    ) -> DecoderLM:
         """``base_state`` in ``dtype`` on the oracle's device: built on meta, storage allocated once on the
         device, filled tensor by tensor (never a second copy of the model: 8B in FP64 is 65 GB)."""
         config = config.replace(dtype=dtype)
@@ -229,9 +231,19 @@ class OracleTrainer:
         ids, mask, targets, lengths = token_batch([(s.detach().cpu(), t.detach().cpu()) for s, t in sequences])
         to = self.device
         record = OracleRecord(
-            self._next_record, name, ckpt.generation, ckpt.revision, bound, correction,
-            ids.to(to), None if mask is None else mask.to(to), targets.to(to), lengths,
-            rng_state.clone(), None if cuda_rng_state is None else cuda_rng_state.clone(), len(sequences),
+            self._next_record,
+            name,
+            ckpt.generation,
+            ckpt.revision,
+            bound,
+            correction,
+            ids.to(to),
+            None if mask is None else mask.to(to),
+            targets.to(to),
+            lengths,
+            rng_state.clone(),
+            None if cuda_rng_state is None else cuda_rng_state.clone(),
+            len(sequences),
         )
         self._next_record += 1
         self._records[record.id] = record
@@ -271,7 +283,9 @@ class OracleTrainer:
         stage, index = fault if fault is not None else (None, None)
         for record in records:
             if record.released:
-                raise GradientCommitError(f"oracle: output of record {record.id} was already backpropagated or released")
+                raise GradientCommitError(
+                    f"oracle: output of record {record.id} was already backpropagated or released"
+                )
         if stage == "user_autograd":
             raise GradientCommitError("oracle: injected fault at user_autograd", record_retryable=True)
         for record in records:
@@ -342,7 +356,9 @@ class OracleTrainer:
             plain = _gradient((plain_logprobs * cotangent.to(plain_logprobs.dtype)).sum(), low)
         return _gradient((logprobs * cotangent).sum(), leaves), plain, report
 
-    def _run(self, record: OracleRecord, tensors: Mapping[str, torch.Tensor], model: DecoderLM | None = None) -> torch.Tensor:
+    def _run(
+        self, record: OracleRecord, tensors: Mapping[str, torch.Tensor], model: DecoderLM | None = None
+    ) -> torch.Tensor:
         """``(B, T)`` target log-probs of ``record``'s batch under ``tensors`` (FP64 model by default), RNG restored."""
         ckpt = self._checkpoints[record.checkpoint]
         model = self.model if model is None else model
@@ -352,7 +368,9 @@ class OracleTrainer:
             if record.cuda_rng_state is not None:
                 torch.cuda.set_rng_state(record.cuda_rng_state, self.device)
             if ckpt.lora is None:
-                logits = torch.func.functional_call(model, dict(tensors), (record.ids,), {"attention_mask": record.mask})
+                logits = torch.func.functional_call(
+                    model, dict(tensors), (record.ids,), {"attention_mask": record.mask}
+                )
             else:
                 with attach_lora(model, ckpt.lora, tensors):
                     logits = model(record.ids, attention_mask=record.mask)

@@ -17,8 +17,15 @@ import torch
 
 from reference_trainer import CheckpointReplacedError, ImportanceCorrection, LoRAConfig, StaleGradientError
 
-__all__ = ["OracleState", "OracleRecordReport", "OracleBackward", "OracleStep", "OracleCheckpoint", "OracleRecord",
-           "check_oracle_age"]
+__all__ = [
+    "OracleState",
+    "OracleRecordReport",
+    "OracleBackward",
+    "OracleStep",
+    "OracleCheckpoint",
+    "OracleRecord",
+    "check_oracle_age",
+]
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,6 @@ class OracleRecord:
     cuda_rng_state: torch.Tensor | None
     live_outputs: int
     released: bool = False
-
 
 
 def check_oracle_age(ckpt: OracleCheckpoint, generation: int, revision: int, bound: int) -> None:

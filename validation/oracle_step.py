@@ -40,12 +40,19 @@ def oracle_optim_step(
     for ckpt in checkpoints.values():
         for generation, revision, bound in sorted(ckpt.origins, key=lambda o: o[1]):
             check_oracle_age(ckpt, generation, revision, bound)
-    return {name: _step_one(ckpt, device, lr, max_grad_norm, None if grads is None else grads[name])
-            for name, ckpt in checkpoints.items()}
+    return {
+        name: _step_one(ckpt, device, lr, max_grad_norm, None if grads is None else grads[name])
+        for name, ckpt in checkpoints.items()
+    }
 
 
-def _step_one(ckpt: OracleCheckpoint, device: torch.device, lr: float | None, max_grad_norm: float | None,
-              given: Mapping[str, torch.Tensor | None] | None) -> OracleStep:
+def _step_one(
+    ckpt: OracleCheckpoint,
+    device: torch.device,
+    lr: float | None,
+    max_grad_norm: float | None,
+    given: Mapping[str, torch.Tensor | None] | None,
+) -> OracleStep:
     """One checkpoint's step (above), from ``given`` (the caller's gradients; ``None``: the oracle's own)."""
     masters = {n: m.detach().clone() for n, m in ckpt.masters.items()}
     if not ckpt.grads:

@@ -31,8 +31,15 @@ _PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shri
 
 
 def _exploration(examples: int, steps: int, *, derandomize: bool) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, derandomize=derandomize, database=None,
-                    phases=_PHASES, deadline=None, suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        derandomize=derandomize,
+        database=None,
+        phases=_PHASES,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 EXPLORATION = {
@@ -46,7 +53,9 @@ def load_test_profile() -> str:
     """Register :data:`TEST_PROFILES` and load the one ``RTV_HYPOTHESIS_PROFILE`` names (default ``ci``)."""
     name = os.environ.get(PROFILE_ENV, "ci")
     if name not in TEST_PROFILES:
-        raise SetupError(f"{PROFILE_ENV}={name!r} is not a hypothesis profile", fix=f"use one of {', '.join(TEST_PROFILES)}")
+        raise SetupError(
+            f"{PROFILE_ENV}={name!r} is not a hypothesis profile", fix=f"use one of {', '.join(TEST_PROFILES)}"
+        )
     for profile, values in TEST_PROFILES.items():
         settings.register_profile(profile, values)
     settings.load_profile(name)

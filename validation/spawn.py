@@ -121,8 +121,8 @@ def spawn_ranks(
     listener = socket.create_server(("127.0.0.1", 0), backlog=world_size * 4)
     port = listener.getsockname()[1]
     store = dist.TCPStore(  # type: ignore[attr-defined]  # torch's stubs re-export it without declaring it
-        "127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-        master_listen_fd=listener.detach())  # the store owns (and closes) the socket from here
+        "127.0.0.1", port, world_size, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )  # the store owns (and closes) the socket from here
     readers: dict[Connection, int] = {}
     processes = []
     for rank in range(world_size):
@@ -163,9 +163,13 @@ def spawn_ranks(
             timed_out = True
             process.kill()
             process.join()
-    missing = (None, "no result (the process died or hung)" if not fired else
-               f"no result: still running {watch.deadline_s + FIRED_MARGIN_S:g} s after the watchdog's dump request "
-               "(it hangs for good), so it was killed")
+    missing = (
+        None,
+        "no result (the process died or hung)"
+        if not fired
+        else f"no result: still running {watch.deadline_s + FIRED_MARGIN_S:g} s after the watchdog's dump request "
+        "(it hangs for good), so it was killed",
+    )
     outcomes = [RankOutcome(rank, *values.get(rank, missing), processes[rank].exitcode) for rank in range(world_size)]
     del store
     if not check:
@@ -212,8 +216,9 @@ def _worker(
             if watch is not None:  # torch's flight recorder, read when the group is made
                 os.environ.update(watchdog.nccl_environment(watch.folder, watch.deadline_s))
         group_timeout = datetime.timedelta(seconds=group_timeout_s(dist_timeout_s, watch))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout,
-                                **options)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout, **options
+        )
         if watch is not None:
             watchdog.install(watch.deadline_s, watch.folder, rank=rank, store=store)
         message: tuple[Any, str | None] = (to_plain(fn(*args)), None)

@@ -75,19 +75,31 @@ def given_world(environ: Mapping[str, str] | None = None) -> GivenWorld | None:
         return None
     missing = [name for name in LAUNCHER_VARIABLES if name not in environ]
     if missing:
-        raise SetupError(f"a launcher world needs {', '.join(LAUNCHER_VARIABLES)}; found {', '.join(present)} "
-                         f"but not {', '.join(missing)}",
-                         fix="start rtv under torchrun, or unset those variables to let it spawn its own ranks")
+        raise SetupError(
+            f"a launcher world needs {', '.join(LAUNCHER_VARIABLES)}; found {', '.join(present)} "
+            f"but not {', '.join(missing)}",
+            fix="start rtv under torchrun, or unset those variables to let it spawn its own ranks",
+        )
     try:
-        world = GivenWorld(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
-                           environ["MASTER_ADDR"], int(environ["MASTER_PORT"]))
+        world = GivenWorld(
+            int(environ["RANK"]),
+            int(environ["WORLD_SIZE"]),
+            int(environ["LOCAL_RANK"]),
+            environ["MASTER_ADDR"],
+            int(environ["MASTER_PORT"]),
+        )
     except ValueError:
-        raise SetupError(f"launcher variables: expected integers in RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, "
-                         f"found {({n: environ[n] for n in LAUNCHER_VARIABLES})}",
-                         fix="start rtv under torchrun, which sets them") from None
+        raise SetupError(
+            f"launcher variables: expected integers in RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT, "
+            f"found { ({n: environ[n] for n in LAUNCHER_VARIABLES}) }",
+            fix="start rtv under torchrun, which sets them",
+        ) from None
     if not 0 <= world.rank < world.world_size:
-        raise SetupError(f"launcher variables: expected 0 <= RANK < WORLD_SIZE, found RANK={world.rank}, "
-                         f"WORLD_SIZE={world.world_size}", fix="start rtv under torchrun, which sets them")
+        raise SetupError(
+            f"launcher variables: expected 0 <= RANK < WORLD_SIZE, found RANK={world.rank}, "
+            f"WORLD_SIZE={world.world_size}",
+            fix="start rtv under torchrun, which sets them",
+        )
     return world
 
 
@@ -149,8 +161,14 @@ def world_facts() -> list[dict[str, Any]] | None:
     return None if _JOINED is None else [dict(f) for f in _JOINED.facts]
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-              dist_timeout_s: float = 30.0, **spawn_options: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    dist_timeout_s: float = 30.0,
+    **spawn_options: Any,
+) -> list[Any]:
     """``fn(*args)`` on ``world_size`` processes; each rank's value, by rank (NOTE [Joined worlds]).
 
     ``backend`` and ``dist_timeout_s`` are the process group's, spawned or
@@ -162,8 +180,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         return spawn_watched(fn, world_size, *args, backend=backend, dist_timeout_s=dist_timeout_s, **spawn_options)
     watch = next_watch()
     if world_size != _JOINED.world.world_size:
-        raise SetupError(f"a check asked for {world_size} processes; the torchrun world has {_JOINED.world.world_size}",
-                         fix=f"run rtv under torchrun with {world_size} processes in all, or alone (it spawns its own)")
+        raise SetupError(
+            f"a check asked for {world_size} processes; the torchrun world has {_JOINED.world.world_size}",
+            fix=f"run rtv under torchrun with {world_size} processes in all, or alone (it spawns its own)",
+        )
     call = _JOINED.calls
     _JOINED.store.set(f"rtv/call/{call}", pickle.dumps((fn, args, backend, dist_timeout_s, watch)))
     _run_call(_JOINED, fn, args, backend, dist_timeout_s, watch)
@@ -180,8 +200,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     return [o.value for o in outcomes]
 
 
-def spawn_watched(fn: Callable[..., Any], world_size: int, *args: Any, check: bool = True,
-                  **spawn_options: Any) -> list[Any]:
+def spawn_watched(
+    fn: Callable[..., Any], world_size: int, *args: Any, check: bool = True, **spawn_options: Any
+) -> list[Any]:
     """``validation.spawn.spawn_ranks(fn, world_size, *args, check=check, **spawn_options)`` on this machine, even in
     a joined world (a check whose process counts differ from the world's); inside ``validation.hangs.watching``
     the ranks are watched (NOTE [Hang reports]) and a hang raises ``HangDetected``."""
@@ -202,8 +223,14 @@ def _checked(outcomes: list[RankOutcome], watch: Watch, check: bool, reason: str
     return [o.value for o in outcomes]
 
 
-def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float,
-              watch: Watch | None) -> None:
+def _run_call(
+    joined_world: _Joined,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    backend: str,
+    timeout_s: float,
+    watch: Watch | None,
+) -> None:
     """This process's part of call number ``joined_world.calls``: a group of its own, ``fn``, the value posted."""
     import torch
     import torch.distributed as dist
@@ -221,13 +248,23 @@ def _run_call(joined_world: _Joined, fn: Callable[..., Any], args: tuple[Any, ..
             torch.cuda.set_device(options["device_id"])
         os.environ.update(recorder)  # torch's flight recorder, read when the group is made; this call's alone
         group_store = dist.PrefixStore(f"rtv/group/{call}", joined_world.store)  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=group_store,
-                                rank=world.rank, world_size=world.world_size,
-                                timeout=datetime.timedelta(seconds=group_timeout_s(timeout_s, watch)), **options)
+        dist.init_process_group(
+            backend,
+            store=group_store,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=datetime.timedelta(seconds=group_timeout_s(timeout_s, watch)),
+            **options,
+        )
         try:
             if watch is not None:
-                watchdog.install(watch.deadline_s, watch.folder, rank=world.rank, store=joined_world.store,
-                                 key=f"rtv/watchdog/{call}")
+                watchdog.install(
+                    watch.deadline_s,
+                    watch.folder,
+                    rank=world.rank,
+                    store=joined_world.store,
+                    key=f"rtv/watchdog/{call}",
+                )
             message: tuple[Any, str | None] = (to_plain(fn(*args)), None)
         finally:
             watchdog.uninstall()
@@ -259,12 +296,18 @@ def _results(store: Any, call: int, world_size: int, watch: Watch | None) -> lis
             messages[rank] = pickle.loads(store.get(keys[rank]))
         if len(messages) == world_size:
             return [messages[rank] for rank in range(world_size)]
-        if grace_s is not None and cutoff is None and (store.check([f"rtv/watchdog/{call}"])
-                                                       or any(m[1] is not None for m in messages.values())):
+        if (
+            grace_s is not None
+            and cutoff is None
+            and (store.check([f"rtv/watchdog/{call}"]) or any(m[1] is not None for m in messages.values()))
+        ):
             cutoff = time.monotonic() + grace_s
         if cutoff is not None and time.monotonic() >= cutoff:
             missing: _Posted = (
-                None, f"no result {grace_s:g} s after the watchdog fired (the process hangs or died)", {})
+                None,
+                f"no result {grace_s:g} s after the watchdog fired (the process hangs or died)",
+                {},
+            )
             return [messages.get(rank, missing) for rank in range(world_size)]
         time.sleep(_RESULT_POLL_S)
 

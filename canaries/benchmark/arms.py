@@ -175,10 +175,15 @@ def versioned_arm(
 ) -> TimedArm:
     """The versioned trainer's step with ``placement`` at staleness 0 or 2 (module docstring)."""
     if placement not in PLACEMENT_REQUESTS or staleness not in (0, 2):
-        raise ValueError(f"expected a placement in {PLACEMENT_REQUESTS} and staleness 0 or 2, found {placement!r}, {staleness}")
-    trainer = trainer_with_policy(model if model is not None else base_model(workload, seed),
-                                  lora=rt.LoRAConfig() if workload.lora else None, optimizer=rt.AdamWConfig(lr=LR),
-                                  adapter_seed=seed)
+        raise ValueError(
+            f"expected a placement in {PLACEMENT_REQUESTS} and staleness 0 or 2, found {placement!r}, {staleness}"
+        )
+    trainer = trainer_with_policy(
+        model if model is not None else base_model(workload, seed),
+        lora=rt.LoRAConfig() if workload.lora else None,
+        optimizer=rt.AdamWConfig(lr=LR),
+        adapter_seed=seed,
+    )
     ids, targets, advantages = workload.batch(trainer.model.config.vocab_size, seed)
     inputs = [rt.ForwardInput(ids[row], targets[row]) for row in range(workload.sequences)]
     options = rt.ForwardOptions(backward_state=placement, corrections=())
@@ -190,8 +195,10 @@ def versioned_arm(
         start = clock()
         pending.append(trainer.forward(inputs, options=options))
         records = {out.record_id: out.usage for outs in pending for out in outs}
-        arm.held = {"device": sum(u.device_bytes for u in records.values()),
-                    "host": sum(u.host_bytes for u in records.values())}
+        arm.held = {
+            "device": sum(u.device_bytes for u in records.values()),
+            "host": sum(u.host_bytes for u in records.values()),
+        }
         middle = clock()
         if len(pending) <= staleness:  # filling the pipeline (warm-up only)
             arm.forward_seconds.append(middle - start)

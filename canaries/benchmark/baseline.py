@@ -43,16 +43,25 @@ from pathlib import Path
 
 from reports.numbers import interval, number
 from validation.abba import Comparison, LoadMeter, LoadProbe, compare
-from validation.load import Meter
 from validation.errors import SetupError
 from validation.evidence import Checks
+from validation.load import Meter
 
 from ..registry import Judged
 from .arms import TimedWorkload
 from .canary import WARMUP_BLOCKS, plan
 
-__all__ = ["KIND", "CONTROL", "merge_base", "source_tree", "source_identity", "Worker", "WorkerShare",
-           "compare_sources", "measure"]
+__all__ = [
+    "KIND",
+    "CONTROL",
+    "merge_base",
+    "source_tree",
+    "source_identity",
+    "Worker",
+    "WorkerShare",
+    "compare_sources",
+    "measure",
+]
 
 KIND = "benchmark-baseline"
 CONTROL = "plain"
@@ -64,8 +73,10 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     """``git args`` in ``cwd``; a failure is a :class:`SetupError` carrying git's message."""
     done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SetupError(f"git {' '.join(args)} failed: {done.stderr.strip()}",
-                         fix="pass --baseline a commit, branch or tag of this repository")
+        raise SetupError(
+            f"git {' '.join(args)} failed: {done.stderr.strip()}",
+            fix="pass --baseline a commit, branch or tag of this repository",
+        )
     return done.stdout.strip()
 
 
@@ -128,8 +139,14 @@ class Worker:
         shim = ROOT if tree.resolve() == ROOT else _trainer_only(tree)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(ROOT)]))
         # cwd: ``python -m`` puts it first on sys.path, so it must not be a checkout with a trainer of its own.
-        self.process = subprocess.Popen([sys.executable, "-m", "canaries.benchmark.worker"], env=env, cwd=shim,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "canaries.benchmark.worker"],
+            env=env,
+            cwd=shim,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.cpu = 0.0
 
     def ask(self, **request: object) -> dict:
@@ -176,38 +193,74 @@ class _SummedClock:
     def step(self, worker: Worker) -> Callable[[], None]:
         def run() -> None:
             self.now += worker.ask(op="step")["seconds"]
+
         return run
 
 
-def compare_sources(sides: Mapping[str, Mapping[str, Callable[[], object]]], *, baseline: str, gate: float,
-                    max_blocks: int, budget_s: float, clock: Callable[[], float],
-                    load_probe: LoadProbe | None, meter: LoadMeter | None = None) -> dict[str, Comparison]:
+def compare_sources(
+    sides: Mapping[str, Mapping[str, Callable[[], object]]],
+    *,
+    baseline: str,
+    gate: float,
+    max_blocks: int,
+    budget_s: float,
+    clock: Callable[[], float],
+    load_probe: LoadProbe | None,
+    meter: LoadMeter | None = None,
+) -> dict[str, Comparison]:
     """Per arm, ``compare`` of its two sides (``sides[arm] = {rev_label: step, head_label: step}``), Rule 2."""
-    return {arm: compare(steps, baseline=baseline, gate=gate, max_blocks=max_blocks, budget_s=budget_s / len(sides),
-                         warmup_blocks=WARMUP_BLOCKS, clock=clock, load_probe=load_probe, meter=meter)[0]
-            for arm, steps in sides.items()}
+    return {
+        arm: compare(
+            steps,
+            baseline=baseline,
+            gate=gate,
+            max_blocks=max_blocks,
+            budget_s=budget_s / len(sides),
+            warmup_blocks=WARMUP_BLOCKS,
+            clock=clock,
+            load_probe=load_probe,
+            meter=meter,
+        )[0]
+        for arm, steps in sides.items()
+    }
 
 
 def _checks(results: dict[str, Comparison], losses: dict[str, dict[str, float]], scope: str) -> Checks:
     checks = Checks()
     control = results[CONTROL]
-    checks.check(f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
-                 control.verdict not in ("regression", "gain"),
-                 f"{control.reading}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}")
+    checks.check(
+        f"{CONTROL} {scope}: the A/A control is not a decided difference (the method holds)",
+        control.verdict not in ("regression", "gain"),
+        f"{control.reading}: ratio {number(control.ratio, '.4f')}, CI {interval(*control.ci95, '.4f')}",
+    )
     for arm, result in results.items():
         if arm == CONTROL:
             continue
         low, high = result.ci95
-        checks.check(f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)", result.verdict != "regression",
-                     f"{result.reading}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
-                     f"{result.blocks} blocks; "
-                     f"first losses {losses[arm]}")
+        checks.check(
+            f"{arm} {scope}: not a regression (±{result.gate:.0%} gate)",
+            result.verdict != "regression",
+            f"{result.reading}: ratio {number(result.ratio, '.4f')}, CI {interval(low, high, '.4f')} over "
+            f"{result.blocks} blocks; "
+            f"first losses {losses[arm]}",
+        )
     return checks
 
 
-def measure(rev: str | None, preset: str, profile: str, out: Path, *, arms: tuple[str, ...] = ("retain@s0",),
-          gate: float = 0.05, threads: int = 1, seed: int = 0, root: Path = ROOT,
-          worker: Callable[[Path], Worker] = Worker, meter: LoadMeter | None = None) -> Judged:
+def measure(
+    rev: str | None,
+    preset: str,
+    profile: str,
+    out: Path,
+    *,
+    arms: tuple[str, ...] = ("retain@s0",),
+    gate: float = 0.05,
+    threads: int = 1,
+    seed: int = 0,
+    root: Path = ROOT,
+    worker: Callable[[Path], Worker] = Worker,
+    meter: LoadMeter | None = None,
+) -> Judged:
     """Compare ``arms`` (plus the :data:`CONTROL`) on REV's and HEAD's trainer (module NOTE); the caller records it.
 
     ``rev``: a commit, branch or tag; None: :func:`merge_base`. The workload,
@@ -227,23 +280,55 @@ def measure(rev: str | None, preset: str, profile: str, out: Path, *, arms: tupl
         label = revision_label(rev, commit)
         scope = f"{label} → HEAD" + (" (A/A: the same trainer source)" if a_a else f" ({EDITED})" if edited else "")
         if a_a:
-            print(f"rtv bench --baseline: {rev} ({commit[:12]}) has HEAD's trainer source: an A/A run (both sides run "
-                  "the same trainer; pass --baseline REV to compare with another revision)", flush=True)
+            print(
+                f"rtv bench --baseline: {rev} ({commit[:12]}) has HEAD's trainer source: an A/A run (both sides run "
+                "the same trainer; pass --baseline REV to compare with another revision)",
+                flush=True,
+            )
         elif edited:
             print(f"rtv bench --baseline: {EDITED}: the comparison is of those edits", flush=True)
-        return _judged(tree, root, preset, profile, arms=arms, gate=gate, threads=threads, seed=seed, worker=worker,
-                       meter=meter, config={"scope": scope, "a_a": a_a}, label=label, identities=identities)
+        return _judged(
+            tree,
+            root,
+            preset,
+            profile,
+            arms=arms,
+            gate=gate,
+            threads=threads,
+            seed=seed,
+            worker=worker,
+            meter=meter,
+            config={"scope": scope, "a_a": a_a},
+            label=label,
+            identities=identities,
+        )
     finally:
         try:
             remove_tree(tree, root)
         except SetupError as error:  # the comparison stands; only the clean-up failed
-            print(f"rtv bench --baseline: REV's worktree {tree} stays ({error.cause}); remove it with "
-                  f"`git worktree remove --force {tree}`", file=sys.stderr)
+            print(
+                f"rtv bench --baseline: REV's worktree {tree} stays ({error.cause}); remove it with "
+                f"`git worktree remove --force {tree}`",
+                file=sys.stderr,
+            )
 
 
-def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[str, ...], gate: float, threads: int,
-            seed: int, worker: Callable[[Path], Worker], meter: LoadMeter | None, config: dict, label: str,
-            identities: dict) -> Judged:
+def _judged(
+    tree: Path,
+    root: Path,
+    preset: str,
+    profile: str,
+    *,
+    arms: tuple[str, ...],
+    gate: float,
+    threads: int,
+    seed: int,
+    worker: Callable[[Path], Worker],
+    meter: LoadMeter | None,
+    config: dict,
+    label: str,
+    identities: dict,
+) -> Judged:
     """:func:`measure`'s comparison of REV's ``tree`` with HEAD's ``root`` and its record's parts."""
     import time
 
@@ -257,24 +342,44 @@ def _judged(tree: Path, root: Path, preset: str, profile: str, *, arms: tuple[st
         for arm in names:
             pair = {BASE_SIDE: worker(tree), HEAD_SIDE: worker(root)}
             workers += pair.values()
-            losses[arm] = {side: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed,
-                                       threads=threads)["loss"]
-                           for side, w in pair.items()}
+            losses[arm] = {
+                side: w.ask(op="build", workload=asdict(workload), arm=arm, seed=seed, threads=threads)["loss"]
+                for side, w in pair.items()
+            }
             sides[arm] = {side: clock.step(w) for side, w in pair.items()}
-        results = compare_sources(sides, baseline=BASE_SIDE, gate=gate, max_blocks=plan_.max_blocks,
-                                  budget_s=plan_.budget_s, clock=clock,
-                                  load_probe=WorkerShare(workers, time.perf_counter),
-                                  meter=meter or Meter(pids=lambda: [w.process.pid for w in workers]))
+        results = compare_sources(
+            sides,
+            baseline=BASE_SIDE,
+            gate=gate,
+            max_blocks=plan_.max_blocks,
+            budget_s=plan_.budget_s,
+            clock=clock,
+            load_probe=WorkerShare(workers, time.perf_counter),
+            meter=meter or Meter(pids=lambda: [w.process.pid for w in workers]),
+        )
     finally:
         for worker in workers:
             worker.close()
     return Judged(
         KIND,
-        {"preset": preset, "profile": profile, "gate": gate, "threads": threads, "seed": seed, **config,
-         "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)", "workload": workload.label,
-         "control": CONTROL, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s},
+        {
+            "preset": preset,
+            "profile": profile,
+            "gate": gate,
+            "threads": threads,
+            "seed": seed,
+            **config,
+            "source_scope": "reference_trainer/ (the harness is HEAD's on both sides)",
+            "workload": workload.label,
+            "control": CONTROL,
+            "max_blocks": plan_.max_blocks,
+            "budget_s": plan_.budget_s,
+        },
         _checks(results, losses, scope),
         # "arm" is the arm compared (HEAD's side), "baseline" the REV it is compared with
-        {"sources": identities, "first_losses": losses,
-         "comparisons": [dict(r.as_dict(), arm=arm, baseline=label) for arm, r in results.items()]},
+        {
+            "sources": identities,
+            "first_losses": losses,
+            "comparisons": [dict(r.as_dict(), arm=arm, baseline=label) for arm, r in results.items()],
+        },
     )

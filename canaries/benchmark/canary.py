@@ -40,20 +40,31 @@ from tqdm import tqdm
 from reports.numbers import interval, number
 from validation import stats
 from validation.abba import MAX_LOADED, Comparison, LoadMeter, LoadProbe, compare, loaded_reason
-from validation.load import inconclusive
 from validation.allocations import peak_bytes
 from validation.errors import SetupError
 from validation.evidence import Checks
+from validation.load import inconclusive
 
-from . import profiling
 from ..registry import Judged
 from ..request import CanaryRun
+from . import profiling
 from .arms import TimedArm, TimedWorkload, base_model, device_clock, plain_arm, versioned_arm
-from .plan import Group, Plan, plan, split_gated
 from .pauses import measure_pauses
+from .plan import Group, Plan, plan, split_gated
 
-__all__ = ["Group", "Plan", "plan", "split_gated", "build_arms", "first_losses", "agree", "judge", "measure", "TARGET_RATIO",
-           "KIND"]
+__all__ = [
+    "Group",
+    "Plan",
+    "plan",
+    "split_gated",
+    "build_arms",
+    "first_losses",
+    "agree",
+    "judge",
+    "measure",
+    "TARGET_RATIO",
+    "KIND",
+]
 
 KIND = "benchmark"
 TARGET_RATIO = 1.03
@@ -100,7 +111,9 @@ def _median(values: np.ndarray) -> float:
     return float(np.median(values)) if len(values) else float("nan")
 
 
-def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float], gate: float, max_blocks: int) -> dict:
+def _floor_comparison(
+    retain: Comparison, replay: Comparison, floors: list[float], gate: float, max_blocks: int
+) -> dict:
     """Replay / retain per block divided by that block's floor ``1 + F/(F+B)``; same statistics and load rule as ``compare``.
 
     Examined once, at ``compare``'s last look and at its per-look level, so
@@ -114,11 +127,17 @@ def _floor_comparison(retain: Comparison, replay: Comparison, floors: list[float
     verdict = "inconclusive" if too_loaded else str(stats.verdict(low, high, gate))
     cut_short = verdict == "inconclusive" and not keep.all() and (too_loaded or int(keep.sum()) < max_blocks)
     floor = {
-        "arm": replay.arm, "baseline": f"{retain.arm} x floor", "blocks": int(ratios.size),
-        "ratio": _median(ratios), "ci95": [float(low), float(high)], "confidence": replay.confidence,
-        "loaded": list(replay.loaded), "floor": _median(np.asarray(floors)[keep]),
+        "arm": replay.arm,
+        "baseline": f"{retain.arm} x floor",
+        "blocks": int(ratios.size),
+        "ratio": _median(ratios),
+        "ci95": [float(low), float(high)],
+        "confidence": replay.confidence,
+        "loaded": list(replay.loaded),
+        "floor": _median(np.asarray(floors)[keep]),
         "verdict": verdict,
-        "drift": asdict(stats.drift(ratios)), "ratios": ratios.tolist(),
+        "drift": asdict(stats.drift(ratios)),
+        "ratios": ratios.tolist(),
         "load": loaded_reason(~keep, []) if cut_short else "",  # NOTE [Alternating blocks] Rule 6
     }
     return {**floor, "reading": inconclusive(floor["load"]) if floor["load"] else floor["verdict"]}
@@ -134,29 +153,48 @@ def _measure(arms: dict[str, TimedArm], results: list[Comparison], workload: Tim
     for name, arm in arms.items():
         step = _median(seconds[name])
         measured[name] = {
-            "step_seconds": step, "tokens_per_second": workload.tokens / step,
-            "held_device_bytes": arm.held.get("device", 0), "held_host_bytes": arm.held.get("host", 0),
+            "step_seconds": step,
+            "tokens_per_second": workload.tokens / step,
+            "held_device_bytes": arm.held.get("device", 0),
+            "held_host_bytes": arm.held.get("host", 0),
             "peak_bytes": peak_bytes(arm, workload.device),
-            "forward_seconds": float(np.median(arm.forward_seconds)), "rest_seconds": float(np.median(arm.rest_seconds)),
+            "forward_seconds": float(np.median(arm.forward_seconds)),
+            "rest_seconds": float(np.median(arm.rest_seconds)),
         }
     return measured
 
 
-def _profile(arms: dict[str, TimedArm], measured: dict[str, dict], traces: Path | None, label: str,
-             blocks: int) -> tuple[dict | None, dict[str, str]]:
+def _profile(
+    arms: dict[str, TimedArm], measured: dict[str, dict], traces: Path | None, label: str, blocks: int
+) -> tuple[dict | None, dict[str, str]]:
     """Where retain@s0's extra time over plain goes (``profiling.profiled_pass``), on groups that have both arms.
 
     ``(None, {})`` for a group without them, or when ``blocks`` is 0.
     """
     if not blocks or not set(profiling.TRACED) <= set(arms):
         return None, {}
-    return profiling.profiled_pass(arms, plain_seconds=measured["plain"]["step_seconds"], folder=traces,
-                                   stem=re.sub(r"\W+", "-", label), blocks=blocks)
+    return profiling.profiled_pass(
+        arms,
+        plain_seconds=measured["plain"]["step_seconds"],
+        folder=traces,
+        stem=re.sub(r"\W+", "-", label),
+        blocks=blocks,
+    )
 
 
-def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Callable[[], float],
-               load_probe: LoadProbe | None, meter: LoadMeter | None, progress: bool, build: Builder,
-               traces: Path | None) -> dict:
+def _run_group(
+    group: Group,
+    plan_: Plan,
+    *,
+    gate: float,
+    seed: int,
+    clock: Callable[[], float],
+    load_probe: LoadProbe | None,
+    meter: LoadMeter | None,
+    progress: bool,
+    build: Builder,
+    traces: Path | None,
+) -> dict:
     arms = build(group, seed)
     losses = first_losses(arms)
     floors: list[float] = []
@@ -170,9 +208,18 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
         bar.update(1)
 
     budget = plan_.budget_s * len(group.arms) / sum(len(g.arms) for g in plan_.groups)  # by runs per block
-    results = compare(arms, baseline="plain", gate=gate, max_blocks=plan_.max_blocks, budget_s=budget,
-                      warmup_blocks=WARMUP_BLOCKS, clock=device_clock(group.workload.device, clock),
-                      load_probe=load_probe, meter=meter, on_block=on_block)
+    results = compare(
+        arms,
+        baseline="plain",
+        gate=gate,
+        max_blocks=plan_.max_blocks,
+        budget_s=budget,
+        warmup_blocks=WARMUP_BLOCKS,
+        clock=device_clock(group.workload.device, clock),
+        load_probe=load_probe,
+        meter=meter,
+        on_block=on_block,
+    )
     bar.close()
     by_arm = {r.arm: r for r in results}
     measured = _measure(arms, results, group.workload)
@@ -182,10 +229,16 @@ def _run_group(group: Group, plan_: Plan, *, gate: float, seed: int, clock: Call
     if {"retain@s0", "replay@s0"} <= set(by_arm):
         floor = _floor_comparison(by_arm["retain@s0"], by_arm["replay@s0"], floors, gate, plan_.max_blocks)
     return {
-        "workload": asdict(group.workload), "label": group.label, "gated": group.gated,
-        "first_losses": losses, "arms_agree": agree(losses, group.workload.dtype),
-        "comparisons": [r.as_dict() for r in results], "replay_floor": floor,
-        "arms": measured, "profile": profile, "traces": traced,
+        "workload": asdict(group.workload),
+        "label": group.label,
+        "gated": group.gated,
+        "first_losses": losses,
+        "arms_agree": agree(losses, group.workload.dtype),
+        "comparisons": [r.as_dict() for r in results],
+        "replay_floor": floor,
+        "arms": measured,
+        "profile": profile,
+        "traces": traced,
     }
 
 
@@ -193,32 +246,46 @@ def _checks(groups: list[dict], gate: float, target: float | None) -> Checks:
     checks = Checks()
     for group in groups:
         label = group["label"]
-        checks.check(f"{label}: every arm's first loss equals plain's", group["arms_agree"],
-                     "first losses agree" if group["arms_agree"] else "an arm's first loss differs from plain's")
+        checks.check(
+            f"{label}: every arm's first loss equals plain's",
+            group["arms_agree"],
+            "first losses agree" if group["arms_agree"] else "an arm's first loss differs from plain's",
+        )
         if not group["gated"]:
             continue
         by_arm = {c["arm"]: c for c in group["comparisons"]}
         if "retain@s0" in by_arm:
             retain = by_arm["retain@s0"]
-            checks.check(f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)",
-                         retain["verdict"] != "regression", _verdict_detail(retain))
+            checks.check(
+                f"{label}: retain@s0 vs plain is not a regression (±{gate:.0%} gate)",
+                retain["verdict"] != "regression",
+                _verdict_detail(retain),
+            )
             if target is not None and retain["load"]:
                 checks.skip(f"{label}: retain@s0 / plain median <= {target}", retain["reading"])
             elif target is not None:
-                checks.check(f"{label}: retain@s0 / plain median <= {target}", retain["ratio"] <= target,
-                             f"median ratio {number(retain['ratio'], '.4f')}")
+                checks.check(
+                    f"{label}: retain@s0 / plain median <= {target}",
+                    retain["ratio"] <= target,
+                    f"median ratio {number(retain['ratio'], '.4f')}",
+                )
         if group["replay_floor"] is not None:
             floor = group["replay_floor"]
-            checks.check(f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)",
-                         floor["verdict"] != "regression", _verdict_detail(floor))
+            checks.check(
+                f"{label}: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±{gate:.0%} gate)",
+                floor["verdict"] != "regression",
+                _verdict_detail(floor),
+            )
     return checks
 
 
 def _verdict_detail(comparison: dict) -> str:
     """Why a comparison check holds or not: its verdict and the interval it came from."""
     low, high = comparison["ci95"]
-    return (f"{comparison['reading']}: median ratio {number(comparison['ratio'], '.4f')}, "
-            f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks")
+    return (
+        f"{comparison['reading']}: median ratio {number(comparison['ratio'], '.4f')}, "
+        f"95% CI {interval(low, high, '.4f')} over {comparison['blocks']} blocks"
+    )
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -228,10 +295,22 @@ def judge(run: CanaryRun) -> Judged:
     return measure(run.preset.name, run.profile)
 
 
-def measure(preset: str, profile: str, *, gate: float = 0.05, target: float | None = None,
-          threads: int = 1, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
-          load_probe: LoadProbe | None = None, meter: LoadMeter | None = None, progress: bool = False,
-          build: Builder = build_arms, traces: Path | None = None, pauses: bool = False) -> Judged:
+def measure(
+    preset: str,
+    profile: str,
+    *,
+    gate: float = 0.05,
+    target: float | None = None,
+    threads: int = 1,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+    load_probe: LoadProbe | None = None,
+    meter: LoadMeter | None = None,
+    progress: bool = False,
+    build: Builder = build_arms,
+    traces: Path | None = None,
+    pauses: bool = False,
+) -> Judged:
     """Run the benchmark of ``preset`` x ``profile`` (module docstring); the registry writes the record.
 
     The keywords are for ``rtv bench`` and the tests, which judge with them and
@@ -255,18 +334,48 @@ def measure(preset: str, profile: str, *, gate: float = 0.05, target: float | No
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
-        groups = [_run_group(g, plan_, gate=gate, seed=seed, clock=clock, load_probe=load_probe, meter=meter,
-                             progress=progress, build=build, traces=traces) for g in plan_.groups]
-        paused = measure_pauses(plan_.groups[0].workload, profile, seed=seed, clock=clock, load_probe=load_probe,
-                                meter=meter) if pauses else None
+        groups = [
+            _run_group(
+                g,
+                plan_,
+                gate=gate,
+                seed=seed,
+                clock=clock,
+                load_probe=load_probe,
+                meter=meter,
+                progress=progress,
+                build=build,
+                traces=traces,
+            )
+            for g in plan_.groups
+        ]
+        paused = (
+            measure_pauses(
+                plan_.groups[0].workload, profile, seed=seed, clock=clock, load_probe=load_probe, meter=meter
+            )
+            if pauses
+            else None
+        )
     finally:
         torch.set_num_threads(before)
     return Judged(
         KIND,
-        {"preset": preset, "profile": profile, "gate": gate, "target": target, "target_reported": TARGET_RATIO,
-         "threads": threads, "seed": seed, "max_blocks": plan_.max_blocks, "budget_s": plan_.budget_s,
-         "warmup_blocks": WARMUP_BLOCKS, "profiled_blocks": plan_.profiled_blocks, "swapped_for_cpu": plan_.swapped,
-         "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)), "note": NOISE_NOTE},
+        {
+            "preset": preset,
+            "profile": profile,
+            "gate": gate,
+            "target": target,
+            "target_reported": TARGET_RATIO,
+            "threads": threads,
+            "seed": seed,
+            "max_blocks": plan_.max_blocks,
+            "budget_s": plan_.budget_s,
+            "warmup_blocks": WARMUP_BLOCKS,
+            "profiled_blocks": plan_.profiled_blocks,
+            "swapped_for_cpu": plan_.swapped,
+            "workloads": list(dict.fromkeys(g.workload.label for g in plan_.groups)),
+            "note": NOISE_NOTE,
+        },
         _checks(groups, gate, target),
         {"groups": groups, "seconds": time.perf_counter() - started, **({"pauses": paused} if paused else {})},
     )

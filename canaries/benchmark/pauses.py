@@ -85,18 +85,30 @@ def _summary(result: Comparison) -> dict:
     seconds, step = np.asarray(result.arm_seconds)[keep], np.asarray(result.baseline_seconds)[keep]
     low, high = stats.median_ci(seconds, result.confidence) if seconds.size else (np.nan, np.nan)
     extra_low, extra_high = stats.median_ci(seconds - step, result.confidence) if seconds.size else (np.nan, np.nan)
-    return {"arm": result.arm, "blocks": result.blocks, "ratio": result.ratio, "ratio_ci": list(result.ci95),
-            "seconds": _median(seconds),
-            "seconds_ci": [float(low), float(high)],
-            "extra_seconds": _median(seconds - step),
-            "extra_seconds_ci": [float(extra_low), float(extra_high)],
-            "confidence": result.confidence, "loaded": list(result.loaded),
-            "reading": result.reading if result.load else "measured"}  # Rule 2: no verdict; Rule 3: a loaded run
+    return {
+        "arm": result.arm,
+        "blocks": result.blocks,
+        "ratio": result.ratio,
+        "ratio_ci": list(result.ci95),
+        "seconds": _median(seconds),
+        "seconds_ci": [float(low), float(high)],
+        "extra_seconds": _median(seconds - step),
+        "extra_seconds_ci": [float(extra_low), float(extra_high)],
+        "confidence": result.confidence,
+        "loaded": list(result.loaded),
+        "reading": result.reading if result.load else "measured",
+    }  # Rule 2: no verdict; Rule 3: a loaded run
 
 
-def measure_pauses(workload: TimedWorkload, profile: str, *, seed: int = 0,
-                   clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
-                   meter: LoadMeter | None = None) -> dict:
+def measure_pauses(
+    workload: TimedWorkload,
+    profile: str,
+    *,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+    load_probe: LoadProbe | None = None,
+    meter: LoadMeter | None = None,
+) -> dict:
     """Rule 1's arms on ``workload``, compared in blocks;
     ``{"workload", "step_seconds", "bytes", "published_bytes", "arms": [...]}``."""
     max_blocks, budget_s = PAUSE_BLOCKS[profile]
@@ -107,16 +119,33 @@ def measure_pauses(workload: TimedWorkload, profile: str, *, seed: int = 0,
     publish = publishing(step, rt.RolloutEngine(trainer.model))
     with tempfile.TemporaryDirectory(prefix="rtv-pauses-") as scratch:
         folder = Path(scratch) / "save"
-        arms = {"step": step, "save": lambda: trainer.save(folder),
-                "load": lambda: rt.Trainer.load(folder, trainer.model), "offload": offload, "publish": publish}
+        arms = {
+            "step": step,
+            "save": lambda: trainer.save(folder),
+            "load": lambda: rt.Trainer.load(folder, trainer.model),
+            "offload": offload,
+            "publish": publish,
+        }
         sent = publish().nbytes  # the engine serves a version before the first block; one publication's bytes
         trainer.save(folder)  # load has a save to read from the first block on
-        results = compare(arms, baseline="step", gate=0.05, max_blocks=max_blocks, budget_s=budget_s,
-                          clock=device_clock(workload.device, clock),
-                          load_probe=load_probe, meter=meter)
+        results = compare(
+            arms,
+            baseline="step",
+            gate=0.05,
+            max_blocks=max_blocks,
+            budget_s=budget_s,
+            clock=device_clock(workload.device, clock),
+            load_probe=load_probe,
+            meter=meter,
+        )
         written = saved_bytes(folder)
     by_arm = {r.arm: _summary(r) for r in results}
-    return {"workload": workload.label, "bytes": written, "published_bytes": sent,
-            "max_blocks": max_blocks, "budget_s": budget_s,
-            "step_seconds": _median(np.asarray(results[0].baseline_seconds)[_kept(results[0])]),
-            "arms": [by_arm[name] for name in PAUSE_ARMS]}
+    return {
+        "workload": workload.label,
+        "bytes": written,
+        "published_bytes": sent,
+        "max_blocks": max_blocks,
+        "budget_s": budget_s,
+        "step_seconds": _median(np.asarray(results[0].baseline_seconds)[_kept(results[0])]),
+        "arms": [by_arm[name] for name in PAUSE_ARMS],
+    }

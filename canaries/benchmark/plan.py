@@ -15,8 +15,8 @@ import torch
 
 from validation.errors import SetupError
 
-from . import profiling
 from ..presets import PLACEMENT_REQUESTS
+from . import profiling
 from .arms import TimedWorkload, arm_name
 
 __all__ = ["GATED", "Group", "Plan", "plan", "split_gated"]
@@ -83,8 +83,10 @@ def plan(preset: str, profile: str) -> Plan:
             return Plan((Group(small, _arms(("retain", "replay"), (0,)), True),), 32, 35.0, False)
         if not nightly:
             return Plan(split_gated(small, every), 64, 200.0, False)
-        others = tuple(Group(TimedWorkload(model=m, sequences=4, seq_len=64, lora=lora), every, False)
-                       for m, lora in (("small", True), ("tiny", False), ("tiny", True)))
+        others = tuple(
+            Group(TimedWorkload(model=m, sequences=4, seq_len=64, lora=lora), every, False)
+            for m, lora in (("small", True), ("tiny", False), ("tiny", True))
+        )
         return Plan(split_gated(small, every) + others, 64, 1200.0, False)
     if preset not in ("gpu", "gpu-8b"):
         raise SetupError(f"unknown preset {preset!r}", fix="use one of cpu, gpu, gpu-8b")
@@ -96,7 +98,10 @@ def plan(preset: str, profile: str) -> Plan:
     cuda = dict(lora=True, dtype="bfloat16", device="cuda")
     arms = _arms(("retain", "replay"), (0,)) if quick else (every if nightly else _arms(PLACEMENT_REQUESTS, (0,)))
     if preset == "gpu":
-        return Plan(split_gated(TimedWorkload(model="small", sequences=4, seq_len=1024, **cuda), arms), 64, 300.0, False)
+        return Plan(
+            split_gated(TimedWorkload(model="small", sequences=4, seq_len=1024, **cuda), arms), 64, 300.0, False
+        )
     groups = split_gated(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=1024, **cuda), arms) + (
-        Group(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=4096, **cuda), arms, False),)
+        Group(TimedWorkload(model="qwen3_8b", sequences=4, seq_len=4096, **cuda), arms, False),
+    )
     return Plan(groups, 32 if quick else 64, 300.0 if quick else 900.0, False)

@@ -57,9 +57,9 @@ CONFIDENCE = 0.95
 # What each cost buys: the report's "why it stays" column, in the table's order.
 COMPONENTS = {
     "saved_tensor_hooks": "bytes held are counted (admission), a retained forward can be demoted to host memory, "
-                          "and a saved tensor modified in place is refused (NOTE [Saved-state lifetime])",
+    "and a saved tensor modified in place is refused (NOTE [Saved-state lifetime])",
     "gradient_norm": "a non-finite gradient is refused before anything is published (NOTE [Gradient commit]); "
-                     "optim_step reuses this norm (NOTE [Gradient norm])",
+    "optim_step reuses this norm (NOTE [Gradient norm])",
     "bookkeeping": "forward records, weight captures, admission, the cotangent split, output tagging and release",
     "model_forward": "the model's own forward and loss: the same work in both arms",
     "backward_operators": "autograd's backward operators: the same gradients in both arms",
@@ -69,8 +69,10 @@ COMPONENTS = {
 
 # (component, event category, name prefix): the innermost enclosing event that matches names the component.
 RULES = (
-    *(("saved_tensor_hooks", "python_function", f"reference_trainer/{m}.py(")
-      for m in ("ledger", "residency", "host_arena")),
+    *(
+        ("saved_tensor_hooks", "python_function", f"reference_trainer/{m}.py(")
+        for m in ("ledger", "residency", "host_arena")
+    ),
     ("gradient_norm", "python_function", "reference_trainer/grad_norms.py("),
     *(("model_forward", "python_function", f"reference_trainer/{m}.py(") for m in ("model", "lora", "losses")),
     ("bookkeeping", "python_function", "reference_trainer/"),
@@ -94,8 +96,15 @@ def _component(event: dict) -> str | None:
     path from a folder boundary on.
     """
     name = event.get("name", "")
-    return next((component for component, category, prefix in RULES if event.get("cat") == category and (
-        name.startswith(prefix) or (category == "python_function" and f"/{prefix}" in name))), None)
+    return next(
+        (
+            component
+            for component, category, prefix in RULES
+            if event.get("cat") == category
+            and (name.startswith(prefix) or (category == "python_function" and f"/{prefix}" in name))
+        ),
+        None,
+    )
 
 
 def _step_range(events: list[dict], arm: str) -> dict:
@@ -121,10 +130,18 @@ def components(trace: dict, arm: str) -> tuple[float, dict[str, float]]:
     events = trace["traceEvents"]
     step = _step_range(events, arm)
     end = step["ts"] + step["dur"] + _ROUNDING_US
-    inside = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _COUNTED
-                     and (e["pid"], e["tid"]) == (step["pid"], step["tid"])
-                     and e["ts"] >= step["ts"] and e["ts"] + e["dur"] <= end),
-                    key=lambda e: (e["ts"], -e["dur"]))  # a parent before the children it starts with
+    inside = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and e.get("cat") in _COUNTED
+            and (e["pid"], e["tid"]) == (step["pid"], step["tid"])
+            and e["ts"] >= step["ts"]
+            and e["ts"] + e["dur"] <= end
+        ),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )  # a parent before the children it starts with
     totals = dict.fromkeys(COMPONENTS, 0.0)
     open_events: list[list] = []  # [end, component, self time so far] of each enclosing event, innermost last
 
@@ -154,8 +171,9 @@ def differences(plain: list[float], retain: list[float], confidence: float = CON
     ``ValueError`` for fewer than two pairs or lists of different lengths.
     """
     if len(plain) != len(retain) or len(plain) < 2:
-        raise ValueError(f"expected two equally long lists of at least 2 paired blocks, "
-                         f"found {len(plain)} and {len(retain)}")
+        raise ValueError(
+            f"expected two equally long lists of at least 2 paired blocks, found {len(plain)} and {len(retain)}"
+        )
     paired = np.asarray(retain, dtype=float) - np.asarray(plain, dtype=float)
     mean, sem = float(paired.mean()), float(scipy_stats.sem(paired))
     low, high = (mean, mean) if sem == 0 else scipy_stats.t.interval(confidence, paired.size - 1, loc=mean, scale=sem)
@@ -179,10 +197,11 @@ def _without_profiler_notices() -> Iterator[None]:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
                 captured.seek(0)
-                kept = b"".join(line for line in captured.read().splitlines(keepends=True)
-                                if not _PROFILER_NOTICE.match(line))
+                kept = b"".join(
+                    line for line in captured.read().splitlines(keepends=True) if not _PROFILER_NOTICE.match(line)
+                )
                 while kept:  # a write may take part of it
-                    kept = kept[os.write(2, kept):]
+                    kept = kept[os.write(2, kept) :]
     finally:
         os.close(saved)
 
@@ -206,8 +225,9 @@ def _block_order(block: int) -> tuple[str, ...]:
     return TRACED if block % 2 == 0 else TRACED[::-1]
 
 
-def profiled_pass(arms: dict[str, TimedArm], *, plain_seconds: float, folder: Path | None, stem: str,
-                  blocks: int = PROFILED_BLOCKS) -> tuple[dict, dict[str, str]]:
+def profiled_pass(
+    arms: dict[str, TimedArm], *, plain_seconds: float, folder: Path | None, stem: str, blocks: int = PROFILED_BLOCKS
+) -> tuple[dict, dict[str, str]]:
     """The profiled blocks of :data:`TRACED` (NOTE [Profiled blocks]): ``(profile, {arm: kept trace path})``.
 
     ``arms`` must hold both traced arms, already warm (the timed comparison
@@ -236,27 +256,48 @@ def profiled_pass(arms: dict[str, TimedArm], *, plain_seconds: float, folder: Pa
             for name in _block_order(block):
                 trace = _profiled_step(arms[name], name, Path(scratch) / f"{block}-{name}.json")
                 measured[name].append(components(trace, name))
-        per_arm = {name: {**_median_block([seconds for seconds, _ in steps]),
-                          "block_components": [split for _, split in steps]} for name, steps in measured.items()}
-        paths = {} if folder is None else {
-            name: _keep(Path(scratch) / f"{arm['median_block']}-{name}.json", folder, stem, name)
-            for name, arm in per_arm.items()}
+        per_arm = {
+            name: {
+                **_median_block([seconds for seconds, _ in steps]),
+                "block_components": [split for _, split in steps],
+            }
+            for name, steps in measured.items()
+        }
+        paths = (
+            {}
+            if folder is None
+            else {
+                name: _keep(Path(scratch) / f"{arm['median_block']}-{name}.json", folder, stem, name)
+                for name, arm in per_arm.items()
+            }
+        )
     plain, retain = (measured[name] for name in TRACED)
     table = _table([split for _, split in plain], [split for _, split in retain])
     return {
-        "blocks": blocks, "warmup_blocks": 1, "confidence": CONFIDENCE, "plain_step_seconds": plain_seconds,
+        "blocks": blocks,
+        "warmup_blocks": 1,
+        "confidence": CONFIDENCE,
+        "plain_step_seconds": plain_seconds,
         "note": "profiled blocks, run after the timed comparison under torch.profiler: not the timed blocks",
-        "arms": per_arm, "extra": differences([s for s, _ in plain], [s for s, _ in retain]), "components": table,
+        "arms": per_arm,
+        "extra": differences([s for s, _ in plain], [s for s, _ in retain]),
+        "components": table,
         "saved_by_reuse_seconds": next(c["retain_seconds"] for c in table if c["name"] == "gradient_norm"),
     }, paths
 
 
 def _table(plain: list[dict[str, float]], retain: list[dict[str, float]]) -> list[dict]:
     """One row per :data:`COMPONENTS` name: what it buys, each arm's mean, and retain minus plain by block."""
-    return [{"name": name, "buys": buys, "plain_seconds": float(np.mean([split[name] for split in plain])),
-             "retain_seconds": float(np.mean([split[name] for split in retain])),
-             **differences([split[name] for split in plain], [split[name] for split in retain])}
-            for name, buys in COMPONENTS.items()]
+    return [
+        {
+            "name": name,
+            "buys": buys,
+            "plain_seconds": float(np.mean([split[name] for split in plain])),
+            "retain_seconds": float(np.mean([split[name] for split in retain])),
+            **differences([split[name] for split in plain], [split[name] for split in retain]),
+        }
+        for name, buys in COMPONENTS.items()
+    ]
 
 
 def _median_block(seconds: list[float]) -> dict:

@@ -49,9 +49,26 @@ from ..registry import Judged
 from .arms import TimedWorkload, device_clock
 from .canary import WARMUP_BLOCKS, Builder, Group, agree, build_arms, first_losses
 
-__all__ = ["KIND", "CPU_GRIDS", "GPU_LENGTHS", "MODEL_SHAPES", "STEP_BOUND", "ARM_FACTOR", "TERMS", "SweepPlan",
-           "RUN_BUDGETS_S", "OUTSIDE_S", "MIN_BUDGET_S", "plan", "block_bound", "seconds_bound", "budget_left", "fit",
-           "predicted_ratio", "measure"]
+__all__ = [
+    "KIND",
+    "CPU_GRIDS",
+    "GPU_LENGTHS",
+    "MODEL_SHAPES",
+    "STEP_BOUND",
+    "ARM_FACTOR",
+    "TERMS",
+    "SweepPlan",
+    "RUN_BUDGETS_S",
+    "OUTSIDE_S",
+    "MIN_BUDGET_S",
+    "plan",
+    "block_bound",
+    "seconds_bound",
+    "budget_left",
+    "fit",
+    "predicted_ratio",
+    "measure",
+]
 
 KIND = "benchmark-sweep"
 TERMS = ("fixed", "per_token", "per_token2")
@@ -159,10 +176,16 @@ def predicted_ratio(arm: dict, plain: dict, batch: int, length: int) -> float:
 def _model(fits: dict[str, dict]) -> dict:
     """Rule 3: each arm's fitted ratio along batch 4 x :data:`_MODEL_LENGTHS` and at :data:`MODEL_SHAPES`."""
     arms = [a for a in fits if a != "plain"]
-    return {"note": "model, not a measurement", "batch": 4, "lengths": list(_MODEL_LENGTHS),
-            "ratios": {a: [predicted_ratio(fits[a], fits["plain"], 4, t) for t in _MODEL_LENGTHS] for a in arms},
-            "shapes": [{"batch": b, "seq_len": t, "ratios": {a: predicted_ratio(fits[a], fits["plain"], b, t) for a in arms}}
-                       for b, t in MODEL_SHAPES]}
+    return {
+        "note": "model, not a measurement",
+        "batch": 4,
+        "lengths": list(_MODEL_LENGTHS),
+        "ratios": {a: [predicted_ratio(fits[a], fits["plain"], 4, t) for t in _MODEL_LENGTHS] for a in arms},
+        "shapes": [
+            {"batch": b, "seq_len": t, "ratios": {a: predicted_ratio(fits[a], fits["plain"], b, t) for a in arms}}
+            for b, t in MODEL_SHAPES
+        ],
+    }
 
 
 def _median_seconds(point: dict, arm: str) -> float:
@@ -190,23 +213,44 @@ def _checks(points: list[dict], fits: dict[str, dict]) -> Checks:
     """Like with like at every shape (no clock); the fit, skipped as loaded when loaded shapes left too few (Rule 2)."""
     checks = Checks()
     unlike = [p["label"] for p in points if not p["arms_agree"]]
-    checks.check("at every shape, every arm's first loss equals plain's", not unlike,
-                 f"first losses differ at {', '.join(unlike)}" if unlike else "first losses agree")
+    checks.check(
+        "at every shape, every arm's first loss equals plain's",
+        not unlike,
+        f"first losses differ at {', '.join(unlike)}" if unlike else "first losses agree",
+    )
     name = "every arm's costs were fitted"
     left_out = sorted({shape for f in fits.values() for shape in f["left_out"]})
     if all(np.isfinite(f["fixed"]) for f in fits.values()):
-        checks.check(name, True, f"{len(points) - len(left_out)} of {len(points)} shapes fitted"
-                     + (f"; fully loaded, left out: {', '.join(left_out)}" if left_out else ""))
+        checks.check(
+            name,
+            True,
+            f"{len(points) - len(left_out)} of {len(points)} shapes fitted"
+            + (f"; fully loaded, left out: {', '.join(left_out)}" if left_out else ""),
+        )
     else:
         loads = [p["comparisons"][0]["load"] for p in points if f"{p['batch']}x{p['seq_len']}" in left_out]
-        checks.skip(name, inconclusive(f"{len(left_out)} of {len(points)} shapes fully loaded ({'; '.join(loads)}), "
-                                       f"fewer than the {len(TERMS)} terms need"))
+        checks.skip(
+            name,
+            inconclusive(
+                f"{len(left_out)} of {len(points)} shapes fully loaded ({'; '.join(loads)}), "
+                f"fewer than the {len(TERMS)} terms need"
+            ),
+        )
     return checks
 
 
-def measure(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, budget_s: float | None = None,
-          clock: Callable[[], float] = time.perf_counter, load_probe: LoadProbe | None = None,
-          meter: LoadMeter | None = None, build: Builder = build_arms) -> Judged:
+def measure(
+    preset: str,
+    profile: str,
+    *,
+    gate: float = 0.05,
+    seed: int = 0,
+    budget_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    load_probe: LoadProbe | None = None,
+    meter: LoadMeter | None = None,
+    build: Builder = build_arms,
+) -> Judged:
     """Run :func:`plan`'s grid (Rule 1) and fit each arm (Rule 2); the caller records it (kind ``benchmark-sweep``).
 
     ``budget_s``: seconds for the whole sweep instead of the plan's (``rtv
@@ -222,23 +266,58 @@ def measure(preset: str, profile: str, *, gate: float = 0.05, seed: int = 0, bud
     for workload, bound in zip(sweep.workloads, bounds):
         built = build(Group(workload, ("plain", *sweep.arms), False), seed)
         losses = first_losses(built)
-        results = compare(built, baseline="plain", gate=gate, max_blocks=sweep.max_blocks,
-                          budget_s=sweep.budget_s * bound / sum(bounds), warmup_blocks=WARMUP_BLOCKS,
-                          clock=device_clock(workload.device, clock), load_probe=load_probe, meter=meter)
-        points.append({"workload": asdict(workload), "label": workload.label, "batch": workload.sequences,
-                       "seq_len": workload.seq_len, "tokens": workload.tokens, "first_losses": losses,
-                       "arms_agree": agree(losses, workload.dtype), "comparisons": [r.as_dict() for r in results]})
+        results = compare(
+            built,
+            baseline="plain",
+            gate=gate,
+            max_blocks=sweep.max_blocks,
+            budget_s=sweep.budget_s * bound / sum(bounds),
+            warmup_blocks=WARMUP_BLOCKS,
+            clock=device_clock(workload.device, clock),
+            load_probe=load_probe,
+            meter=meter,
+        )
+        points.append(
+            {
+                "workload": asdict(workload),
+                "label": workload.label,
+                "batch": workload.sequences,
+                "seq_len": workload.seq_len,
+                "tokens": workload.tokens,
+                "first_losses": losses,
+                "arms_agree": agree(losses, workload.dtype),
+                "comparisons": [r.as_dict() for r in results],
+            }
+        )
         built.clear()
     fits = {arm: _fit_arm(points, arm) for arm in ("plain", *sweep.arms)}
     checks = _checks(points, fits)
     fitted = all(np.isfinite(f["fixed"]) for f in fits.values())
     first = sweep.workloads[0]
-    return Judged(KIND, {"preset": preset, "profile": profile, "model": first.model, "device": first.device,
-                         "gate": gate, "seed": seed, "arms": list(sweep.arms), "terms": list(TERMS),
-                         "lengths": sorted({w.seq_len for w in sweep.workloads}),
-                         "batches": sorted({w.sequences for w in sweep.workloads}),
-                         "max_blocks": sweep.max_blocks, "budget_s": sweep.budget_s,
-                         "seconds_bound": seconds_bound(sweep) if preset == "cpu" else None, "swapped_for_cpu": sweep.swapped,
-                         "note": "the fit's predictions are a model, not a measurement"},
-                  checks, {"points": points, "fits": fits, "model": _model(fits) if fitted else None,
-                           "seconds": time.perf_counter() - started})
+    return Judged(
+        KIND,
+        {
+            "preset": preset,
+            "profile": profile,
+            "model": first.model,
+            "device": first.device,
+            "gate": gate,
+            "seed": seed,
+            "arms": list(sweep.arms),
+            "terms": list(TERMS),
+            "lengths": sorted({w.seq_len for w in sweep.workloads}),
+            "batches": sorted({w.sequences for w in sweep.workloads}),
+            "max_blocks": sweep.max_blocks,
+            "budget_s": sweep.budget_s,
+            "seconds_bound": seconds_bound(sweep) if preset == "cpu" else None,
+            "swapped_for_cpu": sweep.swapped,
+            "note": "the fit's predictions are a model, not a measurement",
+        },
+        checks,
+        {
+            "points": points,
+            "fits": fits,
+            "model": _model(fits) if fitted else None,
+            "seconds": time.perf_counter() - started,
+        },
+    )

@@ -34,8 +34,8 @@ def _build(request: dict) -> tuple[object, dict]:
 
     import reference_trainer as rt
 
-    from .canary import Group, build_arms
     from .arms import TimedWorkload
+    from .canary import Group, build_arms
 
     torch.set_num_threads(request["threads"])
     workload = TimedWorkload(**request["workload"])

@@ -41,12 +41,21 @@ def judge(run: CanaryRun) -> Judged:
     run.runs_every_check("conform")
     spec, started, why = ConformSpec(), time.monotonic(), _left_out(run.profile)
     checks = tuple(c for c in CHECKS if why is None or c != "processes")
-    reports = [conform(adapter, spec, checks=checks,
-                       progress=lambda adapter, verdict: run.echo(f"  {verdict.status:15} {adapter} {verdict.check}")) for adapter in ADAPTERS]
+    reports = [
+        conform(
+            adapter,
+            spec,
+            checks=checks,
+            progress=lambda adapter, verdict: run.echo(f"  {verdict.status:15} {adapter} {verdict.check}"),
+        )
+        for adapter in ADAPTERS
+    ]
     controls = {name: check for name, check in NEGATIVE_CONTROLS.items() if name in ADAPTERS}
-    config, collected, measurements = record_parts(reports, spec, negative_controls=controls,
-                                                   seconds=round(time.monotonic() - started, 2))
+    config, collected, measurements = record_parts(
+        reports, spec, negative_controls=controls, seconds=round(time.monotonic() - started, 2)
+    )
     for report in (r for r in reports if why is not None and REQUIRES["processes"] in r.capabilities):
         collected.skip(f"{report.name} processes", f"{why} (rtv conform {report.name} runs it)")
-    return Judged(KIND, {**config, "preset": run.preset.name, "profile": run.profile, "device": "cpu"}, collected,
-                  measurements)
+    return Judged(
+        KIND, {**config, "preset": run.preset.name, "profile": run.profile, "device": "cpu"}, collected, measurements
+    )

@@ -45,8 +45,10 @@ def _conform(args: argparse.Namespace) -> int:
 
     adapters = [*args.adapters, *args.adapter]
     if not adapters:
-        raise SetupError("rtv conform: no adapter named", fix="name one (rtv conform --list), or pass "
-                                                              "--adapter package.module:factory")
+        raise SetupError(
+            "rtv conform: no adapter named",
+            fix="name one (rtv conform --list), or pass --adapter package.module:factory",
+        )
     spec = ConformSpec(seed=args.seed, dtype=args.dtype, max_staleness=args.max_staleness)
     started, reports = time.monotonic(), []
     try:
@@ -74,18 +76,30 @@ def _write(reports: list, spec, out: Path, seconds: float) -> int:
 def add_conform_command(sub: argparse._SubParsersAction) -> None:
     """Register ``rtv conform`` on the command line's subparsers."""
     parser = sub.add_parser(
-        "conform", help="the conformance suite: judge any trainer's gradients, staleness, splits, resume, processes",
+        "conform",
+        help="the conformance suite: judge any trainer's gradients, staleness, splits, resume, processes",
         description="Drive each named adapter (a shipped name, or package.module:factory returning a "
         "validation.conform.Adapter) through the checks sync, stale, splits, resume and processes against the "
         "suite's FP64 oracle (docs/conform.md); write one evidence record and a report. Exits 0 when every "
-        "applicable check passed, 1 when one failed, 2 for a broken adapter (one line: what, and the fix).")
-    parser.add_argument("adapters", nargs="*", metavar="ADAPTER", help="shipped adapter names or package.module:factory")
-    parser.add_argument("--adapter", action="append", default=[], metavar="PACKAGE.MODULE:FACTORY",
-                        help="an adapter's factory (repeatable); its folder must be importable (PYTHONPATH)")
+        "applicable check passed, 1 when one failed, 2 for a broken adapter (one line: what, and the fix).",
+    )
+    parser.add_argument(
+        "adapters", nargs="*", metavar="ADAPTER", help="shipped adapter names or package.module:factory"
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="an adapter's factory (repeatable); its folder must be importable (PYTHONPATH)",
+    )
     parser.add_argument("--list", action="store_true", help="list the shipped adapters and exit")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default: 0)")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype (default: float32)")
-    parser.add_argument("--max-staleness", type=int, default=2, help="largest staleness the stale check tries (default: 2)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "conform",
-                        help="evidence folder (default: ./rtv-out/conform)")
+    parser.add_argument(
+        "--max-staleness", type=int, default=2, help="largest staleness the stale check tries (default: 2)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT / "conform", help="evidence folder (default: ./rtv-out/conform)"
+    )
     parser.set_defaults(handler=_conform)

@@ -74,18 +74,29 @@ from validation.evidence import Checks
 from validation.hangs import HangDetected
 from validation.profiles import EXPLORATION
 
-from .intersections import INTERSECTIONS
-from .machine import explore
-from .scenarios import LEVELS, SCENARIOS, check_logical_ranks, run_scenario
-from .oracle_harness import DerivativeHarness
-from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
 from ..preset_budget import check_fits
 from ..presets import Preset
 from ..registry import Judged
 from ..request import CanaryRun
+from .intersections import INTERSECTIONS
+from .machine import explore
+from .oracle_harness import DerivativeHarness
+from .oracle_pair import LR, TOLERANCES, Cell, Measurements, checkpoint_kinds
+from .scenarios import LEVELS, SCENARIOS, check_logical_ranks, run_scenario
 
-__all__ = ["KIND", "MIN_BACKPROPAGATING", "COVERAGE_CHECK", "BACKPROPAGATING_CHECK", "LOGICAL_CHECK", "EXPLORATION_CHECK",
-           "check_names", "CanaryResult", "claimed_cells", "examine", "judge"]
+__all__ = [
+    "KIND",
+    "MIN_BACKPROPAGATING",
+    "COVERAGE_CHECK",
+    "BACKPROPAGATING_CHECK",
+    "LOGICAL_CHECK",
+    "EXPLORATION_CHECK",
+    "check_names",
+    "CanaryResult",
+    "claimed_cells",
+    "examine",
+    "judge",
+]
 
 KIND = "derivative-canary"
 MIN_BACKPROPAGATING = 0.9
@@ -100,8 +111,9 @@ def claimed_cells(config: Preset) -> list[Cell]:
     kinds = checkpoint_kinds(config)
     grid = itertools.product((1, 2), ("retain", "offload", "replay"), (False, True), kinds)
     levels = itertools.product((1, 2), kinds, LEVELS)
-    return ([(s, p, c, k, "token" if c else None) for s, p, c, k in grid]
-            + [(s, "retain", True, k, level) for s, k, level in levels])
+    return [(s, p, c, k, "token" if c else None) for s, p, c, k in grid] + [
+        (s, "retain", True, k, level) for s, k, level in levels
+    ]
 
 
 @dataclass
@@ -155,8 +167,14 @@ def _fixed_checks(config: Preset) -> list[tuple[str, str, str]]:
 
 def check_names(config: Preset) -> list[str]:
     """Every check a whole run of ``config`` may make, in order (the coverage checks last)."""
-    return [LOGICAL_CHECK, *(c for c, _, _ in _fixed_checks(config)), *INTERSECTIONS, EXPLORATION_CHECK,
-            BACKPROPAGATING_CHECK, COVERAGE_CHECK]
+    return [
+        LOGICAL_CHECK,
+        *(c for c, _, _ in _fixed_checks(config)),
+        *INTERSECTIONS,
+        EXPLORATION_CHECK,
+        BACKPROPAGATING_CHECK,
+        COVERAGE_CHECK,
+    ]
 
 
 def examine(
@@ -185,8 +203,13 @@ def examine(
     fixed = [entry for entry in _fixed_checks(config) if wanted(entry[0])]
     intersections = {name: check for name, check in INTERSECTIONS.items() if wanted(name)}
     explored = EXPLORATION[profile].max_examples if wanted(EXPLORATION_CHECK) else 0
-    bar = tqdm(total=len(fixed) + 1 + len(intersections) + explored, desc="derivative", unit="check",
-               disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(fixed) + 1 + len(intersections) + explored,
+        desc="derivative",
+        unit="check",
+        disable=not progress,
+        leave=False,
+    )
     if wanted(LOGICAL_CHECK):
         error = result.record_check(LOGICAL_CHECK, lambda: check_logical_ranks(config, max(2, config.logical_dp)))
         result.worst_logical_error = error or 0.0
@@ -214,8 +237,13 @@ def examine(
 
 def _check_coverage(config: Preset, result: CanaryResult) -> None:
     empty = [cell for cell in claimed_cells(config) if not result.measured.cells[cell]]
-    result.recorded.check(COVERAGE_CHECK, not empty, f"expected a judged record in each claimed cell, found none in {empty}"
-                          if empty else f"every one of the {len(claimed_cells(config))} claimed cells has a judged record")
+    result.recorded.check(
+        COVERAGE_CHECK,
+        not empty,
+        f"expected a judged record in each claimed cell, found none in {empty}"
+        if empty
+        else f"every one of the {len(claimed_cells(config))} claimed cells has a judged record",
+    )
 
 
 def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int, bar: tqdm) -> None:
@@ -237,8 +265,11 @@ def _explore(config: Preset, profile: str, result: CanaryResult, bound_cap: int,
     if failure is not None:
         return
     share = result.examples_backpropagated / max(1, result.examples)
-    result.recorded.check(BACKPROPAGATING_CHECK, share >= MIN_BACKPROPAGATING,
-                          f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}")
+    result.recorded.check(
+        BACKPROPAGATING_CHECK,
+        share >= MIN_BACKPROPAGATING,
+        f"expected >= {MIN_BACKPROPAGATING:.0%}, found {result.examples_backpropagated} of {result.examples}",
+    )
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -256,9 +287,14 @@ def _judged(result: CanaryResult, config: Preset, profile: str, seconds: float, 
     stale = sum(n for (staleness, *_), n in m.cells.items() if staleness > 0)
     return Judged(
         KIND,
-        {"preset": config.describe(), "profile": profile, "checkpoint_kinds": list(checkpoint_kinds(config)),
-                "tolerances": TOLERANCES[config.model.dtype].__dict__, "learning_rate": LR,
-                "checks": None if checks is None else list(checks)},
+        {
+            "preset": config.describe(),
+            "profile": profile,
+            "checkpoint_kinds": list(checkpoint_kinds(config)),
+            "tolerances": TOLERANCES[config.model.dtype].__dict__,
+            "learning_rate": LR,
+            "checks": None if checks is None else list(checks),
+        },
         result.recorded,
         {
             "examples": result.examples,
@@ -271,8 +307,17 @@ def _judged(result: CanaryResult, config: Preset, profile: str, seconds: float, 
             "stale_records_backpropagated": m.stale_records,
             "stale_share_of_checked": stale / max(1, m.records_checked),
             "corrected_records": m.corrected_records,
-            "cells": [{"staleness": s, "placement": p, "corrected": c, "checkpoint": k, "level": level,
-                       "records": m.cells[(s, p, c, k, level)]} for (s, p, c, k, level) in sorted(m.cells, key=str)],
+            "cells": [
+                {
+                    "staleness": s,
+                    "placement": p,
+                    "corrected": c,
+                    "checkpoint": k,
+                    "level": level,
+                    "records": m.cells[(s, p, c, k, level)],
+                }
+                for (s, p, c, k, level) in sorted(m.cells, key=str)
+            ],
             "claimed_cells_empty": [list(cell) for cell in claimed_cells(config) if not m.cells[cell]],
             "worst_gradient_relative_l2": m.worst_gradient_error,
             "worst_gradient_error_over_threshold": m.worst_gradient_margin,

@@ -32,8 +32,8 @@ import reference_trainer as rt
 from reference_trainer.ranks import run_logical
 from validation.trainers import trainer_with_policy
 
-from .oracle_pair import CanaryFailure, sequences
 from ..presets import Preset
+from .oracle_pair import CanaryFailure, sequences
 
 __all__ = ["check_flush_adds", "check_dropped_grad_norm", "check_busy_per_checkpoint", "GRADIENT_INTERSECTIONS"]
 
@@ -46,12 +46,14 @@ def _trainer() -> rt.Trainer:
 
 
 def _loss(trainer: Any, seed: int, length: int) -> torch.Tensor:
-    (ids, targets, _), = sequences(seed, [length], _VOCAB)
+    ((ids, targets, _),) = sequences(seed, [length], _VOCAB)
     return -trainer.forward(rt.ForwardInput(ids, targets)).target_logprobs.sum()
 
 
 def _grads(trainer: rt.Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in trainer.checkpoint("policy").named_parameters() if p.grad is not None}
+    return {
+        n: p.grad.detach().clone() for n, p in trainer.checkpoint("policy").named_parameters() if p.grad is not None
+    }
 
 
 def _relative(found: torch.Tensor, expected: torch.Tensor) -> float:
@@ -68,11 +70,17 @@ def check_flush_adds(config: Preset) -> float:
         twin.backward(_loss(twin, seed, length))
     found, expected = _grads(trainer), _grads(twin)
     if found.keys() != expected.keys():
-        raise CanaryFailure(f"flush onto a live .grad: expected .grad on {len(expected)} parameters, found {len(found)}")
-    error = _relative(torch.cat([g.flatten() for g in found.values()]), torch.cat([g.flatten() for g in expected.values()]))
+        raise CanaryFailure(
+            f"flush onto a live .grad: expected .grad on {len(expected)} parameters, found {len(found)}"
+        )
+    error = _relative(
+        torch.cat([g.flatten() for g in found.values()]), torch.cat([g.flatten() for g in expected.values()])
+    )
     if error > 1e-5:
-        raise CanaryFailure(f"flush onto a live .grad: expected the committed .grad plus both logical ranks' buffers "
-                            f"(the twin's sum), found relative L2 {error:.3e} from it (threshold 1e-5)")
+        raise CanaryFailure(
+            f"flush onto a live .grad: expected the committed .grad plus both logical ranks' buffers "
+            f"(the twin's sum), found relative L2 {error:.3e} from it (threshold 1e-5)"
+        )
     return error
 
 
@@ -86,8 +94,10 @@ def check_dropped_grad_norm(config: Preset) -> float:
     reported = trainer.optim_step(lr=0.0)["policy"].grad_norm
     error = abs(reported - expected) / expected
     if error > 1e-5:
-        raise CanaryFailure(f"optim_step after .grad = None on the last parameter: grad norm: expected the norm of "
-                            f"the {len(params) - 1} gradients left, {expected!r}, found {reported!r}")
+        raise CanaryFailure(
+            f"optim_step after .grad = None on the last parameter: grad norm: expected the norm of "
+            f"the {len(params) - 1} gradients left, {expected!r}, found {reported!r}"
+        )
     return error
 
 
@@ -95,16 +105,20 @@ def check_busy_per_checkpoint(config: Preset) -> int:
     """Rule 3; the pending records after the load."""
     trainer = _trainer()
     trainer.add_checkpoint("ref", full=True, seed=2)
-    (ids, targets, _), = sequences(820, [5], _VOCAB)
+    ((ids, targets, _),) = sequences(820, [5], _VOCAB)
     pending = trainer.forward(rt.ForwardInput(ids, targets), checkpoint="policy")
     try:
         trainer.load_checkpoint("ref", trainer.checkpoint("ref").state_dict())
     except rt.CheckpointBusyError as error:
-        raise CanaryFailure(f"load_checkpoint('ref') while only 'policy' has a pending record: expected success, "
-                            f"found CheckpointBusyError: {error}") from None
+        raise CanaryFailure(
+            f"load_checkpoint('ref') while only 'policy' has a pending record: expected success, "
+            f"found CheckpointBusyError: {error}"
+        ) from None
     if trainer.live_records("policy") != 1:
-        raise CanaryFailure(f"load_checkpoint('ref'): expected policy's pending record kept, found "
-                            f"{trainer.live_records('policy')} pending")
+        raise CanaryFailure(
+            f"load_checkpoint('ref'): expected policy's pending record kept, found "
+            f"{trainer.live_records('policy')} pending"
+        )
     del pending
     return 1
 
@@ -112,6 +126,5 @@ def check_busy_per_checkpoint(config: Preset) -> int:
 GRADIENT_INTERSECTIONS: dict[str, Callable[[Preset], Any]] = {
     "intersection: logical-rank buffers flushed onto a live .grad add to it": check_flush_adds,
     "intersection: a .grad dropped after its backward is left out of the step's norm": check_dropped_grad_norm,
-    "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds":
-        check_busy_per_checkpoint,
+    "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds": check_busy_per_checkpoint,
 }

@@ -49,16 +49,15 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.ranks import logical_gradients, run_logical
-from validation.world import run_ranks
 from validation.trainers import POLICY, trainer_with_policy
+from validation.world import run_ranks
 
 from ..mutations.catalogue import active_mutations, call_mutated
-
+from ..presets import Preset
 from .gradients import GRADIENT_INTERSECTIONS
+from .oracle_pair import CanaryFailure, sequences
 from .scenarios import run_scenario
 from .trainer_state import TrainerState
-from .oracle_pair import CanaryFailure, sequences
-from ..presets import Preset
 
 __all__ = [
     "Busy",
@@ -156,11 +155,15 @@ def _compare(label: str, one: dict[str, Any], two: list[dict[str, Any]], logical
         raise CanaryFailure(f"{what}: expected stale backwards, found none in {one['flags']}")
     flags_two = dict(sorted((k, v) for part in two for k, v in part["flags"].items()))
     if flags_two != one["flags"]:
-        raise CanaryFailure(f"{what}: (staleness, corrected) per step/logical rank: expected W=1's {one['flags']} "
-                            f"at W={len(two)} too, found {flags_two}")
+        raise CanaryFailure(
+            f"{what}: (staleness, corrected) per step/logical rank: expected W=1's {one['flags']} "
+            f"at W={len(two)} too, found {flags_two}"
+        )
     digests = {part["digest"] for part in two}
     if digests != {one["digest"]}:
-        raise CanaryFailure(f"{what}: parameter digest: expected W=1's {one['digest']} at W={len(two)}, found {sorted(digests)}")
+        raise CanaryFailure(
+            f"{what}: parameter digest: expected W=1's {one['digest']} at W={len(two)}, found {sorted(digests)}"
+        )
 
 
 def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
@@ -169,8 +172,16 @@ def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
     processes = max(2, config.processes)
     logical_dp = -(-max(logical_dp, processes) // processes) * processes
     one = logical_run(config, logical_dp)
-    two = run_ranks(call_mutated, processes, active_mutations(), logical_run, config, logical_dp, timeout_s=300.0,
-                    dist_timeout_s=60.0)
+    two = run_ranks(
+        call_mutated,
+        processes,
+        active_mutations(),
+        logical_run,
+        config,
+        logical_dp,
+        timeout_s=300.0,
+        dist_timeout_s=60.0,
+    )
     for label in ("control", "default"):
         _compare(label, one[label], [part[label] for part in two], logical_dp)
     return sum(staleness > 0 for records in one["default"]["flags"].values() for staleness, _ in records)
@@ -180,7 +191,7 @@ def check_logical_default_options(config: Preset, logical_dp: int = 2) -> int:
 
 
 def _item(seed: int, length: int, config: Preset, options: rt.ForwardOptions | None = None) -> rt.ForwardInput:
-    (ids, targets, _), = sequences(seed, [length], _VOCAB)
+    ((ids, targets, _),) = sequences(seed, [length], _VOCAB)
     return rt.ForwardInput(ids, targets, options=options)
 
 
@@ -246,10 +257,10 @@ REFUSED_CALLS: dict[str, Callable[[Busy], Any]] = {
     "load_checkpoint of a wrong-shape state (discard_graphs=True)": _bad_state_load,
     "load_checkpoint of an AdamW state without exp_avg (discard_graphs=True)": _bad_optimizer_load,
     "load_checkpoint while records and gradients are pending": lambda b: b.trainer.load_checkpoint(
-        "policy", b.trainer.checkpoint("policy").state_dict()),
+        "policy", b.trainer.checkpoint("policy").state_dict()
+    ),
     "optim_step(lr=-1)": lambda b: b.trainer.optim_step(lr=-1.0),
-    "forward with an out-of-range token": lambda b: b.trainer.forward(
-        rt.ForwardInput(torch.tensor([1, _VOCAB]))),
+    "forward with an out-of-range token": lambda b: b.trainer.forward(rt.ForwardInput(torch.tensor([1, _VOCAB]))),
     "forward of an unknown checkpoint": lambda b: b.trainer.forward(_item(740, 3, b.config), checkpoint="nope"),
     "zero_grad of an unknown checkpoint": lambda b: b.trainer.zero_grad(checkpoints=["nope"]),
 }
@@ -267,9 +278,15 @@ def check_refused_call(config: Preset, name: str, make: TrainerFactory = plain_t
     """Rule 2 for one refused call: it raises a ``TrainerError`` and changes nothing; the error's type."""
     busy = busy_trainer(config, make, memory_limit_bytes=admission_limit(config, make))
     placements = {entry[2] for entry in TrainerState.of(busy.trainer).records.values()}
-    if placements != {"retain"} or not logical_gradients(busy.trainer) or not busy.trainer.checkpoint("policy").has_gradients():
-        raise CanaryFailure(f"refused call {name!r}: expected a busy trainer (a retained record, logical-rank "
-                            f"buffers, a live .grad), found placements {placements}")
+    if (
+        placements != {"retain"}
+        or not logical_gradients(busy.trainer)
+        or not busy.trainer.checkpoint("policy").has_gradients()
+    ):
+        raise CanaryFailure(
+            f"refused call {name!r}: expected a busy trainer (a retained record, logical-rank "
+            f"buffers, a live .grad), found placements {placements}"
+        )
     before = TrainerState.of(busy.trainer)
     try:
         REFUSED_CALLS[name](busy)
@@ -280,8 +297,9 @@ def check_refused_call(config: Preset, name: str, make: TrainerFactory = plain_t
         raise CanaryFailure(f"{name}: expected a TrainerError (refused), found success")
     changed = before.differences(TrainerState.of(busy.trainer))
     if changed:
-        raise CanaryFailure(f"{name}: refused with {refused}; expected the state unchanged, found: "
-                            + "; ".join(changed))
+        raise CanaryFailure(
+            f"{name}: refused with {refused}; expected the state unchanged, found: " + "; ".join(changed)
+        )
     return refused
 
 
@@ -305,12 +323,16 @@ def check_fp64_lr0_step(config: Preset) -> float:
     report = trainer.optim_step(lr=0.0)["policy"]
     changed = [n for n, p in checkpoint.named_parameters() if not torch.equal(p.detach(), before[n])]
     if changed:
-        raise CanaryFailure(f"FP64 optim_step(lr=0): expected every parameter bitwise unchanged, found "
-                            f"{len(changed)} of {len(before)} changed (first {changed[0]})")
+        raise CanaryFailure(
+            f"FP64 optim_step(lr=0): expected every parameter bitwise unchanged, found "
+            f"{len(changed)} of {len(before)} changed (first {changed[0]})"
+        )
     error = abs(report.grad_norm - expected) / expected
     if error > 1e-12:
-        raise CanaryFailure(f"FP64 optim_step: grad norm: expected the FP64 norm {expected!r}, found "
-                            f"{report.grad_norm!r} (relative error {error:.2e})")
+        raise CanaryFailure(
+            f"FP64 optim_step: grad norm: expected the FP64 norm {expected!r}, found "
+            f"{report.grad_norm!r} (relative error {error:.2e})"
+        )
     return error
 
 
@@ -329,8 +351,10 @@ def check_when_available_dropout(config: Preset) -> int:
     for record in report.records:
         stats = record.correction
         if record.staleness != 1 or (stats is not None and (stats.mean, stats.max) != (1.0, 1.0)):
-            raise CanaryFailure(f"when_available with dropout, lr=0: expected a record one step stale, uncorrected "
-                                f"or with weights 1, found staleness {record.staleness}, weights {stats}")
+            raise CanaryFailure(
+                f"when_available with dropout, lr=0: expected a record one step stale, uncorrected "
+                f"or with weights 1, found staleness {record.staleness}, weights {stats}"
+            )
     del fresh
     return len(report.records)
 
@@ -340,10 +364,11 @@ def _fp64_scenario(config: Preset) -> Any:
 
 
 INTERSECTIONS: dict[str, Callable[[Preset], Any]] = {
-    "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)":
-        check_logical_default_options,
-    **{f"intersection: refused {name} changes nothing": (lambda config, name=name: check_refused_call(config, name))
-       for name in REFUSED_CALLS},
+    "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)": check_logical_default_options,
+    **{
+        f"intersection: refused {name} changes nothing": (lambda config, name=name: check_refused_call(config, name))
+        for name in REFUSED_CALLS
+    },
     "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance": _fp64_scenario,
     "intersection: FP64 optim_step(lr=0) changes no parameter and reports the FP64 norm": check_fp64_lr0_step,
     "intersection: when_available with dropout and unchanged weights reweights nothing": check_when_available_dropout,

@@ -39,10 +39,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from ..presets import PLACEMENT_REQUESTS, PLACEMENTS, Preset
 from .oracle_harness import DerivativeHarness, OutputRef, SavedRef
-from ..presets import PLACEMENT_REQUESTS, PLACEMENTS
 from .oracle_pair import FAULTS, checkpoint_kinds
-from ..presets import Preset
 
 __all__ = ["MAX_PENDING", "machine_for", "explore"]
 
@@ -70,9 +69,13 @@ def machine_for(
         used = Bundle("used")  # went through a backward (consumed, retained, failed or retryable)
         saved = Bundle("saved")
 
-        @initialize(target=outputs, kind=st.sampled_from(checkpoint_kinds(config)),
-                    placements=st.lists(st.sampled_from(PLACEMENTS), min_size=4, max_size=4),
-                    correct=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 255))
+        @initialize(
+            target=outputs,
+            kind=st.sampled_from(checkpoint_kinds(config)),
+            placements=st.lists(st.sampled_from(PLACEMENTS), min_size=4, max_size=4),
+            correct=st.lists(st.booleans(), min_size=4, max_size=4),
+            seed=st.integers(0, 255),
+        )
         def start(self, kind: str, placements: list[str], correct: list[bool], seed: int) -> Any:
             self.h = DerivativeHarness(config, kind=kind, bound_cap=bound_cap)
             made = [self.h.forward(p, 2, c, [3, 2], seed + i) for i, (p, c) in enumerate(zip(placements, correct))]
@@ -88,8 +91,12 @@ def machine_for(
             return multiple(*self.h.forward(placement, bound, correct, lengths, seed))
 
         @precondition(lambda self: self.bundle("outputs"))
-        @rule(target=used, chosen=st.lists(consumes(outputs), min_size=1, max_size=3, unique=True),
-              retain_graph=st.booleans(), fault=st.none() | st.sampled_from(FAULTS))
+        @rule(
+            target=used,
+            chosen=st.lists(consumes(outputs), min_size=1, max_size=3, unique=True),
+            retain_graph=st.booleans(),
+            fault=st.none() | st.sampled_from(FAULTS),
+        )
         def backward(self, chosen: list[OutputRef], retain_graph: bool, fault: str | None) -> Any:
             self.h.backward(chosen, retain_graph=retain_graph, fault=fault)
             return multiple(*chosen)
@@ -100,8 +107,11 @@ def machine_for(
             self.h.backward(chosen, retain_graph=retain_graph)
 
         @precondition(lambda self: self.h.has_gradients())
-        @rule(lr=st.sampled_from([None, 3e-3]), max_grad_norm=st.sampled_from([None, 1e-3, 1e3]),
-              then_zero_grad=st.booleans())
+        @rule(
+            lr=st.sampled_from([None, 3e-3]),
+            max_grad_norm=st.sampled_from([None, 1e-3, 1e3]),
+            then_zero_grad=st.booleans(),
+        )
         def step(self, lr: float | None, max_grad_norm: float | None, then_zero_grad: bool) -> None:
             self.h.step(lr=lr, max_grad_norm=max_grad_norm)
             if then_zero_grad:

@@ -29,13 +29,25 @@ __all__ = ["OracleChecks", "caught"]
 
 
 def _error_facts(error: BaseException) -> dict[str, Any]:
-    names = ("checkpoint", "staleness", "bound", "forward_revision", "current_revision", "live_graphs",
-             "pending_gradients", "record_retryable")
+    names = (
+        "checkpoint",
+        "staleness",
+        "bound",
+        "forward_revision",
+        "current_revision",
+        "live_graphs",
+        "pending_gradients",
+        "record_retryable",
+    )
     return {n: getattr(error, n) for n in names if hasattr(error, n)}
 
 
 def _describe_error(error: BaseException | None) -> str:
-    return "success" if error is None else f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
+    return (
+        "success"
+        if error is None
+        else f"{type(error).__name__}({', '.join(f'{k}={v!r}' for k, v in _error_facts(error).items())})"
+    )
 
 
 @contextmanager
@@ -82,14 +94,22 @@ class OracleChecks:
             diff = float(torch.linalg.vector_norm(found - reference))
             scale = float(torch.linalg.vector_norm(reference))
             slack = 8 * torch.finfo(value.dtype).eps * float(torch.linalg.vector_norm(value.double()))
-            self._expect(diff <= self.tol.step * scale + slack, f"AdamW change of {n!r} from the same starting point",
-                         f"within {self.tol.step:.0e} x {scale:.3e} + {slack:.3e}", f"a difference of {diff:.3e}")
+            self._expect(
+                diff <= self.tol.step * scale + slack,
+                f"AdamW change of {n!r} from the same starting point",
+                f"within {self.tol.step:.0e} x {scale:.3e} + {slack:.3e}",
+                f"a difference of {diff:.3e}",
+            )
             diff_sq, ref_sq = diff_sq + diff * diff, ref_sq + scale * scale
         self._expect(ref_sq > 0, "AdamW change", "a non-zero predicted change", "none")
         error = math.sqrt(diff_sq / ref_sq)
         self.measured.worst_step_error = max(self.measured.worst_step_error, error)
-        self._expect(error <= self.tol.step, "AdamW change from the same starting point (relative L2)",
-                     f"<= {self.tol.step}", error)
+        self._expect(
+            error <= self.tol.step,
+            "AdamW change from the same starting point (relative L2)",
+            f"<= {self.tol.step}",
+            error,
+        )
 
     def _relative(self, what: str, found: torch.Tensor, reference: torch.Tensor) -> float:
         try:
@@ -104,7 +124,9 @@ class OracleChecks:
             self._expect(False, what, "comparable gradients", error)
         name, error = comparison.worst
         self.measured.worst_gradient_error = max(self.measured.worst_gradient_error, error)
-        self.measured.worst_gradient_margin = max(self.measured.worst_gradient_margin, error / comparison.thresholds[name])
+        self.measured.worst_gradient_margin = max(
+            self.measured.worst_gradient_margin, error / comparison.thresholds[name]
+        )
         self.measured.min_reference_norm = min(self.measured.min_reference_norm, comparison.reference_norm)
         self._expect(comparison.passed, what, "agreement with the FP64 oracle", comparison.describe())
 
@@ -116,12 +138,17 @@ class OracleChecks:
         if expected is None or found is None or type(found) is not type(expected):
             detail = "" if found is None else f": {found}"
             self._expect(False, op, _describe_error(expected), _describe_error(found) + detail)
-        self._expect(_error_facts(found) == _error_facts(expected), f"{op} error facts",
-                     _describe_error(expected), _describe_error(found))
+        self._expect(
+            _error_facts(found) == _error_facts(expected),
+            f"{op} error facts",
+            _describe_error(expected),
+            _describe_error(found),
+        )
         if isinstance(expected, rt.CheckpointReplacedError):
             mapped = self.generations.get(expected.forward_generation)
-            self._expect(found.forward_generation == mapped, "replaced forward generation", mapped,
-                         found.forward_generation)
+            self._expect(
+                found.forward_generation == mapped, "replaced forward generation", mapped, found.forward_generation
+            )
 
     def _unchanged(self, before: dict, values: dict, what: str) -> None:
         for n, p in self.checkpoint.named_parameters():
@@ -131,5 +158,9 @@ class OracleChecks:
 
     def _weights_equal(self, expected: dict[str, torch.Tensor], what: str) -> None:
         for n, p in self.checkpoint.named_parameters():
-            self._expect(torch.equal(p.detach().double().to(expected[n].device), expected[n]), f"{what} {n!r}",
-                         "exactly the oracle's", "different values")
+            self._expect(
+                torch.equal(p.detach().double().to(expected[n].device), expected[n]),
+                f"{what} {n!r}",
+                "exactly the oracle's",
+                "different values",
+            )

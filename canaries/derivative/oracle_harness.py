@@ -24,6 +24,7 @@ import torch
 import reference_trainer as rt
 from reference_trainer.testing import inject_fault
 
+from ..presets import Preset
 from .oracle_checks import OracleChecks, caught
 from .oracle_pair import (
     CORRECTION,
@@ -33,7 +34,6 @@ from .oracle_pair import (
     build_trainer,
     sequences,
 )
-from ..presets import Preset
 
 __all__ = ["OutputRef", "SavedRef", "DerivativeHarness"]
 
@@ -95,10 +95,13 @@ class DerivativeHarness(OracleChecks):
 
     # --- ops ---------------------------------------------------------------------------
 
-    def forward(self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int,
-                level: str = "token") -> list[OutputRef]:
-        self._note(f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, "
-                   f"seed={seed}, level={level!r})")
+    def forward(
+        self, placement: str, bound: int, correct: bool, lengths: Sequence[int], seed: int, level: str = "token"
+    ) -> list[OutputRef]:
+        self._note(
+            f"forward(placement={placement!r}, bound={bound}, correct={correct}, lengths={list(lengths)}, "
+            f"seed={seed}, level={level!r})"
+        )
         bound, correction = min(bound, self.bound_cap), replace(CORRECTION, level=level) if correct else None
         options = rt.ForwardOptions(
             backward_state=placement, max_gradient_staleness=bound, corrections=(correction,) if correct else ()
@@ -113,8 +116,12 @@ class DerivativeHarness(OracleChecks):
             item.input_tokens.fill_(0)
             item.target_tokens.fill_(1)
         record = self.oracle.forward(
-            NAME, [(ids, t) for ids, t, _ in data], rng_state=rng, cuda_rng_state=cuda_rng,
-            bound=bound, correction=correction,
+            NAME,
+            [(ids, t) for ids, t, _ in data],
+            rng_state=rng,
+            cuda_rng_state=cuda_rng,
+            bound=bound,
+            correction=correction,
         )
         expected_version = rt.CheckpointVersion(NAME, self._generation(), self.oracle.revision(NAME))
         refs = []
@@ -124,8 +131,12 @@ class DerivativeHarness(OracleChecks):
             leaf = out.target_logprobs
             # FP64 log-probs for an FP64 model, FP32 otherwise (docs/semantics.md#precision)
             dtype = torch.float64 if self.config.model.dtype == torch.float64 else torch.float32
-            self._expect(leaf.dtype == dtype and leaf.requires_grad and leaf.is_leaf, "output",
-                         f"a {dtype} leaf that requires grad", f"{leaf.dtype}, requires_grad={leaf.requires_grad}")
+            self._expect(
+                leaf.dtype == dtype and leaf.requires_grad and leaf.is_leaf,
+                "output",
+                f"a {dtype} leaf that requires grad",
+                f"{leaf.dtype}, requires_grad={leaf.requires_grad}",
+            )
             error = self._relative("log-probs", leaf, reference)
             self.measured.worst_logprob_error = max(self.measured.worst_logprob_error, error)
             self._expect(error <= self.tol.logprobs, "log-prob relative L2", f"<= {self.tol.logprobs}", error)
@@ -158,8 +169,12 @@ class DerivativeHarness(OracleChecks):
         del loss
         self._expect(torch.equal(torch.get_rng_state(), rng), "caller's CPU RNG after backward", "unchanged", "changed")
         if cuda_rng is not None:
-            self._expect(torch.equal(torch.cuda.get_rng_state(self.device), cuda_rng), "CUDA RNG after backward",
-                         "unchanged", "changed")
+            self._expect(
+                torch.equal(torch.cuda.get_rng_state(self.device), cuda_rng),
+                "CUDA RNG after backward",
+                "unchanged",
+                "changed",
+            )
         self._same_outcome("backward", predicted, raised)
         if predicted:
             self.measured.errors_predicted += 1
@@ -167,8 +182,11 @@ class DerivativeHarness(OracleChecks):
             return
         self._check_reports(report, expected.records)
         after = self._grads()
-        found = {n: after[n].double() - (0.0 if totals_before[n] is None else totals_before[n].double())
-                 for n in after if after[n] is not None}
+        found = {
+            n: after[n].double() - (0.0 if totals_before[n] is None else totals_before[n].double())
+            for n in after
+            if after[n] is not None
+        }
         self._compare("gradient added by the backward", found, expected.increments[NAME], expected.baselines[NAME])
 
     def non_finite_backward(self, chosen: Sequence[OutputRef]) -> None:
@@ -178,8 +196,12 @@ class DerivativeHarness(OracleChecks):
         snapshot = {n: None if g is None else g.detach().clone() for n, g in before.items()}
         with caught() as raised:
             self.trainer.backward(sum((self.outputs[r.number].leaf * float("nan")).sum() for r in chosen))
-        self._expect(bool(raised) and isinstance(raised[0], rt.GradientCommitError), "backward of a NaN loss",
-                     "GradientCommitError", type(raised[0]).__name__ if raised else "no error (committed)")
+        self._expect(
+            bool(raised) and isinstance(raised[0], rt.GradientCommitError),
+            "backward of a NaN loss",
+            "GradientCommitError",
+            type(raised[0]).__name__ if raised else "no error (committed)",
+        )
         self._unchanged(before, snapshot, "a refused non-finite backward")
         for ref in chosen:  # its model backward ran, so the record is released (NOTE [Forward records])
             self.oracle.drop(self.outputs.pop(ref.number).oracle_record)
@@ -210,15 +232,20 @@ class DerivativeHarness(OracleChecks):
             self._weights_equal(self.oracle.weights(NAME), "weights after a refused optim_step")
             return
         self._expect(report.stepped == expected.stepped, "stepped", expected.stepped, report.stepped)
-        self._expect(report.revision == self.oracle.revision(NAME), "revision after optim_step",
-                     self.oracle.revision(NAME), report.revision)
+        self._expect(
+            report.revision == self.oracle.revision(NAME),
+            "revision after optim_step",
+            self.oracle.revision(NAME),
+            report.revision,
+        )
         if not expected.stepped:
             self._weights_equal(self.oracle.weights(NAME), "weights after a skipped optim_step")
             return
         # The norm of the very gradients stepped (their values were judged at each backward), in FP32 (FP64 for FP64).
         norm_error = abs(report.grad_norm - expected.grad_norm) / expected.grad_norm
-        self._expect(norm_error <= self.tol.grad_norm, "grad norm of the stepped gradients", expected.grad_norm,
-                     report.grad_norm)
+        self._expect(
+            norm_error <= self.tol.grad_norm, "grad norm of the stepped gradients", expected.grad_norm, report.grad_norm
+        )
         if max_grad_norm is not None and abs(expected.grad_norm - max_grad_norm) > 1e-3 * max_grad_norm:
             self._expect(report.clipped == expected.clipped, "clipped", expected.clipped, report.clipped)
         after = self.checkpoint.state_dict()
@@ -226,8 +253,12 @@ class DerivativeHarness(OracleChecks):
         masters_after = after.get("master_parameters", after["parameters"])
         self._check_update(masters_before, masters_after, expected.masters)
         for n, value in after["parameters"].items():
-            self._expect(torch.equal(value, masters_after[n].to(value.dtype)), f"live {n!r}",
-                         "its master weight rounded to the parameter dtype", "something else")
+            self._expect(
+                torch.equal(value, masters_after[n].to(value.dtype)),
+                f"live {n!r}",
+                "its master weight rounded to the parameter dtype",
+                "something else",
+            )
         self.oracle.sync(NAME, after)
 
     def zero_grad(self) -> None:
@@ -270,12 +301,20 @@ class DerivativeHarness(OracleChecks):
         ckpt = self.checkpoint
         self._expect(ckpt.revision == self.oracle.revision(NAME), "revision", self.oracle.revision(NAME), ckpt.revision)
         self._generation()
-        self._expect(self.trainer.live_records(NAME) == self.oracle.live_records(NAME), "live records",
-                     self.oracle.live_records(NAME), self.trainer.live_records(NAME))
+        self._expect(
+            self.trainer.live_records(NAME) == self.oracle.live_records(NAME),
+            "live records",
+            self.oracle.live_records(NAME),
+            self.trainer.live_records(NAME),
+        )
         found, expected = self._grads(), self.oracle.grads(NAME)
         holding = sorted(n for n, g in found.items() if g is not None)
-        self._expect(holding == sorted(n for n, g in expected.items() if g is not None), "parameters holding .grad",
-                     f"{sum(g is not None for g in expected.values())}", f"{len(holding)}")
+        self._expect(
+            holding == sorted(n for n, g in expected.items() if g is not None),
+            "parameters holding .grad",
+            f"{sum(g is not None for g in expected.values())}",
+            f"{len(holding)}",
+        )
         if holding:
             dtypes = {n: p.dtype for n, p in ckpt.named_parameters()}
             self._compare("accumulated .grad", found, expected, self.oracle.grads(NAME, baseline=True), dtypes)
@@ -317,22 +356,35 @@ class DerivativeHarness(OracleChecks):
         self._expect(len(report.records) == len(expected), "records in the report", len(expected), len(report.records))
         for found, predicted in zip(report.records, expected):
             out = by_trainer.get(found.record_id)
-            self._expect(out is not None and out.oracle_record == predicted.record, "reported record",
-                         f"the oracle's record {predicted.record}", f"trainer record {found.record_id}")
+            self._expect(
+                out is not None and out.oracle_record == predicted.record,
+                "reported record",
+                f"the oracle's record {predicted.record}",
+                f"trainer record {found.record_id}",
+            )
             self._expect(found.staleness == predicted.staleness, "staleness", predicted.staleness, found.staleness)
             self.measured.stale_records += found.staleness > 0
             self._expect(found.placement == out.placement, "report placement", out.placement, found.placement)
             corrected = found.correction is not None
             level = found.correction.level if corrected else None
             self.measured.cells[(found.staleness, found.placement, corrected, self.kind, level)] += 1
-            self._expect(corrected == predicted.corrected, f"record {found.record_id} corrected (staleness "
-                         f"{predicted.staleness})", predicted.corrected, corrected)
+            self._expect(
+                corrected == predicted.corrected,
+                f"record {found.record_id} corrected (staleness {predicted.staleness})",
+                predicted.corrected,
+                corrected,
+            )
             if corrected:
                 self.measured.corrected_records += 1
                 stats = found.correction
                 self._expect(level == out.level, "correction level", out.level, level)
                 self._expect(stats.tokens == predicted.tokens, "corrected tokens", predicted.tokens, stats.tokens)
-                self._expect(stats.staleness == predicted.staleness, "correction staleness", predicted.staleness,
-                             stats.staleness)
-                self._expect(abs(stats.mean - predicted.weight_mean) <= self.tol.weight_mean, "mean weight",
-                             predicted.weight_mean, stats.mean)
+                self._expect(
+                    stats.staleness == predicted.staleness, "correction staleness", predicted.staleness, stats.staleness
+                )
+                self._expect(
+                    abs(stats.mean - predicted.weight_mean) <= self.tol.weight_mean,
+                    "mean weight",
+                    predicted.weight_mean,
+                    stats.mean,
+                )

@@ -90,13 +90,39 @@ class Tolerances:
 
 
 TOLERANCES = {
-    torch.float32: Tolerances(gradient=1e-4, gradient_global=1e-4, floor=1e-2, baseline_factor=4.0, max_gradient=1e-2,
-                              logprobs=1e-5, step=1e-4, weight_mean=1e-4),
-    torch.bfloat16: Tolerances(gradient=5e-2, gradient_global=5e-2, floor=1e-2, baseline_factor=4.0, max_gradient=0.5,
-                               logprobs=1e-2, step=1e-3, weight_mean=5e-2),
-    torch.float64: Tolerances(gradient=1e-9, gradient_global=1e-9, floor=1e-2, baseline_factor=4.0, max_gradient=1e-8,
-                              logprobs=1e-11, step=1e-9, weight_mean=1e-10, grad_norm=1e-12),
+    torch.float32: Tolerances(
+        gradient=1e-4,
+        gradient_global=1e-4,
+        floor=1e-2,
+        baseline_factor=4.0,
+        max_gradient=1e-2,
+        logprobs=1e-5,
+        step=1e-4,
+        weight_mean=1e-4,
+    ),
+    torch.bfloat16: Tolerances(
+        gradient=5e-2,
+        gradient_global=5e-2,
+        floor=1e-2,
+        baseline_factor=4.0,
+        max_gradient=0.5,
+        logprobs=1e-2,
+        step=1e-3,
+        weight_mean=5e-2,
+    ),
+    torch.float64: Tolerances(
+        gradient=1e-9,
+        gradient_global=1e-9,
+        floor=1e-2,
+        baseline_factor=4.0,
+        max_gradient=1e-8,
+        logprobs=1e-11,
+        step=1e-9,
+        weight_mean=1e-10,
+        grad_norm=1e-12,
+    ),
 }
+
 
 def sequences(seed: int, lengths: Sequence[int], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Deterministic ``(input ids, targets, advantages)`` per length; about 1 in 5 targets masked, never all."""
@@ -125,8 +151,9 @@ def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, Oracl
     device = torch.device(config.device)
     optimizer = rt.AdamWConfig(lr=LR)
     # built where it runs: an 8B model is initialised once, on the GPU
-    trainer = trainer_with_policy(config.oracle_model, lora=lora, optimizer=optimizer, device=device,
-                                  memory_limit_bytes=config.memory_limit_bytes)
+    trainer = trainer_with_policy(
+        config.oracle_model, lora=lora, optimizer=optimizer, device=device, memory_limit_bytes=config.memory_limit_bytes
+    )
     model, checkpoint = trainer.model, trainer.checkpoint(NAME)
     if lora is not None:
         state = checkpoint.state_dict()
@@ -138,7 +165,11 @@ def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, Oracl
                     state["master_parameters"][name].copy_(value)
         trainer.load_checkpoint(NAME, state)
     oracle = OracleTrainer(
-        config.oracle_model, model.state_dict(), device=device, training=model.training, baseline_dtype=config.model.dtype
+        config.oracle_model,
+        model.state_dict(),
+        device=device,
+        training=model.training,
+        baseline_dtype=config.model.dtype,
     )
     oracle.add_checkpoint(NAME, checkpoint.state_dict(), lora=lora, optimizer=optimizer)
     return trainer, oracle
@@ -147,10 +178,17 @@ def build_trainer(config: Preset, kind: str = "lora") -> tuple[rt.Trainer, Oracl
 def judge_gradients(found: dict, reference: dict, baseline: dict, tol: Tolerances, dtypes: dict | None) -> Any:
     """``validation.compare.compare_gradients`` with the canary's tolerances (exact zeros allowed per parameter)."""
     return compare_gradients(
-        found, reference, tolerance=tol.gradient, global_tolerance=tol.gradient_global, dtypes=dtypes,
-        allow_zero=True, floor=tol.floor, baseline=baseline, baseline_factor=tol.baseline_factor, max_tolerance=tol.max_gradient,
+        found,
+        reference,
+        tolerance=tol.gradient,
+        global_tolerance=tol.gradient_global,
+        dtypes=dtypes,
+        allow_zero=True,
+        floor=tol.floor,
+        baseline=baseline,
+        baseline_factor=tol.baseline_factor,
+        max_tolerance=tol.max_gradient,
     )
-
 
 
 # (staleness, placement, corrected, checkpoint kind, correction level or None) of a checked record

@@ -16,19 +16,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
 import reference_trainer as rt
-from reference_trainer.ranks import run_logical
 from reference_trainer.peers import select_backend
+from reference_trainer.ranks import run_logical
 from validation.world import run_ranks
 
 from ..mutations.catalogue import active_mutations, call_mutated
-
-from .oracle_harness import DerivativeHarness
-from .oracle_pair import FAULTS, NAME, TOLERANCES, CanaryFailure, Measurements, build_trainer, judge_gradients, sequences
 from ..presets import Preset
+from .oracle_harness import DerivativeHarness
+from .oracle_pair import (
+    FAULTS,
+    NAME,
+    TOLERANCES,
+    CanaryFailure,
+    Measurements,
+    build_trainer,
+    judge_gradients,
+    sequences,
+)
 
 __all__ = ["LEVELS", "SCENARIOS", "run_scenario", "check_logical_normalisation"]
 
@@ -128,8 +135,9 @@ def _stale_grid(h: DerivativeHarness) -> None:
     for age in (2, 1):
         grid = itertools.product(("retain", "offload", "replay"), (False, True))
         pending += [h.forward(p, 2, correct, [3], seed=90 + 10 * age + i) for i, (p, correct) in enumerate(grid)]
-        pending += [h.forward("retain", 2, True, [3, 4], seed=96 + 10 * age + i, level=level)
-                    for i, level in enumerate(LEVELS)]
+        pending += [
+            h.forward("retain", 2, True, [3, 4], seed=96 + 10 * age + i, level=level) for i, level in enumerate(LEVELS)
+        ]
         h.train_step(90 + age)
     h.backward([ref for refs in pending for ref in refs])
     h.step()
@@ -182,9 +190,17 @@ def check_logical_ranks(config: Preset, logical_dp: int) -> float:
         return check_logical_normalisation(config, logical_dp)
     backend = select_backend(config.device, torch.cuda.is_available())
     # A mutation under test is active in the ranks too (the mutation suite's runs, NOTE [Mutation verdicts]).
-    errors = run_ranks(call_mutated, config.processes, active_mutations(), check_logical_normalisation, config,
-                       logical_dp, backend=backend,
-                         timeout_s=600.0, dist_timeout_s=120.0)
+    errors = run_ranks(
+        call_mutated,
+        config.processes,
+        active_mutations(),
+        check_logical_normalisation,
+        config,
+        logical_dp,
+        backend=backend,
+        timeout_s=600.0,
+        dist_timeout_s=120.0,
+    )
     return max(errors)
 
 
@@ -227,8 +243,14 @@ def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
     terms = []
     for rank, items in data.items():
         cpu_rng, cuda_rng = states[rank]
-        record = oracle.forward(NAME, [(ids, t) for ids, t, _ in items], rng_state=cpu_rng, cuda_rng_state=cuda_rng,
-                                bound=2, correction=None)
+        record = oracle.forward(
+            NAME,
+            [(ids, t) for ids, t, _ in items],
+            rng_state=cpu_rng,
+            cuda_rng_state=cuda_rng,
+            bound=2,
+            correction=None,
+        )
         terms += [(record, row, -a / tokens) for row, (_, _, a) in enumerate(items)]
     backward = oracle.backward(terms)
     expected = backward.increments[NAME]
@@ -237,6 +259,7 @@ def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
     found = {n: p.grad.double() for n, p in checkpoint.named_parameters() if n in expected}
     comparison = judge_gradients(found, expected, backward.baselines[NAME], TOLERANCES[config.model.dtype], None)
     if not comparison.passed:
-        raise CanaryFailure(f"logical ranks (L={logical_dp}): gradient of the globally normalised loss: "
-                            f"{comparison.describe()}")
+        raise CanaryFailure(
+            f"logical ranks (L={logical_dp}): gradient of the globally normalised loss: {comparison.describe()}"
+        )
     return comparison.worst[1]

@@ -42,8 +42,15 @@ class TrainerState:
             params={n: p.detach().clone() for n, p in named},
             grads={n: (p.grad, None if p.grad is None else p.grad.detach().clone()) for n, p in named},
             buffers=logical_gradients(trainer),
-            records={r.id: (r.checkpoint.name, r.version, "replay" if r.ledger is None else r.ledger.placement.value,
-                            r.usage) for r in trainer.records},
+            records={
+                r.id: (
+                    r.checkpoint.name,
+                    r.version,
+                    "replay" if r.ledger is None else r.ledger.placement.value,
+                    r.usage,
+                )
+                for r in trainer.records
+            },
             rng=torch.get_rng_state(),
             versions={c: (ckpt.revision, ckpt.generation) for c, ckpt in checkpoints.items()},
             optimizer={c: ckpt.state_dict().get("optimizer") for c, ckpt in checkpoints.items()},
@@ -56,11 +63,15 @@ class TrainerState:
         found += [f"parameters changed ({len(changed)}, first {changed[0]})"] if changed else []
         replaced = [n for n, (obj, _) in self.grads.items() if after.grads[n][0] is not obj]
         found += [f".grad objects replaced ({len(replaced)}, first {replaced[0]})"] if replaced else []
-        values = [n for n, (_, v) in self.grads.items()
-                  if v is not None and after.grads[n][1] is not None and not torch.equal(v, after.grads[n][1])]
+        values = [
+            n
+            for n, (_, v) in self.grads.items()
+            if v is not None and after.grads[n][1] is not None and not torch.equal(v, after.grads[n][1])
+        ]
         found += [f".grad values changed ({len(values)} of {len(self.grads)}, first {values[0]})"] if values else []
         if self.buffers.keys() != after.buffers.keys() or any(
-                not torch.equal(v, after.buffers[k]) for k, v in self.buffers.items()):
+            not torch.equal(v, after.buffers[k]) for k, v in self.buffers.items()
+        ):
             found.append(f"logical-rank sums changed ({len(self.buffers)} tensors before, {len(after.buffers)} after)")
         if self.records != after.records:
             found.append(f"records or placements changed: {_placements(self.records)} -> {_placements(after.records)}")

@@ -52,8 +52,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import reference_trainer as rt
-from validation.trainers import POLICY, trainer_with_policy
 from canaries.learning.workloads import Batch, Workload
+from validation.trainers import POLICY, trainer_with_policy
 
 __all__ = ["Arm", "ArmRun", "ARMS", "DROP_EVERY", "FLIPPED_LAYER", "arm", "initial_metric", "run_arm"]
 
@@ -91,34 +91,115 @@ class Arm:
 
 ARMS: tuple[Arm, ...] = (
     Arm(name="plain", summary="plain PyTorch loop, torch.optim.AdamW (reference)", group="staleness", loop="plain"),
-    Arm(name="strict", summary="versioned trainer, staleness 0", group="staleness", baseline="plain", exact_with="plain"),
-    Arm(name="stale1_corrected", summary="backward after step t+1, importance-corrected", group="staleness",
-        delay=1, corrected=True, baseline="strict"),
-    Arm(name="stale1_uncorrected", summary="backward after step t+1, no correction", group="staleness",
-        delay=1, baseline="strict"),
-    Arm(name="stale2_corrected", summary="backward after step t+2, importance-corrected (retain)", group="staleness",
-        delay=2, corrected=True, baseline="strict"),
-    Arm(name="stale2_uncorrected", summary="backward after step t+2, no correction", group="staleness",
-        delay=2, baseline="strict"),
-    Arm(name="stale2_corrected_offload", summary="stale2_corrected with offloaded saved state", group="placement",
-        delay=2, corrected=True, placement="offload", baseline="stale2_corrected", exact_with="stale2_corrected"),
-    Arm(name="stale2_corrected_replay", summary="stale2_corrected with replayed forwards", group="placement",
-        delay=2, corrected=True, placement="replay", baseline="stale2_corrected", exact_with="stale2_corrected"),
-    *(Arm(name=f"stale2_{level}", summary=f"stale2_corrected at importance level {level!r} (shown)", group="levels",
-          delay=2, corrected=True, level=level, baseline="strict", enforced=False)
-      for level in ("sequence", "geometric", "average")),
-    Arm(name="engine_lag0", summary="samples from the rollout engine, behaviour lag 0 (shown)", group="rollout",
-        loop="engine", baseline="strict", enforced=False, only_on="pattern_rl"),
-    *(Arm(name=f"engine_lag{lag}_{mode}{'_corrected' if corrected else ''}",
-          summary=f"engine samples at behaviour lag {lag}, {mode}, {'rollout-corrected' if corrected else 'uncorrected'}"
-                  " (shown)",
-          group="rollout", loop="engine", delay=lag, publication=mode, corrected=corrected, baseline="strict",
-          enforced=False, only_on="pattern_rl")
-      for lag in (1, 2) for mode in ("drain", "inflight") for corrected in (False, True)),
-    Arm(name="broken_dropped_updates", summary=f"plain loop, one optimizer update in {DROP_EVERY} lost (broken)",
-        group="sensitivity", loop="plain", sabotage="dropped_updates", baseline="plain"),
-    Arm(name="broken_flipped_layer", summary=f"plain loop, gradient sign flipped on {FLIPPED_LAYER}* (broken)",
-        group="sensitivity", loop="plain", sabotage="flipped_layer", baseline="plain"),
+    Arm(
+        name="strict", summary="versioned trainer, staleness 0", group="staleness", baseline="plain", exact_with="plain"
+    ),
+    Arm(
+        name="stale1_corrected",
+        summary="backward after step t+1, importance-corrected",
+        group="staleness",
+        delay=1,
+        corrected=True,
+        baseline="strict",
+    ),
+    Arm(
+        name="stale1_uncorrected",
+        summary="backward after step t+1, no correction",
+        group="staleness",
+        delay=1,
+        baseline="strict",
+    ),
+    Arm(
+        name="stale2_corrected",
+        summary="backward after step t+2, importance-corrected (retain)",
+        group="staleness",
+        delay=2,
+        corrected=True,
+        baseline="strict",
+    ),
+    Arm(
+        name="stale2_uncorrected",
+        summary="backward after step t+2, no correction",
+        group="staleness",
+        delay=2,
+        baseline="strict",
+    ),
+    Arm(
+        name="stale2_corrected_offload",
+        summary="stale2_corrected with offloaded saved state",
+        group="placement",
+        delay=2,
+        corrected=True,
+        placement="offload",
+        baseline="stale2_corrected",
+        exact_with="stale2_corrected",
+    ),
+    Arm(
+        name="stale2_corrected_replay",
+        summary="stale2_corrected with replayed forwards",
+        group="placement",
+        delay=2,
+        corrected=True,
+        placement="replay",
+        baseline="stale2_corrected",
+        exact_with="stale2_corrected",
+    ),
+    *(
+        Arm(
+            name=f"stale2_{level}",
+            summary=f"stale2_corrected at importance level {level!r} (shown)",
+            group="levels",
+            delay=2,
+            corrected=True,
+            level=level,
+            baseline="strict",
+            enforced=False,
+        )
+        for level in ("sequence", "geometric", "average")
+    ),
+    Arm(
+        name="engine_lag0",
+        summary="samples from the rollout engine, behaviour lag 0 (shown)",
+        group="rollout",
+        loop="engine",
+        baseline="strict",
+        enforced=False,
+        only_on="pattern_rl",
+    ),
+    *(
+        Arm(
+            name=f"engine_lag{lag}_{mode}{'_corrected' if corrected else ''}",
+            summary=f"engine samples at behaviour lag {lag}, {mode}, {'rollout-corrected' if corrected else 'uncorrected'}"
+            " (shown)",
+            group="rollout",
+            loop="engine",
+            delay=lag,
+            publication=mode,
+            corrected=corrected,
+            baseline="strict",
+            enforced=False,
+            only_on="pattern_rl",
+        )
+        for lag in (1, 2)
+        for mode in ("drain", "inflight")
+        for corrected in (False, True)
+    ),
+    Arm(
+        name="broken_dropped_updates",
+        summary=f"plain loop, one optimizer update in {DROP_EVERY} lost (broken)",
+        group="sensitivity",
+        loop="plain",
+        sabotage="dropped_updates",
+        baseline="plain",
+    ),
+    Arm(
+        name="broken_flipped_layer",
+        summary=f"plain loop, gradient sign flipped on {FLIPPED_LAYER}* (broken)",
+        group="sensitivity",
+        loop="plain",
+        sabotage="flipped_layer",
+        baseline="plain",
+    ),
 )
 
 
@@ -199,11 +280,16 @@ def _plain_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> Non
     schedule = workload.schedule
     model = rt.DecoderLM(workload.model, seed=seed).to(workload.device)
     params = dict(model.named_parameters())
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items() if p.dtype != torch.float32}
+    masters = {
+        n: p.detach().float().clone().requires_grad_(True) for n, p in params.items() if p.dtype != torch.float32
+    }
     adamw = rt.AdamWConfig(lr=schedule.lr(0), weight_decay=schedule.weight_decay)
     optimizer = torch.optim.AdamW(
         [masters.get(n, p) for n, p in params.items()],
-        lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, weight_decay=adamw.weight_decay,
+        lr=adamw.lr,
+        betas=adamw.betas,
+        eps=adamw.eps,
+        weight_decay=adamw.weight_decay,
     )
     policy = _plain_policy(model)
     _evaluate_at(workload, 0, policy, result)
@@ -296,9 +382,16 @@ def _engine_loop(spec: Arm, workload: Workload, seed: int, result: ArmRun) -> No
                 engine.apply(publications[newer], mode="inflight")
 
         samples = workload.engine_samples(seed, step, engine, after_token)
-        inputs = [rt.ForwardInput(s.input_tokens, s.target_tokens, behaviour_logprobs=s.aligned_behaviour_logprobs,
-                                  behaviour_revisions=s.aligned_behaviour_revisions,
-                                  behaviour_generations=s.aligned_behaviour_generations) for s in samples]
+        inputs = [
+            rt.ForwardInput(
+                s.input_tokens,
+                s.target_tokens,
+                behaviour_logprobs=s.aligned_behaviour_logprobs,
+                behaviour_revisions=s.aligned_behaviour_revisions,
+                behaviour_generations=s.aligned_behaviour_generations,
+            )
+            for s in samples
+        ]
         outputs = trainer.forward(inputs, options=options)
         report = trainer.backward(workload.batch_of(seed, samples).objective([o.target_logprobs for o in outputs]))
         behaviour = [r.behaviour for r in report.records]

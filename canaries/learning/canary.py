@@ -68,14 +68,32 @@ from ..presets import Preset
 from ..registry import Judged
 from ..request import CanaryRun, echo_line
 
-__all__ = ["KIND", "QUICK_ARMS", "SEEDS", "LearningPlan", "cpu_workloads", "judge", "judge_plan", "plan", "profile_arms",
-           "tiny_plan"]
+__all__ = [
+    "KIND",
+    "QUICK_ARMS",
+    "SEEDS",
+    "LearningPlan",
+    "cpu_workloads",
+    "judge",
+    "judge_plan",
+    "plan",
+    "profile_arms",
+    "tiny_plan",
+]
 
 KIND = "learning"
 SEEDS = {"cpu": {"quick": 3, "default": 5, "nightly": 10}, "gpu": {"quick": 3, "default": 8, "nightly": 16}}
 # What ``quick`` trains (module docstring): every exact pair and both broken arms, at staleness 2.
-QUICK_ARMS = ("plain", "strict", "stale2_corrected", "stale2_uncorrected", "stale2_corrected_offload",
-              "stale2_corrected_replay", "broken_dropped_updates", "broken_flipped_layer")
+QUICK_ARMS = (
+    "plain",
+    "strict",
+    "stale2_corrected",
+    "stale2_uncorrected",
+    "stale2_corrected_offload",
+    "stale2_corrected_replay",
+    "broken_dropped_updates",
+    "broken_flipped_layer",
+)
 
 
 def profile_arms(profile: str) -> tuple[Arm, ...]:
@@ -116,8 +134,10 @@ class LearningPlan:
             "notes": list(self.notes),
             "runs": len(self.workloads) * len(self.arms) * len(self.seeds),
             "profiles": {
-                preset: {profile: f"{n} seeds x {len(profile_arms(profile))} arms x {len(self.workloads)} workloads"
-                         for profile, n in seeds.items()}
+                preset: {
+                    profile: f"{n} seeds x {len(profile_arms(profile))} arms x {len(self.workloads)} workloads"
+                    for profile, n in seeds.items()
+                }
                 for preset, seeds in SEEDS.items()
             },
             "threads": 1 if self.workers > 1 else torch.get_num_threads(),
@@ -136,24 +156,50 @@ def cpu_workloads(*, model_changes: dict | None = None, device: str = "cpu") -> 
     """
     changes = model_changes or {}
     text = NextByteWorkload(
-        name="next_byte", metric="held-out loss", unit="nats/byte", higher_is_better=False,
-        success=3.75, floor_final=0.02, floor_auc=0.02,
+        name="next_byte",
+        metric="held-out loss",
+        unit="nats/byte",
+        higher_is_better=False,
+        success=3.75,
+        floor_final=0.02,
+        floor_auc=0.02,
         schedule=Schedule(steps=50, peak_lr=3e-3, warmup=5, eval_every=10),
-        model=rt.ModelConfig.tiny(vocab_size=256, **changes), device=device,
-        seq_len=64, batch_size=8, eval_windows=16,
+        model=rt.ModelConfig.tiny(vocab_size=256, **changes),
+        device=device,
+        seq_len=64,
+        batch_size=8,
+        eval_windows=16,
     )
     rl = PatternRLWorkload(
-        name="pattern_rl", metric="greedy reward", unit="fraction of tokens", higher_is_better=True,
-        success=0.8, floor_final=0.03, floor_auc=0.03,
+        name="pattern_rl",
+        metric="greedy reward",
+        unit="fraction of tokens",
+        higher_is_better=True,
+        success=0.8,
+        floor_final=0.03,
+        floor_auc=0.03,
         schedule=Schedule(steps=50, peak_lr=1e-3, warmup=5, eval_every=5),
-        model=rt.ModelConfig.tiny(vocab_size=8, **changes), device=device,
-        prompt_len=3, completion_len=2, prompts=8, group=8, eval_prompts=32, pattern="repeat",
+        model=rt.ModelConfig.tiny(vocab_size=8, **changes),
+        device=device,
+        prompt_len=3,
+        completion_len=2,
+        prompts=8,
+        group=8,
+        eval_prompts=32,
+        pattern="repeat",
     )
     return text, rl
 
 
-_GPU_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, intermediate_size=384, dtype=torch.bfloat16)
+_GPU_MODEL = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+    dtype=torch.bfloat16,
+)
 
 
 def plan(preset: Preset, profile: str, *, gate: bool = False) -> LearningPlan:
@@ -166,16 +212,27 @@ def plan(preset: Preset, profile: str, *, gate: bool = False) -> LearningPlan:
         )
     if preset.name == "gpu" and preset.device == "cuda":
         return LearningPlan(
-            preset=preset.name, profile=profile, seeds=tuple(range(SEEDS["gpu"][profile])), arms=profile_arms(profile),
-            workloads=cpu_workloads(model_changes=_GPU_MODEL, device="cuda"), exact_enforced=False, gate=gate,
+            preset=preset.name,
+            profile=profile,
+            seeds=tuple(range(SEEDS["gpu"][profile])),
+            arms=profile_arms(profile),
+            workloads=cpu_workloads(model_changes=_GPU_MODEL, device="cuda"),
+            exact_enforced=False,
+            gate=gate,
             notes=("GPU preset: BF16 model on CUDA; bitwise pairs are reported, not enforced (owed for FP32 on CPU)",),
         )
     notes = ()
     if preset.name == "gpu":
         notes = ("GPU preset on a machine without CUDA: ran the CPU shapes, FP32 on CPU, with the CPU seeds",)
     return LearningPlan(
-        preset=preset.name, profile=profile, seeds=tuple(range(SEEDS["cpu"][profile])), arms=profile_arms(profile),
-        workloads=cpu_workloads(), gate=gate, notes=notes, workers=min(2, os.cpu_count() or 1),
+        preset=preset.name,
+        profile=profile,
+        seeds=tuple(range(SEEDS["cpu"][profile])),
+        arms=profile_arms(profile),
+        workloads=cpu_workloads(),
+        gate=gate,
+        notes=notes,
+        workers=min(2, os.cpu_count() or 1),
     )
 
 
@@ -188,13 +245,33 @@ def tiny_plan(*, seeds: Sequence[int] = (0, 1), arms: Sequence[str] | None = Non
     ``changes`` replace workload fields (e.g. ``success=10.0`` makes the
     precondition fail).
     """
-    names = arms or ("plain", "strict", "stale2_corrected", "stale2_uncorrected", "stale2_corrected_replay",
-                     "stale2_sequence", "broken_dropped_updates", "broken_flipped_layer")
-    settings = {"schedule": Schedule(steps=12, peak_lr=1e-2, warmup=2, eval_every=4), "seq_len": 16, "batch_size": 4,
-                "eval_windows": 4, "success": 4.5, **changes}
+    names = arms or (
+        "plain",
+        "strict",
+        "stale2_corrected",
+        "stale2_uncorrected",
+        "stale2_corrected_replay",
+        "stale2_sequence",
+        "broken_dropped_updates",
+        "broken_flipped_layer",
+    )
+    settings = {
+        "schedule": Schedule(steps=12, peak_lr=1e-2, warmup=2, eval_every=4),
+        "seq_len": 16,
+        "batch_size": 4,
+        "eval_windows": 4,
+        "success": 4.5,
+        **changes,
+    }
     text = cpu_workloads()[0].replace(**settings)
-    return LearningPlan(preset="cpu", profile="quick", seeds=tuple(seeds), workloads=(text,),
-                        arms=tuple(a for a in ARMS if a.name in names), notes=("tiny test configuration",))
+    return LearningPlan(
+        preset="cpu",
+        profile="quick",
+        seeds=tuple(seeds),
+        workloads=(text,),
+        arms=tuple(a for a in ARMS if a.name in names),
+        notes=("tiny test configuration",),
+    )
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -209,9 +286,11 @@ def _precondition(workload: Workload, seeds: Sequence[int]) -> dict:
     solved = [seed for seed, value in zip(seeds, values) if workload.meets(value)]
     reason = None
     if solved:
-        reason = (f"precondition failed: the untrained model already meets {workload.criterion()} "
-                  f"(seeds {solved}: {[round(v, 4) for s, v in zip(seeds, values) if s in solved]}); "
-                  "the workload cannot show learning")
+        reason = (
+            f"precondition failed: the untrained model already meets {workload.criterion()} "
+            f"(seeds {solved}: {[round(v, 4) for s, v in zip(seeds, values) if s in solved]}); "
+            "the workload cannot show learning"
+        )
     return {"initial": values, "passed": not solved, "reason": reason}
 
 
@@ -254,20 +333,37 @@ def _arms_on(workload: Workload, plan_: LearningPlan) -> tuple[Arm, ...]:
     return tuple(a for a in plan_.arms if a.only_on in (None, workload.name))
 
 
-def _judge_workload(workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks,
-                    echo: Callable[[str], None]) -> dict:
+def _judge_workload(
+    workload: Workload, plan_: LearningPlan, pool: Executor | None, checks: Checks, echo: Callable[[str], None]
+) -> dict:
     """The workload's evidence (its checks go to ``checks``); its arms train only if its precondition holds."""
     precondition = _precondition(workload, plan_.seeds)
-    checks.check(f"{workload.name}: precondition (untrained model misses {workload.criterion()})",
-                 precondition["passed"], precondition["reason"] or f"untrained values {precondition['initial']}")
-    entry = {"precondition": precondition, "metric": workload.metric, "unit": workload.unit,
-             "higher_is_better": workload.higher_is_better, "success": workload.success,
-             "criterion": workload.criterion()}
+    checks.check(
+        f"{workload.name}: precondition (untrained model misses {workload.criterion()})",
+        precondition["passed"],
+        precondition["reason"] or f"untrained values {precondition['initial']}",
+    )
+    entry = {
+        "precondition": precondition,
+        "metric": workload.metric,
+        "unit": workload.unit,
+        "higher_is_better": workload.higher_is_better,
+        "success": workload.success,
+        "criterion": workload.criterion(),
+    }
     if not precondition["passed"]:
         echo(f"learning: {workload.name}: {precondition['reason']}")
         return entry
-    entry.update(summarize_workload(workload, _arms_on(workload, plan_), _train_all(workload, plan_, pool),
-                                    exact_enforced=plan_.exact_enforced, gate=plan_.gate, checks=checks))
+    entry.update(
+        summarize_workload(
+            workload,
+            _arms_on(workload, plan_),
+            _train_all(workload, plan_, pool),
+            exact_enforced=plan_.exact_enforced,
+            gate=plan_.gate,
+            checks=checks,
+        )
+    )
     return entry
 
 
@@ -280,8 +376,11 @@ def judge_plan(plan_: LearningPlan, *, echo: Callable[[str], None] = echo_line) 
     sensitivity = [s for w in workloads.values() for s in w.get("sensitivity", [])]
     if sensitivity:
         shown = [s["arm"] for s in sensitivity if s["meets_and_worse"]]
-        checks.check("sensitivity: a broken arm meets its criterion and is still judged worse", bool(shown),
-                     f"shown by {shown}" if shown else "no broken arm both meets its criterion and is judged worse")
+        checks.check(
+            "sensitivity: a broken arm meets its criterion and is still judged worse",
+            bool(shown),
+            f"shown by {shown}" if shown else "no broken arm both meets its criterion and is judged worse",
+        )
     judged = Judged(KIND, plan_.describe(), checks, {"workloads": workloads, "wall_s": time.perf_counter() - start})
     _show_summary(judged, echo)
     return judged
@@ -291,7 +390,9 @@ def _show_summary(judged: Judged, echo: Callable[[str], None]) -> None:
     for name, workload in judged.measurements["workloads"].items():
         for verdict in workload.get("verdicts", []):
             if verdict["metric"] == "final":
-                echo(f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
-                      f"(final, mean difference {verdict['mean_difference']:+.4f}, 90% CI "
-                      f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f})")
+                echo(
+                    f"learning: {name}: {verdict['arm']} vs {verdict['baseline']}: {verdict['verdict']} "
+                    f"(final, mean difference {verdict['mean_difference']:+.4f}, 90% CI "
+                    f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f})"
+                )
     echo(f"learning: {'passed' if judged.checks.passed else 'FAILED'} in {judged.measurements['wall_s']:.1f} s")

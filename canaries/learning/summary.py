@@ -39,8 +39,8 @@ from scipy.integrate import trapezoid
 
 from canaries.learning.arms import Arm, ArmRun
 from canaries.learning.workloads import Workload
-from validation.evidence import Checks
 from validation.equivalence import paired_equivalence
+from validation.evidence import Checks
 
 __all__ = ["area_under_curve", "expected_staleness", "ratio_distribution", "summarize_workload"]
 
@@ -108,8 +108,10 @@ def _verdicts(workload: Workload, arms: Sequence[Arm], summaries: Mapping[str, d
         for metric in METRICS:
             floor = workload.floor_final if metric == "final" else workload.floor_auc
             result = paired_equivalence(
-                summaries[arm.name][metric], summaries[arm.baseline][metric],
-                floor=floor, higher_is_better=workload.higher_is_better,
+                summaries[arm.name][metric],
+                summaries[arm.baseline][metric],
+                floor=floor,
+                higher_is_better=workload.higher_is_better,
             )
             out.append({"arm": arm.name, "baseline": arm.baseline, "metric": metric, **result.as_dict()})
     return out
@@ -136,55 +138,93 @@ def _sensitivity(arms: Sequence[Arm], summaries: Mapping[str, dict], verdicts: S
         judged = {v["metric"]: v["verdict"] for v in verdicts if v["arm"] == arm.name}
         worse = "worse" in judged.values()
         meets = summaries[arm.name]["meets_all"]
-        out.append({
-            "arm": arm.name, "baseline": arm.baseline, "verdicts": judged, "meets_all": meets,
-            "caught": worse or not meets, "meets_and_worse": meets and worse,
-        })
+        out.append(
+            {
+                "arm": arm.name,
+                "baseline": arm.baseline,
+                "verdicts": judged,
+                "meets_all": meets,
+                "caught": worse or not meets,
+                "meets_and_worse": meets and worse,
+            }
+        )
     return out
 
 
 def _checks(
-    workload: Workload, arms: Sequence[Arm], evidence: dict, runs: Mapping[str, Sequence[ArmRun]], *,
-    exact_enforced: bool, gate: bool, checks: Checks,
+    workload: Workload,
+    arms: Sequence[Arm],
+    evidence: dict,
+    runs: Mapping[str, Sequence[ArmRun]],
+    *,
+    exact_enforced: bool,
+    gate: bool,
+    checks: Checks,
 ) -> None:
     """Record the workload's checks (NOTE [Learning checks]) in ``checks``, each with the values it judged."""
     name, summaries = workload.name, evidence["arms"]
     if exact_enforced:
         for pair in evidence["exact"]:
-            checks.check(f"{name}: {pair['arm']} bitwise equal to {pair['with']} on every seed", pair["equal"],
-                         "equal digests" if pair["equal"] else "the digests differ on some seed")
+            checks.check(
+                f"{name}: {pair['arm']} bitwise equal to {pair['with']} on every seed",
+                pair["equal"],
+                "equal digests" if pair["equal"] else "the digests differ on some seed",
+            )
     for arm in arms:
         summary = summaries[arm.name]
         if arm.enforced and not arm.sensitivity:
-            checks.check(f"{name}: {arm.name} meets {workload.criterion()} on every seed", summary["meets_all"],
-                         f"final {workload.metric} per seed {summary['final']}")
+            checks.check(
+                f"{name}: {arm.name} meets {workload.criterion()} on every seed",
+                summary["meets_all"],
+                f"final {workload.metric} per seed {summary['final']}",
+            )
         if arm.delay:
             expected = expected_staleness(arm, workload.schedule.steps)
             wrong = [r.seed for r in runs[arm.name] if r.staleness != expected]
-            checks.check(f"{name}: {arm.name} records had staleness min(t, {arm.delay})", not wrong,
-                         f"other staleness on seeds {wrong}" if wrong else "as expected on every seed")
+            checks.check(
+                f"{name}: {arm.name} records had staleness min(t, {arm.delay})",
+                not wrong,
+                f"other staleness on seeds {wrong}" if wrong else "as expected on every seed",
+            )
         fractions = summary["fraction_corrected"]
         if arm.corrected:
-            checks.check(f"{name}: {arm.name} corrected a fraction > 0 of its records", all(f > 0 for f in fractions),
-                         f"fractions corrected per seed {fractions}")
+            checks.check(
+                f"{name}: {arm.name} corrected a fraction > 0 of its records",
+                all(f > 0 for f in fractions),
+                f"fractions corrected per seed {fractions}",
+            )
         elif arm.delay:
-            checks.check(f"{name}: {arm.name} corrected no record", all(f == 0 for f in fractions),
-                         f"fractions corrected per seed {fractions}")
+            checks.check(
+                f"{name}: {arm.name} corrected no record",
+                all(f == 0 for f in fractions),
+                f"fractions corrected per seed {fractions}",
+            )
     for entry in evidence["sensitivity"]:
-        checks.check(f"{name}: sensitivity arm {entry['arm']} caught (judged worse or misses the criterion)",
-                     entry["caught"], "caught" if entry["caught"] else "neither judged worse nor missing the criterion")
+        checks.check(
+            f"{name}: sensitivity arm {entry['arm']} caught (judged worse or misses the criterion)",
+            entry["caught"],
+            "caught" if entry["caught"] else "neither judged worse nor missing the criterion",
+        )
     if gate:
         for verdict in evidence["verdicts"]:
             if summaries[verdict["arm"]]["enforced"] and not summaries[verdict["arm"]]["sensitivity"]:
                 label = f"{name}: {verdict['arm']} equivalent to {verdict['baseline']} ({verdict['metric']}, gated)"
-                checks.check(label, verdict["verdict"] == "equivalent",
-                             f"{verdict['verdict']}: mean difference {verdict['mean_difference']:+.4f}, 90% CI "
-                             f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f}")
+                checks.check(
+                    label,
+                    verdict["verdict"] == "equivalent",
+                    f"{verdict['verdict']}: mean difference {verdict['mean_difference']:+.4f}, 90% CI "
+                    f"[{verdict['ci_low']:+.4f}, {verdict['ci_high']:+.4f}], margin {verdict['margin']:.4f}",
+                )
 
 
 def summarize_workload(
-    workload: Workload, arms: Sequence[Arm], runs: Mapping[str, Sequence[ArmRun]], *,
-    exact_enforced: bool, checks: Checks, gate: bool = False,
+    workload: Workload,
+    arms: Sequence[Arm],
+    runs: Mapping[str, Sequence[ArmRun]],
+    *,
+    exact_enforced: bool,
+    checks: Checks,
+    gate: bool = False,
 ) -> dict:
     """The evidence of one workload whose arms all ran; its checks go to ``checks`` (NOTE [Learning checks])."""
     summaries = {arm.name: _arm_summary(workload, arm, runs[arm.name]) for arm in arms}

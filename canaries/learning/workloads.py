@@ -233,17 +233,23 @@ class PatternRLWorkload(Workload):
 
     def batch(self, seed: int, step: int, logits_fn: LogitsFn) -> Batch:
         samples = sample(
-            logits_fn, self._step_prompts(seed, step), max_new_tokens=self.completion_len,
+            logits_fn,
+            self._step_prompts(seed, step),
+            max_new_tokens=self.completion_len,
             generator=_generator(seed, step, self.device),
         )
         return self.batch_of(seed, samples)
 
-    def engine_samples(self, seed: int, step: int, engine: rt.RolloutEngine,
-                       after_token: Callable[[int], None]) -> list[Sample]:
+    def engine_samples(
+        self, seed: int, step: int, engine: rt.RolloutEngine, after_token: Callable[[int], None]
+    ) -> list[Sample]:
         """Step ``step``'s samples drawn by a rollout engine (same prompts and generator as :meth:`batch`);
         ``after_token(n)`` runs after the n-th token of every row (a publication may land there)."""
-        generation = engine.start(self._step_prompts(seed, step), max_new_tokens=self.completion_len,
-                                  generator=_generator(seed, step, self.device))
+        generation = engine.start(
+            self._step_prompts(seed, step),
+            max_new_tokens=self.completion_len,
+            generator=_generator(seed, step, self.device),
+        )
         while not generation.done:
             generation.step()
             after_token(len(generation.versions))
@@ -273,6 +279,10 @@ class PatternRLWorkload(Workload):
         task = self.task(_EVAL_SEED)
         prompts = task.prompts(self.eval_prompts).to(self.device)
         samples = sample(
-            logits_fn, prompts, max_new_tokens=self.completion_len, top_k=1, generator=_generator(_EVAL_SEED, 0, self.device)
+            logits_fn,
+            prompts,
+            max_new_tokens=self.completion_len,
+            top_k=1,
+            generator=_generator(_EVAL_SEED, 0, self.device),
         )
         return float(task.reward_samples(samples).double().mean())

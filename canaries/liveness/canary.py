@@ -43,7 +43,7 @@ from validation.spawn import spawn_ranks
 
 from ..registry import Judged
 from ..request import CanaryRun
-from .job import CASES, CASE_PROCESSES, injected_rank, job
+from .job import CASE_PROCESSES, CASES, injected_rank, job
 
 __all__ = ["DEADLINE_S", "EXPECTED", "KIND", "MARGIN_S", "judge"]
 
@@ -72,15 +72,32 @@ def _run_case(case: str, scratch: Path) -> dict[str, Any]:
     pids.mkdir(parents=True)
     processes = CASE_PROCESSES.get(case, 2)
     meter = Meter()
-    outcomes = spawn_ranks(job, processes, case, DEADLINE_S, str(pids), check=False, timeout_s=60.0, dist_timeout_s=30.0,
-                           watch=Watch(DEADLINE_S, str(dumps)))
+    outcomes = spawn_ranks(
+        job,
+        processes,
+        case,
+        DEADLINE_S,
+        str(pids),
+        check=False,
+        timeout_s=60.0,
+        dist_timeout_s=30.0,
+        watch=Watch(DEADLINE_S, str(dumps)),
+    )
     load = meter.stop()
     ended = time.time()  # the dumps' clock
     bodies = {p.name: json.loads(p.read_text()) for p in sorted(dumps.glob("rank-*.json"))}
     started = [int(p.read_text()) for p in sorted(pids.glob("rank-*.pid"))]
-    return {"diagnosis": diagnose(dumps, processes), "processes": processes, "dumps": bodies, "exitcodes": [o.exitcode for o in outcomes],
-            "errors": [o.value["error"] if o.ok else o.error for o in outcomes],
-            "pids": started, "alive": [pid for pid in started if _alive(pid)], "load": load, "ended": ended}
+    return {
+        "diagnosis": diagnose(dumps, processes),
+        "processes": processes,
+        "dumps": bodies,
+        "exitcodes": [o.exitcode for o in outcomes],
+        "errors": [o.value["error"] if o.ok else o.error for o in outcomes],
+        "pids": started,
+        "alive": [pid for pid in started if _alive(pid)],
+        "load": load,
+        "ended": ended,
+    }
 
 
 def _named(case: str, diagnosis: dict[str, Any] | None) -> tuple[bool, str]:
@@ -125,15 +142,22 @@ def _judge_case(checks: Checks, case: str, result: dict[str, Any]) -> None:
         checks.skip(f"{case}: reported within the bound", inconclusive(result["load"]))
     else:
         checks.check(f"{case}: reported within the bound", latency is not None and latency <= bound, detail)
-    checks.check(f"{case}: no process left running", not result["alive"] and len(result["pids"]) == result["processes"],
-                 f"started {result['pids']}, still alive {result['alive']}")
+    checks.check(
+        f"{case}: no process left running",
+        not result["alive"] and len(result["pids"]) == result["processes"],
+        f"started {result['pids']}, still alive {result['alive']}",
+    )
     live = [rank for rank, code in enumerate(result["exitcodes"]) if code != -9]
     dumped = {body["rank"] for body in result["dumps"].values()}
-    kept = set(live) <= dumped and (case != "lag" or "_lag" in result["dumps"].get(
-        f"rank-{injected_rank(case)}-asked.json", {}).get("stack", ""))
-    checks.check(f"{case}: every live process's dump kept", kept,
-                 f"live ranks {live}, dumps {sorted(result['dumps'])}"
-                 + (" (rank 1's stack at detection must show _lag)" if case == "lag" else ""))
+    kept = set(live) <= dumped and (
+        case != "lag" or "_lag" in result["dumps"].get(f"rank-{injected_rank(case)}-asked.json", {}).get("stack", "")
+    )
+    checks.check(
+        f"{case}: every live process's dump kept",
+        kept,
+        f"live ranks {live}, dumps {sorted(result['dumps'])}"
+        + (" (rank 1's stack at detection must show _lag)" if case == "lag" else ""),
+    )
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -144,17 +168,31 @@ def judge(run: CanaryRun) -> Judged:
         for case in CASES:
             run.echo(f"liveness canary: case {case}")
             result = _run_case(case, Path(scratch))
-            rows[case] = {"diagnosis": result["diagnosis"], "exitcodes": result["exitcodes"],
-                          "errors": result["errors"], "latency_s": _latency(result),
-                          "run_ended_s": _run_ended(result), "load": str(result["load"]),
-                          "dumps": sorted(result["dumps"])}
+            rows[case] = {
+                "diagnosis": result["diagnosis"],
+                "exitcodes": result["exitcodes"],
+                "errors": result["errors"],
+                "latency_s": _latency(result),
+                "run_ended_s": _run_ended(result),
+                "load": str(result["load"]),
+                "dumps": sorted(result["dumps"]),
+            }
             if case == "none":
-                checks.check("none: a clean run leaves no dump and no error",
-                             not result["dumps"] and result["errors"] == [None, None],
-                             f"dumps {sorted(result['dumps'])}, errors {result['errors']}")
+                checks.check(
+                    "none: a clean run leaves no dump and no error",
+                    not result["dumps"] and result["errors"] == [None, None],
+                    f"dumps {sorted(result['dumps'])}, errors {result['errors']}",
+                )
                 continue
             _judge_case(checks, case, result)
-    config = {"preset": run.preset.name, "profile": run.profile, "deadline_s": DEADLINE_S, "margin_s": MARGIN_S,
-              "processes": {case: CASE_PROCESSES.get(case, 2) for case in CASES}, "backend": "gloo", "cases": list(CASES)}
+    config = {
+        "preset": run.preset.name,
+        "profile": run.profile,
+        "deadline_s": DEADLINE_S,
+        "margin_s": MARGIN_S,
+        "processes": {case: CASE_PROCESSES.get(case, 2) for case in CASES},
+        "backend": "gloo",
+        "cases": list(CASES),
+    }
     named = {case: (row["diagnosis"] or {}).get("text", "no dump") for case, row in rows.items() if case != "none"}
     return Judged(KIND, config, checks, {"deadline_s": DEADLINE_S, "margin_s": MARGIN_S, **named, "cases": rows})

@@ -45,6 +45,8 @@ CASE_PROCESSES = {"skip-0": 3}  # each case's processes; 2 where not named
 def injected_rank(case: str) -> int:
     """The rank ``case`` is injected on (module docstring)."""
     return 0 if case == "skip-0" else INJECTED_RANK
+
+
 LAG_PAST_DEADLINE_S = 1.0
 
 

@@ -60,16 +60,14 @@ from typing import Any
 import torch
 
 import reference_trainer as rt
+from validation.evidence import Checks
 from validation.memory import StorageCensus, cuda_reading, frozen_heap
 
-from validation.evidence import Checks
-
 from ..preset_budget import check_fits
-from ..registry import Judged
 from ..presets import PLACEMENTS, Preset
+from ..registry import Judged
 from ..request import CanaryRun
 from .intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
-from .scale import SCALE_CHECKS, scale_check
 from .lifecycle import (
     POINTS,
     CensusWorkload,
@@ -79,6 +77,7 @@ from .lifecycle import (
     negative_logprob_sum,
     offload_checks,
 )
+from .scale import SCALE_CHECKS, scale_check
 
 __all__ = ["KIND", "CUDA_CHECKS", "CHECKPOINT_STATE_CHECK", "INTERSECTION_CHECKS", "judge"]
 
@@ -104,9 +103,7 @@ def _calibrate(work: CensusWorkload, trainer: rt.Trainer, cuda: bool) -> tuple[i
     return limit, 2 * usage.saved_bytes + usage.saved_bytes // 5
 
 
-def _admission(
-    work: CensusWorkload, calibration: rt.Trainer, verdicts: Checks, cuda: bool
-) -> dict[str, Any]:
+def _admission(work: CensusWorkload, calibration: rt.Trainer, verdicts: Checks, cuda: bool) -> dict[str, Any]:
     """Several pending forwards under a small limit: predictions and the measured peak stay within it."""
     limit, host_limit = _calibrate(work, calibration, cuda)
     trainer = work.trainer(memory_limit_bytes=limit, host_memory_limit_bytes=host_limit)
@@ -273,19 +270,28 @@ def judge(run: CanaryRun) -> Judged:
             measurements["logical_rank_scale"] = scale_check(profile, verdicts)
         elif whole:  # spawned ranks cost seconds: the quick profile (rtv run on cpu) leaves them to the deeper ones
             for name in SCALE_CHECKS:
-                verdicts.skip(name, f"profile {profile!r}: rtv canary memory --profile default runs it "
-                                    "(L up to 64, W up to 4, full and LoRA)")
+                verdicts.skip(
+                    name,
+                    f"profile {profile!r}: rtv canary memory --profile default runs it "
+                    "(L up to 64, W up to 4, full and LoRA)",
+                )
     if whole and not cuda:
         reason = (
-            f"no CUDA device: preset {preset.name!r} swapped for the CPU" if preset.swapped
+            f"no CUDA device: preset {preset.name!r} swapped for the CPU"
+            if preset.swapped
             else f"preset {preset.name!r} runs on {preset.device}"
         )
         for name in CUDA_CHECKS:
             verdicts.skip(name, reason)
     return Judged(
         KIND,
-        {**preset.describe(), "profile": profile, "placements": list(PLACEMENTS), "points": list(POINTS),
-         "checks": None if whole else list(checks)},
+        {
+            **preset.describe(),
+            "profile": profile,
+            "placements": list(PLACEMENTS),
+            "points": list(POINTS),
+            "checks": None if whole else list(checks),
+        },
         verdicts,
         measurements,
     )

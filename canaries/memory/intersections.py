@@ -51,7 +51,10 @@ def held_within_limits(trainer: rt.Trainer, device_limit: int | None, host_limit
     device = sum(r.usage.device_bytes - r.usage.snapshot_bytes for r in records) + sum(snapshots.values())
     host = sum(r.usage.host_bytes for r in records)
     ok = (device_limit is None or device <= device_limit) and (host_limit is None or host <= host_limit)
-    return ok, f"{len(records)} pending records hold {device} B on the device (limit {device_limit}), {host} B on the host (limit {host_limit})"
+    return (
+        ok,
+        f"{len(records)} pending records hold {device} B on the device (limit {device_limit}), {host} B on the host (limit {host_limit})",
+    )
 
 
 def _inputs(preset: Preset, seed: int, length: int | None = None) -> list[rt.ForwardInput]:
@@ -75,7 +78,9 @@ def _train_after_eval(trainer: rt.Trainer, preset: Preset) -> list[rt.ForwardOut
 
 
 def _long_after_short(trainer: rt.Trainer, preset: Preset) -> list[rt.ForwardOutput]:
-    learned = trainer.forward(_inputs(preset, 904, 33), options=_RETAIN)  # one shape class: (length - 1).bit_length() == 6
+    learned = trainer.forward(
+        _inputs(preset, 904, 33), options=_RETAIN
+    )  # one shape class: (length - 1).bit_length() == 6
     trainer.backward(-sum(o.target_logprobs.sum() for o in learned))
     return trainer.forward(_inputs(preset, 905, 64), options=_OFFLOAD)
 
@@ -89,7 +94,9 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int | None, Callable[[rt.Trainer, Pre
     "train-mode forward after an eval-mode one (dropout on)": ({"dropout": 0.1}, None, _train_after_eval),
     "first forward of LoRA rank 256": ({"dropout": 0.0}, 256, _first_offload),
     "long forward after a shorter one of its shape class (dropout on)": (
-        {"dropout": 0.1, "dtype": torch.bfloat16}, None, _long_after_short,
+        {"dropout": 0.1, "dtype": torch.bfloat16},
+        None,
+        _long_after_short,
     ),
 }
 
@@ -100,8 +107,12 @@ def checkpoint_state_bytes(trainer: rt.Trainer) -> int:
     total = 0
     for checkpoint in trainer.checkpoints.values():
         state = checkpoint.state_dict()
-        moments = [t for slots in state["optimizer"]["state"].values() for t in slots.values()
-                   if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the 0-d step counters
+        moments = [
+            t
+            for slots in state["optimizer"]["state"].values()
+            for t in slots.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]  # not the 0-d step counters
         grads = [p.grad for p in checkpoint.parameters() if p.grad is not None]
         tensors = [*state["parameters"].values(), *state.get("master_parameters", {}).values(), *moments, *grads]
         total += sum(t.numel() * t.element_size() for t in tensors)
@@ -131,8 +142,14 @@ def check_checkpoint_budget(preset: Preset) -> tuple[bool, str, dict]:
         return True, f"refused under device limit {limit} B: {error}", values
     ok, detail = held_within_limits(trainer, limit - values["checkpoint_state_bytes"], None)
     values["predicted_bytes"] = outputs[0].decision.predicted_bytes
-    return ok, (f"admitted ({outputs[0].decision.reason}) under {limit} B beside {values['checkpoint_state_bytes']} B "
-                f"of checkpoint state; the records may hold the rest: {detail}"), values
+    return (
+        ok,
+        (
+            f"admitted ({outputs[0].decision.reason}) under {limit} B beside {values['checkpoint_state_bytes']} B "
+            f"of checkpoint state; the records may hold the rest: {detail}"
+        ),
+        values,
+    )
 
 
 def check_scenario(preset: Preset, name: str) -> tuple[bool, str, dict]:

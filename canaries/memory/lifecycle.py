@@ -35,8 +35,16 @@ from validation.trainers import trainer_with_policy
 
 from ..presets import PLACEMENTS, Preset
 
-__all__ = ["POINTS", "CensusWorkload", "LifecyclePoint", "committed_grads",
-           "negative_logprob_sum", "bytes_left", "lifecycle", "offload_checks"]
+__all__ = [
+    "POINTS",
+    "CensusWorkload",
+    "LifecyclePoint",
+    "committed_grads",
+    "negative_logprob_sum",
+    "bytes_left",
+    "lifecycle",
+    "offload_checks",
+]
 
 POINTS = ("after_forward", "after_backward", "after_drop", "after_failed_commit", "before_next_logical_batch")
 
@@ -103,7 +111,12 @@ class LifecyclePoint:
 
 
 def _left_at(
-    point: str, what: str, census: StorageCensus, trainer: rt.Trainer, tensors: TensorCensus, out: LifecyclePoint,
+    point: str,
+    what: str,
+    census: StorageCensus,
+    trainer: rt.Trainer,
+    tensors: TensorCensus,
+    out: LifecyclePoint,
     keep: Sequence[torch.Tensor] = (),
 ) -> tuple[WitnessVerdict, list[Any]]:
     """What is left at a lifecycle point: the two-witness byte reading (recorded as ``point``) and the tensors alive."""
@@ -138,8 +151,11 @@ def _after_forward_and_backward(
     alive = activations.alive()
     seen = len({s.ref.cdata for s in activations.seen})
     alive_bytes = sum(s.nbytes for s in alive)
-    out.values.update(activations_seen=seen, activations_alive_after_forward=len(alive),
-                      activation_bytes_alive_after_forward=alive_bytes)
+    out.values.update(
+        activations_seen=seen,
+        activations_alive_after_forward=len(alive),
+        activation_bytes_alive_after_forward=alive_bytes,
+    )
     if cuda:
         out.values["cuda_allocated_after_forward"] = cuda_reading(work.device).allocated - before_cuda.allocated
     pending_tensors = tensors.alive(ignore=keep)
@@ -198,7 +214,9 @@ def _after_drop(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Che
     )
 
 
-def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, out: LifecyclePoint) -> None:
+def _after_failed_commit(
+    work: CensusWorkload, trainer: rt.Trainer, p: str, verdicts: Checks, out: LifecyclePoint
+) -> None:
     """A backward that fails at publication frees graph, saved state and staging (docs/semantics.md#transactions)."""
     census = StorageCensus(work.device)
     with TensorCensus() as tensors:
@@ -221,8 +239,9 @@ def _after_failed_commit(work: CensusWorkload, trainer: rt.Trainer, p: str, verd
         f"{held.device} B, host pool {held.host} B while the error is held; {trainer.live_records()} records pending",
     )
     del error, loss
-    left, leftover = _left_at("after_failed_commit", f"{p}: bytes after a failed commit", census, trainer, tensors,
-                              out, keep)
+    left, leftover = _left_at(
+        "after_failed_commit", f"{p}: bytes after a failed commit", census, trainer, tensors, out, keep
+    )
     _nothing_outlives(verdicts, f"{p}: nothing outlives a failed commit once the error is dropped", left, leftover)
 
 

@@ -32,8 +32,8 @@ import torch
 
 import reference_trainer as rt
 from validation.memory import reachable_bytes
-from validation.world import spawn_watched
 from validation.trainers import trainer_with_policy
+from validation.world import spawn_watched
 
 from ..mutations.catalogue import active_mutations, applied
 
@@ -106,7 +106,9 @@ def _one_layout(kind: str, logical_dp: int, oracle: bool) -> dict[str, Any]:
     if oracle:
         expected = tree([_plain_gradients(kind, rank) for rank in range(logical_dp)])
         found = _grads(trainer)
-        reading["oracle_equal"] = found.keys() == expected.keys() and all(torch.equal(found[n], expected[n]) for n in found)
+        reading["oracle_equal"] = found.keys() == expected.keys() and all(
+            torch.equal(found[n], expected[n]) for n in found
+        )
     return reading
 
 
@@ -125,8 +127,10 @@ def scale_readings(cases: list[tuple[str, int]], mutations: tuple[str, ...] = ()
         with applied(mutations):
             with torch.random.fork_rng():
                 torch.manual_seed(0)
-                return {f"{kind}-L{logical_dp}": _one_layout(kind, logical_dp, oracle=world == 1)
-                        for kind, logical_dp in cases}
+                return {
+                    f"{kind}-L{logical_dp}": _one_layout(kind, logical_dp, oracle=world == 1)
+                    for kind, logical_dp in cases
+                }
     finally:
         torch.set_num_threads(threads)
 
@@ -140,7 +144,9 @@ def scale_check(profile: str, verdicts: Any) -> dict[str, Any]:
         if world == 1:
             readings[1] = scale_readings(cases)
         else:
-            ranks = spawn_watched(scale_readings, world, cases, active_mutations(), timeout_s=600.0, dist_timeout_s=120.0)
+            ranks = spawn_watched(
+                scale_readings, world, cases, active_mutations(), timeout_s=600.0, dist_timeout_s=120.0
+            )
             readings[world] = _worst_rank(ranks)
     held_bad, moved_bad, bits_bad, rows = [], [], [], []
     for world, per_case in readings.items():
@@ -172,6 +178,9 @@ def _worst_rank(ranks: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, A
     for case in ranks[0]:
         readings = [r[case] for r in ranks]
         digests = {r["digest"] for r in readings}
-        merged[case] = {**readings[0], "digest": digests.pop() if len(digests) == 1 else None,
-                        **{k: max(r[k] for r in readings) for k in ("held_peak", "held_rest", "received", "control_received")}}
+        merged[case] = {
+            **readings[0],
+            "digest": digests.pop() if len(digests) == 1 else None,
+            **{k: max(r[k] for r in readings) for k in ("held_peak", "held_rest", "received", "control_received")},
+        }
     return merged

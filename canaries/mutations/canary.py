@@ -49,11 +49,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from validation.evidence import Check, Checks, checks_of, verify
-
 from validation.load import is_inconclusive
-from .catalogue import MUTATIONS, Mutation, mutation
+
 from ..registry import Judged, canary
 from ..request import CanaryRun, CannotFocus, silent
+from .catalogue import MUTATIONS, Mutation, mutation
 
 __all__ = ["Mutation", "MUTATIONS", "mutation", "MutationOutcome", "judge_mutation", "judge"]
 
@@ -107,8 +107,16 @@ def judge_mutation(mutation_: Mutation, run: CanaryRun, *, scratch: Path) -> Mut
         record = _focused_record(mutation_.caught_by, [mutation_], run, scratch)
     failed, first = _failures(record)
     inconclusive = "" if failed else _inconclusive(checks_of(record), mutation_.check)
-    return MutationOutcome(mutation_.name, mutation_.caught_by, True, bool(failed), failed, first,
-                           time.perf_counter() - started, inconclusive[:2000])
+    return MutationOutcome(
+        mutation_.name,
+        mutation_.caught_by,
+        True,
+        bool(failed),
+        failed,
+        first,
+        time.perf_counter() - started,
+        inconclusive[:2000],
+    )
 
 
 def judge(run: CanaryRun, *, names: Sequence[str] | None = None) -> Judged:
@@ -132,16 +140,24 @@ def judge(run: CanaryRun, *, names: Sequence[str] | None = None) -> Judged:
             if outcome.inconclusive:
                 checks.skip(f"caught:{m.name}", f"not caught: {outcome.inconclusive}")
             elif outcome.applicable:
-                checks.check(f"caught:{m.name}", outcome.caught,
-                             f"failed {', '.join(outcome.failed_checks)}: {outcome.first_failure}" if outcome.caught
-                             else f"every check of the {m.caught_by} canary passed with the bug injected")
+                checks.check(
+                    f"caught:{m.name}",
+                    outcome.caught,
+                    f"failed {', '.join(outcome.failed_checks)}: {outcome.first_failure}"
+                    if outcome.caught
+                    else f"every check of the {m.caught_by} canary passed with the bug injected",
+                )
             else:
                 checks.skip(f"caught:{m.name}", f"does not apply to preset {run.preset.name!r}")
     return Judged(
         "mutation-suite",
-        {"preset": run.preset.describe(), "profile": run.profile, "mutated_profile": MUTATED_PROFILE,
-                "mutations": [m.name for m in selected],
-                "checks": {m.name: m.check for m in selected}},
+        {
+            "preset": run.preset.describe(),
+            "profile": run.profile,
+            "mutated_profile": MUTATED_PROFILE,
+            "mutations": [m.name for m in selected],
+            "checks": {m.name: m.check for m in selected},
+        },
         checks,
         {
             "mutations": {

@@ -42,15 +42,36 @@ PARTS: dict[str, tuple[Mutation, ...]] = {  # the part of the trainer -> the bug
 }
 _ORDER = (  # the order the suite runs them (and its record lists them)
     # the original bugs
-    "stale_weights", "replay_without_rng", "partial_commit", "commit_non_finite", "staleness_off_by_one",
-    "correct_fresh_records", "sequence_weight_per_token", "offload_alias", "per_rank_normalisation",
+    "stale_weights",
+    "replay_without_rng",
+    "partial_commit",
+    "commit_non_finite",
+    "staleness_off_by_one",
+    "correct_fresh_records",
+    "sequence_weight_per_token",
+    "offload_alias",
+    "per_rank_normalisation",
     # where two features meet, one bug at a time, and bugs an earlier suite let through
-    "shared_correction_cache", "flush_before_checks", "fp32_masters_for_fp64", "saved_scale_ignores_training",
-    "lora_term_uncounted", "groups_admitted_one_by_one", "optimizer_state_unchecked", "known_norm_without_length",
-    "flush_assigns", "busy_counts_every_checkpoint", "scale_without_worst_case", "when_available_across_dropout",
-    "fold_in_arrival_order", "no_cross_process_reduction", "budget_ignores_checkpoints",
+    "shared_correction_cache",
+    "flush_before_checks",
+    "fp32_masters_for_fp64",
+    "saved_scale_ignores_training",
+    "lora_term_uncounted",
+    "groups_admitted_one_by_one",
+    "optimizer_state_unchecked",
+    "known_norm_without_length",
+    "flush_assigns",
+    "busy_counts_every_checkpoint",
+    "scale_without_worst_case",
+    "when_available_across_dropout",
+    "fold_in_arrival_order",
+    "no_cross_process_reduction",
+    "budget_ignores_checkpoints",
     # the planner's witnesses
-    "attention_term_dropped", "host_budget_ignored", "offload_priced_at_zero", "scale_across_shape_classes",
+    "attention_term_dropped",
+    "host_budget_ignored",
+    "offload_priced_at_zero",
+    "scale_across_shape_classes",
 )
 _BY_NAME = {m.name: m for part in PARTS.values() for m in part}
 MUTATIONS: dict[str, Mutation] = {name: _BY_NAME[name] for name in _ORDER}

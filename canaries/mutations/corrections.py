@@ -39,15 +39,32 @@ def _process_scope(record: Any) -> tuple[None, str]:
 
 
 CORRECTION_MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("correct_fresh_records", "the importance correction is applied to fresh records", "derivative",
-             patched(corrections_module, "staleness", _fresh_as_stale), "scenario:corrections"),
-    Mutation("sequence_weight_per_token", "importance level 'sequence' weighs each token by its own ratio "
-             "instead of its sequence's product", "derivative",
-             patched(importance_module, "unit_log_ratios", _sequence_per_token), "scenario:stale_grid"),
-    Mutation("shared_correction_cache", "one when_available cache shared by every logical rank of a "
-             "process", "derivative", patched(corrections_module, "_scope", _process_scope),
-             "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)"),
-    Mutation("when_available_across_dropout", "when_available pairs forwards that drew dropout masks",
-             "derivative", patched(KnownLogprobs, "_maskless", lambda self, record: True),
-             "intersection: when_available with dropout and unchanged weights reweights nothing"),
+    Mutation(
+        "correct_fresh_records",
+        "the importance correction is applied to fresh records",
+        "derivative",
+        patched(corrections_module, "staleness", _fresh_as_stale),
+        "scenario:corrections",
+    ),
+    Mutation(
+        "sequence_weight_per_token",
+        "importance level 'sequence' weighs each token by its own ratio instead of its sequence's product",
+        "derivative",
+        patched(importance_module, "unit_log_ratios", _sequence_per_token),
+        "scenario:stale_grid",
+    ),
+    Mutation(
+        "shared_correction_cache",
+        "one when_available cache shared by every logical rank of a process",
+        "derivative",
+        patched(corrections_module, "_scope", _process_scope),
+        "intersection: logical ranks give the same bits and corrections at W=1 and W=2 (default options)",
+    ),
+    Mutation(
+        "when_available_across_dropout",
+        "when_available pairs forwards that drew dropout masks",
+        "derivative",
+        patched(KnownLogprobs, "_maskless", lambda self, record: True),
+        "intersection: when_available with dropout and unchanged weights reweights nothing",
+    ),
 )

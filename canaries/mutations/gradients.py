@@ -43,20 +43,39 @@ class _AssigningSink(LiveGradSink):
 
 
 GRADIENT_MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("partial_commit", "a failure during publication keeps the gradients already published (no "
-             "rollback)", "derivative", patched(GradientTransaction, "_rollback", lambda self, done: None),
-             "scenario:faults"),
-    Mutation("commit_non_finite", "the commit's validation skips the finiteness check (a first NaN backward "
-             "commits)", "derivative", patched(commit_module, "first_non_finite", lambda staged, norms: None),
-             "scenario:non_finite"),
-    Mutation("flush_before_checks", "optim_step sums the logical-rank buffers into .grad before it "
-             "checks the committed origins", "derivative", patched(RankGradients, "flush", _flush_then_check),
-             "intersection: refused optim_step over a stale live .grad with logical-rank buffers pending "
-             "changes nothing"),
-    Mutation("known_norm_without_length", "KnownNorm.matches without its length check: a stale norm after "
-             ".grad = None", "derivative", patched(KnownNorm, "_same_count", lambda self, grads: True),
-             "intersection: a .grad dropped after its backward is left out of the step's norm"),
-    Mutation("flush_assigns", "RankGradients.flush assigns the logical sum instead of adding it to .grad",
-             "derivative", patched(sinks_module, "LiveGradSink", _AssigningSink),
-             "intersection: logical-rank buffers flushed onto a live .grad add to it"),
+    Mutation(
+        "partial_commit",
+        "a failure during publication keeps the gradients already published (no rollback)",
+        "derivative",
+        patched(GradientTransaction, "_rollback", lambda self, done: None),
+        "scenario:faults",
+    ),
+    Mutation(
+        "commit_non_finite",
+        "the commit's validation skips the finiteness check (a first NaN backward commits)",
+        "derivative",
+        patched(commit_module, "first_non_finite", lambda staged, norms: None),
+        "scenario:non_finite",
+    ),
+    Mutation(
+        "flush_before_checks",
+        "optim_step sums the logical-rank buffers into .grad before it checks the committed origins",
+        "derivative",
+        patched(RankGradients, "flush", _flush_then_check),
+        "intersection: refused optim_step over a stale live .grad with logical-rank buffers pending changes nothing",
+    ),
+    Mutation(
+        "known_norm_without_length",
+        "KnownNorm.matches without its length check: a stale norm after .grad = None",
+        "derivative",
+        patched(KnownNorm, "_same_count", lambda self, grads: True),
+        "intersection: a .grad dropped after its backward is left out of the step's norm",
+    ),
+    Mutation(
+        "flush_assigns",
+        "RankGradients.flush assigns the logical sum instead of adding it to .grad",
+        "derivative",
+        patched(sinks_module, "LiveGradSink", _AssigningSink),
+        "intersection: logical-rank buffers flushed onto a live .grad add to it",
+    ),
 )

@@ -55,8 +55,10 @@ def _estimate_with(**fixed: Any) -> Callable[[], contextlib.AbstractContextManag
 
     @contextlib.contextmanager
     def inject() -> Iterator[None]:
-        with mock.patch.object(planner_module, "analytic_saved_bytes", estimate), \
-                mock.patch.object(admission_module, "analytic_saved_bytes", estimate):
+        with (
+            mock.patch.object(planner_module, "analytic_saved_bytes", estimate),
+            mock.patch.object(admission_module, "analytic_saved_bytes", estimate),
+        ):
             yield
 
     return inject
@@ -83,38 +85,85 @@ def _decide_and_demote(self: Admission, *args: Any) -> Any:
 
 
 MEMORY_MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("replay_without_rng", "replay re-runs the forward without restoring its RNG state (other dropout "
-             "masks)", "derivative", patched(residency_module, "restored_forward_state",
-                                              lambda state, model: contextlib.nullcontext()),
-             "scenario:stale_exact", needs_dropout=True),
-    Mutation("offload_alias", "offload keeps an alias of the saved storage instead of a host copy", "memory",
-             patched(SavedStateLedger, "_copy_storage", _aliasing_copy),
-             "offload: host copies hold what retain keeps on the device"),
-    Mutation("saved_scale_ignores_training", "the saved-bytes class ignores train/eval mode (dropout "
-             "active follows the config only)", "memory", patched(Admission, "_saved_class", _saved_class_of_config),
-             "admission: train-mode forward after an eval-mode one (dropout on): held <= admitted"),
-    Mutation("lora_term_uncounted", "the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
-             "memory", _estimate_with(lora=None), "admission: first forward of LoRA rank 256: held <= admitted"),
-    Mutation("groups_admitted_one_by_one", "a multi-group forward makes each group's demotions before "
-             "the whole call is admitted", "derivative", patched(Admission, "_decide", _decide_and_demote),
-             "intersection: refused forward whose second option group is refused by admission changes nothing"),
-    Mutation("scale_without_worst_case", "admission prices a forward at a measured forward's ratio to the "
-             "analytic count whatever its length (a longer one of the bucket saves a larger share of dropout's "
-             "T² terms)", "memory", patched(SavedTerms, "worst_case", _proportional),
-             "admission: long forward after a shorter one of its shape class (dropout on): held <= admitted"),
-    Mutation("budget_ignores_checkpoints", "the plan leaves out what the checkpoints hold (AdamW "
-             "state, masters, .grad)", "memory", patched(Checkpoint, "held_nbytes", lambda self: 0),
-             "admission: a forward beside a stepped checkpoint's state: held + state <= admitted"),
-    Mutation("attention_term_dropped", "the analytic saved-bytes estimate leaves out attention's H·B·T² "
-             "probabilities (and dropout's masks of them)", "planner", _estimate_with(scores_saved=False),
-             "certificate: held after a forward / admitted saved bytes <= 1"),
-    Mutation("host_budget_ignored", "the plan counts no host bytes for a new offload (the host budget never "
-             "binds it)", "planner", patched(ForwardCost, "host_bytes", lambda self, placement: 0),
-             "certificate: admitted placements within the limits (measured)"),
-    Mutation("offload_priced_at_zero", "offload is priced at no seconds (no transfers)", "planner",
-             patched(ForwardCost, "extra_seconds", _offload_free), "certificate: offload and replay priced above retain"),
-    Mutation("scale_across_shape_classes", "a measured saved-bytes scale is applied to forwards of every shape "
-             "class (one class for every batch and length)", "planner",
-             patched(admission_module, "shape_class", lambda batch, seq_len: (0, 0)),
-             "certificate: no wrong refusal"),  # a larger batch's bytes price a smaller one: refused where it fits
+    Mutation(
+        "replay_without_rng",
+        "replay re-runs the forward without restoring its RNG state (other dropout masks)",
+        "derivative",
+        patched(residency_module, "restored_forward_state", lambda state, model: contextlib.nullcontext()),
+        "scenario:stale_exact",
+        needs_dropout=True,
+    ),
+    Mutation(
+        "offload_alias",
+        "offload keeps an alias of the saved storage instead of a host copy",
+        "memory",
+        patched(SavedStateLedger, "_copy_storage", _aliasing_copy),
+        "offload: host copies hold what retain keeps on the device",
+    ),
+    Mutation(
+        "saved_scale_ignores_training",
+        "the saved-bytes class ignores train/eval mode (dropout active follows the config only)",
+        "memory",
+        patched(Admission, "_saved_class", _saved_class_of_config),
+        "admission: train-mode forward after an eval-mode one (dropout on): held <= admitted",
+    ),
+    Mutation(
+        "lora_term_uncounted",
+        "the analytic saved-bytes estimate leaves out LoRA's x·Aᵀ",
+        "memory",
+        _estimate_with(lora=None),
+        "admission: first forward of LoRA rank 256: held <= admitted",
+    ),
+    Mutation(
+        "groups_admitted_one_by_one",
+        "a multi-group forward makes each group's demotions before the whole call is admitted",
+        "derivative",
+        patched(Admission, "_decide", _decide_and_demote),
+        "intersection: refused forward whose second option group is refused by admission changes nothing",
+    ),
+    Mutation(
+        "scale_without_worst_case",
+        "admission prices a forward at a measured forward's ratio to the "
+        "analytic count whatever its length (a longer one of the bucket saves a larger share of dropout's "
+        "T² terms)",
+        "memory",
+        patched(SavedTerms, "worst_case", _proportional),
+        "admission: long forward after a shorter one of its shape class (dropout on): held <= admitted",
+    ),
+    Mutation(
+        "budget_ignores_checkpoints",
+        "the plan leaves out what the checkpoints hold (AdamW state, masters, .grad)",
+        "memory",
+        patched(Checkpoint, "held_nbytes", lambda self: 0),
+        "admission: a forward beside a stepped checkpoint's state: held + state <= admitted",
+    ),
+    Mutation(
+        "attention_term_dropped",
+        "the analytic saved-bytes estimate leaves out attention's H·B·T² probabilities (and dropout's masks of them)",
+        "planner",
+        _estimate_with(scores_saved=False),
+        "certificate: held after a forward / admitted saved bytes <= 1",
+    ),
+    Mutation(
+        "host_budget_ignored",
+        "the plan counts no host bytes for a new offload (the host budget never binds it)",
+        "planner",
+        patched(ForwardCost, "host_bytes", lambda self, placement: 0),
+        "certificate: admitted placements within the limits (measured)",
+    ),
+    Mutation(
+        "offload_priced_at_zero",
+        "offload is priced at no seconds (no transfers)",
+        "planner",
+        patched(ForwardCost, "extra_seconds", _offload_free),
+        "certificate: offload and replay priced above retain",
+    ),
+    Mutation(
+        "scale_across_shape_classes",
+        "a measured saved-bytes scale is applied to forwards of every shape "
+        "class (one class for every batch and length)",
+        "planner",
+        patched(admission_module, "shape_class", lambda batch, seq_len: (0, 0)),
+        "certificate: no wrong refusal",
+    ),  # a larger batch's bytes price a smaller one: refused where it fits
 )

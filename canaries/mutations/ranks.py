@@ -39,15 +39,32 @@ def _arrival_push(self: TreeFold, node: tuple[int, int], value: torch.Tensor) ->
 def _local_pieces(self: LogicalSums, bucket: list, local: dict, nodes: list, specs: dict, label: str) -> dict:
     """``LogicalSums._exchange`` without the exchange: each shard's owner finishes the tree from its own partial sums."""
     world, rank = self.comm.world_size, self.comm.rank
-    return {key: [(node, torch.tensor_split(v.reshape(-1), world)[rank]) for node, v in local.get(key, [])] for key in bucket}
+    return {
+        key: [(node, torch.tensor_split(v.reshape(-1), world)[rank]) for node, v in local.get(key, [])]
+        for key in bucket
+    }
 
 
 RANK_MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("per_rank_normalisation", "each logical rank normalises its loss by its own token count",
-             "derivative", patched(LogicalRank, "global_token_count", _local_count),
-             "logical_global_normalisation"),
-    Mutation("fold_in_arrival_order", "logical ranks' gradients are folded left to right as they arrive, not in "
-             "the fixed tree", "memory", patched(TreeFold, "push", _arrival_push), _SCALE_BITS),
-    Mutation("no_cross_process_reduction", "each process finishes the logical-rank sum from its own partial sums "
-             "only", "memory", patched(LogicalSums, "_exchange", _local_pieces), _SCALE_BITS),
+    Mutation(
+        "per_rank_normalisation",
+        "each logical rank normalises its loss by its own token count",
+        "derivative",
+        patched(LogicalRank, "global_token_count", _local_count),
+        "logical_global_normalisation",
+    ),
+    Mutation(
+        "fold_in_arrival_order",
+        "logical ranks' gradients are folded left to right as they arrive, not in the fixed tree",
+        "memory",
+        patched(TreeFold, "push", _arrival_push),
+        _SCALE_BITS,
+    ),
+    Mutation(
+        "no_cross_process_reduction",
+        "each process finishes the logical-rank sum from its own partial sums only",
+        "memory",
+        patched(LogicalSums, "_exchange", _local_pieces),
+        _SCALE_BITS,
+    ),
 )

@@ -28,8 +28,10 @@ __all__ = ["VERSION_MUTATIONS"]
 @contextlib.contextmanager
 def _stale_weights() -> Iterator[None]:
     """No copy-on-write and no ledger: an old graph silently sees the live weights an optimizer step wrote."""
-    with mock.patch.object(Checkpoint, "_copy_on_write", lambda self: None), \
-            mock.patch.object(WeightCapture, "check_ledger", lambda self: None):
+    with (
+        mock.patch.object(Checkpoint, "_copy_on_write", lambda self: None),
+        mock.patch.object(WeightCapture, "check_ledger", lambda self: None),
+    ):
         yield
 
 
@@ -57,18 +59,39 @@ def _count_every_checkpoint(self: RecordTable, checkpoint: str | None = None) ->
 
 
 VERSION_MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("stale_weights", "backward differentiates the live weights, not the forward's (no copy-on-write, "
-             "no ledger)", "derivative", _stale_weights, "scenario:stale_exact"),
-    Mutation("staleness_off_by_one", "the staleness check admits bound + 1", "derivative", _staleness_off_by_one,
-             "scenario:bounds"),
-    Mutation("fp32_masters_for_fp64", "FP32 masters for every dtype other than FP32, FP64 included",
-             "derivative", patched(checkpoints_module, "needs_master", lambda dtype: dtype != torch.float32),
-             "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance"),
-    Mutation("optimizer_state_unchecked", "load_checkpoint accepts an AdamW state that cannot step",
-             "derivative", patched(checkpoints_module, "check_adamw_state", lambda *args: None),
-             "intersection: refused load_checkpoint of an AdamW state without exp_avg (discard_graphs=True) "
-             "changes nothing"),
-    Mutation("busy_counts_every_checkpoint", "the busy check counts every checkpoint's records", "derivative",
-             patched(RecordTable, "count", _count_every_checkpoint),
-             "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds"),
+    Mutation(
+        "stale_weights",
+        "backward differentiates the live weights, not the forward's (no copy-on-write, no ledger)",
+        "derivative",
+        _stale_weights,
+        "scenario:stale_exact",
+    ),
+    Mutation(
+        "staleness_off_by_one",
+        "the staleness check admits bound + 1",
+        "derivative",
+        _staleness_off_by_one,
+        "scenario:bounds",
+    ),
+    Mutation(
+        "fp32_masters_for_fp64",
+        "FP32 masters for every dtype other than FP32, FP64 included",
+        "derivative",
+        patched(checkpoints_module, "needs_master", lambda dtype: dtype != torch.float32),
+        "intersection: FP64 stale scenario matches the FP64 oracle at FP64 tolerance",
+    ),
+    Mutation(
+        "optimizer_state_unchecked",
+        "load_checkpoint accepts an AdamW state that cannot step",
+        "derivative",
+        patched(checkpoints_module, "check_adamw_state", lambda *args: None),
+        "intersection: refused load_checkpoint of an AdamW state without exp_avg (discard_graphs=True) changes nothing",
+    ),
+    Mutation(
+        "busy_counts_every_checkpoint",
+        "the busy check counts every checkpoint's records",
+        "derivative",
+        patched(RecordTable, "count", _count_every_checkpoint),
+        "intersection: load_checkpoint of one checkpoint while another has a pending record succeeds",
+    ),
 )

@@ -68,17 +68,26 @@ def held_out(cells: Sequence[CellResult], confidence: float = 0.95) -> dict:
     verdicts = [cell_verdict(priced(c, constants), confidence) for c in measured[1::2]]
     apart = sum(v.pairs_apart for v in verdicts)
     ordered = sum(v.pairs_ordered for v in verdicts)
-    return {"constants": constants, "fitted_cells": len(measured[0::2]), "held_out_cells": len(verdicts),
-            "pairs_apart": apart, "ordering": ordered / apart if apart else float("nan"),
-            "loaded_cells": [c.label for c in cells if c.load is not None]}
+    return {
+        "constants": constants,
+        "fitted_cells": len(measured[0::2]),
+        "held_out_cells": len(verdicts),
+        "pairs_apart": apart,
+        "ordering": ordered / apart if apart else float("nan"),
+        "loaded_cells": [c.label for c in cells if c.load is not None],
+    }
 
 
 def held_out_check(calibrated: dict, loaded: str) -> tuple[str, bool | None, str]:
     """The gate of Rule 3 as a check ``(name, ok, detail)`` over :func:`held_out`'s figures; ``loaded``: the
     certificate's ``inconclusive (loaded: ...)`` detail, or "" (Rule 4)."""
     apart = calibrated["pairs_apart"]
-    detail = (f"{calibrated['ordering']:.3f} of {apart} held-out pairs apart (gate >= {HELD_OUT_GATE}); "
-              f"constants {calibrated['constants']}")
-    return (TIMING_CHECKS[-1],
-            calibrated["ordering"] >= HELD_OUT_GATE if apart else None,
-            loaded if loaded and not apart else f"{detail}; left out: {loaded}" if loaded else detail)
+    detail = (
+        f"{calibrated['ordering']:.3f} of {apart} held-out pairs apart (gate >= {HELD_OUT_GATE}); "
+        f"constants {calibrated['constants']}"
+    )
+    return (
+        TIMING_CHECKS[-1],
+        calibrated["ordering"] >= HELD_OUT_GATE if apart else None,
+        loaded if loaded and not apart else f"{detail}; left out: {loaded}" if loaded else detail,
+    )

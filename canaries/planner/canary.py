@@ -56,8 +56,21 @@ from ..request import CanaryRun
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify, loaded_detail
 
-__all__ = ["Cell", "CELL_GRIDS", "BLOCKS", "CPU_BUDGET_S", "GPU_PLANS", "GridPlan", "KIND", "LOAD_TOLERANCE", "Timing",
-           "judge", "plan", "run_cell", "timed_blocks"]
+__all__ = [
+    "Cell",
+    "CELL_GRIDS",
+    "BLOCKS",
+    "CPU_BUDGET_S",
+    "GPU_PLANS",
+    "GridPlan",
+    "KIND",
+    "LOAD_TOLERANCE",
+    "Timing",
+    "judge",
+    "plan",
+    "run_cell",
+    "timed_blocks",
+]
 
 KIND = "planner-canary"
 
@@ -76,18 +89,29 @@ class Cell:
     @property
     def label(self) -> str:
         kind = "lora" if self.lora else "full"
-        return f"{kind} p{self.dropout:g} {self.batch}x{self.seq_len} s{self.pending} dev:{self.device} host:{self.host}"
+        return (
+            f"{kind} p{self.dropout:g} {self.batch}x{self.seq_len} s{self.pending} dev:{self.device} host:{self.host}"
+        )
 
 
 def _levels(lora: bool, dropout: float, batch: int, seq_len: int) -> list[Cell]:
     shape = dict(lora=lora, dropout=dropout, batch=batch, seq_len=seq_len)
-    return [Cell(**shape, pending=1, device="none", host="none"), Cell(**shape, pending=2, device="tight", host="none"),
-            Cell(**shape, pending=2, device="tight", host="zero"), Cell(**shape, pending=2, device="tight", host="one"),
-            Cell(**shape, pending=1, device="nothing", host="none")]
+    return [
+        Cell(**shape, pending=1, device="none", host="none"),
+        Cell(**shape, pending=2, device="tight", host="none"),
+        Cell(**shape, pending=2, device="tight", host="zero"),
+        Cell(**shape, pending=2, device="tight", host="one"),
+        Cell(**shape, pending=1, device="nothing", host="none"),
+    ]
 
 
-_GRID = [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 16), (4, 32))
-         for c in _levels(lora, dropout, b, t)]
+_GRID = [
+    c
+    for lora in (True, False)
+    for dropout in (0.0, 0.1)
+    for b, t in ((2, 16), (4, 32))
+    for c in _levels(lora, dropout, b, t)
+]
 
 # Quick: retain, offload and replay each win, and a right refusal, in seconds. Its tight no-offload cell
 # (dropout on: replay restores the masks) is where only replaying both pending forwards fits: `auto` retains
@@ -96,9 +120,13 @@ _GRID = [c for lora in (True, False) for dropout in (0.0, 0.1) for b, t in ((2, 
 # 2x16 LoRA (measured single-threaded on a loaded 2-core machine), so quick takes 2x32. Default and
 # nightly: the whole grid, nightly with more blocks.
 CELL_GRIDS: dict[str, list[Cell]] = {
-    "quick": [Cell(True, 0.0, 2, 16, 1, "none", "none"), Cell(False, 0.1, 2, 32, 2, "tight", "none"),
-              Cell(False, 0.1, 2, 32, 2, "tight", "one"), Cell(False, 0.1, 2, 32, 2, "tight", "zero"),
-              Cell(True, 0.1, 2, 32, 1, "nothing", "none")],
+    "quick": [
+        Cell(True, 0.0, 2, 16, 1, "none", "none"),
+        Cell(False, 0.1, 2, 32, 2, "tight", "none"),
+        Cell(False, 0.1, 2, 32, 2, "tight", "one"),
+        Cell(False, 0.1, 2, 32, 2, "tight", "zero"),
+        Cell(True, 0.1, 2, 32, 1, "nothing", "none"),
+    ],
     "default": _GRID,
     "nightly": _GRID,
 }
@@ -117,14 +145,20 @@ class GridPlan:
     budget_s: float
 
 
-def _gpu_cells(lora: bool, dropouts: tuple[float, ...], shapes: tuple[tuple[int, int], ...], rank: int = 16) -> list[Cell]:
+def _gpu_cells(
+    lora: bool, dropouts: tuple[float, ...], shapes: tuple[tuple[int, int], ...], rank: int = 16
+) -> list[Cell]:
     return [replace(c, rank=rank) for d in dropouts for b, t in shapes for c in _levels(lora, d, b, t)]
 
 
 def _quick(cells: list[Cell]) -> tuple[Cell, ...]:
     """A GPU grid's quick subset: the first shape's levels, where each placement wins and one is refused."""
     first = cells[0]
-    return tuple(c for c in cells if (c.lora, c.dropout, c.batch, c.seq_len) == (first.lora, first.dropout, first.batch, first.seq_len))
+    return tuple(
+        c
+        for c in cells
+        if (c.lora, c.dropout, c.batch, c.seq_len) == (first.lora, first.dropout, first.batch, first.seq_len)
+    )
 
 
 # A GPU preset's declared subset (the CPU grid's levels on the preset's model, LoRA rank and lengths) when CUDA
@@ -134,10 +168,14 @@ def _quick(cells: list[Cell]) -> tuple[Cell, ...]:
 _GPU_SMALL = _gpu_cells(True, (0.0, 0.1), ((4, 512), (4, 1024))) + _gpu_cells(False, (0.0,), ((4, 512),))
 _GPU_8B = _gpu_cells(True, (0.0,), ((1, 2048),)) + [c for c in _gpu_cells(True, (0.0,), ((1, 4096),)) if c.pending == 1]
 GPU_PLANS: dict[str, dict[str, GridPlan]] = {
-    "gpu": {"quick": GridPlan(_quick(_GPU_SMALL), 8, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 60.0),
-            "default": GridPlan(tuple(_GPU_SMALL), 16, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 300.0)},
-    "gpu-8b": {"quick": GridPlan(_quick(_GPU_8B), 4, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 300.0),
-               "default": GridPlan(tuple(_GPU_8B), 8, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 900.0)},
+    "gpu": {
+        "quick": GridPlan(_quick(_GPU_SMALL), 8, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 60.0),
+        "default": GridPlan(tuple(_GPU_SMALL), 16, rt.ModelConfig.small(dtype=torch.bfloat16), "cuda", 300.0),
+    },
+    "gpu-8b": {
+        "quick": GridPlan(_quick(_GPU_8B), 4, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 300.0),
+        "default": GridPlan(tuple(_GPU_8B), 8, rt.ModelConfig.qwen3_8b(dtype=torch.bfloat16), "cuda", 900.0),
+    },
 }
 CPU_BUDGET_S = {"quick": 10.0, "default": 300.0, "nightly": 600.0}  # docs/harness.md#time-budgets
 
@@ -157,14 +195,20 @@ def _inputs(cell: Cell, vocab: int, seed: int) -> list[rt.ForwardInput]:
     return [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
 
 
-def _trainer(model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, host_limit: int | None = None) -> rt.Trainer:
+def _trainer(
+    model: rt.DecoderLM, cell: Cell, device_limit: int | None = None, host_limit: int | None = None
+) -> rt.Trainer:
     """A trainer of ``cell``'s checkpoint kind under ``device_limit`` (the plan's scale, holdings included) and ``host_limit``."""
     lora = rt.LoRAConfig(rank=cell.rank) if cell.lora else None
     return trainer_with_policy(model, lora=lora, memory_limit_bytes=device_limit, host_memory_limit_bytes=host_limit)
 
 
-def _steps(trainer: rt.Trainer, batches: list[list[rt.ForwardInput]], placement: str,
-           after_forward: Callable[[list[rt.ForwardOutput]], None] = lambda outs: None) -> list[rt.PlacementDecision]:
+def _steps(
+    trainer: rt.Trainer,
+    batches: list[list[rt.ForwardInput]],
+    placement: str,
+    after_forward: Callable[[list[rt.ForwardOutput]], None] = lambda outs: None,
+) -> list[rt.PlacementDecision]:
     """``len(batches)`` forwards under ``placement``, then their backwards; a refusal backpropagates what ran, then raises."""
     options = rt.ForwardOptions(backward_state=placement, corrections=())
     pending: list[list[rt.ForwardOutput]] = []
@@ -208,15 +252,22 @@ def _memory(model: rt.DecoderLM, cell: Cell, batches: list[list[rt.ForwardInput]
         for handle in handles:
             handle.remove()
     grown = [after - before for before, after in zip(held, held[1:])]
-    return ArmMemory(measured_peak=census.peak.device, predicted_peak=max(d.predicted_bytes for d in decisions) - holdings,
-                     measured_host=census.peak.host, saved_estimate=max(d.saved_bytes for d in decisions),
-                     saved_ratio=max(g / d.saved_bytes for g, d in zip(grown, decisions)))
+    return ArmMemory(
+        measured_peak=census.peak.device,
+        predicted_peak=max(d.predicted_bytes for d in decisions) - holdings,
+        measured_host=census.peak.host,
+        saved_estimate=max(d.saved_bytes for d in decisions),
+        saved_ratio=max(g / d.saved_bytes for g, d in zip(grown, decisions)),
+    )
 
 
 def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int | None]:
     """Step 2 of the module docstring, on the work scale."""
-    device = {"none": None, "tight": memory["offload"].predicted_peak,
-              "nothing": min(m.measured_peak for m in memory.values()) - 1}[cell.device]
+    device = {
+        "none": None,
+        "tight": memory["offload"].predicted_peak,
+        "nothing": min(m.measured_peak for m in memory.values()) - 1,
+    }[cell.device]
     # The host bytes a placement other than offload holds (replay's RNG states): offload alone goes over.
     others = max(m.measured_host for p, m in memory.items() if p != "offload")
     host = {"none": None, "zero": others, "one": others + memory["offload"].saved_estimate}[cell.host]
@@ -242,12 +293,21 @@ class Timing:
         """The measured load when more than ``abba.MAX_LOADED`` of the blocks run were flagged, else None."""
         if self.loaded <= abba.MAX_LOADED * self.run:
             return None
-        return (f"{self.loaded} of {self.run} blocks under {1 - LOAD_TOLERANCE:.0%} of CPU share "
-                f"{self.reference:.2f}, median share {statistics.median(self.shares):.2f}")
+        return (
+            f"{self.loaded} of {self.run} blocks under {1 - LOAD_TOLERANCE:.0%} of CPU share "
+            f"{self.reference:.2f}, median share {statistics.median(self.shares):.2f}"
+        )
 
 
-def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Callable[[], float],
-                 probe: abba.LoadProbe, *, idle_share: float = 0.0, extend_until: float | None = None) -> Timing:
+def timed_blocks(
+    arms: dict[str, Callable[[], object]],
+    blocks: int,
+    clock: Callable[[], float],
+    probe: abba.LoadProbe,
+    *,
+    idle_share: float = 0.0,
+    extend_until: float | None = None,
+) -> Timing:
     """Each arm's seconds in ``blocks`` alternating blocks after one warm-up, less the blocks flagged as loaded.
 
     A block is flagged (NOTE [Alternating blocks] Rule 4) when its probe share falls below 80% of the reference:
@@ -265,8 +325,7 @@ def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Call
     def more() -> bool:
         if len(shares) < blocks:
             return True
-        return (extend_until is not None and kept < blocks and len(shares) < 2 * blocks
-                and clock() + last < extend_until)
+        return extend_until is not None and kept < blocks and len(shares) < 2 * blocks and clock() + last < extend_until
 
     while more():
         probe.start()
@@ -282,9 +341,16 @@ def timed_blocks(arms: dict[str, Callable[[], object]], blocks: int, clock: Call
     return Timing(seconds, len(shares) - kept, len(shares), tuple(shares), reference)
 
 
-def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], float] = time.perf_counter,
-             probe: abba.LoadProbe | None = None, *, idle_share: float = 0.0,
-             extend_until: float | None = None) -> CellResult:
+def run_cell(
+    model: rt.DecoderLM,
+    cell: Cell,
+    blocks: int,
+    clock: Callable[[], float] = time.perf_counter,
+    probe: abba.LoadProbe | None = None,
+    *,
+    idle_share: float = 0.0,
+    extend_until: float | None = None,
+) -> CellResult:
     """Measure one cell (module docstring); a cell that raises is returned with its error (Rule 6).
     ``idle_share`` and ``extend_until``: :func:`timed_blocks`'s; a loaded cell records its load (Rule 9)."""
     batches = [_inputs(cell, model.config.vocab_size, 100 + k) for k in range(cell.pending)]
@@ -313,8 +379,11 @@ def run_cell(model: rt.DecoderLM, cell: Cell, blocks: int, clock: Callable[[], f
         decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
         result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}
         moved, tokens = 2.0 * sum(d.saved_bytes for d in decisions), float(cell.batch * cell.seq_len * cell.pending)
-        result.features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, float(cell.pending)],
-                           "replay": [0.0, tokens, float(cell.pending)]}
+        result.features = {
+            "retain": [0.0, 0.0, 0.0],
+            "offload": [moved, 0.0, float(cell.pending)],
+            "replay": [0.0, tokens, float(cell.pending)],
+        }
     except Exception:  # noqa: BLE001 - Rule 6: a failed cell is recorded, never lost
         result.error = traceback.format_exc(limit=4)
     return result
@@ -336,8 +405,9 @@ def judge(run: CanaryRun) -> Judged:
             models[dropout] = rt.DecoderLM(plan_.model.replace(dropout=dropout), seed=0)
     with frozen_heap():  # each census then collects only what its cell made (NOTE [Memory census] Rule 5)
         for cell in cells:
-            results[cell.label] = run_cell(models[cell.dropout], cell, plan_.blocks, idle_share=idle_share,
-                                           extend_until=started + plan_.budget_s)
+            results[cell.label] = run_cell(
+                models[cell.dropout], cell, plan_.blocks, idle_share=idle_share, extend_until=started + plan_.budget_s
+            )
     gates = Gates()
     figures, verdicts = certify([c.label for c in cells], results, gates)
     calibrated = calibration.held_out(list(results.values()), gates.confidence)
@@ -355,7 +425,13 @@ def judge(run: CanaryRun) -> Judged:
         "gates": asdict(gates),
         "seconds": time.perf_counter() - started,
     }
-    config = {"preset": run.preset.describe(), "profile": profile, "blocks": plan_.blocks, "budget_s": plan_.budget_s,
-              "grid": [asdict(c) for c in cells], "device": plan_.device,
-              "model": {f: str(v) for f, v in asdict(plan_.model).items()}}
+    config = {
+        "preset": run.preset.describe(),
+        "profile": profile,
+        "blocks": plan_.blocks,
+        "budget_s": plan_.budget_s,
+        "grid": [asdict(c) for c in cells],
+        "device": plan_.device,
+        "model": {f: str(v) for f, v in asdict(plan_.model).items()},
+    }
     return Judged(KIND, config, checks, measurements)

@@ -55,13 +55,27 @@ from reports.numbers import number
 from validation import stats
 from validation.load import inconclusive
 
-__all__ = ["Gates", "ArmMemory", "CellResult", "CellVerdict", "pair_interval", "cell_verdict", "certify", "loaded_detail",
-           "AUTO", "TIMING_CHECKS"]
+__all__ = [
+    "Gates",
+    "ArmMemory",
+    "CellResult",
+    "CellVerdict",
+    "pair_interval",
+    "cell_verdict",
+    "certify",
+    "loaded_detail",
+    "AUTO",
+    "TIMING_CHECKS",
+]
 
 AUTO = "auto"
 # Rule 9: the checks that read a clock (the calibration's held-out gate too); every other check reads bytes or prices
-TIMING_CHECKS = ("certificate: pairwise ordering on pairs apart", "certificate: median regret", "certificate: worst regret",
-                 "calibration: held-out cells ordered by constants fitted on the others")
+TIMING_CHECKS = (
+    "certificate: pairwise ordering on pairs apart",
+    "certificate: median regret",
+    "certificate: worst regret",
+    "calibration: held-out cells ordered by constants fitted on the others",
+)
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,8 @@ def _apart(low: float, high: float) -> bool:
 
 def _fits(memory: ArmMemory, device_limit: int | None, host_limit: int | None) -> bool:
     return (device_limit is None or memory.measured_peak <= device_limit) and (
-        host_limit is None or memory.measured_host <= host_limit)
+        host_limit is None or memory.measured_host <= host_limit
+    )
 
 
 def _ordering(cell: CellResult, confidence: float) -> tuple[int, int, list[str]]:
@@ -166,31 +181,42 @@ def _ordering(cell: CellResult, confidence: float) -> tuple[int, int, list[str]]
         if predicted == measured:
             ordered += 1
         else:
-            wrong.append(f"{a} vs {b}: measured ratio [{low:.3f}, {high:.3f}], predicted "
-                         f"{cell.predicted[a] * 1e3:.3f} vs {cell.predicted[b] * 1e3:.3f} ms")
+            wrong.append(
+                f"{a} vs {b}: measured ratio [{low:.3f}, {high:.3f}], predicted "
+                f"{cell.predicted[a] * 1e3:.3f} vs {cell.predicted[b] * 1e3:.3f} ms"
+            )
     return apart, ordered, wrong
 
 
 def _kept_out(cell: CellResult) -> dict[str, float]:
     """Rule 8: predicted / measured peak of each placement the limits kept out whose measured bytes fit them."""
-    return {p: m.predicted_peak / m.measured_peak for p, m in cell.memory.items()
-            if p not in cell.admitted and m.measured_peak > 0 and _fits(m, cell.device_limit, cell.host_limit)}
+    return {
+        p: m.predicted_peak / m.measured_peak
+        for p, m in cell.memory.items()
+        if p not in cell.admitted and m.measured_peak > 0 and _fits(m, cell.device_limit, cell.host_limit)
+    }
 
 
 def _unpriced(cell: CellResult) -> tuple[str, ...]:
     """Rule 7: the placements priced at or below retain."""
     retain = cell.predicted.get("retain", 0.0)
-    return tuple(f"{p} {s * 1e3:.3f} ms <= retain {retain * 1e3:.3f} ms" for p, s in cell.predicted.items()
-                 if p != "retain" and s <= retain)
+    return tuple(
+        f"{p} {s * 1e3:.3f} ms <= retain {retain * 1e3:.3f} ms"
+        for p, s in cell.predicted.items()
+        if p != "retain" and s <= retain
+    )
 
 
 def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
     """The verdict of one cell (Rules 2-9); a loaded cell's timings are left unjudged (Rule 9)."""
     peak_ratios = {p: m.measured_peak / m.predicted_peak for p, m in cell.memory.items() if m.predicted_peak > 0}
-    over = tuple(p for p in cell.admitted if p in cell.memory and not _fits(cell.memory[p], cell.device_limit, cell.host_limit))
+    over = tuple(
+        p for p in cell.admitted if p in cell.memory and not _fits(cell.memory[p], cell.device_limit, cell.host_limit)
+    )
     saved_ratios = {p: m.saved_ratio for p, m in cell.memory.items()}
-    common = dict(peak_ratios=peak_ratios, saved_ratios=saved_ratios, over_limit=over, label=cell.label,
-                  kept_out=_kept_out(cell))
+    common = dict(
+        peak_ratios=peak_ratios, saved_ratios=saved_ratios, over_limit=over, label=cell.label, kept_out=_kept_out(cell)
+    )
     if cell.error is not None:
         return CellVerdict(status="failed", error=cell.error, **common)
     if cell.auto is None:
@@ -202,9 +228,18 @@ def cell_verdict(cell: CellResult, confidence: float = 0.95) -> CellVerdict:
     best = min(cell.admitted, key=lambda p: float(np.median(cell.seconds[p])))
     ratio, low, high = pair_interval(cell.seconds[AUTO], cell.seconds[best], confidence)
     gated = max(0.0, ratio - 1) if _apart(low, high) and low > 1 else 0.0
-    return CellVerdict(status="measured", best=best, regret=ratio - 1, regret_interval=(low - 1, high - 1),
-                       gated_regret=gated, pairs_apart=apart, pairs_ordered=ordered, wrong_pairs=tuple(wrong),
-                       unpriced=_unpriced(cell), **common)
+    return CellVerdict(
+        status="measured",
+        best=best,
+        regret=ratio - 1,
+        regret_interval=(low - 1, high - 1),
+        gated_regret=gated,
+        pairs_apart=apart,
+        pairs_ordered=ordered,
+        wrong_pairs=tuple(wrong),
+        unpriced=_unpriced(cell),
+        **common,
+    )
 
 
 def loaded_detail(cells: Sequence[CellResult | CellVerdict]) -> str:
@@ -221,14 +256,19 @@ def _timing(ok: bool, measured: Sequence[CellVerdict], timed: Sequence[CellVerdi
     return bool(ok)
 
 
-def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gates = Gates()) -> tuple[dict, list[tuple[str, bool | None, str]]]:
+def certify(
+    planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gates = Gates()
+) -> tuple[dict, list[tuple[str, bool | None, str]]]:
     """The certificate over every ``planned`` cell label: its figures and its checks ``(name, ok, detail)``.
 
     A planned cell missing from ``cells`` counts as failed (Rule 6). ``ok`` is None for a check with
     nothing to judge (no pair measurably apart): skipped, and said so."""
-    verdicts = [cell_verdict(cells[label], gates.confidence) if label in cells else
-                CellVerdict(label=label, status="failed", error="no result")
-                for label in planned]
+    verdicts = [
+        cell_verdict(cells[label], gates.confidence)
+        if label in cells
+        else CellVerdict(label=label, status="failed", error="no result")
+        for label in planned
+    ]
     failed = [v.label for v in verdicts if v.status == "failed"]
     measured = [v for v in verdicts if v.status == "measured"]
     refused = [v for v in verdicts if v.status == "refused"]
@@ -249,12 +289,20 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     loaded = loaded_detail(measured)
     left_out = f"; left out: {loaded}" if loaded else ""
     figures = {
-        "cells_planned": len(planned), "cells_measured": len(measured), "cells_refused": len(refused),
-        "cells_failed": failed, "pairs_apart": apart, "ordering": ordering,
-        "median_regret": median, "p95_regret": p95, "worst_regret": worst,
-        "wrong_refusals": wrong, "wrong_refusal_share": len(wrong) / len(refused) if refused else 0.0,
+        "cells_planned": len(planned),
+        "cells_measured": len(measured),
+        "cells_refused": len(refused),
+        "cells_failed": failed,
+        "pairs_apart": apart,
+        "ordering": ordering,
+        "median_regret": median,
+        "p95_regret": p95,
+        "worst_regret": worst,
+        "wrong_refusals": wrong,
+        "wrong_refusal_share": len(wrong) / len(refused) if refused else 0.0,
         "worst_peak_ratio": float(ratios.max()) if ratios.size else float("nan"),
-        "median_over_estimate": float(np.median(over_estimate)), "worst_over_estimate": float(over_estimate.max()),
+        "median_over_estimate": float(np.median(over_estimate)),
+        "worst_over_estimate": float(over_estimate.max()),
         "worst_kept_out_over_estimate": max(kept_out.values(), default=float("nan")),
         "loaded_cells": [v.label for v in measured if v.load is not None],
         "cells": [v.as_dict() for v in verdicts],
@@ -262,35 +310,72 @@ def certify(planned: Sequence[str], cells: Mapping[str, CellResult], gates: Gate
     wrong_pairs = "; ".join(f"{v.label}: {w}" for v in timed for w in v.wrong_pairs)
     under = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.peak_ratios.items() if r > gates.peak_ratio]
     saved = [r for v in verdicts for r in v.saved_ratios.values()]
-    under_saved = [f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.saved_ratios.items() if r > gates.peak_ratio]
+    under_saved = [
+        f"{v.label}/{p}: {r:.3f}" for v in verdicts for p, r in v.saved_ratios.items() if r > gates.peak_ratio
+    ]
     figures["worst_saved_ratio"] = max(saved, default=float("nan"))
     checks = [
-        ("certificate: every planned cell has a verdict, none failed", not failed,
-         f"{len(planned)} planned; failed: {failed or 'none'}; "
-         + "; ".join(f"{v.label}: {v.error}" for v in verdicts if v.error)),
-        ("certificate: pairwise ordering on pairs apart", None if not apart else ordering >= gates.ordering,
-         loaded if loaded and not apart else
-         f"{number(ordering, '.3f')} of {apart} pairs apart (gate >= {gates.ordering}); wrong: {wrong_pairs or 'none'}{left_out}"),
-        ("certificate: median regret", _timing(median <= gates.median_regret, measured, timed),
-         loaded if loaded and not timed else
-         f"median {number(median, '.4f')}, p95 {number(p95, '.4f')} (gate <= {gates.median_regret}){left_out}"),
-        ("certificate: worst regret", _timing(worst <= gates.worst_regret, measured, timed),
-         loaded if loaded and not timed else f"worst {number(worst, '.4f')} (gate <= {gates.worst_regret}); "
-         + ", ".join(f"{v.label} {v.gated_regret:.3f}" for v in timed) + left_out),
-        ("certificate: no wrong refusal", len(wrong) / max(1, len(refused)) <= gates.wrong_refusals,
-         f"{len(refused)} refused, wrong: {wrong or 'none'}"),
-        ("certificate: measured peak / predicted peak <= 1", ratios.size > 0 and not under,
-         f"worst {number(figures['worst_peak_ratio'], '.3f')} over {ratios.size} runs; under-estimates: {under or 'none'}"),
-        ("certificate: held after a forward / admitted saved bytes <= 1", bool(saved) and not under_saved,
-         f"worst {number(figures['worst_saved_ratio'], '.3f')} over {len(saved)} runs; under-estimates: {under_saved or 'none'}"),
-        ("certificate: admitted placements within the limits (measured)", not over_limit,
-         "; ".join(over_limit) or "every admitted placement's measured bytes within its limits"),
-        ("certificate: offload and replay priced above retain", bool(measured) and not unpriced,
-         "; ".join(unpriced) or f"in all {len(measured)} measured cells"),
-        ("certificate: placements kept out where they fit: predicted / measured peak within the bound",
-         None if not kept_out else not over_kept_out,
-         f"worst {number(figures['worst_kept_out_over_estimate'], '.2f')} over {len(kept_out)} kept out (gate <= "
-         f"{gates.kept_out_over_estimate}); over: {over_kept_out or 'none'}" if kept_out else
-         "no placement was kept out where its measured bytes fit"),
+        (
+            "certificate: every planned cell has a verdict, none failed",
+            not failed,
+            f"{len(planned)} planned; failed: {failed or 'none'}; "
+            + "; ".join(f"{v.label}: {v.error}" for v in verdicts if v.error),
+        ),
+        (
+            "certificate: pairwise ordering on pairs apart",
+            None if not apart else ordering >= gates.ordering,
+            loaded
+            if loaded and not apart
+            else f"{number(ordering, '.3f')} of {apart} pairs apart (gate >= {gates.ordering}); wrong: {wrong_pairs or 'none'}{left_out}",
+        ),
+        (
+            "certificate: median regret",
+            _timing(median <= gates.median_regret, measured, timed),
+            loaded
+            if loaded and not timed
+            else f"median {number(median, '.4f')}, p95 {number(p95, '.4f')} (gate <= {gates.median_regret}){left_out}",
+        ),
+        (
+            "certificate: worst regret",
+            _timing(worst <= gates.worst_regret, measured, timed),
+            loaded
+            if loaded and not timed
+            else f"worst {number(worst, '.4f')} (gate <= {gates.worst_regret}); "
+            + ", ".join(f"{v.label} {v.gated_regret:.3f}" for v in timed)
+            + left_out,
+        ),
+        (
+            "certificate: no wrong refusal",
+            len(wrong) / max(1, len(refused)) <= gates.wrong_refusals,
+            f"{len(refused)} refused, wrong: {wrong or 'none'}",
+        ),
+        (
+            "certificate: measured peak / predicted peak <= 1",
+            ratios.size > 0 and not under,
+            f"worst {number(figures['worst_peak_ratio'], '.3f')} over {ratios.size} runs; under-estimates: {under or 'none'}",
+        ),
+        (
+            "certificate: held after a forward / admitted saved bytes <= 1",
+            bool(saved) and not under_saved,
+            f"worst {number(figures['worst_saved_ratio'], '.3f')} over {len(saved)} runs; under-estimates: {under_saved or 'none'}",
+        ),
+        (
+            "certificate: admitted placements within the limits (measured)",
+            not over_limit,
+            "; ".join(over_limit) or "every admitted placement's measured bytes within its limits",
+        ),
+        (
+            "certificate: offload and replay priced above retain",
+            bool(measured) and not unpriced,
+            "; ".join(unpriced) or f"in all {len(measured)} measured cells",
+        ),
+        (
+            "certificate: placements kept out where they fit: predicted / measured peak within the bound",
+            None if not kept_out else not over_kept_out,
+            f"worst {number(figures['worst_kept_out_over_estimate'], '.2f')} over {len(kept_out)} kept out (gate <= "
+            f"{gates.kept_out_over_estimate}); over: {over_kept_out or 'none'}"
+            if kept_out
+            else "no placement was kept out where its measured bytes fit",
+        ),
     ]
     return figures, checks

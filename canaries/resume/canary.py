@@ -78,12 +78,26 @@ def kill_points(profile: str) -> list[KillPoint]:
     sizes = (count // 4, count - count // 2 - count // 4, count // 2)  # before the first save, after it, inside one
     chosen: list[list[KillPoint]] = []
 
-    @settings(max_examples=1, derandomize=profile != "nightly", database=None, phases=[Phase.generate],
-              deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.tuples(*(st.lists(s, min_size=n, max_size=n, unique=True)
-                       for s, n in zip((before_a_save, after_a_save, inside), sizes))))
+    @settings(
+        max_examples=1,
+        derandomize=profile != "nightly",
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        st.tuples(
+            *(
+                st.lists(s, min_size=n, max_size=n, unique=True)
+                for s, n in zip((before_a_save, after_a_save, inside), sizes)
+            )
+        )
+    )
     def draw(lists: tuple[list[KillPoint], ...]) -> None:
-        chosen.append(sorted((p for part in lists for p in part), key=lambda p: (p.call, -1 if p.fsync is None else p.fsync)))
+        chosen.append(
+            sorted((p for part in lists for p in part), key=lambda p: (p.call, -1 if p.fsync is None else p.fsync))
+        )
 
     draw()
     return chosen[-1]
@@ -120,8 +134,11 @@ def _killed_and_resumed(base: Path, steps: int, kill: KillPoint, forget_rng: boo
     run_dir = Path(tempfile.mkdtemp(dir=base))
     killed = _run(run_dir, steps, kill.killed, kill, forget_rng) is None
     resumed_from_save = (run_dir / "save" / "LATEST").exists()
-    return {"killed": killed, "resumed_from_save": resumed_from_save,
-            "state": _run(run_dir, steps, kill.resumed, forget_rng=forget_rng)}
+    return {
+        "killed": killed,
+        "resumed_from_save": resumed_from_save,
+        "state": _run(run_dir, steps, kill.resumed, forget_rng=forget_rng),
+    }
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -137,25 +154,56 @@ def judge(run: CanaryRun) -> Judged:
         for point in points:
             outcome = _killed_and_resumed(base, steps, point)
             differ = _differences(outcome["state"], expected)
-            rows.append({**asdict(point), "where": point.describe(), "killed": outcome["killed"],
-                         "resumed_from_save": outcome["resumed_from_save"], "bitwise_equal": not differ,
-                         "first_difference": differ[0] if differ else None})
-            run.echo(f"  kill point {point.describe()}: {'killed' if outcome['killed'] else 'NOT killed'}, "
-                     f"{'bitwise equal' if not differ else 'differs at ' + differ[0]}")
+            rows.append(
+                {
+                    **asdict(point),
+                    "where": point.describe(),
+                    "killed": outcome["killed"],
+                    "resumed_from_save": outcome["resumed_from_save"],
+                    "bitwise_equal": not differ,
+                    "first_difference": differ[0] if differ else None,
+                }
+            )
+            run.echo(
+                f"  kill point {point.describe()}: {'killed' if outcome['killed'] else 'NOT killed'}, "
+                f"{'bitwise equal' if not differ else 'differs at ' + differ[0]}"
+            )
         failed = [r["where"] for r in rows if not (r["killed"] and r["bitwise_equal"])]
-        checks.check("every killed job resumed bitwise equal", not failed,
-                     f"{len(rows) - len(failed)} of {len(rows)} kill points" + (f"; first failure {failed[0]}" if failed else ""))
+        checks.check(
+            "every killed job resumed bitwise equal",
+            not failed,
+            f"{len(rows) - len(failed)} of {len(rows)} kill points"
+            + (f"; first failure {failed[0]}" if failed else ""),
+        )
         mid_save = sum(r["fsync"] is not None for r in rows)
         checks.check("kills inside a save among the kill points", mid_save > 0, f"{mid_save} of {len(rows)}")
         from_save = sum(r["resumed_from_save"] for r in rows)
-        checks.check("killed jobs resumed from a save (not only from scratch)", from_save > 0, f"{from_save} of {len(rows)}")
+        checks.check(
+            "killed jobs resumed from a save (not only from scratch)", from_save > 0, f"{from_save} of {len(rows)}"
+        )
         control = KillPoint(SAVE_OP + 1, None, 1, 1)  # right after the first save: everything after it draws dropout
         forgot = _killed_and_resumed(base, steps, control, forget_rng=True)
         control_differs = bool(forgot["resumed_from_save"] and _differences(forgot["state"], expected))
-        checks.check("negative control: a save without the RNG state fails the comparison", control_differs,
-                     f"{control.describe()}: the resumed state {'differs' if control_differs else 'is equal (blind)'}")
-    measurements = {"kill_points": rows, "kills": len(rows), "kills_inside_a_save": mid_save, "resumed_from_a_save": from_save,
-                    "negative_control_differs": control_differs, "seconds": time.perf_counter() - started}
-    config = {"preset": run.preset.name, "profile": profile, "device": "cpu", "steps": steps, "trainer_calls": total_ops(steps),
-              "processes": list(PROCESSES[profile]), "calls_per_step": STEP_OPS}
+        checks.check(
+            "negative control: a save without the RNG state fails the comparison",
+            control_differs,
+            f"{control.describe()}: the resumed state {'differs' if control_differs else 'is equal (blind)'}",
+        )
+    measurements = {
+        "kill_points": rows,
+        "kills": len(rows),
+        "kills_inside_a_save": mid_save,
+        "resumed_from_a_save": from_save,
+        "negative_control_differs": control_differs,
+        "seconds": time.perf_counter() - started,
+    }
+    config = {
+        "preset": run.preset.name,
+        "profile": profile,
+        "device": "cpu",
+        "steps": steps,
+        "trainer_calls": total_ops(steps),
+        "processes": list(PROCESSES[profile]),
+        "calls_per_step": STEP_OPS,
+    }
     return Judged(KIND, config, checks, measurements)

@@ -45,7 +45,9 @@ def _inputs(index: int, salt: int) -> tuple[rt.ForwardInput, torch.Tensor]:
     """Deterministic tokens and advantages for call ``index`` (never drawn from the RNG the trainer saves)."""
     generator = torch.Generator().manual_seed(10_000 * index + salt)
     length = int(torch.randint(5, 10, (1,), generator=generator))
-    return rt.ForwardInput(torch.randint(0, 64, (length,), generator=generator)), torch.randn(length, generator=generator)
+    return rt.ForwardInput(torch.randint(0, 64, (length,), generator=generator)), torch.randn(
+        length, generator=generator
+    )
 
 
 def _loss(output: rt.ForwardOutput, advantages: torch.Tensor) -> torch.Tensor:
@@ -56,12 +58,14 @@ def _forward(name: str, slot: str, options: rt.ForwardOptions | None = None) -> 
     def call(trainer: rt.Trainer, held: dict[str, Any], index: int, run_dir: Path) -> None:
         item, advantages = _inputs(index, len(slot))
         held[slot] = (trainer.forward(item, checkpoint=name, options=options), advantages)
+
     return call
 
 
 def _backward(slot: str) -> Callable[..., None]:
     def call(trainer: rt.Trainer, held: dict[str, Any], index: int, run_dir: Path) -> None:
         trainer.backward(_loss(*held.pop(slot)))
+
     return call
 
 
@@ -89,7 +93,10 @@ OPS: list[tuple[str, Callable[..., None]]] = [
     ("forward critic", _forward("critic", "critic")),
     ("backward critic", _backward("critic")),
     ("optim_step critic", lambda t, h, i, d: t.optim_step(checkpoints=["critic"])),
-    ("optim_step policy (the stale gradient)", lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"])),
+    (
+        "optim_step policy (the stale gradient)",
+        lambda t, h, i, d: t.optim_step(max_grad_norm=1.0, checkpoints=["policy"]),
+    ),
     ("zero_grad", lambda t, h, i, d: t.zero_grad()),
 ]
 STEP_OPS = [name for name, _ in OPS]

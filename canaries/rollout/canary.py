@@ -51,8 +51,13 @@ RATIO_BAND = (0.9, 1.1)
 
 
 def settings() -> list[Setting]:
-    return [Setting(dtype, kv_cache, batch, padding) for dtype in ("fp32", "bf16") for kv_cache in (True, False)
-            for batch in (1, 4, 8) for padding in ("none", "left+right")]
+    return [
+        Setting(dtype, kv_cache, batch, padding)
+        for dtype in ("fp32", "bf16")
+        for kv_cache in (True, False)
+        for batch in (1, 4, 8)
+        for padding in ("none", "left+right")
+    ]
 
 
 def _mismatch(checks: Checks, tokens: int, device: torch.device) -> tuple[list[dict], dict[str, list[float]]]:
@@ -61,18 +66,31 @@ def _mismatch(checks: Checks, tokens: int, device: torch.device) -> tuple[list[d
         gaps = scenarios.mismatch(setting, tokens, device)
         outside = sum(not RATIO_BAND[0] <= math.exp(g) <= RATIO_BAND[1] for g in gaps) / len(gaps)
         absolute = [abs(g) for g in gaps]
-        rows.append({**asdict(setting), "tokens": len(gaps), "worst": max(absolute),
-                     "median": statistics.median(absolute), "share_outside_band": outside})
+        rows.append(
+            {
+                **asdict(setting),
+                "tokens": len(gaps),
+                "worst": max(absolute),
+                "median": statistics.median(absolute),
+                "share_outside_band": outside,
+            }
+        )
         if setting.dtype == "bf16":
             bf16[setting.label] = absolute
     fp32 = [r for r in rows if r["dtype"] == "fp32"]
     worst = max(r["worst"] for r in fp32)
-    checks.check("mismatch_fp32_within_tolerance", worst <= FP32_LOGPROB_TOLERANCE,
-                 f"worst |engine - trainer| log-prob {worst:.2g} over {len(fp32)} FP32 settings "
-                 f"(tolerance {FP32_LOGPROB_TOLERANCE:g})")
+    checks.check(
+        "mismatch_fp32_within_tolerance",
+        worst <= FP32_LOGPROB_TOLERANCE,
+        f"worst |engine - trainer| log-prob {worst:.2g} over {len(fp32)} FP32 settings "
+        f"(tolerance {FP32_LOGPROB_TOLERANCE:g})",
+    )
     finite = all(math.isfinite(g) for gaps in bf16.values() for g in gaps)
-    checks.check("mismatch_bf16_measured", finite and len(bf16) == len(fp32),
-                 f"{len(bf16)} BF16 settings measured (shown, not gated)")
+    checks.check(
+        "mismatch_bf16_measured",
+        finite and len(bf16) == len(fp32),
+        f"{len(bf16)} BF16 settings measured (shown, not gated)",
+    )
     return rows, bf16
 
 
@@ -87,36 +105,53 @@ def _ratios(checks: Checks, tokens: int, device: torch.device) -> dict[str, obje
     engine = scenarios.engine_for(trainer)
     batch = scenarios.prompts(4, "left+right", device)
     on_policy = scenarios.behaviour_report(trainer, engine.generate(batch, max_new_tokens=tokens))
-    checks.check("on_policy_ratio_is_one", not _ratio_moves(on_policy),
-                 f"ratios in [{on_policy.ratio.min:.7f}, {on_policy.ratio.max:.7f}] at unchanged weights")
+    checks.check(
+        "on_policy_ratio_is_one",
+        not _ratio_moves(on_policy),
+        f"ratios in [{on_policy.ratio.min:.7f}, {on_policy.ratio.max:.7f}] at unchanged weights",
+    )
     stale = engine.generate(batch, max_new_tokens=tokens)
     scenarios.step(trainer)
     honest = scenarios.behaviour_report(trainer, stale)
     filled = scenarios.behaviour_report(trainer, stale, fill_from_trainer=True)
-    checks.check("off_policy_ratio_moves", _ratio_moves(honest),
-                 f"after a step, ratios in [{honest.ratio.min:.4f}, {honest.ratio.max:.4f}]")
-    checks.check("negative_control_filled_logprobs_caught", not _ratio_moves(filled),
-                 f"behaviour log-probs filled from the trainer: ratios in [{filled.ratio.min:.7f}, "
-                 f"{filled.ratio.max:.7f}], which the detector reads as on-policy although the lag is "
-                 f"{filled.lag_max}")
+    checks.check(
+        "off_policy_ratio_moves",
+        _ratio_moves(honest),
+        f"after a step, ratios in [{honest.ratio.min:.4f}, {honest.ratio.max:.4f}]",
+    )
+    checks.check(
+        "negative_control_filled_logprobs_caught",
+        not _ratio_moves(filled),
+        f"behaviour log-probs filled from the trainer: ratios in [{filled.ratio.min:.7f}, "
+        f"{filled.ratio.max:.7f}], which the detector reads as on-policy although the lag is "
+        f"{filled.lag_max}",
+    )
     return {"on_policy": asdict(on_policy.ratio), "one_step": asdict(honest.ratio), "filled": asdict(filled.ratio)}
 
 
 def _publication(checks: Checks, tokens: int, device: torch.device) -> dict[str, object]:
     faults = scenarios.publication_faults(device)
-    checks.check("publication_faults_leave_engine_bitwise",
-                 faults["unchanged"] == faults["typed_errors"] == faults["tensors"] and faults["clean_publication_moves"],
-                 f"{faults['unchanged']} of {faults['tensors']} faulted publications left the served outputs bitwise "
-                 f"unchanged, {faults['typed_errors']} raised PublicationError; the clean one "
-                 f"{'moved' if faults['clean_publication_moves'] else 'DID NOT move'} them")
+    checks.check(
+        "publication_faults_leave_engine_bitwise",
+        faults["unchanged"] == faults["typed_errors"] == faults["tensors"] and faults["clean_publication_moves"],
+        f"{faults['unchanged']} of {faults['tensors']} faulted publications left the served outputs bitwise "
+        f"unchanged, {faults['typed_errors']} raised PublicationError; the clean one "
+        f"{'moved' if faults['clean_publication_moves'] else 'DID NOT move'} them",
+    )
     flight = scenarios.inflight(device, tokens)
     expected = [0] + [1] * (tokens - 3) + [2, 2]
-    exact = (flight["versions"] == expected and flight["worst_own_version_gap"] <= FP32_LOGPROB_TOLERANCE
-             and flight["nearest_other_version_gap"] > FP32_LOGPROB_TOLERANCE)
-    checks.check("inflight_versions_exact", exact,
-                 f"versions {flight['versions']} (expected {expected}); re-decoded at the recorded version within "
-                 f"{flight['worst_own_version_gap']:.2g}, at any other no closer than "
-                 f"{flight['nearest_other_version_gap']:.2g}")
+    exact = (
+        flight["versions"] == expected
+        and flight["worst_own_version_gap"] <= FP32_LOGPROB_TOLERANCE
+        and flight["nearest_other_version_gap"] > FP32_LOGPROB_TOLERANCE
+    )
+    checks.check(
+        "inflight_versions_exact",
+        exact,
+        f"versions {flight['versions']} (expected {expected}); re-decoded at the recorded version within "
+        f"{flight['worst_own_version_gap']:.2g}, at any other no closer than "
+        f"{flight['nearest_other_version_gap']:.2g}",
+    )
     return {"faults": faults, "inflight": flight}
 
 
@@ -128,8 +163,11 @@ def _lags(checks: Checks, tokens: int, device: torch.device) -> dict[str, object
     scenarios.step(trainer)  # train at v + 1
     one = scenarios.behaviour_report(trainer, samples)
     count = len(samples) * tokens
-    checks.check("lag_one_step_off_policy", one.lag_histogram == {1: count},
-                 f"behaviour lag histogram {one.lag_histogram} (expected {{1: {count}}})")
+    checks.check(
+        "lag_one_step_off_policy",
+        one.lag_histogram == {1: count},
+        f"behaviour lag histogram {one.lag_histogram} (expected {{1: {count}}})",
+    )
     bound = rt.ForwardOptions(max_behaviour_staleness=0)
     loops = {}
     for name, publish in (("staleness_0", True), ("publication_skipped", False)):
@@ -140,14 +178,22 @@ def _lags(checks: Checks, tokens: int, device: torch.device) -> dict[str, object
             trainer.publish(engine, checkpoint="policy")
         loops[name] = scenarios.behaviour_report(trainer, engine.generate(batch, max_new_tokens=tokens), options=bound)
     zero, skipped = loops["staleness_0"], loops["publication_skipped"]
-    checks.check("lag_zero_loop", zero.lag_histogram == {0: count} and zero.stale_tokens == 0,
-                 f"staleness-0 loop: lag histogram {zero.lag_histogram}, {zero.stale_tokens} tokens masked")
-    checks.check("negative_control_skipped_publication_caught",
-                 skipped.lag_histogram == {1: count} and skipped.stale_tokens == count,
-                 f"the loop without its publication: lag histogram {skipped.lag_histogram}, "
-                 f"{skipped.stale_tokens} of {count} tokens masked by max_behaviour_staleness=0")
-    return {"one_step": one.lag_histogram, "staleness_0": zero.lag_histogram,
-            "publication_skipped": skipped.lag_histogram}
+    checks.check(
+        "lag_zero_loop",
+        zero.lag_histogram == {0: count} and zero.stale_tokens == 0,
+        f"staleness-0 loop: lag histogram {zero.lag_histogram}, {zero.stale_tokens} tokens masked",
+    )
+    checks.check(
+        "negative_control_skipped_publication_caught",
+        skipped.lag_histogram == {1: count} and skipped.stale_tokens == count,
+        f"the loop without its publication: lag histogram {skipped.lag_histogram}, "
+        f"{skipped.stale_tokens} of {count} tokens masked by max_behaviour_staleness=0",
+    )
+    return {
+        "one_step": one.lag_histogram,
+        "staleness_0": zero.lag_histogram,
+        "publication_skipped": skipped.lag_histogram,
+    }
 
 
 def judge(run: CanaryRun) -> Judged:
@@ -160,9 +206,22 @@ def judge(run: CanaryRun) -> Judged:
     ratios = _ratios(checks, tokens, device)
     publication = _publication(checks, tokens, device)
     lags = _lags(checks, tokens, device)
-    config = {"preset": preset, "profile": profile, "device": device.type, "tokens": tokens,
-              "fp32_tolerance": FP32_LOGPROB_TOLERANCE, "ratio_band": list(RATIO_BAND), "model": "tiny",
-              "stand_in": preset != "cpu" and device.type == "cpu"}
-    measurements = {"mismatch": rows, "bf16_gaps": bf16, "ratios": ratios, "publication": publication, "lags": lags,
-                    "seconds": time.perf_counter() - started}
+    config = {
+        "preset": preset,
+        "profile": profile,
+        "device": device.type,
+        "tokens": tokens,
+        "fp32_tolerance": FP32_LOGPROB_TOLERANCE,
+        "ratio_band": list(RATIO_BAND),
+        "model": "tiny",
+        "stand_in": preset != "cpu" and device.type == "cpu",
+    }
+    measurements = {
+        "mismatch": rows,
+        "bf16_gaps": bf16,
+        "ratios": ratios,
+        "publication": publication,
+        "lags": lags,
+        "seconds": time.perf_counter() - started,
+    }
     return Judged(KIND, config, checks, measurements)

@@ -36,7 +36,9 @@ class Setting:
 
 def policy_trainer(device: torch.device, *, seed: int = 0) -> rt.Trainer:
     """A LoRA policy on the tiny model whose factors are random (the adapter changes the base's log-probs)."""
-    model = rt.DecoderLM(rt.ModelConfig.tiny(), seed=seed).to(device)  # drawn on the host: the same factors on any device
+    model = rt.DecoderLM(rt.ModelConfig.tiny(), seed=seed).to(
+        device
+    )  # drawn on the host: the same factors on any device
     trainer = trainer_with_policy(model, lora=rt.LoRAConfig(rank=4), optimizer=rt.AdamWConfig(lr=LR), seed=seed)
     generator = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
@@ -66,14 +68,21 @@ def step(trainer: rt.Trainer) -> None:
     trainer.zero_grad()
 
 
-def forward_samples(trainer: rt.Trainer, samples: list, *, behaviour: bool = True,
-                    options: rt.ForwardOptions | None = None) -> list[rt.ForwardOutput]:
+def forward_samples(
+    trainer: rt.Trainer, samples: list, *, behaviour: bool = True, options: rt.ForwardOptions | None = None
+) -> list[rt.ForwardOutput]:
     """The trainer's forward of the samples, one right-padded batch, carrying their behaviour data."""
-    inputs = [rt.ForwardInput(input_tokens=s.input_tokens, target_tokens=s.target_tokens, options=options,
-                              behaviour_logprobs=s.aligned_behaviour_logprobs if behaviour else None,
-                              behaviour_revisions=s.aligned_behaviour_revisions if behaviour else None,
-                              behaviour_generations=s.aligned_behaviour_generations if behaviour else None)
-              for s in samples]
+    inputs = [
+        rt.ForwardInput(
+            input_tokens=s.input_tokens,
+            target_tokens=s.target_tokens,
+            options=options,
+            behaviour_logprobs=s.aligned_behaviour_logprobs if behaviour else None,
+            behaviour_revisions=s.aligned_behaviour_revisions if behaviour else None,
+            behaviour_generations=s.aligned_behaviour_generations if behaviour else None,
+        )
+        for s in samples
+    ]
     return trainer.forward(inputs, checkpoint="policy")
 
 
@@ -82,17 +91,22 @@ def mismatch(setting: Setting, tokens: int, device: torch.device) -> list[float]
     trainer = policy_trainer(device)
     dtype = torch.bfloat16 if setting.dtype == "bf16" else torch.float32
     engine = engine_for(trainer, dtype=dtype, kv_cache=setting.kv_cache)
-    samples = engine.generate(prompts(setting.batch, setting.padding, device), max_new_tokens=tokens,
-                              generator=torch.Generator(device=device).manual_seed(0))
+    samples = engine.generate(
+        prompts(setting.batch, setting.padding, device),
+        max_new_tokens=tokens,
+        generator=torch.Generator(device=device).manual_seed(0),
+    )
     with torch.no_grad():
         outputs = forward_samples(trainer, samples, behaviour=False)
-    gaps = [s.behaviour_logprobs - o.target_logprobs.detach()[s.prompt.shape[0] - 1 :]
-            for s, o in zip(samples, outputs)]
+    gaps = [
+        s.behaviour_logprobs - o.target_logprobs.detach()[s.prompt.shape[0] - 1 :] for s, o in zip(samples, outputs)
+    ]
     return torch.cat(gaps).double().cpu().tolist()
 
 
-def behaviour_report(trainer: rt.Trainer, samples: list, *, options: rt.ForwardOptions | None = None,
-                     fill_from_trainer: bool = False) -> rt.BehaviourStats:
+def behaviour_report(
+    trainer: rt.Trainer, samples: list, *, options: rt.ForwardOptions | None = None, fill_from_trainer: bool = False
+) -> rt.BehaviourStats:
     """The trainer's ``BehaviourStats`` for one batch of samples (summed log-prob loss, one backward).
 
     ``fill_from_trainer``: the negative control's bug: behaviour log-probs taken from the trainer's own forward
@@ -101,10 +115,17 @@ def behaviour_report(trainer: rt.Trainer, samples: list, *, options: rt.ForwardO
     if fill_from_trainer:
         with torch.no_grad():
             own = forward_samples(trainer, samples, behaviour=False)
-        samples = [Sample(prompt=s.prompt, completion=s.completion, version=s.version,
-                          behaviour_revisions=s.behaviour_revisions, behaviour_generations=s.behaviour_generations,
-                          behaviour_logprobs=o.target_logprobs.detach()[s.prompt.shape[0] - 1 :])
-                   for s, o in zip(samples, own)]
+        samples = [
+            Sample(
+                prompt=s.prompt,
+                completion=s.completion,
+                version=s.version,
+                behaviour_revisions=s.behaviour_revisions,
+                behaviour_generations=s.behaviour_generations,
+                behaviour_logprobs=o.target_logprobs.detach()[s.prompt.shape[0] - 1 :],
+            )
+            for s, o in zip(samples, own)
+        ]
     outputs = forward_samples(trainer, samples, options=options)
     report = trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
     trainer.zero_grad()
@@ -131,8 +152,14 @@ def publication_faults(device: torch.device) -> dict[str, object]:
         unchanged += after[0] == before[0] and all(torch.equal(a, b) for a, b in zip(after[1], before[1]))
     report = trainer.publish(engine, checkpoint="policy")
     moved = not torch.equal(engine.score(fixed[0], completion), before[1][0])
-    return {"tensors": tensors, "unchanged": unchanged, "typed_errors": typed, "clean_publication_moves": moved,
-            "nbytes": report.nbytes, "seconds": report.seconds}
+    return {
+        "tensors": tensors,
+        "unchanged": unchanged,
+        "typed_errors": typed,
+        "clean_publication_moves": moved,
+        "nbytes": report.nbytes,
+        "seconds": report.seconds,
+    }
 
 
 def inflight(device: torch.device, tokens: int) -> dict[str, object]:
@@ -140,8 +167,9 @@ def inflight(device: torch.device, tokens: int) -> dict[str, object]:
     trainer = policy_trainer(device)
     engine = engine_for(trainer)
     references = {0: engine_for(trainer)}
-    generation = engine.start(prompts(2, "left+right", device), max_new_tokens=tokens,
-                              generator=torch.Generator(device=device).manual_seed(3))
+    generation = engine.start(
+        prompts(2, "left+right", device), max_new_tokens=tokens, generator=torch.Generator(device=device).manual_seed(3)
+    )
     publish_after = {1, tokens - 2}
     while not generation.done:
         generation.step()
@@ -156,5 +184,8 @@ def inflight(device: torch.device, tokens: int) -> dict[str, object]:
             gaps = {r: float((e.score(prefix, token) - s.behaviour_logprobs[i]).abs()) for r, e in references.items()}
             worst_own = max(worst_own, gaps.pop(revision))
             nearest_other = min([nearest_other, *gaps.values()])
-    return {"versions": [v.revision for v in generation.versions], "worst_own_version_gap": worst_own,
-            "nearest_other_version_gap": nearest_other}
+    return {
+        "versions": [v.revision for v in generation.versions],
+        "worst_own_version_gap": worst_own,
+        "nearest_other_version_gap": nearest_other,
+    }

@@ -80,8 +80,11 @@ def offenders(baseline: str, samples: str) -> list[Listener]:
     stage's, unless another sample names its owner and that owner is someone else's (FOREIGN) and no
     sample names an owner of ours: on a shared machine, other users' test workers open such sockets.
     """
-    owned_by_us = {(f[0], f[4]) for f in (line.split() for line in samples.splitlines()
-                                          if "users:(" in line and not line.startswith(FOREIGN)) if len(f) >= 5}
+    owned_by_us = {
+        (f[0], f[4])
+        for f in (line.split() for line in samples.splitlines() if "users:(" in line and not line.startswith(FOREIGN))
+        if len(f) >= 5
+    }
     unowned_foreign = parse(samples, foreign=True) - owned_by_us
     return sorted(item for item in parse(samples) - parse(baseline) - unowned_foreign if not is_loopback(item[1]))
 
@@ -135,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"listeners: {netid} {local} listened on a non-loopback address during the stage", file=sys.stderr)
     others = foreign(samples)
     if others:
-        print(f"listeners: ignored {len(others)} non-loopback listener(s) of other processes on this machine: "
-              + ", ".join(local for _, local in others))
+        print(
+            f"listeners: ignored {len(others)} non-loopback listener(s) of other processes on this machine: "
+            + ", ".join(local for _, local in others)
+        )
     print(f"listeners: {count} samples, {len(found)} non-loopback listener(s) of the stage beyond the baseline")
     return 1 if found else 0
 

@@ -56,11 +56,15 @@ def check_bootstrap() -> list[str]:
     ]
     skylet = Path(constants.__file__).with_name("skylet.py").read_text()
     if SKYLET_BIND not in skylet:
-        problems.append(f"sky/skylet/skylet.py no longer contains {SKYLET_BIND!r}: shims/uv rebinds the skylet "
-                        "to 127.0.0.1 by rewriting that line; check where the skylet listens now and update both")
+        problems.append(
+            f"sky/skylet/skylet.py no longer contains {SKYLET_BIND!r}: shims/uv rebinds the skylet "
+            "to 127.0.0.1 by rewriting that line; check where the skylet listens now and update both"
+        )
     if sky.__version__ != SKYPILOT_VERSION:
-        problems.append(f"skypilot {sky.__version__} found, the shims were checked against {SKYPILOT_VERSION}: "
-                        "rerun the stage, then update SKYPILOT_VERSION")
+        problems.append(
+            f"skypilot {sky.__version__} found, the shims were checked against {SKYPILOT_VERSION}: "
+            "rerun the stage, then update SKYPILOT_VERSION"
+        )
     return problems
 
 
@@ -68,8 +72,13 @@ def start_server(pid_file: Path, timeout_s: float = 120.0) -> int:
     """Start ``serve`` in a new session, wait for ``/api/health``, write and return its pid."""
     log = Path(os.environ["SKY_RUNTIME_DIR"]) / "api-server.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", __spec__.name, "serve"], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, "serve"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     pid_file.write_text(f"{proc.pid}\n")
     url = f"http://127.0.0.1:{os.environ['SKYPILOT_API_SERVER_LOCAL_PORT']}/api/health"
     deadline = time.monotonic() + timeout_s

@@ -75,12 +75,12 @@ NOTE [Logical ranks]
 
 from __future__ import annotations
 
+from ..errors import PeerError
+from ..peers import PeerFailure, TrafficCount, init_distributed
 from .batches import LogicalBatch, logical_batches
 from .layout import LogicalLayout, ordered_sum, spread
 from .logical import LogicalRank, logical_gradients, logical_traffic, run_logical
 from .zero import RankZero
-from ..peers import PeerFailure, TrafficCount, init_distributed
-from ..errors import PeerError
 
 __all__ = [
     "LogicalBatch",

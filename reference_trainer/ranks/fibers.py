@@ -137,5 +137,3 @@ class FiberCoordinator:
         fiber = current_fiber()
         assert fiber is not None, "logical-rank backward outside its fiber"
         fiber.pause(Request("agree", error=error))
-
-

@@ -170,4 +170,3 @@ def run_logical(
     if state.comm.rank != 0:
         return session.serve(label)
     return session.lead(fn)
-

@@ -75,8 +75,11 @@ class LogicalSums:
         for key, fold in self.round.items():
             fold.close(hosted.stop)
             local[key] = fold.entries
-        described = {key: ([node for node, _ in entries], (e.shape, e.dtype)) for key, entries in local.items()
-                     for e in [entries[0][1]]}
+        described = {
+            key: ([node for node, _ in entries], (e.shape, e.dtype))
+            for key, entries in local.items()
+            for e in [entries[0][1]]
+        }
         every = self.comm.exchange(described, f"{label}: logical-rank partial sums")
         self.round = {}
         specs = {key: spec for part in reversed(every) for key, (_, spec) in part.items()}

@@ -52,14 +52,20 @@ def _status(state: LogicalState, fiber: Fiber, share: bool) -> _Status:
     logical_rank = fiber.logical_rank
     if fiber.done:
         if fiber.error is not None:
-            return _Status(logical_rank, "error", PeerFailure.of(fiber.error, _where(state, logical_rank), logical_rank))
+            return _Status(
+                logical_rank, "error", PeerFailure.of(fiber.error, _where(state, logical_rank), logical_rank)
+            )
         return _Status(logical_rank, "done", fiber.result if share else None)
     request = _request(fiber)
     if request.kind == "reduce":
         tensor = _reduced(fiber)
         return _Status(logical_rank, "reduce", (tuple(tensor.shape), str(tensor.dtype)))
     error = request.error
-    return _Status(logical_rank, "agree", None if error is None else PeerFailure.of(error, _where(state, logical_rank), logical_rank))
+    return _Status(
+        logical_rank,
+        "agree",
+        None if error is None else PeerFailure.of(error, _where(state, logical_rank), logical_rank),
+    )
 
 
 def drive(state: LogicalState, label: str, bodies: Mapping[int, Callable[[], Any]], share: bool = False) -> list[Any]:
@@ -166,4 +172,3 @@ def _unwind(fibers: list[Fiber], exc: BaseException, label: str) -> None:
             return
         for fiber in waiting:
             fiber.step(Raise(mark_from_peer(PeerError(message, command=label))))
-

@@ -110,7 +110,9 @@ class LogicalState:
             allowed = _INSIDE_FN.get(call, "a call after run_logical returns, once per process")
             raise ConfigError(call, "a call inside run_logical's fn", allowed)
         if self.leading:
-            raise ConfigError(call, f"trainer.{call}() inside a zero-mode fn", f"zero.{call}(), which runs it on every process")
+            raise ConfigError(
+                call, f"trainer.{call}() inside a zero-mode fn", f"zero.{call}(), which runs it on every process"
+            )
 
     def agree(self, error: Exception | None, label: str) -> None:
         """Every process raises the lowest failing process's error, or none does (Rule 6)."""

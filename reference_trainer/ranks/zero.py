@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, GradientCommitError, PeerError
 from ..cotangents import output_cotangents
+from ..errors import ConfigError, GradientCommitError, PeerError
 from ..inputs import ForwardInput, ForwardOutput, flatten_inputs
 from ..peers import PeerFailure
 from ..rng import rng_state, set_rng_state
@@ -178,12 +178,13 @@ class ZeroSession:
         flat, rebuild = flatten_inputs(inputs)
         behaviour = ("behaviour_logprobs", "behaviour_revisions", "behaviour_generations")
         if any(getattr(i, name) is not None for i in flat for name in behaviour):
-            raise ConfigError("inputs", "inputs carrying behaviour log-probs or revisions",
-                              "inputs without them under RankZero (only tokens and targets are sent to the ranks)",
-                              "forward them through a Trainer of one process, or drop the behaviour fields")
-        tokens = torch.cat(
-            [t.reshape(-1).long().cpu() for item in flat for t in (item.input_tokens, item.targets())]
-        )
+            raise ConfigError(
+                "inputs",
+                "inputs carrying behaviour log-probs or revisions",
+                "inputs without them under RankZero (only tokens and targets are sent to the ranks)",
+                "forward them through a Trainer of one process, or drop the behaviour fields",
+            )
+        tokens = torch.cat([t.reshape(-1).long().cpu() for item in flat for t in (item.input_tokens, item.targets())])
         first = self.state.next_handle
         self.state.next_handle += len(flat)
         command = Forward(
@@ -239,7 +240,10 @@ class ZeroSession:
         return _EXECUTORS[type(header.command)](self, header.command, header.label, payload)
 
     def _trainer_call(self, command: TrainerCall, label: str, payload: torch.Tensor | None) -> Any:
-        calls: dict[str, Callable[..., Any]] = {"optim_step": self.trainer.optim_step, "zero_grad": self.trainer.zero_grad}
+        calls: dict[str, Callable[..., Any]] = {
+            "optim_step": self.trainer.optim_step,
+            "zero_grad": self.trainer.zero_grad,
+        }
         call = calls[command.method]
         return self._agreed(label, lambda: call(**command.kwargs))
 
@@ -302,7 +306,9 @@ class ZeroSession:
                     continue
                 with state.as_rank(logical_rank):
                     outputs = self.trainer.forward(
-                        [item(i) for i in chunks[logical_rank]], checkpoint=command.checkpoint, options=command.call_options
+                        [item(i) for i in chunks[logical_rank]],
+                        checkpoint=command.checkpoint,
+                        options=command.call_options,
                     )
                 made.extend((command.first + i, logical_rank, out) for i, out in zip(chunks[logical_rank], outputs))
         finally:
@@ -315,7 +321,11 @@ class ZeroSession:
         """Every process's output values (rank 0 only; ``None`` elsewhere) and their descriptions, in process order."""
         per_process = self.state.layout.per_process
         sizes = [  # output elements each process hosts
-            sum(command.lengths[i] for logical_rank in range(p * per_process, (p + 1) * per_process) for i in chunks[logical_rank])
+            sum(
+                command.lengths[i]
+                for logical_rank in range(p * per_process, (p + 1) * per_process)
+                for i in chunks[logical_rank]
+            )
             for p in range(self.comm.world_size)
         ]
         local = torch.cat([out.target_logprobs.detach().reshape(-1) for _, _, out in made]) if made else torch.zeros(0)
@@ -339,7 +349,9 @@ class ZeroSession:
             state.proxies[handle] = weakref.ref(proxy)
             state.owners[handle] = next(logical_rank for logical_rank, c in enumerate(chunks) if index in c)
             weakref.finalize(proxy, state.dropped.append, handle)
-            results.append(ForwardOutput(target_logprobs=proxy, version=version, placement=placement, decision=decision))
+            results.append(
+                ForwardOutput(target_logprobs=proxy, version=version, placement=placement, decision=decision)
+            )
         return results
 
     def _backward(self, command: Backward, label: str, cotangents: torch.Tensor | None) -> BackwardReport | None:

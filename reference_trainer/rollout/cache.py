@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import DecoderLM, DecoderLayer
+from ..model import DecoderLayer, DecoderLM
 
 __all__ = ["KVCache", "CachedDecoder"]
 
@@ -80,8 +80,15 @@ class CachedDecoder(nn.Module):
         return logits
 
 
-def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           visible: torch.Tensor, cache: KVCache | None, index: int) -> torch.Tensor:
+def _layer(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    visible: torch.Tensor,
+    cache: KVCache | None,
+    index: int,
+) -> torch.Tensor:
     """One decoder layer over the new columns; their keys and values join ``cache`` (Rule 3)."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)

@@ -87,11 +87,14 @@ class RolloutEngine:
         """A drained publication's version, waiting for the running generations to finish."""
         return self._pending.version if self._pending is not None else None
 
-    def apply(self, publication: WeightPublication, *, mode: str = "drain",
-              expected: CheckpointVersion | None = None) -> PublicationReport:
+    def apply(
+        self, publication: WeightPublication, *, mode: str = "drain", expected: CheckpointVersion | None = None
+    ) -> PublicationReport:
         """Switch to ``publication``'s weights, all or nothing, after a compare-and-set on ``expected`` (Rules 2-4)."""
         if not isinstance(publication, WeightPublication):
-            raise ConfigError("publication", type(publication).__name__, "a WeightPublication (Trainer.publish makes one)")
+            raise ConfigError(
+                "publication", type(publication).__name__, "a WeightPublication (Trainer.publish makes one)"
+            )
         if mode not in MODES:
             raise ConfigError("mode", mode, f"one of {MODES}")
         if expected is not None and not isinstance(expected, CheckpointVersion):
@@ -107,13 +110,26 @@ class RolloutEngine:
             self._served, self._pending = staged, None
         else:
             self._pending = staged
-        return PublicationReport(version=publication.version, previous=previous, mode=mode, switched=switched,
-                                 tensors=len(publication.tensors), nbytes=publication.nbytes,
-                                 seconds=time.perf_counter() - started)
+        return PublicationReport(
+            version=publication.version,
+            previous=previous,
+            mode=mode,
+            switched=switched,
+            tensors=len(publication.tensors),
+            nbytes=publication.nbytes,
+            seconds=time.perf_counter() - started,
+        )
 
-    def start(self, prompts: torch.Tensor | Sequence[torch.Tensor], *, max_new_tokens: int, temperature: float = 1.0,
-              top_k: int | None = None, top_p: float | None = None,
-              generator: torch.Generator | None = None) -> Generation:
+    def start(
+        self,
+        prompts: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
         """A generation of ``max_new_tokens`` per prompt, drawn by :meth:`Generation.step`.
 
         ``prompts``: a ``(B, P)`` integer tensor or a list of 1-D prompts of
@@ -121,12 +137,16 @@ class RolloutEngine:
         options are :func:`reference_trainer.sampling.sample`'s.
         """
         if self._served is None:
-            raise EngineBusyError("the engine serves no version yet: expected a publication first "
-                                  "(trainer.publish(engine, checkpoint=...)), found none")
+            raise EngineBusyError(
+                "the engine serves no version yet: expected a publication first "
+                "(trainer.publish(engine, checkpoint=...)), found none"
+            )
         if self._pending is not None:
-            raise EngineBusyError(f"a drained publication of {self._pending.version} waits for {len(self._running)} "
-                                  "running generation(s): expected none pending; finish them first, or publish "
-                                  "with mode='inflight'")
+            raise EngineBusyError(
+                f"a drained publication of {self._pending.version} waits for {len(self._running)} "
+                "running generation(s): expected none pending; finish them first, or publish "
+                "with mode='inflight'"
+            )
         if not int_at_least(max_new_tokens, 1):
             raise ConfigError("max_new_tokens", max_new_tokens, "an int >= 1")
         check_draw_options(temperature, top_k, top_p)
@@ -136,8 +156,9 @@ class RolloutEngine:
         self._running.append(generation)
         return generation
 
-    def generate(self, prompts: torch.Tensor | Sequence[torch.Tensor],
-                 **options: Unpack[_StartOptions]) -> list[Sample]:
+    def generate(
+        self, prompts: torch.Tensor | Sequence[torch.Tensor], **options: Unpack[_StartOptions]
+    ) -> list[Sample]:
         """:meth:`start` with ``options``, stepped to the end: one :class:`Sample` per prompt.
 
         If a step raises (anything, ``KeyboardInterrupt`` and out-of-memory included) the generation is cancelled
@@ -158,9 +179,16 @@ class RolloutEngine:
             raise EngineBusyError("the engine serves no version yet: expected a publication first, found none")
         check_draw_options(temperature, None, None)
         for name, tokens in (("prompt", prompt), ("completion", completion)):
-            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0 \
-                    or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-                found = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            if (
+                not isinstance(tokens, torch.Tensor)
+                or tokens.dim() != 1
+                or tokens.numel() == 0
+                or tokens.dtype.is_floating_point
+                or tokens.dtype == torch.bool
+            ):
+                found = (
+                    (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+                )
                 raise ConfigError(name, found, "a non-empty 1-D integer tensor")
         ids = torch.cat((prompt, completion)).long().unsqueeze(0)  # (1, P+C)
         pads = torch.zeros(1, dtype=torch.long, device=ids.device)
@@ -168,11 +196,15 @@ class RolloutEngine:
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         return logp.gather(-1, completion.long().unsqueeze(-1)).squeeze(-1)
 
-    def logits(self, served: ServedWeights, ids: torch.Tensor, pads: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def logits(
+        self, served: ServedWeights, ids: torch.Tensor, pads: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
         """The decoder's logits for ``ids`` at ``served`` (NOTE [KV-cached decoding] Rule 3)."""
         self.columns_run += ids.numel()
         weights = served.tensors if served.lora is None else {}
-        adapter = nullcontext() if served.lora is None else attach_lora(self._decoder.decoder, served.lora, served.tensors)
+        adapter = (
+            nullcontext() if served.lora is None else attach_lora(self._decoder.decoder, served.lora, served.tensors)
+        )
         with torch.no_grad(), adapter:
             logits: torch.Tensor = functional_call(self._decoder, dict(weights), (ids, pads, cache))
         return logits
@@ -187,8 +219,15 @@ class RolloutEngine:
 class Generation:
     """Prompts being completed by one engine, a token per row per :meth:`step`."""
 
-    def __init__(self, engine: RolloutEngine, ids: torch.Tensor, pads: torch.Tensor, max_new_tokens: int,
-                 options: tuple[float, int | None, float | None], generator: torch.Generator | None) -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        ids: torch.Tensor,
+        pads: torch.Tensor,
+        max_new_tokens: int,
+        options: tuple[float, int | None, float | None],
+        generator: torch.Generator | None,
+    ) -> None:
         self._engine, self._ids, self._pads, self._prompt_width = engine, ids, pads, ids.shape[1]
         self.max_new_tokens, self._options, self._generator = max_new_tokens, options, generator
         self._logprobs: list[torch.Tensor] = []
@@ -253,17 +292,26 @@ class Generation:
     def samples(self) -> list[Sample]:
         """One :class:`Sample` per prompt (real tokens only); ``version`` is the oldest token's."""
         if not self.done or self.cancelled:
-            raise ConfigError("samples", f"{len(self._versions)} of {self.max_new_tokens} tokens drawn",
-                              "a finished generation", "step until done")
+            raise ConfigError(
+                "samples",
+                f"{len(self._versions)} of {self.max_new_tokens} tokens drawn",
+                "a finished generation",
+                "step until done",
+            )
         behaviour = torch.cat(self._logprobs, dim=1)  # (B, C)
         revisions = torch.tensor([v.revision for v in self._versions], dtype=torch.long, device=self._ids.device)
         generations = torch.tensor([v.generation for v in self._versions], dtype=torch.long, device=self._ids.device)
         completions = self._ids[:, self._prompt_width :]
         pads = self._pads.tolist()
         return [
-            Sample(prompt=self._ids[b, pads[b] : self._prompt_width].clone(), completion=completions[b].clone(),
-                   behaviour_logprobs=behaviour[b].clone(), version=self._versions[0],
-                   behaviour_revisions=revisions.clone(), behaviour_generations=generations.clone())
+            Sample(
+                prompt=self._ids[b, pads[b] : self._prompt_width].clone(),
+                completion=completions[b].clone(),
+                behaviour_logprobs=behaviour[b].clone(),
+                version=self._versions[0],
+                behaviour_revisions=revisions.clone(),
+                behaviour_generations=generations.clone(),
+            )
             for b in range(completions.shape[0])
         ]
 
@@ -272,11 +320,17 @@ def _check_token_range(ids: torch.Tensor, vocab_size: int) -> None:
     """``ConfigError`` unless every prompt token is an id of the model's vocabulary (one host read)."""
     low, high = (int(v) for v in torch.stack((ids.min(), ids.max())).tolist())
     if low < 0 or high >= vocab_size:
-        raise ConfigError("prompts", f"token ids from {low} to {high}", f"token ids in [0, {vocab_size})",
-                          "map the prompt through the model's tokenizer (ModelConfig.vocab_size)")
+        raise ConfigError(
+            "prompts",
+            f"token ids from {low} to {high}",
+            f"token ids in [0, {vocab_size})",
+            "map the prompt through the model's tokenizer (ModelConfig.vocab_size)",
+        )
 
 
-def _left_padded(prompts: torch.Tensor | Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_padded(
+    prompts: torch.Tensor | Sequence[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids (B, P), pads (B,))``: prompts of any lengths left-padded with token 0 (NOTE [KV-cached decoding] Rule 1)."""
     if not isinstance(prompts, (list, tuple)):
         ids = prompt_batch(prompts).to(device)

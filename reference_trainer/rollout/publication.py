@@ -87,14 +87,18 @@ def publication_of(checkpoint: Checkpoint) -> WeightPublication:
     return WeightPublication(version=checkpoint.version, tensors=tensors, lora=checkpoint.lora_config)
 
 
-def check_newer(publication: WeightPublication, live: CheckpointVersion | None,
-                expected: CheckpointVersion | None) -> None:
+def check_newer(
+    publication: WeightPublication, live: CheckpointVersion | None, expected: CheckpointVersion | None
+) -> None:
     """Rule 3: raise ``VersionConflictError`` unless ``publication`` may replace ``live``."""
     version = publication.version
     if expected is not None and expected != live:
         raise VersionConflictError(
             f"publication of {version}: expected the engine to serve {expected}, found {live}; "
-            "read engine.version and publish again", version=version, live=live)
+            "read engine.version and publish again",
+            version=version,
+            live=live,
+        )
     if live is None:
         return
     newer = version.name == live.name and (version.generation, version.revision) > (live.generation, live.revision)
@@ -102,7 +106,9 @@ def check_newer(publication: WeightPublication, live: CheckpointVersion | None,
         raise VersionConflictError(
             f"publication of {version}: expected a newer version of checkpoint {live.name!r} than {live} "
             "(a larger (generation, revision)), found an older, equal or other checkpoint's; publish after a step",
-            version=version, live=live)
+            version=version,
+            live=live,
+        )
 
 
 def _expected_shapes(model: DecoderLM, lora: LoRAConfig | None) -> dict[str, tuple[int, ...]]:
@@ -116,11 +122,15 @@ def stage(publication: WeightPublication, model: DecoderLM, dtype: torch.dtype) 
     version = publication.version
     expected = _expected_shapes(model, publication.lora)
     if set(publication.tensors) != set(expected):
-        missing, extra = sorted(set(expected) - set(publication.tensors)), sorted(set(publication.tensors) - set(expected))
+        missing, extra = (
+            sorted(set(expected) - set(publication.tensors)),
+            sorted(set(publication.tensors) - set(expected)),
+        )
         raise PublicationError(
             f"publication of {version}: expected the tensors the engine's model takes, found {len(missing)} missing "
             f"{missing[:3]} and {len(extra)} unexpected {extra[:3]}; publish a checkpoint of the engine's base model",
-            version=version)
+            version=version,
+        )
     device = model.lm_head.weight.device
     prefix = "" if publication.lora is not None else "decoder."
     staged: dict[str, torch.Tensor] = {}
@@ -129,18 +139,26 @@ def stage(publication: WeightPublication, model: DecoderLM, dtype: torch.dtype) 
         if tuple(tensor.shape) != expected[name] or not tensor.dtype.is_floating_point:
             raise PublicationError(
                 f"publication of {version}: tensor {name!r} expected a floating tensor of shape {expected[name]}, "
-                f"found {tensor.dtype} {tuple(tensor.shape)}; nothing was applied", version=version, tensor=name)
+                f"found {tensor.dtype} {tuple(tensor.shape)}; nothing was applied",
+                version=version,
+                tensor=name,
+            )
         try:
             seams.maybe_fail("weight_publication", index)
             copy = tensor.detach().to(device=device, dtype=dtype, copy=True)
         except Exception as exc:
-            raise PublicationError(f"publication of {version} failed at tensor {index} ({name!r}): {exc}; "
-                                   "nothing was applied, the engine serves what it served", version=version,
-                                   tensor=name) from exc
+            raise PublicationError(
+                f"publication of {version} failed at tensor {index} ({name!r}): {exc}; "
+                "nothing was applied, the engine serves what it served",
+                version=version,
+                tensor=name,
+            ) from exc
         if not bool(torch.isfinite(copy).all()):
             raise PublicationError(
                 f"publication of {version}: tensor {name!r} expected finite values in {dtype}, found "
-                f"non-finite ones; nothing was applied", version=version, tensor=name)
+                f"non-finite ones; nothing was applied",
+                version=version,
+                tensor=name,
+            )
         staged[prefix + name] = copy
     return ServedWeights(version=version, tensors=staged, lora=publication.lora)
-

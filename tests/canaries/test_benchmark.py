@@ -15,9 +15,9 @@ import torch
 import reference_trainer as rt
 from canaries.benchmark import canary as benchmark
 from canaries.benchmark import profiling
-from canaries.registry import canary
 from canaries.benchmark.arms import TimedWorkload, device_clock, plain_arm, versioned_arm
 from canaries.cli import main
+from canaries.registry import canary
 from tests.benchmark_fakes import FAKE_PAUSES, TINY, FakeMachine, FakeMeter, FakeProbe, fake_pauses, run_fake, tiny_plan
 from validation import history
 from validation.evidence import source_fingerprint, verify
@@ -80,7 +80,9 @@ def test_a_tie_passes_and_every_arm_is_measured(tmp_path: Path, tiny: None) -> N
     assert record["passed"] and set(group["arms"]) == {"plain", "retain@s0", "replay@s0", "offload@s2"}
     assert group["profile"] is None and group["traces"] == {}  # tiny_plan profiles no blocks; no traces folder asked
     for measured in group["arms"].values():
-        assert measured["peak_bytes"] > 0 and measured["tokens_per_second"] == pytest.approx(4 / measured["step_seconds"])
+        assert measured["peak_bytes"] > 0 and measured["tokens_per_second"] == pytest.approx(
+            4 / measured["step_seconds"]
+        )
     assert group["arms"]["retain@s0"]["held_device_bytes"] > group["arms"]["replay@s0"]["held_device_bytes"] > 0
 
 
@@ -88,21 +90,36 @@ def test_enforced_gates_fail_on_a_retain_regression_and_a_replay_beyond_its_floo
     # retain 1.5x plain: a regression. replay 4.5x plain = 3x retain, beyond any floor 1 + F/(F+B) <= 2.
     record = run_fake(tmp_path, {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}, real_steps=3)
     failed = sorted(name for name, ok in record["checks"].items() if not ok)
-    assert failed == ["tiny 1x4 full: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±5% gate)",
-                      "tiny 1x4 full: retain@s0 vs plain is not a regression (±5% gate)"]
+    assert failed == [
+        "tiny 1x4 full: replay@s0 vs its floor 1 + F/(F+B) is not a regression (±5% gate)",
+        "tiny 1x4 full: retain@s0 vs plain is not a regression (±5% gate)",
+    ]
     assert not record["passed"]
 
 
-@pytest.mark.parametrize(("argv", "costs", "code"), [
-    ([], {"retain@s0": 1.0}, 0),
-    (["--target", "0.5"], {"retain@s0": 1.0}, 1),  # a target that cannot be met
-    (["--gate", "2"], {}, 2),
-])
-def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch,
-                              capsys: pytest.CaptureFixture, argv: list[str], costs: dict, code: int) -> None:
+@pytest.mark.parametrize(
+    ("argv", "costs", "code"),
+    [
+        ([], {"retain@s0": 1.0}, 0),
+        (["--target", "0.5"], {"retain@s0": 1.0}, 1),  # a target that cannot be met
+        (["--gate", "2"], {}, 2),
+    ],
+)
+def test_rtv_bench_exit_codes(
+    tmp_path: Path,
+    tiny: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    argv: list[str],
+    costs: dict,
+    code: int,
+) -> None:
     machine = FakeMachine(costs, real_steps=3)
-    monkeypatch.setattr(benchmark, "measure", functools.partial(
-        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(
+        benchmark,
+        "measure",
+        functools.partial(benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build),
+    )
     with pytest.raises(SystemExit) if code == 2 else _no_raise() as exit_info:
         assert main(["bench", "--profile", "quick", "--out", str(tmp_path), *argv]) == code
     if code == 2:
@@ -120,11 +137,15 @@ def test_rtv_bench_exit_codes(tmp_path: Path, tiny: None, monkeypatch: pytest.Mo
 
 
 @pytest.mark.slow  # a second rtv bench and a history page (about 1.5 s); the history is tested alone in tests/validation/test_history.py
-def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(tmp_path: Path, tiny: None,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rtv_bench_appends_to_the_history_and_rtv_history_renders_it(
+    tmp_path: Path, tiny: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
-    monkeypatch.setattr(benchmark, "measure", functools.partial(
-        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(
+        benchmark,
+        "measure",
+        functools.partial(benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build),
+    )
     for _ in range(2):
         assert main(["bench", "--profile", "quick", "--out", str(tmp_path)]) == 0
     table = history.load(tmp_path / "history.sqlite")
@@ -179,7 +200,8 @@ def test_clock_readings_of_cuda_work_wait_for_the_device_first() -> None:
 
 @pytest.mark.slow  # profiles blocks with torch.profiler (about 3 s); the profile table is drawn from a fake in tests/reports
 def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_it_and_its_table(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from reports import render_report
 
     monkeypatch.setattr(benchmark, "plan", functools.partial(tiny_plan, profiled_blocks=3))
@@ -218,7 +240,8 @@ def test_rtv_bench_keeps_the_median_profiled_blocks_trace_and_the_report_links_i
 
 @pytest.mark.parametrize(("others", "passed"), [(1.6, True), (0.1, False)])
 def test_a_loaded_machine_makes_the_gates_inconclusive_loaded_an_idle_one_still_fails_them(
-        tmp_path: Path, tiny: None, others: float, passed: bool) -> None:
+    tmp_path: Path, tiny: None, others: float, passed: bool
+) -> None:
     """The same 1.5x retain and 4.5x replay costs: loaded, the gates cannot decide (skips, no failure); idle, they fail."""
     costs = {"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}
     record = run_fake(tmp_path, costs, real_steps=3, meter=FakeMeter(idle=others), target=1.03)

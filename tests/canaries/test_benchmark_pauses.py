@@ -22,10 +22,10 @@ import pytest
 import scipy.stats as sps
 
 import reference_trainer as rt
-from tests.benchmark_fakes import TINY, FakeProbe
 from canaries.benchmark import pauses
 from canaries.benchmark.pauses import PAUSE_ARMS, measure_pauses, saved_bytes
 from reports.benchmark import _pauses_table, pause_line
+from tests.benchmark_fakes import TINY, FakeProbe
 from validation import stats
 from validation.abba import Comparison, run_block
 from validation.trainers import trainer_with_policy
@@ -34,11 +34,22 @@ from validation.trainers import trainer_with_policy
 def comparison(arm: list[float], step: list[float], loaded: tuple[int, ...], name: str = "save") -> Comparison:
     ratios = tuple(a / s for a, s in zip(arm, step))
     kept = [r for i, r in enumerate(ratios) if i not in loaded]
-    return Comparison(arm=name, baseline="step", gate=0.05, blocks=len(kept),
-                      ratio=float(np.median(kept)) if kept else float("nan"),
-                      ci95=(0.5, 2.0), confidence=0.95, drift=stats.Drift(0.0, 1.0, False), loaded=loaded,
-                      verdict="regression", looks=(len(kept),), ratios=ratios, arm_seconds=tuple(arm),
-                      baseline_seconds=tuple(step))
+    return Comparison(
+        arm=name,
+        baseline="step",
+        gate=0.05,
+        blocks=len(kept),
+        ratio=float(np.median(kept)) if kept else float("nan"),
+        ci95=(0.5, 2.0),
+        confidence=0.95,
+        drift=stats.Drift(0.0, 1.0, False),
+        loaded=loaded,
+        verdict="regression",
+        looks=(len(kept),),
+        ratios=ratios,
+        arm_seconds=tuple(arm),
+        baseline_seconds=tuple(step),
+    )
 
 
 def test_a_pause_is_its_median_seconds_with_the_order_statistic_interval_of_the_unloaded_blocks() -> None:
@@ -84,7 +95,8 @@ def one_block(arms: dict, *, baseline: str, clock, **_) -> list[Comparison]:
 
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_every_publication_reaches_the_one_engine_newer_and_sends_the_checkpoints_tensors(
-        monkeypatch: pytest.MonkeyPatch, lora: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
     published: list[tuple[rt.Trainer, rt.PublicationReport]] = []
     publish = rt.Trainer.publish
 
@@ -124,16 +136,58 @@ def test_every_pause_is_timed_in_the_same_blocks_as_the_step(monkeypatch: pytest
     assert found["bytes"] > 0 and found["published_bytes"] > 0 and found["step_seconds"] == 1.0
 
 
-PAUSES = {"workload": "small 4x64 full", "bytes": 3 * 2**20, "step_seconds": 0.25, "arms": [
-    {"arm": "save", "blocks": 8, "ratio": 0.8, "ratio_ci": [0.7, 0.9], "seconds": 0.2, "seconds_ci": [0.18, 0.22],
-     "extra_seconds": -0.05, "extra_seconds_ci": [-0.07, -0.03], "reading": "measured"},
-    {"arm": "load", "blocks": 8, "ratio": 0.4, "ratio_ci": [0.35, 0.45], "seconds": 0.1, "seconds_ci": [0.09, 0.11],
-     "extra_seconds": -0.15, "extra_seconds_ci": [-0.16, -0.14], "reading": "measured"},
-    {"arm": "offload", "blocks": 8, "ratio": 1.2, "ratio_ci": [1.1, 1.3], "seconds": 0.3, "seconds_ci": [0.28, 0.32],
-     "extra_seconds": 0.05, "extra_seconds_ci": [0.04, 0.06], "reading": "measured"},
-    {"arm": "publish", "blocks": 8, "ratio": 1.1, "ratio_ci": [1.05, 1.15], "seconds": 0.27,
-     "seconds_ci": [0.26, 0.28], "extra_seconds": 0.02, "extra_seconds_ci": [0.01, 0.03], "reading": "measured"},
-], "published_bytes": 3 * 2**19}
+PAUSES = {
+    "workload": "small 4x64 full",
+    "bytes": 3 * 2**20,
+    "step_seconds": 0.25,
+    "arms": [
+        {
+            "arm": "save",
+            "blocks": 8,
+            "ratio": 0.8,
+            "ratio_ci": [0.7, 0.9],
+            "seconds": 0.2,
+            "seconds_ci": [0.18, 0.22],
+            "extra_seconds": -0.05,
+            "extra_seconds_ci": [-0.07, -0.03],
+            "reading": "measured",
+        },
+        {
+            "arm": "load",
+            "blocks": 8,
+            "ratio": 0.4,
+            "ratio_ci": [0.35, 0.45],
+            "seconds": 0.1,
+            "seconds_ci": [0.09, 0.11],
+            "extra_seconds": -0.15,
+            "extra_seconds_ci": [-0.16, -0.14],
+            "reading": "measured",
+        },
+        {
+            "arm": "offload",
+            "blocks": 8,
+            "ratio": 1.2,
+            "ratio_ci": [1.1, 1.3],
+            "seconds": 0.3,
+            "seconds_ci": [0.28, 0.32],
+            "extra_seconds": 0.05,
+            "extra_seconds_ci": [0.04, 0.06],
+            "reading": "measured",
+        },
+        {
+            "arm": "publish",
+            "blocks": 8,
+            "ratio": 1.1,
+            "ratio_ci": [1.05, 1.15],
+            "seconds": 0.27,
+            "seconds_ci": [0.26, 0.28],
+            "extra_seconds": 0.02,
+            "extra_seconds_ci": [0.01, 0.03],
+            "reading": "measured",
+        },
+    ],
+    "published_bytes": 3 * 2**19,
+}
 
 
 def test_the_report_shows_each_pause_with_its_intervals_and_the_bytes_of_a_save_and_a_publication() -> None:
@@ -142,8 +196,12 @@ def test_the_report_shows_each_pause_with_its_intervals_and_the_bytes_of_a_save_
     assert "a load 0.40 [0.35..0.45]" in line and "demoted to offload +0.05 s [0.04..0.06]" in line
     assert "a weight publication +0.02 s [0.01..0.03], sending 1.50 MiB" in line
     table = _pauses_table(PAUSES)
-    assert list(table["pause"]) == ["trainer.save", "Trainer.load", "a forward demoted to offload",
-                                    "trainer.publish (after its step)"]
+    assert list(table["pause"]) == [
+        "trainer.save",
+        "Trainer.load",
+        "a forward demoted to offload",
+        "trainer.publish (after its step)",
+    ]
     assert list(table["bytes written"]) == [3 * 2**20, "n/a", "n/a", "n/a"]
     assert list(table["bytes sent"]) == ["n/a", "n/a", "n/a", 3 * 2**19]
     assert table.loc[0, "seconds CI"] == "[0.18, 0.22]" and table.loc[2, "× step CI"] == "[1.100, 1.300]"

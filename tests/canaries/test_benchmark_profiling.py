@@ -29,38 +29,58 @@ def _event(name: str, cat: str, ts: float, dur: float, tid: int = 1) -> dict:
 #   trainer.py frame [70, 90) holds grad_norms.py [75, 83)              -> bookkeeping 12, gradient_norm 8
 #   Optimizer.step annotation [90, 95)                                  -> optimizer 5
 #   the step range's own gaps [95, 100)                                 -> other 5
-SYNTHETIC = {"traceEvents": [
-    {"ph": "M", "name": "process_name", "pid": 7, "args": {}},
-    _event("rtv bench step: plain", "user_annotation", 1000, 100),
-    _event("reference_trainer/model.py(10): forward", "python_function", 1000, 30),
-    _event("aten::mm", "cpu_op", 1005, 20),
-    _event("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 1030, 40),
-    _event("reference_trainer/ledger.py(127): _unpack", "python_function", 1040, 10),
-    _event("aten::clone", "cpu_op", 1042, 4),
-    _event("reference_trainer/trainer.py(300): backward", "python_function", 1070, 20),
-    _event("reference_trainer/grad_norms.py(40): total_norm", "python_function", 1075, 8),
-    _event("Optimizer.step#AdamW.step", "user_annotation", 1090, 5),
-    _event("aten::mm", "cpu_op", 900, 50),  # before the step: not counted
-    _event("aten::mm", "cpu_op", 1010, 50, tid=2),  # another thread: not counted
-    _event("gemm_kernel", "kernel", 1010, 30),  # a device kernel: host time only
-]}
-EXPECTED_US = {"saved_tensor_hooks": 10, "gradient_norm": 8, "bookkeeping": 12, "model_forward": 30,
-               "backward_operators": 30, "optimizer": 5, "other": 5}
+SYNTHETIC = {
+    "traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {}},
+        _event("rtv bench step: plain", "user_annotation", 1000, 100),
+        _event("reference_trainer/model.py(10): forward", "python_function", 1000, 30),
+        _event("aten::mm", "cpu_op", 1005, 20),
+        _event("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 1030, 40),
+        _event("reference_trainer/ledger.py(127): _unpack", "python_function", 1040, 10),
+        _event("aten::clone", "cpu_op", 1042, 4),
+        _event("reference_trainer/trainer.py(300): backward", "python_function", 1070, 20),
+        _event("reference_trainer/grad_norms.py(40): total_norm", "python_function", 1075, 8),
+        _event("Optimizer.step#AdamW.step", "user_annotation", 1090, 5),
+        _event("aten::mm", "cpu_op", 900, 50),  # before the step: not counted
+        _event("aten::mm", "cpu_op", 1010, 50, tid=2),  # another thread: not counted
+        _event("gemm_kernel", "kernel", 1010, 30),  # a device kernel: host time only
+    ]
+}
+EXPECTED_US = {
+    "saved_tensor_hooks": 10,
+    "gradient_norm": 8,
+    "bookkeeping": 12,
+    "model_forward": 30,
+    "backward_operators": 30,
+    "optimizer": 5,
+    "other": 5,
+}
 
 
-@pytest.mark.parametrize("root", ["", "/home/u/clone/", "/venv/lib/python3.11/site-packages/"],
-                         ids=["relative (pytest)", "absolute (installed rtv)", "site-packages"])
+@pytest.mark.parametrize(
+    "root",
+    ["", "/home/u/clone/", "/venv/lib/python3.11/site-packages/"],
+    ids=["relative (pytest)", "absolute (installed rtv)", "site-packages"],
+)
 def test_a_synthetic_trace_splits_into_its_components_by_the_innermost_named_frame(root: str) -> None:
-    trace = {"traceEvents": [{**e, "name": root + e["name"]} if e.get("cat") == "python_function" else e
-                             for e in SYNTHETIC["traceEvents"]]}  # the file names a code object carries
+    trace = {
+        "traceEvents": [
+            {**e, "name": root + e["name"]} if e.get("cat") == "python_function" else e
+            for e in SYNTHETIC["traceEvents"]
+        ]
+    }  # the file names a code object carries
     seconds, split = profiling.components(trace, "plain")
     assert seconds == pytest.approx(100e-6)
     assert split == pytest.approx({name: us * 1e-6 for name, us in EXPECTED_US.items()})
     assert list(split) == list(profiling.COMPONENTS) and sum(split.values()) == pytest.approx(seconds)
     with pytest.raises(ValueError, match="expected one 'rtv bench step: retain@s0' range"):
         profiling.components(trace, "retain@s0")
-    foreign = {"traceEvents": [{**e, "name": e["name"].replace("reference_trainer/", "other_reference_trainer/")}
-                               for e in trace["traceEvents"]]}  # another package of a similar name: not ours
+    foreign = {
+        "traceEvents": [
+            {**e, "name": e["name"].replace("reference_trainer/", "other_reference_trainer/")}
+            for e in trace["traceEvents"]
+        ]
+    }  # another package of a similar name: not ours
     assert profiling.components(foreign, "plain")[1]["saved_tensor_hooks"] == 0
 
 
@@ -83,7 +103,8 @@ def test_paired_differences_get_a_t_interval_and_a_saving_is_never_a_negative_co
 
 
 def test_the_profiled_blocks_alternate_the_arms_after_a_warm_up_and_keep_the_median_blocks_trace(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``torch.profiler`` faked by synthetic traces of scripted durations (µs): the median block is known."""
     scripted = {"plain": [999, 300, 100, 200], "retain@s0": [999, 250, 450, 350]}  # a warm-up, then 3 blocks
     calls: list[str] = []
@@ -91,8 +112,12 @@ def test_the_profiled_blocks_alternate_the_arms_after_a_warm_up_and_keep_the_med
     def fake_step(arm: TimedArm, name: str, path: Path) -> dict:
         arm()
         us = scripted[name][sum(call == name for call in calls) - 1]
-        trace = {"traceEvents": [_event(f"rtv bench step: {name}", "user_annotation", 0, us),
-                                 _event("reference_trainer/ledger.py(70): _pack", "python_function", 0, us / 10)]}
+        trace = {
+            "traceEvents": [
+                _event(f"rtv bench step: {name}", "user_annotation", 0, us),
+                _event("reference_trainer/ledger.py(70): _pack", "python_function", 0, us / 10),
+            ]
+        }
         path.write_text(json.dumps(trace))
         return trace
 
@@ -114,7 +139,8 @@ def test_the_profiled_blocks_alternate_the_arms_after_a_warm_up_and_keep_the_med
 
 
 def test_a_profiled_step_keeps_the_profilers_notices_off_stderr_and_lets_real_messages_through(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Kineto writes ``USDT: ... profiler_start``/``profiler_stop`` to file descriptor 2 per session; what the step
     itself writes there, from C (``os.write``) or Python, still reaches stderr."""
 

@@ -19,7 +19,6 @@ from canaries.cli import main
 from tests.benchmark_fakes import FakeMachine, FakeMeter, FakeProbe, fake_pauses, tiny_plan
 from validation.load import Load, Meter, inconclusive
 
-
 # Known costs (seconds): fixed, per token, per token² (B*T**2), per arm.
 COSTS = {"plain": (2e-3, 1e-5, 0.0), "retain@s0": (3e-3, 1e-5, 0.0), "replay@s0": (2e-3, 1.4e-5, 2e-9)}
 
@@ -46,7 +45,9 @@ class CostClock:
             def run() -> float:
                 self.now += cost * self.factor
                 return 1.0
+
             return run
+
         return {name: arm(name) for name in group.arms}
 
 
@@ -94,8 +95,9 @@ class LoadedBlocks(FakeMeter):
 def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
     """The loaded blocks (3x slower) are most of each shape's blocks: kept in the medians, they would triple the fit."""
     clock = CostClock()
-    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock),
-                         build=clock.build)
+    judged = sweep.measure(
+        "cpu", "default", clock=clock, load_probe=FakeProbe(), meter=LoadedBlocks(clock), build=clock.build
+    )
     fits = judged.measurements["fits"]
     for point in judged.measurements["points"]:
         comparison = point["comparisons"][0]
@@ -106,8 +108,9 @@ def test_blocks_the_load_probe_flagged_are_left_out_of_the_fit() -> None:
 
 def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_passes() -> None:
     clock = CostClock()
-    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
-                         build=clock.build)
+    judged = sweep.measure(
+        "cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6), build=clock.build
+    )
     checks = {c.name: c for c in judged.checks}
     fit = checks["every arm's costs were fitted"]
     assert fit.skipped and fit.detail.startswith("inconclusive (loaded: 4 of 4 shapes fully loaded (32 of 32 blocks")
@@ -116,10 +119,16 @@ def test_a_sweep_whose_shapes_were_all_loaded_skips_its_fit_as_loaded_and_still_
 
 
 def test_rtv_bench_on_a_loaded_machine_exits_0_and_prints_the_skip_with_the_load(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     clock = CostClock()
-    monkeypatch.setattr(sweep, "measure", functools.partial(sweep.measure, clock=clock, load_probe=FakeProbe(),
-                                                          meter=FakeMeter(idle=1.6), build=clock.build))
+    monkeypatch.setattr(
+        sweep,
+        "measure",
+        functools.partial(
+            sweep.measure, clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6), build=clock.build
+        ),
+    )
     assert main(["bench", "--sweep", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "SKIP  every arm's costs were fitted: inconclusive (loaded: 4 of 4 shapes fully loaded" in out
@@ -134,8 +143,9 @@ def test_a_sweep_whose_arms_disagree_on_the_first_loss_fails_whatever_the_load()
         arms["retain@s0"] = lambda: 2.0
         return arms
 
-    judged = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6),
-                         build=unlike)
+    judged = sweep.measure(
+        "cpu", "default", clock=clock, load_probe=FakeProbe(), meter=FakeMeter(idle=1.6), build=unlike
+    )
     assert not judged.checks.passed
 
 
@@ -154,8 +164,9 @@ def test_noisy_costs_leave_residuals_and_a_fit_near_the_truth() -> None:
 
 def _fake_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = CostClock()
-    monkeypatch.setattr(sweep, "measure", functools.partial(sweep.measure, clock=clock, load_probe=FakeProbe(),
-                                                          build=clock.build))
+    monkeypatch.setattr(
+        sweep, "measure", functools.partial(sweep.measure, clock=clock, load_probe=FakeProbe(), build=clock.build)
+    )
 
 
 def _records(folder: Path) -> dict[str, dict]:
@@ -171,14 +182,18 @@ def test_rtv_bench_sweep_runs_only_the_sweep(tmp_path: Path, monkeypatch: pytest
 
 @pytest.mark.slow  # a benchmark and a sweep (about 1 s); the sweep alone runs by default
 def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit_with_residuals_and_the_plot(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """``--profile quick`` runs no sweep: test_benchmark.py's exit-code test finds exactly one record there."""
     _fake_sweep(monkeypatch)
     machine = FakeMachine({"retain@s0": 1.0}, real_steps=3)
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
     fake_pauses(monkeypatch)
-    monkeypatch.setattr(benchmark, "measure", functools.partial(
-        benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build))
+    monkeypatch.setattr(
+        benchmark,
+        "measure",
+        functools.partial(benchmark.measure, clock=machine.clock, load_probe=FakeProbe(), build=machine.build),
+    )
     assert main(["bench", "--profile", "default", "--out", str(tmp_path)]) == 0
     records = _records(tmp_path)
     assert set(records) == {"benchmark", "benchmark-sweep"}
@@ -194,7 +209,8 @@ def test_rtv_bench_default_runs_the_benchmark_then_the_sweep_and_reports_the_fit
 def test_the_cpu_nightly_grid_is_64_to_1024_tokens_by_batch_1_4_8_for_every_placement_and_staleness() -> None:
     nightly = sweep.plan("cpu", "nightly")
     assert sorted({(w.sequences, w.seq_len) for w in nightly.workloads}) == [
-        (b, t) for b in (1, 4, 8) for t in (64, 128, 256, 512, 1024)]
+        (b, t) for b in (1, 4, 8) for t in (64, 128, 256, 512, 1024)
+    ]
     assert len(nightly.workloads) == 15 and {w.model for w in nightly.workloads} == {"small"}
     assert sorted(nightly.arms) == sorted(f"{p}@s{s}" for p in ("retain", "offload", "replay") for s in (0, 2))
     default = sweep.plan("cpu", "default")
@@ -206,8 +222,10 @@ def test_the_cpu_nightly_grid_is_64_to_1024_tokens_by_batch_1_4_8_for_every_plac
 @pytest.mark.parametrize("profile", ["quick", "default", "nightly"])
 def test_a_gpu_preset_sweeps_4x_1k_2k_4k_on_its_model_like_the_seed(preset: str, model: str, profile: str) -> None:
     planned = sweep.plan(preset, profile, cuda=True)
-    expected = [TimedWorkload(model=model, sequences=4, seq_len=t, lora=True, dtype="bfloat16", device="cuda")
-                for t in (1024, 2048, 4096)]
+    expected = [
+        TimedWorkload(model=model, sequences=4, seq_len=t, lora=True, dtype="bfloat16", device="cuda")
+        for t in (1024, 2048, 4096)
+    ]
     assert list(planned.workloads) == expected and not planned.swapped
     swapped = sweep.plan(preset, profile, cuda=False)  # no CUDA: the same code path on tiny CPU shapes, said so
     assert swapped.swapped and {w.device for w in swapped.workloads} == {"cpu"} and swapped.arms == planned.arms
@@ -275,16 +293,19 @@ def within_bound(name: str, seconds: float, bound: float, reading: Load) -> None
     assert seconds <= bound, f"{name}: {seconds:.3f} s > {bound:.3f} s ({reading})"
 
 
-@pytest.mark.parametrize(("seconds", "others", "outcome"), [(0.088, 1.4, "skipped"), (0.088, 0.1, "failed"),
-                                                            (0.050, 1.4, "passed")])
+@pytest.mark.parametrize(
+    ("seconds", "others", "outcome"), [(0.088, 1.4, "skipped"), (0.088, 0.1, "failed"), (0.050, 1.4, "passed")]
+)
 def test_a_step_over_its_bound_is_inconclusive_loaded_on_a_busy_machine_and_a_failure_on_an_idle_one(
-        seconds: float, others: float, outcome: str) -> None:
+    seconds: float, others: float, outcome: str
+) -> None:
     reading = Load(others, 2, 0.5, "fake")
     try:
         within_bound("plain at small 4x32", seconds, 0.065, reading)
     except pytest.skip.Exception as skipped:
         assert outcome == "skipped" and str(skipped).startswith(
-            "plain at small 4x32: 0.088 s > 0.065 s, inconclusive (loaded: 1.40 of 2 cores")
+            "plain at small 4x32: 0.088 s > 0.065 s, inconclusive (loaded: 1.40 of 2 cores"
+        )
     except AssertionError:
         assert outcome == "failed"
     else:

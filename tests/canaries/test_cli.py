@@ -52,8 +52,9 @@ class FakeCanaries:
             self.threads.append(torch.get_num_threads())
             if name in self.raising:
                 raise RuntimeError(f"{name} blew up")
-            return Judged(f"{name}-fake", {"preset": run.preset.name},
-                          Checks.of({f"{name} ok": name not in self.failing}), {})
+            return Judged(
+                f"{name}-fake", {"preset": run.preset.name}, Checks.of({f"{name} ok": name not in self.failing}), {}
+            )
 
         return judge
 
@@ -96,7 +97,9 @@ def test_run_writes_every_record_and_a_report_and_passes(
         assert f"PASS  {check}" in stdout
     report = run_dir / "report" / "index.md"
     assert f"**PASSED**: {1 + len(REAL)} records" in report.read_text() and (run_dir / "report" / "index.html").exists()
-    assert f"report: {report.with_suffix('.html')}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
+    assert (
+        f"report: {report.with_suffix('.html')}" in stdout and f"rtv run: PASSED; everything is in {run_dir}" in stdout
+    )
 
 
 @pytest.mark.slow  # the memory canary whole on a second preset (about 1 s)
@@ -150,7 +153,9 @@ def test_injected_failure_fails_the_run(
 
     (smoke,) = only_run_dir(tmp_path).glob("smoke-*.json")
     record = verify(smoke)
-    assert record["passed"] is False and [n for n, ok in record["checks"].items() if not ok] == ["frozen base gets no gradient"]
+    assert record["passed"] is False and [n for n, ok in record["checks"].items() if not ok] == [
+        "frozen base gets no gradient"
+    ]
     stdout = capsys.readouterr().out
     assert "FAIL  frozen base gets no gradient" in stdout and "FAIL  smoke" in stdout
 
@@ -180,8 +185,10 @@ def test_report_command_renders_a_folder_and_refuses_a_missing_one(
     assert f"wrote {page}" in capsys.readouterr().out
     assert main(["report", "--in", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"rtv report: {tmp_path / 'nowhere'} is not a folder of evidence",
-                   "fix: pass --in DIR, a folder of records"]
+    assert err == [
+        f"rtv report: {tmp_path / 'nowhere'} is not a folder of evidence",
+        "fix: pass --in DIR, a folder of records",
+    ]
 
 
 def test_help_lists_every_subcommand_and_every_registered_canary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,11 +241,17 @@ def test_preset_choices_match_the_presets() -> None:
 
 @pytest.mark.parametrize("gate", [False, True])
 def test_a_shown_verdict_fails_the_run_only_under_gate(
-    gate: bool, tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch,
+    gate: bool,
+    tmp_path: Path,
+    fakes: FakeCanaries,
+    quick_smoke: None,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     shown = CANARIES["benchmark"]
-    monkeypatch.setitem(CANARIES, "benchmark", Canary(name="benchmark", module=shown.module, summary="", enforced=False))
+    monkeypatch.setitem(
+        CANARIES, "benchmark", Canary(name="benchmark", module=shown.module, summary="", enforced=False)
+    )
     fakes.failing.add("benchmark")
     assert main(["run", "--out", str(tmp_path), *(["--gate"] if gate else [])]) == (1 if gate else 0)
     stdout = capsys.readouterr().out
@@ -246,7 +259,9 @@ def test_a_shown_verdict_fails_the_run_only_under_gate(
 
 
 # "gpu" alone is a marker; the gpu preset's run is the same path (nightly, to keep make test within its minute)
-@pytest.mark.parametrize("preset", ["cpu", pytest.param("gpu", marks=pytest.mark.slow)], ids=["preset-cpu", "preset-gpu"])
+@pytest.mark.parametrize(
+    "preset", ["cpu", pytest.param("gpu", marks=pytest.mark.slow)], ids=["preset-cpu", "preset-gpu"]
+)
 def test_a_mutation_left_in_fails_the_run_and_tops_the_report_with_its_reason(
     preset: str, tmp_path: Path, quick_smoke: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -287,7 +302,10 @@ def test_an_unknown_mutation_is_a_setup_error(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
-    tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fakes: FakeCanaries,
+    quick_smoke: None,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import errno
@@ -307,8 +325,9 @@ def test_a_full_disk_while_writing_evidence_exits_2_with_the_fix(
     assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob(".*.tmp")), "nothing half-written is left"
 
 
-@pytest.mark.parametrize("command", [["canary", "memory", "--profile", "quick"],
-                                     pytest.param(["run"], marks=pytest.mark.slow)])  # the run: ~15 s (a report)
+@pytest.mark.parametrize(
+    "command", [["canary", "memory", "--profile", "quick"], pytest.param(["run"], marks=pytest.mark.slow)]
+)  # the run: ~15 s (a report)
 def test_under_torchrun_the_request_carries_the_worlds_process_count(
     command: list[str], tmp_path: Path, fakes: FakeCanaries, quick_smoke: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

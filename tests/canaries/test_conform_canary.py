@@ -39,8 +39,9 @@ def test_processes_is_left_out_on_quick_and_inside_a_torchrun_world(monkeypatch:
     assert canary._left_out("default") is None
 
 
-def test_the_record_fails_when_the_negative_control_does_not_fire(cheap: None, monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path) -> None:
+def test_the_record_fails_when_the_negative_control_does_not_fire(
+    cheap: None, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
     monkeypatch.setattr(canary, "NEGATIVE_CONTROLS", {"naive-async": "splits"})  # a check it passes
     record = verify(CANARIES["conform"].record("cpu", canary.judge(canary_run("cpu", "quick")), tmp_path))
     assert not record["passed"]
@@ -54,6 +55,12 @@ def test_the_reference_passes_and_naive_async_fails_stale_on_the_quick_profile(t
     record = verify(CANARIES["conform"].record("cpu", canary.judge(canary_run("cpu", "quick")), tmp_path))
     assert record["passed"], record["details"]
     assert {name for name, ok in record["checks"].items() if ok} == {
-        "reference sync", "reference stale", "reference splits", "reference resume", "naive-async sync",
-        "naive-async stale fails (negative control)", "naive-async splits"}
+        "reference sync",
+        "reference stale",
+        "reference splits",
+        "reference resume",
+        "naive-async sync",
+        "naive-async stale fails (negative control)",
+        "naive-async splits",
+    }
     assert record["skips"]["reference processes"].startswith("not run on the quick profile")

@@ -18,14 +18,14 @@ from hypothesis import settings
 
 import reference_trainer as rt
 from canaries.derivative import canary as derivative
+from canaries.derivative import scenarios as derivative_scenarios
 from canaries.derivative.intersections import INTERSECTIONS
 from canaries.derivative.machine import explore
-from canaries.derivative import scenarios as derivative_scenarios
-from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation, run_scenario
 from canaries.derivative.oracle_pair import FAULTS, TOLERANCES, build_trainer, sequences
+from canaries.derivative.scenarios import SCENARIOS, check_logical_normalisation, run_scenario
 from canaries.presets import preset
-from canaries.request import canary_run
 from canaries.registry import canary
+from canaries.request import canary_run
 from reference_trainer import staging as staging_module
 from validation.errors import SetupError
 from validation.evidence import verify
@@ -36,8 +36,12 @@ from validation.trainers import trainer_with_policy
 
 # The checks a passing quick run records beside the exploration's: the fixed scenarios and every
 # intersection check (NOTE [Intersection checks]).
-FIXED = ["logical_global_normalisation", *(f"scenario:{n}" for n in SCENARIOS), "scenario:stale_grid[full]",
-         *INTERSECTIONS]
+FIXED = [
+    "logical_global_normalisation",
+    *(f"scenario:{n}" for n in SCENARIOS),
+    "scenario:stale_grid[full]",
+    *INTERSECTIONS,
+]
 
 
 @pytest.mark.slow  # the whole quick profile (about 5 s); each scenario passes in the default run, and rtv run runs the profile
@@ -46,15 +50,21 @@ def test_quick_profile_passes_and_writes_valid_evidence(tmp_path: Path, capsys: 
 
     record = verify(path)
     assert record["kind"] == "derivative-canary" and record["passed"] is True
-    assert set(record["checks"]) == {*FIXED, "state_machine", derivative.BACKPROPAGATING_CHECK, derivative.COVERAGE_CHECK}
+    assert set(record["checks"]) == {
+        *FIXED,
+        "state_machine",
+        derivative.BACKPROPAGATING_CHECK,
+        derivative.COVERAGE_CHECK,
+    }
     m = record["measurements"]
     # Non-vacuous: the run compared real gradients, stale ones, corrected ones, and predicted errors.
     assert m["examples"] >= 3 and m["backwards"] >= 50 and m["optimizer_steps"] >= 20
     assert m["examples_backpropagated"] >= 0.9 * m["examples"]
     assert m["corrected_records"] > 0 and m["errors_predicted_and_matched"] > 0
     # Stale records are most of what was judged, and every claimed cell holds some (counted independently here).
-    cells = {(c["staleness"], c["placement"], c["corrected"], c["checkpoint"], c["level"]): c["records"]
-             for c in m["cells"]}
+    cells = {
+        (c["staleness"], c["placement"], c["corrected"], c["checkpoint"], c["level"]): c["records"] for c in m["cells"]
+    }
     assert sum(cells.values()) == m["records_checked"]
     stale = sum(n for (staleness, *_), n in cells.items() if staleness > 0)
     assert stale == m["stale_records_backpropagated"] and stale > m["records_checked"] / 2
@@ -123,9 +133,14 @@ def test_each_scenario_passes_and_exercises_what_it_claims(name: str) -> None:
     measured = run_scenario(preset("cpu").on_this_machine(), name)
     stale_cells = {cell for cell, n in measured.cells.items() if cell[0] > 0 and n > 0}
     claims = {
-        "stale_grid": stale_cells == {(s, p, c, "lora", "token" if c else None) for s in (1, 2)
-                                      for p in ("retain", "offload", "replay") for c in (False, True)}
-                      | {(s, "retain", True, "lora", level) for s in (1, 2) for level in ("sequence", "geometric", "average")},
+        "stale_grid": stale_cells
+        == {
+            (s, p, c, "lora", "token" if c else None)
+            for s in (1, 2)
+            for p in ("retain", "offload", "replay")
+            for c in (False, True)
+        }
+        | {(s, "retain", True, "lora", level) for s in (1, 2) for level in ("sequence", "geometric", "average")},
         "stale_exact": measured.stale_records >= 3 and measured.errors_predicted == 2,
         "bounds": measured.errors_predicted == 4,
         "corrections": measured.corrected_records == 1 and measured.stale_records == 2,
@@ -162,9 +177,7 @@ def _run_swapped_gpu_preset(tmp_path: Path, checks: list[str] | None = None) -> 
     assert spawn.call_args.kwargs["backend"] == "gloo"  # a CPU model: gloo even where CUDA exists
     assert record["config"]["preset"]["swapped_for_cpu"] is True
     assert record["config"]["preset"]["model"]["dtype"] == "torch.bfloat16"
-    assert record["skips"] == {
-        "cuda_rng_unchanged_by_backward": "preset swapped to CPU (no CUDA device)"
-    }
+    assert record["skips"] == {"cuda_rng_unchanged_by_backward": "preset swapped to CPU (no CUDA device)"}
     assert record["passed"], record["details"]
     return record
 
@@ -204,8 +217,9 @@ def test_oracle_gradient_matches_the_plain_fp64_reference() -> None:
     def loss(outs: list[torch.Tensor]) -> torch.Tensor:
         return sum((o * a.double()).sum() for o, (_, _, a) in zip(outs, data))
 
-    reference = plain_gradients(trainer.model.config, snapshot_weights(trainer, "policy"), seqs, loss, rng,
-                                dtype=torch.float64)
+    reference = plain_gradients(
+        trainer.model.config, snapshot_weights(trainer, "policy"), seqs, loss, rng, dtype=torch.float64
+    )
     for name, grad in reference.items():
         assert float(grad.abs().max()) > 0, name
         assert relative_error(found[name], grad) < 1e-12, name
@@ -231,10 +245,12 @@ def test_oracle_predicts_staleness_and_changes_nothing() -> None:
 
 def test_oracle_corrects_only_stale_records_with_the_contract_weights() -> None:
     _, oracle = _trainer_and_oracle()
-    (ids, targets, adv), = sequences(7, [5], 64)
+    ((ids, targets, adv),) = sequences(7, [5], 64)
     rng = torch.get_rng_state()
     correction = rt.ImportanceCorrection(clip_low=0.5, clip_high=1.5, policy="always")
-    records = [oracle.forward("policy", [(ids, targets)], rng_state=rng, bound=2, correction=correction) for _ in range(2)]
+    records = [
+        oracle.forward("policy", [(ids, targets)], rng_state=rng, bound=2, correction=correction) for _ in range(2)
+    ]
     forward_logprobs = oracle.logprobs(records[1])[0]
     fresh = oracle.backward([(records[0], 0, adv)])
     assert not fresh.records[0].corrected
@@ -256,7 +272,9 @@ def test_clipping_leaves_grad_the_same_way_for_fp32_and_bf16_checkpoints() -> No
         trainer.backward(-out.target_logprobs.sum())
         before = {n: p.grad.float().norm() for n, p in trainer.checkpoint("policy").named_parameters()}
         assert trainer.optim_step(max_grad_norm=1e-3)["policy"].clipped
-        ratios[dtype] = max(float(p.grad.float().norm() / before[n]) for n, p in trainer.checkpoint("policy").named_parameters())
+        ratios[dtype] = max(
+            float(p.grad.float().norm() / before[n]) for n, p in trainer.checkpoint("policy").named_parameters()
+        )
     assert ratios[torch.float32] == pytest.approx(ratios[torch.bfloat16], rel=1e-2), ratios
 
 
@@ -271,4 +289,3 @@ def test_nproc_sets_the_processes_and_logical_dp_follows() -> None:
     for bad in (0, True, "2"):
         with pytest.raises(SetupError, match="expected a positive int"):
             preset("gpu", processes=bad)
-

@@ -7,11 +7,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from canaries import entry, extras
 
@@ -45,21 +45,33 @@ def _without(tmp_path: Path, package: str) -> dict[str, str]:
     """An environment whose ``import package`` raises what a missing package raises (a stub first on PYTHONPATH)."""
     stub = tmp_path / "stubs" / package
     stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{package}' (test stub)\", "
-                                      f"name={package!r})\n")
+    (stub / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{package}' (test stub)\", name={package!r})\n"
+    )
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent), str(ROOT)]))
 
 
-@pytest.mark.parametrize("package, command", [
-    ("pandas", ["report", "--in", str(ROOT / "tests" / "fixtures" / "evidence"), "--out", "{tmp}/report/index.md"]),
-    ("numpy", ["run", "--out", "{tmp}/out"]),
-    ("tqdm", ["--help"]),
-])
+@pytest.mark.parametrize(
+    "package, command",
+    [
+        ("pandas", ["report", "--in", str(ROOT / "tests" / "fixtures" / "evidence"), "--out", "{tmp}/report/index.md"]),
+        ("numpy", ["run", "--out", "{tmp}/out"]),
+        ("tqdm", ["--help"]),
+    ],
+)
 def test_a_command_without_a_package_of_the_harness_extra_exits_2_naming_the_extra(
-        tmp_path: Path, package: str, command: list[str]) -> None:
+    tmp_path: Path, package: str, command: list[str]
+) -> None:
     argv = [part.format(tmp=tmp_path) for part in command]
-    done = subprocess.run([sys.executable, "-m", "canaries.entry", *argv], env=_without(tmp_path, package),
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "canaries.entry", *argv],
+        env=_without(tmp_path, package),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr
     reason, fix = done.stderr.strip().splitlines()[-2:]
     assert "Traceback" not in done.stderr, done.stderr
@@ -70,6 +82,7 @@ def test_a_command_without_a_package_of_the_harness_extra_exits_2_naming_the_ext
 
 def test_another_import_error_is_not_taken_for_a_missing_extra(monkeypatch) -> None:
     """Only the packages pyproject.toml's extras provide are named; a bug's ImportError keeps its traceback."""
+
     def broken(argv):
         raise ModuleNotFoundError("No module named 'canaries.nowhere'", name="canaries.nowhere")
 
@@ -86,5 +99,7 @@ def test_the_extra_packages_are_what_pyproject_toml_declares() -> None:
     for extra, packages in extras.EXTRA_PACKAGES.items():
         declared = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower() for spec in optional[extra]}
         mapped = {dist.lower() for package in packages for dist in provided_by.get(package, [package])}
-        assert mapped == declared, f"extra {extra!r}: the import names give {sorted(mapped)}, pyproject {sorted(declared)}"
+        assert mapped == declared, (
+            f"extra {extra!r}: the import names give {sorted(mapped)}, pyproject {sorted(declared)}"
+        )
     assert set(extras.EXTRA_PACKAGES) == set(optional) - {"test"}, "every extra rtv may need, not the test runner's"

@@ -17,10 +17,10 @@ import torch
 
 import reference_trainer as rt
 from canaries.derivative import intersections as di
-from canaries.derivative.intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
 from canaries.derivative.gradients import GRADIENT_INTERSECTIONS
-from canaries.memory.intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
+from canaries.derivative.intersections import INTERSECTIONS, REFUSED_CALLS, TrainerState, check_refused_call
 from canaries.derivative.oracle_pair import CanaryFailure
+from canaries.memory.intersections import SCENARIOS, check_checkpoint_budget, check_scenario, held_within_limits
 from canaries.presets import preset
 from validation.trainers import trainer_with_policy
 
@@ -95,8 +95,11 @@ def grad_zeroing_trainer(config: Any, **limits: Any) -> rt.Trainer:
 
 
 def test_a_refused_call_that_changes_grad_fails_its_check() -> None:
-    with pytest.raises(CanaryFailure, match=r"optim_step\(lr=-1\): refused with ConfigError; expected the state "
-                                            r"unchanged, found: \.grad values changed"):
+    with pytest.raises(
+        CanaryFailure,
+        match=r"optim_step\(lr=-1\): refused with ConfigError; expected the state "
+        r"unchanged, found: \.grad values changed",
+    ):
         check_refused_call(CPU, "optim_step(lr=-1)", make=grad_zeroing_trainer)
 
 
@@ -109,8 +112,12 @@ def test_trainer_state_names_every_kind_of_change() -> None:
     kept = busy.trainer.forward(rt.ForwardInput(torch.arange(1, 5)))  # another record, kept pending
     found = " | ".join(before.differences(TrainerState.of(busy.trainer)))
     del kept
-    for phrase in ("the global RNG advanced", ".grad objects replaced", "logical-rank sums changed",
-                   "records or placements changed"):
+    for phrase in (
+        "the global RNG advanced",
+        ".grad objects replaced",
+        "logical-rank sums changed",
+        "records or placements changed",
+    ):
         assert phrase in found, found
 
 
@@ -124,8 +131,10 @@ def test_fp64_check_fails_when_fp64_parameters_round_to_fp32() -> None:
                 p.copy_(p.float().double())  # what stepping through FP32 masters does
         return report
 
-    with mock.patch.object(rt.Trainer, "optim_step", rounding_step), pytest.raises(
-            CanaryFailure, match="expected every parameter bitwise unchanged"):
+    with (
+        mock.patch.object(rt.Trainer, "optim_step", rounding_step),
+        pytest.raises(CanaryFailure, match="expected every parameter bitwise unchanged"),
+    ):
         di.check_fp64_lr0_step(CPU)
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from canaries.learning.canary import QUICK_ARMS, SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.arms import ARMS, arm, run_arm
+from canaries.learning.canary import QUICK_ARMS, SEEDS, judge_plan, plan, tiny_plan
 from canaries.learning.summary import area_under_curve, expected_staleness, ratio_distribution
-from canaries.presets import preset
-from canaries.request import canary_run
 from canaries.learning.workloads import Schedule
+from canaries.presets import preset
 from canaries.registry import CANARIES
+from canaries.request import canary_run
 from validation.errors import SetupError
 from validation.evidence import verify
 
@@ -61,7 +61,12 @@ def test_level_arms_are_shown_with_their_raw_ratios_and_not_enforced(record: dic
     workload = record["measurements"]["workloads"]["next_byte"]
     arms, checks = workload["arms"], record["checks"]
     level = arms["stale2_sequence"]
-    assert (level["level"], level["enforced"], level["group"], level["baseline"]) == ("sequence", False, "levels", "strict")
+    assert (level["level"], level["enforced"], level["group"], level["baseline"]) == (
+        "sequence",
+        False,
+        "levels",
+        "strict",
+    )
     assert {(v["arm"], v["baseline"]) for v in workload["verdicts"]} >= {("stale2_sequence", "strict")}
     assert not any("stale2_sequence meets" in c for c in checks)  # shown, not enforced
     assert "next_byte: stale2_sequence corrected a fraction > 0 of its records" in checks  # records still checked
@@ -81,8 +86,13 @@ def test_ratio_distribution_matches_a_hand_computation() -> None:
     second = {"min": 0.2, "max": 2.0, "mean": 1.0, "quantiles": {0.05: 0.3, 0.5: 0.9, 0.95: 1.8}}
     third = {"min": 0.9, "max": 1.1, "mean": 1.0, "quantiles": {0.05: 0.9, 0.5: 1.05, 0.95: 1.1}}
     pooled = ratio_distribution([first, second, third])
-    assert pooled == {"records": 3, "min": 0.2, "max": 4.0, "mean": pytest.approx(3.5 / 3),
-                      "quantiles": {"0.05": 0.6, "0.5": 1.0, "0.95": 1.8}}  # the median over records, per quantile
+    assert pooled == {
+        "records": 3,
+        "min": 0.2,
+        "max": 4.0,
+        "mean": pytest.approx(3.5 / 3),
+        "quantiles": {"0.05": 0.6, "0.5": 1.0, "0.95": 1.8},
+    }  # the median over records, per quantile
     assert ratio_distribution([]) is None
 
 
@@ -113,7 +123,9 @@ def test_a_workload_already_solved_at_init_fails_the_canary_with_that_reason(tmp
     result = verify(CANARIES["learning"].record("cpu", judge_plan(tiny_plan(success=10.0)), tmp_path))
     workload = result["measurements"]["workloads"]["next_byte"]
     assert not result["passed"]
-    assert result["checks"] == {"next_byte: precondition (untrained model misses held-out loss <= 10.0 nats/byte after 12 steps)": False}
+    assert result["checks"] == {
+        "next_byte: precondition (untrained model misses held-out loss <= 10.0 nats/byte after 12 steps)": False
+    }
     assert "precondition failed" in workload["precondition"]["reason"] and "arms" not in workload
     assert all(5.0 < v < 6.0 for v in workload["precondition"]["initial"])  # near ln(256): untrained
 
@@ -128,8 +140,11 @@ def test_gate_enforces_equivalence(tmp_path: Path) -> None:
 
 
 def test_the_rl_workload_learns_through_the_trainer_exactly_as_the_plain_loop() -> None:
-    rl = plan(CPU, "quick").workloads[1].replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2),
-                                                   eval_prompts=8)
+    rl = (
+        plan(CPU, "quick")
+        .workloads[1]
+        .replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2), eval_prompts=8)
+    )
     plain, strict = run_arm(arm("plain"), rl, 0), run_arm(arm("strict"), rl, 0)
     corrected = run_arm(arm("stale1_corrected"), rl, 0)
     assert (plain.values, plain.digest) == (strict.values, strict.digest)
@@ -142,7 +157,11 @@ def test_profiles_and_presets() -> None:
     assert SEEDS["cpu"]["default"] >= 5 and SEEDS["gpu"]["nightly"] > SEEDS["cpu"]["nightly"]
     gpu = preset("gpu").on_this_machine()
     assert [a.name for a in plan(CPU, "quick").arms] == list(QUICK_ARMS)
-    assert [a.name for a in plan(CPU, "default").arms] == [a.name for a in ARMS] == [a.name for a in plan(gpu, "nightly").arms]
+    assert (
+        [a.name for a in plan(CPU, "default").arms]
+        == [a.name for a in ARMS]
+        == [a.name for a in plan(gpu, "nightly").arms]
+    )
     if not torch.cuda.is_available():
         swapped = plan(gpu, "default")
         assert swapped.workloads[0].model.dtype == torch.float32 and "without CUDA" in swapped.notes[0]
@@ -191,11 +210,15 @@ def test_the_rollout_arms_sample_from_the_engine_at_their_behaviour_lag_on_the_r
     from canaries.learning.canary import LearningPlan, _arms_on, cpu_workloads
 
     text, rl = cpu_workloads()
-    rl = rl.replace(schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2), prompts=2, group=2,
-                    eval_prompts=4)
+    rl = rl.replace(
+        schedule=Schedule(steps=4, peak_lr=1e-2, warmup=1, eval_every=2), prompts=2, group=2, eval_prompts=4
+    )
     runs = {}
-    for name, corrected in (("engine_lag2_inflight_corrected", 1.0), ("engine_lag2_drain_corrected", 1.0),
-                            ("engine_lag1_drain", 0.0)):
+    for name, corrected in (
+        ("engine_lag2_inflight_corrected", 1.0),
+        ("engine_lag2_drain_corrected", 1.0),
+        ("engine_lag1_drain", 0.0),
+    ):
         runs[name] = run = run_arm(arm(name), rl, 0)
         assert run.staleness == expected_staleness(arm(name), 4) == [0, 1, min(2, arm(name).delay), arm(name).delay]
         assert run.fraction_corrected == corrected and len(run.raw_ratios) == (4 if corrected else 0)

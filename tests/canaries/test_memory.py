@@ -18,14 +18,14 @@ import pytest
 
 from canaries.memory import canary as memory
 from canaries.memory.intersections import SCENARIOS
-from canaries.memory.scale import SCALE_CHECKS
 from canaries.memory.lifecycle import POINTS
-from canaries.presets import PLACEMENTS
+from canaries.memory.scale import SCALE_CHECKS
 from canaries.mutations.catalogue import mutation
+from canaries.presets import PLACEMENTS
 from canaries.registry import canary
 from canaries.request import canary_run
-from validation.errors import SetupError
 from reference_trainer.records import RecordTable
+from validation.errors import SetupError
 from validation.evidence import verify
 
 OFFLOAD_CHECKS = {
@@ -56,9 +56,13 @@ def test_canary_passes_on_the_reference_trainer_and_writes_verified_evidence(cle
     assert record["kind"] == memory.KIND and record["passed"] is True, stdout
     checks = record["checks"]
     for p in PLACEMENTS:
-        for name in ("census sees the pending graph after forward", "nothing outlives backward",
-                     "nothing outlives a dropped output", "nothing outlives a failed commit once the error is dropped",
-                     "previous logical batch freed before the next pull"):
+        for name in (
+            "census sees the pending graph after forward",
+            "nothing outlives backward",
+            "nothing outlives a dropped output",
+            "nothing outlives a failed commit once the error is dropped",
+            "previous logical batch freed before the next pull",
+        ):
             assert checks[f"{p}: {name}"] is True
     assert OFFLOAD_CHECKS <= set(checks)
     assert {name for name in checks if name.startswith("admission:")} and not any(n.startswith("cuda") for n in checks)
@@ -79,7 +83,10 @@ def test_bytes_are_held_while_pending_and_gone_at_every_release_point(clean) -> 
     assert set(held) == set(PLACEMENTS) and all(set(held[p]) == set(POINTS) for p in held)
     retain, offload, replay = (held[p]["after_forward"] for p in PLACEMENTS)
     assert retain["device"] > 10 * replay["device"] > 0
-    assert offload["device"] == replay["device"] and offload["host"] - replay["host"] == retain["device"] - replay["device"]
+    assert (
+        offload["device"] == replay["device"]
+        and offload["host"] - replay["host"] == retain["device"] - replay["device"]
+    )
     for p in PLACEMENTS:
         for point in ("after_backward", "after_drop", "after_failed_commit", "before_next_logical_batch"):
             assert held[p][point] == {"device": 0, "host": 0}, (p, point)
@@ -129,9 +136,12 @@ def test_a_trainer_that_keeps_released_records_fails_every_release_point(tmp_pat
         record, _, _ = _run(tmp_path)
     failed = {name for name, ok in record["checks"].items() if not ok}
     for p in PLACEMENTS:
-        assert {f"{p}: nothing outlives backward", f"{p}: nothing outlives a dropped output",
-                f"{p}: nothing outlives a failed commit once the error is dropped",
-                f"{p}: previous logical batch freed before the next pull"} <= failed, failed
+        assert {
+            f"{p}: nothing outlives backward",
+            f"{p}: nothing outlives a dropped output",
+            f"{p}: nothing outlives a failed commit once the error is dropped",
+            f"{p}: previous logical batch freed before the next pull",
+        } <= failed, failed
 
 
 def test_unknown_preset_is_refused_before_any_work(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from canaries.mutations import canary as mutations_module
 from canaries.memory.canary import CHECKPOINT_STATE_CHECK
+from canaries.mutations import canary as mutations_module
 from canaries.mutations.canary import MUTATIONS, Mutation, judge, judge_mutation, mutation
 from canaries.mutations.catalogue import PARTS
 from canaries.registry import CANARIES, Canary, Judged, canary
@@ -18,7 +18,6 @@ from canaries.request import CanaryRun, CannotFocus, canary_run
 from validation.errors import SetupError
 from validation.evidence import Checks, verify
 from validation.profiles import EXPLORATION
-
 
 # A fragment of each mutation's first failure: caught where it shows, by the check meant for it, for the right reason.
 FIRST_FAILURE = {
@@ -106,10 +105,13 @@ def test_every_mutation_names_a_check_of_its_canary() -> None:
     from canaries.planner.certificate import certify
     from canaries.presets import preset
 
-    names = {"derivative": set(derivative.check_names(preset("cpu").on_this_machine())),
-             "memory": set(memory.INTERSECTION_CHECKS) | set(SCALE_CHECKS)
-             | {"offload: host copies hold what retain keeps on the device"},
-             "planner": {name for name, _, _ in certify(["a cell"], {})[1]}}
+    names = {
+        "derivative": set(derivative.check_names(preset("cpu").on_this_machine())),
+        "memory": set(memory.INTERSECTION_CHECKS)
+        | set(SCALE_CHECKS)
+        | {"offload: host copies hold what retain keeps on the device"},
+        "planner": {name for name, _, _ in certify(["a cell"], {})[1]},
+    }
     for m in MUTATIONS.values():
         assert m.check in names[m.caught_by], m.name
 
@@ -129,8 +131,9 @@ def test_a_focused_memory_run_makes_only_the_intersection_checks_asked(tmp_path:
 
 
 def test_a_mutation_that_is_not_caught_fails_the_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    harmless = Mutation("harmless", "changes nothing (negative control of the suite)", "memory", nullcontext,
-                        CHECKPOINT_STATE_CHECK)
+    harmless = Mutation(
+        "harmless", "changes nothing (negative control of the suite)", "memory", nullcontext, CHECKPOINT_STATE_CHECK
+    )
     monkeypatch.setitem(MUTATIONS, "harmless", harmless)
     record = verify(canary("mutations").record("cpu", judge(canary_run("cpu", "quick"), names=["harmless"]), tmp_path))
 
@@ -166,8 +169,9 @@ def test_a_mutation_a_loaded_machine_left_undecided_is_neither_caught_nor_failed
     """NOTE [Mutation verdicts] Rule 5: "not caught: inconclusive (loaded)" is a skip, said so, never a pass."""
     timed = Mutation("timed", "caught only by a clock (stand-in)", "memory", nullcontext, CHECKPOINT_STATE_CHECK)
     monkeypatch.setitem(MUTATIONS, "timed", timed)
-    undecided = mutations_module.MutationOutcome("timed", "memory", True, False, (), "", 0.0,
-                                                 "inconclusive (loaded: 3 cells)")
+    undecided = mutations_module.MutationOutcome(
+        "timed", "memory", True, False, (), "", 0.0, "inconclusive (loaded: 3 cells)"
+    )
     monkeypatch.setattr(mutations_module, "judge_mutation", lambda m, run, scratch: undecided)
     record = verify(canary("mutations").record("cpu", judge(canary_run("cpu", "quick"), names=["timed"]), tmp_path))
     assert record["checks"] == {"unmutated:memory passes": True}  # what it saw; the mutation is not counted caught
@@ -180,7 +184,9 @@ def test_only_the_named_check_left_undecided_by_load_excuses_a_mutation() -> Non
 
     loaded = Check("certificate: worst regret", True, "inconclusive (loaded: 2 cells)", skipped=True)
     other = Check("certificate: pairwise ordering on pairs apart", True, "no pair apart", skipped=True)
-    assert mutations_module._inconclusive([other, loaded], "certificate: worst regret") == "inconclusive (loaded: 2 cells)"
+    assert (
+        mutations_module._inconclusive([other, loaded], "certificate: worst regret") == "inconclusive (loaded: 2 cells)"
+    )
     assert mutations_module._inconclusive([other, loaded], None) == "inconclusive (loaded: 2 cells)"
     # A clock-free check that passed is a bug not caught, whatever the timing checks could not decide.
     assert mutations_module._inconclusive([loaded], "certificate: offload and replay priced above retain") == ""
@@ -214,8 +220,9 @@ def test_a_canary_that_runs_only_whole_is_run_whole_for_its_mutations_and_silent
     module.judge = judge_whole  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(CANARIES, "toy", Canary(name="toy", module=module.__name__, summary="runs whole"))
-    monkeypatch.setitem(MUTATIONS, "toy_bug", Mutation("toy_bug", "fails the toy", "toy",
-                                                       lambda: _appended(injected), "toy check"))
+    monkeypatch.setitem(
+        MUTATIONS, "toy_bug", Mutation("toy_bug", "fails the toy", "toy", lambda: _appended(injected), "toy check")
+    )
     suite_run = canary_run("cpu", "default", processes=2)
     record = verify(canary("mutations").record("cpu", judge(suite_run, names=["toy_bug"]), tmp_path))
     assert record["checks"] == {"unmutated:toy passes": True, "caught:toy_bug": True}, record["details"]

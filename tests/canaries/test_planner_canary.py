@@ -10,12 +10,11 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from canaries.planner import calibration
+from canaries.planner.certificate import TIMING_CHECKS, ArmMemory, CellResult, cell_verdict, certify
 from canaries.presets import PRESETS
 from canaries.registry import canary as canary_entry
 from canaries.request import canary_run
-
-from canaries.planner import calibration
-from canaries.planner.certificate import TIMING_CHECKS, ArmMemory, CellResult, cell_verdict, certify
 from validation import abba
 
 SECONDS = {"retain": 1.0, "offload": 1.2, "replay": 1.5, "auto": 1.0}  # what each arm costs on the fake clock
@@ -34,10 +33,20 @@ def _timed(costs: dict[str, float], blocks: int = 12) -> dict[str, list[float]]:
 
 
 def _cell(label: str, predicted: dict[str, float], *, auto_cost: float = 1.0, peak: int = 90) -> CellResult:
-    memory = {p: ArmMemory(measured_peak=peak, predicted_peak=100, measured_host=0, saved_estimate=10,
-                        saved_ratio=0.9) for p in predicted}
-    return CellResult(label, None, None, seconds=_timed({**SECONDS, "auto": auto_cost}), predicted=predicted,
-                      memory=memory, admitted=list(predicted), auto=["retain"])
+    memory = {
+        p: ArmMemory(measured_peak=peak, predicted_peak=100, measured_host=0, saved_estimate=10, saved_ratio=0.9)
+        for p in predicted
+    }
+    return CellResult(
+        label,
+        None,
+        None,
+        seconds=_timed({**SECONDS, "auto": auto_cost}),
+        predicted=predicted,
+        memory=memory,
+        admitted=list(predicted),
+        auto=["retain"],
+    )
 
 
 def _checks(cells: dict[str, CellResult], planned: list[str] | None = None) -> dict[str, bool | None]:
@@ -61,7 +70,12 @@ def test_reversed_prices_fail_the_ordering() -> None:  # the negative control of
 
 
 def test_a_predicted_tie_between_pairs_apart_is_a_wrong_order() -> None:  # offload priced at zero
-    assert _checks({"a": _cell("a", {"retain": 0.0, "offload": 0.0, "replay": 0.4})})["certificate: pairwise ordering on pairs apart"] is False
+    assert (
+        _checks({"a": _cell("a", {"retain": 0.0, "offload": 0.0, "replay": 0.4})})[
+            "certificate: pairwise ordering on pairs apart"
+        ]
+        is False
+    )
 
 
 def test_auto_slower_than_the_best_is_regret_with_its_interval() -> None:
@@ -83,7 +97,9 @@ def test_an_under_estimated_peak_fails() -> None:
 
 def test_an_under_estimated_saved_state_fails() -> None:
     cell = _cell("a", GOOD)
-    cell.memory["offload"] = ArmMemory(measured_peak=90, predicted_peak=100, measured_host=0, saved_estimate=10, saved_ratio=1.1)
+    cell.memory["offload"] = ArmMemory(
+        measured_peak=90, predicted_peak=100, measured_host=0, saved_estimate=10, saved_ratio=1.1
+    )
     assert _checks({"a": cell})["certificate: held after a forward / admitted saved bytes <= 1"] is False
 
 
@@ -99,7 +115,10 @@ def test_a_failed_or_missing_cell_fails_the_certificate() -> None:
     failed = _cell("a", GOOD)
     failed.error = "RuntimeError: boom"
     assert _checks({"a": failed})["certificate: every planned cell has a verdict, none failed"] is False
-    assert _checks({"a": _cell("a", GOOD)}, ["a", "b"])["certificate: every planned cell has a verdict, none failed"] is False
+    assert (
+        _checks({"a": _cell("a", GOOD)}, ["a", "b"])["certificate: every planned cell has a verdict, none failed"]
+        is False
+    )
 
 
 @pytest.mark.slow
@@ -128,9 +147,19 @@ def _calibration_cell(index: int, constants: dict[str, float] = TRUE) -> CellRes
     """A cell whose arms cost ``features · constants`` on the fake clock (sizes vary from cell to cell)."""
     records, tokens, moved = 1 + index % 3, 32.0 * (1 + index % 4), 1e5 * (1 + (index * 7) % 11)
     features = {"retain": [0.0, 0.0, 0.0], "offload": [moved, 0.0, records], "replay": [0.0, tokens * records, records]}
-    costs = {p: 0.01 + sum(f * constants[n] for f, n in zip(vector, calibration.FEATURES)) for p, vector in features.items()}
-    return CellResult(f"c{index}", None, None, seconds=_timed({**costs, "auto": costs["retain"]}, blocks=16),
-                      predicted=dict.fromkeys(features, 0.0), admitted=list(features), auto=["retain"], features=features)
+    costs = {
+        p: 0.01 + sum(f * constants[n] for f, n in zip(vector, calibration.FEATURES)) for p, vector in features.items()
+    }
+    return CellResult(
+        f"c{index}",
+        None,
+        None,
+        seconds=_timed({**costs, "auto": costs["retain"]}, blocks=16),
+        predicted=dict.fromkeys(features, 0.0),
+        admitted=list(features),
+        auto=["retain"],
+        features=features,
+    )
 
 
 def test_constants_fitted_on_half_the_cells_order_the_other_half() -> None:
@@ -180,7 +209,9 @@ def test_every_grid_gates_the_cells_where_only_replaying_both_pending_forwards_f
         assert tight_zero and any(c.dropout > 0 for c in tight_zero), profile
 
 
-@pytest.mark.parametrize("preset", ["gpu", "gpu-8b"], ids=["small-preset", "8b-preset"])  # an id "gpu" reads as the marker
+@pytest.mark.parametrize(
+    "preset", ["gpu", "gpu-8b"], ids=["small-preset", "8b-preset"]
+)  # an id "gpu" reads as the marker
 def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_one_is_refused(
     preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,10 +227,14 @@ def test_a_gpu_preset_plans_a_declared_subset_where_each_placement_can_win_and_o
         levels = {(c.pending, c.device, c.host) for c in plan.cells}
         # retain wins unlimited; offload (or replay) where two retained forwards do not fit; replay alone with no
         # host room (the demotion cell); a right refusal under every measured peak.
-        assert {(1, "none", "none"), (2, "tight", "none"), (2, "tight", "zero"), (1, "nothing", "none")} <= levels, profile
+        assert {(1, "none", "none"), (2, "tight", "none"), (2, "tight", "zero"), (1, "nothing", "none")} <= levels, (
+            profile
+        )
         assert all(c.rank == 16 for c in plan.cells if c.lora) and plan.blocks >= 4
         for cell in plan.cells:  # what offloading the cell's pending forwards pins stays within a lent machine's RAM
-            saved = analytic_saved_bytes(plan.model, cell.batch, cell.seq_len, scores_saved=False, dropout_active=cell.dropout > 0)
+            saved = analytic_saved_bytes(
+                plan.model, cell.batch, cell.seq_len, scores_saved=False, dropout_active=cell.dropout > 0
+            )
             assert cell.pending * saved < 64 << 30, (cell.label, saved)
     assert set(canary.plan(on_gpu, "quick").cells) < set(canary.plan(on_gpu, "default").cells)
 
@@ -273,8 +308,10 @@ def test_timing_failures_of_a_loaded_cell_are_inconclusive_never_failures() -> N
 def test_a_loaded_cell_is_left_out_and_the_others_still_judged() -> None:
     loaded = _cell("slow", SWAPPED, auto_cost=1.3)
     loaded.load = "measured"
-    checks = {name: (ok, detail) for name, ok, detail in certify(["good", "slow"], {"good": _cell("good", GOOD),
-                                                                                    "slow": loaded})[1]}
+    checks = {
+        name: (ok, detail)
+        for name, ok, detail in certify(["good", "slow"], {"good": _cell("good", GOOD), "slow": loaded})[1]
+    }
     for name in TIMED:
         assert checks[name][0] is True and "left out: inconclusive (loaded: 1 cells, slow: measured)" in checks[name][1]
     wrong = _cell("wrong", SWAPPED, auto_cost=1.3)
@@ -289,12 +326,18 @@ def test_a_price_that_drops_a_cost_fails_on_a_loaded_machine_too() -> None:  # R
 
 # --- placements kept out where they fit (Rule 8) ------------------------------------------------------------------
 
+
 def _kept_out(predicted_retain: int, measured_retain: int = 90) -> CellResult:
     """Retain kept out by a device limit of 95 (two placements admitted); its measured peak ``measured_retain``."""
     cell = _cell("a", {"retain": 0.0, "offload": 0.1, "replay": 0.4})
     cell.device_limit, cell.admitted = 95, ["offload", "replay"]
-    cell.memory["retain"] = ArmMemory(measured_peak=measured_retain, predicted_peak=predicted_retain, measured_host=0,
-                                      saved_estimate=10, saved_ratio=0.9)
+    cell.memory["retain"] = ArmMemory(
+        measured_peak=measured_retain,
+        predicted_peak=predicted_retain,
+        measured_host=0,
+        saved_estimate=10,
+        saved_ratio=0.9,
+    )
     return cell
 
 
@@ -326,6 +369,7 @@ def test_fits_means_within_the_host_limit_too() -> None:
 
 # --- calibration held out (NOTE [Planner calibration] Rules 3-4) -----------------------------------------------
 
+
 def test_the_held_out_constants_are_fitted_on_the_even_cells_alone() -> None:
     """Odd cells priced by other constants: a fit that sees them too lands between the two sets."""
     other = {"seconds_per_byte": 2e-8, "seconds_per_token": 3e-6, "seconds_per_record": 4e-3}
@@ -347,7 +391,9 @@ def test_loaded_cells_are_neither_fitted_nor_judged() -> None:
     for cell in cells:
         cell.load = "measured"
     assert calibration.held_out_check(calibration.held_out(cells), "inconclusive (loaded: x)")[1:] == (
-        None, "inconclusive (loaded: x)")
+        None,
+        "inconclusive (loaded: x)",
+    )
 
 
 def test_no_replacement_block_starts_that_would_end_past_the_budget() -> None:

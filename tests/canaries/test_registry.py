@@ -40,8 +40,9 @@ def test_an_unknown_canary_is_refused_with_the_registered_names() -> None:
     assert all(name in info.value.fix for name in CANARIES)
 
 
-def test_a_new_canary_is_one_module_plus_one_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_new_canary_is_one_module_plus_one_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The spine's promise, exercised: ``rtv canary --help`` lists it, ``rtv canary NAME`` runs it."""
     from canaries.cli import main
 
@@ -74,16 +75,21 @@ def _register(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source
 def test_the_registry_writes_exactly_one_verified_schema_2_record_per_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    entry = _register(tmp_path, monkeypatch, "judged", (
-        "from canaries.registry import Judged\n"
-        "from validation.evidence import Checks\n\n"
-        "def judge(run) -> Judged:\n"
-        "    checks = Checks()\n"
-        "    checks.check('holds', True, 'it held')\n"
-        "    checks.check('breaks', False, 'expected 1, found 2')\n"
-        "    checks.skip('cuda only', 'no CUDA device')\n"
-        "    return Judged('judged-kind', {'preset': run.preset.name, 'profile': run.profile}, checks, {'n': 3})\n"
-    ))
+    entry = _register(
+        tmp_path,
+        monkeypatch,
+        "judged",
+        (
+            "from canaries.registry import Judged\n"
+            "from validation.evidence import Checks\n\n"
+            "def judge(run) -> Judged:\n"
+            "    checks = Checks()\n"
+            "    checks.check('holds', True, 'it held')\n"
+            "    checks.check('breaks', False, 'expected 1, found 2')\n"
+            "    checks.skip('cuda only', 'no CUDA device')\n"
+            "    return Judged('judged-kind', {'preset': run.preset.name, 'profile': run.profile}, checks, {'n': 3})\n"
+        ),
+    )
     out = tmp_path / "out"
     path = entry.run(_asked(), out)
     assert list(out.glob("*.json")) == [path] and path.name.startswith("judged-cpu-")
@@ -95,11 +101,16 @@ def test_the_registry_writes_exactly_one_verified_schema_2_record_per_run(
     assert capsys.readouterr().out.splitlines() == ["judged canary: FAILED (1 of 2 checks); 1 skipped", f"wrote {path}"]
 
 
-@pytest.mark.parametrize(("source", "found"), [
-    ("from pathlib import Path\n\ndef run(preset: str, profile: str, out_dir: Path) -> Path:\n    raise AssertionError\n",
-     "an old-style run"),
-    ("VALUE = 1\n", "no judge"),
-])
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        (
+            "from pathlib import Path\n\ndef run(preset: str, profile: str, out_dir: Path) -> Path:\n    raise AssertionError\n",
+            "an old-style run",
+        ),
+        ("VALUE = 1\n", "no judge"),
+    ],
+)
 def test_a_canary_module_without_judge_is_refused_before_anything_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, found: str
 ) -> None:
@@ -155,12 +166,15 @@ def test_a_canary_added_as_its_folder_and_one_registry_line_runs_in_rtv_run_and_
     assert not (tmp_path / "never").exists()
 
 
-@pytest.mark.parametrize(("changes", "match"), [
-    ({"preset": "cpu"}, "expected a resolved canaries.presets.Preset, found the name 'cpu'"),
-    ({"profile": "deep"}, "unknown profile 'deep'"),
-    ({"checks": "state_machine"}, "expected a tuple of check names or None"),
-    ({"checks": ["state_machine"]}, "expected a tuple of check names or None"),
-])
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"preset": "cpu"}, "expected a resolved canaries.presets.Preset, found the name 'cpu'"),
+        ({"profile": "deep"}, "unknown profile 'deep'"),
+        ({"checks": "state_machine"}, "expected a tuple of check names or None"),
+        ({"checks": ["state_machine"]}, "expected a tuple of check names or None"),
+    ],
+)
 def test_a_request_that_is_not_resolved_or_not_well_formed_is_refused(changes: dict, match: str) -> None:
     with pytest.raises(SetupError, match=match):
         _asked(**changes)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from canaries.request import canary_run
 from canaries.rollout import scenarios
 from canaries.rollout.canary import _ratio_moves, judge
 from canaries.rollout.scenarios import Setting
-from canaries.request import canary_run
 from reference_trainer.importance import RatioStats
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
 from reports.rollout import section
@@ -42,8 +42,12 @@ def test_the_quick_canary_passes_catches_its_negative_controls_and_renders(tmp_p
     judged = judge(canary_run("cpu", "quick"))
     checks = {c.name: c for c in judged.checks}
     assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
-    assert {"negative_control_filled_logprobs_caught", "negative_control_skipped_publication_caught",
-            "publication_faults_leave_engine_bitwise", "inflight_versions_exact"} <= set(checks)
+    assert {
+        "negative_control_filled_logprobs_caught",
+        "negative_control_skipped_publication_caught",
+        "publication_faults_leave_engine_bitwise",
+        "inflight_versions_exact",
+    } <= set(checks)
     assert len(judged.measurements["mismatch"]) == 24
     record = make_record(judged.kind, config=judged.config, checks=judged.checks, measurements=judged.measurements)
     view = section(record, tmp_path)

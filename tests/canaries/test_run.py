@@ -61,8 +61,9 @@ def smokes(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     def quick(run: CanaryRun, *, seed: int = 0, inject_failure: bool = False) -> Judged:
         calls.append({"seed": seed, "inject_failure": inject_failure})
-        return Judged("smoke", {"seed": seed, "inject_failure": inject_failure},
-                      Checks.of({"smoke ok": not inject_failure}), {})
+        return Judged(
+            "smoke", {"seed": seed, "inject_failure": inject_failure}, Checks.of({"smoke ok": not inject_failure}), {}
+        )
 
     monkeypatch.setattr(smoke, "judge", quick)
     return calls
@@ -110,7 +111,9 @@ def test_every_flag_is_honoured_on_every_preset(preset, two_gpus, smokes, monkey
     assert "rtv run: FAILED: smoke" in capsys.readouterr().out
     # torch sets TORCHINDUCTOR_CACHE_DIR itself the first time a process compiles anything: not ours.
     changed = {k for k in set(os.environ) | set(environ) if os.environ.get(k) != environ.get(k)}
-    assert not {k for k in changed if not k.startswith("TORCHINDUCTOR_")}, f"nothing travels through the environment: {changed}"
+    assert not {k for k in changed if not k.startswith("TORCHINDUCTOR_")}, (
+        f"nothing travels through the environment: {changed}"
+    )
     assert presets.preset(preset).processes == presets.PRESETS[preset].processes, "the count ends with the run"
 
 
@@ -128,10 +131,16 @@ def test_a_preset_over_the_device_memory_is_refused_before_anything_is_written(t
     assert "the device has 0.0 GB" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(("flag", "fault"), [(["--inject-mutation", "staleness_off_by_one"], "mutation staleness_off_by_one"),
-                                             (["--inject-failure"], "failure: a smoke check fails on purpose")])
-def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_says_what_it_did(smokes, monkeypatch,
-                                                                                              tmp_path, flag, fault):
+@pytest.mark.parametrize(
+    ("flag", "fault"),
+    [
+        (["--inject-mutation", "staleness_off_by_one"], "mutation staleness_off_by_one"),
+        (["--inject-failure"], "failure: a smoke check fails on purpose"),
+    ],
+)
+def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_says_what_it_did(
+    smokes, monkeypatch, tmp_path, flag, fault
+):
     """A mutation made every record (a pass was made by a broken trainer, never green); a forced failure only fails
     the record it forces (the board marks that one, the banner says the trainer was not changed)."""
     monkeypatch.setattr(registry, "CANARIES", {"a": FakeCanary("a"), "b": FakeCanary("b", passed=False)})
@@ -139,7 +148,7 @@ def test_every_record_of_a_negative_control_carries_its_fault_and_the_board_says
     records = sorted(tmp_path.glob("run-cpu-*/*.json"))
     assert len(records) == 3 and all(verify(p)["config"]["injected"] == [fault] for p in records)
     page = next(tmp_path.glob("run-cpu-*/report/index.md")).read_text()
-    board = page[page.index("## Verdict board"):page.index("## Environment")]
+    board = page[page.index("## Verdict board") : page.index("## Environment")]
     assert f"**Injected on purpose: {fault}.**" in page
     html = next(tmp_path.glob("run-cpu-*/report/index.html")).read_text()
     assert 'id="injected"' in html
@@ -172,8 +181,9 @@ class WatchedCanary(FakeCanary):
         return super().run(run, out_dir)
 
 
-@pytest.mark.parametrize(("argv", "deadline"), [([], presets.PRESETS["gpu"].hang_timeout_s),
-                                                (["--hang-timeout", "4.5"], 4.5)])
+@pytest.mark.parametrize(
+    ("argv", "deadline"), [([], presets.PRESETS["gpu"].hang_timeout_s), (["--hang-timeout", "4.5"], 4.5)]
+)
 def test_the_hang_deadline_is_the_flag_or_the_presets(two_gpus, smokes, monkeypatch, tmp_path, argv, deadline):
     fake = WatchedCanary("a")
     monkeypatch.setattr(registry, "CANARIES", {"a": fake})

@@ -80,8 +80,12 @@ def sky_home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "SKYPILOT_API_SERVER_LOCAL_PORT": str(_free_port()),
         "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
         "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1",
-        "HTTP_PROXY": dead, "HTTPS_PROXY": dead, "http_proxy": dead, "https_proxy": dead,
-        "NO_PROXY": "", "no_proxy": "",
+        "HTTP_PROXY": dead,
+        "HTTPS_PROXY": dead,
+        "http_proxy": dead,
+        "https_proxy": dead,
+        "NO_PROXY": "",
+        "no_proxy": "",
     }
 
 

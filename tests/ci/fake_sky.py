@@ -64,8 +64,19 @@ from sky.server.requests.payloads import RequestPayload
 from ci.frames import emit
 from validation.evidence import content_digest, make_record
 
-REPLACES = ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down", "status",
-            "api_status", "cost_report")
+REPLACES = (
+    "launch",
+    "stream_and_get",
+    "get",
+    "job_status",
+    "tail_logs",
+    "cancel",
+    "api_cancel",
+    "down",
+    "status",
+    "api_status",
+    "cost_report",
+)
 FAULTS = ("error", "connection", "timeout", "sigint", "sigterm", "slow_result", "lost_reply", "restart")
 # What the fake job leaves: all expected records passing; one failed; one tampered; none written; one from an
 # earlier run (another run id, created before); one record too many; the benchmark failed (shown, not enforced);
@@ -142,9 +153,15 @@ class FakeSky:
     StatusRefreshMode = sky.StatusRefreshMode
     exceptions = sky.exceptions
 
-    def __init__(self, *, job_statuses: tuple[Any, ...] = (sky.JobStatus.RUNNING, sky.JobStatus.SUCCEEDED),
-                 evidence: str = "passed", instance_type: str = "gpu_2x_h200", user: str = "runnera",
-                 server: FakeServer | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        job_statuses: tuple[Any, ...] = (sky.JobStatus.RUNNING, sky.JobStatus.SUCCEEDED),
+        evidence: str = "passed",
+        instance_type: str = "gpu_2x_h200",
+        user: str = "runnera",
+        server: FakeServer | None = None,
+    ) -> None:
         self.server = server or FakeServer(job_statuses=job_statuses, evidence=evidence, instance_type=instance_type)
         self.user = user
 
@@ -215,8 +232,15 @@ class FakeSky:
         if server._slow_result:
             server._slow_result = False
             inner, thunk = thunk, lambda: (self._hang(f"result of {request_id}"), inner)[1]
-        server.requests[request_id] = {"thunk": thunk, "state": "PENDING", "name": name, "cluster": cluster,
-                                       "user": self.user, "result": None, "created": server.wall()}
+        server.requests[request_id] = {
+            "thunk": thunk,
+            "state": "PENDING",
+            "name": name,
+            "cluster": cluster,
+            "user": self.user,
+            "result": None,
+            "created": server.wall(),
+        }
         if server._lost_reply:
             server._lost_reply = False
             self._hang(f"reply to {request_id}")
@@ -224,9 +248,16 @@ class FakeSky:
 
     # --- requests -----------------------------------------------------------------------
 
-    def launch(self, task: Any, cluster_name: str | None = None, retry_until_up: bool = False,
-               idle_minutes_to_autostop: int | None = None, wait_for: Any = None, dryrun: bool = False,
-               down: bool = False) -> RequestId:
+    def launch(
+        self,
+        task: Any,
+        cluster_name: str | None = None,
+        retry_until_up: bool = False,
+        idle_minutes_to_autostop: int | None = None,
+        wait_for: Any = None,
+        dryrun: bool = False,
+        down: bool = False,
+    ) -> RequestId:
         with self.server.lock:
             self._enter("launch")
             self.server.tasks.append(task)
@@ -235,10 +266,16 @@ class FakeSky:
                 record = self._record(cluster_name, sky.ClusterStatus.UP, self._optimize(task))
                 self.server.clusters[cluster_name] = record
                 started = record.launched_at - self.server.provision_s
-                self.server.history.append({"name": cluster_name, "launched_at": started,
-                                            "usage_intervals": [[started, None]], "num_nodes": 1,
-                                            "resources": record.handle.launched_resources,
-                                            "user_hash": self.user})
+                self.server.history.append(
+                    {
+                        "name": cluster_name,
+                        "launched_at": started,
+                        "usage_intervals": [[started, None]],
+                        "num_nodes": 1,
+                        "resources": record.handle.launched_resources,
+                        "user_hash": self.user,
+                    }
+                )
                 self.server.jobs[cluster_name] = list(self.server.job_statuses)
                 self._job_log(cluster_name, task)
                 if self.server.fail_after_provision:
@@ -247,8 +284,15 @@ class FakeSky:
 
             return self._request(provision, "sky.launch", cluster_name)
 
-    def stream_and_get(self, request_id: RequestId | None = None, log_path: str | None = None, tail: int | None = None,
-                       follow: bool = True, output_stream: Any = None, relay_rich_status: bool = False) -> Any:
+    def stream_and_get(
+        self,
+        request_id: RequestId | None = None,
+        log_path: str | None = None,
+        tail: int | None = None,
+        follow: bool = True,
+        output_stream: Any = None,
+        relay_rich_status: bool = False,
+    ) -> Any:
         with self.server.lock:
             self._enter("stream_and_get")
             return self.server._run(request_id)
@@ -270,9 +314,13 @@ class FakeSky:
 
             return self._request(statuses, "sky.job_status", cluster_name)
 
-    def cancel(self, cluster_name: str,
-               all: bool = False,  # noqa: A002 - SkyPilot's name
-               all_users: bool = False, job_ids: list[int] | None = None) -> RequestId:
+    def cancel(
+        self,
+        cluster_name: str,
+        all: bool = False,  # noqa: A002 - SkyPilot's name
+        all_users: bool = False,
+        job_ids: list[int] | None = None,
+    ) -> RequestId:
         with self.server.lock:
             self._enter("cancel")
 
@@ -294,21 +342,40 @@ class FakeSky:
                     cancelled.append(request_id)
             return self._request(lambda: cancelled, "sky.api_cancel")
 
-    def api_status(self, request_ids: Any = None, all_status: bool = False, limit: int | None = None,
-                   fields: list[str] | None = None, cluster_name: str | None = None) -> list[RequestPayload]:
+    def api_status(
+        self,
+        request_ids: Any = None,
+        all_status: bool = False,
+        limit: int | None = None,
+        fields: list[str] | None = None,
+        cluster_name: str | None = None,
+    ) -> list[RequestPayload]:
         with self.server.lock:
             self._enter("api_status")
             if self.server.on_api_status is not None:
                 self.server.on_api_status()
-            return [RequestPayload(request_id=rid, name=e["name"], entrypoint="", request_body="{}",
-                                   status="PENDING" if e["state"] == "PENDING" else e["state"],
-                                   created_at=e["created"], user_id=e["user"], return_value="null", error="null",
-                                   pid=None, schedule_type="long", cluster_name=e["cluster"])
-                    for rid, e in self.server.requests.items()
-                    if (all_status or e["state"] in ACTIVE) and cluster_name in (None, e["cluster"])]
+            return [
+                RequestPayload(
+                    request_id=rid,
+                    name=e["name"],
+                    entrypoint="",
+                    request_body="{}",
+                    status="PENDING" if e["state"] == "PENDING" else e["state"],
+                    created_at=e["created"],
+                    user_id=e["user"],
+                    return_value="null",
+                    error="null",
+                    pid=None,
+                    schedule_type="long",
+                    cluster_name=e["cluster"],
+                )
+                for rid, e in self.server.requests.items()
+                if (all_status or e["state"] in ACTIVE) and cluster_name in (None, e["cluster"])
+            ]
 
-    def down(self, cluster_name: str, purge: bool = False, graceful: bool = False,
-             graceful_timeout: int | None = None) -> RequestId:
+    def down(
+        self, cluster_name: str, purge: bool = False, graceful: bool = False, graceful_timeout: int | None = None
+    ) -> RequestId:
         with self.server.lock:
             self._enter("down")
 
@@ -316,7 +383,8 @@ class FakeSky:
                 self._require(cluster_name)
                 if self.server.refuse_foreign_down and self.server.clusters[cluster_name].user_hash != self.user:
                     raise sky.exceptions.ClusterOwnerIdentityMismatchError(
-                        f"cluster {cluster_name!r} belongs to {self.server.clusters[cluster_name].user_hash}")
+                        f"cluster {cluster_name!r} belongs to {self.server.clusters[cluster_name].user_hash}"
+                    )
                 del self.server.clusters[cluster_name]
                 self.server.jobs.pop(cluster_name, None)
                 for row in self.server.history if self.server.history_closes_on_down else []:
@@ -325,13 +393,19 @@ class FakeSky:
 
             return self._request(remove, "sky.down", cluster_name)
 
-    def status(self, cluster_names: list[str] | None = None, refresh: Any = sky.StatusRefreshMode.NONE,
-               all_users: bool = False) -> RequestId:
+    def status(
+        self, cluster_names: list[str] | None = None, refresh: Any = sky.StatusRefreshMode.NONE, all_users: bool = False
+    ) -> RequestId:
         with self.server.lock:
             self._enter("status")
-            return self._request(lambda: [r for name, r in self.server.clusters.items()
-                                          if (cluster_names is None or name in cluster_names)
-                                          and (all_users or r.user_hash == self.user)], "sky.status")
+            return self._request(
+                lambda: [
+                    r
+                    for name, r in self.server.clusters.items()
+                    if (cluster_names is None or name in cluster_names) and (all_users or r.user_hash == self.user)
+                ],
+                "sky.status",
+            )
 
     def cost_report(self, days: int | None = None) -> RequestId:
         with self.server.lock:
@@ -347,19 +421,28 @@ class FakeSky:
             except Exception:  # noqa: BLE001 - SkyPilot's report shows 0.0 when the catalog has no price
                 cost = 0.0
             status = self.server.clusters[row["name"]].status if row["name"] in self.server.clusters else None
-            rows.append({**row, "usage_intervals": [tuple(i) for i in row["usage_intervals"]], "duration": duration,
-                         "total_cost": cost, "status": status})
+            rows.append(
+                {
+                    **row,
+                    "usage_intervals": [tuple(i) for i in row["usage_intervals"]],
+                    "duration": duration,
+                    "total_cost": cost,
+                    "status": status,
+                }
+            )
         return rows
 
-    def tail_logs(self, cluster_name: str, job_id: int | None, follow: bool, tail: int = 0,
-                  output_stream: Any = None) -> int:
+    def tail_logs(
+        self, cluster_name: str, job_id: int | None, follow: bool, tail: int = 0, output_stream: Any = None
+    ) -> int:
         with self.server.lock:
             self._enter("tail_logs")
             self._require(cluster_name)
             record = self.server.clusters[cluster_name]
             if record.status != sky.ClusterStatus.UP:
-                raise sky.exceptions.ClusterNotUpError(f"cluster {cluster_name} is {record.status.value}",
-                                                       cluster_status=record.status)
+                raise sky.exceptions.ClusterNotUpError(
+                    f"cluster {cluster_name} is {record.status.value}", cluster_status=record.status
+                )
             output_stream.write(self.server.logs[cluster_name])
             return 0
 
@@ -420,11 +503,23 @@ class FakeSky:
     def _record(self, name: str, status: Any, chosen: Any = None) -> StatusResponse:
         labels = None if chosen is None else chosen.labels  # SkyPilot keeps the chosen resources' labels
         handle = SimpleNamespace(
-            launched_resources=sky.Resources(infra="lambda/us-east-1", instance_type=self.server.instance_type,
-                                             labels=labels),
-            launched_nodes=1)
+            launched_resources=sky.Resources(
+                infra="lambda/us-east-1", instance_type=self.server.instance_type, labels=labels
+            ),
+            launched_nodes=1,
+        )
         return StatusResponse(
-            name=name, launched_at=int(self.server.wall()), handle=handle, status=status, autostop=10, to_down=True,
-            cluster_hash="fake", cluster_ever_up=status == sky.ClusterStatus.UP, user_hash=self.user,
-            user_name=self.user, workspace="default", is_managed=False, nodes=1,
+            name=name,
+            launched_at=int(self.server.wall()),
+            handle=handle,
+            status=status,
+            autostop=10,
+            to_down=True,
+            cluster_hash="fake",
+            cluster_ever_up=status == sky.ClusterStatus.UP,
+            user_hash=self.user,
+            user_name=self.user,
+            workspace="default",
+            is_managed=False,
+            nodes=1,
         )

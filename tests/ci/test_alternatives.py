@@ -43,13 +43,17 @@ def test_labelled_alternatives_load_and_the_job_needs_the_smallest(sky_sandbox, 
     assert all(res.autostop_config.down for res in spec.task.resources), "the top-level autostop holds for each"
 
 
-@pytest.mark.parametrize(("entries", "names"), [
-    ([RUNPOD, _alternative("nebius", 8, None)], "unique `labels: {rtv-alternative: NAME}`"),
-    ([RUNPOD, _alternative("nebius", 8, "runpod-h200x2")], "unique `labels: {rtv-alternative: NAME}`"),
-    ([RUNPOD, _alternative("hyperbolic", 2, "hyperbolic-h200x2")], "cannot autodown"),
-])
-def test_an_unlabelled_duplicate_or_autodownless_alternative_is_refused(sky_sandbox, repo_root, tmp_path, entries,
-                                                                         names):
+@pytest.mark.parametrize(
+    ("entries", "names"),
+    [
+        ([RUNPOD, _alternative("nebius", 8, None)], "unique `labels: {rtv-alternative: NAME}`"),
+        ([RUNPOD, _alternative("nebius", 8, "runpod-h200x2")], "unique `labels: {rtv-alternative: NAME}`"),
+        ([RUNPOD, _alternative("hyperbolic", 2, "hyperbolic-h200x2")], "cannot autodown"),
+    ],
+)
+def test_an_unlabelled_duplicate_or_autodownless_alternative_is_refused(
+    sky_sandbox, repo_root, tmp_path, entries, names
+):
     from ci.tasks import TaskFileError, load_task
 
     with pytest.raises(TaskFileError) as info:
@@ -60,7 +64,8 @@ def test_an_unlabelled_duplicate_or_autodownless_alternative_is_refused(sky_sand
 
 
 def test_the_receipt_says_which_alternative_ran_and_every_one_carries_the_cluster_label(
-        sky_fake, sky_sandbox, repo_root, tmp_path):
+    sky_fake, sky_sandbox, repo_root, tmp_path
+):
     from ci.launcher import LABEL
     from ci.tasks import load_task
 

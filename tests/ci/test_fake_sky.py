@@ -38,7 +38,9 @@ def compatible(fake, real) -> list[str]:
             problems.append(f"{name}: default {param.default!r} vs real {other.default!r}")
     for name, other in real_params.items():
         required = other.default is inspect.Parameter.empty and other.kind not in (
-            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        )
         if required and name not in fake_params:
             problems.append(f"{name}: required by the real function, missing in the fake")
     return problems

@@ -48,8 +48,11 @@ def test_the_records_come_back_in_folders_the_report_still_collects(records: Pat
     from reports.records import load_records
 
     collect(framed(records), tmp_path / "back")
-    assert sorted(r.name for r in load_records(tmp_path / "back" / "records")) == \
-        sorted(r.name for r in load_records(records)) and len(load_records(records)) == 2
+    assert (
+        sorted(r.name for r in load_records(tmp_path / "back" / "records"))
+        == sorted(r.name for r in load_records(records))
+        and len(load_records(records)) == 2
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "a line lost", "a line repeated", "a byte changed"])
@@ -116,8 +119,13 @@ def test_a_frame_member_that_is_not_a_plain_file_inside_is_refused(monkeypatch, 
     import tarfile
 
     def add(tar):
-        info = tarfile.TarInfo({"a link": "records/x.json", "an absolute path": "/tmp/rtv-escape.json",
-                                "a path leaving the folder": "../escape.json"}[member])
+        info = tarfile.TarInfo(
+            {
+                "a link": "records/x.json",
+                "an absolute path": "/tmp/rtv-escape.json",
+                "a path leaving the folder": "../escape.json",
+            }[member]
+        )
         if member == "a link":
             info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
             tar.addfile(info)

@@ -91,8 +91,19 @@ def test_launch_without_cloud_credentials_exits_2_with_the_fix(sky_sandbox, tmp_
 
 @pytest.mark.parametrize("env", ["NOEQUALS", "=1", "1X=2", "A B=1"])
 def test_launch_refuses_a_malformed_env_with_exit_2(fake, sky_sandbox, repo_root, tmp_path, capsys, env):
-    argv = ["gpu", "launch", str(repo_root / "ci" / "gate.sky.yaml"), "--cluster", "rtv-env-1",
-            "--env", "RTV_TIME_LIMIT=1m", "--env", env, "--out", str(tmp_path)]
+    argv = [
+        "gpu",
+        "launch",
+        str(repo_root / "ci" / "gate.sky.yaml"),
+        "--cluster",
+        "rtv-env-1",
+        "--env",
+        "RTV_TIME_LIMIT=1m",
+        "--env",
+        env,
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 2
     assert f"found {env!r}" in capsys.readouterr().err and not fake.clusters  # nothing was launched
 

@@ -57,8 +57,18 @@ def launch(fake, spec, out: Path, clock: FakeClock | None = None):
     # where a call is made to hang, so a loaded machine's slow but answering fake never times out.
     hangs = any(fault in ("timeout", "slow_result", "lost_reply") for fault, _ in fake.faults.values())
     call = 0.3 if hangs else 10.0
-    timeouts = Timeouts(request=call, provision=call, poll=call, poll_interval=15, logs=call, outputs=call,
-                        cancel=call, down=call, absence=60, absence_interval=10)
+    timeouts = Timeouts(
+        request=call,
+        provision=call,
+        poll=call,
+        poll_interval=15,
+        logs=call,
+        outputs=call,
+        cancel=call,
+        down=call,
+        absence=60,
+        absence_interval=10,
+    )
     fake.server.wall = clock
     launcher = Launcher(fake, timeouts=timeouts, clock=clock, wall=clock, sleep=clock.sleep, echo=lambda line: None)
     try:
@@ -77,7 +87,7 @@ def receipt_of(outcome) -> dict:
 def assert_torn_down(fake, record: dict, *, absent: bool) -> None:
     calls = fake.calls
     assert "down" in calls, calls
-    assert "status" in calls[calls.index("down"):], "absence was not polled after down"
+    assert "status" in calls[calls.index("down") :], "absence was not polled after down"
     assert record["checks"]["absence_confirmed"] is absent
     assert record["measurements"]["absence"] == ("confirmed" if absent else "unproven")
     assert ("rtv-gate-42-1" in fake.clusters) is not absent
@@ -88,8 +98,11 @@ def _chaos_matrix() -> list[object]:
     pairs are slow (each hung call waits its timeout for real)."""
     faults = sorted(SIGNALLED)
     diagonal = {(call, faults[i % len(faults)]) for i, call in enumerate(sorted(PHASES))}
-    return [pytest.param(call, fault, marks=() if (call, fault) in diagonal else pytest.mark.slow)
-            for call in sorted(PHASES) for fault in faults]
+    return [
+        pytest.param(call, fault, marks=() if (call, fault) in diagonal else pytest.mark.slow)
+        for call in sorted(PHASES)
+        for fault in faults
+    ]
 
 
 @pytest.mark.parametrize(("call", "fault"), _chaos_matrix())
@@ -172,8 +185,9 @@ def test_succeeded_without_passing_evidence_is_exit_3_with_both_facts(sky_fake, 
     assert record["measurements"]["observed"]["evidence"]["summary"]
 
 
-@pytest.mark.parametrize(("final", "code"), [("FAILED", 3), ("FAILED_SETUP", 3), ("FAILED_DRIVER", 3),
-                                            ("CANCELLED", 4)])
+@pytest.mark.parametrize(
+    ("final", "code"), [("FAILED", 3), ("FAILED_SETUP", 3), ("FAILED_DRIVER", 3), ("CANCELLED", 4)]
+)
 def test_the_gate_is_the_job_status_not_the_log(sky_fake, sky_sandbox, gate, tmp_path, final, code):
     status = sky_sandbox.JobStatus[final]
     fake = sky_fake.FakeSky(job_statuses=(sky_sandbox.JobStatus.PENDING, status))
@@ -200,7 +214,8 @@ def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
     fake.server.run_pending()
     clock = FakeClock()
     outcome = Launcher(fake, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
-        "rtv-gate-7-1", out_dir=tmp_path)
+        "rtv-gate-7-1", out_dir=tmp_path
+    )
     record = receipt_of(outcome)
     assert outcome.exit_code == 0 and "rtv-gate-7-1" not in fake.clusters
     assert record["config"]["command"] == "down" and record["checks"]["absence_confirmed"] is True
@@ -210,7 +225,8 @@ def test_down_alone_tears_down_and_proves_absence(sky_fake, gate, tmp_path):
     stuck.server.run_pending()
     stuck.inject("down", "error", always=True)
     outcome = Launcher(stuck, clock=clock, sleep=clock.sleep, echo=lambda line: None).down(
-        "rtv-gate-7-2", out_dir=tmp_path)
+        "rtv-gate-7-2", out_dir=tmp_path
+    )
     assert outcome.exit_code == 6 and receipt_of(outcome)["measurements"]["absence"] == "unproven"
 
 
@@ -220,7 +236,7 @@ def test_a_teardown_that_times_out_is_left_running_not_cancelled(sky_fake, gate,
     fake.inject("down", "slow_result")  # the down request is accepted; its result does not come in time
     record = receipt_of(launch(fake, gate, tmp_path))
     calls = fake.calls
-    assert "api_cancel" not in calls[calls.index("down"):], calls
+    assert "api_cancel" not in calls[calls.index("down") :], calls
     assert next(s["ok"] for s in record["measurements"]["observed"]["teardown"] if s["step"] == "down") is False
 
 

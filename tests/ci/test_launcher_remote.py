@@ -25,9 +25,14 @@ def launcher(fake, clock: FakeClock | None = None):
 
     clock = clock or FakeClock()
     fake.server.wall = clock
-    return Launcher(fake, timeouts=Timeouts(request=10, provision=10, poll=10, logs=10, outputs=10, cancel=10,
-                                            down=10, absence=60), clock=clock, wall=clock, sleep=clock.sleep,
-                    echo=lambda line: None)
+    return Launcher(
+        fake,
+        timeouts=Timeouts(request=10, provision=10, poll=10, logs=10, outputs=10, cancel=10, down=10, absence=60),
+        clock=clock,
+        wall=clock,
+        sleep=clock.sleep,
+        echo=lambda line: None,
+    )
 
 
 def lost_cluster(fake, gate, name: str = "rtv-gate-9-1"):
@@ -38,6 +43,7 @@ def lost_cluster(fake, gate, name: str = "rtv-gate-9-1"):
 
 
 # --- evidence through the remote path -------------------------------------------------------------
+
 
 def test_evidence_comes_back_through_the_log_api_without_any_ssh_config(sky_fake, gate, tmp_path, sky_home):
     fake = sky_fake.FakeSky()
@@ -57,6 +63,7 @@ def test_a_log_without_a_whole_frame_is_evidence_not_fetched(sky_fake, gate, tmp
 
 
 # --- every identity sees every CI cluster ---------------------------------------------------------
+
 
 def test_another_runner_sees_downs_and_bills_a_lost_runners_cluster(sky_fake, sky_sandbox, gate, tmp_path):
     from .conftest import H200_TYPES
@@ -97,11 +104,18 @@ def test_every_status_query_asks_across_all_users(sky_fake, gate, tmp_path, monk
 
 # --- evidence tied to the run ---------------------------------------------------------------------
 
-@pytest.mark.parametrize(("evidence", "reason"), [
-    ("stale", "foreign or stale"), ("stale", "before this launch was submitted"),
-    ("foreign", "derivative: 2 records, expected 1"), ("missing", "smoke: 0 record(s), expected 1"),
-    ("cpu", "ran on no CUDA device, expected H200"), ("misreported", "the work exited 1"),
-])
+
+@pytest.mark.parametrize(
+    ("evidence", "reason"),
+    [
+        ("stale", "foreign or stale"),
+        ("stale", "before this launch was submitted"),
+        ("foreign", "derivative: 2 records, expected 1"),
+        ("missing", "smoke: 0 record(s), expected 1"),
+        ("cpu", "ran on no CUDA device, expected H200"),
+        ("misreported", "the work exited 1"),
+    ],
+)
 def test_evidence_that_is_not_this_runs_is_exit_3_with_the_reason(sky_fake, gate, tmp_path, evidence, reason):
     outcome = launch(sky_fake.FakeSky(evidence=evidence), gate, tmp_path)
     record = receipt_of(outcome)
@@ -118,10 +132,14 @@ def test_the_job_is_given_this_runs_id_commit_and_source_digest(sky_fake, gate, 
     envs = dict(fake.tasks[0].envs)
     assert envs["RTV_RUN_ID"] == record["measurements"]["observed"]["run_id"]
     assert envs["RTV_RUN_ID"].startswith("rtv-gate-42-1-")
-    assert envs["RTV_SOURCE_DIGEST"] == source_fingerprint()["sha256"] and envs["RTV_COMMIT"] == record["measurements"]["commit"]
+    assert (
+        envs["RTV_SOURCE_DIGEST"] == source_fingerprint()["sha256"]
+        and envs["RTV_COMMIT"] == record["measurements"]["commit"]
+    )
 
 
 # --- backstops ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fault", ["sigint", "sigterm"])
 @pytest.mark.parametrize("call", ["stream_and_get", "job_status"])
@@ -129,7 +147,7 @@ def test_on_a_signal_the_first_request_sent_is_down(sky_fake, gate, tmp_path, ca
     fake = sky_fake.FakeSky()
     fake.inject(call, fault, always=call == "job_status")
     outcome = launch(fake, gate, tmp_path)
-    after = fake.calls[fake.calls.index(call) + 1:]
+    after = fake.calls[fake.calls.index(call) + 1 :]
     requests = [c for c in after if c not in ("get", "stream_and_get", "job_status")]
     assert requests[0] == "down", after
     assert outcome.exit_code == 4 and "cancel" not in fake.calls
@@ -207,7 +225,10 @@ def test_sweep_downs_every_matching_cluster_of_any_user_with_a_receipt_each(sky_
     runner_a = sky_fake.FakeSky(user="runnera")
     clock = FakeClock()
     runner_a.server.wall = clock
-    old = [lost_cluster(runner_a, gate, "rtv-gate-1-1"), lost_cluster(runner_a.as_user("runnerc"), gate, "rtv-gate-2-1")]
+    old = [
+        lost_cluster(runner_a, gate, "rtv-gate-1-1"),
+        lost_cluster(runner_a.as_user("runnerc"), gate, "rtv-gate-2-1"),
+    ]
     clock.now += 3 * 3600
     young = lost_cluster(runner_a, gate, "rtv-gate-3-1")
     other = lost_cluster(runner_a, gate, "someone-elses")
@@ -233,6 +254,7 @@ def test_sweep_leaves_a_cluster_whose_launch_time_is_unknown(sky_fake, gate, tmp
 
 # --- the judge applies rtv run's rule -------------------------------------------------------------
 
+
 def test_a_failed_benchmark_is_shown_not_enforced_as_in_rtv_run(sky_fake, gate, tmp_path):
     outcome = launch(sky_fake.FakeSky(evidence="shown"), gate, tmp_path)
     evidence = receipt_of(outcome)["measurements"]["observed"]["evidence"]
@@ -242,6 +264,7 @@ def test_a_failed_benchmark_is_shown_not_enforced_as_in_rtv_run(sky_fake, gate, 
 
 
 # --- receipts -------------------------------------------------------------------------------------
+
 
 def test_billing_runs_from_the_clusters_launch_to_proven_absence(sky_fake, gate, tmp_path):
     from .test_launcher import _MinuteClock
@@ -263,6 +286,7 @@ def test_a_launch_that_provisioned_then_failed_bills_what_ran(sky_fake, gate, tm
 
 # --- the fake is faithful, and the launcher's calls fit the real SDK ------------------------------
 
+
 def test_the_fake_server_behaves_as_skypilots_does(sky_fake, sky_sandbox, gate):
     errors = sky_sandbox.exceptions
     a = sky_fake.FakeSky(user="runnera")
@@ -270,7 +294,9 @@ def test_the_fake_server_behaves_as_skypilots_does(sky_fake, sky_sandbox, gate):
     request = a.launch(gate.task, cluster_name="c1")
     assert not a.clusters, "a cluster appears only once provisioning starts"
     a.get(request)
-    assert [r.name for r in b.get(b.status(["c1"]))] == [] and [r.name for r in b.get(b.status(["c1"], all_users=True))] == ["c1"]
+    assert [r.name for r in b.get(b.status(["c1"]))] == [] and [
+        r.name for r in b.get(b.status(["c1"], all_users=True))
+    ] == ["c1"]
     pending = a.launch(gate.task, cluster_name="c2")
     a.get(a.api_cancel(pending))
     with pytest.raises(errors.RequestCancelled):
@@ -317,13 +343,30 @@ def test_the_launchers_sdk_calls_bind_to_the_installed_skypilot(sky_fake, sky_sa
     from ci.launcher import Launcher, Timeouts
 
     clock = FakeClock()
-    Launcher(Recording(), timeouts=Timeouts(request=0.3, absence=60), clock=clock, wall=clock, sleep=clock.sleep,
-             echo=lambda line: None).launch(gate, cluster="rtv-gate-1-1", out_dir=tmp_path)
+    Launcher(
+        Recording(),
+        timeouts=Timeouts(request=0.3, absence=60),
+        clock=clock,
+        wall=clock,
+        sleep=clock.sleep,
+        echo=lambda line: None,
+    ).launch(gate, cluster="rtv-gate-1-1", out_dir=tmp_path)
     fake.release()
     Launcher(Recording(), clock=clock, sleep=clock.sleep, echo=lambda line: None).launch(
-        gate, cluster="rtv-gate-2-1", out_dir=tmp_path)
-    assert {name for name, _, _ in made} >= {"launch", "stream_and_get", "get", "job_status", "tail_logs", "down",
-                                            "status", "api_status", "api_cancel", "cost_report"}
+        gate, cluster="rtv-gate-2-1", out_dir=tmp_path
+    )
+    assert {name for name, _, _ in made} >= {
+        "launch",
+        "stream_and_get",
+        "get",
+        "job_status",
+        "tail_logs",
+        "down",
+        "status",
+        "api_status",
+        "api_cancel",
+        "cost_report",
+    }
     for name, args, kwargs in made:
         inspect.signature(getattr(sky_sandbox, name)).bind(*args, **kwargs)  # raises TypeError if it does not fit
     records = fake.get(fake.status(None, all_users=True)) + [fake._record("x", sky_sandbox.ClusterStatus.UP)]
@@ -340,7 +383,7 @@ def test_the_receipt_is_cross_checked_against_skypilots_cost_report(sky_fake, ga
     fake = sky_fake.FakeSky()
     m = receipt_of(launch(fake, gate, tmp_path, _MinuteClock()))["measurements"]
     (row,) = fake.server.history  # the server's own account: opened as provisioning starts, closed by down
-    (start, end), = row["usage_intervals"]
+    ((start, end),) = row["usage_intervals"]
     reported = m["cost"]["sky_cost_report"]
     assert reported["checked"] and reported["agrees"] and reported["reported_s"] == end - start > 0, reported
     assert reported["hourly"] == pytest.approx(H200_TYPES["gpu_2x_h200"][1])
@@ -368,7 +411,8 @@ def test_a_down_that_skypilot_has_not_counted_closed_is_a_disagreement_said_alou
     clock = FakeClock()
     fake.server.wall = clock
     outcome = Launcher(fake, clock=clock, wall=clock, sleep=clock.sleep, echo=lines.append).launch(
-        gate, cluster="rtv-gate-3-1", out_dir=tmp_path)
+        gate, cluster="rtv-gate-3-1", out_dir=tmp_path
+    )
     reported = receipt_of(outcome)["measurements"]["cost"]["sky_cost_report"]
     assert not reported["agrees"] and reported["closed_at"] is None
     assert any("SkyPilot's cost report disagrees" in line for line in lines), lines

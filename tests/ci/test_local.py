@@ -41,16 +41,22 @@ def stubs(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
     venv, bin_dir, calls = tmp_path / "venv", tmp_path / "venv" / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(parents=True)
     (tmp_path / "writer.py").write_text(WRITE_EVIDENCE)
-    _script(bin_dir / "python", f'echo "python $*" >> {calls}\n'  # node 0 of a torchrun world writes, as rank 0
-            f'case "$*" in *torch.distributed.run*"--node-rank 0"*) '
-            f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT";; esac\n'
-            f'[ "${{STUB_NODE_FAILS:-x}}" != "$SKYPILOT_NODE_RANK" ] || exit 1\n'
-            f'[ "${{STUB_NODE_SLEEP:-0}}" = 0 ] || sleep "$STUB_NODE_SLEEP"\n')
-    _script(bin_dir / "rtv", f'echo "rtv $*" >> {calls}\n'
-            f'[ "${{STUB_SLEEP:-0}}" = 0 ] || sleep "$STUB_SLEEP"\n'
-            f'[ "${{STUB_RTV_EXIT:-0}}" = 0 ] || exit "$STUB_RTV_EXIT"\n'
-            f'[ "${{STUB_NO_EVIDENCE:-0}}" = 0 ] || exit 0\n'
-            f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT"\n')
+    _script(
+        bin_dir / "python",
+        f'echo "python $*" >> {calls}\n'  # node 0 of a torchrun world writes, as rank 0
+        f'case "$*" in *torch.distributed.run*"--node-rank 0"*) '
+        f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT";; esac\n'
+        f'[ "${{STUB_NODE_FAILS:-x}}" != "$SKYPILOT_NODE_RANK" ] || exit 1\n'
+        f'[ "${{STUB_NODE_SLEEP:-0}}" = 0 ] || sleep "$STUB_NODE_SLEEP"\n',
+    )
+    _script(
+        bin_dir / "rtv",
+        f'echo "rtv $*" >> {calls}\n'
+        f'[ "${{STUB_SLEEP:-0}}" = 0 ] || sleep "$STUB_SLEEP"\n'
+        f'[ "${{STUB_RTV_EXIT:-0}}" = 0 ] || exit "$STUB_RTV_EXIT"\n'
+        f'[ "${{STUB_NO_EVIDENCE:-0}}" = 0 ] || exit 0\n'
+        f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT"\n',
+    )
     make_dir = tmp_path / "path"
     make_dir.mkdir()
     _script(make_dir / "make", f'echo "make $*" >> {calls}\n')
@@ -75,12 +81,15 @@ def test_local_runs_the_gate_tasks_own_commands_on_cpu(gate, stubs, tmp_path: Pa
     code = main(["gpu", "local", str(gate.path), "--out", str(out), "--venv", str(venv)])
     assert code == 0
     lines = calls.read_text().splitlines()
-    assert lines == [
-        "python - none",  # ci/node_install.sh keeps rtv's own venv and checks it (no CUDA here: RTV_CUDA=none)
-        "python -m pytest tests/gpu -q",
-        f"rtv run --preset cpu --nproc 2 --hang-timeout 300 --out {out.resolve()}",
-        f"python -m ci.frames emit {out.resolve()} --status 0",  # the evidence frame the launcher would read from the log
-    ]
+    assert (
+        lines
+        == [
+            "python - none",  # ci/node_install.sh keeps rtv's own venv and checks it (no CUDA here: RTV_CUDA=none)
+            "python -m pytest tests/gpu -q",
+            f"rtv run --preset cpu --nproc 2 --hang-timeout 300 --out {out.resolve()}",
+            f"python -m ci.frames emit {out.resolve()} --status 0",  # the evidence frame the launcher would read from the log
+        ]
+    )
     assert len(list(out.rglob("canary-stub-*.json"))) == 1
 
 
@@ -102,8 +111,7 @@ def test_local_maps_the_runs_own_timeout_to_exit_5(gate, stubs, tmp_path, monkey
     venv, calls = stubs
     monkeypatch.setenv("STUB_SLEEP", "5")
     short = dataclasses.replace(gate, envs={**gate.envs, "RTV_TIME_LIMIT": "1s"})
-    assert run_local(short, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True,
-                     echo=lambda line: None) == 5
+    assert run_local(short, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True, echo=lambda line: None) == 5
     assert "make" not in calls.read_text()
 
 
@@ -144,8 +152,9 @@ def test_local_runs_both_nodes_commands_and_judges_node_zeros_evidence(two_nodes
     assert len(runs) == 2, runs
     for node_rank, line in enumerate(runs):
         assert f"--nnodes 2 --node-rank {node_rank} --master-addr 127.0.0.1" in line
-        assert line.endswith(f"--nproc-per-node 1 -m canaries.entry run --preset cpu --hang-timeout 300 "
-                                 f"--out {out.resolve()}")
+        assert line.endswith(
+            f"--nproc-per-node 1 -m canaries.entry run --preset cpu --hang-timeout 300 --out {out.resolve()}"
+        )
     assert len(list(out.rglob("canary-stub-*.json"))) == 1
 
 
@@ -157,8 +166,10 @@ def test_a_failed_node_takes_the_waiting_one_down(two_nodes, stubs, tmp_path, mo
     monkeypatch.setenv("STUB_NODE_SLEEP", "300")  # node 0 would wait for its peer until the run's limit
     started = time.monotonic()
     node_zero_waits = dataclasses.replace(two_nodes, run=two_nodes.run.replace("--node-rank", "--node-rank-x"))
-    assert run_local(node_zero_waits, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True,
-                     echo=lambda line: None) == 3
+    assert (
+        run_local(node_zero_waits, out=tmp_path / "out", cuda=False, venv=venv, skip_setup=True, echo=lambda line: None)
+        == 3
+    )
     assert time.monotonic() - started < 60
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
+
+import pytest
 
 from ci.local_slurm.listeners import MARKER, foreign, is_loopback, is_ours, offenders, parse
 

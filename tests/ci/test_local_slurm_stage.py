@@ -36,8 +36,10 @@ from ci.local_slurm.sky_sdk import cluster_records
 # Only inside .ci/local_slurm_stage (which sets RTV_LOCAL_SLURM=1 after setup.sh); skipped everywhere else.
 pytestmark = [
     pytest.mark.slurm,
-    pytest.mark.skipif(os.environ.get("RTV_LOCAL_SLURM") != "1",
-                       reason="slurm: runs only in .ci/local_slurm_stage (root, apt, RTV_LOCAL_SLURM=1)"),
+    pytest.mark.skipif(
+        os.environ.get("RTV_LOCAL_SLURM") != "1",
+        reason="slurm: runs only in .ci/local_slurm_stage (root, apt, RTV_LOCAL_SLURM=1)",
+    ),
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,8 +53,13 @@ AUDITOR = os.environ.get("SKYPILOT_USER_ID", "auditor")  # this process: the thi
 def identity(name: str) -> dict[str, str]:
     """The environment of a client that is SkyPilot user ``name``, with a HOME of its own (``client_env``)."""
     root = Path(os.environ["RTV_SKY_CLIENTS"]) / name
-    env = {**os.environ, "HOME": str(root / "home"), "SKY_RUNTIME_DIR": str(root / "runtime"),
-           "SKYPILOT_USER_ID": name, "PYTHONUNBUFFERED": "1"}  # a SIGKILLed launcher's last lines still count
+    env = {
+        **os.environ,
+        "HOME": str(root / "home"),
+        "SKY_RUNTIME_DIR": str(root / "runtime"),
+        "SKYPILOT_USER_ID": name,
+        "PYTHONUNBUFFERED": "1",
+    }  # a SIGKILLed launcher's last lines still count
     for folder in ("HOME", "SKY_RUNTIME_DIR"):
         Path(env[folder]).mkdir(parents=True, exist_ok=True)
     return env
@@ -65,8 +72,9 @@ def rtv_gpu(*args: str) -> list[str]:
 
 def as_runner_b(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``rtv gpu ARGS`` as runner B (another runner, which launched nothing)."""
-    return subprocess.run(rtv_gpu(*args), capture_output=True, text=True, cwd=REPO, env=identity("runnerb"),
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        rtv_gpu(*args), capture_output=True, text=True, cwd=REPO, env=identity("runnerb"), timeout=timeout, check=False
+    )
 
 
 class Launch:
@@ -80,8 +88,9 @@ class Launch:
         env_args = [arg for env in (f"RTV_JOB_VENV={os.environ['RTV_JOB_VENV']}", *envs) for arg in ("--env", env)]
         command = rtv_gpu("launch", str(TASKS / task), "--cluster", self.cluster, "--out", str(self.out), *env_args)
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         env=identity("runnera"))
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=identity("runnera")
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -99,9 +108,15 @@ class Launch:
 
     def job_status(self) -> str:
         """The latest job's status as runner A sees it (a probe process of its identity)."""
-        result = subprocess.run([sys.executable, "-m", "ci.local_slurm.sky_sdk", "job-status", self.cluster],
-                                capture_output=True, text=True, cwd=REPO, env=identity("runnera"), timeout=120,
-                                check=False)
+        result = subprocess.run(
+            [sys.executable, "-m", "ci.local_slurm.sky_sdk", "job-status", self.cluster],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=identity("runnera"),
+            timeout=120,
+            check=False,
+        )
         return result.stdout.strip()
 
     def wait_for_running_job(self) -> None:
@@ -174,15 +189,20 @@ def slurm_jobs() -> list[str]:
 
 def job_user_processes() -> tuple[list[str], list[str]]:
     """(processes of the job user, its idle sshd login sessions): ``ps`` lines."""
-    result = subprocess.run(["ps", "-o", "pid=,comm=,args=", "-u", os.environ["RTV_SLURM_USER"]],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["ps", "-o", "pid=,comm=,args=", "-u", os.environ["RTV_SLURM_USER"]],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = [line.strip() for line in result.stdout.splitlines()]
     sessions = [line for line in lines if line.split()[1] == "sshd"]
     return [line for line in lines if line not in sessions], sessions
 
 
-def prove_nothing_left(case: str, launches: list[Launch], receipt: Path | list[Path],
-                       observed: dict | None = None) -> None:
+def prove_nothing_left(
+    case: str, launches: list[Launch], receipt: Path | list[Path], observed: dict | None = None
+) -> None:
     """Wait (up to 60 s) for no Slurm job, no cluster record (as the auditor) and no process of ours; record it."""
     from validation.evidence import evidence_path, make_record, write_once
 
@@ -196,18 +216,30 @@ def prove_nothing_left(case: str, launches: list[Launch], receipt: Path | list[P
             break
         time.sleep(1)
     observed = (observed or {}) | {
-        "receipts": [str(r) for r in receipts], "squeue": jobs, "sky_status_all_users": records, "confirmed_by": AUDITOR,
-        "job_user_processes": processes, "idle_login_sessions": sessions,
-        "launcher_exits": [launch.proc.returncode for launch in launches]}
-    record = make_record(f"local-slurm-{case}", config={"clusters": [launch.cluster for launch in launches],
-                                                        "case": case},
-                         checks={"no_slurm_job": not jobs, "no_cluster_record": not records,
-                                 "no_process_of_ours": not processes and launchers_exited},
-                         measurements=observed)
+        "receipts": [str(r) for r in receipts],
+        "squeue": jobs,
+        "sky_status_all_users": records,
+        "confirmed_by": AUDITOR,
+        "job_user_processes": processes,
+        "idle_login_sessions": sessions,
+        "launcher_exits": [launch.proc.returncode for launch in launches],
+    }
+    record = make_record(
+        f"local-slurm-{case}",
+        config={"clusters": [launch.cluster for launch in launches], "case": case},
+        checks={
+            "no_slurm_job": not jobs,
+            "no_cluster_record": not records,
+            "no_process_of_ours": not processes and launchers_exited,
+        },
+        measurements=observed,
+    )
     path = write_once(evidence_path(OUT, f"local-slurm-{case}"), record)
     assert record["passed"], f"{case} left something behind: {observed}\n{launches[0].tail()}"
     for launch, receipt_path in zip(launches, receipts, strict=True):
-        print(f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {receipt_path}", flush=True)
+        print(
+            f"teardown: cluster {launch.cluster} absent (confirmed by {AUDITOR}); receipt: {receipt_path}", flush=True
+        )
     print(f"{case}: squeue empty, no cluster of any user, no process of ours; record: {path}", flush=True)
 
 
@@ -313,9 +345,21 @@ def test_sigterm_then_sigkill_and_the_cluster_is_gone_by_the_end(when: str) -> N
 def test_the_api_server_restarted_while_a_launch_is_in_flight() -> None:
     launch = Launch("server-restart", "hold-cpu.sky.yaml")
     launch.wait_until("provisioning", lambda: bool(slurm_jobs()), timeout_s=180)
-    restart = subprocess.run(["bash", "-c", (f'source {os.environ["RTV_COMMON_SH"]} && server_env && '
-                              f'exec "{sys.executable}" -m ci.local_slurm.sky_sdk restart-server --pid-file "$API_PID"')],
-                             capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+    restart = subprocess.run(
+        [
+            "bash",
+            "-c",
+            (
+                f"source {os.environ['RTV_COMMON_SH']} && server_env && "
+                f'exec "{sys.executable}" -m ci.local_slurm.sky_sdk restart-server --pid-file "$API_PID"'
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        check=False,
+    )
     assert restart.returncode == 0, restart.stdout + restart.stderr
     try:  # the launch ends in teardown (interrupted request), or it survived the restart and its job holds
         code: int | None = launch.finish(timeout_s=180)

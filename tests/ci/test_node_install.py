@@ -38,8 +38,9 @@ def test_the_lock_pins_the_harness_extra_and_torch_and_nothing_of_test_or_ci():
 
 
 def _run(venv: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(venv)], capture_output=True, text=True, timeout=900,
-                          env=os.environ | env, check=False)
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(venv)], capture_output=True, text=True, timeout=900, env=os.environ | env, check=False
+    )
 
 
 def test_a_missing_cuda_declaration_or_index_is_refused_before_anything_is_made(tmp_path: Path):
@@ -53,10 +54,12 @@ def test_a_missing_cuda_declaration_or_index_is_refused_before_anything_is_made(
 def test_python_without_venv_support_is_named_with_the_package_to_install(tmp_path: Path):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python3").write_text("#!/bin/sh\ncase \"$*\" in *ensurepip*) exit 1;; esac\nexit 0\n")
+    (fake / "python3").write_text('#!/bin/sh\ncase "$*" in *ensurepip*) exit 1;; esac\nexit 0\n')
     (fake / "python3").chmod(0o755)
-    done = _run(tmp_path / "venv", {"PATH": f"{fake}:{os.environ['PATH']}", "RTV_CUDA": "none",
-                                   "RTV_TORCH_INDEX": "file:///nowhere"})
+    done = _run(
+        tmp_path / "venv",
+        {"PATH": f"{fake}:{os.environ['PATH']}", "RTV_CUDA": "none", "RTV_TORCH_INDEX": "file:///nowhere"},
+    )
     assert done.returncode == 1 and "python3-venv" in done.stderr
 
 
@@ -81,13 +84,20 @@ def test_two_installs_from_the_lock_in_fresh_venvs_freeze_the_same(tmp_path: Pat
         done = _run(venv, env)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "No broken requirements found" in done.stdout
-        freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable"],
-                                capture_output=True, text=True, check=True).stdout
+        freeze = subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         freezes.append(freeze)
         again = _run(venv, env)
         assert again.returncode == 0 and "reused" in again.stdout, "a venv made from this lock is reused"
     assert freezes[0] == freezes[1]
-    frozen = {re.sub(r"[-_.]+", "-", line.split("==")[0]).lower(): line.split("==")[1]
-              for line in freezes[0].splitlines() if "==" in line}
+    frozen = {
+        re.sub(r"[-_.]+", "-", line.split("==")[0]).lower(): line.split("==")[1]
+        for line in freezes[0].splitlines()
+        if "==" in line
+    }
     frozen.pop("reference-trainer", None)  # the project itself (pip lists a worktree's editable install by version)
     assert {k: v for k, v in frozen.items() if k != "torch"} == {k: v for k, v in _pins().items() if k != "torch"}

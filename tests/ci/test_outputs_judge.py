@@ -17,4 +17,6 @@ def test_a_record_without_checks_that_says_passed_fails_the_cross_check(tmp_path
     verdict = judge_outputs(tmp_path)
     assert not verdict.passed
     assert (verdict.records, verdict.verified) == (2, 1)
-    assert verdict.problems and "checkless" in verdict.problems[0] and "disagrees with its checks" in verdict.problems[0]
+    assert (
+        verdict.problems and "checkless" in verdict.problems[0] and "disagrees with its checks" in verdict.problems[0]
+    )

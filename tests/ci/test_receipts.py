@@ -16,13 +16,23 @@ def _receipt(tmp_path: Path, *, handle, absent: bool = True, billed_s: float = 1
     from ci.receipts import write_receipt
 
     path = write_receipt(
-        tmp_path, command="launch", cluster="rtv-gate-9-1",
-        requested={"task": "ci/gate.sky.yaml", "accelerators": {"H200": 2}, "job_deadline_s": 3720,
-                   "evidence_dir": "rtv-out/ci/gate"},
+        tmp_path,
+        command="launch",
+        cluster="rtv-gate-9-1",
+        requested={
+            "task": "ci/gate.sky.yaml",
+            "accelerators": {"H200": 2},
+            "job_deadline_s": 3720,
+            "evidence_dir": "rtv-out/ci/gate",
+        },
         observed={"job_status": "SUCCEEDED", "last_seen": "UP", "teardown": [{"step": "down", "ok": absent}]},
         checks=Checks.of({"absence_confirmed": absent, "job_succeeded": True}),
-        outcome="passed" if absent else "absence unproven", exit_code=0 if absent else 6,
-        timings={"job": 1500.0, "teardown": 60.0}, gpus=2, billed_s=billed_s, handle=handle,
+        outcome="passed" if absent else "absence unproven",
+        exit_code=0 if absent else 6,
+        timings={"job": 1500.0, "teardown": 60.0},
+        gpus=2,
+        billed_s=billed_s,
+        handle=handle,
     )
     return verify(path) | {"_path": path}
 
@@ -39,8 +49,11 @@ def test_a_receipt_is_priced_from_skypilots_catalog(sky_sandbox, tmp_path):
 
 @pytest.mark.parametrize("handle_kind", ["slurm", "nothing launched"])
 def test_infrastructure_without_a_price_is_unpriced_never_zero(sky_sandbox, tmp_path, handle_kind):
-    handle = (SimpleNamespace(launched_resources=sky_sandbox.Resources(infra="slurm", cpus=1), launched_nodes=1)
-              if handle_kind == "slurm" else None)
+    handle = (
+        SimpleNamespace(launched_resources=sky_sandbox.Resources(infra="slurm", cpus=1), launched_nodes=1)
+        if handle_kind == "slurm"
+        else None
+    )
     cost = _receipt(tmp_path, handle=handle)["measurements"]["cost"]
     assert cost["estimate"] == "unpriced" and cost["reason"]
 
@@ -72,20 +85,35 @@ def test_the_report_section_says_absence_cost_and_what_to_do(sky_sandbox, tmp_pa
 
 # --- the cross-check against SkyPilot's cost report ---------------------------------------------------
 
+
 def _row(name="rtv-gate-9-1", intervals=((1000, 1600),), total_cost=0.0, launched_at=None):
-    return {"name": name, "launched_at": launched_at or intervals[-1][0], "usage_intervals": [list(i) for i in intervals],
-            "duration": sum(end - start for start, end in intervals if end is not None), "total_cost": total_cost}
+    return {
+        "name": name,
+        "launched_at": launched_at or intervals[-1][0],
+        "usage_intervals": [list(i) for i in intervals],
+        "duration": sum(end - start for start, end in intervals if end is not None),
+        "total_cost": total_cost,
+    }
 
 
 def test_the_cross_check_adds_up_the_latest_launchs_usage_intervals():
     from ci.receipts import cost_cross_check
 
-    rows = [_row(intervals=((100, 400),), launched_at=100),               # an earlier cluster of the same name
-            _row(intervals=((900, 950), (1000, 1600)), launched_at=900),   # this one, started twice
-            _row(name="rtv-other", intervals=((0, 5000),))]
+    rows = [
+        _row(intervals=((100, 400),), launched_at=100),  # an earlier cluster of the same name
+        _row(intervals=((900, 950), (1000, 1600)), launched_at=900),  # this one, started twice
+        _row(name="rtv-other", intervals=((0, 5000),)),
+    ]
     check = cost_cross_check(rows, "rtv-gate-9-1", until=1610, price=None)
-    assert check == {"checked": True, "reported_s": 650.0, "started_at": 900, "closed_at": 1600, "total_cost": 0.0,
-                     "closed_by_absence": True, "agrees": True}
+    assert check == {
+        "checked": True,
+        "reported_s": 650.0,
+        "started_at": 900,
+        "closed_at": 1600,
+        "total_cost": 0.0,
+        "closed_by_absence": True,
+        "agrees": True,
+    }
     missing = cost_cross_check(rows, "rtv-gate-7-1", until=1600, price=None)
     assert missing["checked"] is False and "rtv-gate-7-1" in missing["reason"]
 
@@ -107,13 +135,27 @@ def test_a_receipt_bills_skypilots_seconds_when_they_are_more_and_says_so(tmp_pa
 
     # SkyPilot counted an hour from the start of provisioning; the launcher saw the last half.
     reported = cost_cross_check([_row(intervals=((1000, 4600),))], "rtv-gate-9-1", until=4610, price=None)
-    path = write_receipt(tmp_path, command="down", cluster="rtv-gate-9-1", requested={"task": None}, observed={},
-                         checks=Checks.of({"absence_confirmed": True}), outcome="absent", exit_code=0, timings={},
-                         gpus=2, billed_s=1810, handle=None, reported=reported)
+    path = write_receipt(
+        tmp_path,
+        command="down",
+        cluster="rtv-gate-9-1",
+        requested={"task": None},
+        observed={},
+        checks=Checks.of({"absence_confirmed": True}),
+        outcome="absent",
+        exit_code=0,
+        timings={},
+        gpus=2,
+        billed_s=1810,
+        handle=None,
+        reported=reported,
+    )
     m = verify(path)["measurements"]
     assert (m["billed_s"], m["billed_from"], m["launcher_s"], m["gpu_minutes"]) == (3600, "sky.cost_report", 1810, 120)
     assert m["cost"]["sky_cost_report"]["agrees"] is True
     from reports.receipts import section
 
     line = section(verify(path), tmp_path).lines[1]
-    assert line == "SkyPilot's cost report agrees: it counts 3600.0 s, the receipt bills 3600.0 s (from sky.cost_report)"
+    assert (
+        line == "SkyPilot's cost report agrees: it counts 3600.0 s, the receipt bills 3600.0 s (from sky.cost_report)"
+    )

@@ -28,7 +28,9 @@ def _collect(monkeypatch: pytest.MonkeyPatch, *, installed: bool) -> tuple[_Item
 def test_without_skypilot_only_the_tests_that_need_it_are_skipped_with_the_fix(monkeypatch) -> None:
     needs_sky, plain = _collect(monkeypatch, installed=False)
     assert [m.name for m in needs_sky.markers] == ["skip"] and plain.markers == []
-    assert needs_sky.markers[0].kwargs["reason"] == "needs the ci extra (pip install -e '.[ci]'): skypilot not installed"
+    assert (
+        needs_sky.markers[0].kwargs["reason"] == "needs the ci extra (pip install -e '.[ci]'): skypilot not installed"
+    )
 
 
 def test_with_skypilot_nothing_is_skipped(monkeypatch) -> None:

@@ -32,8 +32,9 @@ def test_task_files_load_and_validate_offline(sky_sandbox, repo_root: Path, name
 
 
 @pytest.mark.parametrize("name", ["gate.sky.yaml", "canaries.sky.yaml", "canaries-2node.sky.yaml"])
-def test_every_gpu_task_passes_the_hang_deadline_and_turns_on_the_nccl_flight_recorder(sky_sandbox, repo_root: Path,
-                                                                                         name: str):
+def test_every_gpu_task_passes_the_hang_deadline_and_turns_on_the_nccl_flight_recorder(
+    sky_sandbox, repo_root: Path, name: str
+):
     """A hung GPU job ends by the watchdog (exit 7, its dumps framed home) well before the task's own limit."""
     from ci.tasks import load_task
 
@@ -53,8 +54,10 @@ def _mutated(repo_root: Path, tmp_path: Path, change) -> Path:
 
 
 MALFORMED = {
-    "misspelt field": (lambda c: c["resources"].update(acclerators=c["resources"].pop("accelerators")),
-                       "SkyPilot refused"),
+    "misspelt field": (
+        lambda c: c["resources"].update(acclerators=c["resources"].pop("accelerators")),
+        "SkyPilot refused",
+    ),
     "bad accelerator count": (lambda c: c["resources"].update(accelerators="H200:abc"), "SkyPilot refused"),
     "no autodown": (lambda c: c["resources"].pop("autostop"), "autostop"),
     "autostop without down": (lambda c: c["resources"]["autostop"].update(down=False), "autostop"),
@@ -68,8 +71,10 @@ MALFORMED = {
     "run keeps earlier records": (lambda c: c.update(run=c["run"].replace('rm -rf "$RTV_OUT"\n', "")), "rm -rf"),
     "run sends no evidence home": (lambda c: c.update(run=c["run"].rsplit("\n", 2)[0]), "ci.frames emit"),
     "nothing requested": (lambda c: c["resources"].pop("accelerators"), "accelerators"),
-    "rtv run without the hang deadline": (lambda c: c.update(run=c["run"].replace(' --hang-timeout "$RTV_HANG_TIMEOUT"', "")),
-                                          "--hang-timeout"),
+    "rtv run without the hang deadline": (
+        lambda c: c.update(run=c["run"].replace(' --hang-timeout "$RTV_HANG_TIMEOUT"', "")),
+        "--hang-timeout",
+    ),
     "no hang deadline declared": (lambda c: c["envs"].pop("RTV_HANG_TIMEOUT"), "RTV_HANG_TIMEOUT"),
     "hang deadline past the time limit": (lambda c: c["envs"].update(RTV_HANG_TIMEOUT="2400"), "RTV_HANG_TIMEOUT"),
     "hang deadline not in seconds": (lambda c: c["envs"].update(RTV_HANG_TIMEOUT="5m"), "RTV_HANG_TIMEOUT"),
@@ -119,9 +124,13 @@ def test_the_two_node_task_runs_one_torchrun_world_across_its_nodes(sky_sandbox,
     assert spec.num_nodes == 2 and resources.accelerators == {"H200": 8} and spec.gpus == 16
     assert resources.network_tier.value == "best"
     assert resources.autostop_config.enabled and resources.autostop_config.down
-    for flag in ('--nnodes "$SKYPILOT_NUM_NODES"', '--node-rank "$SKYPILOT_NODE_RANK"',
-                 '--master-addr "$RTV_HEAD_IP"', '--nproc-per-node "$SKYPILOT_NUM_GPUS_PER_NODE"',
-                 '--master-port "$RTV_MASTER_PORT"'):
+    for flag in (
+        '--nnodes "$SKYPILOT_NUM_NODES"',
+        '--node-rank "$SKYPILOT_NODE_RANK"',
+        '--master-addr "$RTV_HEAD_IP"',
+        '--nproc-per-node "$SKYPILOT_NUM_GPUS_PER_NODE"',
+        '--master-port "$RTV_MASTER_PORT"',
+    ):
         assert flag in spec.run, flag
     assert '"$SKYPILOT_NODE_IPS" | head -n 1' in spec.run, "the master is the first of the node IPs (the head)"
     assert "--nproc" not in spec.run.replace("--nproc-per-node", ""), "the world's size is the process count"

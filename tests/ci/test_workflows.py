@@ -18,8 +18,11 @@ import pytest
 import yaml
 
 WORKFLOWS = Path(__file__).resolve().parents[2] / ".github" / "workflows"
-CALLERS = {"gpu-gate.yml": "ci/gate.sky.yaml", "nightly.yml": "ci/canaries.sky.yaml",
-           "gpu-2node.yml": "ci/canaries-2node.sky.yaml"}
+CALLERS = {
+    "gpu-gate.yml": "ci/gate.sky.yaml",
+    "nightly.yml": "ci/canaries.sky.yaml",
+    "gpu-2node.yml": "ci/canaries-2node.sky.yaml",
+}
 
 
 def _actionlint() -> str:
@@ -46,8 +49,10 @@ def test_workflows_pass_actionlint():
 
 def test_actionlint_fails_a_broken_workflow(tmp_path: Path):
     broken = tmp_path / "broken.yml"
-    broken.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
-                      "      - run: echo ${{ github.nope_not_a_context }}\n        if: alwayz()\n")
+    broken.write_text(
+        "on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n    steps:\n"
+        "      - run: echo ${{ github.nope_not_a_context }}\n        if: alwayz()\n"
+    )
     result = subprocess.run([_actionlint(), str(broken)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode != 0
 
@@ -92,8 +97,11 @@ def test_launch_and_the_always_run_down_use_the_launchers_cluster_name(sky_sandb
         (job,) = [j for j in jobs.values() if j.get("uses") == "./.github/workflows/gpu-launch.yml"]
         assert job["with"]["task"] == task
         spec = load_task(repo_root / task)
-        name = (template.replace("${{ inputs.name }}", job["with"]["name"])
-                .replace("${{ github.run_id }}", "123456").replace("${{ github.run_attempt }}", "2"))
+        name = (
+            template.replace("${{ inputs.name }}", job["with"]["name"])
+            .replace("${{ github.run_id }}", "123456")
+            .replace("${{ github.run_attempt }}", "2")
+        )
         assert name == cluster_name(spec.name, "123456", 2)
 
 
@@ -106,7 +114,10 @@ def test_gpu_jobs_run_in_the_protected_environment_after_a_guard_that_needs_no_s
     assert "environment" not in guard, "a fork PR is skipped before anything waits for a reviewer"
     assert "secrets." not in yaml.safe_dump(guard)
     (check,) = [s for s in guard["steps"] if "guard.py" in s.get("run", "")]
-    assert check["run"] == "python3 ci/guard.py event" and guard["outputs"]["launch"] == "${{ steps.event.outputs.launch }}"
+    assert (
+        check["run"] == "python3 ci/guard.py event"
+        and guard["outputs"]["launch"] == "${{ steps.event.outputs.launch }}"
+    )
     assert guard["timeout-minutes"] <= 5
     assert jobs["launch"]["needs"] == "guard" and jobs["launch"]["if"] == "needs.guard.outputs.launch == 'true'"
     for name in ("launch", "teardown"):
@@ -115,8 +126,9 @@ def test_gpu_jobs_run_in_the_protected_environment_after_a_guard_that_needs_no_s
         assert env["SKYPILOT_SERVICE_ACCOUNT_TOKEN"] == "${{ secrets.SKYPILOT_SERVICE_ACCOUNT_TOKEN }}", name
         assert env["SKYPILOT_API_SERVER_ENDPOINT"] == "${{ secrets.SKYPILOT_API_SERVER_ENDPOINT }}", name
     runs = [s.get("run", "") for s in jobs["launch"]["steps"]]
-    assert runs.index("python3 ci/guard.py endpoint") < next(i for i, r in enumerate(runs) if "make install" in r), \
+    assert runs.index("python3 ci/guard.py endpoint") < next(i for i, r in enumerate(runs) if "make install" in r), (
         "an empty endpoint fails before anything is installed"
+    )
     summary = next(r for r in runs if "GITHUB_STEP_SUMMARY" in r)
     assert "report/index.md" in summary and "gpu-receipt-" in summary
 
@@ -132,7 +144,7 @@ def test_teardown_is_its_own_always_run_job_on_a_fresh_runner_above_its_worst_ca
     t = Timeouts()
     install_minutes = 15  # checkout, Python, the CPU torch wheel and the project
     # One `down` at its worst: every attempt runs out (request + down), the doubling backoffs, then the absence poll.
-    one_down = (t.down_attempts * (t.request + t.down) + t.down_backoff * (2 ** t.down_attempts - 1) + t.absence)
+    one_down = t.down_attempts * (t.request + t.down) + t.down_backoff * (2**t.down_attempts - 1) + t.absence
     worst = install_minutes + math.ceil(2 * one_down / 60)  # this run's cluster, then one swept earlier attempt
     limit = _triggers(workflow)["workflow_call"]["inputs"]["teardown-minutes"]["default"]
     assert teardown["timeout-minutes"] == "${{ inputs.teardown-minutes }}" and limit > worst
@@ -164,8 +176,9 @@ def test_the_launch_step_outlasts_the_launchers_own_limits(sky_sandbox, repo_roo
     for caller, task in CALLERS.items():
         (job,) = [j for j in _load(caller)["jobs"].values() if "uses" in j]
         spec = load_task(repo_root / task)
-        needed = (t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"]
-                  + t["cancel"] + t["down"] + t["absence"])
+        needed = (
+            t["provision"] + spec.job_deadline_s + t["logs"] + t["outputs"] + t["cancel"] + t["down"] + t["absence"]
+        )
         assert job["with"]["launch-minutes"] >= math.ceil(needed / 60), caller
         assert job["with"]["job-minutes"] >= job["with"]["launch-minutes"] + 30
 
@@ -202,9 +215,13 @@ def test_every_upload_of_rtv_out_keeps_the_evidence_markers():
     from validation.evidence import EVIDENCE_MARKER
 
     assert EVIDENCE_MARKER.startswith("."), "a hidden file: the reason the uploads must include them"
-    uploads = [(path.name, step) for path in sorted(WORKFLOWS.glob("*.yml"))
-               for job in _load(path.name)["jobs"].values() for step in job.get("steps", [])
-               if step.get("uses", "").startswith("actions/upload-artifact")
-               and str(step["with"]["path"]).startswith("rtv-out")]
+    uploads = [
+        (path.name, step)
+        for path in sorted(WORKFLOWS.glob("*.yml"))
+        for job in _load(path.name)["jobs"].values()
+        for step in job.get("steps", [])
+        if step.get("uses", "").startswith("actions/upload-artifact")
+        and str(step["with"]["path"]).startswith("rtv-out")
+    ]
     assert len(uploads) >= 4
     assert [name for name, step in uploads if step["with"].get("include-hidden-files") is not True] == []

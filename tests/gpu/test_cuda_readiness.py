@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import reference_trainer as rt
+from canaries.derivative.oracle_pair import TOLERANCES
 from canaries.derivative.scenarios import check_logical_ranks
 from canaries.preset_budget import check_fits
-from canaries.derivative.oracle_pair import TOLERANCES
 from canaries.presets import preset
-from reference_trainer.ranks import run_logical
 from reference_trainer.host_arena import host_block_bytes
+from reference_trainer.ranks import run_logical
 from reference_trainer.testing import observe_host_reads
 from reference_trainer.timing import Stopwatch
 from validation.trainers import trainer_with_policy

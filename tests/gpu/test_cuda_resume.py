@@ -39,8 +39,12 @@ def test_a_cuda_job_resumes_bitwise_with_its_cuda_dropout_stream(tmp_path) -> No
 
 
 def _devices(state) -> dict[str, str]:
-    return {f"{n}.{k}": str(v.device) for n, slots in state["optimizer"]["state"].items()
-            for k, v in slots.items() if isinstance(v, torch.Tensor)}
+    return {
+        f"{n}.{k}": str(v.device)
+        for n, slots in state["optimizer"]["state"].items()
+        for k, v in slots.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def test_a_cuda_load_keeps_adamws_step_on_the_host_and_never_holds_the_state_twice(tmp_path) -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from validation.trainers import trainer_with_policy
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
+from validation.trainers import trainer_with_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,9 @@ def test_auto_offloads_replays_or_refuses_instead_of_running_out_of_memory() -> 
         outs = []
         for _ in range(12):  # keeps graphs pending until the budget is spent
             try:
-                outs.append(trainer.forward([rt.ForwardInput(row) for row in tokens], options=rt.ForwardOptions(corrections=())))
+                outs.append(
+                    trainer.forward([rt.ForwardInput(row) for row in tokens], options=rt.ForwardOptions(corrections=()))
+                )
             except rt.MemoryAdmissionError as error:
                 refused = error
                 break

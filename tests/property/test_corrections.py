@@ -304,4 +304,10 @@ def test_an_all_zero_cotangent_is_returned_as_is_with_zero_statistics():
     cotangent, logprobs = torch.zeros(2, 3), torch.full((2, 3), -1.0)
     corrected, stats = correct_cotangent(cotangent, logprobs + 0.5, logprobs, rt.ImportanceCorrection(), staleness=1)
     assert corrected.tolist() == cotangent.tolist()
-    assert (stats.tokens, stats.mean, stats.max, stats.fraction_clipped, stats.effective_sample_size) == (0, 0.0, 0.0, 0.0, 0.0)
+    assert (stats.tokens, stats.mean, stats.max, stats.fraction_clipped, stats.effective_sample_size) == (
+        0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )

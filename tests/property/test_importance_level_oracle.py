@@ -81,7 +81,7 @@ def _expected_gradient(theta_old, theta_cur, rewards, level: str) -> torch.Tenso
     length, _, vocab = theta.shape
     sequences = enumerate_sequences(vocab, length)
     token_cur, token_old = _tokens(theta, sequences), _tokens(theta_old, sequences)
-    ratios = (token_cur.detach().exp() / token_old.exp())
+    ratios = token_cur.detach().exp() / token_old.exp()
     surrogate = (level_weights(ratios, level) * token_cur).sum(-1)
     value = exact_expectation(table_policy(theta_old), rewards * surrogate, vocab=vocab, length=length)
     return torch.autograd.grad(value, theta)[0]
@@ -104,8 +104,12 @@ def _relative(got: torch.Tensor, reference: torch.Tensor) -> float:
 
 @st.composite
 def _problems(draw):
-    return _problem(draw(st.integers(0, 2**31 - 1)), vocab=draw(st.integers(2, 3)), length=draw(st.integers(1, 3)),
-                    scale=draw(st.sampled_from([0.5, 1.0, 2.0])))
+    return _problem(
+        draw(st.integers(0, 2**31 - 1)),
+        vocab=draw(st.integers(2, 3)),
+        length=draw(st.integers(1, 3)),
+        scale=draw(st.sampled_from([0.5, 1.0, 2.0])),
+    )
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -37,7 +37,9 @@ def _row_ratio(ratios: np.ndarray, level: str) -> float:
 
 def _reference(cotangent, current, forward, mask, correction) -> np.ndarray:
     """The corrected cotangent in FP64 numpy: each active token times its unit's clipped ratio."""
-    cot, cur, fwd, mask = (np.asarray(t.double() if t.is_floating_point() else t) for t in (cotangent, current, forward, mask))
+    cot, cur, fwd, mask = (
+        np.asarray(t.double() if t.is_floating_point() else t) for t in (cotangent, current, forward, mask)
+    )
     active = (cot != 0) & mask
     out = np.where(mask, cot, 0.0)
     bound = math.exp(correction.max_log_ratio)
@@ -60,12 +62,17 @@ def _cases(draw):
     current = torch.tensor(draw(st.lists(logprob, min_size=n, max_size=n)), dtype=torch.float64).reshape(rows, width)
     forward = torch.tensor(draw(st.lists(logprob, min_size=n, max_size=n)), dtype=torch.float64).reshape(rows, width)
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n))).reshape(rows, width)
-    cotangent = torch.tensor(draw(st.lists(st.sampled_from([0.0, 1.0, -0.5, 2.0]), min_size=n, max_size=n)),
-                             dtype=torch.float64).reshape(rows, width)
+    cotangent = torch.tensor(
+        draw(st.lists(st.sampled_from([0.0, 1.0, -0.5, 2.0]), min_size=n, max_size=n)), dtype=torch.float64
+    ).reshape(rows, width)
     low = draw(st.sampled_from([0.0, 0.1, 0.5]))
     high = draw(st.sampled_from([1.5, 5.0, 1e30]))
-    correction = rt.ImportanceCorrection(clip_low=low, clip_high=high, level=draw(st.sampled_from(LEVELS)),
-                                         max_log_ratio=draw(st.sampled_from([0.5, 3.0, 20.0])))
+    correction = rt.ImportanceCorrection(
+        clip_low=low,
+        clip_high=high,
+        level=draw(st.sampled_from(LEVELS)),
+        max_log_ratio=draw(st.sampled_from([0.5, 3.0, 20.0])),
+    )
     return cotangent.to(dtype), current.to(dtype), forward.to(dtype), mask, correction
 
 
@@ -119,8 +126,17 @@ def test_a_log_ratio_of_1000_gives_finite_weights_and_a_masked_neighbour_exactly
     assert corrected[0, 1].item() == 0.0
     bound = min(high, math.exp(correction.max_log_ratio))
     assert abs(corrected[0, 0].item()) <= bound * (1 + 1e-2) and corrected[0, 0].item() > 0
-    for value in (stats.mean, stats.max, stats.effective_sample_size, stats.raw.min, stats.raw.max, stats.raw.mean,
-                  stats.clipped.max, *stats.raw.quantiles.values(), *stats.clipped.quantiles.values()):
+    for value in (
+        stats.mean,
+        stats.max,
+        stats.effective_sample_size,
+        stats.raw.min,
+        stats.raw.max,
+        stats.raw.mean,
+        stats.clipped.max,
+        *stats.raw.quantiles.values(),
+        *stats.clipped.quantiles.values(),
+    ):
         assert math.isfinite(value), stats
     assert stats.raw.max == pytest.approx(math.exp(20.0), rel=1e-6)  # capped by the bound, not inf
     assert stats.fraction_clipped > 0
@@ -147,7 +163,9 @@ def test_a_bad_current_logprob_anywhere_in_a_used_row_raises_at_the_sequence_lev
     corrected, _ = correct_cotangent(cotangent, current, forward, rt.ImportanceCorrection(level=level), 1, mask=mask)
     assert bool(torch.isfinite(corrected).all())
     unused = torch.zeros(1, 3)
-    assert correct_cotangent(unused, current, forward, rt.ImportanceCorrection(level=level), 1)[0].tolist() == [[0.0] * 3]
+    assert correct_cotangent(unused, current, forward, rt.ImportanceCorrection(level=level), 1)[0].tolist() == [
+        [0.0] * 3
+    ]
 
 
 # --- statistics, by hand --------------------------------------------------------------------
@@ -164,12 +182,14 @@ def test_raw_and_clipped_statistics_match_a_hand_computation():
     assert (stats.units, stats.tokens, stats.staleness) == (2, 3, 3)
     # Raw ratios (6, 0.5): linear quantiles 0.5 + q * 5.5.
     assert (stats.raw.min, stats.raw.max, stats.raw.mean) == pytest.approx((0.5, 6.0, 3.25), rel=1e-14)
-    assert stats.raw.quantiles == pytest.approx({0.05: 0.775, 0.25: 1.875, 0.5: 3.25, 0.75: 4.625, 0.95: 5.725},
-                                                rel=1e-14)
+    assert stats.raw.quantiles == pytest.approx(
+        {0.05: 0.775, 0.25: 1.875, 0.5: 3.25, 0.75: 4.625, 0.95: 5.725}, rel=1e-14
+    )
     # Clipped (5, 0.5): 0.5 + q * 4.5.
     assert (stats.clipped.min, stats.clipped.max, stats.clipped.mean) == pytest.approx((0.5, 5.0, 2.75), rel=1e-14)
-    assert stats.clipped.quantiles == pytest.approx({0.05: 0.725, 0.25: 1.625, 0.5: 2.75, 0.75: 3.875, 0.95: 4.775},
-                                                    rel=1e-14)
+    assert stats.clipped.quantiles == pytest.approx(
+        {0.05: 0.725, 0.25: 1.625, 0.5: 2.75, 0.75: 3.875, 0.95: 4.775}, rel=1e-14
+    )
     # Per token: weights (5, 5, 0.5); the first row's two tokens are clipped.
     assert (stats.mean, stats.max) == pytest.approx((3.5, 5.0), rel=1e-14)
     assert stats.fraction_clipped == pytest.approx(2 / 3)
@@ -179,12 +199,16 @@ def test_raw_and_clipped_statistics_match_a_hand_computation():
 def test_token_level_statistics_are_over_tokens_and_empty_ones_are_zero():
     forward = torch.zeros(4, dtype=torch.float64)
     current = torch.tensor([math.log(v) for v in (0.25, 1.0, 2.0, 8.0)], dtype=torch.float64)
-    _, stats = correct_cotangent(torch.ones(4, dtype=torch.float64), current, forward,
-                                 rt.ImportanceCorrection(clip_low=0.5, clip_high=4.0), 1)
+    _, stats = correct_cotangent(
+        torch.ones(4, dtype=torch.float64), current, forward, rt.ImportanceCorrection(clip_low=0.5, clip_high=4.0), 1
+    )
     assert stats.units == 4
     assert (stats.raw.min, stats.raw.max, stats.raw.mean) == pytest.approx((0.25, 8.0, 11.25 / 4), rel=1e-14)
     assert stats.raw.quantiles[0.5] == pytest.approx(1.5, rel=1e-14)
     assert (stats.clipped.min, stats.clipped.max, stats.clipped.mean) == pytest.approx((0.5, 4.0, 7.5 / 4), rel=1e-14)
-    _, empty = correct_cotangent(torch.zeros(4), current.float(), forward.float(), rt.ImportanceCorrection(level="average"), 1)
+    _, empty = correct_cotangent(
+        torch.zeros(4), current.float(), forward.float(), rt.ImportanceCorrection(level="average"), 1
+    )
     assert empty.units == 0 and empty.raw == empty.clipped == rt.RatioStats(
-        min=0.0, max=0.0, mean=0.0, quantiles={q: 0.0 for q in (0.05, 0.25, 0.5, 0.75, 0.95)})
+        min=0.0, max=0.0, mean=0.0, quantiles={q: 0.0 for q in (0.05, 0.25, 0.5, 0.75, 0.95)}
+    )

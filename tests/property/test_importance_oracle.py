@@ -32,9 +32,7 @@ TOLERANCE = 1e-10
 
 
 def _floats(n: int, bound: float):
-    return st.lists(
-        st.floats(-bound, bound, allow_nan=False, allow_infinity=False), min_size=n, max_size=n
-    )
+    return st.lists(st.floats(-bound, bound, allow_nan=False, allow_infinity=False), min_size=n, max_size=n)
 
 
 @st.composite
@@ -73,9 +71,7 @@ def _sequence_weighted_gradient(theta_old, theta_cur, rewards, *, weighted=True)
     logp_cur = sequence_logprobs(table_policy(theta), sequences)  # (N,)
     logp_old = sequence_logprobs(table_policy(theta_old), sequences)
     w = (logp_cur - logp_old).exp().detach() if weighted else torch.ones_like(logp_old)
-    surrogate = exact_expectation(
-        table_policy(theta_old), w * rewards * logp_cur, vocab=vocab, length=length
-    )
+    surrogate = exact_expectation(table_policy(theta_old), w * rewards * logp_cur, vocab=vocab, length=length)
     return torch.autograd.grad(surrogate, theta)[0]
 
 

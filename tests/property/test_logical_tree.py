@@ -63,7 +63,9 @@ def test_every_process_count_gives_the_oracles_bits(logical_dp: int) -> None:
             assert held <= max(per - 1, 0).bit_length() + 1, f"L={logical_dp}, W={world}: {held} partial sums"
 
 
-@pytest.mark.parametrize(("logical_dp", "missing"), [(4, {1}), (8, {0, 5, 6, 7}), (16, set(range(8))), (6, {5}), (3, {0, 1, 2})])
+@pytest.mark.parametrize(
+    ("logical_dp", "missing"), [(4, {1}), (8, {0, 5, 6, 7}), (16, set(range(8))), (6, {5}), (3, {0, 1, 2})]
+)
 def test_a_rank_without_the_tensor_is_skipped_not_added(logical_dp: int, missing: set[int]) -> None:
     leaves = _leaves(logical_dp, 7, frozenset(missing))
     expected = oracle(leaves)
@@ -81,4 +83,6 @@ def test_negative_zero_survives_a_skipped_sibling() -> None:
 
 def test_negative_control_the_tree_is_not_the_left_to_right_sum() -> None:
     leaves = _leaves(16, 16)
-    assert not torch.equal(oracle(leaves), functools.reduce(operator.add, leaves)), "the oracle cannot tell the orders apart"
+    assert not torch.equal(oracle(leaves), functools.reduce(operator.add, leaves)), (
+        "the oracle cannot tell the orders apart"
+    )

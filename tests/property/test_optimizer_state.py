@@ -44,7 +44,9 @@ CORRUPTIONS: list[tuple[str, str, Any]] = [
 
 
 def _trainer(optimizer: rt.AdamWConfig | None = None) -> rt.Trainer:
-    trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=optimizer or rt.AdamWConfig(lr=1e-2))
+    trainer = trainer_with_policy(
+        rt.ModelConfig.tiny(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=optimizer or rt.AdamWConfig(lr=1e-2)
+    )
     return trainer
 
 
@@ -87,7 +89,11 @@ def _fingerprint(trainer: rt.Trainer) -> tuple:
     checkpoint = trainer.checkpoint("policy")
     state = checkpoint.state_dict()
     flat = [state["parameters"][n] for n in sorted(state["parameters"])]
-    slots = [state["optimizer"]["state"][i][k] for i in sorted(state["optimizer"]["state"]) for k in sorted(state["optimizer"]["state"][i])]
+    slots = [
+        state["optimizer"]["state"][i][k]
+        for i in sorted(state["optimizer"]["state"])
+        for k in sorted(state["optimizer"]["state"][i])
+    ]
     group = {k: v for k, v in state["optimizer"]["param_groups"][0].items()}
     return [t.clone() for t in flat], [t.clone() for t in slots], group, checkpoint.version
 
@@ -122,19 +128,28 @@ def _assert_refused(bad: dict) -> None:
     _assert_same(before, _fingerprint(trainer))
 
 
-@pytest.mark.parametrize("corruption", CORRUPTIONS, ids=lambda c: f"{c[0]}-{c[1]}-{'missing' if c[2] is DELETE else c[2]!r}")
+@pytest.mark.parametrize(
+    "corruption", CORRUPTIONS, ids=lambda c: f"{c[0]}-{c[1]}-{'missing' if c[2] is DELETE else c[2]!r}"
+)
 def test_each_catalogued_corruption_is_refused_and_changes_nothing(corruption: tuple) -> None:
     _assert_refused(_corrupt(_stepped()[1], *corruption, 3))
 
 
 NOT_A_RATE = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).filter(lambda x: not 0.0 <= x < float("inf")),
-    st.text(max_size=3), st.none(), st.booleans(), st.lists(st.floats(0, 1), max_size=2),
+    st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+    st.lists(st.floats(0, 1), max_size=2),
 )
 NOT_BETAS = st.one_of(
-    st.tuples(st.floats(allow_nan=True), st.floats(allow_nan=True)).filter(lambda b: not all(0.0 <= x < 1.0 for x in b)),
+    st.tuples(st.floats(allow_nan=True), st.floats(allow_nan=True)).filter(
+        lambda b: not all(0.0 <= x < 1.0 for x in b)
+    ),
     st.lists(st.floats(0.0, 0.9), max_size=3).filter(lambda b: len(b) != 2),
-    st.none(), st.text(max_size=2), st.floats(0.0, 0.9),
+    st.none(),
+    st.text(max_size=2),
+    st.floats(0.0, 0.9),
 )
 
 
@@ -143,7 +158,9 @@ NOT_BETAS = st.one_of(
         st.tuples(st.just("group"), st.sampled_from(["lr", "eps", "weight_decay"]), NOT_A_RATE),
         st.tuples(st.just("group"), st.just("betas"), NOT_BETAS),
         st.tuples(st.just("slot"), st.sampled_from(["exp_avg", "exp_avg_sq", "step"]), st.just(DELETE)),
-        st.tuples(st.just("slot"), st.sampled_from(["exp_avg", "exp_avg_sq"]), st.sampled_from(["nan", "int", "shape", "inf"])),
+        st.tuples(
+            st.just("slot"), st.sampled_from(["exp_avg", "exp_avg_sq"]), st.sampled_from(["nan", "int", "shape", "inf"])
+        ),
     ),
     param_id=st.integers(0, 27),
 )

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference_trainer as rt
-from validation.trainers import trainer_with_policy
 from tests.support import train_step
 from validation.oracle import plain_gradients, relative_error, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 PLACEMENTS = ("retain", "offload", "replay")
 

@@ -36,7 +36,9 @@ def _model(dtype: torch.dtype) -> rt.DecoderLM:
 
 
 def _trainer(dtype: torch.dtype, policy: str) -> rt.Trainer:
-    trainer = trainer_with_policy(_model(dtype), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=POLICIES[policy])
+    trainer = trainer_with_policy(
+        _model(dtype), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=POLICIES[policy]
+    )
     return trainer
 
 
@@ -89,8 +91,9 @@ def _state(trainer: rt.Trainer) -> dict[str, object]:
     return {name: (c.revision, c.generation, c.state_dict()) for name, c in trainer.checkpoints.items()}
 
 
-def _saved_at_every_boundary(calls: list[Call], dtype: torch.dtype, folder: Path,
-                             policy: str = "always") -> tuple[dict, list[tuple[dict, int]]]:
+def _saved_at_every_boundary(
+    calls: list[Call], dtype: torch.dtype, folder: Path, policy: str = "always"
+) -> tuple[dict, list[tuple[dict, int]]]:
     """The uninterrupted job's final state with the number of records it corrected, and at each boundary the pending
     forwards' versions and the revision."""
     torch.manual_seed(0)
@@ -102,13 +105,15 @@ def _saved_at_every_boundary(calls: list[Call], dtype: torch.dtype, folder: Path
     return {"state": _state(trainer), "corrected": corrected}, pending
 
 
-def _resumed(calls: list[Call], boundary: int, pending: dict, dtype: torch.dtype, folder: Path, *,
-             at_version: bool) -> tuple[dict, int]:
+def _resumed(
+    calls: list[Call], boundary: int, pending: dict, dtype: torch.dtype, folder: Path, *, at_version: bool
+) -> tuple[dict, int]:
     """Load the save at ``boundary``, make its pending forwards again (at their versions, or at the current one), go on."""
     torch.manual_seed(99)  # the restarted process's RNG: the load replaces it
     trainer = rt.Trainer.load(folder / str(boundary), _model(dtype))
-    outputs = {i: trainer.forward(_tokens(i), checkpoint=version if at_version else "policy")
-               for i, version in pending.items()}
+    outputs = {
+        i: trainer.forward(_tokens(i), checkpoint=version if at_version else "policy") for i, version in pending.items()
+    }
     corrected = sum(_call(trainer, call, outputs) for call in calls[boundary:])
     return _state(trainer), corrected
 
@@ -156,12 +161,16 @@ def test_the_oracle_sees_forwards_made_again_at_the_current_revision(tmp_path):
     """Negative control: made again on the loaded (newer) weights instead of their own, the job ends elsewhere."""
     calls = plan(ASYNC)
     expected, pending = _saved_at_every_boundary(calls, torch.float32, tmp_path)
-    stale = [b for b, (versions, revision) in enumerate(pending) if any(v.revision < revision for v in versions.values())]
+    stale = [
+        b for b, (versions, revision) in enumerate(pending) if any(v.revision < revision for v in versions.values())
+    ]
     assert stale, "the schedule saves with a stale forward pending"
     for boundary in stale:
         with pytest.raises(AssertionError):
-            assert_nested_equal(_resumed(calls, boundary, pending[boundary][0], torch.float32, tmp_path,
-                                         at_version=False)[0], expected["state"])
+            assert_nested_equal(
+                _resumed(calls, boundary, pending[boundary][0], torch.float32, tmp_path, at_version=False)[0],
+                expected["state"],
+            )
 
 
 @pytest.mark.slow

@@ -42,8 +42,8 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from validation.trainers import trainer_with_policy
 from validation.oracle import WeightsAt, plain_gradients, relative_error, snapshot_weights
+from validation.trainers import trainer_with_policy
 
 F64 = torch.float64
 PROMPT = 1
@@ -78,7 +78,9 @@ def _plain_sequence_logprobs(config, weights: WeightsAt, seqs) -> torch.Tensor:
 
 def _global(found: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     names = list(reference)
-    return relative_error(torch.cat([found[n].flatten() for n in names]), torch.cat([reference[n].flatten() for n in names]))
+    return relative_error(
+        torch.cat([found[n].flatten() for n in names]), torch.cat([reference[n].flatten() for n in names])
+    )
 
 
 def _per_parameter(found, reference) -> dict[str, float | None]:

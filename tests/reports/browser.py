@@ -31,9 +31,16 @@ from validation.errors import SetupError
 __all__ = ["Browser", "BrowserSession", "PageCheck", "TraceLink", "find_browser"]
 
 _FLAGS = (
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--hide-scrollbars", "--window-size=1280,900",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1280,900",
 )
 # One round trip: the facts the checks need, read from the rendered DOM.
 _READ_DOM = """
@@ -114,18 +121,22 @@ def find_browser() -> Browser:
     driver = shutil.which("chromedriver")
     if chromium is None or driver is None:
         missing = [name for name, path in (("chromium", chromium), ("chromedriver", driver)) if path is None]
-        raise SetupError(f"no headless browser: {' and '.join(missing)} not found on PATH",
-                         fix="apt-get install chromium chromium-driver (Debian's packages)")
+        raise SetupError(
+            f"no headless browser: {' and '.join(missing)} not found on PATH",
+            fix="apt-get install chromium chromium-driver (Debian's packages)",
+        )
     try:
         import selenium  # noqa: F401
     except ImportError:
-        raise SetupError("the browser check needs selenium, which is not installed",
-                         fix="pip install -e '.[test]'") from None
+        raise SetupError(
+            "the browser check needs selenium, which is not installed", fix="pip install -e '.[test]'"
+        ) from None
     return Browser(Path(chromium), Path(driver))
 
 
-def _failures(shown: dict[str, bool], rows: dict[str, int], images: list[tuple[str, int]],
-              fold: dict[str, bool]) -> list[str]:
+def _failures(
+    shown: dict[str, bool], rows: dict[str, int], images: list[tuple[str, int]], fold: dict[str, bool]
+) -> list[str]:
     failures = [f"element #{name} expected on the page, not shown" for name, ok in shown.items() if not ok]
     failures += [f"element #{name} expected within the first screen, not there" for name, ok in fold.items() if not ok]
     for name, count in rows.items():
@@ -212,5 +223,7 @@ class BrowserSession:
         """
         self._driver.set_script_timeout(self.timeout_s)
         self._driver.get(url)
-        return [TraceLink(str(href), str(text), int(events), str(failure))
-                for href, text, events, failure in self._driver.execute_async_script(_OPEN_TRACES)]
+        return [
+            TraceLink(str(href), str(text), int(events), str(failure))
+            for href, text, events, failure in self._driver.execute_async_script(_OPEN_TRACES)
+        ]

@@ -16,5 +16,8 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "evidence"
 @pytest.fixture(scope="session")
 def fixture_report(tmp_path_factory: pytest.TempPathFactory) -> ReportPaths:
     """``rtv report --in tests/fixtures/evidence`` (the folder named: read though it is a fixture), rendered once."""
-    return once_per_run(tmp_path_factory, "fixture-report",
-                        lambda folder: render_report(FIXTURES, folder / "index.md", title="fixtures"))
+    return once_per_run(
+        tmp_path_factory,
+        "fixture-report",
+        lambda folder: render_report(FIXTURES, folder / "index.md", title="fixtures"),
+    )

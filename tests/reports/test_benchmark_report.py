@@ -14,8 +14,8 @@ from canaries.benchmark import canary as benchmark
 from canaries.benchmark import profiling
 from reports import render_report
 from reports.benchmark import comparison_line, section
-from validation.evidence import make_record, write_once
 from tests.benchmark_fakes import run_fake, tiny_plan
+from validation.evidence import make_record, write_once
 
 
 @pytest.fixture(scope="module")
@@ -58,33 +58,65 @@ def test_the_csv_holds_every_raw_sample(evidence: Path, tmp_path: Path) -> None:
 
 def test_a_comparison_line_reads_as_throughput_change_with_its_interval() -> None:
     # tokens/s 12.1% lower means a step-time ratio of 1 / 0.879; the interval inverts the same way.
-    comparison = {"arm": "B", "baseline": "A", "blocks": 8, "ratio": 1 / 0.879, "ci95": [1 / 0.897, 1 / 0.860],
-                  "drift": {"rho": 0.08, "p_value": 0.8, "significant": False}, "loaded": [], "verdict": "regression"}
+    comparison = {
+        "arm": "B",
+        "baseline": "A",
+        "blocks": 8,
+        "ratio": 1 / 0.879,
+        "ci95": [1 / 0.897, 1 / 0.860],
+        "drift": {"rho": 0.08, "p_value": 0.8, "significant": False},
+        "loaded": [],
+        "verdict": "regression",
+    }
     assert comparison_line(comparison, "4x1K", 0.05) == (
-        "tok/s −12.1% [−14.0..−10.3] (B vs A, 8 ABBA blocks, 4×1K, drift ρ=0.08) → regression vs ±5% gate")
+        "tok/s −12.1% [−14.0..−10.3] (B vs A, 8 ABBA blocks, 4×1K, drift ρ=0.08) → regression vs ±5% gate"
+    )
 
 
-def test_the_profile_table_shows_a_cost_noise_and_a_saving_never_a_negative_cost(evidence: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_the_profile_table_shows_a_cost_noise_and_a_saving_never_a_negative_cost(
+    evidence: Path, tmp_path: Path
+) -> None:
     """A profile of known paired blocks in a record: each component reads as its interval says."""
     record = json.loads(evidence.read_text())
     (group,) = record["measurements"]["groups"]
     plain = [0.010, 0.011, 0.0095]
-    shifts = {"saved_tensor_hooks": [0.002, 0.0021, 0.0019], "model_forward": [0.001, -0.001, 0.0002],
-              "other": [-0.0005, -0.0006, -0.0004]}
-    components = [{"name": name, "buys": profiling.COMPONENTS[name],
-                   **profiling.differences(plain, [p + s for p, s in zip(plain, shift)])}
-                  for name, shift in shifts.items()]
+    shifts = {
+        "saved_tensor_hooks": [0.002, 0.0021, 0.0019],
+        "model_forward": [0.001, -0.001, 0.0002],
+        "other": [-0.0005, -0.0006, -0.0004],
+    }
+    components = [
+        {
+            "name": name,
+            "buys": profiling.COMPONENTS[name],
+            **profiling.differences(plain, [p + s for p, s in zip(plain, shift)]),
+        }
+        for name, shift in shifts.items()
+    ]
     median = {"block_seconds": plain, "median_block": 0, "median_seconds": plain[0]}
-    group["profile"] = {"blocks": 3, "confidence": 0.95, "note": "profiled blocks", "plain_step_seconds": 0.01,
-                        "arms": {"plain": median, "retain@s0": median}, "extra": components[0],
-                        "components": components, "saved_by_reuse_seconds": 0.001}
+    group["profile"] = {
+        "blocks": 3,
+        "confidence": 0.95,
+        "note": "profiled blocks",
+        "plain_step_seconds": 0.01,
+        "arms": {"plain": median, "retain@s0": median},
+        "extra": components[0],
+        "components": components,
+        "saved_by_reuse_seconds": 0.001,
+    }
     written = tmp_path / "run" / evidence.name
-    write_once(written, make_record(record["kind"], config=record["config"], checks=record["checks"],
-                                    measurements=record["measurements"]))
+    write_once(
+        written,
+        make_record(
+            record["kind"], config=record["config"], checks=record["checks"], measurements=record["measurements"]
+        ),
+    )
     markdown = render_report(written.parent, tmp_path / "report" / "index.md").markdown.read_text()
-    rows = {line.split("|")[2].strip(): [cell.strip() for cell in line.split("|")[3:-1]]
-            for line in markdown.splitlines() if any(f"| {name} |" in line for name in shifts)}
+    rows = {
+        line.split("|")[2].strip(): [cell.strip() for cell in line.split("|")[3:-1]]
+        for line in markdown.splitlines()
+        if any(f"| {name} |" in line for name in shifts)
+    }
     assert rows["saved_tensor_hooks"][:3] == ["+2.00 ms [+1.75..+2.25]", "cost", "20.0"]  # t(2) interval by hand
     assert rows["model_forward"][1:3] == ["within noise", ""] and rows["model_forward"][0].startswith("within noise [")
     assert rows["other"][:3] == ["0.50 ms faster [0.25..0.75]", "saving", ""], "a saving, not a negative cost"
@@ -98,11 +130,13 @@ def test_two_benchmark_records_in_one_report_keep_their_own_plots(evidence: Path
     for index in (1, 2):
         record = json.loads(evidence.read_text())
         record["measurements"]["seconds"] += index  # a different record, so a different digest
-        write_once(runs / f"run{index}" / evidence.name, make_record(record["kind"], config=record["config"],
-                                                                      checks=record["checks"],
-                                                                      measurements=record["measurements"]))
+        write_once(
+            runs / f"run{index}" / evidence.name,
+            make_record(
+                record["kind"], config=record["config"], checks=record["checks"], measurements=record["measurements"]
+            ),
+        )
     report = render_report(runs, tmp_path / "report" / "index.md")
     pngs = sorted(p.name for p in (tmp_path / "report" / "plots").glob("benchmark-*.png"))
     assert len(pngs) == 6 and len({name.rsplit("-", 1)[0] for name in pngs}) == 2
     assert report.html.read_text().count("<img ") >= 6
-

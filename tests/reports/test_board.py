@@ -24,17 +24,34 @@ def fixture_page(fixture_report) -> tuple[str, str]:
 
 def _board(markdown: str) -> dict[str, str]:
     """The board's rows: canary name -> verdict cell."""
-    board = markdown[markdown.index("## Verdict board"):markdown.index("## Environment")]
-    return {cells[0]: cells[1] for cells in (line.strip("| ").split(" | ") for line in board.splitlines()
-                                             if "](#section-" in line)}
+    board = markdown[markdown.index("## Verdict board") : markdown.index("## Environment")]
+    return {
+        cells[0]: cells[1]
+        for cells in (line.strip("| ").split(" | ") for line in board.splitlines() if "](#section-" in line)
+    }
 
 
 def _mutations(caught: bool) -> dict:
-    one = {"description": WORDS, "caught_by": "derivative", "applicable": True, "caught": caught,
-           "failed_checks": ["regression: failed"] if caught else [], "first_failure": "", "seconds": 1}
-    return make_record("mutation-suite", config={}, checks={f"caught: {WORDS}": caught},
-                       measurements={"mutations": {"failed_regression": one}, "run": ["failed_regression"],
-                                     "caught": ["failed_regression"] if caught else [], "inapplicable": []})
+    one = {
+        "description": WORDS,
+        "caught_by": "derivative",
+        "applicable": True,
+        "caught": caught,
+        "failed_checks": ["regression: failed"] if caught else [],
+        "first_failure": "",
+        "seconds": 1,
+    }
+    return make_record(
+        "mutation-suite",
+        config={},
+        checks={f"caught: {WORDS}": caught},
+        measurements={
+            "mutations": {"failed_regression": one},
+            "run": ["failed_regression"],
+            "caught": ["failed_regression"] if caught else [],
+            "inapplicable": [],
+        },
+    )
 
 
 def _classes(html: str) -> set[str]:
@@ -42,8 +59,9 @@ def _classes(html: str) -> set[str]:
 
 
 @pytest.mark.slow  # renders a whole run's page (about 3 s); a row's class from its result is checked cell by cell in test_failed_rows.py
-def test_a_passing_run_whose_cells_say_failed_or_regression_has_no_red_cell(tmp_path: Path,
-                                                                             fixture_page: tuple[str, str]) -> None:
+def test_a_passing_run_whose_cells_say_failed_or_regression_has_no_red_cell(
+    tmp_path: Path, fixture_page: tuple[str, str]
+) -> None:
     write_once(tmp_path / "run" / "mutations.json", _mutations(caught=True))
     html = render_report(tmp_path / "run", tmp_path / "page" / "index.md").html.read_text()
     assert WORDS in html and "failed" not in _classes(html), "red means failed: a passing run has no red"
@@ -59,9 +77,22 @@ def test_a_passing_run_whose_cells_say_failed_or_regression_has_no_red_cell(tmp_
 def test_the_class_vocabulary_is_fixed_and_an_unknown_word_is_never_red() -> None:
     from reports.classes import result_class
 
-    assert [result_class(w) for w in ("pass", "FAIL", "caught", "NOT CAUGHT", "skipped", "tie", "regression",
-                                      "worse", "inconclusive", "DIFFERS at step 3", "some new word")] == \
-        ["passed", "failed", "passed", "failed", "skipped", "passed", "shown", "shown", "shown", "failed", "shown"]
+    assert [
+        result_class(w)
+        for w in (
+            "pass",
+            "FAIL",
+            "caught",
+            "NOT CAUGHT",
+            "skipped",
+            "tie",
+            "regression",
+            "worse",
+            "inconclusive",
+            "DIFFERS at step 3",
+            "some new word",
+        )
+    ] == ["passed", "failed", "passed", "failed", "skipped", "passed", "shown", "shown", "shown", "failed", "shown"]
 
 
 def test_a_shown_verdict_reads_shown_never_passed_beside_it(fixture_page: tuple[str, str]) -> None:

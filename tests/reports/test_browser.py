@@ -55,12 +55,17 @@ def browser():
 
 def _png(width: int, height: int) -> str:
     """A valid grey PNG as a data URI, made here (no fixture file, no plotting library)."""
+
     def chunk(tag: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
 
     rows = b"".join(b"\x00" + b"\x80" * width for _ in range(height))
-    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
@@ -86,8 +91,9 @@ def test_a_complete_page_passes_and_leaves_a_screenshot(browser, tmp_path):
 
 def test_negative_control_broken_image_and_missing_table_fail(browser, tmp_path):
     page = _page(tmp_path, broken_image=True, drop_table=True)
-    seen = browser.check(page, required_ids=["board", "verdict-board"], tables=["t1", "t2"],
-                         screenshot=tmp_path / "shot.png")
+    seen = browser.check(
+        page, required_ids=["board", "verdict-board"], tables=["t1", "t2"], screenshot=tmp_path / "shot.png"
+    )
     assert not seen.passed
     assert "table #t2 expected, not rendered" in seen.failures
     assert "image 'plot' did not load (naturalWidth 0)" in seen.failures
@@ -113,14 +119,19 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (folder / "run").mkdir(exist_ok=True)
             (folder / "run" / path.name).write_bytes(path.read_bytes())
     record = json.loads((FIXTURE_EVIDENCE / "benchmark.json").read_text())
-    traces = {arm: _real_trace(folder / "traces" / f"small-{arm.replace('@', '-')}.trace.json.gz")
-              for arm in ("plain", "retain@s0")}
+    traces = {
+        arm: _real_trace(folder / "traces" / f"small-{arm.replace('@', '-')}.trace.json.gz")
+        for arm in ("plain", "retain@s0")
+    }
     not_a_trace = folder / "traces" / "small-replay-s0.trace.json.gz"
     not_a_trace.write_bytes(gzip.compress(b'{"events": []}'))
     record["measurements"]["groups"][0]["traces"] = {**traces, "replay@s0": str(not_a_trace)}
-    write_once(folder / "run" / "benchmark.json", make_record(record["kind"], config=record["config"],
-                                                              checks=record["checks"],
-                                                              measurements=record["measurements"]))
+    write_once(
+        folder / "run" / "benchmark.json",
+        make_record(
+            record["kind"], config=record["config"], checks=record["checks"], measurements=record["measurements"]
+        ),
+    )
     return render_report(folder / "run", folder / "report" / "index.md", title="fixture run").html
 
 
@@ -160,34 +171,49 @@ def test_the_report_renders_in_a_browser_board_first_every_table_and_image(brows
     sections, tables = _ids(report.read_text())
     kinds = {json.loads(p.read_text())["kind"] for p in FIXTURE_EVIDENCE.glob("*.json")}
     assert "verdict-board" in sections and "verdict-board-table" in tables and len(sections) >= 2 + len(kinds)
-    seen = browser.check(report, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
-                         screenshot=report.with_name("report.png"))
+    seen = browser.check(
+        report,
+        required_ids=sections,
+        tables=tables,
+        first_screen=["verdict-board-table"],
+        screenshot=report.with_name("report.png"),
+    )
     print(f"screenshot of the checked report: {seen.screenshot}")
     assert seen.failures == []
     assert seen.table_rows["verdict-board-table"] == len(kinds), "one board row per record"
     assert len(seen.images) == report.read_text().count("<img ") >= 4 and all(w > 0 for _, w in seen.images)
 
 
-def test_negative_control_the_report_with_a_broken_image_and_a_missing_table_fails(browser, report: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_negative_control_the_report_with_a_broken_image_and_a_missing_table_fails(
+    browser, report: Path, tmp_path: Path
+) -> None:
     html = report.read_text()
     sections, tables = _ids(html)
     dropped = tables[-1]
     start = html.index(f'<table id="{dropped}"')
-    broken = html[:start] + html[html.index("</table>", start) + len("</table>"):]
+    broken = html[:start] + html[html.index("</table>", start) + len("</table>") :]
     broken = re.sub(r'<img src="data:image/png;base64,[^"]+"', '<img src="plots/missing.png"', broken, count=1)
     page = tmp_path / "broken.html"
     page.write_text(broken)
-    seen = browser.check(page, required_ids=sections, tables=tables, first_screen=["verdict-board-table"],
-                         screenshot=tmp_path / "broken.png")
-    assert sorted(seen.failures) == sorted([f"table #{dropped} expected, not rendered",
-                                            f"image {seen.images[0][0]!r} did not load (naturalWidth 0)"])
+    seen = browser.check(
+        page,
+        required_ids=sections,
+        tables=tables,
+        first_screen=["verdict-board-table"],
+        screenshot=tmp_path / "broken.png",
+    )
+    assert sorted(seen.failures) == sorted(
+        [f"table #{dropped} expected, not rendered", f"image {seen.images[0][0]!r} did not load (naturalWidth 0)"]
+    )
 
 
 def test_the_reports_trace_links_open_as_chrome_traces_of_both_arms(browser, served: str) -> None:
     links = {Path(link.href).name: link for link in browser.open_traces(served)}
-    assert sorted(links) == ["small-plain.trace.json.gz", "small-replay-s0.trace.json.gz",
-                             "small-retain-s0.trace.json.gz"]
+    assert sorted(links) == [
+        "small-plain.trace.json.gz",
+        "small-replay-s0.trace.json.gz",
+        "small-retain-s0.trace.json.gz",
+    ]
     for name in ("small-plain.trace.json.gz", "small-retain-s0.trace.json.gz"):
         assert links[name].failure == "" and links[name].events > 0, links[name]
         assert "torch.profiler trace of" in links[name].text

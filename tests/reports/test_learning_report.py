@@ -87,7 +87,11 @@ def test_section_writes_the_figures_and_lists_them_with_the_verdict_tables(built
     for name, workload in workloads.items():
         table = result.tables[f"{name}: verdicts (paired TOST, α = 0.05)"]
         assert len(table) == len(workload["verdicts"]) and set(table["verdict"]) <= {
-            "equivalent", "worse", "better", "inconclusive"}
+            "equivalent",
+            "worse",
+            "better",
+            "inconclusive",
+        }
     assert "stale2_corrected vs strict" in result.key_figure
 
 
@@ -101,7 +105,9 @@ def test_the_arms_table_shows_each_corrected_arms_raw_and_clipped_ratios(built: 
                 assert table.loc[arm, "raw ratio (min / median / max)"] == "-"
                 continue
             assert table.loc[arm, "raw ratio (min / median / max)"] == (
-                f"{raw['min']:.3g} / {raw['quantiles']['0.5']:.3g} / {raw['max']:.3g}")
+                f"{raw['min']:.3g} / {raw['quantiles']['0.5']:.3g} / {raw['max']:.3g}"
+            )
             assert table.loc[arm, "clipped ratio (min / median / max)"] == (
-                f"{clipped['min']:.3g} / {clipped['quantiles']['0.5']:.3g} / {clipped['max']:.3g}")
+                f"{clipped['min']:.3g} / {clipped['quantiles']['0.5']:.3g} / {clipped['max']:.3g}"
+            )
         assert table.loc["stale2_sequence", "raw ratio (min / median / max)"] != "-"

@@ -30,18 +30,25 @@ def _benchmark_without_intervals() -> dict:
         for comparison in group["comparisons"] + ([group["replay_floor"]] if group["replay_floor"] else []):
             comparison.update(ratio=math.nan, ci95=[math.nan, math.nan], verdict="regression")
             comparison["drift"]["rho"] = math.nan
-    return make_record(record["kind"], config=record["config"], checks={"retain@s0 is not a regression": False},
-                       measurements=record["measurements"])
+    return make_record(
+        record["kind"],
+        config=record["config"],
+        checks={"retain@s0 is not a regression": False},
+        measurements=record["measurements"],
+    )
 
 
 def test_missing_numbers_read_n_a_on_the_page_the_summary_the_comment_and_the_terminal(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     record = _benchmark_without_intervals()
     write_once(tmp_path / "run" / "benchmark.json", record)
     main(["report", "--in", str(tmp_path / "run"), "--out", str(tmp_path / "page" / "index.md"), "--summary"])
     _print_record(record)
     shown = {"terminal": capsys.readouterr().out}
-    shown |= {path.name: path.read_text() for path in (tmp_path / "page").glob("*.*") if path.suffix in (".md", ".html")}
+    shown |= {
+        path.name: path.read_text() for path in (tmp_path / "page").glob("*.*") if path.suffix in (".md", ".html")
+    }
     assert {"index.md", "index.html", "summary.md", "pr-comment.md"} <= set(shown)
     assert {name: _no_nan(text) for name, text in shown.items()} == {name: [] for name in shown}
     assert "n/a" in shown["summary.md"] and "n/a" in shown["index.md"]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 from canaries.planner.certificate import certify
 from reports.planner import section
-from validation.evidence import Checks, make_record
 from tests.canaries.test_planner_canary import GOOD, _cell
+from validation.evidence import Checks, make_record
 
 
 def _record(cells: dict) -> dict:
@@ -17,8 +17,12 @@ def _record(cells: dict) -> dict:
     checks = Checks()
     for name, ok, detail in verdicts:
         checks.skip(name, detail) if ok is None else checks.check(name, ok, detail)
-    return make_record("planner-canary", config={}, checks=checks,
-                       measurements={"certificate": figures, "cells": {k: asdict(v) for k, v in cells.items()}})
+    return make_record(
+        "planner-canary",
+        config={},
+        checks=checks,
+        measurements={"certificate": figures, "cells": {k: asdict(v) for k, v in cells.items()}},
+    )
 
 
 def test_the_section_plots_regret_and_bytes_and_lists_every_cell(tmp_path: Path) -> None:

@@ -48,8 +48,9 @@ def test_a_baselines_worktree_under_in_is_never_read_as_records(tmp_path: Path) 
     for group in record["measurements"]["groups"]:
         for comparison in group["comparisons"]:
             comparison["verdict"] = "regression"
-    regression = make_record(record["kind"], config=record["config"], checks={"a regression": False},
-                             measurements=record["measurements"])
+    regression = make_record(
+        record["kind"], config=record["config"], checks={"a regression": False}, measurements=record["measurements"]
+    )
     (tree / "tests" / "fixtures" / "evidence" / "benchmark-regression.json").write_text(json.dumps(regression))
     assert [r.path for r in load_records(out)] == ours and all(tree not in p.parents for p in ours)
     code = main(["report", "--in", str(out), "--out", str(tmp_path / "report" / "index.md"), "--summary"])
@@ -68,7 +69,8 @@ def test_tests_fixtures_below_in_are_skipped_and_the_folder_named_is_read(tmp_pa
 
 
 def test_a_failing_record_whose_marker_was_stripped_fails_the_report_and_other_json_is_named(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The repro: an artifact upload drops hidden files, so the marker is gone ("1 records, PASSED")."""
     write_once(tmp_path / "gpu-receipt.json", make_record("smoke", config={}, checks={"ok": True}, measurements={}))
     failing = write_once(tmp_path / "rtv-gate-1" / "evidence" / "run-x" / "smoke.json", _failed())
@@ -85,16 +87,18 @@ def test_a_failing_record_whose_marker_was_stripped_fails_the_report_and_other_j
 
 
 def test_a_marked_folders_only_record_tampered_with_is_read_as_invalid_and_fails_the_report(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A marked folder is collected on its marker alone: a record there that no longer verifies (one byte changed
     after writing) is a record gone invalid, never a stray ``*.json`` to skip."""
     write_once(tmp_path / "gpu-receipt.json", make_record("smoke", config={}, checks={"ok": True}, measurements={}))
-    tampered = write_once(tmp_path / "run-x" / "smoke.json",
-                          make_record("smoke", config={}, checks={"ok": True}, measurements={}))
+    tampered = write_once(
+        tmp_path / "run-x" / "smoke.json", make_record("smoke", config={}, checks={"ok": True}, measurements={})
+    )
     assert (tampered.parent / evidence.EVIDENCE_MARKER).is_file()
     data = tampered.read_bytes()
     at = data.index(b'"smoke"') + 5
-    tampered.write_bytes(data[:at] + b"f" + data[at + 1:])  # "smoke" -> "smokf": still JSON, no longer its digest
+    tampered.write_bytes(data[:at] + b"f" + data[at + 1 :])  # "smoke" -> "smokf": still JSON, no longer its digest
     with pytest.raises(evidence.EvidenceError):
         evidence.verify(tampered)
     loaded = [(r.name, r.status) for r in load_records(tmp_path)]

@@ -24,14 +24,15 @@ def _memory_like(passed: bool, why: str = "offload 4096 B on the device; allowed
     checks.skip("cuda: allocator back to baseline", "no CUDA device")
     return make_record(
         "memory-canary",
-        config={"name": "cpu", "placements": ["retain", "offload"],
-                "points": ["after_forward", "after_backward"]},
+        config={"name": "cpu", "placements": ["retain", "offload"], "points": ["after_forward", "after_backward"]},
         checks=checks,
         measurements={
             "lifecycle_bytes": {
                 "retain": {"after_forward": {"device": 4096, "host": 0}, "after_backward": {"device": 0, "host": 0}},
-                "offload": {"after_forward": {"device": 512 if passed else 4096, "host": 4096},
-                            "after_backward": {"device": 0, "host": 0}},
+                "offload": {
+                    "after_forward": {"device": 512 if passed else 4096, "host": 4096},
+                    "after_backward": {"device": 0, "host": 0},
+                },
             },
             "admission": {"limit_bytes": 600_000, "census_peak_device": 348_318},
             "offload": {"retain_keeps": 4096},
@@ -41,21 +42,51 @@ def _memory_like(passed: bool, why: str = "offload 4096 B on the device; allowed
 
 
 def _derivative_like() -> dict:
-    cells = [{"staleness": s, "placement": p, "corrected": c, "checkpoint": "lora", "records": 1 + s}
-             for s in (0, 1, 2) for p in ("retain", "offload", "replay") for c in (False, True)]
+    cells = [
+        {"staleness": s, "placement": p, "corrected": c, "checkpoint": "lora", "records": 1 + s}
+        for s in (0, 1, 2)
+        for p in ("retain", "offload", "replay")
+        for c in (False, True)
+    ]
     measurements = {key: 0 for key in KINDS["derivative-canary"].measurements}
-    measurements.update(examples=10, examples_backpropagated=9, records_checked=sum(c["records"] for c in cells),
-                        stale_share_of_checked=0.8, worst_gradient_error_over_threshold=0.02, cells=cells,
-                        worst_gradient_relative_l2=2e-6)
-    return make_record("derivative-canary", config={"tolerances": {"gradient": 1e-4}}, checks={"coverage": True}, measurements=measurements)
+    measurements.update(
+        examples=10,
+        examples_backpropagated=9,
+        records_checked=sum(c["records"] for c in cells),
+        stale_share_of_checked=0.8,
+        worst_gradient_error_over_threshold=0.02,
+        cells=cells,
+        worst_gradient_relative_l2=2e-6,
+    )
+    return make_record(
+        "derivative-canary",
+        config={"tolerances": {"gradient": 1e-4}},
+        checks={"coverage": True},
+        measurements=measurements,
+    )
 
 
 def _mutations_like(caught: bool) -> dict:
-    one = {"description": "the staleness check admits bound + 1", "caught_by": "derivative", "applicable": True,
-           "caught": caught, "failed_checks": ["scenario:bounds"] if caught else [], "first_failure": "", "seconds": 1}
-    return make_record("mutation-suite", config={}, checks={"caught:off_by_one": caught},
-                       measurements={"mutations": {"off_by_one": one}, "run": ["off_by_one"],
-                                     "caught": ["off_by_one"] if caught else [], "inapplicable": []})
+    one = {
+        "description": "the staleness check admits bound + 1",
+        "caught_by": "derivative",
+        "applicable": True,
+        "caught": caught,
+        "failed_checks": ["scenario:bounds"] if caught else [],
+        "first_failure": "",
+        "seconds": 1,
+    }
+    return make_record(
+        "mutation-suite",
+        config={},
+        checks={"caught:off_by_one": caught},
+        measurements={
+            "mutations": {"off_by_one": one},
+            "run": ["off_by_one"],
+            "caught": ["off_by_one"] if caught else [],
+            "inapplicable": [],
+        },
+    )
 
 
 @pytest.fixture
@@ -65,8 +96,9 @@ def evidence(tmp_path: Path) -> Path:
     write_once(folder / "memory-bad.json", _memory_like(False))
     write_once(folder / "sub" / "derivative.json", _derivative_like())
     write_once(folder / "mutations.json", _mutations_like(False))
-    write_once(folder / "other.json", make_record("something-new", config={}, checks={"ok": True},
-                                                  measurements={"x": 1}))
+    write_once(
+        folder / "other.json", make_record("something-new", config={}, checks={"ok": True}, measurements={"x": 1})
+    )
     (folder / "not-a-record.json").write_text(json.dumps({"median_ratio": 1.3}))
     tampered = _memory_like(True)
     tampered["measurements"]["admission"]["census_peak_device"] = 1  # edited after the digest was made
@@ -76,8 +108,15 @@ def evidence(tmp_path: Path) -> Path:
 
 def test_each_record_gets_the_status_its_evidence_supports(evidence: Path) -> None:
     status = {r.name: r.status for r in load_records(evidence)}
-    assert status == {"memory-ok": "passed", "memory-bad": "failed", "sub/derivative": "passed",
-                      "mutations": "failed", "other": "passed", "not-a-record": "invalid", "memory-tampered": "invalid"}
+    assert status == {
+        "memory-ok": "passed",
+        "memory-bad": "failed",
+        "sub/derivative": "passed",
+        "mutations": "failed",
+        "other": "passed",
+        "not-a-record": "invalid",
+        "memory-tampered": "invalid",
+    }
     with pytest.raises(SetupError, match="not a folder of evidence"):
         load_records(evidence / "nowhere")
 
@@ -97,8 +136,9 @@ def test_sections_show_checks_and_only_the_declared_measurements(evidence: Path,
     grid = views["sub/derivative"].section.tables["judged records per cell"].set_index(["checkpoint", "staleness"])
     assert grid.loc[("lora", 2), "replay corrected"] == 3 and grid.loc[("lora", 0), "retain plain"] == 1
     assert views["sub/derivative"].section.key_figure == "worst gradient error 2e-06 vs threshold 0.0001 (2% of it)"
-    assert views["memory-bad"].section.key_figure == ("bytes left after backward (most over offload, retain): "
-                                                      "device 0 B, host 0 B")
+    assert views["memory-bad"].section.key_figure == (
+        "bytes left after backward (most over offload, retain): device 0 B, host 0 B"
+    )
     assert views["mutations"].section.key_figure == "0 of 1 injected bugs caught"
     injected = views["mutations"].section.tables["injected bugs"].set_index("mutation")
     assert injected.loc["off_by_one", "verdict"] == "NOT CAUGHT"
@@ -112,8 +152,13 @@ def test_page_lists_every_record_with_its_verdict_checks_and_plots(evidence: Pat
     assert report.passed is False, "failed and invalid records fail the run"
     page = report.markdown.read_text()
     assert "**FAILED**: 7 records, 3 passed, 2 failed, 2 invalid." in page
-    for name, verdict in [("memory-ok", "PASSED"), ("memory-bad", "FAILED"), ("memory-tampered", "INVALID"),
-                          ("sub/derivative", "PASSED"), ("not-a-record", "INVALID")]:
+    for name, verdict in [
+        ("memory-ok", "PASSED"),
+        ("memory-bad", "FAILED"),
+        ("memory-tampered", "INVALID"),
+        ("sub/derivative", "PASSED"),
+        ("not-a-record", "INVALID"),
+    ]:
         assert f"### {name}: {verdict}" in page
     bad = page.split("### memory-bad: FAILED")[1].split("\n### ")[0]
     assert "| offload: device bytes fall | FAIL | offload 4096 B on the device; allowed up to 1024 B |" in bad
@@ -175,7 +220,11 @@ def test_reports_never_import_the_trainer_or_the_canaries() -> None:
 def test_failures_come_first_with_their_reason_then_the_board_with_failed_rows_on_top(evidence: Path) -> None:
     report = render_report(evidence)
     page, html = report.markdown.read_text(), report.html.read_text()
-    failures, board, details = page.index("## What failed, and why"), page.index("## Verdict board"), page.index("## Details")
+    failures, board, details = (
+        page.index("## What failed, and why"),
+        page.index("## Verdict board"),
+        page.index("## Details"),
+    )
     assert failures < board < details
     why = page[failures:board]
     assert "**offload: device bytes fall**: offload 4096 B on the device; allowed up to 1024 B" in why
@@ -184,8 +233,14 @@ def test_failures_come_first_with_their_reason_then_the_board_with_failed_rows_o
     assert len(rows) == 7
     statuses = ["(passed)" not in row and "| passed |" not in row for row in rows]
     assert statuses == sorted(statuses, reverse=True), "failed and invalid rows first"
-    for element in ('id="failures"', 'id="verdict-board"', 'id="verdict-board-table"', 'id="section-memory-bad"',
-                    'id="section-memory-bad-table-1"', 'href="#section-memory-bad"'):
+    for element in (
+        'id="failures"',
+        'id="verdict-board"',
+        'id="verdict-board-table"',
+        'id="section-memory-bad"',
+        'id="section-memory-bad-table-1"',
+        'href="#section-memory-bad"',
+    ):
         assert element in html
     assert html.index('id="failures"') < html.index('id="verdict-board"') < html.index('id="headline-plots"')
 
@@ -211,7 +266,7 @@ def test_the_failure_box_reads_a_schema_2_reason_from_the_records_own_field(tmp_
     record["digest"] = content_digest(record)
     write_once(tmp_path / "in" / "memory.json", record)
     page = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
-    why = page[page.index("## What failed, and why"):page.index("## Verdict board")]
+    why = page[page.index("## What failed, and why") : page.index("## Verdict board")]
     assert "**offload: device bytes fall**: the field's reason" in why and "a measurement" not in why
     assert "cuda: allocator back to baseline" not in why  # a skip is not a failure
 
@@ -240,4 +295,4 @@ def test_a_failed_schema_1_check_shows_the_reason_its_measurements_kept(tmp_path
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "derivative.json").write_text(json.dumps(record))
     page = render_report(tmp_path / "in", tmp_path / "out" / "index.md").markdown.read_text()
-    assert f"**{first}**: AssertionError: the v1 reason" in page[:page.index("## Verdict board")]
+    assert f"**{first}**: AssertionError: the v1 reason" in page[: page.index("## Verdict board")]

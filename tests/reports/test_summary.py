@@ -18,14 +18,19 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _summarise(folder: Path, costs: dict[str, float]) -> tuple[int, Path]:
     run_fake(folder / "bench", costs, real_steps=3)
-    return main(["report", "--in", str(folder / "bench"), "--out", str(folder / "report" / "index.md"), "--summary"]), folder / "report"
+    return main(
+        ["report", "--in", str(folder / "bench"), "--out", str(folder / "report" / "index.md"), "--summary"]
+    ), folder / "report"
 
 
 def test_a_tie_run_writes_a_summary_and_no_pr_comment(tmp_path: Path) -> None:
     code, report = _summarise(tmp_path, {"retain@s0": 1.0, "replay@s0": 1.0, "offload@s2": 1.0})
     summary = (report / "summary.md").read_text()
     assert code == 0 and not (report / "pr-comment.md").exists()
-    assert "no regression in 4 comparisons" in summary and "| retain@s0 vs plain | 1.000 [1.000, 1.000] | **tie**" in summary
+    assert (
+        "no regression in 4 comparisons" in summary
+        and "| retain@s0 vs plain | 1.000 [1.000, 1.000] | **tie**" in summary
+    )
     assert "[full report](index.html)" in summary and "(../bench/benchmark-cpu-" in summary
 
 
@@ -33,7 +38,9 @@ def test_a_regression_run_writes_a_pr_comment_with_the_regressions_only(tmp_path
     code, report = _summarise(tmp_path, {"retain@s0": 1.2, "replay@s0": 1.0, "offload@s2": 1.0})
     comment = (report / "pr-comment.md").read_text()
     assert code == 1 and "1 regression(s) in 4 comparisons" in (report / "summary.md").read_text()
-    assert "found 1 regression(s)" in comment and "| retain@s0 vs plain | 1.200 [1.200, 1.200] | **regression**" in comment
+    assert (
+        "found 1 regression(s)" in comment and "| retain@s0 vs plain | 1.200 [1.200, 1.200] | **regression**" in comment
+    )
     assert "replay@s0 vs plain" not in comment
 
 
@@ -66,11 +73,16 @@ def test_a_baselines_arm_regression_counts_and_its_a_a_control_does_not(tmp_path
     from validation.evidence import make_record, write_once
 
     record = _record()
-    record["measurements"]["comparisons"] = [_comparison("plain", 1.1, 1.08, 1.12, "regression"),
-                                             _comparison("retain@s0", 1.1, 1.08, 1.12, "regression")]
-    write_once(tmp_path / "in" / "baseline.json", make_record("benchmark-baseline", config=record["config"],
-                                                               checks=record["checks"],
-                                                               measurements=record["measurements"]))
+    record["measurements"]["comparisons"] = [
+        _comparison("plain", 1.1, 1.08, 1.12, "regression"),
+        _comparison("retain@s0", 1.1, 1.08, 1.12, "regression"),
+    ]
+    write_once(
+        tmp_path / "in" / "baseline.json",
+        make_record(
+            "benchmark-baseline", config=record["config"], checks=record["checks"], measurements=record["measurements"]
+        ),
+    )
     written = write_summary(tmp_path / "in", tmp_path / "out")
     assert written.regressions == 1 and "| retain@s0 vs v1 |" in written.comment.read_text()
     assert "| plain vs v1 |" not in written.comment.read_text()

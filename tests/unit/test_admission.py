@@ -13,7 +13,14 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.admission import DEVICE_MARGIN_FRACTION
-from reference_trainer.planner import ForwardCost, PendingUsage, Placement, PlanRequest, analytic_saved_bytes, plan_placement
+from reference_trainer.planner import (
+    ForwardCost,
+    PendingUsage,
+    Placement,
+    PlanRequest,
+    analytic_saved_bytes,
+    plan_placement,
+)
 from reference_trainer.testing import substitute_device_capacity, substitute_stopwatch
 from tests.support import NO_CORRECTION, make_trainer, sequence
 from validation.lifetime import live_tensors
@@ -87,14 +94,28 @@ def test_nothing_fits_raises_with_all_three_fields() -> None:
 
 
 def _cost(**changes) -> ForwardCost:
-    fields = dict(saved_bytes=100, transient_bytes=10, snapshot_bytes=0, input_bytes=0, staging_bytes=0,
-                  forward_seconds=1.0, transfer_seconds=0.1)
+    fields = dict(
+        saved_bytes=100,
+        transient_bytes=10,
+        snapshot_bytes=0,
+        input_bytes=0,
+        staging_bytes=0,
+        forward_seconds=1.0,
+        transfer_seconds=0.1,
+    )
     return ForwardCost(**{**fields, **changes})
 
 
 def _request(cost: ForwardCost, **changes) -> PlanRequest:
-    fields = dict(cost=cost, pending=PendingUsage(), requested="auto", allow_offload=True, allow_replay=True,
-                  device_limit=None, host_limit=None)
+    fields = dict(
+        cost=cost,
+        pending=PendingUsage(),
+        requested="auto",
+        allow_offload=True,
+        allow_replay=True,
+        device_limit=None,
+        host_limit=None,
+    )
     return PlanRequest(**{**fields, **changes})
 
 
@@ -126,7 +147,11 @@ def test_every_forward_reports_placement_bytes_and_why() -> None:
 def _prediction_after_step(first_forward_shares_the_version: bool) -> int:
     """The next forward's predicted peak when one pending record outlives an optimizer step."""
     trainer = make_trainer("full", dropout=0.0)
-    first = trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION) if first_forward_shares_the_version else None
+    first = (
+        trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION)
+        if first_forward_shares_the_version
+        else None
+    )
     pending = trainer.forward(rt.ForwardInput(*sequence(2)), options=NO_CORRECTION)
     other = first if first is not None else trainer.forward(rt.ForwardInput(*sequence(1)), options=NO_CORRECTION)
     trainer.backward(other.target_logprobs.sum())
@@ -286,7 +311,9 @@ def _replay_ms(trainer: rt.Trainer, seed: int) -> float:
 
 def test_the_planner_learns_forward_time_from_the_device_clock_once_the_device_finished() -> None:
     """On CUDA a forward returns before its kernels ran: its time is read later, from events, never guessed."""
-    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=570_000)  # one retained record, not two (the LoRA state holds 49,152 B)
+    trainer = make_trainer(
+        "lora", dropout=0.1, memory_limit_bytes=570_000
+    )  # one retained record, not two (the LoRA state holds 49,152 B)
     _DeviceStopwatch.finished = False
     with substitute_stopwatch(lambda device: _DeviceStopwatch()):
         unknown = _replay_ms(trainer, 0)
@@ -309,7 +336,9 @@ def test_a_measured_scale_applies_to_its_own_shape_class_only() -> None:
     trainer = make_trainer("lora", dropout=0.1)
     first_short = _predicted(trainer, 8)
     assert _predicted(trainer, 40) == fresh, "a scale measured at length 8 changed the estimate at length 40"
-    assert _predicted(trainer, 8) != first_short, "the measured scale did not replace the analytic estimate in its class"
+    assert _predicted(trainer, 8) != first_short, (
+        "the measured scale did not replace the analytic estimate in its class"
+    )
 
 
 # --- held <= admitted: the estimate covers what a forward really saves (NOTE [Memory admission] Rule 5)
@@ -338,7 +367,9 @@ def _admit_until_refused(trainer: rt.Trainer, census: StorageCensus, seeds: rang
             f"against a limit of {trainer.memory_limit_bytes} B"
         )
         limit = trainer.host_memory_limit_bytes
-        assert limit is None or held.host <= limit, f"forward {len(outs)} admitted, then the host held {held.host} B against {limit} B"
+        assert limit is None or held.host <= limit, (
+            f"forward {len(outs)} admitted, then the host held {held.host} B against {limit} B"
+        )
     return outs
 
 
@@ -375,9 +406,13 @@ def test_a_first_bf16_train_forward_with_dropout_is_priced_with_its_fp32_masks(p
 def test_a_first_train_forward_with_dropout_is_priced_with_its_three_attention_squares(seq_len: int) -> None:
     """Math attention with dropout saves probabilities, mask and dropped probabilities: 3·H·B·T², dominant when long."""
     trainer = trainer_with_policy(rt.ModelConfig.tiny(dropout=0.1))
-    tokens = torch.randint(0, trainer.model.config.vocab_size, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, trainer.model.config.vocab_size, (3, seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     options = rt.ForwardOptions(backward_state="offload", corrections=())
-    _assert_saved_within_admitted([trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)])
+    _assert_saved_within_admitted(
+        [trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options)]
+    )
 
 
 def test_a_scale_learned_on_a_shorter_forward_with_dropout_covers_a_longer_one_of_its_class() -> None:
@@ -386,7 +421,9 @@ def test_a_scale_learned_on_a_shorter_forward_with_dropout_covers_a_longer_one_o
     options = rt.ForwardOptions(backward_state="offload", corrections=())
     outs = []
     for seed, length in enumerate((17, 32)):
-        tokens = torch.randint(0, trainer.model.config.vocab_size, (3, length + 1), generator=torch.Generator().manual_seed(seed))
+        tokens = torch.randint(
+            0, trainer.model.config.vocab_size, (3, length + 1), generator=torch.Generator().manual_seed(seed)
+        )
         outs.append(trainer.forward([rt.ForwardInput(row[:-1], row[1:]) for row in tokens], options=options))
     _assert_saved_within_admitted(outs)
 
@@ -437,7 +474,9 @@ def _prediction_with(dtype: torch.dtype, other: str) -> int:
     if other == "grads":
         out = trainer.forward(rt.ForwardInput(*sequence(8, length=3)), checkpoint="other", options=NO_CORRECTION)
         trainer.backward(out.target_logprobs.sum())
-    return trainer.forward(rt.ForwardInput(*sequence(1)), checkpoint="policy", options=NO_CORRECTION).decision.predicted_bytes
+    return trainer.forward(
+        rt.ForwardInput(*sequence(1)), checkpoint="policy", options=NO_CORRECTION
+    ).decision.predicted_bytes
 
 
 def _held_by_oracle(dtype: torch.dtype, with_grads: bool) -> int:
@@ -460,7 +499,9 @@ def test_the_plan_counts_every_checkpoints_parameters_optimizer_state_masters_an
     alone = _prediction_with(dtype, "none")
     stepped = _held_by_oracle(dtype, with_grads=False)
     assert _prediction_with(dtype, "stepped") - alone == stepped
-    assert _prediction_with(dtype, "fresh") - alone == stepped, "the first step's state is reserved before it is allocated"
+    assert _prediction_with(dtype, "fresh") - alone == stepped, (
+        "the first step's state is reserved before it is allocated"
+    )
     assert _prediction_with(dtype, "grads") - alone == _held_by_oracle(dtype, with_grads=True)
 
 
@@ -603,8 +644,9 @@ def test_a_new_forward_that_can_only_offload_gets_the_host_by_replaying_the_demo
     """Host room for one record; the new forward may not replay: the pending one is demoted to replay, not the host."""
     probe = make_trainer("lora", dropout=0.1)
     second = _two_pending(probe, "retain", "offload")[1][0].decision
-    trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=second.predicted_bytes - 1,
-                           host_memory_limit_bytes=second.saved_bytes)
+    trainer = make_trainer(
+        "lora", dropout=0.1, memory_limit_bytes=second.predicted_bytes - 1, host_memory_limit_bytes=second.saved_bytes
+    )
     outs = [_forward(trainer, 1), _forward(trainer, 2, allow_replay=False)]
     assert [o[0].placement for o in outs] == ["retain", "offload"], [o[0].decision.reason for o in outs]
     assert "1 to replay" in outs[1][0].decision.reason
@@ -617,7 +659,10 @@ def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demote
     trainer = make_trainer("lora", dropout=0.1, memory_limit_bytes=limit, host_memory_limit_bytes=0)
     first = _forward(trainer, 1)
     fits = [rt.ForwardInput(*sequence(20 + k, length=16)) for k in range(2)]
-    forced = [rt.ForwardInput(*sequence(30 + k, length=16), options=rt.ForwardOptions(backward_state="retain")) for k in range(2)]
+    forced = [
+        rt.ForwardInput(*sequence(30 + k, length=16), options=rt.ForwardOptions(backward_state="retain"))
+        for k in range(2)
+    ]
     with pytest.raises(rt.MemoryAdmissionError):
         trainer.forward([*fits, *forced], options=NO_CORRECTION)
     assert [r.placement for r in trainer.records] == ["retain"], "a refused call demoted a pending record"
@@ -630,6 +675,7 @@ def test_a_call_that_fits_only_by_demoting_to_replay_but_is_refused_later_demote
 def test_a_loaded_trainer_predicts_the_bytes_the_uninterrupted_one_does(tmp_path, kind):
     """A kept version's weights count once (in ``held_nbytes``, NOTE [Weight captures] Rule 4): a forward made again
     at it takes no copy-on-write snapshot, and the next forward is priced as in the job that never stopped."""
+
     def model() -> rt.DecoderLM:
         return rt.DecoderLM(rt.ModelConfig.tiny(dropout=0.0, num_hidden_layers=1), seed=0)
 

@@ -34,10 +34,17 @@ def _targets(masked: tuple[int, ...] = ()) -> torch.Tensor:
     return targets
 
 
-def _input(revisions: list[int] | None = None, logprobs: torch.Tensor | None = None, **options: object) -> rt.ForwardInput:
+def _input(
+    revisions: list[int] | None = None, logprobs: torch.Tensor | None = None, **options: object
+) -> rt.ForwardInput:
     aligned = None if revisions is None else torch.tensor([-1] * (PROMPT - 1) + revisions)
-    return rt.ForwardInput(input_tokens=TOKENS, target_tokens=_targets(), behaviour_revisions=aligned,
-                           behaviour_logprobs=logprobs, options=rt.ForwardOptions(**options) if options else None)
+    return rt.ForwardInput(
+        input_tokens=TOKENS,
+        target_tokens=_targets(),
+        behaviour_revisions=aligned,
+        behaviour_logprobs=logprobs,
+        options=rt.ForwardOptions(**options) if options else None,
+    )
 
 
 def _gradients(trainer: rt.Trainer) -> dict[str, torch.Tensor]:
@@ -145,8 +152,10 @@ def test_stale_tokens_take_part_in_no_ratio_and_no_correction() -> None:
     # The last two tokens are stale (lag 2 > 1) and their behaviour log-probs would give ratios of 100.
     shift = torch.tensor([0.0] * (PROMPT - 1) + [math.log(2.0)] * 4 + [math.log(100.0)] * 2)
     correction = rt.ImportanceCorrection(clip_low=0.0, clip_high=1000.0)
-    output = trainer.forward(_input([2, 2, 2, 2, 0, 0], forward - shift, max_behaviour_staleness=1,
-                                    behaviour_corrections=correction), checkpoint="policy")
+    output = trainer.forward(
+        _input([2, 2, 2, 2, 0, 0], forward - shift, max_behaviour_staleness=1, behaviour_corrections=correction),
+        checkpoint="policy",
+    )
     (record,) = trainer.backward(-output.target_logprobs.sum()).records
     assert record.behaviour.stale_tokens == 2
     assert record.behaviour.ratio.max == pytest.approx(2.0, rel=1e-5)
@@ -155,6 +164,7 @@ def test_stale_tokens_take_part_in_no_ratio_and_no_correction() -> None:
 
 def test_a_stale_masked_token_is_a_masked_target_under_the_sequence_level_staleness_correction() -> None:
     """Rule 3: a stale token takes part in no ratio, so the staleness correction's sequence ratio leaves it out."""
+
     def run(stale_by_target: bool) -> tuple[float, dict[str, torch.Tensor]]:
         trainer = _trainer()
         _steps(trainer, 2)  # the forward runs at revision 2; tokens of revision 0 are stale under bound 1
@@ -162,8 +172,9 @@ def test_a_stale_masked_token_is_a_masked_target_under_the_sequence_level_stalen
         options = rt.ForwardOptions(max_gradient_staleness=1, max_behaviour_staleness=1, corrections=(correction,))
         targets = _targets((2, 3, 4) if stale_by_target else ())
         revisions = torch.tensor([-1] * (PROMPT - 1) + [0, 0, 0, 2, 2, 2])
-        output = trainer.forward(rt.ForwardInput(TOKENS, targets, options=options, behaviour_revisions=revisions),
-                                 checkpoint="policy")
+        output = trainer.forward(
+            rt.ForwardInput(TOKENS, targets, options=options, behaviour_revisions=revisions), checkpoint="policy"
+        )
         _steps(trainer, 1)  # the record is now one revision stale: the staleness correction runs at backward
         (record,) = trainer.backward(-(output.target_logprobs * torch.arange(1.0, 9.0)).sum()).records
         assert record.behaviour.stale_tokens == (0 if stale_by_target else 3)
@@ -185,11 +196,17 @@ def test_tokens_of_another_generation_are_stale_whatever_the_bound_and_have_no_l
     trainer.load_checkpoint("policy", saved)  # back to revision 1, under a new generation
     assert trainer.checkpoint("policy").version.generation != drawn.generation
     # Two tokens drawn at revision 3 of the old generation (a lag of -2 if revisions alone counted), four at this one.
-    generations = torch.tensor([-1] * (PROMPT - 1) + [drawn.generation] * 2 + [trainer.checkpoint("policy").generation] * 4)
+    generations = torch.tensor(
+        [-1] * (PROMPT - 1) + [drawn.generation] * 2 + [trainer.checkpoint("policy").generation] * 4
+    )
     revisions = torch.tensor([-1] * (PROMPT - 1) + [3, 3, 1, 1, 0, 0])
     options = rt.ForwardOptions(max_behaviour_staleness=bound)
-    output = trainer.forward(rt.ForwardInput(TOKENS, _targets(), options=options, behaviour_revisions=revisions,
-                                             behaviour_generations=generations), checkpoint="policy")
+    output = trainer.forward(
+        rt.ForwardInput(
+            TOKENS, _targets(), options=options, behaviour_revisions=revisions, behaviour_generations=generations
+        ),
+        checkpoint="policy",
+    )
     (record,) = trainer.backward(-(output.target_logprobs * torch.arange(1.0, 9.0)).sum()).records
     behaviour = record.behaviour
     assert (behaviour.tokens, behaviour.stale_tokens) == (6, 2)

@@ -40,8 +40,15 @@ def test_a_fit_that_found_transfers_free_prices_offload_at_its_overhead(tmp_path
     assert decision.predicted_seconds["offload"] == 0.25
 
 
-@pytest.mark.parametrize("body", [{"seconds_per_byte": 1e-6}, {**CONSTANTS, "seconds_per_byte": float("nan")},
-                                  {**CONSTANTS, "seconds_per_token": -1.0}, {**CONSTANTS, "seconds_per_record": "1"}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"seconds_per_byte": 1e-6},
+        {**CONSTANTS, "seconds_per_byte": float("nan")},
+        {**CONSTANTS, "seconds_per_token": -1.0},
+        {**CONSTANTS, "seconds_per_record": "1"},
+    ],
+)
 def test_a_bad_calibration_is_refused_before_the_model_is_touched(tmp_path: Path, body: dict) -> None:
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(body))

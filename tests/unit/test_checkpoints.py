@@ -53,7 +53,9 @@ def _unchanged(trainer: rt.Trainer, name: str = "policy") -> tuple[dict, rt.Chec
     return _params(trainer, name), checkpoint.version, checkpoint.state_dict()["optimizer"]
 
 
-def _assert_unchanged(trainer: rt.Trainer, before: tuple[dict, rt.CheckpointVersion, dict], name: str = "policy") -> None:
+def _assert_unchanged(
+    trainer: rt.Trainer, before: tuple[dict, rt.CheckpointVersion, dict], name: str = "policy"
+) -> None:
     params, version, optimizer = before
     _assert_params_equal(trainer, params, name)
     assert trainer.checkpoint(name).version == version
@@ -185,7 +187,11 @@ def test_discard_graphs_drops_gradients_and_older_graphs_raise_replaced() -> Non
         trainer.backward(_loss(out, 2))
     error = info.value
     assert isinstance(error, rt.GradientCommitError)
-    assert (error.checkpoint, error.forward_generation, error.current_generation) == ("policy", old_generation, new_generation)
+    assert (error.checkpoint, error.forward_generation, error.current_generation) == (
+        "policy",
+        old_generation,
+        new_generation,
+    )
     assert trainer.live_records() == 0, "the replaced record is released"
     assert all(p.grad is None for p in checkpoint.parameters())
     _assert_params_equal(trainer, loaded)
@@ -381,7 +387,9 @@ def test_pending_forward_keeps_its_weights_across_a_step(kind: str) -> None:
     for n, p in trainer.checkpoint("policy").named_parameters():
         assert p.untyped_storage().data_ptr() != storage[n], f"{n}: a live capture forces a copy"
     trainer.backward(_loss(out, 2))
-    expected = plain_gradients(trainer.model.config, weights, [(ids, tgt)], lambda o: -(o[0] * advantages(2)).sum(), rng_state)
+    expected = plain_gradients(
+        trainer.model.config, weights, [(ids, tgt)], lambda o: -(o[0] * advantages(2)).sum(), rng_state
+    )
     for n, p in trainer.checkpoint("policy").named_parameters():
         assert torch.equal(p.grad, expected[n]), f"{n}: not the gradient of the forward's weights"
 

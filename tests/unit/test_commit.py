@@ -12,7 +12,15 @@ import reference_trainer as rt
 from reference_trainer.commit import GradientTransaction
 from reference_trainer.sinks import LiveGradSink
 from reference_trainer.testing import inject_fault
-from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence, train_step
+from tests.support import (
+    NO_CORRECTION,
+    advantages,
+    assert_grads_unchanged,
+    grad_snapshot,
+    make_trainer,
+    sequence,
+    train_step,
+)
 from validation.lifetime import TensorCensus, live_tensors_like
 from validation.oracle import plain_gradients, snapshot_weights
 from validation.trainers import trainer_with_policy
@@ -240,11 +248,14 @@ def _transaction(trainer: rt.Trainer, lookup=None) -> GradientTransaction:
     released: list = []
     return GradientTransaction(LiveGradSink(), lookup or trainer.checkpoint, released.append)
 
+
 def _grads(capture, transform=lambda g: g) -> dict[str, torch.Tensor]:
     return {n: transform(torch.ones_like(t)) for n, t in capture.tensors.items()}
 
+
 def _assert_nothing_published(trainer: rt.Trainer) -> None:
     assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
+
 
 def test_validate_refuses_an_origin_that_grew_too_old_after_staging() -> None:
     trainer = make_trainer("full", dropout=0.0)
@@ -255,6 +266,7 @@ def test_validate_refuses_an_origin_that_grew_too_old_after_staging() -> None:
     with pytest.raises(rt.StaleGradientError):
         transaction.commit()
     _assert_nothing_published(trainer)
+
 
 def test_validate_refuses_a_replaced_checkpoint_object() -> None:
     trainer = make_trainer("full", dropout=0.0)
@@ -267,6 +279,7 @@ def test_validate_refuses_a_replaced_checkpoint_object() -> None:
     with pytest.raises(rt.GradientCommitError, match="gradient target was replaced"):
         transaction.commit()
     _assert_nothing_published(trainer)
+
 
 @pytest.mark.parametrize(
     ("what", "transform"),
@@ -284,6 +297,7 @@ def test_validate_refuses_a_gradient_of_the_wrong_shape_dtype_or_device(what: st
     with pytest.raises(rt.GradientCommitError, match=f"gradient {what} expected"):
         transaction.commit()
     _assert_nothing_published(trainer)
+
 
 def test_validate_refuses_a_non_finite_first_gradient() -> None:
     trainer = make_trainer("full", dropout=0.0)

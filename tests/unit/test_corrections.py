@@ -34,7 +34,9 @@ TOLERANCE = 1e-12
 
 def _trainer(kind: str, *, dropout: float = 0.0) -> rt.Trainer:
     lora = rt.LoRAConfig(rank=4) if kind == "lora" else None
-    trainer = trainer_with_policy(rt.ModelConfig.tiny(dtype=F64, dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=5e-2))
+    trainer = trainer_with_policy(
+        rt.ModelConfig.tiny(dtype=F64, dropout=dropout), lora=lora, optimizer=rt.AdamWConfig(lr=5e-2)
+    )
     if lora is not None:
         train_step(trainer, seed=100)  # lora_B starts at 0, where lora_A has no gradient
     return trainer
@@ -114,8 +116,12 @@ def _assert_stats(stats: rt.CorrectionStats, ratios: torch.Tensor, staleness: in
     # Raw (pre-clip) ratios beside the clipped ones, per token at token level (NOTE [Importance correction] Rule 10).
     assert (stats.level, stats.units, stats.max_log_ratio) == ("token", w.size, 20.0)
     for found, values in ((stats.raw, ratio), (stats.clipped, w)):
-        assert (found.min, found.max, found.mean) == pytest.approx((values.min(), values.max(), values.mean()), rel=TOLERANCE)
-        assert found.quantiles == pytest.approx({q: float(np.quantile(values, q)) for q in found.quantiles}, rel=TOLERANCE)
+        assert (found.min, found.max, found.mean) == pytest.approx(
+            (values.min(), values.max(), values.mean()), rel=TOLERANCE
+        )
+        assert found.quantiles == pytest.approx(
+            {q: float(np.quantile(values, q)) for q in found.quantiles}, rel=TOLERANCE
+        )
         assert sorted(found.quantiles) == [0.05, 0.25, 0.5, 0.75, 0.95]
 
 
@@ -287,7 +293,9 @@ def test_always_uses_the_forwards_dropout_masks_and_leaves_the_rng_alone(eval_be
     # Independent: plain forwards at both weights, both with the forward's dropout masks.
     lp_forward = old.target_logprobs.detach()
     lp_current = _plain_logprobs(trainer, cur_weights, seq, rng_state)
-    expected, uncorrected, ratios = _expected(trainer, old_weights, lp_current, seq, _advantages(1), lp_forward, rng_state)
+    expected, uncorrected, ratios = _expected(
+        trainer, old_weights, lp_current, seq, _advantages(1), lp_forward, rng_state
+    )
     _assert_matches(always, expected, uncorrected)
     _assert_stats(always_stats, ratios, staleness=1)
 
@@ -322,8 +330,12 @@ def _level_weights(lp_current, lp_forward, targets, level: str, high: float = 1e
     """Each token's weight at ``level`` (bounds ``[0, high]``), from the documented formulas over the unmasked
     targets (Rule 9)."""
     ratios = (lp_current - lp_forward).exp()[targets >= 0]
-    unit = {"token": ratios, "sequence": ratios.prod(), "geometric": ratios.prod() ** (1 / ratios.numel()),
-            "average": ratios.mean()}[level]
+    unit = {
+        "token": ratios,
+        "sequence": ratios.prod(),
+        "geometric": ratios.prod() ** (1 / ratios.numel()),
+        "average": ratios.mean(),
+    }[level]
     return torch.zeros_like(lp_current).masked_scatter(targets >= 0, (unit * torch.ones_like(ratios)).clamp(0.0, high))
 
 
@@ -346,9 +358,13 @@ def test_each_level_commits_the_gradient_of_its_reweighted_loss(level: str) -> N
     lp_current = _plain_logprobs(trainer, cur_weights, (ids, tgt), rng_state)
     weights = _level_weights(lp_current, old.target_logprobs.detach(), tgt, level)
     config = trainer.model.config
-    expected = plain_gradients(config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * weights).sum(), rng_state, dtype=F64)
+    expected = plain_gradients(
+        config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * weights).sum(), rng_state, dtype=F64
+    )
     token = _level_weights(lp_current, old.target_logprobs.detach(), tgt, "token")
-    per_token = plain_gradients(config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * token).sum(), rng_state, dtype=F64)
+    per_token = plain_gradients(
+        config, old_weights, [(ids, tgt)], lambda o: -(o[0] * adv * token).sum(), rng_state, dtype=F64
+    )
     _assert_matches(_grads(trainer), expected, per_token)  # and not the token level's gradient
     stats = report.records[0].correction
     assert (stats.level, stats.units, stats.tokens, stats.staleness) == (level, 1, ids.numel() - 1, 2)
@@ -583,10 +599,16 @@ def test_when_available_corrects_logprobs_drawn_without_masks(dropout: float) ->
 # --- when_available pairs forwards of one autocast state (NOTE [Importance correction] Rule 7) ---------------
 
 
-@pytest.mark.parametrize(("old_autocast", "new_autocast", "paired"), [
-    (None, torch.bfloat16, False), (torch.bfloat16, None, False), (torch.bfloat16, torch.float16, False),
-    (torch.bfloat16, torch.bfloat16, True), (None, None, True),
-])
+@pytest.mark.parametrize(
+    ("old_autocast", "new_autocast", "paired"),
+    [
+        (None, torch.bfloat16, False),
+        (torch.bfloat16, None, False),
+        (torch.bfloat16, torch.float16, False),
+        (torch.bfloat16, torch.bfloat16, True),
+        (None, None, True),
+    ],
+)
 def test_when_available_pairs_a_forward_only_with_a_later_one_of_its_autocast_state(
     old_autocast: torch.dtype | None, new_autocast: torch.dtype | None, paired: bool
 ) -> None:

@@ -51,8 +51,10 @@ def test_fp32_behaviour_logprobs_equal_a_full_recompute_at_every_batch_and_paddi
     engine = _published(trainer, kv_cache=kv_cache)
     samples = engine.generate(_prompts(batch), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(0))
     # Two references: each sequence alone, and the trainer's right-padded batch of them all.
-    outputs = trainer.forward([rt.ForwardInput(input_tokens=s.input_tokens, target_tokens=s.target_tokens)
-                               for s in samples], checkpoint="policy")
+    outputs = trainer.forward(
+        [rt.ForwardInput(input_tokens=s.input_tokens, target_tokens=s.target_tokens) for s in samples],
+        checkpoint="policy",
+    )
     for s, output, prompt in zip(samples, outputs, _prompts(batch)):
         assert torch.equal(s.prompt, prompt) and s.completion.shape == (NEW_TOKENS,)
         alone = _unpadded_logprobs(trainer, s)
@@ -74,8 +76,10 @@ def test_the_cache_runs_each_column_once_and_without_it_every_column_every_token
 def test_a_seeded_generator_makes_the_samples_deterministic_and_greedy_follows_the_argmax() -> None:
     trainer = _trainer()
     engine = _published(trainer)
-    first, second = (engine.generate(_prompts(4), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(7))
-                     for _ in range(2))
+    first, second = (
+        engine.generate(_prompts(4), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(7))
+        for _ in range(2)
+    )
     assert all(torch.equal(a.completion, b.completion) for a, b in zip(first, second))
     logits_fn, _ = trainer.policy("policy")
     for s in engine.generate(_prompts(4), max_new_tokens=NEW_TOKENS, top_k=1):
@@ -167,7 +171,8 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused_and_leaves_nothing_run
 
 
 def test_a_generate_interrupted_mid_way_is_cancelled_and_the_drained_publication_waiting_on_it_proceeds(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     trainer = _trainer()
     engine = _published(trainer)
     real_draw, calls, published = rt.rollout.engine.draw, [], []
@@ -191,7 +196,8 @@ def test_a_generate_interrupted_mid_way_is_cancelled_and_the_drained_publication
 
 @pytest.mark.parametrize("failing_step", [0, 2], ids=["prefill", "decode"])
 def test_a_step_whose_draw_raises_rolls_the_cache_back_and_the_generation_continues_exactly(
-        failing_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    failing_step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trainer = _trainer()
     engine = _published(trainer)
     expected = engine.generate(_prompts(4), max_new_tokens=NEW_TOKENS, generator=torch.Generator().manual_seed(3))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from tests.support import NO_CORRECTION, advantages, grad_snapshot, assert_grads_unchanged, make_trainer, sequence
+from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 
 
 def _output(trainer: rt.Trainer, seed: int = 0) -> rt.ForwardOutput:
@@ -31,15 +31,29 @@ def _other_trainers_loss(trainer: rt.Trainer) -> None:
 
 # (name, the call, the field the error names, what the message must say it found)
 CASES: list[tuple[str, Callable[[rt.Trainer], Any], str, str]] = [
-    ("forward-checkpoint-list", lambda t: t.forward(rt.ForwardInput(*sequence(0)), checkpoint=["policy"]), "checkpoint", "found ['policy']"),
+    (
+        "forward-checkpoint-list",
+        lambda t: t.forward(rt.ForwardInput(*sequence(0)), checkpoint=["policy"]),
+        "checkpoint",
+        "found ['policy']",
+    ),
     ("optim_step-checkpoints-int", lambda t: t.optim_step(checkpoints=5), "checkpoints", "found 5"),
-    ("optim_step-checkpoints-unhashable", lambda t: t.optim_step(checkpoints=[["policy"]]), "checkpoint", "found ['policy']"),
+    (
+        "optim_step-checkpoints-unhashable",
+        lambda t: t.optim_step(checkpoints=[["policy"]]),
+        "checkpoint",
+        "found ['policy']",
+    ),
     ("zero_grad-checkpoints-int", lambda t: t.zero_grad(checkpoints=5), "checkpoints", "found 5"),
     ("adamw-betas-none", lambda t: rt.AdamWConfig(betas=None), "AdamWConfig.betas", "found None"),
     ("adamw-lr-str", lambda t: rt.AdamWConfig(lr="fast"), "AdamWConfig.lr", "found 'fast'"),
     ("trainer-none", lambda t: rt.Trainer(None), "model", "found 'NoneType'"),
-    ("add_checkpoint-optimizer-dict", lambda t: t.add_checkpoint("other", full=True, optimizer={"lr": 1}), "optimizer",
-     "found {'lr': 1}"),
+    (
+        "add_checkpoint-optimizer-dict",
+        lambda t: t.add_checkpoint("other", full=True, optimizer={"lr": 1}),
+        "optimizer",
+        "found {'lr': 1}",
+    ),
     ("add_checkpoint-full-str", lambda t: t.add_checkpoint("other", full="yes"), "full", "found 'yes'"),
     ("backward-not-a-tensor", lambda t: t.backward(1.0), "loss", "found 'float'"),
     ("backward-non-scalar", lambda t: t.backward(_output(t).target_logprobs * 2.0), "loss", "a tensor of shape (9,)"),
@@ -75,7 +89,10 @@ def test_a_bad_argument_is_a_config_error_with_expected_and_found_and_changes_no
 def test_a_loss_refused_for_its_shape_or_retain_graph_leaves_its_outputs_usable() -> None:
     trainer = make_trainer("full", dropout=0.0)
     out = _output(trainer)
-    for bad in (lambda: trainer.backward(out.target_logprobs * 1.0), lambda: trainer.backward(_loss(out), retain_graph=1)):
+    for bad in (
+        lambda: trainer.backward(out.target_logprobs * 1.0),
+        lambda: trainer.backward(_loss(out), retain_graph=1),
+    ):
         with pytest.raises(rt.ConfigError):
             bad()
     assert trainer.live_records() == 1

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import reference_trainer as rt
-from torch.overrides import TorchFunctionMode
 from reference_trainer.testing import observe_host_reads
 from validation.trainers import trainer_with_policy
 
@@ -22,7 +22,9 @@ def _inputs(lengths: list[int], vocab: int) -> list[rt.ForwardInput]:
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_padded_forward_reads_nothing_and_a_backward_reads_once(kind: str) -> None:
-    trainer = trainer_with_policy(lora=None if kind == "full" else rt.LoRAConfig(rank=2), options=rt.ForwardOptions(corrections=()))
+    trainer = trainer_with_policy(
+        lora=None if kind == "full" else rt.LoRAConfig(rank=2), options=rt.ForwardOptions(corrections=())
+    )
     inputs = _inputs([5, 9, 7], trainer.model.config.vocab_size)  # unequal lengths: a padded batch with a mask
     with observe_host_reads() as reads:
         outputs = trainer.forward(inputs)
@@ -70,7 +72,11 @@ def test_a_forward_behind_a_pending_older_version_reads_its_token_keys_once(poli
     """``when_available`` corrections key log-probs by tokens: one read per forward, not one per row; and none
     when no pending older record asks for that policy (``always`` recomputes, no correction needs nothing)."""
     corrections = () if policy is None else (rt.ImportanceCorrection(policy=policy),)
-    trainer = trainer_with_policy(lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=1e-2), options=rt.ForwardOptions(corrections=corrections))
+    trainer = trainer_with_policy(
+        lora=rt.LoRAConfig(rank=2),
+        optimizer=rt.AdamWConfig(lr=1e-2),
+        options=rt.ForwardOptions(corrections=corrections),
+    )
     vocab = trainer.model.config.vocab_size
     old = trainer.forward(_inputs([6], vocab))  # pending across the step below
     fresh = trainer.forward(_inputs([5], vocab))

@@ -113,8 +113,7 @@ def test_after_freeze_only_the_adapter_trains() -> None:
 
     assert all(p.grad is None for p in model.parameters())
     assert all(
-        p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
-        for p in adapter.parameters()
+        p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in adapter.parameters()
     )
 
 

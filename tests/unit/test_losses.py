@@ -42,9 +42,7 @@ def _leaf(values: list) -> torch.Tensor:
 )
 def test_reinforce_value_and_gradient_match_hand_derivation(reduction, loss, grad):
     logprobs = _leaf(LOGPROBS)
-    value = reinforce_loss(
-        logprobs, torch.tensor(ADVANTAGES, dtype=F64), torch.tensor(MASK), reduction=reduction
-    )
+    value = reinforce_loss(logprobs, torch.tensor(ADVANTAGES, dtype=F64), torch.tensor(MASK), reduction=reduction)
     value.backward()
     assert value.dim() == 0
     assert value.item() == pytest.approx(loss, rel=1e-12)
@@ -187,9 +185,7 @@ def test_group_advantages_hand_example_uses_population_std():
     ids = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
     torch.testing.assert_close(group_advantages(rewards[order], groups=ids), got[order])
     unscaled = [0.5, -0.5, -0.5, 0.5, -1.75, -0.75, 1.25, 1.25]
-    torch.testing.assert_close(
-        group_advantages(rewards, 4, scale=False), torch.tensor(unscaled, dtype=F64)
-    )
+    torch.testing.assert_close(group_advantages(rewards, 4, scale=False), torch.tensor(unscaled, dtype=F64))
 
 
 def test_group_advantages_degenerate_groups_are_zero():

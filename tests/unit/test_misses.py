@@ -25,8 +25,10 @@ def _under_estimate(config, batch, seq_len, **options):  # a stand-in estimator:
 @contextlib.contextmanager
 def _stand_in() -> Iterator[None]:
     """The stand-in as the estimator: in the plan and in admission's measured/analytic scale alike."""
-    with mock.patch.object(planner, "analytic_saved_bytes", _under_estimate), \
-            mock.patch.object(admission, "analytic_saved_bytes", _under_estimate):
+    with (
+        mock.patch.object(planner, "analytic_saved_bytes", _under_estimate),
+        mock.patch.object(admission, "analytic_saved_bytes", _under_estimate),
+    ):
         yield
 
 
@@ -79,16 +81,30 @@ def test_a_refusal_is_a_miss_with_the_refused_forwards_estimate() -> None:
 
 def test_plain_inputs_replay_what_the_estimator_gave_for_every_input() -> None:
     config = rt.ModelConfig.tiny(dtype=torch.bfloat16, dropout=0.1)
-    estimator = dict(batch=3, seq_len=40, snapshot_bytes=123, staging_bytes=456, saved_scale=1.7,
-                     measured_seconds_per_token=3e-6, transfer_bytes_per_second=2e9, scores_saved=True,
-                     lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")), dropout_active=False,
-                     autocast=torch.float16)
+    estimator = dict(
+        batch=3,
+        seq_len=40,
+        snapshot_bytes=123,
+        staging_bytes=456,
+        saved_scale=1.7,
+        measured_seconds_per_token=3e-6,
+        transfer_bytes_per_second=2e9,
+        scores_saved=True,
+        lora=rt.LoRAConfig(rank=8, targets=("q_proj", "v_proj")),
+        dropout_active=False,
+        autocast=torch.float16,
+    )
     expected = planner.estimate_forward_cost(config, **estimator).saved_bytes
     plain = rt.PlannerMiss("refused", misses.plain_inputs(config, estimator), expected, None, "x").as_dict()["inputs"]
     assert json.loads(json.dumps(plain)) == plain  # plain JSON
     assert rt.replay_estimate(plain) == expected
-    for field, other in (("saved_scale", None), ("lora", None), ("dropout_active", True), ("seq_len", 41),
-                         ("autocast", None)):
+    for field, other in (
+        ("saved_scale", None),
+        ("lora", None),
+        ("dropout_active", True),
+        ("seq_len", 41),
+        ("autocast", None),
+    ):
         changed = misses.plain_inputs(config, {**estimator, field: other})
         assert rt.replay_estimate(changed) != expected, field  # each input matters: the replay reads it
     fp32 = misses.plain_inputs(config.replace(dtype=torch.float32), estimator)

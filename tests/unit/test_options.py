@@ -28,7 +28,9 @@ DEFAULTS = {
 }
 VALUES = {
     "max_gradient_staleness": st.integers(0, 6),
-    "corrections": st.sampled_from([(), (rt.ImportanceCorrection(),), (rt.ImportanceCorrection(clip_high=2.0, policy="always"),)]),
+    "corrections": st.sampled_from(
+        [(), (rt.ImportanceCorrection(),), (rt.ImportanceCorrection(clip_high=2.0, policy="always"),)]
+    ),
     "backward_state": st.sampled_from(["auto", "retain", "offload", "replay"]),
     "allow_offload": st.booleans(),
     "allow_replay": st.booleans(),
@@ -48,9 +50,7 @@ def test_each_field_resolves_to_the_highest_level_that_sets_it(levels: dict, abs
     if absent is not None:
         levels[absent] = {}
     options = [None if (level == absent) else rt.ForwardOptions(**levels[level]) for level in LEVELS]
-    expected = {
-        f: next((levels[level][f] for level in LEVELS if f in levels[level]), DEFAULTS[f]) for f in DEFAULTS
-    }
+    expected = {f: next((levels[level][f] for level in LEVELS if f in levels[level]), DEFAULTS[f]) for f in DEFAULTS}
     conflict = (expected["backward_state"] == "offload" and not expected["allow_offload"]) or (
         expected["backward_state"] == "replay" and not expected["allow_replay"]
     )
@@ -116,7 +116,9 @@ def test_per_input_bound_overrides_the_calls_within_one_forward() -> None:
 @pytest.mark.parametrize("direction", ["tighten", "loosen"])
 def test_options_are_captured_when_the_forward_is_submitted(direction: str) -> None:
     before, after = (2, 0) if direction == "tighten" else (0, 5)
-    trainer = make_trainer("full", dropout=0.0, options=rt.ForwardOptions(max_gradient_staleness=before, corrections=()))
+    trainer = make_trainer(
+        "full", dropout=0.0, options=rt.ForwardOptions(max_gradient_staleness=before, corrections=())
+    )
     out = trainer.forward(rt.ForwardInput(*sequence(1)))
     trainer.options = rt.ForwardOptions(max_gradient_staleness=after, corrections=())
     train_step(trainer, seed=20)
@@ -152,8 +154,12 @@ BAD = [
     (lambda: rt.ImportanceCorrection(clip_high=math.inf), "ImportanceCorrection.clip_high", math.inf, "finite"),
     (lambda: rt.ImportanceCorrection(clip_low=True), "ImportanceCorrection.clip_low", True, "number"),
     (lambda: rt.ImportanceCorrection(policy="never"), "ImportanceCorrection.policy", "never", "when_available"),
-    (lambda: rt.ImportanceCorrection(level="tokens"), "ImportanceCorrection.level", "tokens",
-     "('token', 'sequence', 'geometric', 'average')"),
+    (
+        lambda: rt.ImportanceCorrection(level="tokens"),
+        "ImportanceCorrection.level",
+        "tokens",
+        "('token', 'sequence', 'geometric', 'average')",
+    ),
     (lambda: rt.ImportanceCorrection(level=None), "ImportanceCorrection.level", None, "'geometric'"),
     (lambda: rt.ImportanceCorrection(max_log_ratio=-1.0), "ImportanceCorrection.max_log_ratio", -1.0, ">= 0"),
     (lambda: rt.ImportanceCorrection(max_log_ratio=math.inf), "ImportanceCorrection.max_log_ratio", math.inf, "<= 700"),
@@ -194,7 +200,9 @@ def test_a_single_correction_is_normalised_to_a_tuple() -> None:
 
 
 @pytest.mark.parametrize("state,flag", [("offload", "allow_offload"), ("replay", "allow_replay")])
-def test_forced_placement_forbidden_by_its_flag_fails_at_forward_unless_a_higher_level_allows_it(state: str, flag: str) -> None:
+def test_forced_placement_forbidden_by_its_flag_fails_at_forward_unless_a_higher_level_allows_it(
+    state: str, flag: str
+) -> None:
     trainer = make_trainer("full", dropout=0.0, options=rt.ForwardOptions(**{flag: False}))
     call = rt.ForwardOptions(backward_state=state)
     with pytest.raises(rt.ConfigError) as info:

@@ -8,7 +8,11 @@ import torch.nn.functional as F
 
 import reference_trainer as rt
 from reference_trainer.planner import (
-    SavedTerms, analytic_saved_bytes, attention_saves_scores, fused_attention_enabled, shape_class,
+    SavedTerms,
+    analytic_saved_bytes,
+    attention_saves_scores,
+    fused_attention_enabled,
+    shape_class,
 )
 
 
@@ -41,7 +45,9 @@ def test_fused_cuda_attention_saves_no_scores_except_in_fp64_or_when_disabled() 
 
 def test_the_square_term_is_dropped_only_where_scores_are_not_saved() -> None:
     config = rt.ModelConfig.tiny()
-    extra = [analytic_saved_bytes(config, 2, t) - analytic_saved_bytes(config, 2, t, scores_saved=False) for t in (16, 32)]
+    extra = [
+        analytic_saved_bytes(config, 2, t) - analytic_saved_bytes(config, 2, t, scores_saved=False) for t in (16, 32)
+    ]
     assert extra[0] > 0 and extra[1] == 4 * extra[0], "the saved scores grow with T squared"
 
 
@@ -54,21 +60,38 @@ def test_a_decision_carries_the_price_of_every_placement() -> None:
     """``predicted_seconds``: retain 0, offload both transfers, replay one forward; every placement, fitting or not."""
     from reference_trainer.planner import ForwardCost, PendingUsage, PlanRequest, plan_placement
 
-    cost = ForwardCost(saved_bytes=1000, transient_bytes=10, snapshot_bytes=0, input_bytes=0, staging_bytes=0,
-                       forward_seconds=0.3, transfer_seconds=0.5)
-    request = PlanRequest(cost=cost, pending=PendingUsage(), requested="auto", allow_offload=True, allow_replay=True,
-                          device_limit=None, host_limit=None)
+    cost = ForwardCost(
+        saved_bytes=1000,
+        transient_bytes=10,
+        snapshot_bytes=0,
+        input_bytes=0,
+        staging_bytes=0,
+        forward_seconds=0.3,
+        transfer_seconds=0.5,
+    )
+    request = PlanRequest(
+        cost=cost,
+        pending=PendingUsage(),
+        requested="auto",
+        allow_offload=True,
+        allow_replay=True,
+        device_limit=None,
+        host_limit=None,
+    )
     decision = plan_placement(request)
     assert decision.placement == "retain"
     assert decision.predicted_seconds == {"retain": 0.0, "offload": 1.0, "replay": 0.3}
 
 
-@pytest.mark.parametrize(("seen_bytes", "seq_len", "most"), [
-    (200, 20, 600.0),  # the analytic count itself scales as the analytic count: 10·20 + 20²
-    (150, 20, 500.0),  # longer: the square term fills first (100 B at 10, x4), the rest is per length (50 B, x2)
-    (150, 5, 62.5),  # shorter: the per-length term fills first (100 B, x1/2), the rest is the square (50 B, x1/4)
-    (300, 20, 1000.0),  # above the analytic count (200 B): the analytic 600 B plus the excess grown like the square
-])
+@pytest.mark.parametrize(
+    ("seen_bytes", "seq_len", "most"),
+    [
+        (200, 20, 600.0),  # the analytic count itself scales as the analytic count: 10·20 + 20²
+        (150, 20, 500.0),  # longer: the square term fills first (100 B at 10, x4), the rest is per length (50 B, x2)
+        (150, 5, 62.5),  # shorter: the per-length term fills first (100 B, x1/2), the rest is the square (50 B, x1/4)
+        (300, 20, 1000.0),  # above the analytic count (200 B): the analytic 600 B plus the excess grown like the square
+    ],
+)
 def test_the_worst_case_fills_the_terms_that_grow_most_first(seen_bytes: int, seq_len: int, most: float) -> None:
     terms = SavedTerms(constant=0, per_length=10, per_square=1)  # seen at length 10: 100 B per length, 100 B square
     assert terms.worst_case(10, seen_bytes, seq_len) == most

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from validation.trainers import trainer_with_policy
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
 from reference_trainer.testing import inject_fault
+from validation.trainers import trainer_with_policy
 
 PROMPTS = [torch.tensor([5, 9, 2]), torch.tensor([7, 1, 3, 3, 8])]
 

@@ -22,9 +22,9 @@ def _move_lora_b_off_zero(trainer: rt.Trainer) -> None:
     b = [p for n, p in trainer.checkpoint("policy").named_parameters() if "lora_B" in n]
     assert all(bool(p.abs().sum() > 0) for p in b)
 
+
 @pytest.mark.parametrize("kind", ["lora", "full"])
 @pytest.mark.parametrize("k", [0, 1, 2])
-
 def test_stale_gradient_is_exact_gradient_of_forward_weights(kind: str, k: int) -> None:
     trainer = make_trainer(kind, dropout=0.1)
     if kind == "lora":
@@ -70,6 +70,7 @@ def test_stale_gradient_is_exact_gradient_of_forward_weights(kind: str, k: int) 
         worst = max(relative_error(at_live[n], ref32[n]) for n in committed)
         assert worst > 1e-3, "the gradient at the live weights should differ far beyond FP32 noise"
 
+
 def test_ledger_refuses_weights_written_behind_the_trainers_back() -> None:
     trainer = make_trainer("full", dropout=0.0)
     ids, tgt = sequence(6)
@@ -80,17 +81,22 @@ def test_ledger_refuses_weights_written_behind_the_trainers_back() -> None:
         trainer.backward(-out.target_logprobs.sum())
     assert all(p.grad is None for p in trainer.checkpoint("policy").parameters())
 
+
 @pytest.mark.parametrize("placement", ["retain", "offload", "replay"])
 def test_an_fp64_model_returns_fp64_logprobs_and_gradients(placement: str) -> None:
     config = rt.ModelConfig.tiny(dtype=torch.float64, dropout=0.0)
     trainer = trainer_with_policy(config)
     ids, tgt = sequence(3)
-    out = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(backward_state=placement, corrections=()))
+    out = trainer.forward(
+        rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(backward_state=placement, corrections=())
+    )
     base = trainer.forward(rt.ForwardInput(ids, tgt), checkpoint=rt.BASE)
     assert out.target_logprobs.dtype == base.target_logprobs.dtype == torch.float64
     # Independent: the frozen model's own FP64 forward (the checkpoint still equals the base).
     with torch.no_grad():
         expected = rt.token_logprobs(trainer.model(ids.unsqueeze(0)), tgt.unsqueeze(0))[0]
-    assert expected.dtype == torch.float64 and torch.allclose(out.target_logprobs.detach(), expected, rtol=0, atol=1e-12)
+    assert expected.dtype == torch.float64 and torch.allclose(
+        out.target_logprobs.detach(), expected, rtol=0, atol=1e-12
+    )
     trainer.backward(out.target_logprobs.sum())
     assert all(p.grad.dtype == torch.float64 for p in trainer.checkpoint("policy").parameters())

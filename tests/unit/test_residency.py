@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import reference_trainer as rt
-from reference_trainer.planner import Placement
 from reference_trainer.host_arena import HostArena, host_block_bytes
 from reference_trainer.ledger import FLOAT8_DTYPES, SavedStateLedger
+from reference_trainer.planner import Placement
 from tests.support import NO_CORRECTION, advantages, assert_grads_unchanged, grad_snapshot, make_trainer, sequence
 from validation.allocations import AllocationPeak
 from validation.lifetime import TensorCensus
@@ -95,7 +95,9 @@ def test_a_replay_placed_forward_runs_in_its_replays_grad_mode(caller_grad: bool
     """On CUDA attention kernels choose by grad mode: the forward and its replay must run in the same one."""
     trainer = make_trainer("lora", dropout=0.0)
     modes: list[bool] = []
-    trainer.model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: modes.append(torch.is_grad_enabled()))
+    trainer.model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a: modes.append(torch.is_grad_enabled())
+    )
     with torch.set_grad_enabled(caller_grad):
         out = trainer.forward(rt.ForwardInput(*sequence(3)), options=_options("replay"))
     assert out.target_logprobs.grad_fn is None and trainer.records.get(out.record_id).root is None
@@ -199,8 +201,10 @@ def test_a_backward_after_the_model_went_to_eval_differentiates_the_forwards_tra
         assert expected.abs().sum() > 0 and torch.equal(grads[placement][name], expected), name
 
 
-@pytest.mark.parametrize(("nbytes", "pinned", "held"), [(1000, True, 1024), (1024, True, 1024), (1025, True, 2048),
-                                                         (1025, False, 1025), (0, True, 0)])
+@pytest.mark.parametrize(
+    ("nbytes", "pinned", "held"),
+    [(1000, True, 1024), (1024, True, 1024), (1025, True, 2048), (1025, False, 1025), (0, True, 0)],
+)
 def test_the_host_budget_counts_the_pinned_block_a_copy_really_holds(nbytes: int, pinned: bool, held: int) -> None:
     assert host_block_bytes(nbytes, pinned) == held
 
@@ -230,7 +234,9 @@ def test_what_does_not_fit_the_arena_gets_a_copy_of_its_own_and_is_counted() -> 
     arena = HostArena(1300, pinned=False)  # room for one 1200-byte storage, not two
     ledger, grad, x = _offloaded_square(arena)
     torch.testing.assert_close(grad, (x.exp() * (x.sin() + x.cos())).detach())
-    inside = sum(c.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr() for c in ledger.host_copies)
+    inside = sum(
+        c.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr() for c in ledger.host_copies
+    )
     assert inside == 1 and ledger.host_bytes == 2 * 1200
 
 

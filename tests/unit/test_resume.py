@@ -14,7 +14,14 @@ import torch
 
 import reference_trainer as rt
 from reference_trainer.saves import read_folder, write_folder
-from tests.support import advantages, assert_model_unchanged, assert_nested_equal, grad_snapshot, model_snapshot, sequence
+from tests.support import (
+    advantages,
+    assert_model_unchanged,
+    assert_nested_equal,
+    grad_snapshot,
+    model_snapshot,
+    sequence,
+)
 from validation.trainers import trainer_with_policy
 
 STEPS = 3
@@ -37,8 +44,9 @@ def _model(dtype: torch.dtype = torch.float32, dropout: float = 0.1) -> rt.Decod
 def _step(trainer: rt.Trainer, index: int) -> None:
     """Per checkpoint: two forwards; the first steps, the second is backpropagated one revision old and stays committed."""
     for name in trainer.checkpoints:
-        out_a, out_b = (trainer.forward(rt.ForwardInput(*sequence(10 * index + k + len(name))), checkpoint=name)
-                        for k in (0, 1))
+        out_a, out_b = (
+            trainer.forward(rt.ForwardInput(*sequence(10 * index + k + len(name))), checkpoint=name) for k in (0, 1)
+        )
         trainer.backward(-(out_a.target_logprobs * advantages(index)).sum())
         trainer.optim_step(max_grad_norm=1.0, checkpoints=[name])
         trainer.zero_grad(checkpoints=[name])
@@ -90,7 +98,9 @@ def test_committed_gradients_and_options_survive_the_save(tmp_path):
     assert loaded.options == trainer.options
     assert loaded.checkpoint("policy").origins == trainer.checkpoint("policy").origins
     assert loaded.checkpoint("policy").lora_config == trainer.checkpoint("policy").lora_config
-    for (name, p), (_, q) in zip(trainer.checkpoint("policy").named_parameters(), loaded.checkpoint("policy").named_parameters()):
+    for (name, p), (_, q) in zip(
+        trainer.checkpoint("policy").named_parameters(), loaded.checkpoint("policy").named_parameters()
+    ):
         assert torch.equal(p.grad, q.grad), name
     assert_nested_equal(loaded.optim_step()["policy"].grad_norm, trainer.optim_step()["policy"].grad_norm)
     assert_nested_equal(_state(loaded), _state(trainer))
@@ -118,8 +128,15 @@ def test_staleness_counts_in_revisions_across_the_resume(tmp_path):
         within = trainer.optim_step()["policy"]
         with pytest.raises(rt.StaleGradientError) as beyond:
             trainer.optim_step()  # .grad stays: its origin is now two revisions old
-        outcomes.append((within.stepped, within.revision, beyond.value.staleness, beyond.value.bound,
-                         trainer.checkpoint("policy").revision))
+        outcomes.append(
+            (
+                within.stepped,
+                within.revision,
+                beyond.value.staleness,
+                beyond.value.bound,
+                trainer.checkpoint("policy").revision,
+            )
+        )
     assert outcomes[0] == outcomes[1] == (True, 2, 2, 1, 2)
 
 
@@ -143,7 +160,10 @@ def test_pending_forwards_are_not_saved_and_a_backward_of_one_through_the_loaded
     loaded.load_checkpoint("policy", loaded.checkpoint("policy").state_dict())  # a generation the forward never saw
     error = _refused_as_replaced(loaded, out)
     assert (error.checkpoint, error.forward_generation, error.current_generation) == (
-        "policy", out.version.generation, loaded.checkpoint("policy").generation)
+        "policy",
+        out.version.generation,
+        loaded.checkpoint("policy").generation,
+    )
     assert error.forward_generation != error.current_generation
     trainer.backward(out.target_logprobs.sum())  # the saving trainer still owns it
     assert trainer.live_records() == 0
@@ -174,7 +194,9 @@ def test_an_unrelated_trainers_output_is_still_a_config_error_after_a_load(tmp_p
             trainer.backward(out.target_logprobs.sum())
     with pytest.raises(rt.ConfigError, match="another trainer's output"):  # no lineage runs backwards
         saving.backward(loaded.forward(rt.ForwardInput(*sequence(3))).target_logprobs.sum())
-    saving.add_checkpoint("critic", full=True)  # after the save: the loaded trainer has no "critic" it could have replaced
+    saving.add_checkpoint(
+        "critic", full=True
+    )  # after the save: the loaded trainer has no "critic" it could have replaced
     with pytest.raises(rt.ConfigError, match="another trainer's output"):
         loaded.backward(saving.forward(rt.ForwardInput(*sequence(4)), checkpoint="critic").target_logprobs.sum())
 
@@ -301,7 +323,12 @@ def _stale_pair(folder):
     """A job saved under ``folder`` with forward A pending at revision 0 and forward C of A's tokens pending at
     revision 1; returns the trainer, A and C."""
     torch.manual_seed(0)
-    trainer = trainer_with_policy(_model(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=rt.ForwardOptions(max_gradient_staleness=2))  # when_available
+    trainer = trainer_with_policy(
+        _model(dropout=0.0),
+        lora=rt.LoRAConfig(rank=2),
+        optimizer=rt.AdamWConfig(lr=5e-2),
+        options=rt.ForwardOptions(max_gradient_staleness=2),
+    )  # when_available
     a = trainer.forward(rt.ForwardInput(*sequence(1)))
     b = trainer.forward(rt.ForwardInput(*sequence(2)))
     trainer.backward(-b.target_logprobs.sum())
@@ -336,7 +363,12 @@ def test_saved_log_probs_keep_their_autocast_state_and_correct_only_forwards_mad
     under it as in the job that never stopped; A made again without autocast finds no row of its state."""
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     torch.manual_seed(0)
-    trainer = trainer_with_policy(_model(dropout=0.0), lora=rt.LoRAConfig(rank=2), optimizer=rt.AdamWConfig(lr=5e-2), options=rt.ForwardOptions(max_gradient_staleness=2))
+    trainer = trainer_with_policy(
+        _model(dropout=0.0),
+        lora=rt.LoRAConfig(rank=2),
+        optimizer=rt.AdamWConfig(lr=5e-2),
+        options=rt.ForwardOptions(max_gradient_staleness=2),
+    )
     with bf16():
         a = trainer.forward(rt.ForwardInput(*sequence(1)))
     b = trainer.forward(rt.ForwardInput(*sequence(2)))

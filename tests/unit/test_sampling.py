@@ -129,17 +129,17 @@ def test_sampler_is_deterministic_under_a_seeded_generator():
         assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
         assert torch.equal(a.prompt, b.prompt) and a.completion.shape == (6,)
         assert a.behaviour_logprobs.dtype == torch.float32
-    different = torch.stack([s.completion for s in first]) != torch.stack(
-        [s.completion for s in other]
-    )
+    different = torch.stack([s.completion for s in first]) != torch.stack([s.completion for s in other])
     assert bool(different.any())  # the seed matters, so the check above is not vacuous
 
 
 def test_sampler_records_the_given_version_object():
     marker = object()
     samples = sample(
-        _constant_policy(torch.zeros(4)), torch.zeros(3, 2, dtype=torch.long),
-        max_new_tokens=2, version=marker,
+        _constant_policy(torch.zeros(4)),
+        torch.zeros(3, 2, dtype=torch.long),
+        max_new_tokens=2,
+        version=marker,
     )
     assert all(s.version is marker for s in samples)
     (unversioned,) = sample(_constant_policy(torch.zeros(4)), torch.tensor([1]), max_new_tokens=1)
@@ -151,7 +151,9 @@ def test_behaviour_logprobs_align_with_a_training_forward():
     model = DecoderLM(ModelConfig.tiny(initializer_range=0.5), seed=0).eval()
     task = PatternTask(vocab_size=64, prompt_len=4, completion_len=5, seed=2)
     samples = sample(
-        lambda ids: model(ids), task.prompts(3), max_new_tokens=5,
+        lambda ids: model(ids),
+        task.prompts(3),
+        max_new_tokens=5,
         generator=torch.Generator().manual_seed(0),
     )
     p = task.prompt_len
@@ -198,8 +200,12 @@ def test_truncated_sampling_records_full_distribution_logprobs(top_k, top_p, tem
     assert kept_mass < 0.95  # truncation really removes mass
 
     samples = sample(
-        _constant_policy(LOGITS), torch.zeros(100, 1, dtype=torch.long), max_new_tokens=2,
-        temperature=temperature, top_k=top_k, top_p=top_p,
+        _constant_policy(LOGITS),
+        torch.zeros(100, 1, dtype=torch.long),
+        max_new_tokens=2,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         generator=torch.Generator().manual_seed(0),
     )
     tokens = torch.stack([s.completion for s in samples]).flatten()
@@ -251,8 +257,7 @@ def test_sampler_rejects_bad_prompts(prompts):
 
 def test_sampler_rejects_logits_of_the_wrong_shape():
     with pytest.raises(ConfigError) as info:
-        sample(lambda ids: torch.zeros(ids.shape[0], 4), torch.zeros(1, 2, dtype=torch.long),
-               max_new_tokens=1)
+        sample(lambda ids: torch.zeros(ids.shape[0], 4), torch.zeros(1, 2, dtype=torch.long), max_new_tokens=1)
     assert info.value.field == "logits_fn"
 
 
@@ -272,7 +277,9 @@ def test_policy_logits_match_the_trainers_own_log_probs_and_carry_the_version() 
     logits_fn, version = trainer.policy()
     assert version == trainer.checkpoint("policy").version
     task = PatternTask(vocab_size=64, prompt_len=4, completion_len=3, seed=0)
-    samples = sample(logits_fn, task.prompts(2), max_new_tokens=3, generator=torch.Generator().manual_seed(0), version=version)
+    samples = sample(
+        logits_fn, task.prompts(2), max_new_tokens=3, generator=torch.Generator().manual_seed(0), version=version
+    )
     out = trainer.forward([rt.ForwardInput(s.input_tokens, s.target_tokens) for s in samples])
     for s, o in zip(samples, out):
         recorded = s.aligned_behaviour_logprobs

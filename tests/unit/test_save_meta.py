@@ -30,7 +30,9 @@ def _model(dtype: torch.dtype = torch.float32, **changes: Any) -> rt.DecoderLM:
 
 def _saved(folder: Path) -> rt.Trainer:
     """A trainer at revision 2 with a committed gradient from revision 1 and a checkpoint loaded over (generation 2)."""
-    trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=2), options=rt.ForwardOptions(max_gradient_staleness=2, corrections=()))
+    trainer = trainer_with_policy(
+        _model(), lora=rt.LoRAConfig(rank=2), options=rt.ForwardOptions(max_gradient_staleness=2, corrections=())
+    )
     trainer.add_checkpoint("critic", full=True)
     trainer.load_checkpoint("critic", trainer.checkpoint("critic").state_dict())
     for step in range(2):
@@ -41,8 +43,13 @@ def _saved(folder: Path) -> rt.Trainer:
     return trainer
 
 
-def _rewritten(source: Path, target: Path, change: Callable[[dict[str, Any]], None] | None = None,
-               file: str = "trainer.json", state: Callable[[dict[str, Any]], None] | None = None) -> Path:
+def _rewritten(
+    source: Path,
+    target: Path,
+    change: Callable[[dict[str, Any]], None] | None = None,
+    file: str = "trainer.json",
+    state: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
     """``source``'s save written again under ``target`` with ``trainer.json`` or a checkpoint file changed."""
     files = read_folder(source)
     if change is not None:
@@ -165,7 +172,6 @@ def test_a_bad_rng_file_is_a_corrupt_save_naming_it_and_changes_nothing(save, tm
     assert torch.equal(torch.get_rng_state(), cpu_rng), "the process RNG changed"
 
 
-
 def test_a_refused_cuda_rng_state_leaves_the_cpu_generator_as_it_was(monkeypatch):
     """``set_rng_state`` sets the CUDA generator first: if it refuses, the CPU one has not moved."""
     from reference_trainer.rng import set_rng_state
@@ -182,8 +188,9 @@ def test_a_refused_cuda_rng_state_leaves_the_cpu_generator_as_it_was(monkeypatch
 
 
 def test_trainer_options_with_behaviour_fields_are_saved_and_loaded_as_they_were(tmp_path: Path) -> None:
-    options = rt.ForwardOptions(max_behaviour_staleness=1,
-                                behaviour_corrections=(rt.ImportanceCorrection(level="sequence", clip_high=3.0),))
+    options = rt.ForwardOptions(
+        max_behaviour_staleness=1, behaviour_corrections=(rt.ImportanceCorrection(level="sequence", clip_high=3.0),)
+    )
     trainer = trainer_with_policy(_model(), lora=rt.LoRAConfig(rank=2), options=options)
     trainer.save(tmp_path / "save")
     assert rt.Trainer.load(tmp_path / "save", _model()).options == options

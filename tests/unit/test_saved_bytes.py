@@ -19,11 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference_trainer as rt
-from validation.trainers import trainer_with_policy
 from reference_trainer.model import token_logprobs
 from reference_trainer.running import model_logits
 from reference_trainer.saved_bytes import autocast_weight_bytes
 from validation.memory import StorageCensus
+from validation.trainers import trainer_with_policy
 
 OVER = 3.0  # the most the admitted saved bytes may exceed what is saved, first forward of a class included
 # A short first forward (the weight casts weigh most), then two of one bucket (shape_class: (T - 1).bit_length()
@@ -32,8 +32,9 @@ FIRST, SHORT, LONG = 3, 17, 32
 GRID = list(itertools.product((torch.float32, torch.bfloat16), (None, torch.bfloat16), (0.0, 0.1), (None, 4)))
 IDS = [f"{str(d)[6:]}-autocast_{a and 'bf16'}-dropout_{p}-{'lora' if r else 'full'}" for d, a, p, r in GRID]
 # The refusal's fast run: where autocast casts weights (an FP32 model); the other combinations nightly.
-REFUSAL_GRID = [pytest.param(*c, id=i, marks=() if c[0] == torch.float32 and c[1] else pytest.mark.slow)
-                for c, i in zip(GRID, IDS)]
+REFUSAL_GRID = [
+    pytest.param(*c, id=i, marks=() if c[0] == torch.float32 and c[1] else pytest.mark.slow) for c, i in zip(GRID, IDS)
+]
 
 
 def _trainer(dtype: torch.dtype, dropout: float, rank: int | None, **limits: int) -> rt.Trainer:
@@ -45,7 +46,9 @@ def _tokens(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, length + 1), generator=torch.Generator().manual_seed(seed))
 
 
-def _forward(trainer: rt.Trainer, tokens: torch.Tensor, autocast: torch.dtype | None, placement: str) -> rt.ForwardOutput:
+def _forward(
+    trainer: rt.Trainer, tokens: torch.Tensor, autocast: torch.dtype | None, placement: str
+) -> rt.ForwardOutput:
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         inputs = [rt.ForwardInput(row[:-1], row[1:]) for row in tokens]
         return trainer.forward(inputs, options=rt.ForwardOptions(backward_state=placement, corrections=()))[0]
@@ -63,15 +66,19 @@ def _saved_by_autograd(trainer: rt.Trainer, tokens: torch.Tensor, autocast: torc
             packed[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with (
+        torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+    ):
         logits = model_logits(trainer.model, checkpoint, dict(checkpoint.named_parameters()), tokens[:, :-1])
         token_logprobs(logits, tokens[:, 1:])
     return sum(packed.values())
 
 
 @pytest.mark.parametrize(("dtype", "autocast", "dropout", "rank"), GRID, ids=IDS)
-def test_admitted_saved_bytes_cover_what_autograd_saves_and_are_not_grossly_over(dtype, autocast, dropout, rank) -> None:
+def test_admitted_saved_bytes_cover_what_autograd_saves_and_are_not_grossly_over(
+    dtype, autocast, dropout, rank
+) -> None:
     trainer = _trainer(dtype, dropout, rank)
     for seed, length in enumerate((FIRST, SHORT, LONG)):
         tokens = _tokens(length, seed)
@@ -107,8 +114,11 @@ class _WeightCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if (func is torch.ops.aten._to_copy.default and out.dtype == self.dtype
-                and args[0].untyped_storage().data_ptr() in self.weights):
+        if (
+            func is torch.ops.aten._to_copy.default
+            and out.dtype == self.dtype
+            and args[0].untyped_storage().data_ptr() in self.weights
+        ):
             self.casts[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
         return out
 
@@ -128,8 +138,11 @@ def test_autocast_weight_bytes_are_the_weight_casts_a_real_forward_makes(rank) -
         return tensor
 
     recorder = _WeightCasts(weights, torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            recorder:
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        recorder,
+    ):
         logits = model_logits(trainer.model, checkpoint, dict(checkpoint.named_parameters()), tokens[:, :-1])
         token_logprobs(logits, tokens[:, 1:])
     cast = sum(recorder.casts.values())

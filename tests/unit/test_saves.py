@@ -165,8 +165,9 @@ def test_a_save_that_fails_to_write_leaves_the_path_as_it_was(tmp_path, monkeypa
 
 def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monkeypatch):
     events, real = [], saves._write_synced
-    monkeypatch.setattr(saves, "_write_synced", lambda path, data: (events.append(f"write {path.name}"),
-                                                                    real(path, data)))
+    monkeypatch.setattr(
+        saves, "_write_synced", lambda path, data: (events.append(f"write {path.name}"), real(path, data))
+    )
 
     def maker(name):
         return lambda: (events.append(f"make {name}"), name.encode() * 3)[1]
@@ -177,6 +178,7 @@ def test_files_given_as_makers_are_made_one_at_a_time_as_written(tmp_path, monke
 
 
 # --- concurrency: a lock per folder, unique staging names (NOTE [Durable saves] Rule 6) -------------------------
+
 
 def _concurrent_jobs(root: Path, writers: int, count: int, readers: int, reads: int, barrier) -> list[tuple]:
     """The workers' jobs on ``root``, which first gets a save in force (what readers start from)."""
@@ -244,8 +246,13 @@ def test_clean_up_removes_a_dead_writers_staging_and_keeps_a_live_ones(tmp_path)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
         saves.write_folder(tmp_path, {"a": b"2"})
-        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", ".tmp-live", ".tmp-live.lock", "LATEST",
-                                                              "save-000002"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            ".lock",
+            ".tmp-live",
+            ".tmp-live.lock",
+            "LATEST",
+            "save-000002",
+        ]
     finally:
         os.close(held)
     saves.write_folder(tmp_path, {"a": b"3"})  # its writer gone, the next save removes it
@@ -261,6 +268,7 @@ def test_a_reader_during_a_save_reads_the_previous_save_whole(tmp_path):
 
 
 # --- failures: what was written is removed, and the error says whether the new save is in force (Rule 5) -------
+
 
 def _fail_at(monkeypatch, target, name: str, when=lambda *args: True) -> list:
     """Make ``target.name`` raise ``OSError(EIO)`` on its first call for which ``when(*args)`` holds."""
@@ -305,8 +313,11 @@ def test_a_save_failing_before_latest_moves_removes_all_it_wrote(tmp_path, monke
 
 
 AFTER_LATEST_MOVED = {
-    "fsync": ("reference_trainer.saves", "_fsync_dir", lambda path: (path / "LATEST").is_file()
-              and (path / "LATEST").read_text().startswith("save-000002")),
+    "fsync": (
+        "reference_trainer.saves",
+        "_fsync_dir",
+        lambda path: (path / "LATEST").is_file() and (path / "LATEST").read_text().startswith("save-000002"),
+    ),
     "clean-up": ("shutil", "rmtree", lambda path, *rest: True),
 }
 
@@ -326,6 +337,7 @@ def test_a_save_failing_after_latest_moved_says_the_new_save_is_in_force(tmp_pat
 
 
 # --- durability: every new folder's entry, and the save's after its rename, fsynced (Rule 2) --------------------
+
 
 def _record_directory_fsyncs(monkeypatch) -> list[tuple[str, str]]:
     """Record ``("fsync", folder)`` for every fsync of a folder's descriptor, ``("rename"|"replace", target)``."""
@@ -350,8 +362,12 @@ def _record_directory_fsyncs(monkeypatch) -> list[tuple[str, str]]:
     monkeypatch.setattr(os, "open", opened)
     monkeypatch.setattr(os, "close", closed)
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", os.fspath(dst))), real_rename(src, dst))[1])
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", os.fspath(dst))), real_replace(src, dst))[1])
+    monkeypatch.setattr(
+        os, "rename", lambda src, dst: (events.append(("rename", os.fspath(dst))), real_rename(src, dst))[1]
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda src, dst: (events.append(("replace", os.fspath(dst))), real_replace(src, dst))[1]
+    )
     return events
 
 
@@ -379,9 +395,11 @@ def test_the_save_folders_entry_is_fsynced_before_latest_names_it(tmp_path, monk
 
 # --- reading: manifest entries are plain names of regular files in the save folder (Rule 3) ---------------------
 
+
 def _forge_manifest(root: Path, files: dict) -> None:
     """Replace the manifest with ``files`` (name -> bytes) and LATEST with a pointer that matches it (the format of
     NOTE [Durable saves] Rule 1, computed here): a save that only its names make unsafe."""
+
     def sha(data: bytes) -> str:
         return hashlib.sha256(data).hexdigest()
 
@@ -448,6 +466,7 @@ def _raised(function, *args) -> BaseException | None:
 
 # --- a missing LATEST, bad paths (Rules 3, 5) -----------------------------------------------------------------
 
+
 def test_a_missing_latest_beside_a_save_is_corrupt_and_a_folder_without_saves_is_a_config_error(tmp_path):
     saves.write_folder(tmp_path / "saves", {"a": b"1"})
     (tmp_path / "saves" / "LATEST").unlink()
@@ -497,6 +516,7 @@ def test_a_file_name_that_is_not_plain_is_refused_at_write_and_writes_nothing(tm
 
 
 # --- the lock and staging protocol (NOTE [Save locks] in reference_trainer/save_locks.py) -----------------------
+
 
 def _nfs_flock(monkeypatch) -> None:
     """``fcntl.flock`` as NFS emulates it (fcntl byte-range locks): an exclusive lock needs a descriptor open for
@@ -605,7 +625,10 @@ def _bounded_lock_opens(monkeypatch, limit: int = 200) -> None:
 
 LOCK_DAMAGES = {
     "a dangling symbolic link": lambda lock: lock.symlink_to("/nonexistent-folder/x"),
-    "a symbolic link to a file": lambda lock: (lock.with_name("elsewhere").write_text(""), lock.symlink_to("elsewhere")),
+    "a symbolic link to a file": lambda lock: (
+        lock.with_name("elsewhere").write_text(""),
+        lock.symlink_to("elsewhere"),
+    ),
     "a folder": lambda lock: lock.mkdir(),
 }
 
@@ -712,12 +735,27 @@ def test_a_folder_another_writer_just_made_is_fsynced_into_its_parent(tmp_path, 
 
 KILL_POINTS = {  # where the child dies: (module, function), the debris (NOTE [Save locks] Rule 3), the save in
     # force after it, the next save's folder
-    "after staging, before the rename": ("reference_trainer.saves", "_stage", [".tmp-X", ".tmp-X.lock"], "old",
-                                         "save-000002"),
-    "after the rename, before LATEST": ("os", "replace", [".tmp-LATEST-X", ".tmp-X.lock", "save-000002"], "old",
-                                        "save-000003"),
-    "after LATEST moved, before the clean-up": ("reference_trainer.saves", "_clean", [".tmp-X.lock", "save-000002"],
-                                                "new", "save-000003"),
+    "after staging, before the rename": (
+        "reference_trainer.saves",
+        "_stage",
+        [".tmp-X", ".tmp-X.lock"],
+        "old",
+        "save-000002",
+    ),
+    "after the rename, before LATEST": (
+        "os",
+        "replace",
+        [".tmp-LATEST-X", ".tmp-X.lock", "save-000002"],
+        "old",
+        "save-000003",
+    ),
+    "after LATEST moved, before the clean-up": (
+        "reference_trainer.saves",
+        "_clean",
+        [".tmp-X.lock", "save-000002"],
+        "new",
+        "save-000003",
+    ),
 }
 
 

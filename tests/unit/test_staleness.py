@@ -29,10 +29,17 @@ def test_staleness_beyond_bound_raises_and_changes_nothing(bound: int) -> None:
     assert isinstance(error, rt.GradientCommitError)
     assert (error.checkpoint, error.staleness, error.bound) == ("policy", bound + 1, bound)
     assert (error.forward_revision, error.current_revision) == (1 - 1, bound + 1)
-    for fact in ("'policy'", f"staleness {bound + 1}", f"max_gradient_staleness={bound}", "forward revision 0", f"current revision {bound + 1}"):
+    for fact in (
+        "'policy'",
+        f"staleness {bound + 1}",
+        f"max_gradient_staleness={bound}",
+        "forward revision 0",
+        f"current revision {bound + 1}",
+    ):
         assert fact in str(error)
     assert_grads_unchanged(trainer, before)
     assert trainer.live_records() == 0, "the stale record is released"
+
 
 def test_default_bound_is_two() -> None:
     trainer = make_trainer("lora", dropout=0.0)
@@ -45,6 +52,7 @@ def test_default_bound_is_two() -> None:
     with pytest.raises(rt.StaleGradientError):
         trainer.backward(-outs[1].target_logprobs.sum())  # staleness 3: refused
 
+
 def test_strict_bound_rejects_any_step_in_between() -> None:
     trainer = make_trainer("lora", dropout=0.0, options=rt.ForwardOptions(max_gradient_staleness=0, corrections=()))
     ids, tgt = sequence(4)
@@ -56,11 +64,14 @@ def test_strict_bound_rejects_any_step_in_between() -> None:
     assert info.value.staleness == 1 and info.value.bound == 0
     assert_grads_unchanged(trainer, before)
 
+
 def test_optim_step_rechecks_accumulated_origins() -> None:
     """A gradient committed fresh under bound 0 may not be applied after another step."""
     trainer = make_trainer("full", dropout=0.0)
     ids, tgt = sequence(5)
-    out = trainer.forward(rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(max_gradient_staleness=0, corrections=()))
+    out = trainer.forward(
+        rt.ForwardInput(ids, tgt), options=rt.ForwardOptions(max_gradient_staleness=0, corrections=())
+    )
     trainer.backward(-out.target_logprobs.sum())
     trainer.optim_step()  # applies it: fine
     params = {n: p.detach().clone() for n, p in trainer.checkpoint("policy").named_parameters()}
@@ -108,4 +119,7 @@ def test_another_generation_is_a_replaced_checkpoint_whatever_the_revisions() ->
         older = rt.CheckpointVersion("policy", checkpoint.generation - 1, revision)
         with pytest.raises(rt.CheckpointReplacedError) as info:
             check_age(checkpoint, older, 2)
-        assert (info.value.forward_generation, info.value.current_generation) == (checkpoint.generation - 1, checkpoint.generation)
+        assert (info.value.forward_generation, info.value.current_generation) == (
+            checkpoint.generation - 1,
+            checkpoint.generation,
+        )

@@ -51,12 +51,16 @@ class _Reference:
     """An independent copy of a checkpoint's parameters stepped by ``torch.optim.AdamW``."""
 
     def __init__(self, trainer: rt.Trainer, name: str = "policy") -> None:
-        self.params = {n: p.detach().clone().requires_grad_(True) for n, p in trainer.checkpoint(name).named_parameters()}
+        self.params = {
+            n: p.detach().clone().requires_grad_(True) for n, p in trainer.checkpoint(name).named_parameters()
+        }
         self.optimizer = torch.optim.AdamW(
             list(self.params.values()), lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
         )
 
-    def step(self, trainer: rt.Trainer, *, lr: float | None = None, max_grad_norm: float | None = None, name: str = "policy") -> float | None:
+    def step(
+        self, trainer: rt.Trainer, *, lr: float | None = None, max_grad_norm: float | None = None, name: str = "policy"
+    ) -> float | None:
         """Take the trainer's committed gradients, optionally clip, step; returns clip_grad_norm_'s norm."""
         for n, p in trainer.checkpoint(name).named_parameters():
             self.params[n].grad = None if p.grad is None else p.grad.clone()
@@ -179,8 +183,12 @@ def test_checkpoint_without_gradients_is_skipped_while_another_steps() -> None:
     _commit(trainer, seed=50, checkpoint="a")
     report = trainer.optim_step()
     assert set(report.checkpoints) == {"a", "b"}
-    assert report["a"] == rt.CheckpointStep(stepped=True, reason=None, grad_norm=report["a"].grad_norm, clipped=False, revision=1)
-    assert report["b"] == rt.CheckpointStep(stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=0)
+    assert report["a"] == rt.CheckpointStep(
+        stepped=True, reason=None, grad_norm=report["a"].grad_norm, clipped=False, revision=1
+    )
+    assert report["b"] == rt.CheckpointStep(
+        stepped=False, reason="no gradients", grad_norm=None, clipped=False, revision=0
+    )
     assert trainer.checkpoint("a").revision == 1 and trainer.checkpoint("b").revision == 0
     _assert_params_equal(trainer, b_before, "b")
     assert trainer.checkpoint("b").state_dict()["optimizer"]["state"] == {}, "b's AdamW never stepped"
@@ -259,7 +267,9 @@ def test_bf16_checkpoint_keeps_fp32_masters_and_fp32_has_none() -> None:
     assert set(masters) == {n for n, _ in checkpoint.named_parameters()}
     assert all(m.dtype == torch.float32 for m in masters.values())
     reference = {n: m.clone().requires_grad_(True) for n, m in masters.items()}
-    optimizer = torch.optim.AdamW(list(reference.values()), lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    optimizer = torch.optim.AdamW(
+        list(reference.values()), lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
+    )
 
     for step in range(2):
         _commit(trainer, seed=80 + step)
@@ -335,7 +345,9 @@ def test_bf16_norm_and_clipping_run_in_fp32_on_the_masters() -> None:
     for tensor, grad in zip(replica, grads):
         tensor.grad = grad.float()
     torch.nn.utils.clip_grad_norm_(replica, max_norm)
-    optimizer = torch.optim.AdamW(replica, lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    optimizer = torch.optim.AdamW(
+        replica, lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay
+    )
     optimizer.step()
     after = trainer.checkpoint("policy").state_dict()["master_parameters"]
     for name, tensor in zip(names, replica):

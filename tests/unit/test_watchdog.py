@@ -82,8 +82,9 @@ def test_records_that_fell_out_of_one_buffer_are_not_a_disagreement() -> None:
     assert (found.seq, found.odd_ranks) == (14, (0,))
 
 
-@pytest.mark.parametrize(("op", "differs"), [("all_gather", True), ("broadcast", True), ("gather", True),
-                                             ("all_to_all", False)])
+@pytest.mark.parametrize(
+    ("op", "differs"), [("all_gather", True), ("broadcast", True), ("gather", True), ("all_to_all", False)]
+)
 def test_shapes_count_only_where_every_rank_passes_the_same_shape(op: str, differs: bool) -> None:
     a = [rec(0, op, shapes=((2, 3),), dtypes=("float32",))]
     b = [rec(0, op, shapes=((5,),), dtypes=("float32",))]
@@ -106,12 +107,18 @@ def test_a_collective_is_recorded_with_its_shapes_dtypes_call_and_end(tmp_path: 
     with watchdog.recorded("exchange", "control", (), "run_logical (#1)"):
         pass
     first, second = watchdog._TRACE.snapshot()
-    assert (first.seq, first.shapes, first.dtypes, first.call) == (0, ((2, 3), (4,)), ("float32", "int64"), "optim_step")
+    assert (first.seq, first.shapes, first.dtypes, first.call) == (
+        0,
+        ((2, 3), (4,)),
+        ("float32", "int64"),
+        "optim_step",
+    )
     assert second.seq == 1 and second.ended is not None and second.ended >= second.started
 
 
-def test_a_peer_error_in_a_collective_dumps_stack_trace_and_the_collective_in_flight(tmp_path: Path,
-                                                                                     no_watchdog: None) -> None:
+def test_a_peer_error_in_a_collective_dumps_stack_trace_and_the_collective_in_flight(
+    tmp_path: Path, no_watchdog: None
+) -> None:
     watchdog.install(5.0, tmp_path, rank=3)
     with watchdog.recorded("exchange", "control", (), "step 0"):
         pass
@@ -155,8 +162,11 @@ def test_a_dump_request_on_the_store_makes_a_live_process_dump_its_stack(tmp_pat
 
 
 def test_each_ranks_earliest_dump_is_its_snapshot(tmp_path: Path) -> None:
-    for name, rank, at, trace in (("rank-1-asked", 1, 5.0, [rec(0)]), ("rank-1-failed", 1, 9.0, [rec(0), rec(1)]),
-                                  ("rank-0-failed", 0, 6.0, [rec(0), rec(1, ended=None)])):
+    for name, rank, at, trace in (
+        ("rank-1-asked", 1, 5.0, [rec(0)]),
+        ("rank-1-failed", 1, 9.0, [rec(0), rec(1)]),
+        ("rank-0-failed", 0, 6.0, [rec(0), rec(1, ended=None)]),
+    ):
         body = {"rank": rank, "dumped_at": at, "trace": [r.__dict__ for r in trace]}
         (tmp_path / f"{name}.json").write_text(json.dumps(body))
     traces = read_dumps(tmp_path)
@@ -175,8 +185,9 @@ def test_the_deadline_bounds_every_wait_of_a_comm_while_installed(tmp_path: Path
 
 
 @pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), True, "2"])
-def test_a_bad_deadline_is_refused_and_the_installed_watchdog_stays(tmp_path: Path, no_watchdog: None,
-                                                                    deadline: object) -> None:
+def test_a_bad_deadline_is_refused_and_the_installed_watchdog_stays(
+    tmp_path: Path, no_watchdog: None, deadline: object
+) -> None:
     installed = watchdog.install(3.0, tmp_path, rank=0)
     with pytest.raises(ConfigError, match="deadline_s"):
         watchdog.install(deadline, tmp_path, rank=0)  # type: ignore[arg-type]
@@ -192,6 +203,7 @@ def test_the_nccl_settings_point_the_flight_recorder_at_the_dump_folder(tmp_path
 def test_a_dump_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dump is written aside and renamed into place: a writer that fails before the rename leaves no
     ``rank-*.json`` for a reader to find half-written."""
+
     def fails(source: object, target: object) -> None:
         raise OSError("disk full")
 
@@ -227,8 +239,9 @@ def test_uninstall_joins_the_listener(tmp_path: Path, no_watchdog: None) -> None
     assert dog._listener is not None and not dog._listener.is_alive(), "the listener outlived uninstall"
 
 
-def test_the_control_group_is_made_after_a_barrier_bounded_by_the_deadline(tmp_path: Path, no_watchdog: None,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_control_group_is_made_after_a_barrier_bounded_by_the_deadline(
+    tmp_path: Path, no_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A peer that never comes to make the control group (whose connection would wait for the group's long
     timeout) fails the barrier before it, within the deadline: a ``PeerError`` and a dump naming the call."""
     import datetime

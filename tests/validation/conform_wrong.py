@@ -130,8 +130,10 @@ class SaveWithoutGradients(SyncAdapter):
     bitwise_resume = True
 
     def save(self, path: str) -> None:
-        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()},
-                   os.path.join(path, "state.pt"))
+        torch.save(
+            {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()},
+            os.path.join(path, "state.pt"),
+        )
 
     def load(self, path: str) -> None:
         state = torch.load(os.path.join(path, "state.pt"))
@@ -178,8 +180,10 @@ class ResumedOneUlpOff(SaveWithoutGradients):
 
     def save(self, path: str) -> None:
         grads = {name: p.grad for name, p in self._model.named_parameters()}
-        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
-                   os.path.join(path, "state.pt"))
+        torch.save(
+            {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(), "grads": grads},
+            os.path.join(path, "state.pt"),
+        )
 
     def load(self, path: str) -> None:
         super().load(path)
@@ -219,8 +223,10 @@ class RaisesAtStep(SyncAdapter):
     name = "raises-at-step"
 
     def optim_step(self) -> None:
-        raise RuntimeError("a rank raised\n--- rank 1: exit code 1\nTraceback (most recent call last):\n"
-                           "ValueError: the optimizer state is on another device")
+        raise RuntimeError(
+            "a rank raised\n--- rank 1: exit code 1\nTraceback (most recent call last):\n"
+            "ValueError: the optimizer state is on another device"
+        )
 
 
 class UnguardedAllReduce(SyncAdapter):

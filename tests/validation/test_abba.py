@@ -24,6 +24,7 @@ class FakeMachine:
             self.now += self.cost(name, self.runs)
             self.runs += 1
             self.order.append(name)
+
         return run
 
     def arms(self, *names: str) -> dict[str, Callable[[], None]]:
@@ -58,7 +59,7 @@ def run(machine: FakeMachine, *names: str, **kwargs):
 def test_blocks_alternate_abba_baab_and_warmups_are_discarded() -> None:
     machine = FakeMachine(constant({"a": 1.0, "b": 1.0}))
     (result,) = run(machine, "a", "b", max_blocks=3, warmup_blocks=1)
-    assert machine.order == list("abba" "baab" "abba" "baab")
+    assert machine.order == list("abbabaababbabaab")
     assert len(result.ratios) == 3 and result.blocks == 3
 
 
@@ -118,8 +119,9 @@ def test_loaded_blocks_are_dropped() -> None:
 
 def test_too_many_loaded_blocks_make_every_verdict_inconclusive() -> None:
     shares = [1.0, 1.0] + [0.5, 1.0, 1.0] * 30  # a third of the blocks loaded
-    (result,) = run(FakeMachine(constant({"base": 1.0, "arm": 1.5})), "base", "arm", max_blocks=16,
-                    load_probe=FakeProbe(shares))
+    (result,) = run(
+        FakeMachine(constant({"base": 1.0, "arm": 1.5})), "base", "arm", max_blocks=16, load_probe=FakeProbe(shares)
+    )
     assert result.verdict == "inconclusive" and len(result.loaded) > 0.25 * len(result.ratios)
     assert result.ratio == pytest.approx(1.5)  # the data alone would say regression
 
@@ -139,8 +141,12 @@ def test_one_result_per_other_arm_in_arms_order() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"baseline": "zzz"}, "baseline 'zzz'"), ({"baseline": "a", "gate": 1.5}, "gate=1.5"),
-     ({"baseline": "a", "warmup_blocks": 0}, "warmup_blocks=0"), ({"baseline": "a", "budget_s": 0}, "budget_s=0")],
+    [
+        ({"baseline": "zzz"}, "baseline 'zzz'"),
+        ({"baseline": "a", "gate": 1.5}, "gate=1.5"),
+        ({"baseline": "a", "warmup_blocks": 0}, "warmup_blocks=0"),
+        ({"baseline": "a", "budget_s": 0}, "budget_s=0"),
+    ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(kwargs: dict, message: str) -> None:
     machine = FakeMachine(constant({"a": 1.0, "b": 1.0}))

@@ -28,8 +28,14 @@ def work(scale: float) -> Callable[[], int]:
 
 
 def measure(scale: float, *, on_block: Callable | None = None, budget_s: float = 40.0):
-    (result,) = compare({"a": work(1.0), "b": work(scale)}, baseline="a", max_blocks=64, budget_s=budget_s,
-                        warmup_blocks=3, on_block=on_block)
+    (result,) = compare(
+        {"a": work(1.0), "b": work(scale)},
+        baseline="a",
+        max_blocks=64,
+        budget_s=budget_s,
+        warmup_blocks=3,
+        on_block=on_block,
+    )
     return result
 
 
@@ -46,8 +52,10 @@ def test_a_vs_a_is_a_tie() -> None:
     assert result.verdict in ("tie", "inconclusive"), result  # an A/A pair is never a gain or a regression
     if result.verdict == "inconclusive":  # unloaded but noisy: the blocks ran out before the interval fit the band
         low, high = result.ci95
-        pytest.skip(f"inconclusive (noisy: {result.blocks} blocks left the interval [{low:.3f}, {high:.3f}] wider than "
-                    f"the ±{result.gate:.0%} band; no load measured)")
+        pytest.skip(
+            f"inconclusive (noisy: {result.blocks} blocks left the interval [{low:.3f}, {high:.3f}] wider than "
+            f"the ±{result.gate:.0%} band; no load measured)"
+        )
 
 
 @pytest.mark.parametrize(("scale", "verdict"), [(1.10, "regression"), (1 / 1.10, "gain")])

@@ -42,8 +42,14 @@ def test_structural_mismatch_is_a_hard_failure(found: object, reference: object,
 
 
 def _pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    reference = {"a": torch.tensor([3.0, 4.0], dtype=torch.float64), "b": torch.tensor([0.0, 12.0], dtype=torch.float64)}
-    found = {"a": torch.tensor([3.0, 4.0 + 1e-3], dtype=torch.float64), "b": torch.tensor([0.0, 12.0], dtype=torch.float64)}
+    reference = {
+        "a": torch.tensor([3.0, 4.0], dtype=torch.float64),
+        "b": torch.tensor([0.0, 12.0], dtype=torch.float64),
+    }
+    found = {
+        "a": torch.tensor([3.0, 4.0 + 1e-3], dtype=torch.float64),
+        "b": torch.tensor([0.0, 12.0], dtype=torch.float64),
+    }
     return found, reference
 
 

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import conform_wrong as wrong
 import pytest
 import torch
 
-from validation.conform import (FAILED, NOT_APPLICABLE, PASSED, AdapterError, ConformSpec, conform, conform_record)
+from validation.conform import FAILED, NOT_APPLICABLE, PASSED, AdapterError, ConformSpec, conform, conform_record
+from validation.conform.adapters.plain import NaiveAsyncAdapter, SnapshotAsyncAdapter, SyncAdapter
 from validation.conform.checks import splits, stale, sync
-from validation.conform.processes import judge_processes, rank_rows, run_job
 from validation.conform.oracle import compare, tolerance
+from validation.conform.processes import judge_processes, rank_rows, run_job
 from validation.conform.protocol import require_protocol
 from validation.conform.resume import resume
 from validation.evidence import checks_of
-
-import conform_wrong as wrong
-from validation.conform.adapters.plain import NaiveAsyncAdapter, SnapshotAsyncAdapter, SyncAdapter
 
 SPEC = ConformSpec()
 
@@ -52,8 +51,11 @@ def test_sync_judges_each_parameter_at_its_own_scale() -> None:
 
 
 def test_a_parameter_scale_is_floored_at_a_thousandth_of_the_largest() -> None:
-    oracle = {"big": torch.ones(3, dtype=torch.float64), "tiny": torch.full((2,), 1e-9, dtype=torch.float64),
-              "small": torch.full((2,), 1e-2, dtype=torch.float64)}
+    oracle = {
+        "big": torch.ones(3, dtype=torch.float64),
+        "tiny": torch.full((2,), 1e-9, dtype=torch.float64),
+        "small": torch.full((2,), 1e-2, dtype=torch.float64),
+    }
     noise = compare({**oracle, "tiny": oracle["tiny"] * 2}, oracle, 1e-4)  # 1e-9 off, against a floor of 1e-3
     assert noise.ok and noise.parameter == "tiny" and noise.scale == 1e-3 and noise.error == pytest.approx(1e-6)
     short = compare({**oracle, "small": oracle["small"] * 0.95}, oracle, 1e-4)
@@ -73,8 +75,11 @@ def test_sync_catches_an_optimizer_that_ignores_the_spec_lr() -> None:
     assert verdict.status == FAILED and "optim_step did not move the weights as AdamW(lr=0.01" in verdict.reason
 
 
-@pytest.mark.parametrize("changed", [{"weight_decay": 0.0}, {"betas": (0.9, 0.99)}, {"lr": 1.01e-2}],
-                         ids=["no-weight-decay", "beta2-0.99", "lr-1.01x"])
+@pytest.mark.parametrize(
+    "changed",
+    [{"weight_decay": 0.0}, {"betas": (0.9, 0.99)}, {"lr": 1.01e-2}],
+    ids=["no-weight-decay", "beta2-0.99", "lr-1.01x"],
+)
 def test_sync_judges_the_update_so_each_off_spec_adamw_setting_fails(changed: dict) -> None:
     """The update is ~lr of the weights: judged at the weights' scale these passed (eps 1e-3, beta1 0.8 and Adam's
     L2 decay were caught even so)."""
@@ -139,8 +144,9 @@ def test_splits_names_the_ratio_of_the_worst_parameter_not_of_all() -> None:
 
 def test_an_adapter_that_raises_keeps_the_cause_of_a_many_line_message() -> None:
     verdict = conform("conform_wrong:RaisesAtStep", SPEC, checks=("sync",)).verdict("sync")
-    assert verdict.status == FAILED and verdict.reason.startswith("the adapter raised RuntimeError: a rank raised ... "
-                                                                  "ValueError: the optimizer state is on another device")
+    assert verdict.status == FAILED and verdict.reason.startswith(
+        "the adapter raised RuntimeError: a rank raised ... ValueError: the optimizer state is on another device"
+    )
     assert verdict.evidence["message"].count("\n") == 3
 
 
@@ -164,31 +170,45 @@ def test_resume_holds_a_bitwise_claim_to_bitwise_equality() -> None:
 def test_naive_async_fails_stale_and_only_stale() -> None:
     report = conform("naive-async", SPEC, checks=("sync", "stale", "splits", "resume", "processes"))
     assert {v.check: v.status for v in report.verdicts} == {
-        "sync": PASSED, "stale": FAILED, "splits": PASSED, "resume": NOT_APPLICABLE, "processes": NOT_APPLICABLE}
+        "sync": PASSED,
+        "stale": FAILED,
+        "splits": PASSED,
+        "resume": NOT_APPLICABLE,
+        "processes": NOT_APPLICABLE,
+    }
     assert not report.passed
 
 
 def test_a_check_the_adapter_does_not_claim_is_not_applicable_never_passed() -> None:
     report = conform("sync", SPEC, checks=("stale", "resume", "processes"))
     assert [(v.status, v.reason) for v in report.verdicts] == [
-        (NOT_APPLICABLE, "the adapter does not claim 'stale'"), (NOT_APPLICABLE, "the adapter does not claim 'save'"),
-        (NOT_APPLICABLE, "the adapter does not claim 'processes'")]
+        (NOT_APPLICABLE, "the adapter does not claim 'stale'"),
+        (NOT_APPLICABLE, "the adapter does not claim 'save'"),
+        (NOT_APPLICABLE, "the adapter does not claim 'processes'"),
+    ]
     assert not report.passed  # nothing ran
     record = conform_record([report], SPEC)
-    assert not record["passed"] and record["checks"] == {} and set(record["skips"]) == {
-        "sync stale", "sync resume", "sync processes"}
+    assert (
+        not record["passed"]
+        and record["checks"] == {}
+        and set(record["skips"]) == {"sync stale", "sync resume", "sync processes"}
+    )
 
 
 def test_the_negative_control_passes_the_record_only_when_it_fails_its_check() -> None:
     naive = conform("naive-async", SPEC, checks=("sync", "stale"))
     record = conform_record([naive], SPEC, negative_controls={"naive-async": "stale"})
-    assert record["passed"] and record["checks"] == {"naive-async sync": True,
-                                                     "naive-async stale fails (negative control)": True}
+    assert record["passed"] and record["checks"] == {
+        "naive-async sync": True,
+        "naive-async stale fails (negative control)": True,
+    }
     snapshot = conform("snapshot-async", SPEC, checks=("stale",))
     control = conform_record([snapshot], SPEC, negative_controls={"snapshot-async": "stale"})
     assert not control["passed"]
     assert next(c.detail for c in checks_of(control) if c.failed).startswith("the negative control passed")
-    unclaimed = conform_record([conform("sync", SPEC, checks=("sync", "stale"))], SPEC, negative_controls={"sync": "stale"})
+    unclaimed = conform_record(
+        [conform("sync", SPEC, checks=("sync", "stale"))], SPEC, negative_controls={"sync": "stale"}
+    )
     assert unclaimed["checks"]["sync stale fails (negative control)"] is False  # a control that did not run
 
 
@@ -206,14 +226,19 @@ def test_a_negative_control_that_fails_stale_for_another_reason_did_not_fire(con
 def test_an_adapter_without_a_method_is_refused_naming_it_and_the_fix() -> None:
     with pytest.raises(AdapterError) as caught:
         require_protocol(wrong.MissingBackward())
-    assert caught.value.one_line() == ("adapter 'missing-backward' is broken: missing method backward (needed: start, "
-                                       "module, forward, backward, optim_step, zero_grad); fix: define backward() as "
-                                       "in docs/conform.md#the-adapter-protocol")
+    assert caught.value.one_line() == (
+        "adapter 'missing-backward' is broken: missing method backward (needed: start, "
+        "module, forward, backward, optim_step, zero_grad); fix: define backward() as "
+        "in docs/conform.md#the-adapter-protocol"
+    )
 
 
 def test_a_forward_of_the_wrong_shape_stops_the_suite_as_a_broken_adapter() -> None:
-    with pytest.raises(AdapterError, match=r"returned a tensor of shape \(4,\), requires_grad=True; expected "
-                                           r"differentiable target log-probs of shape \(4, 8\)"):
+    with pytest.raises(
+        AdapterError,
+        match=r"returned a tensor of shape \(4,\), requires_grad=True; expected "
+        r"differentiable target log-probs of shape \(4, 8\)",
+    ):
         conform("conform_wrong:SummedLogprobs", SPEC, checks=("sync",))
 
 
@@ -225,9 +250,11 @@ def test_the_ranks_rows_partition_each_batch() -> None:
 def test_an_adapter_claiming_save_without_save_and_load_is_refused() -> None:
     with pytest.raises(AdapterError) as caught:
         require_protocol(wrong.SaveClaimedWithoutLoad())
-    assert caught.value.one_line().endswith("missing method save, load (needed: start, module, forward, backward, "
-                                            "optim_step, zero_grad, save, load); fix: define save(), load() as in "
-                                            "docs/conform.md#the-adapter-protocol, or drop 'save' from capabilities")
+    assert caught.value.one_line().endswith(
+        "missing method save, load (needed: start, module, forward, backward, "
+        "optim_step, zero_grad, save, load); fix: define save(), load() as in "
+        "docs/conform.md#the-adapter-protocol, or drop 'save' from capabilities"
+    )
 
 
 def test_a_module_with_nothing_trainable_is_a_broken_adapter() -> None:

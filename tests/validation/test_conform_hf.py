@@ -21,8 +21,9 @@ def hf_lora() -> ModuleType:
     """The adapter's module, imported only when a test runs: collecting transformers and PEFT costs each xdist
     worker about 3 s, and every test here is slow."""
     for name in ("transformers", "peft"):
-        pytest.importorskip(name, reason=f"needs the conform-hf extra (pip install -e '.[conform-hf]'): "
-                                         f"{name} not installed")
+        pytest.importorskip(
+            name, reason=f"needs the conform-hf extra (pip install -e '.[conform-hf]'): {name} not installed"
+        )
     from validation.conform.adapters import hf_lora
 
     return hf_lora
@@ -31,11 +32,17 @@ def hf_lora() -> ModuleType:
 def test_hf_lora_passes_every_check_it_claims() -> None:
     report = conform("hf-lora", ConformSpec())
     assert {v.check: v.status for v in report.verdicts} == {
-        "sync": PASSED, "stale": PASSED, "splits": PASSED, "resume": NOT_APPLICABLE, "processes": NOT_APPLICABLE}
+        "sync": PASSED,
+        "stale": PASSED,
+        "splits": PASSED,
+        "resume": NOT_APPLICABLE,
+        "processes": NOT_APPLICABLE,
+    }
 
 
 def test_without_allow_mutation_on_saved_tensors_its_stale_backward_fails(
-        monkeypatch: pytest.MonkeyPatch, hf_lora: ModuleType) -> None:
+    monkeypatch: pytest.MonkeyPatch, hf_lora: ModuleType
+) -> None:
     """The negative control: AdamW's in-place step then trips autograd's version check."""
     monkeypatch.setattr(hf_lora.HFLoRAAdapter, "_hold_context", lambda self: None)
     monkeypatch.setattr(hf_lora.HFLoRAAdapter, "backward", lambda self, loss: loss.backward())

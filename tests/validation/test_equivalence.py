@@ -66,7 +66,9 @@ def test_verdicts(arm: list[float], higher_is_better: bool, verdict: str) -> Non
 
 
 @pytest.mark.parametrize("higher_is_better", [False, True])
-def test_a_tight_interval_inside_the_margin_is_equivalent_even_when_wholly_on_one_side_of_zero(higher_is_better) -> None:
+def test_a_tight_interval_inside_the_margin_is_equivalent_even_when_wholly_on_one_side_of_zero(
+    higher_is_better,
+) -> None:
     """Rule 4: "equivalent" wins over "worse"/"better" (a significant difference we do not care about)."""
     baseline = [1.0, 1.0, 1.0]
     arm = [1.049, 1.05, 1.051]  # d = (0.049, 0.05, 0.051): mean 0.05, sample SD 0.001

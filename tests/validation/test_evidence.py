@@ -231,9 +231,15 @@ def test_the_committed_schema_1_records_still_verify_and_read(name: str) -> None
 
 
 def test_a_schema_1_reason_is_read_from_failures_before_details() -> None:
-    record = {"schema_version": 1, "checks": {"a": False, "b": True},
-              "measurements": {"failures": {"a": "why a failed"}, "details": {"a": "shadowed", "b": "b held"}}}
-    assert evidence.checks_of(record) == [evidence.Check("a", False, "why a failed"), evidence.Check("b", True, "b held")]
+    record = {
+        "schema_version": 1,
+        "checks": {"a": False, "b": True},
+        "measurements": {"failures": {"a": "why a failed"}, "details": {"a": "shadowed", "b": "b held"}},
+    }
+    assert evidence.checks_of(record) == [
+        evidence.Check("a", False, "why a failed"),
+        evidence.Check("b", True, "b held"),
+    ]
 
 
 def test_checks_show_each_verdict_as_it_is_recorded_in_the_one_format() -> None:
@@ -244,8 +250,12 @@ def test_checks_show_each_verdict_as_it_is_recorded_in_the_one_format() -> None:
     checks.check("breaks", False, "expected 1, found 2")
     checks.skip("cuda only", "no CUDA device")
     checks.check("bare", True)
-    assert lines == ["PASS  holds: 1 == 1", "FAIL  breaks: expected 1, found 2", "SKIP  cuda only: no CUDA device",
-                     "PASS  bare"]
+    assert lines == [
+        "PASS  holds: 1 == 1",
+        "FAIL  breaks: expected 1, found 2",
+        "SKIP  cuda only: no CUDA device",
+        "PASS  bare",
+    ]
     with pytest.raises(ValueError):
         checks.check("holds", True)
     assert len(lines) == 4, "a refused duplicate is not shown"

@@ -20,8 +20,12 @@ from validation.trainers import trainer_with_policy
 
 
 def dump(folder: Path, rank: int, reason: str, at: float, calls: list[str], in_flight: bool = False) -> None:
-    trace = [CollectiveRecord(seq, "exchange", "control", (), (), call, 0.0, None if in_flight and seq == len(calls) - 1
-                              else 1.0) for seq, call in enumerate(calls)]
+    trace = [
+        CollectiveRecord(
+            seq, "exchange", "control", (), (), call, 0.0, None if in_flight and seq == len(calls) - 1 else 1.0
+        )
+        for seq, call in enumerate(calls)
+    ]
     body = {"rank": rank, "reason": reason, "dumped_at": at, "trace": [asdict(r) for r in trace], "stack": "..."}
     (folder / f"rank-{rank}-{reason}.json").write_text(json.dumps(body))
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import re
 import functools
+import re
 import sqlite3
 from pathlib import Path
 
@@ -25,8 +25,10 @@ def _made() -> dict:
 
 def _record(commit: str, seconds: float, rng: np.random.Generator, cores: int | None = None) -> dict:
     blocks = list(seconds * rng.lognormal(0.0, NOISE / 4, 8))  # the blocks of one run scatter less than runs do
-    group = {"label": "small 4x64 full", "comparisons": [
-        {"arm": "retain@s0", "arm_seconds": blocks, "baseline_seconds": [1.0] * 8, "confidence": 0.95}]}
+    group = {
+        "label": "small 4x64 full",
+        "comparisons": [{"arm": "retain@s0", "arm_seconds": blocks, "baseline_seconds": [1.0] * 8, "confidence": 0.95}],
+    }
     record = copy.deepcopy(_made())
     record["measurements"] = {"groups": [group]}
     record["source"] = {"git_commit": commit, "sha256": f"digest-{commit}"}
@@ -35,8 +37,15 @@ def _record(commit: str, seconds: float, rng: np.random.Generator, cores: int | 
     return record
 
 
-def _store(path: Path, seed: int, step_at: int | None, cores: int | None = None, size: float = 0.05,
-           back_at: int | None = None, commits: int = 12) -> None:
+def _store(
+    path: Path,
+    seed: int,
+    step_at: int | None,
+    cores: int | None = None,
+    size: float = 0.05,
+    back_at: int | None = None,
+    commits: int = 12,
+) -> None:
     rng = np.random.default_rng(seed)
     for n in range(1, commits + 1):
         level = 1.0 + (size if step_at is not None and n >= step_at and (back_at is None or n < back_at) else 0.0)
@@ -65,8 +74,14 @@ def test_a_flat_series_with_the_same_noise_has_no_change(tmp_path: Path, seed: i
 def _simulated(seed: int, step_at: int | None) -> np.ndarray:
     """One series as the store holds it: per-commit noise, times the median of 8 blocks' own scatter."""
     rng = np.random.default_rng(seed)
-    return np.array([(1.05 if step_at is not None and n >= step_at else 1.0) * rng.lognormal(0, NOISE)
-                     * np.median(rng.lognormal(0, NOISE / 4, 8)) for n in range(1, 13)])
+    return np.array(
+        [
+            (1.05 if step_at is not None and n >= step_at else 1.0)
+            * rng.lognormal(0, NOISE)
+            * np.median(rng.lognormal(0, NOISE / 4, 8))
+            for n in range(1, 13)
+        ]
+    )
 
 
 @pytest.mark.slow  # a Monte Carlo property over many series (about 0.7 s)
@@ -110,8 +125,9 @@ def test_two_machine_identities_never_mix(tmp_path: Path) -> None:
     path, rng = tmp_path / "h.sqlite", np.random.default_rng(1)
     for n in range(1, 13):
         fast = n <= 6
-        history.append(path, _record(f"c{n:02d}", (1.0 if fast else 1.05) * rng.lognormal(0, NOISE), rng,
-                                     cores=2 if fast else 64))
+        history.append(
+            path, _record(f"c{n:02d}", (1.0 if fast else 1.05) * rng.lognormal(0, NOISE), rng, cores=2 if fast else 64)
+        )
     found = _retain(path)
     assert len(found) == 2 and len({s.machine_id for s in found}) == 2
     assert [len(s.commits) for s in found] == [6, 6] and all(s.verdict == "no change" for s in found)
@@ -125,8 +141,10 @@ def test_a_store_of_the_older_schema_still_loads_and_takes_new_rows(tmp_path: Pa
         db.execute(f"CREATE TABLE results ({', '.join(history.V1_COLUMNS)})")
         db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
         db.execute("INSERT INTO meta VALUES ('schema', '1')")
-        db.execute(f"INSERT INTO results VALUES ({', '.join('?' * len(history.V1_COLUMNS))})",
-                   ("2026-01-01", "old.json", "c00", "d", "retain@s0", "small 4x64 full", "m", "{}", 1.0))
+        db.execute(
+            f"INSERT INTO results VALUES ({', '.join('?' * len(history.V1_COLUMNS))})",
+            ("2026-01-01", "old.json", "c00", "d", "retain@s0", "small 4x64 full", "m", "{}", 1.0),
+        )
     history.append(path, _record("c01", 1.0, np.random.default_rng(0)))
     table = history.load(path, arm="retain@s0")
     assert list(table["commit_id"]) == ["c00", "c01"] and np.isnan(table["ci_low"][0]) and table["ci_low"][1] > 0
@@ -140,7 +158,9 @@ def test_commits_keep_their_history_order_not_their_hash_order(tmp_path: Path) -
     commits = [hashlib.sha1(str(n).encode()).hexdigest() for n in range(1, 13)]
     assert commits != sorted(commits), "the ids must not already be in hash order"
     for n, commit in enumerate(commits, start=1):
-        history.append(tmp_path / "h.sqlite", _record(commit, (1.05 if n >= 8 else 1.0) * rng.lognormal(0.0, NOISE), rng))
+        history.append(
+            tmp_path / "h.sqlite", _record(commit, (1.05 if n >= 8 else 1.0) * rng.lognormal(0.0, NOISE), rng)
+        )
     (found,) = _retain(tmp_path / "h.sqlite")
     assert found.commits == tuple(commits)
     assert found.verdict == "regression" and [c.commit for c in found.changes] == [commits[7]], found.changes

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from validation import load
-from validation.load import LOADED_CORES, Load, Meter, CpuReading, between, inconclusive
+from validation.load import LOADED_CORES, CpuReading, Load, Meter, between, inconclusive
 
 
 def test_other_work_is_the_machine_s_busy_seconds_less_the_measurement_s_own_over_the_wall() -> None:
@@ -49,4 +49,5 @@ def test_a_real_sample_reads_this_machine_s_counters() -> None:
 
 def test_the_words_of_a_loaded_check() -> None:
     assert inconclusive(Load(1.234, 2, 3.0)) == (
-        "inconclusive (loaded: 1.23 of 2 cores busy with other work over 3.0 s (/proc/stat))")
+        "inconclusive (loaded: 1.23 of 2 cores busy with other work over 3.0 s (/proc/stat))"
+    )

@@ -49,7 +49,9 @@ def test_storage_census_flags_a_deliberately_kept_activation(fast_gc) -> None:
         stash: list[torch.Tensor] = []
         handle = _stash_hook(trainer, stash) if keep else None
         census = StorageCensus()
-        out = trainer.forward(rt.ForwardInput(*sequence(int(keep))), options=rt.ForwardOptions(backward_state="offload"))
+        out = trainer.forward(
+            rt.ForwardInput(*sequence(int(keep))), options=rt.ForwardOptions(backward_state="offload")
+        )
         trainer.backward(out.target_logprobs.sum())
         grads = [p.grad for p in trainer.checkpoint("policy").parameters()]
         ignore = [out.target_logprobs, *grads]

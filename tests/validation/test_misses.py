@@ -22,8 +22,10 @@ def test_a_forced_miss_is_one_verified_record_that_replays_to_its_estimate(tmp_p
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     inputs = [rt.ForwardInput(row[:-1].clone(), row[1:].clone()) for row in tokens]
     log = MissLog(tmp_path)
-    with mock.patch.object(planner, "analytic_saved_bytes", lambda *a, **k: _REAL(*a, **k) // 3), \
-            rt.observe_planner_misses(log):
+    with (
+        mock.patch.object(planner, "analytic_saved_bytes", lambda *a, **k: _REAL(*a, **k) // 3),
+        rt.observe_planner_misses(log),
+    ):
         outputs = trainer.forward(inputs, options=rt.ForwardOptions(backward_state="retain", corrections=()))
     trainer.backward(-sum(o.target_logprobs.sum() for o in outputs))
     assert log.paths == list(tmp_path.glob("*.json")) and len(log.paths) == 1

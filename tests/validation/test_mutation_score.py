@@ -18,7 +18,7 @@ from reports import render_report
 from validation.evidence import make_record, verify, write_once
 from validation.mutation_score import MutationConfig, locate, parse_results, run_mutation_score, sample_names, summarize
 
-TOY = '''def clamp(x, low, high):
+TOY = """def clamp(x, low, high):
     if x < low:
         return low
     if x > high:
@@ -28,8 +28,8 @@ TOY = '''def clamp(x, low, high):
 
 def double(x):
     return x * 2
-'''
-TOY_TESTS = '''from toypkg.calc import clamp, double
+"""
+TOY_TESTS = """from toypkg.calc import clamp, double
 
 
 def test_clamp():
@@ -38,7 +38,7 @@ def test_clamp():
 
 def test_double():
     assert double(3) == 6
-'''
+"""
 
 
 def _toy(root: Path) -> Path:
@@ -60,13 +60,19 @@ def test_the_sample_is_seeded_sorted_and_everything_when_it_is_larger() -> None:
 
 
 def test_results_are_parsed_and_scored_per_package() -> None:
-    text = ("    a.m.x_f__mutmut_1: killed\n    a.m.xǁCǁg__mutmut_2: survived\n    a.m.x_f__mutmut_3: timeout\n"
-            "    b.n.x_h__mutmut_1: no tests\n    b.n.x_h__mutmut_2: not checked\nnoise line\n")
+    text = (
+        "    a.m.x_f__mutmut_1: killed\n    a.m.xǁCǁg__mutmut_2: survived\n    a.m.x_f__mutmut_3: timeout\n"
+        "    b.n.x_h__mutmut_1: no tests\n    b.n.x_h__mutmut_2: not checked\nnoise line\n"
+    )
     statuses = parse_results(text)
     assert statuses["a.m.xǁCǁg__mutmut_2"] == "survived" and len(statuses) == 5
     summary = summarize(statuses)
-    assert summary["a"] == {"counts": {"killed": 1, "survived": 1, "timeout": 1}, "checked": 3, "killed": 2,
-                            "score": pytest.approx(2 / 3)}
+    assert summary["a"] == {
+        "counts": {"killed": 1, "survived": 1, "timeout": 1},
+        "checked": 3,
+        "killed": 2,
+        "score": pytest.approx(2 / 3),
+    }
     assert summary["b"]["checked"] == 1 and summary["b"]["score"] == 0.0  # "no tests" is checked, not killed
     assert summarize({"c.x_f__mutmut_1": "not checked"})["c"]["score"] is None
 
@@ -74,26 +80,50 @@ def test_results_are_parsed_and_scored_per_package() -> None:
 def test_a_survivor_is_located_by_its_function_and_diff(tmp_path: Path) -> None:
     root = _toy(tmp_path)
     (root / "toypkg" / "shapes.py").write_text("class Box:\n    def area(self, w):\n        return w * w\n")
-    shown = "# toypkg.calc.x_clamp__mutmut_2: survived\n--- a\n+++ b\n@@ -1,6 +1,6 @@\n def clamp(x, low, high):\n" \
-            "     if x < low:\n         return low\n-    if x > high:\n+    if x >= high:\n         return high\n"
+    shown = (
+        "# toypkg.calc.x_clamp__mutmut_2: survived\n--- a\n+++ b\n@@ -1,6 +1,6 @@\n def clamp(x, low, high):\n"
+        "     if x < low:\n         return low\n-    if x > high:\n+    if x >= high:\n         return high\n"
+    )
     where = locate("toypkg.calc.x_clamp__mutmut_2", shown, root)
     assert (where["file"], where["line"], where["removed"], where["added"]) == (
-        "toypkg/calc.py", 4, ["    if x > high:"], ["    if x >= high:"])
+        "toypkg/calc.py",
+        4,
+        ["    if x > high:"],
+        ["    if x >= high:"],
+    )
     method = "@@ -1,2 +1,2 @@\n def area(self, w):\n-    return w * w\n+    return w / w\n"
     assert locate("toypkg.shapes.xǁBoxǁarea__mutmut_1", method, root)["line"] == 3
 
 
 def _record(tmp_path: Path) -> Path:
-    survivor = {"name": "reference_trainer.commit.x_f__mutmut_3", "file": "reference_trainer/commit.py", "line": 87,
-                "removed": ["    if a < b:"], "added": ["    if a <= b:"], "status": "survived"}
-    measurements = {"tool": "mutmut==3.8.1", "generated": 900, "sampled": 3, "seconds": 12.0,
-                    "by_package": summarize({"reference_trainer.commit.x_f__mutmut_1": "killed",
-                                             "reference_trainer.commit.x_f__mutmut_2": "killed",
-                                             survivor["name"]: "survived"}),
-                    "survivors": [survivor]}
-    record = make_record("mutation-score", config={"seed": 0, "tests": ["tests/unit"]},
-                         checks={"mutmut ran to the end": True, "every sampled mutant was checked": True},
-                         measurements=measurements)
+    survivor = {
+        "name": "reference_trainer.commit.x_f__mutmut_3",
+        "file": "reference_trainer/commit.py",
+        "line": 87,
+        "removed": ["    if a < b:"],
+        "added": ["    if a <= b:"],
+        "status": "survived",
+    }
+    measurements = {
+        "tool": "mutmut==3.8.1",
+        "generated": 900,
+        "sampled": 3,
+        "seconds": 12.0,
+        "by_package": summarize(
+            {
+                "reference_trainer.commit.x_f__mutmut_1": "killed",
+                "reference_trainer.commit.x_f__mutmut_2": "killed",
+                survivor["name"]: "survived",
+            }
+        ),
+        "survivors": [survivor],
+    }
+    record = make_record(
+        "mutation-score",
+        config={"seed": 0, "tests": ["tests/unit"]},
+        checks={"mutmut ran to the end": True, "every sampled mutant was checked": True},
+        measurements=measurements,
+    )
     return write_once(tmp_path / "evidence" / "mutation-score-1.json", record)
 
 
@@ -105,12 +135,15 @@ def test_the_report_shows_the_score_and_names_each_survivor(tmp_path: Path) -> N
     assert "reference_trainer.commit.x_f__mutmut_3" in page
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mutmut") is None,
-                    reason="needs the mutation extra (pip install -e '.[mutation]'; not beside the ci extra)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mutmut") is None,
+    reason="needs the mutation extra (pip install -e '.[mutation]'; not beside the ci extra)",
+)
 def test_a_real_mutmut_run_on_a_toy_package_finds_its_two_survivors(tmp_path: Path) -> None:
     root = _toy(tmp_path / "toy")
-    config = MutationConfig(paths=("toypkg",), tests=("tests",), sample=None, budget_s=120, max_children=1,
-                            python=sys.executable)
+    config = MutationConfig(
+        paths=("toypkg",), tests=("tests",), sample=None, budget_s=120, max_children=1, python=sys.executable
+    )
     record = verify(run_mutation_score(root, tmp_path / "out", config))
     m = record["measurements"]
     assert record["passed"] and m["sampled"] == m["generated"] == 4

@@ -17,7 +17,10 @@ def test_median_ci_matches_scipy_quantile_test(n: int, confidence: float) -> Non
     ratios = np.random.default_rng(n).lognormal(0.0, 0.1, n)
     low, high = stats.median_ci(ratios, confidence)
     oracle = sps.quantile_test(ratios, q=1.0, p=0.5).confidence_interval(confidence)
-    assert (float(low), float(high)) == (pytest.approx(oracle.low, nan_ok=True), pytest.approx(oracle.high, nan_ok=True))
+    assert (float(low), float(high)) == (
+        pytest.approx(oracle.low, nan_ok=True),
+        pytest.approx(oracle.high, nan_ok=True),
+    )
 
 
 def test_median_ci_covers_by_enumeration() -> None:
@@ -56,8 +59,15 @@ def test_planned_looks_double_from_eight_and_end_at_max() -> None:
 
 @pytest.mark.parametrize(
     ("low", "high", "expected"),
-    [(0.97, 1.03, "tie"), (1.06, 1.2, "regression"), (0.8, 0.94, "gain"), (0.97, 1.07, "inconclusive"),
-     (0.9, 1.1, "inconclusive"), (float("nan"), float("nan"), "inconclusive"), (0.95, 1.05, "tie")],
+    [
+        (0.97, 1.03, "tie"),
+        (1.06, 1.2, "regression"),
+        (0.8, 0.94, "gain"),
+        (0.97, 1.07, "inconclusive"),
+        (0.9, 1.1, "inconclusive"),
+        (float("nan"), float("nan"), "inconclusive"),
+        (0.95, 1.05, "tie"),
+    ],
 )
 def test_verdict_bands(low: float, high: float, expected: str) -> None:
     assert stats.verdict(low, high, 0.05) == expected

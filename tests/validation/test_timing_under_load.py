@@ -47,13 +47,20 @@ def failed_checks(judged) -> list[str]:
 def test_beside_a_fake_load_no_timing_check_fails_and_each_says_it_was_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     busy = functools.partial(FakeMeter, idle=1.9)
     machine = FakeMachine({"plain": 1.0, "retain@s0": 1.5, "replay@s0": 4.5}, real_steps=3)  # would fail, idle
-    (a_vs_b,) = compare({"a": machine.advancing("a", lambda: 0.0), "b": machine.advancing("retain@s0", lambda: 0.0)},
-                        baseline="a", clock=machine.clock, load_probe=FakeProbe(), meter=busy(), max_blocks=8,
-                        budget_s=1e3)
+    (a_vs_b,) = compare(
+        {"a": machine.advancing("a", lambda: 0.0), "b": machine.advancing("retain@s0", lambda: 0.0)},
+        baseline="a",
+        clock=machine.clock,
+        load_probe=FakeProbe(),
+        meter=busy(),
+        max_blocks=8,
+        budget_s=1e3,
+    )
     assert a_vs_b.reading.startswith("inconclusive (loaded: 32 of 32 blocks loaded, median 1.90 of 2 cores")
     monkeypatch.setattr(benchmark, "plan", tiny_plan)
-    judged = benchmark.measure("cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), meter=busy(),
-                             build=machine.build, target=1.03)
+    judged = benchmark.measure(
+        "cpu", "quick", clock=machine.clock, load_probe=FakeProbe(), meter=busy(), build=machine.build, target=1.03
+    )
     clock = CostClock()
     swept = sweep.measure("cpu", "default", clock=clock, load_probe=FakeProbe(), meter=busy(), build=clock.build)
     for each in (judged, swept):
@@ -69,10 +76,12 @@ def test_beside_two_cpu_hogs_no_timing_check_fails(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(benchmark, "plan", lambda *a: dataclasses.replace(planned(*a), profiled_blocks=0))
     with hogs(2) as pids:
         assert len(pids) == 2
-        (a_vs_a,) = compare({"a": work(1.0), "b": work(1.0)}, baseline="a", max_blocks=64, budget_s=15.0,
-                            warmup_blocks=3)
-        (slower,) = compare({"a": work(1.0), "b": work(1.10)}, baseline="a", max_blocks=64, budget_s=15.0,
-                            warmup_blocks=3)
+        (a_vs_a,) = compare(
+            {"a": work(1.0), "b": work(1.0)}, baseline="a", max_blocks=64, budget_s=15.0, warmup_blocks=3
+        )
+        (slower,) = compare(
+            {"a": work(1.0), "b": work(1.10)}, baseline="a", max_blocks=64, budget_s=15.0, warmup_blocks=3
+        )
         judged = benchmark.measure("cpu", "quick")
         swept = sweep.measure("cpu", "quick", budget_s=15.0)
         before = torch.get_num_threads()

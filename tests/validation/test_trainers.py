@@ -60,8 +60,9 @@ def test_the_model_config_optimizer_and_trainer_options_reach_the_trainer() -> N
     config = rt.ModelConfig.tiny(dtype=torch.float64, dropout=0.1)
     adamw = rt.AdamWConfig(lr=0.25)
     options = rt.ForwardOptions(max_gradient_staleness=3)
-    trainer = trainer_with_policy(config, optimizer=adamw, options=options, memory_limit_bytes=1 << 30,
-                                  host_memory_limit_bytes=1 << 20)
+    trainer = trainer_with_policy(
+        config, optimizer=adamw, options=options, memory_limit_bytes=1 << 30, host_memory_limit_bytes=1 << 20
+    )
     assert trainer.model.config == config and trainer.checkpoint(POLICY).optimizer_config == adamw
     assert (trainer.options, trainer.memory_limit_bytes, trainer.host_memory_limit_bytes) == (options, 1 << 30, 1 << 20)
     assert trainer_with_policy().checkpoint(POLICY).optimizer_config == rt.AdamWConfig()
@@ -71,11 +72,15 @@ def test_a_model_config_is_built_in_place_on_the_device_given() -> None:
     assert trainer_with_policy(device="meta").model.lm_head.weight.device.type == "meta"
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"model": rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), "device": "cpu"}, "device"),
-    ({"model": "tiny"}, "model"),
-    ({"lora": 4}, "lora"),
-], ids=["device-with-built-model", "model-str", "lora-int"])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"model": rt.DecoderLM(rt.ModelConfig.tiny(), seed=0), "device": "cpu"}, "device"),
+        ({"model": "tiny"}, "model"),
+        ({"lora": 4}, "lora"),
+    ],
+    ids=["device-with-built-model", "model-str", "lora-int"],
+)
 def test_bad_arguments_are_the_trainers_config_error(kwargs: dict, field: str) -> None:
     with pytest.raises(rt.ConfigError) as info:
         trainer_with_policy(**kwargs)

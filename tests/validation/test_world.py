@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 import pytest
 
 from validation.errors import SetupError
@@ -31,15 +30,19 @@ def _rank_and_size() -> tuple[int, int]:
 
 
 def test_torchruns_variables_are_read_as_the_world():
-    assert given_world(WORLD) == GivenWorld(rank=1, world_size=2, local_rank=0, master_addr="10.0.0.1",
-                                            master_port=29500)
+    assert given_world(WORLD) == GivenWorld(
+        rank=1, world_size=2, local_rank=0, master_addr="10.0.0.1", master_port=29500
+    )
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"MASTER_PORT": None}, "but not MASTER_PORT"),
-    ({"RANK": "one"}, "expected integers"),
-    ({"RANK": "2"}, "0 <= RANK < WORLD_SIZE"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"MASTER_PORT": None}, "but not MASTER_PORT"),
+        ({"RANK": "one"}, "expected integers"),
+        ({"RANK": "2"}, "0 <= RANK < WORLD_SIZE"),
+    ],
+)
 def test_a_partial_or_broken_world_is_refused_with_a_fix(change: dict, message: str):
     environ = {k: v for k, v in (WORLD | change).items() if v is not None}
     with pytest.raises(SetupError, match=message) as info:
@@ -178,7 +181,8 @@ def test_rank_0_stops_waiting_for_a_silent_rank_once_a_watched_call_failed(monke
 
 
 def test_unwatched_or_unfired_rank_0_waits_for_every_result(monkeypatch):
-    assert _posted_results(monkeypatch, {"rtv/result/0/0": (7, None, {})}, watched=False,
-                           wait_s=0.5) == [], "it gave up"
+    assert _posted_results(monkeypatch, {"rtv/result/0/0": (7, None, {})}, watched=False, wait_s=0.5) == [], (
+        "it gave up"
+    )
     both = {"rtv/result/0/0": (7, None, {}), "rtv/result/0/1": (8, None, {})}
     assert _posted_results(monkeypatch, both) == [[(7, None, {}), (8, None, {})]]

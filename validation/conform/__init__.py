@@ -13,6 +13,23 @@ from .protocol import CAPABILITIES, Adapter, AdapterError, ConformSpec
 from .record import KIND, conform_record, record_parts
 from .suite import CHECKS, REQUIRES, AdapterReport, conform, resolve
 
-__all__ = ["Adapter", "AdapterError", "AdapterReport", "CAPABILITIES", "CHECKS", "ConformSpec", "FAILED", "KIND",
-           "NEGATIVE_CONTROLS", "NOT_APPLICABLE", "PASSED", "REQUIRES", "SHIPPED", "Verdict", "conform",
-           "conform_record", "record_parts", "resolve"]
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "AdapterReport",
+    "CAPABILITIES",
+    "CHECKS",
+    "ConformSpec",
+    "FAILED",
+    "KIND",
+    "NEGATIVE_CONTROLS",
+    "NOT_APPLICABLE",
+    "PASSED",
+    "REQUIRES",
+    "SHIPPED",
+    "Verdict",
+    "conform",
+    "conform_record",
+    "record_parts",
+    "resolve",
+]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .jobs import ConformBatch, Driven, make_batch, started
-from .oracle import WorstElement, FP64Oracle, compare, snapshot, tolerance
+from .oracle import FP64Oracle, WorstElement, compare, snapshot, tolerance
 from .protocol import ConformSpec
 
 __all__ = ["Verdict", "PASSED", "FAILED", "NOT_APPLICABLE", "UPDATED_WEIGHTS", "sync", "stale", "splits", "SYNC_STEPS"]
@@ -45,8 +45,9 @@ class _AdamW64:
 
     def __init__(self, spec: ConformSpec, names: list[str]) -> None:
         self._params = {name: torch.zeros(1, dtype=torch.float64, requires_grad=True) for name in names}
-        self._optimizer = torch.optim.AdamW(list(self._params.values()), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                            weight_decay=spec.weight_decay)
+        self._optimizer = torch.optim.AdamW(
+            list(self._params.values()), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
 
     def step(self, weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         for name, param in self._params.items():
@@ -83,15 +84,23 @@ def sync(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         driven.adapter.optim_step()
         moved = compare(_update(snapshot(driven.module()), weights), _update(adamw.step(weights, found), weights), tol)
         if not moved.ok:
-            return _failed("sync", f"step {step}: optim_step did not move the weights as AdamW(lr={spec.lr}, "
-                           f"betas={spec.betas}, eps={spec.eps}, weight_decay={spec.weight_decay}) does", moved)
+            return _failed(
+                "sync",
+                f"step {step}: optim_step did not move the weights as AdamW(lr={spec.lr}, "
+                f"betas={spec.betas}, eps={spec.eps}, weight_decay={spec.weight_decay}) does",
+                moved,
+            )
         driven.adapter.zero_grad()
         worst_grad = grad if worst_grad is None or grad.error > worst_grad.error else worst_grad
         worst_step = moved if worst_step is None or moved.error > worst_step.error else worst_step
     assert worst_grad is not None and worst_step is not None  # SYNC_STEPS >= 1
-    return Verdict("sync", PASSED, f"{SYNC_STEPS} steps: worst gradient error {worst_grad.error:.3g}, worst step "
-                   f"error {worst_step.error:.3g} (tolerance {tol:.3g})",
-                   {"worst": worst_grad.evidence(), "worst_step": worst_step.evidence()})
+    return Verdict(
+        "sync",
+        PASSED,
+        f"{SYNC_STEPS} steps: worst gradient error {worst_grad.error:.3g}, worst step "
+        f"error {worst_step.error:.3g} (tolerance {tol:.3g})",
+        {"worst": worst_grad.evidence(), "worst_step": worst_step.evidence()},
+    )
 
 
 def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
@@ -120,8 +129,12 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         at_live = oracle.gradients(live, [batch.oracle_batch()], batch.active)
         separation = compare(at_live, at_v, tol)
         if separation.error <= 2 * tol:
-            return _failed("stale", f"staleness {k}: vacuous, the oracle at the live weights is within twice the "
-                           f"tolerance of revision {revision - k}'s; raise spec.lr", separation)
+            return _failed(
+                "stale",
+                f"staleness {k}: vacuous, the oracle at the live weights is within twice the "
+                f"tolerance of revision {revision - k}'s; raise spec.lr",
+                separation,
+            )
         against_v = compare(found, at_v, tol)
         if not against_v.ok:
             return _stale_failed(k, revision, against_v, compare(found, at_live, tol))
@@ -132,24 +145,40 @@ def stale(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
     worst = max(per_k.values(), key=lambda entry: entry["error"])
     extra = _extra(driven)
     measured = "".join(f"; {key} {value}" for key, value in extra.get("adapter_measurements", {}).items())
-    return Verdict("stale", PASSED, f"k = 1..{spec.max_staleness}: worst error {worst['error']:.3g} at the forward's "
-                   f"weights; the live weights' oracle differs by >= "
-                   f"{min(v['live_oracle_separation'] for v in per_k.values()):.3g} (tolerance {tol:.3g}){measured}",
-                   {"per_staleness": per_k, **extra})
+    return Verdict(
+        "stale",
+        PASSED,
+        f"k = 1..{spec.max_staleness}: worst error {worst['error']:.3g} at the forward's "
+        f"weights; the live weights' oracle differs by >= "
+        f"{min(v['live_oracle_separation'] for v in per_k.values()):.3g} (tolerance {tol:.3g}){measured}",
+        {"per_staleness": per_k, **extra},
+    )
 
 
 def _stale_failed(k: int, revision: int, against_v: WorstElement, against_live: WorstElement) -> Verdict:
     """The failure of staleness ``k``, diagnosed :data:`UPDATED_WEIGHTS` only when the live weights' oracle is nearer."""
     if against_live.error < against_v.error:
-        diagnosis, why = UPDATED_WEIGHTS, ("the backward ran through weights updated after the forward (live or "
-                                           "in-place-updated weights)")
+        diagnosis, why = (
+            UPDATED_WEIGHTS,
+            ("the backward ran through weights updated after the forward (live or in-place-updated weights)"),
+        )
     else:
-        diagnosis, why = "not_staleness", ("the live weights' oracle is no nearer, so not staleness: a gradient "
-                                           "wrong at any revision (precision, or the computation)")
-    return _failed("stale", f"staleness {k}: the gradient is not the oracle's at the forward's weights (revision "
-                   f"{revision - k}); against the live weights (revision {revision}) its error is "
-                   f"{against_live.error:.3g}: {why}", against_v, against_live=against_live.evidence(),
-                   diagnosis=diagnosis)
+        diagnosis, why = (
+            "not_staleness",
+            (
+                "the live weights' oracle is no nearer, so not staleness: a gradient "
+                "wrong at any revision (precision, or the computation)"
+            ),
+        )
+    return _failed(
+        "stale",
+        f"staleness {k}: the gradient is not the oracle's at the forward's weights (revision "
+        f"{revision - k}); against the live weights (revision {revision}) its error is "
+        f"{against_live.error:.3g}: {why}",
+        against_v,
+        against_live=against_live.evidence(),
+        diagnosis=diagnosis,
+    )
 
 
 def _arms(batch: ConformBatch) -> dict[str, Callable[[Driven, ConformBatch], None]]:
@@ -160,6 +189,7 @@ def _arms(batch: ConformBatch) -> dict[str, Callable[[Driven, ConformBatch], Non
         def run(driven: Driven, whole: ConformBatch) -> None:
             for chunk in torch.arange(size).tensor_split(count):
                 driven.adapter.backward(driven.step_loss(whole.rows(chunk.tolist()), whole.active))
+
         return run
 
     def separate(driven: Driven, whole: ConformBatch) -> None:
@@ -167,8 +197,10 @@ def _arms(batch: ConformBatch) -> dict[str, Callable[[Driven, ConformBatch], Non
         driven.adapter.backward(sum(losses))
 
     counts = sorted({1, 2, size})
-    return {**{f"{c} micro-batch{'es' if c > 1 else ''}": micro(c) for c in counts},
-            f"{size} separate forward calls, one backward": separate}
+    return {
+        **{f"{c} micro-batch{'es' if c > 1 else ''}": micro(c) for c in counts},
+        f"{size} separate forward calls, one backward": separate,
+    }
 
 
 def splits(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
@@ -185,12 +217,22 @@ def splits(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
         comparison = compare(found, expected, tol)
         if not comparison.ok:
             ratio = _ratio(found.get(comparison.parameter), expected[comparison.parameter])
-            return _failed("splits", f"as {arm} the gradient of {comparison.parameter} is {ratio:.4g} x the oracle's "
-                           "(the one-batch gradient)", comparison, arm=arm, ratio=ratio)
+            return _failed(
+                "splits",
+                f"as {arm} the gradient of {comparison.parameter} is {ratio:.4g} x the oracle's "
+                "(the one-batch gradient)",
+                comparison,
+                arm=arm,
+                ratio=ratio,
+            )
         errors[arm] = comparison.error
     driven.adapter.zero_grad()
-    return Verdict("splits", PASSED, f"{len(errors)} splits: worst error {max(errors.values()):.3g} "
-                   f"(tolerance {tol:.3g})", {"errors": errors})
+    return Verdict(
+        "splits",
+        PASSED,
+        f"{len(errors)} splits: worst error {max(errors.values()):.3g} (tolerance {tol:.3g})",
+        {"errors": errors},
+    )
 
 
 def _ratio(found: torch.Tensor | None, expected: torch.Tensor) -> float:

@@ -50,7 +50,7 @@ def make_batch(spec: ConformSpec, step: int) -> ConformBatch:
     ids = torch.randint(0, spec.vocab_size, shape, generator=generator)
     targets = torch.randint(0, spec.vocab_size, shape, generator=generator)
     for row in range(1, spec.batch):
-        targets[row, spec.seq_len - min(row, spec.seq_len - 1):] = MASKED
+        targets[row, spec.seq_len - min(row, spec.seq_len - 1) :] = MASKED
     advantages = torch.randn(shape, generator=generator, dtype=torch.float64)
     return ConformBatch(ids, targets, advantages)
 
@@ -67,9 +67,12 @@ class Driven:
         if not isinstance(module, torch.nn.Module) or not trainable(module):
             is_module = isinstance(module, torch.nn.Module)
             found = "a module with no trainable parameter" if is_module else type(module).__name__
-            raise AdapterError(self.name, f"module() returned {found}; expected the live torch.nn.Module whose "
-                               "requires_grad parameters are the weights it trains",
-                               fix="return the trained model (or a view sharing its parameters) from module()")
+            raise AdapterError(
+                self.name,
+                f"module() returned {found}; expected the live torch.nn.Module whose "
+                "requires_grad parameters are the weights it trains",
+                fix="return the trained model (or a view sharing its parameters) from module()",
+            )
         return module
 
     def forward(self, batch: ConformBatch) -> Tensor:
@@ -77,12 +80,18 @@ class Driven:
         logprobs = self.adapter.forward(batch.ids, batch.targets)
         shape = tuple(batch.ids.shape)
         if not isinstance(logprobs, Tensor) or tuple(logprobs.shape) != shape or not logprobs.requires_grad:
-            found = (f"a tensor of shape {tuple(logprobs.shape)}, requires_grad={logprobs.requires_grad}"
-                     if isinstance(logprobs, Tensor) else type(logprobs).__name__)
-            raise AdapterError(self.name, f"forward(input_tokens {shape}, target_tokens {shape}) returned {found}; "
-                               f"expected differentiable target log-probs of shape {shape}",
-                               fix="return log_softmax(logits).gather(targets) per position, 0 where the target is "
-                                   "-100, without detaching")
+            found = (
+                f"a tensor of shape {tuple(logprobs.shape)}, requires_grad={logprobs.requires_grad}"
+                if isinstance(logprobs, Tensor)
+                else type(logprobs).__name__
+            )
+            raise AdapterError(
+                self.name,
+                f"forward(input_tokens {shape}, target_tokens {shape}) returned {found}; "
+                f"expected differentiable target log-probs of shape {shape}",
+                fix="return log_softmax(logits).gather(targets) per position, 0 where the target is "
+                "-100, without detaching",
+            )
         return logprobs
 
     def step_loss(self, batch: ConformBatch, active_total: int) -> Tensor:
@@ -90,7 +99,9 @@ class Driven:
         return suite_loss(self.forward(batch), batch.advantages, active_total)
 
     def gradients(self) -> dict[str, Tensor | None]:
-        return {name: None if p.grad is None else p.grad.detach().clone() for name, p in trainable(self.module()).items()}
+        return {
+            name: None if p.grad is None else p.grad.detach().clone() for name, p in trainable(self.module()).items()
+        }
 
     def train_step(self, batch: ConformBatch) -> None:
         """forward, backward, optim_step, zero_grad on ``batch`` (a step whose gradient another check judges)."""

@@ -95,8 +95,10 @@ class WorstElement:
         return self.error <= self.tolerance
 
     def worst(self) -> str:
-        return (f"worst element {self.parameter}{list(self.index)}: found {self.found:.6g}, oracle {self.oracle:.6g} "
-                f"(error {self.error:.3g} of the parameter's scale {self.scale:.3g}; tolerance {self.tolerance:.3g})")
+        return (
+            f"worst element {self.parameter}{list(self.index)}: found {self.found:.6g}, oracle {self.oracle:.6g} "
+            f"(error {self.error:.3g} of the parameter's scale {self.scale:.3g}; tolerance {self.tolerance:.3g})"
+        )
 
     def evidence(self) -> dict[str, Any]:
         return {**asdict(self), "index": list(self.index), "ok": self.ok}
@@ -121,8 +123,15 @@ def compare(found: Mapping[str, Tensor | None], oracle: Mapping[str, Tensor], to
         flat = int(error.argmax())
         if float(error[flat]) >= worst.error:
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
-            worst = WorstElement(float(error[flat]), tol, name, index, float(got64.flatten()[flat]),
-                                 float(expected.flatten()[flat]), scale)
+            worst = WorstElement(
+                float(error[flat]),
+                tol,
+                name,
+                index,
+                float(got64.flatten()[flat]),
+                float(expected.flatten()[flat]),
+                scale,
+            )
     return worst
 
 
@@ -142,17 +151,22 @@ class FP64Oracle:
         try:
             output = torch.func.functional_call(self._model, dict(weights), (ids,))
         except Exception as error:  # module() is not the model forward runs: a broken adapter
-            raise AdapterError(adapter_name(self._adapter), f"module()(input_ids {tuple(ids.shape)}) raised "
-                               f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
-                               fix="return the model whose call maps (B, T) token ids to (B, T, V) logits (the one "
-                                   "forward runs) from module()") from error
+            raise AdapterError(
+                adapter_name(self._adapter),
+                f"module()(input_ids {tuple(ids.shape)}) raised "
+                f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                fix="return the model whose call maps (B, T) token ids to (B, T, V) logits (the one "
+                "forward runs) from module()",
+            ) from error
         return token_logprobs64(logits_of(self._adapter, output, ids), targets)
 
-    def gradients(self, weights: Mapping[str, Tensor], batches: Sequence[tuple[Tensor, Tensor, Tensor]],
-                  active_total: int) -> dict[str, Tensor]:
+    def gradients(
+        self, weights: Mapping[str, Tensor], batches: Sequence[tuple[Tensor, Tensor, Tensor]], active_total: int
+    ) -> dict[str, Tensor]:
         """The FP64 gradient of the suite's loss summed over ``(ids, targets, advantages)`` batches at ``weights``."""
         leaves = {name: w.detach().clone().requires_grad_(True) for name, w in weights.items()}
-        loss = torch.stack([suite_loss(self.logprobs(leaves, ids, targets), adv, active_total)
-                            for ids, targets, adv in batches]).sum()
+        loss = torch.stack(
+            [suite_loss(self.logprobs(leaves, ids, targets), adv, active_total) for ids, targets, adv in batches]
+        ).sum()
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         return {name: torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(leaves, grads)}

@@ -71,16 +71,27 @@ def judge_processes(one: dict[str, torch.Tensor], ranks: list[dict[str, Any]], t
     for rank, found in enumerate(ranks):
         comparison = compare({n: torch.as_tensor(v) for n, v in found.items()}, one, tol)
         if not comparison.ok:
-            return Verdict("processes", FAILED, f"at {len(ranks)} processes rank {rank}'s parameters differ from the "
-                           f"one-process run's: {comparison.worst()}", {"worst": comparison.evidence(), "rank": rank})
+            return Verdict(
+                "processes",
+                FAILED,
+                f"at {len(ranks)} processes rank {rank}'s parameters differ from the "
+                f"one-process run's: {comparison.worst()}",
+                {"worst": comparison.evidence(), "rank": rank},
+            )
         errors.append(comparison.error)
-    return Verdict("processes", PASSED, f"{PROCESS_STEPS} steps at 1 and {len(ranks)} processes: worst parameter "
-                   f"error {max(errors):.3g} (tolerance {tol:.3g})", {"errors": errors})
+    return Verdict(
+        "processes",
+        PASSED,
+        f"{PROCESS_STEPS} steps at 1 and {len(ranks)} processes: worst parameter "
+        f"error {max(errors):.3g} (tolerance {tol:.3g})",
+        {"errors": errors},
+    )
 
 
 def processes(path: str, spec: ConformSpec) -> Verdict:
     """The check, for the adapter whose factory ``path`` names (the ranks import it)."""
     (alone,) = spawn_watched(_rank_job, 1, path, spec, timeout_s=150.0)  # a gloo world of 1: the same calls succeed
     ranks = spawn_watched(_rank_job, WORLD, path, spec, timeout_s=150.0)
-    return judge_processes({name: torch.as_tensor(value) for name, value in alone.items()}, ranks,
-                           tolerance(spec.torch_dtype))
+    return judge_processes(
+        {name: torch.as_tensor(value) for name, value in alone.items()}, ranks, tolerance(spec.torch_dtype)
+    )

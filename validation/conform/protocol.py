@@ -37,8 +37,16 @@ __all__ = ["Adapter", "AdapterError", "CAPABILITIES", "ConformSpec", "METHODS", 
 CAPABILITIES = frozenset({"stale", "save", "processes"})
 METHODS = ("start", "module", "forward", "backward", "optim_step", "zero_grad")  # every adapter
 SAVE_METHODS = ("save", "load")  # adapters claiming "save"
-ARGUMENTS = {"start": ("spec",), "module": (), "forward": ("input_tokens", "target_tokens"), "backward": ("loss",),
-             "optim_step": (), "zero_grad": (), "save": ("path",), "load": ("path",)}  # what the suite passes
+ARGUMENTS = {
+    "start": ("spec",),
+    "module": (),
+    "forward": ("input_tokens", "target_tokens"),
+    "backward": ("loss",),
+    "optim_step": (),
+    "zero_grad": (),
+    "save": ("path",),
+    "load": ("path",),
+}  # what the suite passes
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,20 +81,30 @@ class ConformSpec:
         for name in ("vocab_size", "hidden_size", "layers", "heads", "seq_len", "max_staleness"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SetupError(f"ConformSpec.{name}: expected an int >= 1, found {value!r}",
-                                 fix=f"give {name} a positive int")
+                raise SetupError(
+                    f"ConformSpec.{name}: expected an int >= 1, found {value!r}", fix=f"give {name} a positive int"
+                )
         if not isinstance(self.batch, int) or self.batch < 2:
-            raise SetupError(f"ConformSpec.batch: expected an int >= 2 (the splits check needs two rows), "
-                             f"found {self.batch!r}", fix="give batch an int >= 2")
+            raise SetupError(
+                f"ConformSpec.batch: expected an int >= 2 (the splits check needs two rows), found {self.batch!r}",
+                fix="give batch an int >= 2",
+            )
         if self.hidden_size % self.heads:
-            raise SetupError(f"ConformSpec: hidden_size {self.hidden_size} is not a multiple of heads {self.heads}",
-                             fix="pick heads dividing hidden_size")
+            raise SetupError(
+                f"ConformSpec: hidden_size {self.hidden_size} is not a multiple of heads {self.heads}",
+                fix="pick heads dividing hidden_size",
+            )
         if self.dtype not in DTYPES:
-            raise SetupError(f"ConformSpec.dtype: expected one of {sorted(DTYPES)}, found {self.dtype!r}",
-                             fix="name a floating dtype")
+            raise SetupError(
+                f"ConformSpec.dtype: expected one of {sorted(DTYPES)}, found {self.dtype!r}",
+                fix="name a floating dtype",
+            )
         if not (math.isfinite(self.lr) and self.lr > 0 and self.eps >= 0 and self.weight_decay >= 0):
-            raise SetupError(f"ConformSpec: expected lr > 0, eps >= 0, weight_decay >= 0, found lr={self.lr}, "
-                             f"eps={self.eps}, weight_decay={self.weight_decay}", fix="give finite, sign-correct values")
+            raise SetupError(
+                f"ConformSpec: expected lr > 0, eps >= 0, weight_decay >= 0, found lr={self.lr}, "
+                f"eps={self.eps}, weight_decay={self.weight_decay}",
+                fix="give finite, sign-correct values",
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -137,14 +155,20 @@ def require_protocol(adapter: Any) -> None:
     name = adapter_name(adapter)
     capabilities = getattr(adapter, "capabilities", None)
     if not isinstance(capabilities, (set, frozenset)) or not capabilities <= CAPABILITIES:
-        raise AdapterError(name, f"expected capabilities a frozenset of {sorted(CAPABILITIES)}, found {capabilities!r}",
-                           fix="set capabilities = frozenset({...}) with only the capabilities it has")
+        raise AdapterError(
+            name,
+            f"expected capabilities a frozenset of {sorted(CAPABILITIES)}, found {capabilities!r}",
+            fix="set capabilities = frozenset({...}) with only the capabilities it has",
+        )
     needed = METHODS + (SAVE_METHODS if "save" in capabilities else ())
     missing = [method for method in needed if not callable(getattr(adapter, method, None))]
     if missing:
-        raise AdapterError(name, f"missing method {', '.join(missing)} (needed: {', '.join(needed)})",
-                           fix=f"define {', '.join(f'{m}()' for m in missing)} as in docs/conform.md#the-adapter-protocol"
-                           + (", or drop 'save' from capabilities" if set(missing) <= set(SAVE_METHODS) else ""))
+        raise AdapterError(
+            name,
+            f"missing method {', '.join(missing)} (needed: {', '.join(needed)})",
+            fix=f"define {', '.join(f'{m}()' for m in missing)} as in docs/conform.md#the-adapter-protocol"
+            + (", or drop 'save' from capabilities" if set(missing) <= set(SAVE_METHODS) else ""),
+        )
     for method in needed:
         _require_arguments(name, method, getattr(adapter, method))
 
@@ -160,18 +184,28 @@ def _require_arguments(name: str, method: str, bound: Any) -> None:
         signature.bind(*expected)
     except TypeError:
         wanted = f"{method}({', '.join(expected)})"
-        raise AdapterError(name, f"{method}({', '.join(signature.parameters)}) cannot be called as {wanted}",
-                           fix=f"define {wanted} as in docs/conform.md#the-adapter-protocol") from None
+        raise AdapterError(
+            name,
+            f"{method}({', '.join(signature.parameters)}) cannot be called as {wanted}",
+            fix=f"define {wanted} as in docs/conform.md#the-adapter-protocol",
+        ) from None
 
 
 def logits_of(adapter: Any, output: Any, ids: Tensor, vocab: int | None = None) -> Tensor:
     """The logits tensor of ``module()(ids)``'s ``output`` (a tensor or an object with ``.logits``), shape-checked."""
     logits = getattr(output, "logits", output)
     batch, width = ids.shape
-    if not isinstance(logits, Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != (batch, width) \
-            or (vocab is not None and logits.shape[2] < vocab):
+    if (
+        not isinstance(logits, Tensor)
+        or logits.dim() != 3
+        or tuple(logits.shape[:2]) != (batch, width)
+        or (vocab is not None and logits.shape[2] < vocab)
+    ):
         found = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise AdapterError(adapter_name(adapter), f"module()(input_ids {tuple(ids.shape)}) returned {found}; expected "
-                           f"logits ({batch}, {width}, vocab) or an object with .logits of that shape",
-                           fix="return the model whose call maps (B, T) token ids to (B, T, V) logits from module()")
+        raise AdapterError(
+            adapter_name(adapter),
+            f"module()(input_ids {tuple(ids.shape)}) returned {found}; expected "
+            f"logits ({batch}, {width}, vocab) or an object with .logits of that shape",
+            fix="return the model whose call maps (B, T) token ids to (B, T, V) logits from module()",
+        )
     return logits

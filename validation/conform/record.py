@@ -51,8 +51,11 @@ def collect_checks(reports: Sequence[AdapterReport], negative_controls: Mapping[
             name = f"{report.name} {verdict.check}"
             if verdict.check == control:  # a control that did not run (not applicable) did not fire either
                 caught = fired(verdict)
-                checks.check(f"{name} fails (negative control)", caught,
-                             verdict.reason if caught else f"the negative control {_outcome(verdict)}: {verdict.reason}")
+                checks.check(
+                    f"{name} fails (negative control)",
+                    caught,
+                    verdict.reason if caught else f"the negative control {_outcome(verdict)}: {verdict.reason}",
+                )
             elif verdict.status == NOT_APPLICABLE:
                 checks.skip(name, f"not applicable: {verdict.reason}")
             else:
@@ -61,24 +64,42 @@ def collect_checks(reports: Sequence[AdapterReport], negative_controls: Mapping[
 
 
 def _adapter_measurements(report: AdapterReport) -> dict[str, Any]:
-    return {"path": report.path, "capabilities": list(report.capabilities), "notes": report.notes,
-            "verdicts": {v.check: {"status": v.status, "reason": v.reason, "evidence": v.evidence}
-                         for v in report.verdicts}}
+    return {
+        "path": report.path,
+        "capabilities": list(report.capabilities),
+        "notes": report.notes,
+        "verdicts": {
+            v.check: {"status": v.status, "reason": v.reason, "evidence": v.evidence} for v in report.verdicts
+        },
+    }
 
 
-def record_parts(reports: Sequence[AdapterReport], spec: ConformSpec, *,
-                 negative_controls: Mapping[str, str] | None = None,
-                 seconds: float | None = None) -> tuple[dict[str, Any], Checks, dict[str, Any]]:
+def record_parts(
+    reports: Sequence[AdapterReport],
+    spec: ConformSpec,
+    *,
+    negative_controls: Mapping[str, str] | None = None,
+    seconds: float | None = None,
+) -> tuple[dict[str, Any], Checks, dict[str, Any]]:
     """The record's ``(config, checks, measurements)`` (module docstring), for ``make_record`` or a canary's ``Judged``."""
     controls = dict(negative_controls or {})
-    config = {"spec": asdict(spec), "adapters": [r.path for r in reports], "negative_controls": controls,
-              "check_order": list(CHECKS)}
+    config = {
+        "spec": asdict(spec),
+        "adapters": [r.path for r in reports],
+        "negative_controls": controls,
+        "check_order": list(CHECKS),
+    }
     measurements = {"adapters": {r.name: _adapter_measurements(r) for r in reports}, "seconds": seconds}
     return config, collect_checks(reports, controls), measurements
 
 
-def conform_record(reports: Sequence[AdapterReport], spec: ConformSpec, *,
-                   negative_controls: Mapping[str, str] | None = None, seconds: float | None = None) -> dict[str, Any]:
+def conform_record(
+    reports: Sequence[AdapterReport],
+    spec: ConformSpec,
+    *,
+    negative_controls: Mapping[str, str] | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
     """One schema-2 record of ``reports`` (``validation.evidence.make_record``)."""
     config, checks, measurements = record_parts(reports, spec, negative_controls=negative_controls, seconds=seconds)
     return make_record(KIND, config=config, checks=checks, measurements=measurements)

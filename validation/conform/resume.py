@@ -33,8 +33,14 @@ __all__ = ["RESUME_STEPS", "CALLS", "resume"]
 RESUME_STEPS = 3
 CALLS = ("forward", "backward", "optim_step", "zero_grad")  # one step of the job
 EXAMPLES = 8  # save points hypothesis tries (of RESUME_STEPS * len(CALLS) - 1)
-_SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-                     phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck))
+_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=(Phase.generate, Phase.shrink),
+    suppress_health_check=list(HealthCheck),
+)
 
 
 class _Job:
@@ -97,11 +103,20 @@ def resume(factory: Callable[[], Any], spec: ConformSpec) -> Verdict:
     try:
         point = find(st.integers(1, _calls() - 1), differs, settings=_SETTINGS)
     except NoSuchExample:
-        return Verdict("resume", PASSED, f"saved after each of calls {sorted(tried)} of {_calls()}: "
-                       f"{'bitwise equal' if bitwise else f'within {tol:.3g}'}, worst error {max(tried.values()):.3g}",
-                       {"save_points": sorted(tried), "bitwise": bitwise})
+        return Verdict(
+            "resume",
+            PASSED,
+            f"saved after each of calls {sorted(tried)} of {_calls()}: "
+            f"{'bitwise equal' if bitwise else f'within {tol:.3g}'}, worst error {max(tried.values()):.3g}",
+            {"save_points": sorted(tried), "bitwise": bitwise},
+        )
     step, call = divmod(point - 1, len(CALLS))
     comparison = compare(_resumed(factory, spec, point), expected, tol)
-    return Verdict("resume", FAILED, f"saved after call {point} (step {step}'s {CALLS[call]}) and continued from load, "
-                   f"the parameters differ from the uninterrupted run's ({'bitwise claimed' if bitwise else 'tolerance'}"
-                   f"): {comparison.worst()}", {"worst": comparison.evidence(), "save_point": point, "bitwise": bitwise})
+    return Verdict(
+        "resume",
+        FAILED,
+        f"saved after call {point} (step {step}'s {CALLS[call]}) and continued from load, "
+        f"the parameters differ from the uninterrupted run's ({'bitwise claimed' if bitwise else 'tolerance'}"
+        f"): {comparison.worst()}",
+        {"worst": comparison.evidence(), "save_point": point, "bitwise": bitwise},
+    )

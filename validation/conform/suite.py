@@ -23,8 +23,16 @@ from .processes import processes
 from .protocol import AdapterError, ConformSpec, adapter_name, require_protocol
 from .resume import resume
 
-__all__ = ["AdapterReport", "CHECKS", "REQUIRES", "conform", "load_adapter_factory", "probe", "require_distinct_names",
-           "resolve"]
+__all__ = [
+    "AdapterReport",
+    "CHECKS",
+    "REQUIRES",
+    "conform",
+    "load_adapter_factory",
+    "probe",
+    "require_distinct_names",
+    "resolve",
+]
 
 CHECKS = ("sync", "stale", "splits", "resume", "processes")
 REQUIRES = {"stale": "stale", "resume": "save", "processes": "processes"}  # check -> the capability it needs
@@ -57,9 +65,12 @@ def resolve(adapter: str) -> str:
         return SHIPPED[adapter][0]
     module, colon, factory = adapter.partition(":")
     if not colon or not module or not factory.isidentifier():
-        raise AdapterError(adapter, f"expected a shipped adapter ({', '.join(SHIPPED)}) or package.module:factory",
-                           fix="pass --adapter package.module:factory (a callable returning an Adapter), or a name "
-                               "rtv conform --list shows")
+        raise AdapterError(
+            adapter,
+            f"expected a shipped adapter ({', '.join(SHIPPED)}) or package.module:factory",
+            fix="pass --adapter package.module:factory (a callable returning an Adapter), or a name "
+            "rtv conform --list shows",
+        )
     return adapter
 
 
@@ -70,15 +81,24 @@ def load_adapter_factory(path: str) -> Callable[[], Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise AdapterError(path, f"cannot import {module_name} ({error})",
-                           fix="put its folder on PYTHONPATH (or install it) and check the module name") from error
+        raise AdapterError(
+            path,
+            f"cannot import {module_name} ({error})",
+            fix="put its folder on PYTHONPATH (or install it) and check the module name",
+        ) from error
     except Exception as error:  # a module that fails at import (SyntaxError, its own raise) is broken
-        raise AdapterError(path, f"importing {module_name} raised {type(error).__name__}: {error}",
-                           fix=f"make {module_name} import cleanly (python -c 'import {module_name}')") from error
+        raise AdapterError(
+            path,
+            f"importing {module_name} raised {type(error).__name__}: {error}",
+            fix=f"make {module_name} import cleanly (python -c 'import {module_name}')",
+        ) from error
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise AdapterError(path, f"{module_name} has no callable {name!r}",
-                           fix=f"define {name}() returning an Adapter in {module_name}") from None
+        raise AdapterError(
+            path,
+            f"{module_name} has no callable {name!r}",
+            fix=f"define {name}() returning an Adapter in {module_name}",
+        ) from None
     return cast(Callable[[], Any], factory)
 
 
@@ -88,14 +108,24 @@ def _run_check(check: str, factory: Callable[[], Any], path: str, spec: ConformS
     except AdapterError:
         raise
     except Exception as error:  # noqa: BLE001 - the adapter's own failure is this check's verdict
-        return Verdict(check, FAILED, f"the adapter raised {type(error).__name__}: {_gist(str(error))}",
-                       {"raised": type(error).__name__, "message": str(error)})
+        return Verdict(
+            check,
+            FAILED,
+            f"the adapter raised {type(error).__name__}: {_gist(str(error))}",
+            {"raised": type(error).__name__, "message": str(error)},
+        )
 
 
 def _gist(message: str) -> str:
     """A message's first line, and its last (a traceback's exception, a spawned rank's cause) when it has more."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return "" if not lines else lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]} (whole message in the evidence)"
+    return (
+        ""
+        if not lines
+        else lines[0]
+        if len(lines) == 1
+        else f"{lines[0]} ... {lines[-1]} (whole message in the evidence)"
+    )
 
 
 def probe(adapter: str) -> tuple[str, Callable[[], Any], Any]:
@@ -105,8 +135,11 @@ def probe(adapter: str) -> tuple[str, Callable[[], Any], Any]:
     try:
         probed = factory()
     except Exception as error:
-        raise AdapterError(path, f"the factory raised {type(error).__name__}: {error}",
-                           fix="make the factory return an Adapter without arguments (build the model in start)") from error
+        raise AdapterError(
+            path,
+            f"the factory raised {type(error).__name__}: {error}",
+            fix="make the factory return an Adapter without arguments (build the model in start)",
+        ) from error
     require_protocol(probed)
     return path, factory, probed
 
@@ -118,13 +151,21 @@ def require_distinct_names(adapters: Sequence[str]) -> None:
     for adapter in adapters:
         name = adapter_name(probe(adapter)[2])
         if name in seen:
-            raise AdapterError(adapter, f"its name {name!r} is also {seen[name]!r}'s (the record names each check "
-                               "'<adapter> <check>')", fix="name each adapter once, or give each a distinct name")
+            raise AdapterError(
+                adapter,
+                f"its name {name!r} is also {seen[name]!r}'s (the record names each check '<adapter> <check>')",
+                fix="name each adapter once, or give each a distinct name",
+            )
         seen[name] = adapter
 
 
-def conform(adapter: str, spec: ConformSpec, *, checks: Sequence[str] = CHECKS,
-            progress: Callable[[str, Verdict], None] | None = None) -> AdapterReport:
+def conform(
+    adapter: str,
+    spec: ConformSpec,
+    *,
+    checks: Sequence[str] = CHECKS,
+    progress: Callable[[str, Verdict], None] | None = None,
+) -> AdapterReport:
     """Run ``checks`` (in :data:`CHECKS` order) on the adapter ``adapter`` names; ``progress`` sees each verdict."""
     path, factory, probed = probe(adapter)
     verdicts = []
@@ -137,5 +178,10 @@ def conform(adapter: str, spec: ConformSpec, *, checks: Sequence[str] = CHECKS,
         verdicts.append(verdict)
         if progress is not None:
             progress(adapter_name(probed), verdict)
-    return AdapterReport(adapter_name(probed), path, tuple(sorted(probed.capabilities)),
-                         str(getattr(probed, "notes", "")), tuple(verdicts))
+    return AdapterReport(
+        adapter_name(probed),
+        path,
+        tuple(sorted(probed.capabilities)),
+        str(getattr(probed, "notes", "")),
+        tuple(verdicts),
+    )

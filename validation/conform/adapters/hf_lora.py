@@ -41,19 +41,29 @@ def _qwen3_lora(spec: ConformSpec) -> torch.nn.Module:
         import peft
         import transformers
     except ImportError as error:
-        raise AdapterError("hf-lora", f"needs transformers and peft, found {error}",
-                           fix="pip install -e '.[conform-hf]' (docs/conform.md#the-shipped-adapters)"
-                           ) from error
+        raise AdapterError(
+            "hf-lora",
+            f"needs transformers and peft, found {error}",
+            fix="pip install -e '.[conform-hf]' (docs/conform.md#the-shipped-adapters)",
+        ) from error
     config = transformers.Qwen3Config(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads, num_key_value_heads=spec.heads, head_dim=spec.hidden_size // spec.heads,
-        intermediate_size=2 * spec.hidden_size, max_position_embeddings=max(64, spec.seq_len),
-        tie_word_embeddings=False, attention_dropout=0.0)
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        head_dim=spec.hidden_size // spec.heads,
+        intermediate_size=2 * spec.hidden_size,
+        max_position_embeddings=max(64, spec.seq_len),
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(spec.seed)
     base = transformers.Qwen3ForCausalLM(config).to(spec.torch_dtype)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
-                                                      target_modules=TARGETS))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=TARGETS)
+    )
     generator = torch.Generator().manual_seed(spec.seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -67,14 +77,17 @@ class HFLoRAAdapter:
 
     name = "hf-lora"
     capabilities = frozenset({"stale"})
-    notes = (f"transformers Qwen3ForCausalLM (random init) + PEFT LoRA rank {LORA_RANK} on {', '.join(TARGETS)}; "
-             "stale backwards under torch.autograd.graph.allow_mutation_on_saved_tensors")
+    notes = (
+        f"transformers Qwen3ForCausalLM (random init) + PEFT LoRA rank {LORA_RANK} on {', '.join(TARGETS)}; "
+        "stale backwards under torch.autograd.graph.allow_mutation_on_saved_tensors"
+    )
 
     def start(self, spec: ConformSpec) -> None:
         self._model = _qwen3_lora(spec)
         trained = [p for p in self._model.parameters() if p.requires_grad]
-        self._optimizer = torch.optim.AdamW(trained, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                            weight_decay=spec.weight_decay)
+        self._optimizer = torch.optim.AdamW(
+            trained, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
         self._context = ExitStack()
         self._pending: set[int] = set()
         self._forwards = 0

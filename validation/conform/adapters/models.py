@@ -11,10 +11,16 @@ __all__ = ["decoder_config", "decoder"]
 
 def decoder_config(spec: ConformSpec) -> rt.ModelConfig:
     """Every shape field of ``spec``; one KV head per query head; an MLP twice the hidden size."""
-    return rt.ModelConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.layers,
-                          num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
-                          head_dim=spec.hidden_size // spec.heads, intermediate_size=2 * spec.hidden_size,
-                          dtype=spec.torch_dtype)
+    return rt.ModelConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        head_dim=spec.hidden_size // spec.heads,
+        intermediate_size=2 * spec.hidden_size,
+        dtype=spec.torch_dtype,
+    )
 
 
 def decoder(spec: ConformSpec) -> rt.DecoderLM:

@@ -39,8 +39,9 @@ class SyncAdapter:
 
     def start(self, spec: ConformSpec) -> None:
         self._model = decoder(spec)
-        self._optimizer = torch.optim.AdamW(self._optimized(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                            weight_decay=spec.weight_decay)
+        self._optimizer = torch.optim.AdamW(
+            self._optimized(), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
 
     def _optimized(self) -> list[Tensor]:
         return list(self._model.parameters())

@@ -59,8 +59,10 @@ class ReferenceAdapter:
         return self._view
 
     def forward(self, input_tokens: Tensor, target_tokens: Tensor) -> Tensor:
-        rows = [rt.ForwardInput(input_tokens=ids, target_tokens=targets)
-                for ids, targets in zip(input_tokens, target_tokens)]
+        rows = [
+            rt.ForwardInput(input_tokens=ids, target_tokens=targets)
+            for ids, targets in zip(input_tokens, target_tokens)
+        ]
         return torch.stack([output.target_logprobs for output in self._trainer.forward(rows)])
 
     def backward(self, loss: Tensor) -> None:
