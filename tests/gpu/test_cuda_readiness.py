@@ -9,8 +9,6 @@ against the device; the logical-rank check over NCCL on two GPUs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from canaries.preset_budget import check_fits
 from canaries.presets import preset
 from reference_trainer.host_arena import host_block_bytes
 from reference_trainer.ranks import run_logical
+from reference_trainer.sampling import sample
 from reference_trainer.testing import observe_host_reads
 from reference_trainer.timing import Stopwatch
 from validation.trainers import trainer_with_policy
@@ -81,7 +80,7 @@ def test_the_sampler_draws_on_the_models_device() -> None:
     trainer = _trainer()
     prompts = torch.randint(0, 4096, (2, 5), device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
-    samples = rt.sample(trainer.model, prompts, max_new_tokens=3, generator=generator)
+    samples = sample(trainer.model, prompts, max_new_tokens=3, generator=generator)
     assert all(s.completion.device.type == "cuda" and s.completion.numel() == 3 for s in samples)
 
 
@@ -102,10 +101,10 @@ def test_an_offloaded_cuda_forward_copies_into_one_pinned_buffer_counted_by_its_
 
 @pytest.mark.parametrize("name", ["gpu", "gpu-8b"])
 def test_gpu_presets_fit_this_device_by_their_estimate(name: str) -> None:
-    check_fits(preset(name, environ={}), oracle=True, echo=lambda line: None)
+    check_fits(preset(name), oracle=True, echo=lambda line: None)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs for NCCL")
 def test_the_logical_rank_check_runs_over_nccl_on_two_gpus() -> None:
-    config = dataclasses.replace(preset("gpu", environ={}), processes=2)
+    config = preset("gpu", processes=2)
     assert check_logical_ranks(config, 2) < TOLERANCES[config.model.dtype].gradient_global
