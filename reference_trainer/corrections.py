@@ -1,56 +1,40 @@
 """Importance correction of stale token cotangents.
 
 NOTE [Importance correction]
-  1. Eligible: only ``target_logprobs`` cotangents of a *stale* record
-     (staleness > 0) whose options carry an ``ImportanceCorrection``; fresh
-     records are never touched.
-  2. Each active token (target not masked, non-zero cotangent) is multiplied
-     by ``w = clip(exp(min(r, max_log_ratio)), clip_low, clip_high)``, ``r``
-     its level's log-ratio (Rule 9), detached and clipped in log space before
-     ``exp`` so no ratio overflows (``e**20`` at most by default); a token
-     clipped at a bound gets the bound itself. Masked targets take part in
-     no ratio and keep cotangent 0 at every level; rows without an active
-     token are never read, nor inactive tokens at level ``"token"``.
-  3. Weights are FP32, or FP64 for FP64 inputs or a bound that is not a
-     normal FP32 number (e.g. 1e300). A weighted cotangent that is no longer
-     finite in its dtype is refused with a ``GradientCommitError`` naming the
-     weight, the dtype and the option, before anything is committed.
-  4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be
-     ``-inf`` (weight ``clip_low``) but NaN or ``+inf`` raise.
-  5. The backward still differentiates the forward's weights; only the
-     cotangents change. Unbiased only without clipping and only for
-     score-function objectives.
-  6. Current log-probs: ``"always"`` runs one no-grad forward at the current
-     weights with the forward's RNG, mode and autocast restored;
-     ``"when_available"`` corrects only rows a forward at the current revision
-     already scored (:class:`KnownLogprobs`) and never adds a forward.
-  7. ``"when_available"`` scope: log-probs are known per logical rank (NOTE
-     [Logical ranks] Rule 2; the process's own code is one more scope),
-     checkpoint and autocast state, so a logical rank is corrected only by
-     its own forwards (the result does not depend on the process count) and
-     an autocast forward never pairs with an FP32 one. A row is kept only
-     while a pending older record of its scope asks for it with the same
-     tokens and the checkpoint is at the row's revision, so the cache holds
-     no more rows than its pending records need; rows a load restored (NOTE
-     [Resume] Rule 2) stay while the revision does. A record made at a kept
-     older version (NOTE [Weight captures] Rule 4) keeps and prunes nothing.
-  8. Dropout: a ratio of two forwards means something only if both drew the
-     same masks, which two forwards do only when neither draws any; so
-     ``"when_available"`` pairs only forwards without dropout, never corrects
-     or keeps a record that drew masks. ``"always"`` restores the forward's
-     RNG (Rule 6), so it corrects with dropout too.
-  9. Levels (``ImportanceCorrection.level``), ``r_t`` token ``t``'s log-ratio,
-     sums over a row's ``n`` unmasked targets: ``"token"`` (default) ``r_t``;
-     ``"sequence"`` ``sum r_t``; ``"geometric"`` ``sum r_t / n``;
-     ``"average"`` ``log(sum exp(r_t) / n)`` (``logsumexp``). Unclipped,
-     ``"sequence"`` is unbiased for the sequence objective and ``"token"``
-     for the per-token sum; the other two are biased for both (measured in
+  1. Eligible: only ``target_logprobs`` cotangents of a *stale* record (staleness > 0) whose options carry an
+     ``ImportanceCorrection``; fresh records are never touched.
+  2. Each active token (target not masked, non-zero cotangent) is multiplied by
+     ``w = clip(exp(min(r, max_log_ratio)), clip_low, clip_high)``, ``r`` its level's log-ratio (Rule 9), detached
+     and bounded in log space before ``exp`` so no ratio overflows (``e**20`` at most by default); a token clipped at
+     a bound gets the bound itself. Masked targets take part in no ratio and keep cotangent 0 at every level; rows
+     without an active token are never read, nor inactive tokens at level ``"token"``.
+  3. Weights are FP32, or FP64 for FP64 inputs or a bound that is not a normal FP32 number (e.g. 1e300). A weighted
+     cotangent no longer finite in its dtype is refused with a ``GradientCommitError`` naming the weight, the dtype
+     and the option, before anything is committed.
+  4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be ``-inf`` (weight ``clip_low``), not NaN.
+  5. The backward still differentiates the forward's weights; only the cotangents change. Unbiased only without
+     clipping and only for score-function objectives.
+  6. Current log-probs: ``"always"`` runs one no-grad forward at the current weights with the forward's RNG, mode
+     and autocast restored; ``"when_available"`` corrects only rows a forward at the current revision already scored
+     (:class:`KnownLogprobs`) and never adds a forward.
+  7. ``"when_available"`` scope: log-probs are known per logical rank (NOTE [Logical ranks] Rule 2; the process's own
+     code is one more scope), checkpoint and autocast state, so a logical rank is corrected only by its own forwards
+     (the result does not depend on the process count) and an autocast forward never pairs with an FP32 one. A row
+     is kept only while a pending older record of its scope asks for it with the same tokens and the checkpoint is at
+     the row's revision, so the cache holds no more rows than its pending records need; rows a load restored
+     (NOTE [Resume] Rule 2) stay while the revision does. A record made at a kept older version
+     (NOTE [Weight captures] Rule 4) keeps and prunes nothing.
+  8. Dropout: a ratio of two forwards means something only if both drew the same masks, which holds only when
+     neither draws any; so ``"when_available"`` pairs only forwards without dropout and never corrects or keeps a
+     record that drew masks. ``"always"`` restores the forward's RNG (Rule 6), so it corrects with dropout too.
+  9. Levels (``ImportanceCorrection.level``), ``r_t`` token ``t``'s log-ratio, sums over a row's ``n`` unmasked
+     targets: ``"token"`` (default) ``r_t``; ``"sequence"`` ``sum r_t``; ``"geometric"`` ``sum r_t / n``;
+     ``"average"`` ``log(sum exp(r_t) / n)`` (``logsumexp``). Unclipped, ``"sequence"`` is unbiased for the sequence
+     objective and ``"token"`` for the per-token sum; the other two are biased for both (measured in
      ``tests/property/test_importance_level_oracle.py``).
-  10. Statistics (``CorrectionStats``): the applied weights per active token
-     (mean, max, fraction clipped, effective sample size) and, per unit of
-     the level, the raw ratios (after the overflow bound, before the clip)
-     beside the clipped ones (min, max, mean, quantiles), with the level,
-     bound and staleness.
+  10. Statistics (``CorrectionStats``): the applied weights per active token (mean, max, fraction clipped, effective
+     sample size) and, per unit of the level, the raw ratios (after the overflow bound, before the clip) beside the
+     clipped ones (min, max, mean, quantiles), with the level, bound and staleness.
 """
 
 from __future__ import annotations

@@ -1,53 +1,37 @@
 """Where a forward keeps what its backward needs: a pure function of sizes and costs.
 
 NOTE [Memory admission]
-  1. The device budget covers everything the trainer allocated since it was
-     built (the frozen base model is outside it) plus the transient peak of
-     the work being run, so a forward admitted is one that cannot OOM later:
-       checkpoints = per checkpoint: live parameters, FP32 masters and their
-                     gradient buffers, AdamW's moments (counted before the
-                     first step allocates them), committed ``.grad``
-                     (``Checkpoint.held_nbytes``);
-       persistent  = per pending record: retained saved bytes, its weight
-                     snapshot (once per pending version), its input snapshot;
-       staging     = per involved checkpoint: one copy of its trainable bytes
-                     plus the out-of-place sum a commit onto ``.grad`` builds
-                     (NOTE [Gradient commit] Rule 2);
-       workspace   = the largest transient need of any pending or new record,
-                     plus its saved bytes if offloaded or replayed (restored
-                     one record at a time).
+  1. The device budget covers everything the trainer allocated since it was built (the frozen base model is outside
+     it) plus the transient peak of the work being run, so a forward admitted is one that cannot OOM later:
+       checkpoints = per checkpoint: live parameters, FP32 masters and their gradient buffers, AdamW's moments
+                     (counted before the first step allocates them), committed ``.grad`` (``Checkpoint.held_nbytes``);
+       persistent  = per pending record: retained saved bytes, its weight snapshot (once per pending version), its
+                     input snapshot;
+       staging     = per involved checkpoint: one copy of its trainable bytes plus the out-of-place sum a commit
+                     onto ``.grad`` builds (NOTE [Gradient commit] Rule 2);
+       workspace   = the largest transient need of any pending or new record, plus its saved bytes if offloaded or
+                     replayed (restored one record at a time).
      predicted peak = checkpoints + persistent + staging + workspace.
      Not counted: logical-rank gradient buffers, AdamW's host ``step`` scalars.
   2. Offloaded saved bytes count against the separate host budget instead.
-  3. ``auto`` retains if that fits; otherwise it takes the cheaper of offload
-     (bytes moved both ways) and replay (one more forward) that fits, within
-     ``allow_offload`` and ``allow_replay``. A forced placement is honoured or
-     refused.
-  4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes,
-     suggestion)`` before the forward allocates anything. A call of several
-     records (NOTE [Forward records] Rule 1) is planned whole, each group
-     counting those before it: one refusal refuses the call, and nothing ran,
-     moved or was drawn.
-  5. Sizes come from a conservative analytic estimate of the saved
-     activations (``saved_bytes.py``: ``H·B·T²`` terms only where the attention
-     backend saves scores, :func:`attention_saves_scores`; each LoRA target's
-     ``x·Aᵀ``; FP32 masks under dropout; autocast's weight casts), scaled by
-     measured forwards of the same :class:`SavedClass` (all that decides what
-     a forward saves but its length). The scale is the most each measured
-     forward allows at this length (``SavedTerms.worst_case``): its bytes fill
-     the terms that grow most towards this length first, so a forward of
-     another length is never under-priced. Times are measured where possible
-     (defaults or a loaded calibration otherwise, NOTE [Planner calibration
-     constants]).
-  6. Reclamation (``auto`` only): when nothing fits, pending retained records
-     are demoted, oldest first, as few as make the new forward fit; only then
-     is it refused. A demoted record goes to host copies where its options
-     allow offload and the host fits it, else to replay (graph dropped, the
-     forward re-run from its RNG, mode and weight snapshot, NOTE [Saved-state
-     lifetime] Rule 5); when that does not make room, every demotable record
-     replays instead, leaving the host to the new forward. Both demotions free
-     the same device bytes, so the second assignment fits whenever any does.
-     Demotions are applied only once the whole call is admitted (Rule 4).
+  3. ``auto`` retains if that fits; otherwise it takes the cheaper of offload (bytes moved both ways) and replay (one
+     more forward) that fits, within ``allow_offload`` and ``allow_replay``. A forced placement is honoured or refused.
+  4. Nothing fits: ``MemoryAdmissionError(predicted_peak_bytes, limit_bytes, suggestion)`` before the forward
+     allocates anything. A call of several records (NOTE [Forward records] Rule 1) is planned whole, each group
+     counting those before it: one refusal refuses the call, and nothing ran, moved or was drawn.
+  5. Sizes come from a conservative analytic estimate of the saved activations (``saved_bytes.py``: ``H·B·T²`` terms
+     only where the attention backend saves scores, :func:`attention_saves_scores`; each LoRA target's ``x·Aᵀ``;
+     FP32 masks under dropout; autocast's weight casts), scaled by measured forwards of the same :class:`SavedClass`
+     (all that decides what a forward saves but its length). The scale is the most each measured forward allows at
+     this length (``SavedTerms.worst_case``: its bytes fill the fastest-growing terms first), so a forward of another
+     length is never under-priced. Times are measured where possible (defaults or a loaded calibration otherwise,
+     NOTE [Planner calibration constants]).
+  6. Reclamation (``auto`` only): when nothing fits, pending retained records are demoted, oldest first, as few as
+     make the new forward fit; only then is it refused. A demoted record goes to host copies where its options allow
+     offload and the host fits it, else to replay (graph dropped, the forward re-run from its RNG, mode and weight
+     snapshot, NOTE [Saved-state lifetime] Rule 5); when that does not make room, every demotable record replays,
+     leaving the host to the new forward. Both demotions free the same device bytes, so the second assignment fits
+     whenever any does. Demotions are applied only once the whole call is admitted (Rule 4).
 """
 
 from __future__ import annotations

@@ -1,74 +1,40 @@
 """What a trainer's save holds, and how a loaded trainer takes it back.
 
 NOTE [Resume]
-  1. Kept: every checkpoint's parameters, AdamW state, FP32 masters,
-     revision and generation; its committed ``.grad`` and their origins
-     (forward version, staleness bound); the trainer's ``ForwardOptions``,
-     each checkpoint's LoRA/full choice and ``AdamWConfig``; the next
-     generation number; the process RNG (the CPU generator and the CUDA
-     generator of the trainer's device) and every logical rank's RNG stream
-     (NOTE [Logical ranks] Rule 2); the base model's config and a digest of
-     its weights, so a different base is refused at load.
-  2. Not kept: pending forwards (their graphs are live autograd state). The
-     trainer that saved keeps them and can still backpropagate them; the
-     loaded one has none: the caller makes them again. Kept for that: the
-     weights of every older revision a pending forward used (the capture it
-     holds), with the largest staleness bound of the forwards at it, so a
-     forward made again at its version (``checkpoint=output.version``) runs
-     on exactly its weights (NOTE [Weight captures] Rule 4); one at the
-     current revision runs on the saved parameters. Kept too: the current
-     log-probs a ``"when_available"`` correction of a pending forward would
-     use (NOTE [Importance correction] Rule 7), per logical rank and
-     checkpoint, held after the load while the checkpoint stays at their
-     revision. A forward made again
-     draws its randomness (dropout) after the saved RNG, so a save with
-     forwards pending continues bitwise only when they draw none. A save holds the saving trainer's identity and
-     lineage (NOTE [Forward records] Rule 5), and the loaded trainer's lineage
-     is that lineage plus that identity: a loss it is given that reaches an
-     output of any trainer whose state it resumed, directly or through a
-     chain of saves, raises ``CheckpointReplacedError`` (the checkpoint the
-     forward used, the forward's generation, the loaded checkpoint's current
-     one), as after ``load_checkpoint``, and changes nothing; forward again.
-     Another trainer's output is a ``ConfigError``, as without a load, and
-     so is one of a checkpoint the loaded trainer lacks (added after the
-     save: nothing of the loaded trainer replaced it). A save written before
-     the lineage was kept loads with an empty one. Also not kept: what
-     admission learnt of memory use, the memory limits and the planner's
-     calibration (they belong to the machine: ``Trainer.load`` takes them
-     again, as ``Trainer`` does).
-  3. Refused, nothing written: a save while logical-rank gradient buffers are
-     pending (call ``optim_step`` or ``zero_grad`` first), and a save from
-     inside ``run_logical``'s ``fn``.
-  4. Staleness: revision and generation come back exactly, so a committed
-     gradient's origin has the same age after the load as before (NOTE
-     [Staleness] Rule 1), and ``optim_step`` accepts or refuses it exactly as
-     it would have without the save.
-  5. Processes: every process holds the whole trainer state (logical ranks
-     replicate it), so rank 0 alone writes the one copy. In a process group
-     ``save`` is collective: every process calls it. A forward pends on the
-     process that hosts its logical rank (NOTE [Logical ranks] Rule 2), so
-     what pending forwards need (Rule 2) is gathered from every process
-     (``save_pending.py``; those of the processes' own code are rank 0's).
-     Under logical ranks the
-     hosted logical ranks' streams are gathered, rank 0 writes and its
-     outcome is agreed (every process returns, or raises the same error);
-     before any ``run_logical``, rank 0 writes and broadcasts its outcome
-     over the default group (a ``PeerFailure``: the trainer's errors do not
-     unpickle, so each process raises the same type rebuilt). At load every
-     process reads the folder (a filesystem they share) and takes the
-     replicated state and rank 0's process RNG; the first ``run_logical``
-     with the saved ``logical_dp`` takes the saved streams of the logical
-     ranks it hosts (``RankGradients.attach``), so any ``W`` dividing ``L``
-     continues the same job, bitwise (NOTE [Logical ranks] Rule 4).
-  6. A load verifies every file (NOTE [Durable saves] Rule 3, ``saves.py``),
-     decodes and checks every field (``save_meta.py``: a bad one is a
-     ``CorruptSaveError`` naming it; ``rng.pt``'s states too, each a
-     ``CorruptSaveError`` on it) and the base model before the trainer
-     is built, and every checkpoint's state before any is restored. The
-     trainer's construction freezes the model's parameters: a load refused
-     after it puts their ``requires_grad`` back, so a refused load changes
-     nothing: not the model passed, not the RNG. A path that is not a
-     ``str`` or ``os.PathLike`` is a ``ConfigError``, at save and at load.
+  1. Kept: every checkpoint's parameters, AdamW state, FP32 masters, revision, generation, committed ``.grad`` and
+     their origins (forward version, staleness bound); the ``ForwardOptions``, each checkpoint's LoRA/full choice and
+     ``AdamWConfig``; the next generation number; the process RNG (CPU and the device's CUDA generator) and every
+     logical rank's stream (NOTE [Logical ranks] Rule 2); the base model's config and a digest of its weights, so a
+     different base is refused at load. Together these make a resumed job continue bitwise.
+  2. Not kept: pending forwards (live autograd graphs); the saver can still backpropagate them, the loaded trainer
+     has none and the caller makes them again. For that a save keeps the weights of every older revision a pending
+     forward used, with the largest staleness bound at it, so a forward made again at ``checkpoint=output.version``
+     runs on exactly its weights (NOTE [Weight captures] Rule 4), and the current log-probs a ``"when_available"``
+     correction would use (NOTE [Importance correction] Rule 7), per logical rank and checkpoint, held while the
+     checkpoint stays at their revision. Bitwise only when the remade forwards draw no randomness (dropout draws
+     after the saved RNG). A save holds the saver's identity and lineage (NOTE [Forward records] Rule 5); the loaded
+     trainer's lineage is that plus that identity, so a loss reaching an output of any trainer it resumed (through any
+     chain of saves) raises ``CheckpointReplacedError`` and changes nothing, as after ``load_checkpoint``. Another
+     trainer's output, or one of a checkpoint added after the save, is a ``ConfigError``; a save without a lineage
+     loads with an empty one. Admission's memory knowledge, the limits and the calibration belong to the machine:
+     ``Trainer.load`` takes them again, as ``Trainer`` does.
+  3. Refused, nothing written: a save while logical-rank gradient buffers are pending (call ``optim_step`` or
+     ``zero_grad`` first), and a save from inside ``run_logical``'s ``fn``; neither state could be restored whole.
+  4. Staleness: revision and generation come back exactly, so a committed gradient's origin has the same age after
+     the load (NOTE [Staleness] Rule 1) and ``optim_step`` accepts or refuses it as it would have without the save.
+  5. Processes: logical ranks replicate the whole trainer state on every process, so rank 0 alone writes the one
+     copy; ``save`` is collective in a process group. A forward pends where its logical rank is hosted
+     (NOTE [Logical ranks] Rule 2), so Rule 2's kept state is gathered from every process (``save_pending.py``), as
+     are the hosted ranks' streams; rank 0 writes and its outcome is agreed (before any ``run_logical``, broadcast
+     over the default group as a ``PeerFailure``: the trainer's errors do not unpickle). At load every process reads
+     the shared folder and takes the replicated state and rank 0's process RNG; the first ``run_logical`` with the
+     saved ``logical_dp`` takes its hosted ranks' saved streams (``RankGradients.attach``), so any ``W`` dividing
+     ``L`` continues the same job bitwise (NOTE [Logical ranks] Rule 4).
+  6. A load verifies every file (NOTE [Durable saves] Rule 3), decodes and checks every field (``save_meta.py``;
+     ``rng.pt`` too: a bad one is a ``CorruptSaveError`` naming it) and the base model before the trainer is built,
+     and every checkpoint's state before any is restored; a load refused after construction froze the model puts its
+     ``requires_grad`` back. So a refused load changes nothing: not the model passed, not the RNG. A path that is not
+     a ``str`` or ``os.PathLike`` is a ``ConfigError``, at save and at load.
 """
 
 from __future__ import annotations

@@ -57,51 +57,37 @@ __all__ = [
 # --- the FP64 oracle trainer ---------------------------------------------------------
 #
 # NOTE [Oracle trainer]
-#   The oracle predicts what a Trainer must do, op by op, from the documented
-#   semantics alone (docs/semantics.md). It shares the model definition (DecoderLM, token_logprobs,
-#   attach_lora) and the public error types, nothing else.
-#   1. Versions: a checkpoint is at (generation, revision). The oracle keeps an
-#      FP64 copy of the trainable weights of every version it has seen and
-#      never frees one.
-#   2. A forward stores its sequences (copies), the RNG state it started from,
-#      its staleness bound and its correction. Nothing is computed until a
-#      backward (or ``logprobs``) asks; then the FP64 model runs at the
+#   The oracle predicts what a Trainer must do, op by op, from the documented semantics alone (docs/semantics.md);
+#   it shares only the model definition (DecoderLM, token_logprobs, attach_lora) and the public error types.
+#   1. Versions: a checkpoint is at (generation, revision). The oracle keeps an FP64 copy of the trainable weights of
+#      every version it has seen and never frees one.
+#   2. A forward stores its sequences (copies), the RNG state it started from, its staleness bound and its
+#      correction. Nothing is computed until a backward (or ``logprobs``) asks; then the FP64 model runs at the
 #      forward's snapshot with that RNG state, from scratch.
-#   3. Backward checks, in the trainer's documented order: an output whose
-#      record is gone (GradientCommitError); the "user_autograd" fault
-#      (GradientCommitError, every record retryable); per record in
-#      submission order, generation (CheckpointReplacedError) then age
-#      0 <= current - forward revision <= bound (StaleGradientError), the
-#      failing record released; the "model_backward" fault (the first record
-#      released); the "validate" fault and the "publish" fault at index i < the
-#      number of staged parameters (every consumed record released). Any
-#      failure changes no gradient.
-#   4. A stale record with a correction gets token cotangents
-#      ``adv * clip(min(W, e**max_log_ratio), low, high)`` on active tokens
-#      (non-zero cotangent, target not masked), ``W`` the level's weight
-#      formed from the ratios ``exp(lp_current - lp_forward)`` over the row's
-#      unmasked targets (``validation.enumeration.level_weights``), ``lp_current`` from
-#      the current weights with the forward's RNG state; the gradient is
-#      still taken at the forward's weights. Fresh records are never corrected. Only ``policy="always"``
-#      is modelled (``"when_available"`` depends on what the trainer cached).
-#   5. A success adds each record's gradient to the accumulated FP64
-#      gradients and remembers (version, bound) as an origin; records are
-#      released unless ``retain_graph``. With a ``baseline_dtype`` the oracle
-#      also computes every gradient by plain autograd in that dtype (the
-#      trainer's): the rounding error any correct implementation has, which
-#      scales the comparison tolerances (``validation.compare`` Rule 6).
-#   6. ``optim_step`` re-checks every origin of every checkpoint first; then
-#      each checkpoint with gradients is clipped (torch's rule: coefficient
-#      ``min(1, max_norm / (norm + 1e-6))``, the accumulated gradients stay
-#      clipped, as ``clip_grad_norm_`` leaves ``.grad``) and stepped by
-#      ``torch.optim.AdamW`` on FP64 master copies; revision + 1. The step can
-#      start from gradients the caller passes (the trainer's own), so that a
-#      step is judged from the same starting point; ``sync`` then adopts the
-#      trainer's resulting weights and optimizer state, so FP32 noise is
-#      not amplified over many Adam steps.
-#   7. ``load`` is refused (CheckpointBusyError) while the checkpoint has live
-#      records of any generation or gradients, unless ``discard_graphs``;
-#      it drops gradients and origins and starts a new generation.
+#   3. Backward checks, in the trainer's documented order: an output whose record is gone (GradientCommitError); the
+#      "user_autograd" fault (GradientCommitError, every record retryable); per record in submission order,
+#      generation (CheckpointReplacedError) then age 0 <= current - forward revision <= bound (StaleGradientError),
+#      the failing record released; the "model_backward" fault (the first record released); the "validate" fault and
+#      the "publish" fault at index i < the number of staged parameters (every consumed record released). Any failure
+#      changes no gradient.
+#   4. A stale record with a correction gets token cotangents ``adv * clip(min(W, e**max_log_ratio), low, high)`` on
+#      active tokens (non-zero cotangent, target not masked), ``W`` the level's weight formed from the ratios
+#      ``exp(lp_current - lp_forward)`` over the row's unmasked targets (``validation.enumeration.level_weights``),
+#      ``lp_current`` from the current weights with the forward's RNG state; the gradient is still taken at the
+#      forward's weights. Fresh records are never corrected. Only ``policy="always"`` is modelled
+#      (``"when_available"`` depends on what the trainer cached).
+#   5. A success adds each record's gradient to the accumulated FP64 gradients and remembers (version, bound) as an
+#      origin; records are released unless ``retain_graph``. With a ``baseline_dtype`` the oracle also computes every
+#      gradient by plain autograd in that dtype (the trainer's): the rounding error any correct implementation has,
+#      which scales the comparison tolerances (``validation.compare`` Rule 6).
+#   6. ``optim_step`` re-checks every origin of every checkpoint first; then each checkpoint with gradients is clipped
+#      (torch's rule: coefficient ``min(1, max_norm / (norm + 1e-6))``; the accumulated gradients stay clipped, as
+#      ``clip_grad_norm_`` leaves ``.grad``) and stepped by ``torch.optim.AdamW`` on FP64 master copies; revision + 1.
+#      The step can start from gradients the caller passes (the trainer's own), so it is judged from the same
+#      starting point; ``sync`` then adopts the trainer's weights and optimizer state, so FP32 noise is not amplified
+#      over many Adam steps.
+#   7. ``load`` is refused (CheckpointBusyError) while the checkpoint has live records of any generation or
+#      gradients, unless ``discard_graphs``; it drops gradients and origins and starts a new generation.
 
 
 class OracleTrainer:

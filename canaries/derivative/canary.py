@@ -8,54 +8,40 @@ entry point (``canaries.registry``, which writes the record); :func:`examine`
 judges a preset already resolved, with the negative control's ``bound_cap``.
 
 NOTE [Derivative canary]
-  1. Forward: outputs carry the current version; forced placements are
-     honoured; log-probs match the oracle's FP64 recomputation. The caller then
-     overwrites its input tensors, which must not matter.
-  2. Backward: the oracle predicts success or the exact error type and facts.
-     On success every record's report (staleness, placement, correction
-     present iff stale and a correction applies, weight statistics) and the
-     gradient each backward adds match; on failure no ``.grad`` value or object
-     changed. Either way the caller's RNG is untouched.
-  3. Optimizer step: both start from the same point (the trainer's weights,
-     AdamW state and gradients); the master-weight change must match the
-     oracle's FP64 AdamW, then the oracle adopts the trainer's result.
-  4. After every op (the invariant): revision, generation (renumbered: a new
-     trainer generation exactly when the oracle's changes), live records,
-     which parameters hold gradients and their values, and the live weights
+  1. Forward: outputs carry the current version; forced placements are honoured; log-probs match the oracle's FP64
+     recomputation. The caller then overwrites its input tensors, which must not matter.
+  2. Backward: the oracle predicts success or the exact error type and facts. On success every record's report
+     (staleness, placement, correction present iff stale and a correction applies, weight statistics) and the
+     gradient each backward adds match; on failure no ``.grad`` value or object changed. Either way the caller's RNG
+     is untouched.
+  3. Optimizer step: both start from the same point (the trainer's weights, AdamW state and gradients); the
+     master-weight change must match the oracle's FP64 AdamW, then the oracle adopts the trainer's result, so errors
+     never accumulate across steps.
+  4. After every op (the invariant): revision, generation (renumbered: a new trainer generation exactly when the
+     oracle's changes), live records, which parameters hold gradients and their values, and the live weights
      (exactly) agree.
-  5. Tolerances are relative L2 against FP64, scaled by plain autograd's own
-     error in the model's dtype (:data:`TOLERANCES`); every backward's
-     reference must be non-zero (``validation.compare``).
-  6. Coverage: every record whose gradient is judged is counted in its cell
-     (staleness, placement, corrected, checkpoint kind, level); ``bound_cap`` lowers
-     every forward's staleness bound (0: no stale backward can succeed), the
-     negative control of the coverage check.
-  7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss
-     normalised by ``global_token_count`` sum to the oracle's gradient of the
-     globally normalised loss.
-  8. Profiles (``canaries.registry``): every profile runs the fixed scenarios
-     and the logical check; the exploration follows
-     ``validation.profiles.EXPLORATION[profile]`` (``quick``: seconds, for
-     ``rtv run`` and the suite; ``default``; ``nightly``: minutes). The run
-     stops at the first failed check: a failing scenario already names a
-     short op sequence, and shrinking a second failure would cost minutes
-     (the mutation suite runs the canary once per injected bug).
-  9. Coverage is a check (made once the others passed): every cell of :func:`claimed_cells` (staleness 1
-     and 2 x retain/offload/replay x corrected (level ``"token"``) or not x
-     each checkpoint kind of the preset, and staleness 1 and 2 x retain x
-     levels ``"sequence"``, ``"geometric"``, ``"average"`` x each kind)
-     must hold at least one judged record, and when the
-     exploration runs at least :data:`MIN_BACKPROPAGATING` of its examples
-     must backpropagate. The evidence counts records per cell.
-  10. Intersections (every profile, after the fixed scenarios): logical ranks
-     at W = 1 and W = 2 with the default options, refused calls that must
-     change nothing, FP64 checkpoints (NOTE [Intersection checks] in
-     ``canaries.derivative.intersections``). The scenarios run first so that
-     a bug either catches keeps failing the check named for it.
-  11. Focused runs (``checks=``, the mutation suite's NOTE [Mutation
-     verdicts] Rule 4): only the named checks run, in the usual order, and
-     the coverage checks (which judge a whole run) are left out; a name that
-     is no check of the preset is a ``SetupError``.
+  5. Tolerances are relative L2 against FP64, scaled by plain autograd's own error in the model's dtype
+     (:data:`TOLERANCES`); every backward's reference must be non-zero (``validation.compare``).
+  6. Coverage: every record whose gradient is judged is counted in its cell (staleness, placement, corrected,
+     checkpoint kind, level); ``bound_cap`` lowers every forward's staleness bound (0: no stale backward can
+     succeed), the negative control of the coverage check.
+  7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss normalised by ``global_token_count``
+     sum to the oracle's gradient of the globally normalised loss.
+  8. Profiles (``canaries.registry``): every profile runs the fixed scenarios and the logical check; the exploration
+     follows ``validation.profiles.EXPLORATION[profile]`` (``quick``: seconds; ``default``; ``nightly``: minutes).
+     The run stops at the first failed check: a failing scenario already names a short op sequence, and shrinking a
+     second failure would cost minutes per injected bug in the mutation suite.
+  9. Coverage is a check, made once the others passed: every cell of :func:`claimed_cells` (staleness 1 and 2 x
+     retain/offload/replay x corrected at level ``"token"`` or not x each checkpoint kind, and staleness 1 and 2 x
+     retain x levels ``"sequence"``, ``"geometric"``, ``"average"`` x each kind) holds at least one judged record,
+     and when the exploration runs at least :data:`MIN_BACKPROPAGATING` of its examples backpropagate.
+  10. Intersections (every profile, after the fixed scenarios): logical ranks at W = 1 and W = 2 with the default
+     options, refused calls that must change nothing, FP64 checkpoints (NOTE [Intersection checks] in
+     ``canaries.derivative.intersections``). The scenarios run first so a bug either catches keeps failing the check
+     named for it.
+  11. Focused runs (``checks=``, the mutation suite's NOTE [Mutation verdicts] Rule 4): only the named checks run,
+     in the usual order, without the coverage checks (they judge a whole run); a name that is no check of the
+     preset is a ``SetupError``.
 """
 
 from __future__ import annotations
