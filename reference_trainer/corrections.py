@@ -11,7 +11,8 @@ NOTE [Importance correction]
   3. Weights are FP32, or FP64 for FP64 inputs or a bound that is not a normal FP32 number (e.g. 1e300). A weighted
      cotangent no longer finite in its dtype is refused with a ``GradientCommitError`` naming the weight, the dtype
      and the option, before anything is committed.
-  4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be ``-inf`` (weight ``clip_low``), not NaN.
+  4. ``lp_forward`` must be finite on active tokens; ``lp_current`` may be ``-inf`` (weight ``clip_low``);
+     NaN or ``+inf`` raise.
   5. The backward still differentiates the forward's weights; only the cotangents change. Unbiased only without
      clipping and only for score-function objectives.
   6. Current log-probs: ``"always"`` runs one no-grad forward at the current weights with the forward's RNG, mode
