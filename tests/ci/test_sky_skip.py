@@ -1,4 +1,5 @@
-"""Without the ``ci`` extra, the SkyPilot tests are skipped with the reason at collection; the rest of tests/ci runs."""
+"""Without the ``ci`` extra, the SkyPilot tests are skipped with the reason at collection; with it they are slow (CI's
+slow tier runs them); the rest of tests/ci runs in ``make test``."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_without_skypilot_only_the_tests_that_need_it_are_skipped_with_the_fix(m
     )
 
 
-def test_with_skypilot_nothing_is_skipped(monkeypatch) -> None:
+def test_with_skypilot_the_tests_that_need_it_are_slow_and_the_rest_unmarked(monkeypatch) -> None:
     needs_sky, plain = _collect(monkeypatch, installed=True)
-    assert needs_sky.markers == [] and plain.markers == []
+    assert [m.name for m in needs_sky.markers] == ["slow"] and plain.markers == []
 
 
 def test_the_check_finds_skypilot_without_importing_it() -> None:
