@@ -106,11 +106,17 @@ def test_a_forced_offload_one_byte_over_the_host_limit_is_refused(dtype, autocas
 
 
 class _WeightCasts(TorchDispatchMode):
-    """Records the storages ``_to_copy`` makes from ``weights`` (autocast's casts), by data pointer and bytes."""
+    """Records the storages ``_to_copy`` makes from ``weights`` (autocast's casts), by data pointer and bytes.
+
+    Every cast is kept alive until the recorder goes: a cast nothing saves is freed at once, and the allocator may
+    hand its address to the next cast of its size, which would then overwrite its entry (a LoRA model's first-layer
+    k and v projections are one such pair).
+    """
 
     def __init__(self, weights: set[int], dtype: torch.dtype) -> None:
         super().__init__()
         self.weights, self.dtype, self.casts = weights, dtype, {}
+        self.kept: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -120,6 +126,7 @@ class _WeightCasts(TorchDispatchMode):
             and args[0].untyped_storage().data_ptr() in self.weights
         ):
             self.casts[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+            self.kept.append(out)
         return out
 
 
