@@ -47,6 +47,7 @@ __all__ = [
     "LoadProbe",
     "LoadMeter",
     "CpuShare",
+    "witnesses",
     "compare",
     "run_block",
     "loaded_reason",
@@ -90,6 +91,15 @@ class CpuShare:
     def stop(self) -> float:
         wall = time.perf_counter() - self.wall
         return (time.process_time() - self.cpu) / wall if wall > 0 else 1.0
+
+
+def witnesses(probe: LoadProbe | None, meter: LoadMeter | None) -> tuple[LoadProbe, LoadMeter | None]:
+    """Rule 4's two witnesses as a caller's options give them: without a ``probe``, the real ones (:class:`CpuShare`
+    and ``validation.load.Meter``, or the ``meter`` given); an injected ``probe`` (a fake) replaces both defaults,
+    so the machine is metered then only by a ``meter`` given too."""
+    if probe is None:
+        return CpuShare(), meter if meter is not None else Meter()
+    return probe, meter
 
 
 @dataclass(frozen=True)
@@ -244,8 +254,7 @@ def compare(
             f"budget_s > 0 or None; found gate={gate}, max_blocks={max_blocks}, warmup_blocks={warmup_blocks}, "
             f"budget_s={budget_s}"
         )
-    if load_probe is None:
-        load_probe, meter = CpuShare(), meter if meter is not None else Meter()
+    load_probe, meter = witnesses(load_probe, meter)
     plan = stats.planned_looks(max_blocks)
     confidence = stats.look_confidence(alpha, len(plan))
     cap = max_blocks if budget_s is None else EXTENSION * max_blocks  # Rule 5

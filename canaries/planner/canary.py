@@ -18,8 +18,9 @@ nothing. Per cell (NOTE [Planner certificate] in ``certificate.py``):
    and offloads the next, forced offload of both is refused, replay wins);
 3. on a trainer under those limits every admitted placement and ``auto``
    are timed in alternating blocks (``validation.abba.run_block``), ``auto``'s
-   decisions (placements, predicted prices) recorded; blocks the load probe
-   flags are replaced while the grid's budget lasts, and a cell still loaded
+   decisions (placements, predicted prices) recorded; blocks either load
+   witness flags (the CPU share, the machine meter: :func:`timed_blocks`) are
+   replaced while the grid's budget lasts, and a cell still loaded
    records its measured load instead of timings to judge (NOTE [Planner
    certificate] Rule 9).
 
@@ -35,7 +36,6 @@ back.
 
 from __future__ import annotations
 
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -55,6 +55,7 @@ from ..registry import Judged
 from ..request import CanaryRun
 from . import calibration
 from .certificate import AUTO, ArmMemory, CellResult, Gates, certify, loaded_detail
+from .timing import timed_blocks
 
 __all__ = [
     "Cell",
@@ -64,12 +65,9 @@ __all__ = [
     "GPU_PLANS",
     "GridPlan",
     "KIND",
-    "LOAD_TOLERANCE",
-    "Timing",
     "judge",
     "plan",
     "run_cell",
-    "timed_blocks",
 ]
 
 KIND = "planner-canary"
@@ -274,73 +272,6 @@ def _limits(cell: Cell, memory: dict[str, ArmMemory]) -> tuple[int | None, int |
     return device, host
 
 
-LOAD_TOLERANCE = 0.2  # NOTE [Alternating blocks] Rule 4: a block below 80% of the reference share is loaded
-
-
-@dataclass(frozen=True)
-class Timing:
-    """What :func:`timed_blocks` measured: each arm's seconds in the blocks kept, the blocks flagged as loaded and
-    run, each block's CPU share, and the reference share the flags were drawn against."""
-
-    seconds: dict[str, list[float]]
-    loaded: int
-    run: int
-    shares: tuple[float, ...]
-    reference: float
-
-    @property
-    def load(self) -> str | None:
-        """The measured load when more than ``abba.MAX_LOADED`` of the blocks run were flagged, else None."""
-        if self.loaded <= abba.MAX_LOADED * self.run:
-            return None
-        return (
-            f"{self.loaded} of {self.run} blocks under {1 - LOAD_TOLERANCE:.0%} of CPU share "
-            f"{self.reference:.2f}, median share {statistics.median(self.shares):.2f}"
-        )
-
-
-def timed_blocks(
-    arms: dict[str, Callable[[], object]],
-    blocks: int,
-    clock: Callable[[], float],
-    probe: abba.LoadProbe,
-    *,
-    idle_share: float = 0.0,
-    extend_until: float | None = None,
-) -> Timing:
-    """Each arm's seconds in ``blocks`` alternating blocks after one warm-up, less the blocks flagged as loaded.
-
-    A block is flagged (NOTE [Alternating blocks] Rule 4) when its probe share falls below 80% of the reference:
-    the warm-up's share, or ``idle_share`` (what the process gets of an idle machine: one core for a
-    single-threaded CPU run) when that is higher, so a machine loaded from the start is seen too. A flagged block
-    is replaced by a new one, at most ``blocks`` more, while one more block (as long as the last) ends before
-    ``clock()`` reaches ``extend_until``."""
-    probe.start()
-    abba.run_block(arms, 0, clock)
-    reference = max(probe.stop(), idle_share)
-    seconds: dict[str, list[float]] = {name: [] for name in arms}
-    shares: list[float] = []
-    kept, last = 0, 0.0  # blocks kept; the last block's seconds (a replacement must end before extend_until)
-
-    def more() -> bool:
-        if len(shares) < blocks:
-            return True
-        return extend_until is not None and kept < blocks and len(shares) < 2 * blocks and clock() + last < extend_until
-
-    while more():
-        probe.start()
-        began = clock()
-        times = abba.run_block(arms, len(shares) + 1, clock)
-        last = clock() - began
-        shares.append(probe.stop())
-        if shares[-1] < (1 - LOAD_TOLERANCE) * reference:
-            continue
-        kept += 1
-        for name, value in times.items():
-            seconds[name].append(value)
-    return Timing(seconds, len(shares) - kept, len(shares), tuple(shares), reference)
-
-
 def run_cell(
     model: rt.DecoderLM,
     cell: Cell,
@@ -348,13 +279,15 @@ def run_cell(
     clock: Callable[[], float] = time.perf_counter,
     probe: abba.LoadProbe | None = None,
     *,
+    meter: abba.LoadMeter | None = None,
     idle_share: float = 0.0,
     extend_until: float | None = None,
 ) -> CellResult:
     """Measure one cell (module docstring); a cell that raises is returned with its error (Rule 6).
-    ``idle_share`` and ``extend_until``: :func:`timed_blocks`'s; a loaded cell records its load (Rule 9)."""
+    ``probe``, ``meter``, ``idle_share`` and ``extend_until``: :func:`timed_blocks`'s; as ``abba.witnesses``
+    gives them: the real ones without a ``probe``. A loaded cell records its load (Rule 9)."""
     batches = [_inputs(cell, model.config.vocab_size, 100 + k) for k in range(cell.pending)]
-    probe = probe if probe is not None else abba.CpuShare()
+    probe, meter = abba.witnesses(probe, meter)
     result = CellResult(cell.label, None, None)
     try:
         result.memory = {p: _memory(model, cell, batches, p) for p in PLACEMENTS}
@@ -374,7 +307,7 @@ def run_cell(
             return result
         result.auto = [str(d.placement) for d in decisions]
         arms = {p: (lambda p=p: _steps(trainer, batches, p)) for p in [*result.admitted, AUTO]}
-        timing = timed_blocks(arms, blocks, clock, probe, idle_share=idle_share, extend_until=extend_until)
+        timing = timed_blocks(arms, blocks, clock, probe, meter=meter, idle_share=idle_share, extend_until=extend_until)
         result.seconds, result.loaded_blocks, result.load = timing.seconds, timing.loaded, timing.load
         decisions = _steps(trainer, batches, AUTO)  # the prices with the speed the timed forwards taught
         result.predicted = {p: sum(d.predicted_seconds[p] for d in decisions) for p in PLACEMENTS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,11 @@ from canaries.planner.certificate import TIMING_CHECKS, ArmMemory, CellResult, c
 from canaries.presets import PRESETS
 from canaries.registry import canary as canary_entry
 from canaries.request import canary_run
+from tests.benchmark_fakes import FakeMeter
+from tests.hogs import pinned_apart
+from tests.validation.test_abba_timing import work
 from validation import abba
+from validation.load import LOADED_CORES
 
 SECONDS = {"retain": 1.0, "offload": 1.2, "replay": 1.5, "auto": 1.0}  # what each arm costs on the fake clock
 
@@ -191,7 +196,7 @@ class _Shares:
 
 
 def test_loaded_blocks_are_left_out_of_a_cells_timing() -> None:
-    from canaries.planner.canary import timed_blocks as timed
+    from canaries.planner.timing import timed_blocks as timed
 
     now = [0.0]
     arms = {"a": lambda: now.__setitem__(0, now[0] + 1.0), "b": lambda: now.__setitem__(0, now[0] + 2.0)}
@@ -268,19 +273,65 @@ def _arms() -> tuple[dict, list[float]]:
 def test_a_machine_loaded_from_the_start_is_seen_against_one_idle_core() -> None:
     """A steady load lowers the warm-up's share too: relative to it no block stands out, against an idle core's
     share every block does (the planner canary's unmutated run failed under such a load)."""
-    from canaries.planner.canary import timed_blocks
+    from canaries.planner.timing import timed_blocks
 
     arms, now = _arms()
     steady = timed_blocks(arms, 4, lambda: now[0], _Shares([0.33] * 5))
     assert (steady.loaded, steady.load) == (0, None)  # what the warm-up alone calls idle
     seen = timed_blocks(arms, 4, lambda: now[0], _Shares([0.33] * 5), idle_share=1.0)
-    assert (seen.loaded, seen.run) == (4, 4) and seen.load is not None and "median share 0.33" in seen.load
+    assert (seen.loaded, seen.run) == (4, 4) and seen.load is not None and "CPU share median 0.33" in seen.load
     idle = timed_blocks(arms, 4, lambda: now[0], _Shares([0.97] * 5), idle_share=1.0)
     assert (idle.loaded, idle.load) == (0, None) and len(idle.seconds["a"]) == 4
 
 
+def test_other_work_the_share_cannot_see_flags_the_blocks_through_the_meter() -> None:
+    """The second witness (NOTE [Alternating blocks] Rule 4): a full CPU share beside a machine the meter reads busy
+    (other work on the other core: a second pytest worker, another rank) is loaded; the meter reading idle is the
+    control. The planner canary's unmutated run failed its regret gate beside such a worker."""
+    from canaries.planner.timing import timed_blocks
+
+    arms, now = _arms()
+    busy = FakeMeter(idle=1.0)
+    seen = timed_blocks(arms, 4, lambda: now[0], _Shares([1.0] * 5), meter=busy, idle_share=1.0)
+    assert (seen.loaded, seen.run, busy.reads) == (4, 4, 4), seen
+    assert seen.load is not None and "other work median 1.00 of 2 cores" in seen.load
+    arms, now = _arms()
+    quiet = FakeMeter(idle=0.0)
+    idle = timed_blocks(arms, 4, lambda: now[0], _Shares([1.0] * 5), meter=quiet, idle_share=1.0)
+    assert (idle.loaded, idle.load, quiet.reads, len(idle.seconds["a"])) == (0, None, 4, 4)
+
+
+def test_the_real_witnesses_flag_every_block_beside_a_hog_on_the_other_core() -> None:
+    from canaries.planner.timing import timed_blocks
+
+    probe, meter = abba.witnesses(None, None)
+    with pinned_apart():
+        timing = timed_blocks(
+            {"a": work(1.0), "b": work(1.0)}, 4, time.perf_counter, probe, meter=meter, idle_share=1.0
+        )
+    assert timing.load is not None and "other work" in timing.load, timing
+    assert min(r.others for r in timing.readings) > LOADED_CORES, timing.readings
+
+
+@pytest.mark.slow  # a cell's memory census costs seconds; its sibling above drives the same witnesses on plain work
+def test_a_cell_measured_beside_a_hog_on_the_other_core_is_loaded(tmp_path: Path) -> None:
+    from canaries.planner import canary
+
+    plan = canary.plan(PRESETS["cpu"].on_this_machine(), "quick")
+    cell = plan.cells[0]
+    model = rt.DecoderLM(plan.model.replace(dropout=cell.dropout), seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `rtv run` measures; two threads on one pinned core would wait on each other
+    try:
+        with pinned_apart():
+            result = canary.run_cell(model, cell, 4, idle_share=1.0)  # the canary's own witnesses
+    finally:
+        torch.set_num_threads(threads)
+    assert result.error is None and result.load is not None and "other work" in result.load, result
+
+
 def test_flagged_blocks_are_replaced_within_the_budget_and_no_further() -> None:
-    from canaries.planner.canary import timed_blocks
+    from canaries.planner.timing import timed_blocks
 
     arms, now = _arms()
     shares = [1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0]  # the warm-up, then one loaded block among five
@@ -397,7 +448,7 @@ def test_loaded_cells_are_neither_fitted_nor_judged() -> None:
 
 
 def test_no_replacement_block_starts_that_would_end_past_the_budget() -> None:
-    from canaries.planner.canary import timed_blocks
+    from canaries.planner.timing import timed_blocks
 
     shares = [1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0]  # the 2nd of 4 blocks flagged
     for extend_until, run in ((35.0, 4), (37.0, 5)):  # 30 s spent (warm-up and 4 blocks of 6 s): one more ends at 36
