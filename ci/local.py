@@ -107,9 +107,9 @@ def _free_port() -> int:
 def _run_nodes(script: str, workdir: Path, nodes: list[dict[str, str]]) -> int:
     """``script`` once per node environment, all at once; the first non-zero exit code by node rank, else 0.
 
-    A node that fails takes the others down (SIGTERM, then SIGKILL after
-    :data:`NODE_GRACE_S`): its peers would otherwise wait for it until the
-    run's own limit.
+    A node that fails takes the others down, every process group of their
+    sessions (SIGTERM, then SIGKILL after :data:`NODE_GRACE_S`): its peers
+    would otherwise wait for it until the run's own limit.
     """
     running = [
         subprocess.Popen(["bash", "-c", script], cwd=workdir, env=node, start_new_session=True) for node in nodes
@@ -126,15 +126,43 @@ def _run_nodes(script: str, workdir: Path, nodes: list[dict[str, str]]) -> int:
     return next((code for code in codes if code != 0), 0)
 
 
+def _session_groups(session: int) -> set[int]:
+    """The process groups of the live (not zombie) processes in ``session``, read from ``/proc``.
+
+    A node's script may make groups of its own (coreutils ``timeout`` runs its command in a new one), so signalling
+    the session leader's group alone would leave the node's work running. Without ``/proc`` (not Linux) the
+    session's own group stands in."""
+    if not Path("/proc/self/stat").exists():
+        return {session}
+    groups = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group, member_of = stat.read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):  # gone since the listing
+            continue
+        if int(member_of) == session and state != "Z":
+            groups.add(int(group))
+    return groups
+
+
+def _signal_session(session: int, sig: signal.Signals) -> None:
+    for group in _session_groups(session):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:  # exited since the listing
+            pass
+
+
 def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the node's process group, SIGKILL if it outlives the grace."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=NODE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+    """SIGTERM to every process group of the node's session, SIGKILL to what outlives the grace.
+
+    The node's script leads a session of its own (``start_new_session``), so whatever it started, in any group,
+    is found by session; a node that already exited may have left work behind, and that is stopped too."""
+    _signal_session(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + NODE_GRACE_S
+    while (process.poll() is None or _session_groups(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_session(process.pid, signal.SIGKILL)
 
 
 def _workdir(spec: TaskSpec) -> Path:

@@ -47,7 +47,7 @@ def stubs(tmp_path: Path, repo_root: Path, monkeypatch: pytest.MonkeyPatch):
         f'case "$*" in *torch.distributed.run*"--node-rank 0"*) '
         f'exec {sys.executable} {tmp_path / "writer.py"} "$RTV_OUT";; esac\n'
         f'[ "${{STUB_NODE_FAILS:-x}}" != "$SKYPILOT_NODE_RANK" ] || exit 1\n'
-        f'[ "${{STUB_NODE_SLEEP:-0}}" = 0 ] || sleep "$STUB_NODE_SLEEP"\n',
+        f'[ "${{STUB_NODE_SLEEP:-0}}" = 0 ] || {{ echo $$ >> {tmp_path / "sleepers"}; exec sleep "$STUB_NODE_SLEEP"; }}\n',
     )
     _script(
         bin_dir / "rtv",
@@ -171,6 +171,33 @@ def test_a_failed_node_takes_the_waiting_one_down(two_nodes, stubs, tmp_path, mo
         == 3
     )
     assert time.monotonic() - started < 60
+    # The waiting node's work ran inside the run's `timeout`, in a process group of its own: it is stopped too.
+    sleepers = [int(pid) for pid in (tmp_path / "sleepers").read_text().split()]
+    assert sleepers and not [pid for pid in sleepers if _alive(pid)], sleepers
+
+
+def test_a_stopped_node_leaves_nothing_running_in_any_process_group(tmp_path: Path) -> None:
+    """The task scripts run their work under coreutils ``timeout``, which makes a process group of its own: stopping
+    the node's leading group alone left that work running until the run's limit. No SkyPilot needed here."""
+    from ci.local import _run_nodes
+
+    script = (
+        'if [ "$NODE" = 1 ]; then sleep 0.3; exit 4; fi\n'
+        "timeout 300 sh -c 'echo $$ > sleeper; exec sleep 300'\n"
+        "exit $?\n"  # as in the task files: a command after it, so bash does not exec `timeout` as the session leader
+    )
+    nodes = [{**os.environ, "NODE": str(rank)} for rank in (0, 1)]
+    assert _run_nodes(script, tmp_path, nodes) != 0  # node 1 failed, node 0 was stopped
+    sleeper = int((tmp_path / "sleeper").read_text())
+    assert not _alive(sleeper), f"pid {sleeper} (the waiting node's sleep) still runs"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
