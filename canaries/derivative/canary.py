@@ -26,7 +26,9 @@ NOTE [Derivative canary]
      checkpoint kind, level); ``bound_cap`` lowers every forward's staleness bound (0: no stale backward can
      succeed), the negative control of the coverage check.
   7. Logical ranks (rank mode, W = 1, L = 2): the gradient buffers of a loss normalised by ``global_token_count``
-     sum to the oracle's gradient of the globally normalised loss.
+     sum to the oracle's gradient of the globally normalised loss. The logical ranks' dropout streams derive from
+     seed 0 (``run_logical`` seeds them from rank 0's initial seed), never from the process's own initial seed, so
+     the measured error is a function of the code alone; the caller's RNG is restored.
   8. Profiles (``canaries.registry``): every profile runs the fixed scenarios and the logical check; the exploration
      follows ``validation.profiles.EXPLORATION[profile]`` (``quick``: seconds; ``default``; ``nightly``: minutes).
      The run stops at the first failed check: a failing scenario already names a short op sequence, and shrinking a

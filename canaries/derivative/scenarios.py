@@ -220,8 +220,16 @@ def check_logical_normalisation(config: Preset, logical_dp: int = 2) -> float:
     count``; the sum of the logical buffers over every process (what
     ``optim_step`` adds to ``.grad``) must match the oracle's gradient of the
     globally normalised loss. Returns the worst relative error. Runs on every
-    process of a job (each checks the same sum).
+    process of a job (each checks the same sum). The dropout masks are drawn
+    from seed 0 whatever the process's initial seed (NOTE [Derivative canary]
+    Rule 7); the caller's RNG is restored.
     """
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # run_logical seeds the logical ranks' streams from rank 0's initial seed
+        return _logical_normalisation(config, logical_dp)
+
+
+def _logical_normalisation(config: Preset, logical_dp: int) -> float:
     trainer, oracle = build_trainer(config)
     vocab = config.model.vocab_size
     data = {rank: sequences(80 + rank, [3 + 2 * rank, 4 + rank], vocab) for rank in range(logical_dp)}

@@ -23,6 +23,10 @@ same weights:
   step, before sampling) reports 0 and masks nothing under
   ``max_behaviour_staleness=0``. Negative control: the same loop with the
   publication skipped must show lag 1 and every token masked.
+
+Every sample is drawn from a seeded generator (``scenarios.sampler``), never
+from the process's global RNG, whose initial seed differs per process: two
+runs of the same code give the same measurements (times aside).
 """
 
 from __future__ import annotations
@@ -103,14 +107,14 @@ def _ratio_moves(stats: rt.BehaviourStats) -> bool:
 def _ratios(checks: Checks, tokens: int, device: torch.device) -> dict[str, object]:
     trainer = scenarios.policy_trainer(device)
     engine = scenarios.engine_for(trainer)
-    batch = scenarios.prompts(4, "left+right", device)
-    on_policy = scenarios.behaviour_report(trainer, engine.generate(batch, max_new_tokens=tokens))
+    batch, sampler = scenarios.prompts(4, "left+right", device), scenarios.sampler(device, 1)
+    on_policy = scenarios.behaviour_report(trainer, engine.generate(batch, max_new_tokens=tokens, generator=sampler))
     checks.check(
         "on_policy_ratio_is_one",
         not _ratio_moves(on_policy),
         f"ratios in [{on_policy.ratio.min:.7f}, {on_policy.ratio.max:.7f}] at unchanged weights",
     )
-    stale = engine.generate(batch, max_new_tokens=tokens)
+    stale = engine.generate(batch, max_new_tokens=tokens, generator=sampler)  # a second draw at the same weights
     scenarios.step(trainer)
     honest = scenarios.behaviour_report(trainer, stale)
     filled = scenarios.behaviour_report(trainer, stale, fill_from_trainer=True)
@@ -159,7 +163,7 @@ def _lags(checks: Checks, tokens: int, device: torch.device) -> dict[str, object
     batch = scenarios.prompts(4, "left+right", device)
     trainer = scenarios.policy_trainer(device)
     engine = scenarios.engine_for(trainer)
-    samples = engine.generate(batch, max_new_tokens=tokens)  # at v
+    samples = engine.generate(batch, max_new_tokens=tokens, generator=scenarios.sampler(device, 2))  # at v
     scenarios.step(trainer)  # train at v + 1
     one = scenarios.behaviour_report(trainer, samples)
     count = len(samples) * tokens
@@ -176,7 +180,8 @@ def _lags(checks: Checks, tokens: int, device: torch.device) -> dict[str, object
         scenarios.step(trainer)
         if publish:
             trainer.publish(engine, checkpoint="policy")
-        loops[name] = scenarios.behaviour_report(trainer, engine.generate(batch, max_new_tokens=tokens), options=bound)
+        samples = engine.generate(batch, max_new_tokens=tokens, generator=scenarios.sampler(device, 2))
+        loops[name] = scenarios.behaviour_report(trainer, samples, options=bound)
     zero, skipped = loops["staleness_0"], loops["publication_skipped"]
     checks.check(
         "lag_zero_loop",

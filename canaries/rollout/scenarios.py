@@ -47,6 +47,12 @@ def policy_trainer(device: torch.device, *, seed: int = 0) -> rt.Trainer:
     return trainer
 
 
+def sampler(device: torch.device, seed: int) -> torch.Generator:
+    """The generator a scenario's samples are drawn from: seeded, never the process's global RNG (whose initial
+    seed differs per process), so the samples are a function of the code alone."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def prompts(batch: int, padding: str, device: torch.device, *, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed + batch)
     lengths = PROMPT_LENGTHS[:batch] if padding != "none" else (4,) * batch
@@ -94,7 +100,7 @@ def mismatch(setting: Setting, tokens: int, device: torch.device) -> list[float]
     samples = engine.generate(
         prompts(setting.batch, setting.padding, device),
         max_new_tokens=tokens,
-        generator=torch.Generator(device=device).manual_seed(0),
+        generator=sampler(device, 0),
     )
     with torch.no_grad():
         outputs = forward_samples(trainer, samples, behaviour=False)
@@ -167,9 +173,7 @@ def inflight(device: torch.device, tokens: int) -> dict[str, object]:
     trainer = policy_trainer(device)
     engine = engine_for(trainer)
     references = {0: engine_for(trainer)}
-    generation = engine.start(
-        prompts(2, "left+right", device), max_new_tokens=tokens, generator=torch.Generator(device=device).manual_seed(3)
-    )
+    generation = engine.start(prompts(2, "left+right", device), max_new_tokens=tokens, generator=sampler(device, 3))
     publish_after = {1, tokens - 2}
     while not generation.done:
         generation.step()

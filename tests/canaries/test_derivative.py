@@ -157,6 +157,19 @@ def test_logical_ranks_normalise_by_the_global_token_count() -> None:
     assert 0 < error <= TOLERANCES[torch.float32].gradient
 
 
+def test_the_logical_check_is_the_same_whatever_the_global_rng_and_restores_it() -> None:
+    """Its dropout masks come from its own seed: a fresh process's initial seed differs per process, and the
+    evidence must not (NOTE [Derivative canary] Rule 7)."""
+    config, errors = preset("cpu").on_this_machine(), []
+    with torch.random.fork_rng():
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            before = torch.get_rng_state()
+            errors.append(check_logical_normalisation(config))
+            assert torch.equal(torch.get_rng_state(), before), "the caller's RNG was not restored"
+    assert errors[0] == errors[1]
+
+
 def test_unknown_profile_and_preset_are_refused_with_a_fix(tmp_path: Path) -> None:
     with pytest.raises(SetupError, match="unknown profile 'weekly'") as info:
         canary("derivative").run(canary_run("cpu", "weekly"), tmp_path)

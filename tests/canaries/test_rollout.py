@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import reference_trainer as rt
 from canaries.request import canary_run
 from canaries.rollout import scenarios
-from canaries.rollout.canary import _ratio_moves, judge
+from canaries.rollout.canary import _lags, _ratio_moves, _ratios, judge
 from canaries.rollout.scenarios import Setting
 from reference_trainer.importance import RatioStats
 from reference_trainer.rollout.engine import FP32_LOGPROB_TOLERANCE
+from reference_trainer.sampling import Sample
 from reports.rollout import section
-from validation.evidence import make_record
+from validation.evidence import Checks, make_record
 
 CPU = torch.device("cpu")
 
@@ -35,6 +38,28 @@ def test_an_fp32_cell_is_within_the_tolerance_and_a_bf16_cell_is_not() -> None:
     bf16 = scenarios.mismatch(Setting("bf16", True, 2, "left+right"), 3, CPU)
     assert len(fp32) == len(bf16) == 6
     assert max(map(abs, fp32)) <= FP32_LOGPROB_TOLERANCE < max(map(abs, bf16))
+
+
+def test_the_samples_and_ratios_are_the_same_whatever_the_global_rng(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh process's initial seed differs per process: every sample the ratio and lag scenarios draw comes
+    from a seeded generator, so the samples and the measurements are the same in every run."""
+    drawn: list[list[int]] = []
+    generate = rt.RolloutEngine.generate
+
+    def recording(engine: rt.RolloutEngine, prompts: list[torch.Tensor], **options: Any) -> list[Sample]:
+        samples = generate(engine, prompts, **options)
+        drawn.extend(s.completion.tolist() for s in samples)
+        return samples
+
+    monkeypatch.setattr(rt.RolloutEngine, "generate", recording)
+    runs = []
+    with torch.random.fork_rng():
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            runs.append((_ratios(Checks(), 3, CPU), _lags(Checks(), 3, CPU), drawn[:]))
+            drawn.clear()
+    assert len(runs[0][2]) == 5 * 4  # five generations of four prompts
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.slow
