@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,12 +82,29 @@ def test_every_grouped_path_holds_test_modules() -> None:
 NODE_INSTALLS = "tests/ci/test_node_install.py::test_two_installs_from_the_lock_in_fresh_venvs_freeze_the_same"
 
 
-def test_ci_runs_the_slow_tier() -> None:
-    """The tests moved out of ``make test`` for its budget run in every CI run, not only nightly."""
-    commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
-    assert any(re.search(r"pytest .*--runslow .*-m '?slow\b", line) for line in commands), ".ci/run must run -m slow"
+def slow_tier_arguments(root: Path, scratch: Path) -> list[str]:
+    """What ``root``'s ``.ci/slow_tier`` hands pytest, argument by argument: the script run from a copy in ``scratch``
+    beside a stand-in ``.venv/bin/pytest`` that prints its arguments, so the shell's quoting is undone as CI's is."""
+    (scratch / ".ci").mkdir()
+    script = scratch / ".ci" / "slow_tier"
+    shutil.copy2(root / ".ci" / "slow_tier", script)
+    stand_in = scratch / ".venv" / "bin" / "pytest"
+    stand_in.parent.mkdir(parents=True)
+    stand_in.write_text('#!/bin/sh\nprintf \'%s\\n\' "$@"\n')
+    stand_in.chmod(0o755)
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout.splitlines()
+
+
+def test_ci_runs_the_slow_tier(tmp_path: Path) -> None:
+    """The tests moved out of ``make test`` for its budget run in every CI run, not only nightly: ``.ci/run`` calls
+    ``.ci/slow_tier`` (so does the CPU workflow: ``tests/ci/test_workflows.py``)."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ".ci/slow_tier" in commands, ".ci/run must run the slow tier"
+    arguments = slow_tier_arguments(ROOT, tmp_path)
+    assert "--runslow" in arguments and re.match(r"slow\b", arguments[arguments.index("-m") + 1]), arguments
     # It leaves out only the lock's fresh installs from the registry (minutes of downloads), nothing by keyword: a run
     # whose verdict a busy runner could turn is mended, not left to the nightly job.
-    (tier,) = [c for c in "\n".join(commands).replace("\\\n", " ").splitlines() if "--runslow" in c]
-    assert re.findall(r"--deselect\s+(\S+)", tier) == [NODE_INSTALLS], tier
-    assert not re.search(r"\s-k\s", tier), tier
+    deselected = [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--deselect"]
+    assert deselected == [NODE_INSTALLS], arguments
+    assert not [a for a in arguments if a.startswith(("-k", "--keyword", "--deselect="))], arguments
