@@ -26,7 +26,7 @@ import reference_trainer as rt
 
 ROOT = Path(__file__).parents[1]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".txt", ".sh"}
-TEXT_NAMES = {"Makefile", "run", "local_slurm_stage"}  # extension-less scripts (.ci/run, ...)
+TEXT_NAMES = {"Makefile", "run", "slow_tier", "local_slurm_stage"}  # extension-less scripts (.ci/run, ...)
 SKIPPED_DIRS = {
     ".git",
     ".venv",

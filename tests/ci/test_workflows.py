@@ -63,6 +63,18 @@ def test_cpu_job_runs_the_readmes_test_command_with_cpu_torch():
     assert any(c.startswith("make test") and "download.pytorch.org/whl/cpu" in c for c in commands), commands
 
 
+def test_cpu_job_runs_make_lint_and_the_slow_tier_after_make_test():
+    """As ``.ci/run`` does: the linters, then the tests ``make test`` leaves out for its budget (``.ci/slow_tier``,
+    whose arguments ``tests/test_budget.py`` checks), each a step of its own that no condition skips."""
+    steps = _load("cpu.yml")["jobs"]["test"]["steps"]
+    commands = [s.get("run", "").strip() for s in steps]
+    first = next(i for i, c in enumerate(commands) if c.startswith("make test"))
+    later = dict(zip(commands[first + 1 :], steps[first + 1 :]))
+    for command in ("make lint", ".ci/slow_tier"):
+        assert command in later, f"cpu.yml runs no `{command}` after make test: {commands}"
+        assert "if" not in later[command] and not later[command].get("continue-on-error"), later[command]
+
+
 @pytest.mark.parametrize("name", sorted(CALLERS) + ["cpu.yml"])
 def test_concurrency_never_cancels_a_run_in_progress(name: str):
     concurrency = _load(name)["concurrency"]

@@ -31,7 +31,14 @@ def _run_suite() -> dict[str, Any]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that reads the two-process suite is ``slow``: the suite's two ranks cost about 12 s of CPU, a fifth
-    of ``make test``'s budget. CI runs them (its slow tier), with every other test that spawns ranks."""
+    of ``make test``'s budget. CI runs them (its slow tier), with every other test that spawns ranks.
+
+    The mark must come before the root conftest's hook, which skips the slow tests of a default run, and before
+    pytest's ``-m`` selection (the slow tier's ``-m slow``). pluggy calls the plugin registered last first, and pytest
+    registers a folder's conftest after its parents' and after its own plugins, so this order holds without
+    ``tryfirst`` today; ``tryfirst`` keeps it wherever the hook is registered (a ``-p`` plugin or an entry point comes
+    before every conftest). ``tests/test_budget.py`` checks the order, and that no default-run test spawns ranks.
+    """
     for item in items:
         if "two_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
