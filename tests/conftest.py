@@ -107,12 +107,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 
 
+def runs_slow(config: pytest.Config) -> bool:
+    """Whether this run runs the ``slow`` tests (``--runslow`` or ``RTV_SLOW=1``)."""
+    return bool(config.getoption("--runslow")) or os.environ.get("RTV_SLOW") == "1"
+
+
+def runs_bench(config: pytest.Config) -> bool:
+    """Whether this run selects the ``bench`` tests (``-m bench``): they time real work, in worker processes too."""
+    return "bench" in (config.getoption("markexpr", default="") or "").replace("not bench", "")
+
+
+class DefaultRunStartedAProcess(RuntimeError):
+    """A test of the default run (``make test``) started a ``multiprocessing`` process."""
+
+
+def refuse_process_starts() -> None:
+    """``make test`` starts no process of its own (tests/README.md#the-time-budget): a forkserver or a fresh
+    interpreter imports torch anew, about 4 s of CPU of the suite's 60 s. Every ``multiprocessing`` start in a
+    default run raises :class:`DefaultRunStartedAProcess`, whatever path reached it (a fixture, a canary's ranks).
+    Subprocesses that import nothing (``subprocess``: a shell, a hog) are not refused."""
+    from multiprocessing.process import BaseProcess
+
+    def refuse(process: BaseProcess) -> None:
+        raise DefaultRunStartedAProcess(
+            f"expected no process started in the default run (make test), found multiprocessing starting "
+            f"{process.name} ({getattr(process, '_target', None)!r}): a rank or a fresh interpreter imports torch "
+            "anew, about 4 s of CPU; mark the test slow, with a fast sibling in the default run"
+        )
+
+    BaseProcess.start = refuse  # type: ignore[method-assign]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if _runs_tests(config):
         from validation.profiles import load_test_profile
 
         load_test_profile()
         _cap_threads()
+        if not runs_slow(config) and not runs_bench(config):
+            refuse_process_starts()
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")
     config.addinivalue_line("markers", "slow: deep variant, run nightly (--runslow)")
@@ -123,7 +156,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    run_slow = config.getoption("--runslow") or os.environ.get("RTV_SLOW") == "1"
+    run_slow = runs_slow(config)
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow or RTV_SLOW=1 (nightly)")
     skip_gpu = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
     import torch

@@ -11,15 +11,15 @@ of the default run spawns ranks.
 from __future__ import annotations
 
 import ast
-import os
+import multiprocessing
 import re
 import shutil
 import subprocess
-import types
 from pathlib import Path
 
 import pytest
 
+from tests import conftest
 from tests.conftest import GROUPED_SCOPES, xdist_scope
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,222 +113,13 @@ def test_ci_runs_the_slow_tier(tmp_path: Path) -> None:
     assert not [a for a in arguments if a.startswith(("-k", "--keyword", "--deselect="))], arguments
 
 
-# --- make test spawns no ranks ---------------------------------------------------------------------------------------
-
-# The functions that start rank processes (validation.spawn's forkserver: torch imported afresh, about 4 s of CPU).
-SPAWNERS = frozenset({"spawn_ranks", "spawn_watched", "run_ranks"})
-_NAMES_A_SPAWNER = re.compile(rf"\b(?:{'|'.join(sorted(SPAWNERS))})\b")
+# --- make test starts no process of its own ---------------------------------------------------------------------------
 
 
-def spawn_scope(tests: Path) -> list[Path]:
-    """What a run must collect to meet every test under ``tests`` that can reach a spawner: each folder whose
-    ``conftest.py`` names one (its fixtures serve the folder), then each test module elsewhere that names one.
-
-    Collecting the whole suite costs about 11 s of CPU; this, about 0.15 s in a worker that has already imported the
-    modules (``make test``'s), about 1 s alone. A conftest that spawns through another module's function, naming no
-    spawner, is not seen.
-    """
-    named = [p for p in sorted(tests.rglob("*.py")) if _NAMES_A_SPAWNER.search(p.read_text())]
-    folders = [p.parent for p in named if p.name == "conftest.py"]
-    modules = [p for p in named if p.name.startswith("test_") and not any(f in p.parents for f in folders)]
-    return folders + modules
-
-
-def _reached_names(function: object, seen: set[int]) -> set[str]:
-    """The global and attribute names ``function``'s code uses, its lambdas and inner functions included, and those
-    of each plain function of its own module it names, transitively. A wrapped helper (``functools.cache``) is not
-    followed: whether it spawns may hang on its arguments (``world == 1`` runs in process)."""
-    code = getattr(function, "__code__", None)
-    if code is None or id(function) in seen:
-        return set()
-    seen.add(id(function))
-    names: set[str] = set()
-    codes = [code]
-    while codes:
-        code = codes.pop()
-        names.update(code.co_names)
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    module_globals = getattr(function, "__globals__", {})
-    for name in list(names):
-        helper = module_globals.get(name)
-        if isinstance(helper, types.FunctionType) and helper.__module__ == getattr(function, "__module__", None):
-            names |= _reached_names(helper, seen)
-    return names
-
-
-def spawner_reached(item: pytest.Item) -> str | None:
-    """Why ``item`` spawns ranks: ``fixture NAME`` for a fixture of its closure whose code reaches a spawner, ``its
-    code`` for the test function's own; None when neither does."""
-    if SPAWNERS & _reached_names(getattr(item, "obj", None), set()):
-        return "its code"
-    fixture_info = getattr(item, "_fixtureinfo", None)  # the closure pytest resolved: it has no public accessor
-    definitions = fixture_info.name2fixturedefs if fixture_info else {}
-    for name in getattr(item, "fixturenames", ()):
-        chain = definitions.get(name)  # the last definition is the one the item gets (the nearest override)
-        if chain and SPAWNERS & _reached_names(chain[-1].func, set()):
-            return f"fixture {name}"
-    return None
-
-
-class _Collected:
-    """A plugin that keeps a session's items after every selection, and the order its
-    ``pytest_collection_modifyitems`` implementations ran in (plugin names: a conftest's is its path)."""
-
-    def __init__(self) -> None:
-        self.items: list[pytest.Item] = []
-        self.hook_order: list[str] = []
-
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.items = list(session.items)
-        implementations = session.config.hook.pytest_collection_modifyitems.get_hookimpls()
-        manager = session.config.pluginmanager
-        self.hook_order = [str(manager.get_name(i.plugin)) for i in reversed(implementations)]  # pluggy's call order
-
-
-# Collection only, in this process: no xdist, no cache written, and no unraisable-exception plugin (its unconfigure
-# runs two full garbage collections over the worker's heap: two thirds of the cost).
-COLLECT_ONLY = ("--collect-only", "-qq", "-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:unraisableexception")
-
-
-def default_run(paths: list[Path]) -> _Collected:
-    """``paths`` collected in this process as ``make test`` collects them: no ``--runslow``, no ``RTV_SLOW``."""
-    collected = _Collected()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("RTV_SLOW", raising=False)
-        code = pytest.main([*COLLECT_ONLY, *map(str, paths)], plugins=[collected])
-    assert code == pytest.ExitCode.OK, f"collecting {paths} failed: exit {code!r}"
-    return collected
-
-
-def unskipped_spawns(collected: _Collected) -> list[str]:
-    """``nodeid: why`` for each item of a default run that reaches a spawner and is not skipped: a ``slow`` marker
-    added after the root conftest's hook skipped the slow tests would leave it to run."""
-    found = [(item, spawner_reached(item)) for item in collected.items]
-    return [f"{item.nodeid}: {why}" for item, why in found if why and item.get_closest_marker("skip") is None]
-
-
-# The conftest that marks the two-process suite's readers slow, and the root one that skips slow tests by default.
-CONFTESTS = (Path("tests", "dist", "conftest.py"), Path("tests", "conftest.py"))
-
-
-@pytest.fixture(scope="module")
-def spawn_scope_run() -> _Collected:
-    return default_run(spawn_scope(ROOT / "tests"))
-
-
-def test_make_test_spawns_no_ranks(spawn_scope_run: _Collected) -> None:
-    """tests/README.md#the-time-budget: a forkserver's start alone is about 4 s of CPU; a spawning test is ``slow``."""
-    assert unskipped_spawns(spawn_scope_run) == [], "mark each slow, with a fast sibling in the default run"
-    seen = {spawner_reached(item) for item in spawn_scope_run.items}
-    assert {"fixture two_process", "its code"} <= seen, f"the scope shows none of the known spawns (vacuous): {seen}"
-
-
-def test_the_two_process_suites_readers_are_marked_slow_before_the_skip_and_the_m_selection(
-    spawn_scope_run: _Collected,
-) -> None:
-    """The mark must come before the root conftest skips the slow tests of a default run, and before pytest's ``-m``
-    selection: CI's slow tier selects ``-m slow`` (``.ci/slow_tier``), which would leave a late-marked test out."""
-    order = spawn_scope_run.hook_order
-    conftests = [next(i for i, name in enumerate(order) if name.endswith(f"{os.sep}{path}")) for path in CONFTESTS]
-    marks, skips = conftests
-    assert marks < skips and marks < order.index("mark"), order
-
-
-PLANTED = {
-    "pytest.ini": "[pytest]\naddopts = --import-mode=importlib\n",
-    "conftest.py": "from tests.conftest import pytest_addoption, pytest_collection_modifyitems, pytest_configure\n",
-    "planted_ranks/conftest.py": """
-import pytest
-from validation.spawn import spawn_ranks
-
-
-def _suite():
-    return spawn_ranks(print, 2)
-
-
-@pytest.fixture(scope="session")
-def ranks():
-    return _suite()
-
-
-@pytest.fixture
-def early_ranks():
-    return _suite()
-
-
-@pytest.fixture
-def late_ranks():
-    return _suite()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "early_ranks" in item.fixturenames:
-            item.add_marker(pytest.mark.slow)
-""",
-    "planted_ranks/test_planted_readers.py": """
-import pytest
-
-
-def test_unmarked(ranks):
-    pass
-
-
-@pytest.mark.slow
-def test_marked(ranks):
-    pass
-
-
-def test_marked_by_the_folders_hook(early_ranks):
-    pass
-""",
-    "planted_ranks/late/conftest.py": """
-import pytest
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "late_ranks" in item.fixturenames:
-            item.add_marker(pytest.mark.slow)
-""",
-    "planted_ranks/late/test_planted_late.py": "def test_marked_after_the_skip(late_ranks):\n    pass\n",
-    "test_planted_direct.py": """
-import pytest
-from validation.world import run_ranks
-
-
-def _two():
-    return run_ranks(print, 2)
-
-
-def test_through_a_helper():
-    assert _two()
-
-
-@pytest.mark.slow
-def test_marked():
-    assert _two()
-
-
-def test_names_it_in_a_string_only(monkeypatch):
-    monkeypatch.setattr("validation.world.run_ranks", print)
-""",
-    "test_planted_plain.py": "def test_nothing():\n    pass\n",
-}
-
-
-def test_negative_control_an_unmarked_or_late_marked_spawning_test_is_found_and_a_skipped_one_is_not(
-    tmp_path: Path,
-) -> None:
-    for name, text in PLANTED.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    scope = spawn_scope(tmp_path)
-    assert scope == [tmp_path / "planted_ranks", tmp_path / "test_planted_direct.py"]
-    assert unskipped_spawns(default_run(scope)) == [
-        "planted_ranks/late/test_planted_late.py::test_marked_after_the_skip: fixture late_ranks",
-        "planted_ranks/test_planted_readers.py::test_unmarked: fixture ranks",
-        "test_planted_direct.py::test_through_a_helper: its code",
-    ]
+def test_a_default_run_refuses_to_start_a_process(request: pytest.FixtureRequest) -> None:
+    """A test of ``make test`` that starts ranks (or any ``multiprocessing`` process) fails with the fix, whatever
+    path it takes there: ``conftest.refuse_process_starts``."""
+    if conftest.runs_slow(request.config) or conftest.runs_bench(request.config):
+        pytest.skip("the slow tier and the bench tests start processes")
+    with pytest.raises(conftest.DefaultRunStartedAProcess, match="mark the test slow"):
+        multiprocessing.get_context("spawn").Process(target=print).start()

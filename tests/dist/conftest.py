@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     pytest's ``-m`` selection (the slow tier's ``-m slow``). pluggy calls the plugin registered last first, and pytest
     registers a folder's conftest after its parents' and after its own plugins, so this order holds without
     ``tryfirst`` today; ``tryfirst`` keeps it wherever the hook is registered (a ``-p`` plugin or an entry point comes
-    before every conftest). ``tests/test_budget.py`` checks the order, and that no default-run test spawns ranks.
+    before every conftest). A test left unmarked would fail in the default run: ``conftest.refuse_process_starts``.
     """
     for item in items:
         if "two_process" in getattr(item, "fixturenames", ()):
