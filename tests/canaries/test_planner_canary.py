@@ -454,3 +454,49 @@ def test_no_replacement_block_starts_that_would_end_past_the_budget() -> None:
     for extend_until, run in ((35.0, 4), (37.0, 5)):  # 30 s spent (warm-up and 4 blocks of 6 s): one more ends at 36
         arms, now = _arms()
         assert timed_blocks(arms, 4, lambda now=now: now[0], _Shares(shares), extend_until=extend_until).run == run
+
+
+def _replays_where_it_fits(plan_placement):
+    """A planner whose ``auto`` replays whenever replay fits: the wrong choice wherever retain fits too."""
+
+    def choose(request):
+        if request.requested == "auto" and request.allow_replay:
+            try:
+                return plan_placement(replace(request, requested="replay"))
+            except rt.MemoryAdmissionError:
+                pass
+        return plan_placement(request)
+
+    return choose
+
+
+@pytest.mark.bench  # times real work: a wrong choice must show in the regret on a real clock, idle
+def test_on_an_idle_machine_the_regret_gate_catches_auto_replaying_where_retain_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from canaries.planner import canary
+    from reference_trainer import admission
+
+    plan = canary.plan(PRESETS["cpu"].on_this_machine(), "quick")
+    cell = next(c for c in plan.cells if (c.device, c.host, c.pending) == ("none", "none", 1))  # retain wins
+    model = rt.DecoderLM(plan.model.replace(dropout=cell.dropout), seed=0)
+
+    def worst_regret() -> tuple[bool | None, str]:
+        result = canary.run_cell(model, cell, plan.blocks, idle_share=1.0, extend_until=time.perf_counter() + 60)
+        if result.load is not None:
+            pytest.skip(f"inconclusive (loaded: {result.load})")
+        (found,) = [
+            (ok, detail) for name, ok, detail in certify([cell.label], {cell.label: result})[1] if name == TIMED[2]
+        ]
+        return found
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `rtv run` measures
+    try:
+        right = worst_regret()
+        monkeypatch.setattr(admission, "plan_placement", _replays_where_it_fits(admission.plan_placement))
+        wrong = worst_regret()
+    finally:
+        torch.set_num_threads(threads)
+    assert right[0] is True, right  # the control: the real planner retains here
+    assert wrong[0] is False and f"{cell.label} 0.000" not in wrong[1], wrong
