@@ -112,9 +112,14 @@ def runs_slow(config: pytest.Config) -> bool:
     return bool(config.getoption("--runslow")) or os.environ.get("RTV_SLOW") == "1"
 
 
-def runs_bench(config: pytest.Config) -> bool:
-    """Whether this run selects the ``bench`` tests (``-m bench``): they time real work, in worker processes too."""
-    return "bench" in (config.getoption("markexpr", default="") or "").replace("not bench", "")
+# What ``make test`` selects: pyproject.toml's ``addopts`` (tests/test_budget.py keeps the two equal).
+DEFAULT_MARKEXPR = "not bench and not slurm"
+
+
+def is_default_run(config: pytest.Config) -> bool:
+    """Whether this is ``make test``'s run: no slow tests and the default ``-m`` selection (not ``-m bench``, not the
+    local Slurm stage, which clears ``addopts``)."""
+    return not runs_slow(config) and config.getoption("markexpr", default="") == DEFAULT_MARKEXPR
 
 
 class DefaultRunStartedAProcess(RuntimeError):
@@ -144,7 +149,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         load_test_profile()
         _cap_threads()
-        if not runs_slow(config) and not runs_bench(config):
+        if is_default_run(config):
             refuse_process_starts()
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "dist: spawns torch.distributed processes")

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests import conftest
 from tests.conftest import GROUPED_SCOPES, xdist_scope
@@ -119,7 +120,13 @@ def test_ci_runs_the_slow_tier(tmp_path: Path) -> None:
 def test_a_default_run_refuses_to_start_a_process(request: pytest.FixtureRequest) -> None:
     """A test of ``make test`` that starts ranks (or any ``multiprocessing`` process) fails with the fix, whatever
     path it takes there: ``conftest.refuse_process_starts``."""
-    if conftest.runs_slow(request.config) or conftest.runs_bench(request.config):
-        pytest.skip("the slow tier and the bench tests start processes")
+    if not conftest.is_default_run(request.config):
+        pytest.skip("only make test's run refuses: the slow tier, the bench tests and the Slurm stage start processes")
     with pytest.raises(conftest.DefaultRunStartedAProcess, match="mark the test slow"):
         multiprocessing.get_context("spawn").Process(target=print).start()
+
+
+def test_the_default_selection_is_pyprojects() -> None:
+    """``conftest.DEFAULT_MARKEXPR`` names the run ``make test`` makes: pyproject.toml's ``-m`` in ``addopts``."""
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert f"-m '{conftest.DEFAULT_MARKEXPR}'" in addopts, addopts
