@@ -20,6 +20,7 @@ from canaries import registry, smoke, suite
 from canaries.cli import main
 from canaries.registry import Canary, Judged
 from canaries.request import CanaryRun, canary_run, silent
+from reports.summary import write_summary
 from validation.evidence import Checks, injected, verify
 from validation.hangs import HangDetected, next_watch
 
@@ -62,6 +63,7 @@ def test_a_canary_that_raises_writes_one_failed_record_with_its_error_and_the_ru
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(registry, "CANARIES", {})
+    monkeypatch.setattr(registry, "TRACEBACK_FRAMES", 2)  # of run_canaries -> Canary.run -> _breaks, the last two
     _register(monkeypatch, "toy", _breaks)
     _register(monkeypatch, "after", _passes)
     with injected("mutation toy_bug"):
@@ -76,7 +78,9 @@ def test_a_canary_that_raises_writes_one_failed_record_with_its_error_and_the_ru
     assert record["details"] == {"toy ran to completion": "raised ValueError: the toy broke | badly"}
     m = record["measurements"]
     assert m["error"] == "ValueError" and m["message"] == "the toy broke | badly\nsecond line"
-    assert m["traceback"][-1].startswith(f"{__file__}:") and "in _breaks: raise ValueError(" in m["traceback"][-1]
+    first, last = m["traceback"]
+    assert first.startswith(f"{registry.__file__}:") and " in run: " in first
+    assert last.startswith(f"{__file__}:") and "in _breaks: raise ValueError(" in last
     assert "diagnosis" not in m and "dumps" not in m
 
 
@@ -101,7 +105,7 @@ def quick_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_hung_canary_is_a_failed_record_with_its_diagnosis_on_the_board_and_in_the_pr_comment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quick_smoke: None
 ) -> None:
-    """``rtv run`` still exits 7; the page it renders and ``rtv report --summary`` afterwards show the hang."""
+    """``rtv run`` still exits 7; the page it renders and ``rtv report --summary``'s files afterwards show the hang."""
     monkeypatch.setattr(registry, "CANARIES", {})
     _register(monkeypatch, "toy", _hangs)
     _register(monkeypatch, "after", _passes)
@@ -124,8 +128,9 @@ def test_a_hung_canary_is_a_failed_record_with_its_diagnosis_on_the_board_and_in
     assert re.search(r"\| odd ranks \| 1 \|\n\| dead ranks \(left no dump\) \| 2 \|", page), page
     html = (run_dir / "report" / "index.html").read_text()
     assert '<tr><td>toy</td><td class="failed">hung (failed)</td>' in html, "red by the record's status"
-    assert main(["report", "--in", str(run_dir), "--out", str(tmp_path / "ci" / "index.md"), "--summary"]) == 1
-    comment = (tmp_path / "ci" / "pr-comment.md").read_text()
+    summary = write_summary(run_dir, tmp_path / "ci")  # what rtv report --summary writes, without a second page
+    assert summary.raised == 1 and summary.regressions == 0 and summary.comment is not None
+    comment = summary.comment.read_text()
     assert (
         "FAILED: 1 canary run(s) raised" in comment
         and f"| toy | cpu | **failed**: HangDetected: watchdog: {TEXT}" in comment
