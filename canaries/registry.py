@@ -25,7 +25,11 @@ measurements. A failed check is a failed check in there, never an exception.
 the verdict and the path through ``run.echo``, and returns the path.
 :meth:`Canary.record` is that tail alone, for callers that judge with
 options of their own (``rtv bench``'s clock and threads, the smoke's seed,
-the learning canary's tiny test plans).
+the learning canary's tiny test plans). :meth:`Canary.record_raised` writes,
+through that same tail, the failed record of a run whose ``judge`` raised
+(``rtv run`` keeps going after it, ``canaries.suite``): kind
+``reports.kinds.RAISED_KIND``, one failed check ``<name> ran to completion``
+and the error in the measurements, with a hang's diagnosis.
 
 Adding a canary is its folder ``canaries/<name>/`` with ``canary.py``
 defining ``judge(run)``, plus one line in :data:`CANARIES` (docs/harness.md,
@@ -37,6 +41,7 @@ suite all go through here.
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +53,8 @@ from validation.evidence import Checks, evidence_path, make_record, write_once
 from .request import PROFILES, CanaryRun, echo_line
 
 __all__ = ["Canary", "CANARIES", "Judged", "PRESET_NAMES", "PROFILES", "canary"]
+
+TRACEBACK_FRAMES = 8  # the innermost frames a raised canary's record keeps
 
 # The names of ``canaries.presets.PRESETS``, written here so ``rtv --help`` needs no torch
 # (tests/canaries/test_cli.py checks they agree).
@@ -104,6 +111,25 @@ class Canary:
         echo(f"wrote {path}")
         return path
 
+    def record_raised(self, run: CanaryRun, error: BaseException, out_dir: Path) -> Path:
+        """Write the failed record of this canary's run ``run`` that raised ``error`` before it had a verdict; return
+        the path (module docstring). Written by :meth:`record`, so it is named, verified and shown like any record.
+
+        ``config``: the canary, the preset and the profile. The one check, ``<name> ran to completion``, fails with
+        ``raised <Type>: <first line of the message>``. ``measurements``: ``error`` (the type's name), ``message``
+        (all of it), ``traceback`` (the :data:`TRACEBACK_FRAMES` innermost frames, innermost last) and, for a
+        ``validation.hangs.HangDetected``, its ``diagnosis`` as written and ``dumps``, the dump folder relative to
+        ``out_dir`` when it lies inside it (the run folder's ``hangs/ranks-*``), else as the diagnosis names it.
+        """
+        from reports.kinds import RAISED_KIND  # imports pandas: only once a canary raised
+
+        first_line = (str(error).splitlines() or [""])[0]
+        checks = Checks(echo=run.echo)
+        checks.check(f"{self.name} ran to completion", False, f"raised {type(error).__name__}: {first_line}")
+        config = {"canary": self.name, "preset": run.preset.name, "profile": run.profile}
+        judged = Judged(RAISED_KIND, config, checks, _raised_measurements(error, Path(out_dir)))
+        return self.record(run.preset.name, judged, out_dir, echo=run.echo)
+
     def _judge(self) -> Callable[[CanaryRun], Judged]:
         """The module's ``judge``; :class:`SetupError` for a module without one (an old-style ``run`` included)."""
         module = importlib.import_module(self.module)
@@ -115,6 +141,24 @@ class Canary:
                 fix="give the module judge(run) returning canaries.registry.Judged; the registry writes the record",
             )
         return judge
+
+
+def _raised_measurements(error: BaseException, out_dir: Path) -> dict[str, Any]:
+    """:meth:`Canary.record_raised`'s measurements of ``error``."""
+    from validation.hangs import HangDetected
+
+    frames = traceback.extract_tb(error.__traceback__)[-TRACEBACK_FRAMES:]
+    measured: dict[str, Any] = {
+        "error": type(error).__name__,
+        "message": str(error),
+        "traceback": [f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}" for frame in frames],
+    }
+    if isinstance(error, HangDetected):
+        folder = Path(error.diagnosis["folder"])
+        inside = folder.resolve().is_relative_to(out_dir.resolve())
+        dumps = folder.resolve().relative_to(out_dir.resolve()).as_posix() if inside else str(folder)
+        measured |= {"diagnosis": error.diagnosis, "dumps": dumps}
+    return measured
 
 
 CANARIES: dict[str, Canary] = {

@@ -26,9 +26,13 @@ through the same steps on ``cpu``, ``gpu`` and ``gpu-8b``:
 The run folder is ``<out>/run-<preset>-<stamp>`` (``validation.evidence.evidence_path``)
 on every preset. :func:`run_canaries` runs each canary of
 ``canaries.registry.CANARIES``: one that raises is recorded as failed (its
-traceback printed) and the others still run, except on a full disk
+traceback printed, and a failed record written for it by
+``canaries.registry.Canary.record_raised``: its error and, for a hang, the
+diagnosis, so the report and ``rtv report --summary`` show it as failed) and
+the others still run, except on a full disk
 (:class:`validation.errors.OutOfSpace`), which stops the run, since no later
-step could write its evidence either.
+step could write its evidence either. A smoke that raises is recorded the
+same way.
 
 Whether an outcome fails the run is :attr:`CanaryOutcome.fails_run`: a canary
 registered ``enforced`` fails it when its evidence does not say passed;
@@ -81,13 +85,14 @@ class RunRequest:
 
 @dataclass(frozen=True)
 class CanaryOutcome:
-    """One canary's result: its evidence (None when it raised), whether it passed, whether that fails the run."""
+    """One canary's result: where its evidence is (what it raised too, when it did), whether it passed, whether that
+    fails the run."""
 
     name: str
     label: str
     passed: bool
     enforced: bool
-    where: str  # the evidence path, or why there is none
+    where: str  # the evidence path; for a canary that raised, what it raised and the failed record written for it
     hung: bool = False  # it raised validation.hangs.HangDetected: the run exits HANG_EXIT_CODE
 
     @property
@@ -217,7 +222,7 @@ def _steps(request: RunRequest, asked: CanaryRun, hang_timeout_s: float) -> int:
         raise  # nothing later could be written either: exit 2 with the fix
     except Exception as error:  # noqa: BLE001 - a broken smoke must not hide the canaries (HarnessError too)
         traceback.print_exc()
-        outcomes.append(("FAIL", "smoke", f"raised {type(error).__name__}: {error}"))
+        outcomes.append(("FAIL", "smoke", _raised(error, SMOKE.record_raised(asked, error, run_dir))))
     with watching(hang_timeout_s, run_dir):
         ran = run_canaries(asked, run_dir)
     for outcome in ran:
@@ -248,6 +253,11 @@ def _steps(request: RunRequest, asked: CanaryRun, hang_timeout_s: float) -> int:
     return 0 if not failed else 1
 
 
+def _raised(error: Exception, record: Path) -> str:
+    """The summary's line for a step that raised ``error`` and was recorded as failed in ``record``."""
+    return f"raised {type(error).__name__}: {error} (recorded in {record})"
+
+
 def run_canaries(asked: CanaryRun, run_dir: Path) -> list[CanaryOutcome]:
     """Run every registered canary on the one request ``asked`` into ``run_dir`` (module docstring)."""
     outcomes = []
@@ -263,7 +273,8 @@ def run_canaries(asked: CanaryRun, run_dir: Path) -> list[CanaryOutcome]:
             raise
         except Exception as error:  # noqa: BLE001 - one broken canary must not hide the others (HarnessError too)
             traceback.print_exc()
-            passed, where, hung = False, f"raised {type(error).__name__}: {error}", isinstance(error, HangDetected)
+            passed, hung = False, isinstance(error, HangDetected)
+            where = _raised(error, canary.record_raised(asked, error, run_dir))
         outcome = CanaryOutcome(canary.name, label, passed, enforced, where, hung)
         asked.echo(f"{outcome.state}  {label}: {where}")
         outcomes.append(outcome)

@@ -24,6 +24,10 @@ exactly when every enforced verdict passed (``canaries.suite``: a failed
 benchmark is shown, not enforced). So with status 0 a failed record is
 ``shown``; with any other status, or none, it fails (and a non-zero status
 under a SUCCEEDED job is a problem of its own: SkyPilot misreported it).
+A record of a canary that raised (``reports.kinds.RAISED_KIND``, written by
+``rtv run`` in its name) fails whatever the status: a crash is no verdict to
+show, even of a canary that is not enforced (its record would be missing
+otherwise, a problem).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from reports.kinds import RAISED_KIND
 from reports.records import LoadedRecord, load_records
 
 from .frames import collect
@@ -168,7 +173,8 @@ def judge_outputs(
         problems += _run_problems(records, valid, made or {}, want)
     shown_by_run = want is not None and (made or {}).get("status") == 0  # rtv run passed: a failed record is shown
     for r in (r for r in valid if r.status == "failed"):
-        (shown if shown_by_run else failed).append(f"{r.name} ({r.status})")
+        raised = r.kind == RAISED_KIND  # a crash is never shown, only failed (module docstring)
+        (shown if shown_by_run and not raised else failed).append(f"{r.name} ({'raised' if raised else r.status})")
     return EvidenceVerdict(
         fetched=True, records=len(records), verified=len(valid), failed=failed, shown=shown, problems=problems
     )

@@ -66,6 +66,8 @@ class Section:
     ``failed_rows``: per table name, the positions of the rows that failed the
     record (an enforced comparison's ``regression``): their result cell is
     red whatever its word (``reports.classes``); a shown-only verdict stays amber.
+    ``canary``: the board's name for the record when the record itself names
+    it (a canary that raised, ``reports.raised``); empty: the kind's label.
     """
 
     kind: str
@@ -79,6 +81,7 @@ class Section:
     links: list[tuple[str, str]] = field(default_factory=list)
     shown: bool = False
     failed_rows: dict[str, list[int]] = field(default_factory=dict)
+    canary: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +118,10 @@ class RecordView:
 
     @property
     def canary(self) -> str:
-        """The board's name for the record: the command line's canary name (``reports.kinds``), else its kind."""
+        """The board's name for the record: the section's, else the command line's canary name of its kind
+        (``reports.kinds``), else its kind."""
+        if self.section and self.section.canary:
+            return self.section.canary
         name = self.section.kind if self.section else "?"
         declared = kind(name)
         return declared.label if declared else name

@@ -5,7 +5,8 @@ are the keys of ``record["measurements"]`` the page shows (declared here,
 never guessed from the record); ``key_figure`` the one shown beside the
 verdict; ``canary`` the name the board shows, the command line's
 (``rtv canary NAME``, ``rtv run``'s summary; the kind's own name when
-empty). ``builder`` names a module with ``section(record, folder) -> Section``
+empty; a builder may name it per record, ``Section.canary``: a
+:data:`RAISED_KIND` record is shown under the canary that raised). ``builder`` names a module with ``section(record, folder) -> Section``
 (``reports.context``), imported only when a record of that kind is shown;
 without one, :func:`reports.generic.section` renders the checks and the
 declared measurements. A kind missing here is shown with its checks only,
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RECEIPT_KIND", "Kind", "KINDS", "kind"]
+__all__ = ["RAISED_KIND", "RECEIPT_KIND", "Kind", "KINDS", "kind"]
 
 RECEIPT_KIND = "gpu-receipt"  # written by ci.receipts, shown by reports.receipts
+RAISED_KIND = "canary-raised"  # written by canaries.registry.Canary.record_raised, shown by reports.raised
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +146,12 @@ KINDS: dict[str, Kind] = {
             builder="reports.conform",
         ),
         Kind(name=RECEIPT_KIND, title="GPU CI termination receipt", builder="reports.receipts"),
+        Kind(
+            name=RAISED_KIND,  # shown under the name of the canary that raised (its config's, reports.raised)
+            title="A canary that raised: no verdict of its own, so recorded as failed",
+            measurements=("error", "message"),
+            builder="reports.raised",
+        ),
     )
 }
 

@@ -1,12 +1,18 @@
 """A CI summary of the benchmark records of a folder: short Markdown for ``$GITHUB_STEP_SUMMARY``, a PR comment on regressions.
 
+A canary that raised (a ``reports.kinds.RAISED_KIND`` record: ``rtv run``
+wrote it failed, with the error and a hang's diagnosis) is no comparison,
+but the run failed: the summary and the PR comment list each such record
+first (canary, preset, what it raised, the hang's diagnosis, link), and it
+alone is reason enough for the comment.
+
 ``write_summary(in_dir, folder, report)`` reads every ``benchmark`` and
 ``benchmark-baseline`` record under ``in_dir`` and writes ``summary.md`` in
 ``folder``: one table row per comparison (workload, arm against its
 baseline, median ratio with its interval, verdict), the overall verdict and
 links to the report and each record. ``pr-comment.md`` is written beside it
 only when some verdict is ``regression`` (a comment is noise otherwise); it
-holds the regressions alone. A regression counts only where it is a
+holds the regressions alone (and the canaries that raised). A regression counts only where it is a
 finding: an enforced comparison of a benchmark (a gated workload's
 retain@s0 vs plain and replay@s0 vs its floor, ``reports.benchmark.enforced``)
 and a baseline's arm other than the ``plain`` A/A control; a reported-only
@@ -24,10 +30,11 @@ from pathlib import Path
 
 from .baseline import short_revisions
 from .benchmark import enforced
+from .kinds import RAISED_KIND
 from .numbers import interval, number
 from .records import LoadedRecord, load_records
 
-__all__ = ["SummaryPaths", "summary_rows", "write_summary", "SUMMARY_FILE", "COMMENT_FILE"]
+__all__ = ["SummaryPaths", "raised_rows", "summary_rows", "write_summary", "SUMMARY_FILE", "COMMENT_FILE"]
 
 SUMMARY_FILE = "summary.md"
 COMMENT_FILE = "pr-comment.md"
@@ -36,11 +43,13 @@ BENCHMARK_KINDS = ("benchmark", "benchmark-baseline")
 
 @dataclass(frozen=True)
 class SummaryPaths:
-    """What :func:`write_summary` wrote: the summary, the PR comment (None when nothing regressed), the regressions."""
+    """What :func:`write_summary` wrote: the summary, the PR comment (None when nothing regressed or raised), the
+    regressions and the canaries that raised."""
 
     summary: Path
     comment: Path | None
     regressions: int
+    raised: int = 0
 
 
 def _comparisons(loaded: LoadedRecord) -> list[tuple[str, dict, bool]]:
@@ -86,6 +95,44 @@ def summary_rows(in_dir: Path, folder: Path) -> list[dict]:
     return rows
 
 
+def raised_rows(in_dir: Path, folder: Path) -> list[dict]:
+    """One row per record of a canary that raised (module docstring): canary, preset, what it raised (its first
+    line), the hang's diagnosis text (empty when it did not hang), link."""
+    rows = []
+    for loaded in load_records(in_dir):
+        if loaded.kind != RAISED_KIND or loaded.status == "invalid":
+            continue
+        config, m = loaded.record["config"], loaded.record["measurements"]
+        rows.append(
+            {
+                "canary": config["canary"],
+                "preset": config["preset"],
+                "raised": f"{m['error']}: {(m['message'].splitlines() or [''])[0]}",
+                "diagnosis": (m.get("diagnosis") or {}).get("text", ""),
+                "record": Path(os.path.relpath(loaded.path, folder)).as_posix(),
+            }
+        )
+    return rows
+
+
+def _raised_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731 - a message may hold a table's bar
+    return [
+        f"**FAILED: {len(rows)} canary run(s) raised before a verdict** (recorded as failed)",
+        "",
+        "| canary | preset | raised | hang diagnosis | record |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['canary']} | {r['preset']} | **failed**: {cell(r['raised'])} | {cell(r['diagnosis']) or '-'} | "
+            f"[record]({r['record']}) |"
+            for r in rows
+        ),
+        "",
+    ]
+
+
 def _verdict(row: dict) -> str:
     return f"{row['verdict']} (reported)" if row["verdict"] == "regression" and not row["counted"] else row["verdict"]
 
@@ -101,31 +148,23 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def write_summary(in_dir: Path, folder: Path, report: Path | None = None) -> SummaryPaths:
-    """Write the summary (and the PR comment on a regression) into ``folder``; ``report``: the page to link."""
+    """Write the summary (and the PR comment on a regression or a canary that raised) into ``folder``; ``report``:
+    the page to link."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = summary_rows(in_dir, folder)
+    rows, raised = summary_rows(in_dir, folder), raised_rows(in_dir, folder)
     regressions = [r for r in rows if r["verdict"] == "regression" and r["counted"]]
     verdict = (f"{len(regressions)} regression(s)" if regressions else "no regression") + f" in {len(rows)} comparisons"
     link = [f"[full report]({Path(os.path.relpath(report, folder)).as_posix()})"] if report is not None else []
     ratio = "ratio = arm seconds / baseline seconds per ABBA block (above 1: slower)"
     summary = folder / SUMMARY_FILE
-    summary.write_text("\n".join(["### rtv bench: " + verdict, "", *_table(rows), "", ratio, *link, ""]))
+    summary.write_text(
+        "\n".join([*_raised_table(raised), "### rtv bench: " + verdict, "", *_table(rows), "", ratio, *link, ""])
+    )
     comment = None
-    if regressions:
+    if regressions or raised:
+        found = [f"**rtv bench found {len(regressions)} regression(s)**", "", *_table(regressions), "", ratio]
         comment = folder / COMMENT_FILE
-        comment.write_text(
-            "\n".join(
-                [
-                    f"**rtv bench found {len(regressions)} regression(s)**",
-                    "",
-                    *_table(regressions),
-                    "",
-                    ratio,
-                    *link,
-                    "",
-                ]
-            )
-        )
+        comment.write_text("\n".join([*_raised_table(raised), *(found if regressions else []), *link, ""]))
     else:
         (folder / COMMENT_FILE).unlink(missing_ok=True)  # a stale comment from an earlier run must not be posted
-    return SummaryPaths(summary=summary, comment=comment, regressions=len(regressions))
+    return SummaryPaths(summary=summary, comment=comment, regressions=len(regressions), raised=len(raised))

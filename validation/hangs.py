@@ -17,7 +17,9 @@ NOTE [Hang reports] (the processes' side: NOTE [Collective watchdog] in ``refere
      and, for a call that checks its ranks, :class:`HangDetected` is raised.
   3. Exit: :class:`HangDetected` is exit :data:`HANG_EXIT_CODE`
      (docs/harness.md#exit-codes): ``rtv canary`` exits with it, ``rtv run``
-     records the canary as failed, runs the others and exits with it.
+     records the canary as failed (a ``canary-raised`` record carrying the
+     diagnosis, ``canaries.registry.Canary.record_raised``), runs the others
+     and exits with it.
 """
 
 from __future__ import annotations
