@@ -127,9 +127,10 @@ def _report(args: argparse.Namespace) -> int:
         print(
             f"wrote {summary.summary}"
             + (
-                f"\nwrote {summary.comment} ({summary.regressions} regressions, {summary.raised} canary runs raised)"
+                f"\nwrote {summary.comment} ({summary.regressions} regressions, {summary.failed} failed records, "
+                f"{summary.raised} of them canary runs that raised)"
                 if summary.comment
-                else " (no regression and no canary raised: no PR comment)"
+                else " (no regression and no failed record: no PR comment)"
             )
         )
     return 0 if report.passed else 1
@@ -259,8 +260,8 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--summary",
         action="store_true",
-        help="also write summary.md (canaries that raised, benchmark verdicts, ratios, intervals, links: for "
-        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression or a canary raised, pr-comment.md",
+        help="also write summary.md (failed records first, then benchmark verdicts, ratios, intervals, links: for "
+        "$GITHUB_STEP_SUMMARY) and, only when some verdict is a regression or some record failed, pr-comment.md",
     )
     report.set_defaults(handler=_report)
 

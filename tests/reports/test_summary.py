@@ -86,3 +86,32 @@ def test_a_baselines_arm_regression_counts_and_its_a_a_control_does_not(tmp_path
     written = write_summary(tmp_path / "in", tmp_path / "out")
     assert written.regressions == 1 and "| retain@s0 vs v1 |" in written.comment.read_text()
     assert "| plain vs v1 |" not in written.comment.read_text()
+
+
+def test_every_failed_or_invalid_record_leads_the_summary_and_makes_a_comment(tmp_path: Path) -> None:
+    """A failed correctness canary (no comparison, no raise) and a file that does not verify are findings too; the
+    committed fixtures (every record passed) are the control above: no comment."""
+    import shutil
+
+    from reports.summary import write_summary
+    from validation.evidence import make_record, write_once
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(FIXTURES / "memory.json", folder / "memory.json")  # passed: not listed
+    checks = {"agrees with the FP64 oracle": False, "refuses a stale bound": True, "restores the RNG": False}
+    config = {"preset": "cpu", "injected": {"mutation": "stale_weights"}}
+    write_once(
+        folder / "derivative.json", make_record("derivative-canary", config=config, checks=checks, measurements={})
+    )
+    (folder / "cut.json").write_text('{"schema_version": 2, "kind": "smo')  # cut off while written
+    written = write_summary(folder, tmp_path / "out")
+    assert (written.failed, written.raised, written.regressions) == (2, 0, 0) and written.comment is not None
+    lines = written.comment.read_text().splitlines()
+    assert lines[0] == "**FAILED: 2 record(s)**"
+    assert (
+        "| derivative | **failed 2 check(s): agrees with the FP64 oracle, restores the RNG** | mutation: stale_weights | "
+        "- | [record](../in/derivative.json) |" in lines
+    )
+    assert any(line.startswith("| cut | **invalid: does not verify: ") for line in lines), lines
+    assert "memory" not in written.summary.read_text().split("### rtv bench")[0]
