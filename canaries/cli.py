@@ -86,15 +86,24 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _canary_command(args: argparse.Namespace) -> int:
-    """``rtv canary NAME``: one request (on the torchrun world's processes inside one), one record."""
+    """``rtv canary NAME``: one request (on the torchrun world's processes inside one), one record: the canary's, or
+    the failed record of a canary that raised (``Canary.record_raised``, as ``rtv run`` writes it), before the error
+    takes its own exit (7 for a hang). A :class:`SetupError` (a request this machine cannot run) records nothing."""
     from validation.hangs import watching
 
     from .request import canary_run
 
-    asked = canary_run(args.preset, args.profile, processes=getattr(args, "nproc", None))
+    asked, entry = canary_run(args.preset, args.profile, processes=getattr(args, "nproc", None)), canary(args.name)
     deadline = args.hang_timeout if args.hang_timeout is not None else asked.preset.hang_timeout_s
     with suite.threads(args.threads), watching(deadline, args.out):
-        path = canary(args.name).run(asked, args.out)
+        try:
+            path = entry.run(asked, args.out)
+        except SetupError:
+            raise  # a request this machine cannot run (out of space too): nothing ran to record, exit 2 with the fix
+        except Exception as error:  # a crash or a hang: recorded failed as in rtv run, then its own exit code
+            raised = entry.record_raised(asked, error, args.out)
+            print(f"rtv canary {args.name}: FAILED (raised {type(error).__name__}); evidence: {raised}")
+            raise
     passed = _passed(path)
     print(f"rtv canary {args.name}: {'PASSED' if passed else 'FAILED'}; evidence: {path}")
     return 0 if passed else 1

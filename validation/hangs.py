@@ -16,10 +16,10 @@ NOTE [Hang reports] (the processes' side: NOTE [Collective watchdog] in ``refere
      ranks, the first collective where the ranks differ and who differs)
      and, for a call that checks its ranks, :class:`HangDetected` is raised.
   3. Exit: :class:`HangDetected` is exit :data:`HANG_EXIT_CODE`
-     (docs/harness.md#exit-codes): ``rtv canary`` exits with it, ``rtv run``
-     records the canary as failed (a ``canary-raised`` record carrying the
-     diagnosis, ``canaries.registry.Canary.record_raised``), runs the others
-     and exits with it.
+     (docs/harness.md#exit-codes): ``rtv canary`` and ``rtv run`` record the
+     canary as failed (a ``canary-raised`` record carrying the diagnosis,
+     ``canaries.registry.Canary.record_raised``); ``rtv canary`` exits with
+     it, ``rtv run`` runs the others first.
 """
 
 from __future__ import annotations

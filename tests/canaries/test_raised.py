@@ -21,6 +21,7 @@ from canaries.cli import main
 from canaries.registry import Canary, Judged
 from canaries.request import CanaryRun, canary_run, silent
 from reports.summary import write_summary
+from validation.errors import SetupError
 from validation.evidence import Checks, injected, verify
 from validation.hangs import HangDetected, next_watch
 
@@ -153,3 +154,25 @@ def test_a_smoke_that_raises_is_recorded_and_shown_failed_like_a_canary(
     page = (run_dir / "report" / "index.md").read_text()
     assert _board_row(page, "smoke")[:2] == ["raised (failed)", "raised RuntimeError: no tiny model"]
     assert "**FAILED**: 1 records, 1 failed" in page
+
+
+def _cannot_run_here(run: CanaryRun) -> Judged:
+    raise SetupError("this toy needs a GPU", fix="run it where CUDA is")
+
+
+def test_rtv_canary_alone_records_a_hang_before_it_exits_7_and_a_setup_error_records_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _register(monkeypatch, "toy", _hangs)  # beside the real ones: the command line offers the registry's names
+    _register(monkeypatch, "needs_gpu", _cannot_run_here)
+
+    def rtv_canary(name: str, out: Path) -> int:
+        return main(["canary", name, "--preset", "cpu", "--profile", "quick", "--out", str(out)])
+
+    assert rtv_canary("toy", tmp_path / "hung") == 7
+    (path,) = (tmp_path / "hung").glob("toy-cpu-*.json")
+    record = verify(path)
+    assert record["kind"] == "canary-raised" and not record["passed"]
+    assert record["measurements"]["diagnosis"]["text"] == TEXT
+    assert rtv_canary("needs_gpu", tmp_path / "refused") == 2
+    assert not list((tmp_path / "refused").glob("*.json")), "a request this machine cannot run is no failed run"
