@@ -93,6 +93,24 @@ def _bytes_figure(table: pd.DataFrame) -> MplFigure:
     return figure
 
 
+def _headline(record: dict) -> tuple[str, str]:
+    """The board's verdict and key figure: a passing run whose every measured cell was loaded is ``inconclusive`` (its
+    timing checks were skipped, NOTE [Planner certificate] Rule 9), never a bare ``passed`` beside figures it could
+    not measure; loaded cells left out of a judged run are counted in the key figure."""
+    certificate = record["measurements"]["certificate"]
+    loaded = certificate.get("loaded_cells", [])
+    peak = f"worst peak ratio {number(certificate['worst_peak_ratio'], '.2f')}"
+    if record["passed"] and loaded and len(loaded) == certificate["cells_measured"]:
+        return "inconclusive", f"timing inconclusive: all {len(loaded)} measured cells loaded; {peak}"
+    percent = lambda share: number(share, ".1%")  # noqa: E731
+    key = (
+        f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
+        f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, {peak}"
+    )
+    left_out = f"; {len(loaded)} loaded cell(s) left out of the timing" if loaded else ""
+    return ("passed" if record["passed"] else "failed"), key + left_out
+
+
 def section(record: dict, folder: Path) -> Section:
     """The planner canary's section; its two figures are written into ``folder``."""
     certificate = record["measurements"]["certificate"]
@@ -109,12 +127,7 @@ def section(record: dict, folder: Path) -> Section:
             caption="predicted against measured peak per cell and placement (above the line: an under-estimate)",
         ),
     ]
-    percent = lambda share: number(share, ".1%")  # noqa: E731
-    key = (
-        f"ordering {number(certificate['ordering'], '.2f')} on {certificate['pairs_apart']} pairs apart, median "
-        f"regret {percent(certificate['median_regret'])}, worst {percent(certificate['worst_regret'])}, worst peak "
-        f"ratio {number(certificate['worst_peak_ratio'], '.2f')}"
-    )
+    verdict, key = _headline(record)
     lines = [
         (
             f"{certificate['cells_planned']} cells planned: {certificate['cells_measured']} measured, "
@@ -129,7 +142,7 @@ def section(record: dict, folder: Path) -> Section:
         kind=record["kind"],
         title="Planner canary: auto's choices and estimates against measured placements",
         passed=record["passed"],
-        verdict="passed" if record["passed"] else "failed",
+        verdict=verdict,
         key_figure=key,
         lines=lines,
         tables={"cells": cells, "bytes per placement": memory},

@@ -56,3 +56,16 @@ def test_a_loaded_run_renders_with_its_timing_checks_inconclusive(tmp_path: Path
     assert record["skips"]["certificate: worst regret"].startswith("inconclusive (loaded: 1 cells, a: 16 of 16")
     said = [view.key_figure, *view.lines, *record["details"].values(), *record["skips"].values()]
     assert not [text for text in said if re.search(r"\bnan\b|n/a%", str(text), re.IGNORECASE)], said
+    # The board reads inconclusive (passed), never a bare passed beside figures it could not measure.
+    assert (view.verdict, view.passed) == ("inconclusive", True)
+    assert view.key_figure.startswith("timing inconclusive: all 1 measured cells loaded; worst peak ratio ")
+
+
+def test_loaded_cells_left_out_of_a_judged_run_are_counted_on_the_board(tmp_path: Path) -> None:
+    loaded = _cell("b", GOOD)
+    loaded.load = "measured"
+    judged = section(_record({"a": _cell("a", GOOD), "b": loaded}), tmp_path)
+    assert judged.verdict == "passed" and judged.key_figure.endswith("; 1 loaded cell(s) left out of the timing")
+    assert judged.key_figure.startswith("ordering ")
+    idle = section(_record({"a": _cell("a", GOOD)}), tmp_path)  # the control: nothing loaded, nothing said of it
+    assert idle.verdict == "passed" and "loaded" not in idle.key_figure
