@@ -69,3 +69,11 @@ def test_loaded_cells_left_out_of_a_judged_run_are_counted_on_the_board(tmp_path
     assert judged.key_figure.startswith("ordering ")
     idle = section(_record({"a": _cell("a", GOOD)}), tmp_path)  # the control: nothing loaded, nothing said of it
     assert idle.verdict == "passed" and "loaded" not in idle.key_figure
+
+
+def test_a_loaded_run_that_failed_a_check_without_a_clock_reads_failed(tmp_path: Path) -> None:
+    """Loaded timings make only the timing checks inconclusive: an under-estimated peak still fails the row."""
+    under = _cell("a", GOOD, peak=101)
+    under.load = "measured"
+    view = section(_record({"a": under}), tmp_path)
+    assert (view.verdict, view.passed) == ("failed", False) and view.key_figure.startswith("ordering ")
